@@ -1,0 +1,59 @@
+"""The `pipellm` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from shared.config import EngineConfig, add_config_args, config_from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pipellm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="run the engine in-process on some prompts")
+    add_config_args(gen, EngineConfig)
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _generate(args)
+    except (ValueError, OSError) as e:  # configuration, model files, parameters
+        print(f"pipellm: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.compute.engine import LLMEngine
+    from shared.demo_model import ensure_demo_model
+    from shared.sampling import SamplingParams
+    from shared.tokenizer import decode, encode, load_tokenizer
+
+    config = config_from_args(EngineConfig, args, model=args.model or str(ensure_demo_model()))
+    engine = LLMEngine(config)
+    tok = load_tokenizer(config.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    seqs = engine.generate([encode(tok, p) for p in args.prompt], params)
+    for prompt, seq in zip(args.prompt, seqs, strict=True):
+        text = decode(tok, seq.output_ids)
+        if args.json:
+            print(json.dumps({"prompt": prompt, "token_ids": seq.output_ids, "text": text,
+                              "finish_reason": seq.finish_reason}, ensure_ascii=False))
+        else:
+            print(f"{prompt!r} -> {text!r} ({seq.finish_reason})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

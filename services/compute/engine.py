@@ -1,0 +1,131 @@
+"""The engine: scheduler + allocator + model runner, one merged step at a time.
+
+This class runs in-process for `pipellm generate`; the compute service wraps the same class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from dataclasses import dataclass
+
+from services.compute.allocator import KVAllocator
+from services.compute.model_config import ModelConfig
+from services.compute.runner import ModelRunner
+from services.compute.scheduler import Scheduler, SchedulerConfig
+from services.compute.sequence import Sequence, SeqStatus
+from shared.config import EngineConfig
+from shared.sampling import InvalidParams, SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of one request, as produced by a step."""
+
+    request_id: str
+    token_id: int
+    logprob: float
+    finish_reason: str | None  # "stop" | "length" | None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    capacity: int
+    reserved: int
+    used: int
+    running: int
+    waiting: int
+    moves: int
+    grows_in_place: int
+    preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if mc.sliding_window:  # windowed attention is not implemented: stay inside the window
+            limit = min(limit, mc.sliding_window)
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.runner = ModelRunner(config, mc, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_batched_tokens, config.max_running, config.kv_policy,
+                            config.kv_min_grow),
+            KVAllocator(self.runner.capacity),
+        )
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, predicted_len: int | None = None) -> str:
+        """Queue a request. Raises InvalidParams if it cannot be served by this engine."""
+        if not prompt_ids:
+            raise InvalidParams("prompt", "prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidParams("prompt", f"token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidParams("prompt", f"prompt has {len(prompt_ids)} tokens; the context "
+                                f"length is {self.max_model_len}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise InvalidParams("request_id", f"request id {rid!r} is already in use")
+        predicted = predicted_len or self.config.default_predicted_len
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(self.model_config.eos_token_ids)
+        seq = Sequence(
+            request_id=rid, token_ids=list(prompt_ids), params=params,
+            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            max_len=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
+            predicted_output_len=min(predicted, params.max_tokens), stop_ids=frozenset(stop),
+        )
+        try:
+            self.scheduler.add(seq)
+        except ValueError as e:
+            raise InvalidParams("max_tokens", str(e)) from None
+        self.requests[rid] = seq
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.status is SeqStatus.FINISHED:
+            return False
+        self.scheduler.abort(seq)
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[TokenEvent]:
+        """Schedule and run one merged step; return the tokens it generated."""
+        step = self.scheduler.schedule()
+        if step.num_tokens == 0:
+            return []
+        tokens, logprobs = self.runner.execute(step)
+        events = []
+        for seq in self.scheduler.update(step, tokens, logprobs):
+            events.append(TokenEvent(seq.request_id, seq.token_ids[-1], seq.logprobs[-1],
+                                     seq.finish_reason))
+            if seq.finish_reason is not None:
+                del self.requests[seq.request_id]
+        return events
+
+    def stats(self) -> EngineStats:
+        s, a = self.scheduler, self.scheduler.allocator
+        return EngineStats(
+            capacity=a.capacity, reserved=a.reserved, used=s.used_slots(),
+            running=len(s.running), waiting=len(s.waiting), moves=s.stats.moves,
+            grows_in_place=s.stats.grows_in_place, preemptions=s.stats.preemptions,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 ) -> list[Sequence]:
+        """Run prompts to completion; returns their finished sequences, in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.requests[self.add_request(p, sp)] for p, sp in zip(prompts, plist, strict=True)]
+        while self.has_work():
+            self.step()
+        return seqs

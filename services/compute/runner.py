@@ -1,0 +1,86 @@
+"""Model runner: owns the weights, the KV cache and the device; executes scheduled steps."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels.sampling import sample
+from services.compute.batch import build_batch
+from services.compute.kv_cache import KVCache
+from services.compute.llama import LlamaModel
+from services.compute.model_config import ModelConfig
+from services.compute.scheduler import ScheduledStep
+from services.compute.sequence import Sequence
+from services.compute.weights import load_weights
+from shared.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.device = resolve_device(config.device)
+        self.dtype = _DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
+        weights = load_weights(config.model, self.dtype, self.device)
+        self.model = LlamaModel(model_config, weights, self.device, max_model_len)
+        del weights
+        self.capacity = self._kv_capacity(config, model_config)
+        self.kv = KVCache(model_config.num_layers, self.capacity, model_config.num_kv_heads,
+                          model_config.head_dim, self.dtype, self.device)
+        log.info("KV cache: %d slots on %s (%s)", self.capacity, self.device, self.dtype)
+
+    def _kv_capacity(self, config: EngineConfig, mc: ModelConfig) -> int:
+        if config.kv_cache_tokens > 0:
+            return config.kv_cache_tokens
+        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                            self.dtype)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = total * config.gpu_memory_utilization - torch.cuda.memory_allocated()
+            budget -= 2 * 2**30  # headroom for activations and logits
+        else:
+            budget = config.kv_cache_gib * 2**30
+        return max(int(budget // per_token), 1)
+
+    def execute(self, step: ScheduledStep) -> tuple[list[int], list[float]]:
+        """Apply KV moves, run the merged forward, sample. Returns (token ids, logprobs) for
+        step.sampled(), in that order."""
+        for src, dst, n in step.moves:
+            self.kv.move(src, dst, n)
+        sampled = step.sampled()
+        batch = build_batch(step, self.device)
+        logits = self.model.forward(batch, self.kv)  # [S, vocab]
+        if not sampled:
+            return [], []
+        _suppress_stop_tokens(logits, sampled)
+        tokens, logprobs = self._sample(logits, sampled)
+        return tokens.tolist(), logprobs.tolist()  # the step's one device->host sync
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        ps = [s.params for s in seqs]
+        floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps],
+                               [p.min_p for p in ps]], dtype=torch.float32).to(self.device)
+        ints = torch.tensor([[p.top_k for p in ps], [s.seed for s in seqs],
+                             [s.num_output for s in seqs]], dtype=torch.int64).to(self.device)
+        return sample(
+            logits, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
+            all_greedy=all(p.temperature == 0 for p in ps),
+            need_sort=any(p.top_k > 0 or p.top_p < 1 for p in ps if p.temperature > 0),
+        )
+
+
+def _suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """min_tokens: a request may not stop before it has generated that many tokens."""
+    for row, s in enumerate(seqs):
+        if s.num_output < s.params.min_tokens and s.stop_ids:
+            logits[row, list(s.stop_ids)] = float("-inf")

@@ -1,0 +1,68 @@
+"""One request's state inside compute: its tokens, how many have KV in cache, and its KV segment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shared.sampling import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Invariants: token_ids = prompt + generated; token_ids[:num_cached] have K/V in the slots
+    [kv_start, kv_start + num_cached) and num_cached <= kv_reserved while RUNNING; the tokens
+    token_ids[num_cached:] are pending (fed to the model in a later step)."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_len: int  # prompt + max_tokens, capped by the model's context length
+    predicted_output_len: int  # expected number of generated tokens (sizes the KV segment)
+    stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
+    num_prompt: int = field(init=False)
+    num_cached: int = 0
+    kv_start: int = -1
+    kv_reserved: int = 0
+    admit_order: int = -1
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.num_prompt = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def pending(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+    def append(self, token: int, logprob: float) -> None:
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.finish_reason = self._finish_reason(token)
+
+    def _finish_reason(self, token: int) -> str | None:
+        if token in self.stop_ids and self.num_output > self.params.min_tokens:
+            return "stop"
+        if self.num_output >= self.params.max_tokens or self.num_tokens >= self.max_len:
+            return "length"
+        return None

@@ -1,0 +1,53 @@
+"""Per-request sampling parameters, validated once where a request enters the system."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InvalidParams(ValueError):
+    """A sampling parameter is out of range; `param` names it (for OpenAI-style errors)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate for one request.
+
+    temperature == 0 means greedy. top_k <= 0 and top_p == 1 and min_p == 0 disable those filters.
+    seed None means the engine draws one; the same seed gives the same output.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+
+    def __post_init__(self):
+        _check(self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
+        _check(self.temperature >= 0, "temperature", "temperature must be >= 0")
+        _check(self.top_k >= 0 or self.top_k == -1, "top_k", "top_k must be -1, 0 or positive")
+        _check(0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]")
+        _check(0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]")
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+               "min_tokens must be between 0 and max_tokens")
+        _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2^63)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidParams(param, message)
