@@ -1,8 +1,9 @@
 """Attention over the contiguous KV cache: PyTorch references (the CPU path).
 
 Cache layout, per layer: K and V of shape [capacity, n_kv_heads, head_dim]. Sequence b owns the
-contiguous slots [kv_starts[b], kv_starts[b] + kv_lens[b]); its newest tokens' K/V are already
-written there when these functions run. GQA: query head h reads KV head h // (n_heads // n_kv_heads).
+contiguous slots [kv_starts[b], kv_starts[b] + kv_lens[b]); its newest tokens' K/V are
+already written there when these functions run. GQA: query head h reads KV head
+h // (n_heads // n_kv_heads).
 """
 
 from __future__ import annotations

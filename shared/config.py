@@ -33,7 +33,7 @@ class EngineConfig:
         if self.kv_policy not in ("predicted", "max"):
             raise ValueError(f"--kv-policy must be predicted or max, not {self.kv_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16: {self.dtype!r}")
         if self.default_predicted_len < 1:
             raise ValueError("--default-predicted-len must be at least 1")
 
@@ -54,7 +54,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides):
     """Build the frozen config `cls` from parsed flags (and explicit overrides)."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
+    values = {n: getattr(args, n) for n in names}
     return cls(**{**values, **overrides})
 
 

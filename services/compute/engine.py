@@ -13,7 +13,7 @@ from services.compute.allocator import KVAllocator
 from services.compute.model_config import ModelConfig
 from services.compute.runner import ModelRunner
 from services.compute.scheduler import Scheduler, SchedulerConfig
-from services.compute.sequence import Sequence, SeqStatus
+from services.compute.sequence import SeqStatus, Sequence
 from shared.config import EngineConfig
 from shared.sampling import InvalidParams, SamplingParams
 
@@ -125,7 +125,8 @@ class LLMEngine:
                  ) -> list[Sequence]:
         """Run prompts to completion; returns their finished sequences, in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.requests[self.add_request(p, sp)] for p, sp in zip(prompts, plist, strict=True)]
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        seqs = [self.requests[r] for r in rids]
         while self.has_work():
             self.step()
         return seqs

@@ -12,14 +12,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.compute.allocator import KVAllocator
-from services.compute.sequence import Sequence, SeqStatus
+from services.compute.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batched_tokens: int = 512  # tokens per step (decodes + prefill chunks)
     max_running: int = 256
-    kv_policy: str = "predicted"  # "predicted": prompt + predicted output; "max": prompt + max_tokens
+    # "predicted": reserve prompt + predicted output; "max": prompt + max_tokens
+    kv_policy: str = "predicted"
     kv_min_grow: int = 16  # a segment that runs out grows by at least this many slots
 
     def __post_init__(self):
@@ -100,7 +101,8 @@ class Scheduler:
             budget -= n
         return step
 
-    def update(self, step: ScheduledStep, tokens: list[int], logprobs: list[float]) -> list[Sequence]:
+    def update(self, step: ScheduledStep, tokens: list[int],
+               logprobs: list[float]) -> list[Sequence]:
         """Apply a finished forward: advance caches, append sampled tokens, retire finished."""
         sampled = step.sampled()
         for seq in step.decodes:

@@ -1,0 +1,139 @@
+"""Batched token sampling: the PyTorch reference.
+
+One call samples one token for every row of a batch of logits, each row with its own
+temperature, top-k, top-p, min-p, seed and step (vLLM semantics):
+
+    1. temperature == 0: greedy, argmax of the raw logits; every other parameter is ignored.
+    2. x = logits / temperature.
+    3. top-k (k <= 0 disabled): keep the tokens whose value is >= the k-th largest.
+    4. top-p (p == 1 disabled): on the top-k-renormalized distribution keep the smallest
+       prefix of highest-probability tokens whose cumulative probability is >= p (the top-1
+       always stays).
+    5. min-p (0 disabled): drop tokens whose probability is < min_p * max probability.
+    6. sample from what is left: token = argmax(probs / E), E ~ Exp(1) i.i.d. per token (the
+       exponential race, equivalent to sampling from the renormalized probs; dropped tokens
+       have probability 0 and never win).
+
+Ties at the top-k and top-p cut-offs are kept (thresholds compare values, not ranks), so the
+result does not depend on the order a sort puts equal values in.
+
+The noise comes from a counter-based hash, not from torch.Generator: u[b, v] is a pure
+function of (seeds[b], steps[b], v), computed with int64 tensor ops whose values always stay
+below 2^49, so a row's token depends only on its own (seed, step, logits, params): not on the
+batch, its position in it, or the device. Nothing here syncs with the host, so the same code
+runs on CUDA tensors; the caller, who knows the parameters on the host, opts into the fast
+paths (`all_greedy`, `need_sort=False`). This file is also the specification of the Triton
+kernel that will replace it (uint32 arithmetic there).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32) and a 32-bit constant c, without overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    # x * lo < 2^48 and ((x * hi) mod 2^16) << 16 < 2^32: every intermediate fits in int64.
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer (a bijection on [0, 2^32)), elementwise on int64 tensors."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[B] int64 seeds, [B] int64 steps -> [B] int64 32-bit keys, one per (seed, step)."""
+    k = _fmix32((seeds & _M32) ^ 0x9E3779B9)
+    k = _fmix32(k ^ ((seeds >> 32) & _M32) ^ 0x7F4A7C15)
+    k = _fmix32(k ^ (steps & _M32) ^ 0x85EBCA77)
+    return _fmix32(k ^ ((steps >> 32) & _M32) ^ 0xC2B2AE3D)
+
+
+def _bits_to_uniform(h: torch.Tensor) -> torch.Tensor:
+    """int64 h in [0, 2^32) -> float32 ((h >> 9) + 0.5) * 2^-23, in [2^-24, 1 - 2^-24].
+
+    The top 23 bits, not 24: m + 0.5 is exact in float32 only for m < 2^23 (24-bit significand);
+    with 24 bits the largest value would round up to exactly 1.0, and -log(1) = 0 breaks the race.
+    """
+    return ((h >> 9).to(torch.float32) + 0.5) * 2.0**-23
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B] int64 seeds, [B] int64 steps -> u [B, V] float32 in (0, 1), V = vocab_size.
+
+    u[b, v] = _bits_to_uniform(h), h = fmix32(row_key(seed, step) ^ col_key(v)) and
+    col_key(v) = fmix32((v * 0x9E3779B1 mod 2^32) ^ 0x68E31DA4).
+    """
+    keys = _row_keys(seeds.long(), steps.long())  # [B]
+    cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)  # [V]
+    cols = _fmix32(_mul32(cols, 0x9E3779B1) ^ 0x68E31DA4)  # [V]
+    h = _fmix32(keys[:, None] ^ cols[None, :])  # [B, V]
+    return _bits_to_uniform(h)
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """x [B, V] float32 scaled logits -> [B, V] with the tokens top-k/top-p drop set to -inf."""
+    vocab = x.shape[-1]
+    sorted_x = x.sort(dim=-1, descending=True).values  # [B, V]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(1, vocab)  # [B]
+    kth = sorted_x.gather(1, (k - 1)[:, None])  # [B, 1] value of the k-th largest
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))  # [B, V]
+    probs = sorted_x.softmax(dim=-1)  # [B, V] top-k-renormalized, descending
+    ahead = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [B, V] mass strictly before each rank
+    n_keep = (ahead < top_p[:, None]).sum(dim=-1).clamp(min=1)  # [B] nucleus size (a prefix)
+    pth = sorted_x.gather(1, (n_keep - 1)[:, None])  # [B, 1] value of the last kept rank
+    pth = torch.where(top_p[:, None] >= 1, float("-inf"), pth)  # exactly disabled at p == 1
+    return x.masked_fill(x < torch.maximum(kth, pth), float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    *,
+    all_greedy: bool = False,
+    need_sort: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; returns (token_ids [B] int64, logprobs [B] float32).
+
+    logits [B, V] any float dtype (computed in float32); temperature [B] float32 (0 => greedy);
+    top_k [B] int64 (<= 0 => disabled); top_p [B] float32 in (0, 1] (1 => disabled);
+    min_p [B] float32 in [0, 1] (0 => disabled); seeds [B] int64 in [0, 2^63); steps [B] int64
+    (tokens generated so far). All on logits.device. logprobs is log_softmax(logits) at the
+    chosen token (the raw distribution, before temperature and filters), as vLLM returns.
+
+    Fast paths, for the caller to choose from host-side knowledge (they must not change the
+    result): all_greedy=True when every temperature is 0 (pure argmax); need_sort=False when no
+    row uses top-k or top-p (skips the sort).
+    """
+    raw = logits.float()  # [B, V]
+    lse = raw.logsumexp(dim=-1)  # [B]
+    greedy_ids = raw.argmax(dim=-1)  # [B]
+    if all_greedy:
+        return greedy_ids, raw.gather(1, greedy_ids[:, None])[:, 0] - lse
+
+    greedy = temperature <= 0  # [B]
+    x = raw / torch.where(greedy, 1.0, temperature)[:, None]  # [B, V]
+    if need_sort:
+        x = _top_k_top_p(x, top_k, top_p)  # [B, V]
+    probs = x.softmax(dim=-1)  # [B, V]
+    pmax = probs.max(dim=-1, keepdim=True).values  # [B, 1]
+    probs = probs.masked_fill(probs < min_p[:, None] * pmax, 0.0)  # [B, V]
+    noise = -torch.log(uniform_noise(seeds, steps, x.shape[-1]))  # [B, V] Exp(1), > 0
+    sampled_ids = (probs / noise).argmax(dim=-1)  # [B]
+
+    ids = torch.where(greedy, greedy_ids, sampled_ids)  # [B]
+    return ids, raw.gather(1, ids[:, None])[:, 0] - lse

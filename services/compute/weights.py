@@ -1,0 +1,114 @@
+"""Checkpoint tensors from a Hugging Face model directory (safetensors only).
+
+Layouts, in order of preference:
+  1. `model.safetensors.index.json` (sharded checkpoint; its `weight_map` names the shards),
+  2. `model.safetensors`,
+  3. every `*.safetensors` file in the directory.
+Tensors keep their Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.compute.model_config import ModelLoadError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_UNSUPPORTED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def load_weights(
+    path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of the checkpoint in `path`, floating ones cast to `dtype`, on `device`.
+
+    Raises ModelLoadError when the directory has no safetensors, a shard is missing, or a file
+    cannot be read.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelLoadError(f"model directory {root} does not exist or is not a directory")
+    weights: dict[str, torch.Tensor] = {}
+    for file, names in _checkpoint_files(root).items():
+        for name, tensor in _read_file(file, names):
+            if name in weights:
+                raise ModelLoadError(f"tensor '{name}' appears in more than one file in {root}")
+            if tensor.is_floating_point():
+                tensor = tensor.to(device=device, dtype=dtype)
+            else:
+                tensor = tensor.to(device=device)
+            weights[name] = tensor
+    return weights
+
+
+def require(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """Return `weights[name]`, or raise ModelLoadError naming the missing tensor."""
+    try:
+        return weights[name]
+    except KeyError:
+        raise ModelLoadError(
+            f"checkpoint is missing tensor '{name}' ({len(weights)} tensors present); "
+            "is the checkpoint complete and of the architecture named in config.json?"
+        ) from None
+
+
+def _checkpoint_files(root: Path) -> dict[Path, set[str] | None]:
+    """Map each safetensors file to read onto the tensor names it must hold (None: all)."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        return _files_from_index(index)
+    if (root / SINGLE_FILE).is_file():
+        return {root / SINGLE_FILE: None}
+    files = sorted(root.glob("*.safetensors"))
+    if files:
+        return dict.fromkeys(files)
+    others = sorted(p.name for p in root.iterdir() if p.suffix in _UNSUPPORTED_SUFFIXES)
+    if others:
+        raise ModelLoadError(
+            f"no *.safetensors files in {root}; found {', '.join(others)}, but PyTorch pickle "
+            "checkpoints (.bin/.pt) are not supported: convert the checkpoint to safetensors"
+        )
+    raise ModelLoadError(f"no *.safetensors files in {root}: cannot load model weights")
+
+
+def _files_from_index(index: Path) -> dict[Path, set[str]]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{index} is not valid JSON: {exc}") from exc
+    except (KeyError, TypeError):
+        raise ModelLoadError(f"{index} has no 'weight_map' object") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"{index}: 'weight_map' must be a non-empty object")
+    files: dict[Path, set[str]] = {}
+    for name, shard in weight_map.items():
+        files.setdefault(index.parent / shard, set()).add(name)
+    for shard in files:
+        if not shard.is_file():
+            raise ModelLoadError(
+                f"shard {shard.name} listed in {index.name} is missing from {index.parent}"
+            )
+    return dict(sorted(files.items()))
+
+
+def _read_file(file: Path, expected: set[str] | None):
+    """Yield (name, tensor) for the tensors of one safetensors file, on CPU."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            names = set(handle.keys())
+            missing = sorted((expected or set()) - names)
+            if missing:
+                raise ModelLoadError(
+                    f"{file.name} lacks tensor '{missing[0]}' that {INDEX_FILE} places there"
+                )
+            for name in sorted(names):
+                yield name, handle.get_tensor(name)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise ModelLoadError(f"cannot read {file}: {exc}") from exc

@@ -1,0 +1,30 @@
+"""Shared fixtures: the demo checkpoint and a factory for tiny Hugging Face reference models."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from shared.demo_model import ensure_demo_model
+from tests.hf_models import build_hf_model
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo Llama checkpoint, built once per test session in a temporary directory."""
+    return ensure_demo_model(tmp_path_factory.mktemp("demo") / "demo-llama")
+
+
+@pytest.fixture
+def hf_model_factory(tmp_path: Path) -> Callable[..., tuple[Path, object]]:
+    """`make(arch="llama", **kw) -> (model_dir, hf_model)`; kw as for `build_hf_model`."""
+    counter = itertools.count()
+
+    def make(arch: str = "llama", **kwargs) -> tuple[Path, object]:
+        path = tmp_path / f"{arch}-{next(counter)}"
+        return path, build_hf_model(path, arch, **kwargs)
+
+    return make

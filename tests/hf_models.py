@@ -1,0 +1,80 @@
+"""Tiny random Hugging Face models saved to disk, as reference implementations for tests.
+
+from tests.hf_models import build_hf_model
+model = build_hf_model(tmp_path, "qwen2", num_key_value_heads=1, with_tokenizer=True)
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import Tokenizer
+
+from shared.demo_model import build_demo_tokenizer
+
+ARCHES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+}
+
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "max_position_embeddings": 1024,
+    "dtype": "float32",
+}
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"qwen2": {"tie_word_embeddings": True}}
+
+
+@functools.lru_cache(maxsize=1)
+def demo_tokenizer() -> Tokenizer:
+    """The demo model's tokenizer (built once per process)."""
+    return build_demo_tokenizer()
+
+
+def build_hf_model(
+    path: Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    max_shard_size: str | int | None = None,
+    with_tokenizer: bool = False,
+    **overrides: Any,
+) -> transformers.PreTrainedModel:
+    """Build a tiny random `arch` model ("llama", "qwen2", "mistral"), save it to `path`.
+
+    `overrides` are config fields (e.g. num_key_value_heads=1, initializer_range=0.2,
+    rope_scaling={...}). `max_shard_size` (e.g. "100KB") saves a sharded checkpoint.
+    `with_tokenizer` also writes the demo tokenizer.json and, unless overridden, sizes the vocab
+    and BOS/EOS ids to it. Returns the model in eval mode, float32 on CPU.
+    """
+    if arch not in ARCHES:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(ARCHES)}")
+    config_cls, model_cls = ARCHES[arch]
+    fields = {**DEFAULTS, **ARCH_DEFAULTS.get(arch, {})}
+    if with_tokenizer:
+        tok = demo_tokenizer()
+        fields.update(
+            vocab_size=tok.get_vocab_size(),
+            bos_token_id=tok.token_to_id("<s>"),
+            eos_token_id=tok.token_to_id("</s>"),
+        )
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**fields)).eval()
+    path = Path(path)
+    # transformers v5 always writes safetensors (v4's safe_serialization flag is gone).
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **save_kwargs)
+    if with_tokenizer:
+        demo_tokenizer().save(str(path / "tokenizer.json"))
+    return model

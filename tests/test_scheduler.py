@@ -1,0 +1,165 @@
+"""Scheduler as pure logic: no model, no torch. Tokens are fed back by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.compute.allocator import KVAllocator
+from services.compute.scheduler import Scheduler, SchedulerConfig
+from services.compute.sequence import SeqStatus, Sequence
+from shared.sampling import SamplingParams
+
+
+def seq(rid: str, prompt_len: int, max_tokens: int = 8, predicted: int = 4, stop=(), **kw):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+    return Sequence(rid, list(range(1, prompt_len + 1)), params, seed=0,
+                    max_len=prompt_len + max_tokens, predicted_output_len=predicted,
+                    stop_ids=frozenset(stop))
+
+
+def make(capacity=1000, budget=16, max_running=8, policy="predicted", min_grow=2):
+    return Scheduler(SchedulerConfig(budget, max_running, policy, min_grow), KVAllocator(capacity))
+
+
+def run_step(s: Scheduler, token: int = 7):
+    step = s.schedule()
+    n = len(step.sampled())
+    s.update(step, [token] * n, [0.0] * n)
+    s.allocator.check()
+    return step
+
+
+def test_long_prompt_is_chunked_and_interleaved_with_decodes():
+    s = make(budget=16)
+    a, b = seq("a", 4), seq("b", 40)
+    s.add(a)
+    first = run_step(s)
+    assert [x.request_id for x, _ in first.prefills] == ["a"] and a.num_output == 1
+    s.add(b)
+    chunks = []
+    while b.num_output == 0:
+        step = run_step(s)
+        assert step.num_tokens <= 16
+        if a.status is SeqStatus.RUNNING:
+            assert step.decodes == [a]  # a decodes in every step b prefills
+        chunks += [n for x, n in step.prefills if x is b]
+    assert chunks == [15, 15, 10]  # 16-token budget minus a's decode token
+    assert b.num_cached == 40 and b.num_output == 1
+
+
+def test_fcfs_admission_stops_at_head_that_does_not_fit():
+    s = make(capacity=30, budget=64)
+    big, small = seq("big", 20, predicted=4), seq("small", 2, predicted=2)
+    s.add(seq("first", 8, predicted=4))  # takes 12 slots
+    s.add(big)  # needs 24: does not fit beside the first
+    s.add(small)  # would fit, but may not overtake
+    run_step(s)
+    assert [x.request_id for x in s.running] == ["first"]
+    assert list(s.waiting) == [big, small]
+
+
+def test_max_running_and_budget_limit_admission():
+    s = make(budget=10, max_running=2)
+    for i in range(4):
+        s.add(seq(f"r{i}", 3))
+    step = s.schedule()
+    assert len(step.prefills) == 2 and len(s.waiting) == 2
+    s2 = make(budget=5, max_running=3)
+    for i in range(3):
+        s2.add(seq(f"r{i}", 3))
+    step = s2.schedule()
+    assert [n for _, n in step.prefills] == [3, 2]  # the budget cuts the second prompt's chunk
+
+
+@pytest.mark.parametrize("policy,expected", [("predicted", 10 + 4), ("max", 10 + 50)])
+def test_reservation_policy(policy, expected):
+    s = make(policy=policy)
+    a = seq("a", 10, max_tokens=50, predicted=4)
+    s.add(a)
+    s.schedule()
+    assert a.kv_reserved == expected and s.allocator.reserved == expected
+
+
+def test_grow_move_and_preempt_most_recent():
+    s = make(capacity=24, budget=64, min_grow=2)
+    a, b = seq("a", 6, max_tokens=18, predicted=1), seq("b", 6, max_tokens=18, predicted=1)
+    s.add(a)
+    run_step(s)  # a: [0, 7)
+    s.add(b)
+    run_step(s)  # b: [7, 14); a decodes into its last slot
+    assert run_step(s).moves == [(0, 14, 7)]  # a is full and b blocks it: a moves right
+    # b is full; its left neighbour is free now, so it moves left, overlapping its old range
+    assert run_step(s).moves == [(7, 0, 7)] and (a.kv_start, b.kv_start) == (14, 0)
+    while s.stats.preemptions == 0:
+        run_step(s)
+    assert b.status is SeqStatus.WAITING and b.num_cached == 0  # b was admitted last
+    assert a.status is SeqStatus.RUNNING
+
+
+def test_segment_grows_in_place_when_right_neighbour_is_free():
+    s = make(capacity=100, min_grow=3)
+    a = seq("a", 5, max_tokens=20, predicted=2)
+    s.add(a)
+    for _ in range(4):
+        run_step(s)
+    assert (a.kv_start, a.kv_reserved) == (0, 10)  # 7, then grown by 3 slots in place
+    assert s.stats.grows_in_place == 1 and s.stats.moves == 0
+
+
+def test_preempted_request_recomputes_all_its_tokens():
+    s = make(capacity=16, budget=64, min_grow=1)
+    a, b = seq("a", 4, max_tokens=12, predicted=1), seq("b", 4, max_tokens=12, predicted=1)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    outputs_before = b.num_output
+    while b.status is not SeqStatus.WAITING:
+        outputs_before = b.num_output
+        run_step(s)
+    assert s.stats.preemptions == 1 and outputs_before >= 1
+    while b.status is SeqStatus.WAITING:
+        run_step(s)
+    # readmitted: its first chunk covers prompt + everything generated so far
+    assert b.num_cached == b.num_tokens - 1 and b.num_output == outputs_before + 1
+
+
+def test_finish_conditions():
+    s = make()
+    eos = seq("eos", 3, stop=(9,))
+    s.add(eos)
+    run_step(s, token=9)
+    assert eos.finish_reason == "stop" and eos.status is SeqStatus.FINISHED
+    assert s.allocator.reserved == 0
+
+    m = seq("min", 3, stop=(9,), min_tokens=2)
+    s.add(m)
+    run_step(s, token=9)
+    assert m.finish_reason is None  # min_tokens not reached
+    run_step(s, token=9)
+    run_step(s, token=9)
+    assert m.finish_reason == "stop" and m.num_output == 3
+
+    ln = seq("len", 3, max_tokens=2)
+    s.add(ln)
+    run_step(s)
+    run_step(s)
+    assert ln.finish_reason == "length" and ln.num_output == 2
+
+    ctx = Sequence("ctx", [1, 2, 3], SamplingParams(max_tokens=50), seed=0, max_len=5,
+                   predicted_output_len=4, stop_ids=frozenset())
+    s.add(ctx)
+    run_step(s)
+    run_step(s)
+    assert ctx.finish_reason == "length" and ctx.num_tokens == 5
+
+
+def test_abort_frees_kv_and_request_too_large_is_refused():
+    s = make(capacity=20)
+    a = seq("a", 5)
+    s.add(a)
+    run_step(s)
+    s.abort(a)
+    assert a.status is SeqStatus.FINISHED and a.finish_reason == "abort"
+    assert s.allocator.reserved == 0 and not s.has_work()
+    with pytest.raises(ValueError, match="KV slots"):
+        s.add(seq("huge", 15, max_tokens=10))
