@@ -25,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from services.compute.model_config import ModelLoadError
+    from shared.tokenizer import TokenizerLoadError
+
     try:
         return _generate(args)
-    except (ValueError, OSError) as e:  # configuration, model files, parameters
+    except (ModelLoadError, TokenizerLoadError, ValueError, OSError) as e:
         print(f"pipellm: error: {e}", file=sys.stderr)
         return 2
 

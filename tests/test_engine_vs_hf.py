@@ -103,3 +103,31 @@ def test_greedy_matches_hf_under_moves_and_preemption(reference):
     stats = engine.stats()
     assert stats.moves > 0 and stats.preemptions > 0 and stats.grows_in_place > 0
     assert got == expected
+
+
+VARIANTS = {
+    "llama-mqa-llama3rope-tied": ("llama", {
+        "num_key_value_heads": 1, "tie_word_embeddings": True, "max_position_embeddings": 1024,
+        "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    }),
+    "llama-linear-rope-mha": ("llama", {
+        "num_key_value_heads": 4, "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    }),
+    "mistral": ("mistral", {"sliding_window": None, "head_dim": 32}),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_architecture_variants_match_hf(name, tmp_path):
+    from tests.hf_models import build_hf_model
+
+    arch, overrides = VARIANTS[name]
+    model = build_hf_model(tmp_path, arch, initializer_range=0.1, **overrides)
+    prompts = make_prompts(model.config.vocab_size, seed=1)[::4]  # lengths 1, 64, 90, 3
+    expected = hf_greedy(model, prompts, 12)
+    config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
+                          max_batched_tokens=40, max_running=8, kv_cache_tokens=2048)
+    seqs = LLMEngine(config).generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                              ignore_eos=True))
+    assert [s.output_ids for s in seqs] == expected

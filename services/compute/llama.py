@@ -69,7 +69,6 @@ class LlamaModel:
             ln_mlp=require(w, f"{p}post_attention_layernorm.weight"),
         )
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Run one merged step, writing this step's K/V into `kv`. Returns [S, vocab] float32."""
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]

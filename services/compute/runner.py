@@ -52,6 +52,7 @@ class ModelRunner:
             budget = config.kv_cache_gib * 2**30
         return max(int(budget // per_token), 1)
 
+    @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> tuple[list[int], list[float]]:
         """Apply KV moves, run the merged forward, sample. Returns (token ids, logprobs) for
         step.sampled(), in that order."""

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv and install pipellm into it. Usage: bash services/setup.sh [test]
+# torch comes first, pinned to 2.13.0 (the CPU build on this project's machines) so that pip
+# never resolves a multi-GB CUDA build as a dependency of something else.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" torch==2.13.0
+if [ -n "$extras" ]; then "${pip[@]}" -e ".[$extras]"; else "${pip[@]}" -e .; fi

@@ -1,0 +1,36 @@
+"""`pipellm generate` as a user runs it: a real subprocess on the demo model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def pipellm(*args: str, env_dir) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, "PIPELLM_DEMO_DIR": str(env_dir)}
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_generate_json_on_demo_model(demo_model_dir):
+    out = pipellm("generate", "--prompt", "Hello there", "--prompt", "你好 🌍", "--max-tokens",
+                  "6", "--ignore-eos", "--json", env_dir=demo_model_dir)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["Hello there", "你好 🌍"]
+    assert all(len(r["token_ids"]) == 6 and isinstance(r["text"], str) for r in rows)
+    again = pipellm("generate", "--prompt", "Hello there", "--max-tokens", "6", "--ignore-eos",
+                    "--json", env_dir=demo_model_dir)
+    assert json.loads(again.stdout.splitlines()[0])["token_ids"] == rows[0]["token_ids"]
+
+
+def test_generate_reports_errors_without_traceback(tmp_path, demo_model_dir):
+    out = pipellm("generate", "--prompt", "x", "--model", str(tmp_path / "nope"),
+                  env_dir=demo_model_dir)
+    assert out.returncode == 2 and "does not exist" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = pipellm("generate", "--prompt", "x", "--temperature", "-1", env_dir=demo_model_dir)
+    assert out.returncode == 2 and "temperature" in out.stderr and "Traceback" not in out.stderr

@@ -1,0 +1,88 @@
+"""The engine on the demo model: sampling across batches, stop conditions, bad input, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.compute.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.sampling import InvalidParams, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_dir):
+    return LLMEngine(EngineConfig(model=str(demo_model_dir), device="cpu", max_batched_tokens=64,
+                                  max_running=16, kv_cache_tokens=4096))
+
+
+PROMPTS = [[1, 5, 9, 200], [1, 77], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 400]]
+
+
+def run(engine, prompts, params):
+    seqs = engine.generate(prompts, params)
+    assert engine.stats().reserved == 0
+    return [s.output_ids for s in seqs]
+
+
+def test_seeded_sampling_repeats_whatever_the_batch(engine):
+    sp = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = run(engine, [PROMPTS[0]], sp)[0]
+    other = SamplingParams(max_tokens=16, temperature=0.7, top_k=5, seed=7, ignore_eos=True)
+    mixed = run(engine, PROMPTS, [sp, other, other])
+    assert mixed[0] == alone
+    different_seed = run(engine, [PROMPTS[0]], SamplingParams(
+        max_tokens=16, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True))[0]
+    assert different_seed != alone
+
+
+def test_unseeded_sampling_varies_and_greedy_is_deterministic(engine):
+    hot = SamplingParams(max_tokens=16, temperature=2.0, ignore_eos=True)
+    assert run(engine, [PROMPTS[1]], hot) != run(engine, [PROMPTS[1]], hot)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    tiny_top_k = SamplingParams(max_tokens=16, temperature=1.0, top_k=1, ignore_eos=True)
+    assert run(engine, PROMPTS, greedy) == run(engine, PROMPTS, tiny_top_k)
+
+
+def test_logprobs_are_returned_per_token(engine):
+    seq = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0,
+                                                       ignore_eos=True))[0]
+    assert len(seq.logprobs) == 5 and all(lp <= 0 for lp in seq.logprobs)
+
+
+def test_stop_token_ends_and_min_tokens_defers_it(engine):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = run(engine, [PROMPTS[2]], greedy)[0]
+    stop_tok = ref[3]
+    first = ref.index(stop_tok)
+    seq = engine.generate([PROMPTS[2]], SamplingParams(
+        max_tokens=12, temperature=0, stop_token_ids=(stop_tok,)))[0]
+    assert seq.output_ids == ref[: first + 1] and seq.finish_reason == "stop"
+    seq = engine.generate([PROMPTS[2]], SamplingParams(
+        max_tokens=12, temperature=0, stop_token_ids=(stop_tok,), min_tokens=first + 2))[0]
+    assert len(seq.output_ids) >= first + 2
+    assert stop_tok not in seq.output_ids[: first + 2]
+
+
+def test_bad_requests_are_refused_with_the_parameter_named(engine):
+    sp = SamplingParams(max_tokens=4)
+    cases = {"empty": [], "out of vocab": [1, 10**6], "negative": [-1]}
+    for prompt in cases.values():
+        with pytest.raises(InvalidParams) as e:
+            engine.add_request(prompt, sp)
+        assert e.value.param == "prompt"
+    with pytest.raises(InvalidParams, match="context length"):
+        engine.add_request([1] * engine.max_model_len, sp)
+    with pytest.raises(InvalidParams) as e:
+        SamplingParams(top_p=0)
+    assert e.value.param == "top_p"
+    assert run(engine, [PROMPTS[1]], SamplingParams(max_tokens=3))  # still serving
+
+
+def test_abort_frees_kv(engine):
+    rid = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.stats().reserved > 0
+    assert engine.abort(rid)
+    assert engine.stats().reserved == 0 and not engine.has_work()
+    assert not engine.abort(rid)
