@@ -28,3 +28,15 @@ def hf_model_factory(tmp_path: Path) -> Callable[..., tuple[Path, object]]:
         return path, build_hf_model(path, arch, **kwargs)
 
     return make
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip (visibly, with the reason) where CUDA is not available."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

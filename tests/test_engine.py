@@ -86,3 +86,13 @@ def test_abort_frees_kv(engine):
     assert engine.abort(rid)
     assert engine.stats().reserved == 0 and not engine.has_work()
     assert not engine.abort(rid)
+
+
+@pytest.mark.gpu
+def test_cuda_reference_path_matches_cpu(demo_model_dir, engine):
+    sp = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    cuda = LLMEngine(EngineConfig(model=str(demo_model_dir), device="cuda", dtype="float32",
+                                  max_batched_tokens=64, max_running=16, kv_cache_tokens=4096))
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert run(cuda, PROMPTS, greedy) == run(engine, PROMPTS, greedy)
+    assert run(cuda, PROMPTS, sp) == run(engine, PROMPTS, sp)

@@ -23,7 +23,7 @@ def make(capacity=1000, budget=16, max_running=8, policy="predicted", min_grow=2
 
 def run_step(s: Scheduler, token: int = 7):
     step = s.schedule()
-    n = len(step.sampled())
+    n = len(step.sampled)
     s.update(step, [token] * n, [0.0] * n)
     s.allocator.check()
     return step

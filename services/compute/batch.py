@@ -27,7 +27,7 @@ class ForwardBatch:
     prefill_cu_q_lens: list[int]  # [P+1], starting at 0
     prefill_kv_starts: list[int]
     prefill_kv_lens: list[int]
-    logits_indices: torch.Tensor  # [S] flat rows whose logits are sampled (order of step.sampled())
+    logits_indices: torch.Tensor  # [S] flat rows whose logits are sampled (order of step.sampled)
 
 
 def build_batch(step: ScheduledStep, device: torch.device) -> ForwardBatch:

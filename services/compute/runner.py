@@ -55,10 +55,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> tuple[list[int], list[float]]:
         """Apply KV moves, run the merged forward, sample. Returns (token ids, logprobs) for
-        step.sampled(), in that order."""
+        step.sampled, in that order."""
         for src, dst, n in step.moves:
             self.kv.move(src, dst, n)
-        sampled = step.sampled()
+        sampled = step.sampled
         batch = build_batch(step, self.device)
         logits = self.model.forward(batch, self.kv)  # [S, vocab]
         if not sampled:

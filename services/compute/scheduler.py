@@ -37,14 +37,12 @@ class ScheduledStep:
     decodes: list[Sequence] = field(default_factory=list)  # one token each
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, chunk length)
     moves: list[tuple[int, int, int]] = field(default_factory=list)
+    # sequences whose next token this step samples: all decodes, then chunks ending their prompt
+    sampled: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(n for _, n in self.prefills)
-
-    def sampled(self) -> list[Sequence]:
-        """Sequences whose next token this step samples: all decodes, then completed prefills."""
-        return self.decodes + [s for s, n in self.prefills if n == s.pending]
 
 
 @dataclass
@@ -99,21 +97,21 @@ class Scheduler:
             n = min(seq.pending, budget)
             step.prefills.append((seq, n))
             budget -= n
+        step.sampled = step.decodes + [s for s, n in step.prefills if n == s.pending]
         return step
 
     def update(self, step: ScheduledStep, tokens: list[int],
                logprobs: list[float]) -> list[Sequence]:
         """Apply a finished forward: advance caches, append sampled tokens, retire finished."""
-        sampled = step.sampled()
         for seq in step.decodes:
             seq.num_cached += 1
         for seq, n in step.prefills:
             seq.num_cached += n
-        for seq, tok, lp in zip(sampled, tokens, logprobs, strict=True):
+        for seq, tok, lp in zip(step.sampled, tokens, logprobs, strict=True):
             seq.append(tok, lp)
             if seq.finish_reason is not None:
                 self._retire(seq)
-        return sampled
+        return step.sampled
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         if seq.status is SeqStatus.WAITING:
