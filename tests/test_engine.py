@@ -96,3 +96,16 @@ def test_cuda_reference_path_matches_cpu(demo_model_dir, engine):
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert run(cuda, PROMPTS, greedy) == run(engine, PROMPTS, greedy)
     assert run(cuda, PROMPTS, sp) == run(engine, PROMPTS, sp)
+
+
+def test_seeded_output_survives_moves_and_preemption(demo_model_dir, engine):
+    prompts = [[1] + [(7 * i + j) % 900 + 3 for j in range(5 + 9 * i)] for i in range(8)]
+    sp = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=i, ignore_eos=True)
+          for i in range(8)]
+    roomy = run(engine, prompts, sp)
+    tight = LLMEngine(EngineConfig(model=str(demo_model_dir), device="cpu", max_batched_tokens=32,
+                                   max_running=8, kv_cache_tokens=160, default_predicted_len=2,
+                                   kv_min_grow=2))
+    assert run(tight, prompts, sp) == roomy
+    stats = tight.stats()
+    assert stats.moves > 0 and stats.preemptions > 0
