@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from shared.config import EngineConfig, add_config_args, config_from_args
+from shared.config import EngineConfig, ServiceConfig, add_config_args, config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,25 +23,59 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    serve = sub.add_parser("serve", help="run one service (what each container runs)")
+    serve.add_argument("service", choices=SERVICES)
+    up = sub.add_parser("up", help="start Redis and all four services, supervised")
+    for p in (serve, up):
+        add_config_args(p, EngineConfig)
+        add_config_args(p, ServiceConfig)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.command != "generate" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from services.compute.model_config import ModelLoadError
     from shared.tokenizer import TokenizerLoadError
 
     try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "up":
+            from services.supervisor import up
+
+            return up(*_configs(args))
         return _generate(args)
     except (ModelLoadError, TokenizerLoadError, ValueError, OSError) as e:
         print(f"pipellm: error: {e}", file=sys.stderr)
         return 2
 
 
+SERVICES = ("gateway", "tokenizer", "compute", "detokenizer")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the flags; no --model means the built-in demo model."""
+    from shared.demo_model import ensure_demo_model
+
+    return config_from_args(EngineConfig, args, model=args.model or str(ensure_demo_model()))
+
+
+def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServiceConfig]:
+    return _engine_config(args), config_from_args(ServiceConfig, args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"services.{args.service}.service")
+    module.serve(*_configs(args))
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from services.compute.engine import LLMEngine
-    from shared.demo_model import ensure_demo_model
     from shared.sampling import SamplingParams
     from shared.tokenizer import decode, encode, load_tokenizer
 
-    config = config_from_args(EngineConfig, args, model=args.model or str(ensure_demo_model()))
+    config = _engine_config(args)
     engine = LLMEngine(config)
     tok = load_tokenizer(config.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,

@@ -38,6 +38,36 @@ class EngineConfig:
             raise ValueError("--default-predicted-len must be at least 1")
 
 
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Wiring of the four services. Empty addresses: ipc sockets under `run_dir`."""
+
+    host: str = "127.0.0.1"  # gateway HTTP
+    port: int = 8000
+    served_model_name: str = ""  # empty: the model directory's name
+    redis_url: str = ""  # empty with `pipellm up`: an embedded redis-server
+    run_dir: str = ""  # where ipc sockets live; empty: a temp dir chosen by `pipellm up`
+    tokenizer_addr: str = ""  # gateway PUSH (bind) -> tokenizer workers PULL (connect)
+    compute_addr: str = ""  # tokenizers PUSH -> compute PULL (bind)
+    control_addr: str = ""  # gateway, detokenizer PUSH -> compute PULL (bind): aborts, stops
+    detokenizer_addr: str = ""  # compute PUSH -> detokenizer PULL (bind)
+    gateway_addr: str = ""  # detokenizer, tokenizer PUSH -> this gateway's PULL (bind)
+    tokenizer_workers: int = 1
+    max_pending: int = 512  # requests in flight at the gateway before it answers 429
+    max_body_bytes: int = 8 * 2**20
+    request_ttl_s: int = 3600  # how long a finished request's state stays in Redis
+    heartbeat_s: float = 0.5
+
+    def addr(self, name: str) -> str:
+        """The zmq address of channel `name` (tokenizer, compute, control, detokenizer, gateway)."""
+        given = getattr(self, f"{name}_addr")
+        if given:
+            return given
+        if not self.run_dir:
+            raise ValueError(f"--{name}-addr or --run-dir must be set")
+        return f"ipc://{self.run_dir}/{name}.sock"
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add one flag per field of the dataclass `cls`, defaulting to its env var or field default."""
     hints = typing.get_type_hints(cls)
@@ -57,6 +87,15 @@ def config_from_args(cls: type, args: argparse.Namespace, **overrides):
     names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
     values = {n: getattr(args, n) for n in names}
     return cls(**{**values, **overrides})
+
+
+def env_for(config) -> dict[str, str]:
+    """The PIPELLM_* env vars that reproduce `config` in a child process."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out[_env_name(f.name)] = str(int(value)) if isinstance(value, bool) else str(value)
+    return out
 
 
 def _env_name(field_name: str) -> str:

@@ -31,6 +31,10 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    presence_penalty: float = 0.0  # subtract once from every token already generated
+    frequency_penalty: float = 0.0  # subtract per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divide (positive) / multiply (negative) logits of tokens
+    # seen in prompt or output (the CTRL / HF rule)
 
     def __post_init__(self):
         _check(self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
@@ -40,12 +44,23 @@ class SamplingParams:
         _check(0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]")
         _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                "min_tokens must be between 0 and max_tokens")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty",
+               "presence_penalty must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+               "frequency_penalty must be in [-2, 2]")
+        _check(self.repetition_penalty > 0, "repetition_penalty",
+               "repetition_penalty must be > 0")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2^63)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 def _check(ok: bool, param: str, message: str) -> None:

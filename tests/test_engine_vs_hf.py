@@ -59,10 +59,10 @@ def engine_greedy(model_dir, prompts, **cfg) -> tuple[list[list[int]], LLMEngine
     orig_step = engine.step
 
     def step():
-        events = orig_step()
-        for ev in events:
+        result = orig_step()
+        for ev in result.events:
             outputs.setdefault(ev.request_id, []).append(ev.token_id)
-        return events
+        return result
 
     engine.step = step
     rids = run_staggered(engine, prompts, params)

@@ -10,7 +10,7 @@ import secrets
 from dataclasses import dataclass
 
 from services.compute.allocator import KVAllocator
-from services.compute.model_config import ModelConfig
+from services.compute.model_config import ModelConfig, context_length
 from services.compute.runner import ModelRunner
 from services.compute.scheduler import Scheduler, SchedulerConfig
 from services.compute.sequence import SeqStatus, Sequence
@@ -26,6 +26,12 @@ class TokenEvent:
     token_id: int
     logprob: float
     finish_reason: str | None  # "stop" | "length" | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    events: list[TokenEvent]  # one per request that got a token, in batch order
+    admitted: list[str]  # request ids taken from the queue (first time or after preemption)
 
 
 @dataclass(frozen=True)
@@ -45,10 +51,7 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
-        limit = mc.max_position_embeddings
-        if mc.sliding_window:  # windowed attention is not implemented: stay inside the window
-            limit = min(limit, mc.sliding_window)
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.max_model_len = context_length(mc, config.max_model_len)
         self.runner = ModelRunner(config, mc, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_batched_tokens, config.max_running, config.kv_policy,
@@ -99,11 +102,12 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[TokenEvent]:
+    def step(self) -> StepResult:
         """Schedule and run one merged step; return the tokens it generated."""
         step = self.scheduler.schedule()
+        admitted = [s.request_id for s in step.admitted]
         if step.num_tokens == 0:
-            return []
+            return StepResult([], admitted)
         tokens, logprobs = self.runner.execute(step)
         events = []
         for seq in self.scheduler.update(step, tokens, logprobs):
@@ -111,7 +115,7 @@ class LLMEngine:
                                      seq.finish_reason))
             if seq.finish_reason is not None:
                 del self.requests[seq.request_id]
-        return events
+        return StepResult(events, admitted)
 
     def stats(self) -> EngineStats:
         s, a = self.scheduler, self.scheduler.allocator

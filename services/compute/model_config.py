@@ -272,3 +272,12 @@ def _token_ids(value: Any) -> list[int]:
 def _first(value: Any) -> int | None:
     ids = _token_ids(value)
     return ids[0] if ids else None
+
+
+def context_length(mc: ModelConfig, requested: int = 0) -> int:
+    """Tokens a request may span: the model's limit (its sliding window, which is not
+    implemented, if it has one), lowered to `requested` when that is set."""
+    limit = mc.max_position_embeddings
+    if mc.sliding_window:
+        limit = min(limit, mc.sliding_window)
+    return min(requested or limit, limit)

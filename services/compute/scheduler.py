@@ -39,6 +39,7 @@ class ScheduledStep:
     moves: list[tuple[int, int, int]] = field(default_factory=list)
     # sequences whose next token this step samples: all decodes, then chunks ending their prompt
     sampled: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # taken from the queue this step
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +95,7 @@ class Scheduler:
             if not self._admit(seq):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            step.admitted.append(seq)
             n = min(seq.pending, budget)
             step.prefills.append((seq, n))
             budget -= n

@@ -1,0 +1,122 @@
+"""The compute process: the engine loop between the tokenizers and the detokenizer.
+
+Each turn drains requests and control messages (without waiting while the engine has work),
+runs one merged step, and sends everything the step produced to the detokenizer as one
+StepOutput. Only token ids, logprobs and finish reasons leave this process.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+import zmq
+
+from services.compute.engine import LLMEngine
+from shared import state
+from shared.codec import float32s, int32s
+from shared.config import EngineConfig, ServiceConfig
+from shared.messages import Abort, GenerateRequest, Hello, Route, StepOutput
+from shared.sampling import InvalidParams
+from shared.transport import Receiver, Sender
+
+_EARLY_ABORT_TTL_S = 60.0
+
+
+class ComputeService:
+    def __init__(self, engine: LLMEngine, svc: ServiceConfig, redis_client: redis.Redis):
+        self.engine, self.svc, self.redis = engine, svc, redis_client
+        ctx = zmq.Context.instance()
+        self.inbox = Receiver(ctx, svc.addr("compute"), bind=True)
+        self.control = Receiver(ctx, svc.addr("control"), bind=True)
+        self.outbox = Sender(ctx, svc.addr("detokenizer"))
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox.sock, zmq.POLLIN)
+        self.poller.register(self.control.sock, zmq.POLLIN)
+        self.routes: dict[str, Route] = {}  # live requests
+        self.routed: set[str] = set()  # live requests whose route the detokenizer has
+        self.early_aborts: dict[str, float] = {}  # aborts that overtook their request
+        self.heart = state.Heartbeat(redis_client, "compute", svc.heartbeat_s)
+
+    def run(self, stop=lambda: False) -> None:
+        while not stop():
+            self.poll(timeout_ms=0 if self.engine.has_work() else 50)
+            out = self.step() if self.engine.has_work() else None
+            if out is not None:
+                self.outbox.send(out)
+            self.beat()
+
+    def poll(self, timeout_ms: int) -> None:
+        """Take in what arrived; refusals and aborts go to the detokenizer at once."""
+        errors: list[list[str]] = []
+        aborted: list[str] = []
+        if self.poller.poll(timeout_ms):
+            for msg in self.control.drain():
+                self._control(msg, aborted)
+            for msg in self.inbox.drain():
+                if isinstance(msg, GenerateRequest):
+                    self._add(msg, errors)
+        if errors or aborted:
+            out = _output([], [], errors)
+            out.aborted = aborted
+            self.outbox.send(out)
+
+    def _add(self, req: GenerateRequest, errors: list[list[str]]) -> None:
+        rid = req.request_id
+        if self.early_aborts.pop(rid, None) or self.early_aborts.pop(state.api_id(rid), None):
+            return
+        try:
+            self.engine.add_request(list(req.prompt_ids), req.params, rid, req.predicted_len)
+        except InvalidParams as e:
+            errors.append([rid, req.route.reply_to, str(e)])
+            return
+        self.routes[rid] = req.route
+
+    def _control(self, msg, aborted: list[str]) -> None:
+        if isinstance(msg, Hello) and msg.service == "detokenizer":
+            self.routed.clear()  # a new detokenizer: send every live route again
+        elif isinstance(msg, Abort):
+            ids = [r for r in self.routes if r == msg.request_id
+                   or state.api_id(r) == msg.request_id]
+            for rid in ids:
+                self.engine.abort(rid)
+                self._forget(rid)
+                aborted.append(rid)
+            if not ids:
+                self.early_aborts[msg.request_id] = time.monotonic()
+
+    def step(self) -> StepOutput:
+        result = self.engine.step()
+        routes = [self.routes[r] for r in result.admitted if r in self.routes]
+        routes += [self.routes[e.request_id] for e in result.events
+                   if e.request_id not in self.routed and e.request_id in self.routes]
+        out = _output(result.events, list({r.request_id: r for r in routes}.values()), [])
+        self.routed.update(r.request_id for r in out.routes)
+        for e in result.events:
+            if e.finish_reason is not None:
+                self._forget(e.request_id)
+        return out
+
+    def _forget(self, rid: str) -> None:
+        self.routes.pop(rid, None)
+        self.routed.discard(rid)
+
+    def beat(self) -> None:
+        now = time.monotonic()
+        self.early_aborts = {k: t for k, t in self.early_aborts.items()
+                             if now - t < _EARLY_ABORT_TTL_S}
+        self.heart.beat(lambda pipe: state.set_stats(pipe, vars(self.engine.stats())))
+
+
+def _output(events, routes: list[Route], errors: list[list[str]]) -> StepOutput:
+    return StepOutput(
+        routes=routes, request_ids=[e.request_id for e in events],
+        token_ids=int32s(e.token_id for e in events),
+        logprobs=float32s(e.logprob for e in events),
+        finish_reasons=[e.finish_reason for e in events], errors=errors, step_time=time.time(),
+    )
+
+
+def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
+    engine = LLMEngine(engine_cfg)
+    ComputeService(engine, svc, redis.Redis.from_url(svc.redis_url)).run()

@@ -1,0 +1,154 @@
+"""The detokenizer process: everything after sampling.
+
+Per StepOutput from compute: incremental detokenization (never a broken character), stop
+strings (held back until they cannot match; a match tells compute to stop the request), finish
+reasons and usage counts, one batch of deltas per gateway, and one Redis pipeline of request
+state updates.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from dataclasses import dataclass, field
+
+import redis
+import zmq
+
+from services.detokenizer.incremental import IncrementalDetokenizer
+from services.detokenizer.stop import StopMatcher
+from shared import state
+from shared.config import EngineConfig, ServiceConfig
+from shared.messages import Abort, Delta, DeltaBatch, Hello, Route, StepOutput
+from shared.tokenizer import load_tokenizer
+from shared.transport import Receiver, Sender, Senders
+
+log = logging.getLogger("pipellm.detokenizer")
+
+
+@dataclass
+class Stream:
+    route: Route
+    detok: IncrementalDetokenizer
+    stops: StopMatcher
+    started_at: float
+    num_output: int = 0
+
+
+@dataclass
+class Outputs:
+    """What one StepOutput turns into."""
+
+    deltas: dict[str, list[Delta]] = field(default_factory=dict)  # by gateway address
+    stops: list[Abort] = field(default_factory=list)  # to compute: stop strings matched
+    # Redis: (api request id, fields to set, ttl or None) and (api request id, counter, amount)
+    updates: list[tuple[str, dict, int | None]] = field(default_factory=list)
+    counts: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def send(self, reply_to: str, delta: Delta) -> None:
+        self.deltas.setdefault(reply_to, []).append(delta)
+
+
+class Detokenizer:
+    """Pure logic (no sockets, no Redis): StepOutput in, Outputs out."""
+
+    def __init__(self, tokenizer, ttl_s: int):
+        self.tokenizer, self.ttl_s = tokenizer, ttl_s
+        self.streams: dict[str, Stream] = {}
+        self.finished_choices: dict[str, int] = {}  # api id -> choices finished so far
+
+    def handle(self, out: StepOutput) -> Outputs:
+        res = Outputs()
+        now = time.time()
+        for route in out.routes:
+            if route.request_id not in self.streams:
+                self.streams[route.request_id] = Stream(
+                    route, IncrementalDetokenizer(self.tokenizer, list(route.prompt_tail)),
+                    StopMatcher(route.stop), now)
+                res.updates.append((state.api_id(route.request_id),
+                                    {"status": "running", "started_at": now}, None))
+        for rid, tok, lp, fin in zip(out.request_ids, out.token_ids, out.logprobs,
+                                     out.finish_reasons, strict=True):
+            stream = self.streams.get(rid)
+            if stream is not None:
+                self._token(stream, tok, lp, fin, res, now)
+        for rid, reply_to, message in out.errors:
+            res.send(reply_to, Delta(rid, error=message, error_status=400))
+            res.updates.append((state.api_id(rid), {"status": "failed", "error": message},
+                                self.ttl_s))
+        for rid in out.aborted:
+            self.streams.pop(rid, None)
+        return res
+
+    def _token(self, s: Stream, tok: int, lp: float, fin: str | None, res: Outputs,
+               now: float) -> None:
+        s.num_output += 1
+        text = s.detok.add([tok])
+        if fin is not None:
+            text += s.detok.flush()
+        emitted, matched = s.stops.feed(text)
+        if matched and fin is None:
+            fin = "stop"
+            res.stops.append(Abort(s.route.request_id, "stop"))
+        elif fin is not None and not matched:
+            emitted += s.stops.flush()
+        rid = s.route.request_id
+        first = s.num_output == 1
+        res.send(s.route.reply_to, Delta(
+            rid, emitted, array("i", [tok]), array("f", [lp]), fin, s.route.num_prompt,
+            s.num_output, started_at=s.started_at if first else 0.0))
+        if first:
+            res.updates.append((state.api_id(rid), {"first_token_at": now}, None))
+        if fin is not None:
+            del self.streams[rid]
+            self._finished(s, fin, res, now)
+
+    def _finished(self, s: Stream, reason: str, res: Outputs, now: float) -> None:
+        api = state.api_id(s.route.request_id)
+        done = self.finished_choices.get(api, 0) + 1
+        fields = {"prompt_tokens": s.route.num_prompt, "finish_reason": reason}
+        if done == s.route.n:
+            self.finished_choices.pop(api, None)
+            fields.update(status="finished", finished_at=now)
+            res.updates.append((api, fields, self.ttl_s))
+        else:
+            self.finished_choices[api] = done
+            res.updates.append((api, fields, None))
+        res.counts.append((api, "completion_tokens", s.num_output))
+
+
+def write_state(client: redis.Redis, res: Outputs) -> None:
+    """All of a step's request state changes in one round trip."""
+    if not (res.updates or res.counts):
+        return
+    pipe = client.pipeline(transaction=False)
+    for api, name, amount in res.counts:
+        state.incr_request(pipe, api, name, amount)
+    for api, fields, ttl in res.updates:
+        state.set_request(pipe, api, ttl, **fields)
+    pipe.execute()
+
+
+def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
+    ctx = zmq.Context.instance()
+    inbox = Receiver(ctx, svc.addr("detokenizer"), bind=True)
+    control = Sender(ctx, svc.addr("control"))
+    gateways = Senders(ctx)
+    client = redis.Redis.from_url(svc.redis_url)
+    heart = state.Heartbeat(client, "detokenizer", svc.heartbeat_s)
+    control.send(Hello("detokenizer", heart.instance))  # compute re-sends live routes
+    detok = Detokenizer(load_tokenizer(engine_cfg.model), svc.request_ttl_s)
+    while True:
+        msg = inbox.recv(timeout_ms=int(svc.heartbeat_s * 1000))
+        if isinstance(msg, StepOutput):
+            res = detok.handle(msg)
+            for stop in res.stops:
+                control.send(stop)
+            for addr, deltas in res.deltas.items():
+                gateways.send(addr, DeltaBatch(deltas))
+            try:
+                write_state(client, res)
+            except redis.RedisError as e:
+                log.warning("redis unavailable, request state not written: %s", e)
+        heart.beat()

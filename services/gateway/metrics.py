@@ -1,0 +1,60 @@
+"""Prometheus metrics: latencies the gateway observes, engine gauges compute reports via Redis."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# engine stats (compute -> Redis) exported as gauges and counters
+_GAUGES = {"running": "requests in the running batch", "waiting": "requests waiting for KV",
+           "capacity": "KV cache slots", "reserved": "KV slots reserved by running requests",
+           "used": "KV slots holding tokens"}
+_COUNTERS = {"moves": "KV segments moved to grow", "preemptions": "requests preempted",
+             "grows_in_place": "KV segments grown in place"}
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pipellm_time_to_first_token_seconds", "time to first token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("pipellm_inter_token_latency_seconds", "time between tokens",
+                             buckets=_ITL, registry=r)
+        self.e2e = Histogram("pipellm_e2e_request_latency_seconds", "request latency",
+                             buckets=_LATENCY, registry=r)
+        self.queue = Histogram("pipellm_request_queue_time_seconds",
+                               "arrival to admission into the running batch",
+                               buckets=_LATENCY, registry=r)
+        self.requests = Counter("pipellm_requests", "finished requests by outcome",
+                                ["outcome"], registry=r)
+        self.tokens = Counter("pipellm_generation_tokens", "generated tokens", registry=r)
+        self.engine: dict[str, str] = {}  # latest pipellm:stats hash
+        r.register(_EngineCollector(self))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        stats = self.metrics.engine
+        for name, doc in _GAUGES.items():
+            g = GaugeMetricFamily(f"pipellm_kv_{name}" if name in ("capacity", "reserved", "used")
+                                  else f"pipellm_num_requests_{name}", doc)
+            g.add_metric([], float(stats.get(name, 0) or 0))
+            yield g
+        cap = float(stats.get("capacity", 0) or 0)
+        usage = GaugeMetricFamily("pipellm_kv_usage_ratio", "reserved / capacity of the KV cache")
+        usage.add_metric([], float(stats.get("reserved", 0) or 0) / cap if cap else 0.0)
+        yield usage
+        for name, doc in _COUNTERS.items():
+            c = CounterMetricFamily(f"pipellm_kv_{name}", doc)
+            c.add_metric([], float(stats.get(name, 0) or 0))
+            yield c

@@ -1,0 +1,56 @@
+"""The gateway process: aiohttp server, delta reader and health monitor on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import redis.asyncio as aioredis
+import zmq.asyncio
+from aiohttp import web
+
+from services.compute.model_config import ModelConfig, context_length
+from services.gateway.app import Gateway
+from shared.config import EngineConfig, ServiceConfig
+from shared.messages import DeltaBatch
+from shared.tokenizer import load_tokenizer
+from shared.transport import AsyncReceiver, AsyncSender
+
+log = logging.getLogger("pipellm.gateway")
+
+
+def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncReceiver]:
+    ctx = zmq.asyncio.Context.instance()
+    mc = ModelConfig.from_dir(engine_cfg.model)
+    name = svc.served_model_name or Path(engine_cfg.model).name
+    gw = Gateway(svc, name, context_length(mc, engine_cfg.max_model_len),
+                 load_tokenizer(engine_cfg.model), aioredis.Redis.from_url(svc.redis_url),
+                 AsyncSender(ctx, svc.addr("tokenizer"), bind=True),
+                 AsyncSender(ctx, svc.addr("control")))
+    return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
+
+
+async def read_deltas(gw: Gateway, inbox: AsyncReceiver) -> None:
+    while True:
+        msg = await inbox.recv()
+        if isinstance(msg, DeltaBatch):
+            gw.registry.dispatch(msg)
+
+
+async def run(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
+    gw, inbox = build(engine_cfg, svc)
+    tasks = [asyncio.create_task(read_deltas(gw, inbox)),
+             asyncio.create_task(gw.health.run(svc.heartbeat_s))]
+    runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, svc.host, svc.port).start()
+    log.info("gateway on http://%s:%d serving %s", svc.host, svc.port, gw.model_name)
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        await runner.cleanup()
+
+
+def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
+    asyncio.run(run(engine_cfg, svc))

@@ -1,0 +1,100 @@
+"""A tokenizer worker: chat template + tokenization, context checks, n-way fan-out.
+
+Several workers may pull from the gateway's one PUSH socket (zmq spreads requests across them).
+A request that cannot be served (template error, prompt too long, bad token ids) is answered
+to its gateway with a 400 error; everything else goes to compute as GenerateRequests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import redis
+import zmq
+
+from services.compute.model_config import ModelConfig, context_length
+from shared import state
+from shared.chat_template import ChatTemplateError, load_chat_template
+from shared.codec import int32s
+from shared.config import EngineConfig, ServiceConfig
+from shared.messages import Delta, DeltaBatch, GenerateRequest, Route, TokenizeRequest
+from shared.tokenizer import encode, load_tokenizer
+from shared.transport import Receiver, Sender, Senders
+
+_PROMPT_TAIL = 6  # prompt tokens the detokenizer keeps as decoding context
+
+
+class PromptError(ValueError):
+    pass
+
+
+class Tokenizer:
+    """Pure request preparation (no sockets): TokenizeRequest -> GenerateRequests."""
+
+    def __init__(self, model_dir: str, max_model_len: int = 0):
+        mc = ModelConfig.from_dir(model_dir)
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = context_length(mc, max_model_len)
+        self.tok = load_tokenizer(model_dir)
+        self.template = load_chat_template(model_dir)
+
+    def prompt_ids(self, req: TokenizeRequest) -> list[int]:
+        if req.messages is not None:
+            if self.template is None:
+                raise PromptError("this model has no chat template; use /v1/completions")
+            messages = [{"role": m.role, "content": m.content} for m in req.messages]
+            text = self.template.render(messages, req.add_generation_prompt)
+            return encode(self.tok, text, add_special_tokens=False)
+        if req.prompt_ids is not None:
+            ids = list(req.prompt_ids)
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise PromptError(f"prompt token ids must be in [0, {self.vocab_size})")
+            return ids
+        return encode(self.tok, req.prompt_text or "")
+
+    def prepare(self, req: TokenizeRequest) -> list[GenerateRequest]:
+        try:
+            ids = self.prompt_ids(req)
+        except ChatTemplateError as e:
+            raise PromptError(f"chat template failed: {e}") from None
+        if not ids:
+            raise PromptError("the prompt is empty after tokenization")
+        params = req.params
+        room = self.max_model_len - len(ids)
+        if req.max_tokens_auto and room > 0:
+            params = dataclasses.replace(params, max_tokens=room)
+        if room < params.max_tokens:
+            raise PromptError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
+                f"prompt, {params.max_tokens} for the completion). Please reduce the length "
+                f"of the prompt or max_tokens.")
+        route = Route(request_id="", reply_to=req.reply_to, num_prompt=len(ids),
+                      prompt_tail=int32s(ids[-_PROMPT_TAIL:]), stop=list(req.stop), n=req.n)
+        packed = int32s(ids)
+        out = []
+        for i in range(req.n):
+            rid = f"{req.request_id}:{i}"
+            p = params if params.seed is None else dataclasses.replace(params,
+                                                                      seed=params.seed + i)
+            out.append(GenerateRequest(rid, packed, p, dataclasses.replace(route, request_id=rid)))
+        return out
+
+
+def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
+    tokenizer = Tokenizer(engine_cfg.model, engine_cfg.max_model_len)
+    ctx = zmq.Context.instance()
+    inbox = Receiver(ctx, svc.addr("tokenizer"), bind=False)
+    outbox = Sender(ctx, svc.addr("compute"))
+    replies = Senders(ctx)
+    heart = state.Heartbeat(redis.Redis.from_url(svc.redis_url), "tokenizer", svc.heartbeat_s)
+    while True:
+        msg = inbox.recv(timeout_ms=int(svc.heartbeat_s * 1000))
+        if isinstance(msg, TokenizeRequest):
+            try:
+                for gen in tokenizer.prepare(msg):
+                    outbox.send(gen)
+            except PromptError as e:
+                err = Delta(msg.request_id, error=str(e), error_status=400)
+                replies.send(msg.reply_to, DeltaBatch([err]))
+        heart.beat()

@@ -1,0 +1,101 @@
+"""The one wire codec: msgpack, never pickle. Messages are registered dataclasses.
+
+A dataclass travels as a map with its registered name under "_t"; nested registered dataclasses
+(e.g. SamplingParams inside a request) likewise. Token id arrays travel as packed int32 bytes:
+a field holding `array('i')` becomes msgpack extension 1, `array('f')` (float32) extension 2.
+Decoding builds only registered classes through their constructors, so a peer can never make
+this process run code, and a malformed message raises DecodeError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from array import array
+from typing import Any
+
+import msgpack
+
+_INT32, _FLOAT32 = 1, 2
+_REGISTRY: dict[str, type] = {}
+_LITTLE = sys.byteorder == "little"
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a well-formed message."""
+
+
+def message(cls: type) -> type:
+    """Class decorator: make `cls` a dataclass known to the codec by its name."""
+    cls = cls if dataclasses.is_dataclass(cls) else dataclasses.dataclass(cls)
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+def register(cls: type) -> type:
+    """Register an existing dataclass (e.g. SamplingParams) for nesting inside messages."""
+    _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+def int32s(values) -> array:
+    """Token ids as a packed int32 array (what the codec sends as bytes)."""
+    return values if isinstance(values, array) and values.typecode == "i" else array("i", values)
+
+
+def float32s(values) -> array:
+    return array("f", values)
+
+
+def encode(msg: Any) -> bytes:
+    return msgpack.packb(msg, default=_default, use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, ext_hook=_ext_hook, object_hook=_object_hook, raw=False,
+                               strict_map_key=True)
+    except DecodeError:
+        raise
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError) as e:
+        raise DecodeError(f"malformed message: {e}") from None
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, array):
+        code = {"i": _INT32, "f": _FLOAT32}.get(obj.typecode)
+        if code is None:
+            raise TypeError(f"array typecode {obj.typecode!r} cannot be sent")
+        if not _LITTLE:  # the wire is little-endian
+            obj = array(obj.typecode, obj)
+            obj.byteswap()
+        return msgpack.ExtType(code, obj.tobytes())
+    if dataclasses.is_dataclass(obj) and type(obj).__name__ in _REGISTRY:
+        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
+        return {"_t": type(obj).__name__, **fields}
+    raise TypeError(f"{type(obj).__name__} is not a registered message")
+
+
+def _ext_hook(code: int, data: bytes) -> array:
+    typecode = {_INT32: "i", _FLOAT32: "f"}.get(code)
+    if typecode is None or len(data) % 4:
+        raise DecodeError(f"bad extension {code} of {len(data)} bytes")
+    out = array(typecode)
+    out.frombytes(data)
+    if not _LITTLE:
+        out.byteswap()
+    return out
+
+
+def _object_hook(obj: dict) -> Any:
+    name = obj.pop("_t", None)
+    if name is None:
+        return obj
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise DecodeError(f"unknown message type {name!r}")
+    try:
+        return cls(**obj)
+    except (TypeError, ValueError) as e:
+        raise DecodeError(f"bad {name}: {e}") from None

@@ -1,0 +1,124 @@
+"""Typed messages, one group per channel. All travel through `shared.codec`.
+
+    gateway --TokenizeRequest--> tokenizer --GenerateRequest--> compute --StepOutput--> detokenizer
+    detokenizer --DeltaBatch--> gateway (the one named in the request's route)
+    gateway --Abort--> compute control        detokenizer --Abort(reason="stop")--> compute control
+    tokenizer --DeltaBatch (error)--> gateway
+
+Token id fields hold `array('i')` (packed int32 on the wire); build them with `codec.int32s`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import field
+
+from shared.codec import message, register
+from shared.sampling import SamplingParams
+
+register(SamplingParams)
+
+
+@message
+class ChatMessage:
+    role: str
+    content: str
+
+
+# --- gateway -> tokenizer -------------------------------------------------------------------
+
+@message
+class TokenizeRequest:
+    """One API request as the gateway validated it; n > 1 fans out in the tokenizer."""
+
+    request_id: str
+    reply_to: str  # address of the gateway that owns the request
+    params: SamplingParams
+    prompt_text: str | None = None
+    prompt_ids: array | None = None  # int32
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    stop: list[str] = field(default_factory=list)
+    n: int = 1
+    max_tokens_auto: bool = False  # no max_tokens given: generate up to the context length
+    arrival: float = 0.0  # gateway wall clock (time.time())
+
+
+# --- tokenizer -> compute -------------------------------------------------------------------
+
+@message
+class Route:
+    """What the detokenizer needs to stream a request back; compute passes it through."""
+
+    request_id: str
+    reply_to: str
+    num_prompt: int
+    prompt_tail: array  # int32, last prompt tokens: context for incremental detokenization
+    stop: list[str] = field(default_factory=list)
+    n: int = 1  # choices of the API request this one belongs to
+
+
+@message
+class GenerateRequest:
+    request_id: str  # "<api id>:<choice index>"
+    prompt_ids: array  # int32
+    params: SamplingParams
+    route: Route
+    predicted_len: int | None = None
+
+
+# --- gateway / detokenizer -> compute control -----------------------------------------------
+
+@message
+class Abort:
+    """Stop a request: the client left ("abort") or a stop string matched ("stop")."""
+
+    request_id: str
+    reason: str = "abort"
+
+
+@message
+class Hello:
+    """A service (re)started; compute re-sends the routes of live requests to a new detokenizer."""
+
+    service: str
+    instance: str
+
+
+# --- compute -> detokenizer -----------------------------------------------------------------
+
+@message
+class StepOutput:
+    """Everything one engine step produced, in columns: entry i is one token of request_ids[i]."""
+
+    routes: list[Route]  # requests admitted this step (their first output follows)
+    request_ids: list[str]
+    token_ids: array  # int32 [N]
+    logprobs: array  # float32 [N]
+    finish_reasons: list[str | None]
+    errors: list[list[str]] = field(default_factory=list)  # [request_id, reply_to, message]
+    aborted: list[str] = field(default_factory=list)  # requests ended by an Abort
+    step_time: float = 0.0  # wall clock when the step finished
+
+
+# --- detokenizer / tokenizer -> gateway -----------------------------------------------------
+
+@message
+class Delta:
+    """New output of one request (one choice). Final when finish_reason is set or error is."""
+
+    request_id: str
+    text: str = ""
+    token_ids: array = field(default_factory=lambda: array("i"))
+    logprobs: array = field(default_factory=lambda: array("f"))
+    finish_reason: str | None = None
+    num_prompt: int = 0
+    num_output: int = 0
+    error: str | None = None
+    error_status: int = 0  # HTTP status for errors (400: bad request, 503: service)
+    started_at: float = 0.0  # on a choice's first delta: wall clock when compute admitted it
+
+
+@message
+class DeltaBatch:
+    deltas: list[Delta]

@@ -1,0 +1,109 @@
+"""Request state, service heartbeats and engine stats in Redis. The key layout lives here only.
+
+    pipellm:req:<id>             hash: status (queued -> running -> finished | aborted | failed),
+                                 timestamps (*_at, unix seconds), token counts, finish reasons;
+                                 expires request_ttl_s after the request ends
+    pipellm:svc:<service>:<instance>   heartbeat, expires after a few missed beats
+    pipellm:stats                hash: the compute engine's gauges and counters
+
+Writers queue commands on a pipeline (sync or asyncio; the same functions serve both) and
+execute it once per batch, never a round trip per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+log = logging.getLogger("pipellm.state")
+
+PREFIX = "pipellm:"
+SERVICES = ("tokenizer", "compute", "detokenizer")  # besides the gateway itself
+END_STATES = ("finished", "aborted", "failed")
+
+
+def req_key(request_id: str) -> str:
+    return f"{PREFIX}req:{request_id}"
+
+
+def api_id(request_id: str) -> str:
+    """The API request a choice belongs to: choice ids are '<api id>:<index>'."""
+    return request_id.rsplit(":", 1)[0]
+
+
+def set_request(pipe, request_id: str, ttl_s: int | None = None, **fields: Any) -> None:
+    """Queue an update of a request's hash; with ttl_s, it expires that long after now."""
+    key = req_key(request_id)
+    pipe.hset(key, mapping={k: _str(v) for k, v in fields.items()})
+    if ttl_s is not None:
+        pipe.expire(key, ttl_s)
+
+
+def incr_request(pipe, request_id: str, name: str, amount: int) -> None:
+    pipe.hincrby(req_key(request_id), name, amount)
+
+
+def heartbeat(pipe, service: str, instance: str, ttl_s: float) -> None:
+    pipe.set(f"{PREFIX}svc:{service}:{instance}", str(time.time()), px=int(ttl_s * 1000))
+
+
+def set_stats(pipe, stats: dict[str, Any]) -> None:
+    pipe.hset(f"{PREFIX}stats", mapping={k: _str(v) for k, v in stats.items()})
+
+
+def live_services(keys: list[bytes | str]) -> dict[str, set[str]]:
+    """Heartbeat keys (from SCAN pipellm:svc:*) -> {service: {instances}}."""
+    out: dict[str, set[str]] = {}
+    for key in keys:
+        key = key.decode() if isinstance(key, bytes) else key
+        _, _, service, instance = key.split(":", 3)
+        out.setdefault(service, set()).add(instance)
+    return out
+
+
+SERVICE_PATTERN = f"{PREFIX}svc:*"
+STATS_KEY = f"{PREFIX}stats"
+
+
+def decode_hash(raw: dict) -> dict[str, str]:
+    return {_s(k): _s(v) for k, v in raw.items()}
+
+
+def _s(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def _str(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+class Heartbeat:
+    """Tells Redis (and so the gateway's /health) that a service instance is alive.
+
+    `beat()` is cheap to call every loop turn: it writes at most once per period, together with
+    whatever `extra(pipe)` queues (e.g. engine stats). A Redis outage is logged, not raised.
+    """
+
+    def __init__(self, client: redis.Redis, service: str, period_s: float):
+        self.client, self.service, self.period_s = client, service, period_s
+        self.instance = uuid.uuid4().hex[:8]
+        self._next = 0.0
+
+    def beat(self, extra: Callable[[Any], None] | None = None) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.period_s
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            heartbeat(pipe, self.service, self.instance, 4 * self.period_s)
+            if extra is not None:
+                extra(pipe)
+            pipe.execute()
+        except redis.RedisError as e:
+            log.warning("%s: redis unavailable: %s", self.service, e)

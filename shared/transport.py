@@ -1,0 +1,98 @@
+"""ZeroMQ plumbing: typed PUSH/PULL endpoints over the codec.
+
+Sync endpoints serve the tokenizer, compute and detokenizer loops (compute polls with a zero
+timeout while it has work, so a step never waits on a socket); `AsyncReceiver`/`AsyncSender`
+serve the gateway's asyncio loop. Addresses are zmq URLs: ipc://path or tcp://host:port.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from shared.codec import DecodeError, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if kind == zmq.PUSH:
+        sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on a slow peer's queue
+    else:
+        sock.setsockopt(zmq.RCVHWM, 0)
+    (sock.bind if bind else sock.connect)(addr)
+    return sock
+
+
+def _decode(data: bytes) -> Any | None:
+    try:
+        return decode(data)
+    except DecodeError as e:  # a bad peer must not take the service down
+        log.warning("dropping message: %s", e)
+        return None
+
+
+class Sender:
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = False):
+        self.sock = _socket(ctx, zmq.PUSH, addr, bind)
+
+    def send(self, msg: Any) -> None:
+        self.sock.send(encode(msg), copy=False)
+
+
+class Receiver:
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = True):
+        self.sock = _socket(ctx, zmq.PULL, addr, bind)
+
+    def recv(self, timeout_ms: int | None = None) -> Any | None:
+        """One message, waiting up to timeout_ms (None: forever); None on timeout."""
+        if timeout_ms is not None and not self.sock.poll(timeout_ms):
+            return None
+        return _decode(self.sock.recv(copy=False).bytes)
+
+    def drain(self) -> list[Any]:
+        """Every message already queued, without waiting."""
+        out = []
+        while True:
+            try:
+                data = self.sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            msg = _decode(data.bytes)
+            if msg is not None:
+                out.append(msg)
+
+
+class Senders:
+    """PUSH sockets by destination address, connected on first use (replies to gateways)."""
+
+    def __init__(self, ctx: zmq.Context):
+        self.ctx = ctx
+        self._by_addr: dict[str, Sender] = {}
+
+    def send(self, addr: str, msg: Any) -> None:
+        sender = self._by_addr.get(addr)
+        if sender is None:
+            sender = self._by_addr[addr] = Sender(self.ctx, addr)
+        sender.send(msg)
+
+
+class AsyncSender:
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, bind: bool = False):
+        self.sock = _socket(ctx, zmq.PUSH, addr, bind)
+
+    async def send(self, msg: Any) -> None:
+        await self.sock.send(encode(msg), copy=False)
+
+
+class AsyncReceiver:
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, bind: bool = True):
+        self.sock = _socket(ctx, zmq.PULL, addr, bind)
+
+    async def recv(self) -> Any | None:
+        return _decode((await self.sock.recv(copy=False)).bytes)
