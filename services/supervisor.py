@@ -44,6 +44,10 @@ class Child:
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent)
         log.info("started %s (pid %d)", self.name, self.proc.pid)
+        run_dir = self.env.get("PIPELLM_RUN_DIR")
+        if run_dir:  # for operators and tests: which process is which
+            with open(os.path.join(run_dir, f"{self.name}.pid"), "w") as f:
+                f.write(str(self.proc.pid))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -13,9 +13,9 @@ execute it once per batch, never a round trip per token.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -85,25 +85,23 @@ def _str(v: Any) -> str:
 class Heartbeat:
     """Tells Redis (and so the gateway's /health) that a service instance is alive.
 
-    `beat()` is cheap to call every loop turn: it writes at most once per period, together with
-    whatever `extra(pipe)` queues (e.g. engine stats). A Redis outage is logged, not raised.
+    A daemon thread writes the key every period, so a long engine step does not look like a
+    dead process. A Redis outage is logged, not raised; beats resume when Redis is back.
     """
 
     def __init__(self, client: redis.Redis, service: str, period_s: float):
         self.client, self.service, self.period_s = client, service, period_s
         self.instance = uuid.uuid4().hex[:8]
-        self._next = 0.0
+        threading.Thread(target=self._run, name=f"heartbeat-{service}", daemon=True).start()
 
-    def beat(self, extra: Callable[[Any], None] | None = None) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            return
-        self._next = now + self.period_s
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            heartbeat(pipe, self.service, self.instance, 4 * self.period_s)
-            if extra is not None:
-                extra(pipe)
-            pipe.execute()
-        except redis.RedisError as e:
-            log.warning("%s: redis unavailable: %s", self.service, e)
+    def _run(self) -> None:
+        healthy = True
+        while True:
+            try:
+                heartbeat(self.client, self.service, self.instance, 4 * self.period_s)
+                healthy = True
+            except redis.RedisError as e:
+                if healthy:
+                    log.warning("%s: redis unavailable: %s", self.service, e)
+                healthy = False
+            time.sleep(self.period_s)

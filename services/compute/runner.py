@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from kernels.sampling import sample
+from kernels.sampling import apply_penalties, sample, token_stats
 from services.compute.batch import build_batch
 from services.compute.kv_cache import KVCache
 from services.compute.llama import LlamaModel
@@ -68,7 +68,12 @@ class ModelRunner:
         return tokens.tolist(), logprobs.tolist()  # the step's one device->host sync
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """Sample one token per row of `logits` [S, vocab] for `seqs`; no host sync."""
         ps = [s.params for s in seqs]
+        raw = None
+        if any(p.has_penalties for p in ps):  # fast path: no penalty work at all otherwise
+            raw = logits
+            logits = self._penalize(logits.float(), seqs)
         floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps],
                                [p.min_p for p in ps]], dtype=torch.float32).to(self.device)
         ints = torch.tensor([[p.top_k for p in ps], [s.seed for s in seqs],
@@ -77,7 +82,21 @@ class ModelRunner:
             logits, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
             all_greedy=all(p.temperature == 0 for p in ps),
             need_sort=any(p.top_k > 0 or p.top_p < 1 for p in ps if p.temperature > 0),
+            raw_logits=raw,  # logprobs stay those of the model's own distribution
         )
+
+    def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Presence/frequency/repetition penalties on the rows whose params ask for them; the
+        other rows get neutral values and no token statistics, so they are left bit-identical."""
+        on = [s.params.has_penalties for s in seqs]
+        prompts = [s.token_ids[: s.num_prompt] if o else [] for s, o in zip(seqs, on, strict=True)]
+        outputs = [s.output_ids if o else [] for s, o in zip(seqs, on, strict=True)]
+        prompt_mask, output_counts = token_stats(prompts, outputs, logits.shape[-1], self.device)
+        ps = [s.params for s in seqs]
+        pen = torch.tensor([[p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
+                            [p.repetition_penalty for p in ps]], dtype=torch.float32)
+        pen = pen.to(self.device)
+        return apply_penalties(logits, prompt_mask, output_counts, pen[0], pen[1], pen[2])
 
 
 def _suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:

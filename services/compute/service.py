@@ -36,7 +36,8 @@ class ComputeService:
         self.routes: dict[str, Route] = {}  # live requests
         self.routed: set[str] = set()  # live requests whose route the detokenizer has
         self.early_aborts: dict[str, float] = {}  # aborts that overtook their request
-        self.heart = state.Heartbeat(redis_client, "compute", svc.heartbeat_s)
+        state.Heartbeat(redis_client, "compute", svc.heartbeat_s)
+        self._next_stats = 0.0
 
     def run(self, stop=lambda: False) -> None:
         while not stop():
@@ -102,10 +103,19 @@ class ComputeService:
         self.routed.discard(rid)
 
     def beat(self) -> None:
+        """Every heartbeat period: expire stale early aborts, publish engine stats."""
         now = time.monotonic()
+        if now < self._next_stats:
+            return
+        self._next_stats = now + self.svc.heartbeat_s
         self.early_aborts = {k: t for k, t in self.early_aborts.items()
                              if now - t < _EARLY_ABORT_TTL_S}
-        self.heart.beat(lambda pipe: state.set_stats(pipe, vars(self.engine.stats())))
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            state.set_stats(pipe, vars(self.engine.stats()))
+            pipe.execute()
+        except redis.RedisError:
+            pass  # the heartbeat thread reports the outage
 
 
 def _output(events, routes: list[Route], errors: list[list[str]]) -> StepOutput:

@@ -140,7 +140,7 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     control.send(Hello("detokenizer", heart.instance))  # compute re-sends live routes
     detok = Detokenizer(load_tokenizer(engine_cfg.model), svc.request_ttl_s)
     while True:
-        msg = inbox.recv(timeout_ms=int(svc.heartbeat_s * 1000))
+        msg = inbox.recv()
         if isinstance(msg, StepOutput):
             res = detok.handle(msg)
             for stop in res.stops:
@@ -151,4 +151,3 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
                 write_state(client, res)
             except redis.RedisError as e:
                 log.warning("redis unavailable, request state not written: %s", e)
-        heart.beat()

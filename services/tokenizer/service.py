@@ -87,9 +87,9 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     inbox = Receiver(ctx, svc.addr("tokenizer"), bind=False)
     outbox = Sender(ctx, svc.addr("compute"))
     replies = Senders(ctx)
-    heart = state.Heartbeat(redis.Redis.from_url(svc.redis_url), "tokenizer", svc.heartbeat_s)
+    state.Heartbeat(redis.Redis.from_url(svc.redis_url), "tokenizer", svc.heartbeat_s)
     while True:
-        msg = inbox.recv(timeout_ms=int(svc.heartbeat_s * 1000))
+        msg = inbox.recv()
         if isinstance(msg, TokenizeRequest):
             try:
                 for gen in tokenizer.prepare(msg):
@@ -97,4 +97,3 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
             except PromptError as e:
                 err = Delta(msg.request_id, error=str(e), error_status=400)
                 replies.send(msg.reply_to, DeltaBatch([err]))
-        heart.beat()

@@ -1,0 +1,99 @@
+"""A real pipellm stack for end-to-end tests: `pipellm up` in a subprocess, real Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from shared.redis_server import EmbeddedRedis, free_port
+
+
+class Stack:
+    def __init__(self, model_dir: Path, *extra: str):
+        self.run_dir = tempfile.mkdtemp(prefix="pl-")  # short: ipc paths are limited to 107
+        self.redis = EmbeddedRedis(data_dir=os.path.join(self.run_dir, "redis"))
+        os.makedirs(self.redis.dir)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model_dir = model_dir
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120) -> Stack:
+        self.redis.start()
+        argv = [sys.executable, "-m", "services.cli", "up", "--model", str(self.model_dir),
+                "--port", str(self.port), "--run-dir", self.run_dir, "--redis-url",
+                self.redis.url, "--heartbeat-s", "0.2", "--kv-cache-tokens", "20000",
+                *self.extra]
+        self.log = open(os.path.join(self.run_dir, "up.log"), "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.get("/health")[0] != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("stack did not become healthy:\n" + self.logs())
+            time.sleep(0.2)
+
+    def logs(self) -> str:
+        return Path(self.run_dir, "up.log").read_text(errors="replace")[-5000:]
+
+    def pid(self, name: str) -> int:
+        return int(Path(self.run_dir, f"{name}.pid").read_text())
+
+    def get(self, path: str) -> tuple[int, dict | str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as r:
+                return r.status, _body(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, _body(e.read())
+        except OSError:
+            return 0, ""
+
+    def post(self, path: str, payload: dict | bytes) -> tuple[int, dict | str]:
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        req = urllib.request.Request(self.url + path, data=data,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, _body(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, _body(e.read())
+
+    def engine_stats(self) -> dict[str, float]:
+        status, text = self.get("/metrics")
+        assert status == 200
+        out = {}
+        for line in str(text).splitlines():
+            if line.startswith("pipellm_") and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.redis.stop()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _body(raw: bytes) -> dict | str:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")

@@ -1,0 +1,214 @@
+"""End to end through HTTP: real processes, real Redis, real zmq sockets, on the demo model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from services.compute.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from shared.tokenizer import decode, encode, load_tokenizer
+from tests.stack import Stack
+
+MODEL = "demo-llama"
+
+
+@pytest.fixture(scope="module")
+def stack(demo_model_dir):
+    s = Stack(demo_model_dir, "--served-model-name", MODEL).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model_dir):
+    """Greedy completions of the in-process engine, as text."""
+    engine = LLMEngine(EngineConfig(model=str(demo_model_dir), device="cpu",
+                                    kv_cache_tokens=4096))
+    tok = load_tokenizer(demo_model_dir)
+
+    def complete(prompt: str, max_tokens: int) -> str:
+        seq = engine.generate([encode(tok, prompt)], SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+        return decode(tok, seq.output_ids)
+
+    return complete
+
+
+def test_completion_greedy_equals_engine_with_aiohttp_and_openai(stack, client, reference):
+    expected = reference("The quick brown fox", 12)
+    status, body = stack.post("/v1/completions", {
+        "model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == expected
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "length"
+    status, st = stack.get(f"/v1/requests/{r.id}")
+    assert status == 200 and st["status"] == "finished" and st["completion_tokens"] == "12"
+    assert float(st["queued_at"]) <= float(st["first_token_at"]) <= float(st["finished_at"])
+
+
+def test_streaming_equals_non_streaming_and_reports_usage(client, reference):
+    expected = reference("Once upon a time", 10)
+    stream = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streaming_and_not(client):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好！🌍"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+
+
+def test_seeds_repeat_and_n_choices(client, demo_model_dir):
+    def run(seed, n=1):
+        return client.completions.create(model=MODEL, prompt="Tell me", max_tokens=10,
+                                         temperature=1.0, seed=seed, n=n,
+                                         extra_body={"ignore_eos": True})
+    a, b, c = run(7), run(7), run(8)
+    assert a.choices[0].text == b.choices[0].text != c.choices[0].text
+    multi = run(7, n=3)
+    assert sorted(ch.index for ch in multi.choices) == [0, 1, 2]
+    assert multi.choices[0].text == a.choices[0].text  # choice i uses seed + i
+    prompt_tokens = len(encode(load_tokenizer(demo_model_dir), "Tell me"))
+    assert multi.usage.completion_tokens == 30 and multi.usage.prompt_tokens == prompt_tokens
+
+
+def test_stop_string_cuts_the_text(client, reference):
+    text = reference("A stop test", 24)
+    stop = text[8:11]
+    assert stop.strip() and "\ufffd" not in stop
+    r = client.completions.create(model=MODEL, prompt="A stop test", max_tokens=24,
+                                  temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.index(stop)]
+
+
+def test_logprobs_of_chosen_tokens(client):
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, temperature=0,
+                                  logprobs=0, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 5 and all(x <= 0 for x in lp.token_logprobs)
+
+
+def test_hundred_concurrent_streams(stack):
+    async def one(session, i):
+        payload = {"model": MODEL, "prompt": f"Request number {i}", "max_tokens": 6,
+                   "temperature": 0, "ignore_eos": True, "stream": True,
+                   "stream_options": {"include_usage": True}}
+        text, usage, finish = "", None, None
+        async with session.post(stack.url + "/v1/completions", json=payload) as r:
+            assert r.status == 200
+            async for line in r.content:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["text"]
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+                usage = chunk.get("usage") or usage
+        return text, usage, finish
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(one(session, i) for i in range(100)))
+
+    results = asyncio.run(main())
+    assert all(u["completion_tokens"] == 6 and f == "length" for _, u, f in results)
+    status, body = stack.post("/v1/completions", {"model": MODEL, "prompt": "Request number 3",
+                                                  "max_tokens": 6, "temperature": 0,
+                                                  "ignore_eos": True})
+    assert body["choices"][0]["text"] == results[3][0]
+
+
+def test_client_disconnect_frees_kv_within_a_second(stack):
+    async def leave_early():
+        payload = {"model": MODEL, "prompt": "Go on forever", "max_tokens": 1500,
+                   "ignore_eos": True, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(stack.url + "/v1/completions", json=payload) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        break
+        return time.monotonic()
+
+    left = asyncio.run(leave_early())
+    while stack.engine_stats()["pipellm_kv_reserved"] > 0:
+        assert time.monotonic() - left < 1.0, "KV not freed within a second"
+        time.sleep(0.05)
+
+
+BAD = [
+    (b"{not json", 400, None),
+    (b'["a list"]', 400, None),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 2}, 400, "top_p"),
+    ({"prompt": "x", "max_tokens": 5000}, 400, None),  # over the 2048 context
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": [999999]}, 400, None),  # token id outside the vocabulary
+    ({"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"prompt": "x", "frobnicate": 1}, 400, None),
+]
+
+
+@pytest.mark.parametrize("payload,status,param", BAD)
+def test_bad_input_gets_openai_error_and_server_keeps_serving(stack, payload, status, param):
+    code, body = stack.post("/v1/completions", payload)
+    assert code == status, body
+    assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+    code, body = stack.post("/v1/chat/completions", {"messages": []})
+    assert code == 400 and body["error"]["param"] == "messages"
+    assert stack.post("/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200
+
+
+def test_oversized_body_is_413(stack):
+    code, body = stack.post("/v1/completions", b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}')
+    assert code == 413 and body["error"]["code"] == "payload_too_large"
+
+
+@pytest.mark.parametrize("service", ["tokenizer-0", "detokenizer"])
+def test_killed_service_is_restarted(stack, service):
+    old = stack.pid(service)
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:
+        code, body = stack.post("/v1/completions", {"prompt": "after", "max_tokens": 3})
+        if code == 200 and stack.pid(service) != old:
+            break
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.3)
+    assert body["usage"]["completion_tokens"] >= 1
