@@ -24,6 +24,9 @@ batch, its position in it, or the device. Nothing here syncs with the host, so t
 runs on CUDA tensors; the caller, who knows the parameters on the host, opts into the fast
 paths (`all_greedy`, `need_sort=False`). This file is also the specification of the Triton
 kernel that will replace it (uint32 arithmetic there).
+
+Penalties (`apply_penalties`, vLLM / OpenAI semantics) run before `sample`, on the logits the
+caller then passes to it; `token_stats` builds their per-row token statistics on the device.
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ def sample(
     *,
     all_greedy: bool = False,
     need_sort: bool = True,
+    raw_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns (token_ids [B] int64, logprobs [B] float32).
 
@@ -118,15 +122,19 @@ def sample(
     Fast paths, for the caller to choose from host-side knowledge (they must not change the
     result): all_greedy=True when every temperature is 0 (pure argmax); need_sort=False when no
     row uses top-k or top-p (skips the sort).
+
+    raw_logits [B, V] (optional): when `logits` were modified before sampling (penalties), the
+    unmodified model logits; tokens are chosen from `logits`, logprobs come from `raw_logits`.
     """
-    raw = logits.float()  # [B, V]
+    chooser = logits.float()  # [B, V]
+    raw = chooser if raw_logits is None else raw_logits.float()  # [B, V]
     lse = raw.logsumexp(dim=-1)  # [B]
-    greedy_ids = raw.argmax(dim=-1)  # [B]
+    greedy_ids = chooser.argmax(dim=-1)  # [B]
     if all_greedy:
         return greedy_ids, raw.gather(1, greedy_ids[:, None])[:, 0] - lse
 
     greedy = temperature <= 0  # [B]
-    x = raw / torch.where(greedy, 1.0, temperature)[:, None]  # [B, V]
+    x = chooser / torch.where(greedy, 1.0, temperature)[:, None]  # [B, V]
     if need_sort:
         x = _top_k_top_p(x, top_k, top_p)  # [B, V]
     probs = x.softmax(dim=-1)  # [B, V]
@@ -137,3 +145,59 @@ def sample(
 
     ids = torch.where(greedy, greedy_ids, sampled_ids)  # [B]
     return ids, raw.gather(1, ids[:, None])[:, 0] - lse
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """Penalized copy of `logits` (vLLM semantics); the input is not modified.
+
+    logits [S, V] float32; prompt_mask [S, V] bool (token occurs in the row's prompt);
+    output_counts [S, V] integer (occurrences in the row's generated tokens); presence,
+    frequency, repetition [S] float32. In order:
+      1. repetition, on tokens in the prompt or the output: x > 0 -> x / r, else x * r;
+      2. frequency: x -= frequency * count;
+      3. presence: x -= presence * (count > 0).
+    Neutral values (presence 0, frequency 0, repetition 1) leave a row bit-identical. Pure
+    tensor ops, no host sync.
+    """
+    output_mask = output_counts > 0  # [S, V]
+    rep = repetition[:, None]  # [S, 1]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)  # [S, V]
+    x = torch.where(prompt_mask | output_mask, penalized, logits)  # [S, V]
+    x = x - frequency[:, None] * output_counts.to(x.dtype)
+    return x - presence[:, None] * output_mask.to(x.dtype)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor -> `device`; to CUDA via pinned memory and an async copy (no host sync)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def token_stats(
+    prompts: list[list[int]], outputs: list[list[int]], vocab: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row token statistics on `device`: (prompt_mask [S, V] bool, output_counts [S, V] int32).
+
+    prompts[i] / outputs[i] are row i's prompt / generated token ids (ids in [0, vocab)). The
+    2S lists go to the device as one tensor padded with the id `vocab` (a spill column dropped
+    afterwards), then a single scatter_add counts every row at once.
+    """
+    rows = len(prompts)
+    if len(outputs) != rows:
+        raise ValueError(f"{rows} prompts but {len(outputs)} outputs")
+    lists = prompts + outputs
+    width = max(1, max((len(t) for t in lists), default=0))
+    padded = [list(t) + [vocab] * (width - len(t)) for t in lists]
+    ids = to_device(torch.tensor(padded, dtype=torch.int64), device)  # [2S, L]
+    counts = torch.zeros(2 * rows, vocab + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+    return counts[:rows, :vocab] > 0, counts[rows:, :vocab]

@@ -1,9 +1,9 @@
 """A tiny, deterministic, random-weight Llama checkpoint for demos and tests.
 
 `ensure_demo_model()` writes a directory in the exact Hugging Face layout (config.json,
-generation_config.json, model.safetensors, tokenizer.json) without needing transformers or a
-model hub. The weights are random, so the text it generates is gibberish, but every build in the
-same environment produces the same bytes.
+generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json with a chat
+template) without needing transformers or a model hub. The weights are random, so the text it
+generates is gibberish, but every build in the same environment produces the same bytes.
 """
 
 from __future__ import annotations
@@ -20,12 +20,26 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 ENV_VAR = "PIPELLM_DEMO_DIR"
 DEFAULT_DIR = Path("~/.cache/pipellm/demo-llama")
-FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json")
+FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+         "tokenizer_config.json")
+_ADDED_LATER = ("tokenizer_config.json",)  # older builds lack these: added in place on use
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"  # ids 0, 1, 2, as in Llama tokenizers
 VOCAB_SIZE = 1000
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 128, 4, 4, 2, 256
 MAX_POSITIONS = 2048
+# ChatML's layout with the tokenizer's own <s> / </s> as the turn markers: every turn is
+# "<s>{role}\n{content}</s>\n", and a reply ends with </s>, which is EOS, so generation stops there.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unsupported role: ' + message['role'] + '; expected system, user or "
+    "assistant') }}"
+    "{% endif %}"
+    "{{ bos_token + message['role'] + '\n' + message['content'] | trim + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ bos_token + 'assistant\n' }}{% endif %}"
+)
 SEED = 0
 INIT_STD = 0.02
 
@@ -75,6 +89,9 @@ def ensure_demo_model(root: Path | None = None) -> Path:
     root = Path(root or os.environ.get(ENV_VAR) or DEFAULT_DIR).expanduser()
     if _is_complete(root):
         return root
+    if _is_older_build(root):
+        _add_later_files(root)
+        return root
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise FileExistsError(f"{root} exists but is not a complete demo model; remove it")
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -114,6 +131,41 @@ def _is_complete(root: Path) -> bool:
     return all((root / name).is_file() for name in FILES)
 
 
+def _is_older_build(root: Path) -> bool:
+    """A build from before the files in _ADDED_LATER existed (its other files are unchanged)."""
+    return all((root / n).is_file() for n in FILES if n not in _ADDED_LATER)
+
+
+def _add_later_files(root: Path) -> None:
+    """Write the missing _ADDED_LATER files into an older build, each atomically (a temporary
+    file renamed into place), so concurrent callers all end with the same bytes."""
+    for name in _ADDED_LATER:
+        if (root / name).is_file():
+            continue
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=root)
+        os.close(fd)
+        try:
+            _write_json(Path(tmp), _tokenizer_config())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, root / name)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _tokenizer_config() -> dict:
+    """tokenizer_config.json: special tokens and the chat template (loads in transformers)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "unk_token": UNK,
+        "model_max_length": MAX_POSITIONS,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
 def _write_demo_model(out: Path) -> None:
     tok = build_demo_tokenizer()
     bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
@@ -143,6 +195,7 @@ def _write_demo_model(out: Path) -> None:
     generation = {"bos_token_id": bos, "eos_token_id": eos}
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", generation)
+    _write_json(out / "tokenizer_config.json", _tokenizer_config())
     save_file(_random_weights(vocab), str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in FILES:
         (out / name).chmod(0o644)

@@ -77,14 +77,6 @@ class Abort:
     reason: str = "abort"
 
 
-@message
-class Hello:
-    """A service (re)started; compute re-sends the routes of live requests to a new detokenizer."""
-
-    service: str
-    instance: str
-
-
 # --- compute -> detokenizer -----------------------------------------------------------------
 
 @message

@@ -86,8 +86,13 @@ class AsyncSender:
     def __init__(self, ctx: zmq.asyncio.Context, addr: str, bind: bool = False):
         self.sock = _socket(ctx, zmq.PUSH, addr, bind)
 
-    async def send(self, msg: Any) -> None:
-        await self.sock.send(encode(msg), copy=False)
+    async def send(self, msg: Any) -> bool:
+        """Queue msg without waiting; False if no peer is connected to take it."""
+        try:
+            await self.sock.send(encode(msg), flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
 
 
 class AsyncReceiver:

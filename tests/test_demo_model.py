@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +69,29 @@ def test_empty_directory_is_filled_but_incomplete_one_refused(tmp_path):
     (tmp_path / "half" / "config.json").write_text("{}")
     with pytest.raises(FileExistsError, match="not a complete demo model"):
         ensure_demo_model(tmp_path / "half")
+
+
+def test_older_build_without_tokenizer_config_is_completed_in_place(tmp_path, demo_model_dir):
+    old = tmp_path / "old"
+    shutil.copytree(demo_model_dir, old)
+    (old / "tokenizer_config.json").unlink()
+    stamp = (old / "model.safetensors").stat().st_mtime_ns
+    assert ensure_demo_model(old) == old
+    assert file_hashes(old) == file_hashes(demo_model_dir)
+    assert (old / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
+    assert (old / "tokenizer_config.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_tokenizer_config_and_chat_template_load_in_transformers(demo_model_dir):
+    config = json.loads((demo_model_dir / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"], config["unk_token"]) == ("<s>", "</s>",
+                                                                               "<unk>")
+    tok = transformers.AutoTokenizer.from_pretrained(demo_model_dir)
+    assert (tok.bos_token_id, tok.eos_token_id, len(tok)) == (1, 2, 1000)  # no added tokens
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == "<s>system\nBe brief.</s>\n<s>user\nHi</s>\n<s>assistant\n"
+    assert tok(text, add_special_tokens=False)["input_ids"][0] == 1
 
 
 def test_config_matches_tokenizer(demo_model_dir):

@@ -212,3 +212,17 @@ def test_killed_service_is_restarted(stack, service):
         assert time.monotonic() < deadline, stack.logs()
         time.sleep(0.3)
     assert body["usage"]["completion_tokens"] >= 1
+
+
+def test_redis_outage_gives_503_and_service_resumes(stack):
+    stack.redis.stop()
+    deadline = time.monotonic() + 10
+    while stack.get("/health")[0] != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    code, body = stack.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert code == 503 and body["error"]["type"] == "service_unavailable"
+    stack.redis.start()  # same port: the services reconnect
+    stack.wait_healthy(30)
+    code, body = stack.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert code == 200, body

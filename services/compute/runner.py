@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from kernels.sampling import apply_penalties, sample, token_stats
+from kernels.sampling import apply_penalties, sample, to_device, token_stats
 from services.compute.batch import build_batch
 from services.compute.kv_cache import KVCache
 from services.compute.llama import LlamaModel
@@ -95,7 +95,7 @@ class ModelRunner:
         ps = [s.params for s in seqs]
         pen = torch.tensor([[p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
                             [p.repetition_penalty for p in ps]], dtype=torch.float32)
-        pen = pen.to(self.device)
+        pen = to_device(pen, self.device)
         return apply_penalties(logits, prompt_mask, output_counts, pen[0], pen[1], pen[2])
 
 

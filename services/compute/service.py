@@ -16,7 +16,7 @@ from services.compute.engine import LLMEngine
 from shared import state
 from shared.codec import float32s, int32s
 from shared.config import EngineConfig, ServiceConfig
-from shared.messages import Abort, GenerateRequest, Hello, Route, StepOutput
+from shared.messages import Abort, GenerateRequest, Route, StepOutput
 from shared.sampling import InvalidParams
 from shared.transport import Receiver, Sender
 
@@ -34,7 +34,6 @@ class ComputeService:
         self.poller.register(self.inbox.sock, zmq.POLLIN)
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.routes: dict[str, Route] = {}  # live requests
-        self.routed: set[str] = set()  # live requests whose route the detokenizer has
         self.early_aborts: dict[str, float] = {}  # aborts that overtook their request
         state.Heartbeat(redis_client, "compute", svc.heartbeat_s)
         self._next_stats = 0.0
@@ -74,33 +73,24 @@ class ComputeService:
         self.routes[rid] = req.route
 
     def _control(self, msg, aborted: list[str]) -> None:
-        if isinstance(msg, Hello) and msg.service == "detokenizer":
-            self.routed.clear()  # a new detokenizer: send every live route again
-        elif isinstance(msg, Abort):
+        if isinstance(msg, Abort):
             ids = [r for r in self.routes if r == msg.request_id
                    or state.api_id(r) == msg.request_id]
             for rid in ids:
                 self.engine.abort(rid)
-                self._forget(rid)
+                self.routes.pop(rid, None)
                 aborted.append(rid)
             if not ids:
                 self.early_aborts[msg.request_id] = time.monotonic()
 
     def step(self) -> StepOutput:
         result = self.engine.step()
+        # a route goes with every admission (a preempted request's again: harmless)
         routes = [self.routes[r] for r in result.admitted if r in self.routes]
-        routes += [self.routes[e.request_id] for e in result.events
-                   if e.request_id not in self.routed and e.request_id in self.routes]
-        out = _output(result.events, list({r.request_id: r for r in routes}.values()), [])
-        self.routed.update(r.request_id for r in out.routes)
         for e in result.events:
             if e.finish_reason is not None:
-                self._forget(e.request_id)
-        return out
-
-    def _forget(self, rid: str) -> None:
-        self.routes.pop(rid, None)
-        self.routed.discard(rid)
+                self.routes.pop(e.request_id, None)
+        return _output(result.events, routes, [])
 
     def beat(self) -> None:
         """Every heartbeat period: expire stale early aborts, publish engine stats."""

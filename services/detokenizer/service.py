@@ -20,7 +20,7 @@ from services.detokenizer.incremental import IncrementalDetokenizer
 from services.detokenizer.stop import StopMatcher
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
-from shared.messages import Abort, Delta, DeltaBatch, Hello, Route, StepOutput
+from shared.messages import Abort, Delta, DeltaBatch, Route, StepOutput
 from shared.tokenizer import load_tokenizer
 from shared.transport import Receiver, Sender, Senders
 
@@ -136,8 +136,7 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     control = Sender(ctx, svc.addr("control"))
     gateways = Senders(ctx)
     client = redis.Redis.from_url(svc.redis_url)
-    heart = state.Heartbeat(client, "detokenizer", svc.heartbeat_s)
-    control.send(Hello("detokenizer", heart.instance))  # compute re-sends live routes
+    state.Heartbeat(client, "detokenizer", svc.heartbeat_s)
     detok = Detokenizer(load_tokenizer(engine_cfg.model), svc.request_ttl_s)
     while True:
         msg = inbox.recv()

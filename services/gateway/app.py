@@ -79,7 +79,8 @@ class Gateway:
             raise unavailable("Request state store (Redis) is unavailable.") from None
         inflight = self.registry.add(rid, req.n)
         try:
-            await self.to_tokenizer.send(self._tokenize_request(rid, req, inflight))
+            if not await self.to_tokenizer.send(self._tokenize_request(rid, req, inflight)):
+                raise unavailable("No tokenizer worker is connected; retry shortly.")
             choices = [ChoiceState(i) for i in range(req.n)]
             if req.stream:
                 return await stream(self, request, req, inflight, choices)
@@ -108,7 +109,7 @@ class Gateway:
     async def _abort_ids(self, ids: list[str], status: str) -> None:
         """Stop requests in compute (their KV is freed) and record how they ended."""
         for rid in ids:
-            await self.to_control.send(Abort(rid))
+            await self.to_control.send(Abort(rid))  # dropped if compute is down: moot then
         self.metrics.requests.labels(status).inc(len(ids))
         try:
             pipe = self.redis.pipeline(transaction=False)

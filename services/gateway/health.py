@@ -1,9 +1,9 @@
 """Service liveness from Redis heartbeats, engine stats for /metrics, and restart handling.
 
-A restarted compute has lost every request it held, so the gateway fails them all (503, the
-client may retry) instead of letting them hang; a restarted tokenizer may have lost requests it
-had not yet passed on, so those without any output yet are failed (and aborted in compute, in
-case they did get there). A restarted detokenizer loses nothing: compute re-sends it the routes.
+A restarted compute or detokenizer has lost the state of every request in flight, so the
+gateway fails them all (503, the client may retry; compute is told to abort them) instead of
+letting them hang; a restarted tokenizer may have lost requests it had not yet passed on, so
+those without any output yet are failed (and aborted in compute, in case they got there).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class Health:
         self.seen = {s: self.seen.get(s, set()) | live.get(s, set()) for s in state.SERVICES}
 
     async def _restarts(self, live: dict[str, set[str]]) -> None:
-        for service, only_waiting in (("compute", False), ("tokenizer", True)):
+        for service, only_waiting in (("compute", False), ("detokenizer", False),
+                                      ("tokenizer", True)):
             new = live.get(service, set()) - self.seen.get(service, set())
             if new and self.seen.get(service):
                 log.warning("%s restarted; failing requests it may have lost", service)

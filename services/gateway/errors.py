@@ -1,0 +1,63 @@
+"""OpenAI-shaped API errors: raise `APIError`, answer with `err.status` and `err.body()`."""
+
+from __future__ import annotations
+
+_DEFAULT_TYPES = {500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error to answer with HTTP `status` and the body `{"error": {...}}` OpenAI clients parse.
+
+    `type` defaults to "invalid_request_error" for 4xx, "service_unavailable" for 503 and
+    "server_error" for anything else; `param` names the offending request field (or None);
+    `code` is a machine-readable code such as "model_not_found" (or None).
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        if type is None:
+            type = "invalid_request_error" if 400 <= status < 500 else (
+                _DEFAULT_TYPES.get(status, "server_error"))
+        self.type = type
+
+    def body(self) -> dict:
+        """The JSON error body, exactly `{"error": {"message", "type", "param", "code"}}`."""
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+    def __repr__(self) -> str:
+        return (f"APIError({self.status}, {self.message!r}, param={self.param!r}, "
+                f"code={self.code!r}, type={self.type!r})")
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """400: the request is malformed or asks for something unsupported."""
+    return APIError(400, message, param=param, code=code)
+
+
+def not_found(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """404: e.g. an unknown model (code "model_not_found")."""
+    return APIError(404, message, param=param, code=code)
+
+
+def payload_too_large(message: str = "Request body is too large.", param: str | None = None,
+                      code: str | None = None) -> APIError:
+    """413: the request body exceeds the gateway's size limit."""
+    return APIError(413, message, param=param, code=code)
+
+
+def too_many_requests(message: str = "Too many requests; retry later.", param: str | None = None,
+                      code: str | None = "rate_limit_exceeded") -> APIError:
+    """429: admission control refused the request (code "rate_limit_exceeded" by default)."""
+    return APIError(429, message, param=param, code=code)
+
+
+def unavailable(message: str = "The server is temporarily unavailable.",
+                param: str | None = None, code: str | None = None) -> APIError:
+    """503 (type "service_unavailable"): e.g. the engine is down or shutting down."""
+    return APIError(503, message, param=param, code=code)

@@ -1,0 +1,279 @@
+"""Parse and validate OpenAI `/v1/completions` and `/v1/chat/completions` bodies.
+
+`parse_completion` / `parse_chat` turn a decoded JSON body into a `GenerationRequest` or raise
+`APIError` (400 unless noted) naming the offending `param`. Rules:
+
+* JSON null means "absent" for every optional field.
+* Unknown keys -> "Unrecognized request argument supplied: X" (OpenAI's behaviour); vLLM extras
+  we do not implement are unknown too. Known OpenAI fields we do not implement -> "`X` is not
+  supported", unless given a harmless value (null, false, {}, "none", ...): never ignored.
+* Supported vLLM extras: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+  stop_token_ids, and for chat add_generation_prompt.
+* max_tokens: the given value, else `default_max_tokens` (16 = OpenAI's completions default);
+  `max_tokens_given` tells which, so the gateway can later replace the default for chat with
+  `context_len - prompt_len` once the prompt is tokenized. Checking prompt + max_tokens against
+  the context length is the gateway's job. For chat, `max_completion_tokens` and `max_tokens` are
+  synonyms; giving both with different values is a 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import APIError, bad_request, not_found
+from services.gateway.validation import (
+    get_bool,
+    get_int,
+    get_number,
+    get_stop,
+    get_str,
+    is_int,
+    json_type,
+    reject_unknown,
+    reject_unsupported,
+    same,
+    token_ids,
+)
+from shared.sampling import InvalidParams, SamplingParams
+
+MAX_N = 16
+
+_COMMON_KEYS = frozenset({
+    "model", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n", "seed",
+    "stop", "stream", "stream_options", "temperature", "top_p", "user",
+    # vLLM extensions we implement
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+})
+# Known OpenAI fields we do not implement, with the values that ask for nothing (null is too).
+_COMPLETION_NEUTRAL: dict[str, tuple] = {"echo": (False,), "suffix": ("",), "logit_bias": ({},)}
+_CHAT_NEUTRAL: dict[str, tuple] = {
+    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
+    "metadata": ({},), "store": (False,), "service_tier": ("auto", "default"),
+    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "verbosity": (), "moderation": (), "prompt_cache_key": (),
+    "prompt_cache_options": (), "prompt_cache_retention": (), "safety_identifier": (),
+}
+COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of"} | _COMPLETION_NEUTRAL.keys())
+CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs",
+                                      "add_generation_prompt"} | _CHAT_NEUTRAL.keys())
+_TOP_LOGPROBS = "top logprobs are not supported yet"
+_ROLES = ("system", "user", "assistant")
+_OTHER_ROLES = ("developer", "tool", "function")  # OpenAI roles we do not implement
+# Message fields we do not implement; null (or an empty list) is what clients echo back.
+_MESSAGE_NEUTRAL: dict[str, tuple] = {"tool_calls": ([],), "tool_call_id": (), "function_call": (),
+                                      "audio": (), "refusal": (), "annotations": ([],)}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated generation request, for either endpoint."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt_text: str | None  # completions: the prompt as a string
+    prompt_ids: tuple[int, ...] | None  # completions: the prompt as token ids
+    messages: tuple[dict, ...] | None  # chat: [{"role", "content": str[, "name"]}, ...]
+    params: SamplingParams  # per-choice parameters (seed as given)
+    stop: tuple[str, ...]  # stop strings
+    n: int
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    logprobs: bool  # return the chosen token's logprob (also params.logprobs)
+    add_generation_prompt: bool  # chat (default True); False for completions
+    user: str | None
+    max_tokens_given: bool = True  # False: params.max_tokens is the default_max_tokens argument
+
+
+def parse_completion(body: Any, served_model: str, *,
+                     default_max_tokens: int = 16) -> GenerationRequest:
+    """Validate a `/v1/completions` body. `prompt` is a non-empty string, a list of one string,
+    a non-empty list of token ids or a list of one such list; batches are a 400."""
+    model = _check_body(body, served_model, COMPLETION_KEYS, _COMPLETION_NEUTRAL)
+    prompt_text, prompt_ids = _parse_prompt(body.get("prompt"))
+    n = get_int(body, "n", 1, lo=1, hi=MAX_N)
+    best_of = get_int(body, "best_of")
+    if best_of is not None and best_of != n:
+        raise bad_request("`best_of` is not supported (only best_of == n)", "best_of")
+    logprobs = get_int(body, "logprobs", lo=0)
+    if logprobs is not None and logprobs > 1:
+        raise bad_request(_TOP_LOGPROBS, "logprobs")
+    max_tokens = get_int(body, "max_tokens")
+    return _finish(body, "completion", model, prompt_text=prompt_text, prompt_ids=prompt_ids,
+                   messages=None, n=n, logprobs=logprobs is not None, max_tokens=max_tokens,
+                   max_param="max_tokens", default_max_tokens=default_max_tokens,
+                   add_generation_prompt=False)
+
+
+def parse_chat(body: Any, served_model: str, *, default_max_tokens: int = 16) -> GenerationRequest:
+    """Validate a `/v1/chat/completions` body. Messages have role system, user or assistant
+    and content as a string or a list of text parts (joined with newlines)."""
+    model = _check_body(body, served_model, CHAT_KEYS, _CHAT_NEUTRAL)
+    messages = parse_messages(body.get("messages"))
+    n = get_int(body, "n", 1, lo=1, hi=MAX_N)
+    logprobs = get_bool(body, "logprobs", False)
+    if get_int(body, "top_logprobs", 0, lo=0):
+        raise bad_request(_TOP_LOGPROBS, "top_logprobs")
+    max_tokens = get_int(body, "max_tokens")
+    max_completion = get_int(body, "max_completion_tokens")
+    if max_completion is not None and max_tokens is not None and max_completion != max_tokens:
+        raise bad_request("max_tokens and max_completion_tokens differ; give only one",
+                          "max_completion_tokens")
+    param = "max_tokens"
+    if max_completion is not None:
+        max_tokens, param = max_completion, "max_completion_tokens"
+    return _finish(body, "chat", model, prompt_text=None, prompt_ids=None, messages=messages,
+                   n=n, logprobs=logprobs, max_tokens=max_tokens,
+                   max_param=param, default_max_tokens=default_max_tokens,
+                   add_generation_prompt=get_bool(body, "add_generation_prompt", True))
+
+
+def _check_body(body: Any, served_model: str, allowed: frozenset[str],
+                neutral: dict[str, tuple]) -> str:
+    """Body is an object with only known keys, no unsupported features, and names our model."""
+    if not isinstance(body, dict):
+        raise bad_request(f"The request body must be a JSON object, got {json_type(body)}")
+    reject_unknown(body, allowed)
+    model = get_str(body, "model", served_model)
+    if model != served_model:
+        raise not_found(f"The model `{model}` does not exist."[:300], "model", "model_not_found")
+    reject_unsupported(body, neutral)
+    return model
+
+
+def _parse_prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    """(prompt_text, None) or (None, prompt_ids) from the accepted `prompt` shapes."""
+    if prompt is None:
+        raise bad_request("prompt is required", "prompt")
+    if isinstance(prompt, list) and prompt and not is_int(prompt[0]):
+        if len(prompt) > 1:
+            raise bad_request("batched prompts (a list of several prompts) are not supported "
+                              "yet; send one request per prompt", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return prompt, None
+    if isinstance(prompt, list):
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return None, token_ids(prompt, "prompt")
+    raise bad_request("prompt must be a string, a list of token ids, or a list of one of "
+                      f"those, got {json_type(prompt)}", "prompt")
+
+
+def _stream_fields(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage); stream_options is only allowed together with stream: true."""
+    stream = get_bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request(f"stream_options must be an object, got {json_type(options)}",
+                          "stream_options")
+    for key in options:
+        if key not in ("include_usage", "include_obfuscation"):
+            raise bad_request(f"Unrecognized stream_options argument supplied: {key}"[:300],
+                              "stream_options")
+    get_bool(options, "include_obfuscation", False)  # type-checked; we never obfuscate
+    return stream, get_bool(options, "include_usage", False)
+
+
+def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool,
+                     max_param: str) -> SamplingParams:
+    """SamplingParams from the sampling fields; range errors become 400s naming the field."""
+    stop_ids = body.get("stop_token_ids")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=get_number(body, "temperature", 1.0),
+            top_k=get_int(body, "top_k", 0),
+            top_p=get_number(body, "top_p", 1.0),
+            min_p=get_number(body, "min_p", 0.0),
+            seed=get_int(body, "seed"),
+            ignore_eos=get_bool(body, "ignore_eos", False),
+            min_tokens=get_int(body, "min_tokens", 0),
+            stop_token_ids=() if stop_ids is None else token_ids(stop_ids, "stop_token_ids"),
+            logprobs=logprobs,
+            presence_penalty=get_number(body, "presence_penalty", 0.0),
+            frequency_penalty=get_number(body, "frequency_penalty", 0.0),
+            repetition_penalty=get_number(body, "repetition_penalty", 1.0),
+        )
+    except InvalidParams as exc:
+        param = max_param if exc.param == "max_tokens" else exc.param
+        raise APIError(400, str(exc), param=param) from exc
+
+
+def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_param: str,
+            default_max_tokens: int, n: int, logprobs: bool, **fields: Any) -> GenerationRequest:
+    """Validate the fields both endpoints share and build the request."""
+    stream, include_usage = _stream_fields(body)
+    params = _sampling_params(
+        body, logprobs=logprobs, max_param=max_param,
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens)
+    return GenerationRequest(
+        kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
+        include_usage=include_usage, logprobs=logprobs, user=get_str(body, "user"),
+        max_tokens_given=max_tokens is not None, **fields)
+
+
+def parse_messages(messages: Any) -> tuple[dict, ...]:
+    """Validated chat messages as ({"role", "content": str[, "name"]}, ...)."""
+    if messages is None:
+        raise bad_request("messages is required", "messages")
+    if not isinstance(messages, list):
+        raise bad_request(f"messages must be an array, got {json_type(messages)}", "messages")
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    return tuple(_parse_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+
+
+def _parse_message(message: Any, where: str) -> dict:
+    if not isinstance(message, dict):
+        raise bad_request(f"{where} must be an object, got {json_type(message)}", where)
+    for key, value in message.items():
+        if key in ("role", "content", "name"):
+            continue
+        if key not in _MESSAGE_NEUTRAL:
+            raise bad_request(f"Unrecognized argument in {where}: {key}"[:300], f"{where}.{key}")
+        if value is not None and not any(same(value, ok) for ok in _MESSAGE_NEUTRAL[key]):
+            raise bad_request(f"`{key}` in messages is not supported", f"{where}.{key}")
+    role = message.get("role")
+    if role is None:
+        raise bad_request(f"{where} is missing `role`", f"{where}.role")
+    if role not in _ROLES:
+        what = f"`{role}` messages are not supported" if role in _OTHER_ROLES else (
+            f"unknown role {str(role)[:50]!r}; expected one of system, user, assistant")
+        raise bad_request(what, f"{where}.role")
+    out = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise bad_request(f"{where}.name must be a string", f"{where}.name")
+        out["name"] = name
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    """A string, or a list of {"type": "text", "text": str} parts joined with newlines."""
+    if content is None:
+        raise bad_request(f"{where} is required", where)
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or an array of content parts, "
+                          f"got {json_type(content)}", where)
+    texts = []
+    for i, part in enumerate(content):
+        at = f"{where}[{i}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad_request(f"{at} must be an object with a string `type`", at)
+        if part["type"] != "text":
+            raise bad_request(f"content part type `{part['type'][:50]}` is not supported", at)
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise bad_request(f"{at} must be {{\"type\": \"text\", \"text\": string}}", at)
+        texts.append(part["text"])
+    return "\n".join(texts)

@@ -1,0 +1,163 @@
+"""Pure builders for OpenAI-shaped response bodies and SSE chunks (dicts; the gateway dumps them).
+
+Ids are used verbatim: make them with `new_id(kind)` ("cmpl-..." / "chatcmpl-..."). Logprobs that
+JSON cannot carry (-inf, nan) are clamped to -9999.0 as vLLM does. Tokens without a decoded
+string (`Choice.tokens` None) are shown as "token_id:<id>" (vLLM's convention).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass, field
+
+SSE_DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0
+_OBJECTS = {"completion": ("text_completion", "text_completion"),
+            "chat": ("chat.completion", "chat.completion.chunk")}  # kind -> (response, chunk)
+
+
+@dataclass
+class Choice:
+    """One finished choice: its text, why it ended ("stop" | "length"), and its tokens."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None  # the chosen tokens' logprobs, when requested
+    tokens: list[str] | None = None  # the chosen tokens as strings, for logprobs
+
+
+@dataclass
+class Usage:
+    """Token counts of a request (all choices)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens}
+
+
+def new_id(kind: str) -> str:
+    """A fresh response id: "cmpl-<hex>" for completions, "chatcmpl-<hex>" for chat."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def _logprob(value: float) -> float:
+    value = float(value)
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def _token_strings(tokens: list[str] | None, token_ids: list[int], count: int) -> list[str]:
+    if tokens is not None:
+        return list(tokens)
+    return [f"token_id:{t}" for t in token_ids[:count]]
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], text_offset: int = 0) -> dict:
+    """The completions `logprobs` object; `text_offset` is where the first token starts in the
+    generated text (in a stream: the length of the text sent before this chunk)."""
+    offsets = []
+    for tok in tokens:
+        offsets.append(text_offset)
+        text_offset += len(tok)
+    return {"tokens": list(tokens), "token_logprobs": [_logprob(x) for x in logprobs],
+            "top_logprobs": None, "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
+    """The chat `logprobs` object: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
+    return {"content": [{"token": tok, "logprob": _logprob(lp),
+                         "bytes": list(tok.encode("utf-8", errors="replace")),
+                         "top_logprobs": []} for tok, lp in zip(tokens, logprobs, strict=True)]}
+
+
+def _choice_logprobs(choice: Choice, kind: str) -> dict | None:
+    if choice.logprobs is None:
+        return None
+    tokens = _token_strings(choice.tokens, choice.token_ids, len(choice.logprobs))
+    if kind == "chat":
+        return chat_logprobs(tokens, choice.logprobs)
+    return completion_logprobs(tokens, choice.logprobs)
+
+
+def _envelope(kind: str, chunk: bool, req_id: str, model: str, created: int,
+              choices: list[dict]) -> dict:
+    return {"id": req_id, "object": _OBJECTS[kind][chunk], "created": created, "model": model,
+            "choices": choices}
+
+
+def completion_response(req_id: str, model: str, created: int, choices: list[Choice],
+                        usage: Usage) -> dict:
+    """A non-streamed `/v1/completions` response ("object": "text_completion")."""
+    out = _envelope("completion", False, req_id, model, created, [
+        {"index": c.index, "text": c.text, "logprobs": _choice_logprobs(c, "completion"),
+         "finish_reason": c.finish_reason} for c in choices])
+    out["usage"] = usage.to_dict()
+    return out
+
+
+def chat_response(req_id: str, model: str, created: int, choices: list[Choice],
+                  usage: Usage) -> dict:
+    """A non-streamed `/v1/chat/completions` response ("object": "chat.completion")."""
+    out = _envelope("chat", False, req_id, model, created, [
+        {"index": c.index, "message": {"role": "assistant", "content": c.text},
+         "logprobs": _choice_logprobs(c, "chat"), "finish_reason": c.finish_reason}
+        for c in choices])
+    out["usage"] = usage.to_dict()
+    return out
+
+
+def completion_chunk(req_id: str, model: str, created: int, index: int, text: str,
+                     finish_reason: str | None, logprobs_entry: dict | None, *,
+                     include_usage: bool = False) -> dict:
+    """One streamed completions chunk; `logprobs_entry` from `completion_logprobs` or None.
+    With `include_usage` (stream_options.include_usage) the chunk carries "usage": null."""
+    out = _envelope("completion", True, req_id, model, created, [
+        {"index": index, "text": text, "logprobs": logprobs_entry,
+         "finish_reason": finish_reason}])
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def chat_chunk(req_id: str, model: str, created: int, index: int, delta_content: str | None,
+               role: str | None, finish_reason: str | None, logprobs_entry: dict | None, *,
+               include_usage: bool = False) -> dict:
+    """One streamed chat chunk. The first chunk of each choice should pass role="assistant"
+    (and delta_content=""); None fields are left out of `delta`. `logprobs_entry` comes from
+    `chat_logprobs`. With `include_usage` the chunk carries "usage": null."""
+    delta: dict = {}
+    if role is not None:
+        delta["role"] = role
+    if delta_content is not None:
+        delta["content"] = delta_content
+    out = _envelope("chat", True, req_id, model, created, [
+        {"index": index, "delta": delta, "logprobs": logprobs_entry,
+         "finish_reason": finish_reason}])
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(kind: str, req_id: str, model: str, created: int, usage: Usage) -> dict:
+    """The last chunk of a stream with stream_options.include_usage: no choices, only usage.
+    `kind` is "completion" or "chat"."""
+    out = _envelope(kind, True, req_id, model, created, [])
+    out["usage"] = usage.to_dict()
+    return out
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event: b"data: <json>\\n\\n" (compact, UTF-8, strict JSON)."""
+    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return b"data: " + data.encode("utf-8") + b"\n\n"

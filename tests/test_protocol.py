@@ -1,0 +1,415 @@
+"""Tests for services.gateway: request validation, OpenAI-shaped responses/chunks, errors."""
+
+from __future__ import annotations
+
+import json
+import typing
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai.types import Completion, completion_create_params
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat import completion_create_params as chat_create_params
+
+from services.gateway import errors
+from services.gateway.errors import APIError
+from services.gateway.protocol import (
+    CHAT_KEYS,
+    COMPLETION_KEYS,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+)
+from services.gateway.responses import (
+    SSE_DONE,
+    Choice,
+    Usage,
+    chat_chunk,
+    chat_logprobs,
+    chat_response,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    new_id,
+    sse,
+    usage_chunk,
+)
+from shared.sampling import SamplingParams
+
+M = "demo"
+MSG = [{"role": "user", "content": "hi"}]
+PARSE = {"completion": parse_completion, "chat": parse_chat}
+BASE = {"completion": {"model": M, "prompt": "hi"}, "chat": {"model": M, "messages": MSG}}
+
+
+def fail(kind: str, body, status=400) -> APIError:
+    with pytest.raises(APIError) as info:
+        PARSE[kind](body, M)
+    assert info.value.status == status
+    assert info.value.body()["error"]["type"] == "invalid_request_error"
+    return info.value
+
+
+# (extra fields on top of the base body, param, message substring) -- for both endpoints
+COMMON_ERRORS = [
+    ({"model": 5}, "model", "must be a string"),
+    ({"foo": 1}, "foo", "Unrecognized request argument supplied: foo"),
+    ({"skip_special_tokens": True}, "skip_special_tokens", "Unrecognized request argument"),
+    ({"guided_json": {}}, "guided_json", "Unrecognized request argument"),
+    ({"max_tokens": "16"}, "max_tokens", "max_tokens must be an integer"),
+    ({"max_tokens": True}, "max_tokens", "must be an integer"),
+    ({"max_tokens": 16.0}, "max_tokens", "must be an integer"),
+    ({"max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"temperature": "0.5"}, "temperature", "temperature must be a number"),
+    ({"temperature": True}, "temperature", "must be a number"),
+    ({"temperature": -1}, "temperature", ">= 0"),
+    ({"temperature": float("inf")}, "temperature", "finite"),
+    ({"temperature": float("nan")}, "temperature", "finite"),
+    ({"temperature": 10**400}, "temperature", "finite"),
+    ({"top_p": 0}, "top_p", "top_p"),
+    ({"top_p": 1.5}, "top_p", "top_p"),
+    ({"top_k": -2}, "top_k", "top_k"),
+    ({"top_k": 1.5}, "top_k", "must be an integer"),
+    ({"min_p": 2}, "min_p", "min_p"),
+    ({"seed": -1}, "seed", "seed"),
+    ({"seed": 2**63}, "seed", "seed"),
+    ({"seed": "1"}, "seed", "must be an integer"),
+    ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "min_tokens"),
+    ({"ignore_eos": "yes"}, "ignore_eos", "must be a boolean"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "token id"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids", "token id"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids", "token id"),
+    ({"stop_token_ids": 5}, "stop_token_ids", "array of token ids"),
+    ({"stop": ""}, "stop", "must not be empty"),
+    ({"stop": ["a", ""]}, "stop", "must not be empty"),
+    ({"stop": [str(i) for i in range(17)]}, "stop", "at most 16"),
+    ({"stop": [1]}, "stop", "string"),
+    ({"stop": 5}, "stop", "string"),
+    ({"n": 0}, "n", "between 1 and 16"),
+    ({"n": 17}, "n", "between 1 and 16"),
+    ({"n": True}, "n", "must be an integer"),
+    ({"stream": "true"}, "stream", "must be a boolean"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
+    ({"stream": False, "stream_options": {}}, "stream_options", "only allowed when stream"),
+    ({"stream": True, "stream_options": []}, "stream_options", "must be an object"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options",
+     "Unrecognized"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "include_usage", "boolean"),
+    ({"user": 5}, "user", "must be a string"),
+    ({"logit_bias": {"1": 5}}, "logit_bias", "`logit_bias` is not supported"),
+]
+
+COMPLETION_ERRORS = [
+    ({"prompt": None}, "prompt", "prompt is required"),
+    ({"prompt": ""}, "prompt", "must not be empty"),
+    ({"prompt": []}, "prompt", "must not be empty"),
+    ({"prompt": [[]]}, "prompt", "must not be empty"),
+    ({"prompt": [""]}, "prompt", "must not be empty"),
+    ({"prompt": ["a", "b"]}, "prompt", "batched prompts"),
+    ({"prompt": [[1], [2]]}, "prompt", "not supported yet"),
+    ({"prompt": [1, "a"]}, "prompt", "token id"),
+    ({"prompt": [-1]}, "prompt", "token id"),
+    ({"prompt": [True]}, "prompt", "must be a string"),
+    ({"prompt": 5}, "prompt", "must be a string"),
+    ({"prompt": {"a": 1}}, "prompt", "must be a string"),
+    ({"logprobs": 2}, "logprobs", "top logprobs are not supported yet"),
+    ({"logprobs": -1}, "logprobs", "at least 0"),
+    ({"logprobs": True}, "logprobs", "must be an integer"),
+    ({"echo": True}, "echo", "`echo` is not supported"),
+    ({"echo": 0}, "echo", "`echo` is not supported"),
+    ({"suffix": "x"}, "suffix", "`suffix` is not supported"),
+    ({"best_of": 2}, "best_of", "`best_of` is not supported"),
+    ({"best_of": 2, "n": 3}, "best_of", "`best_of` is not supported"),
+    ({"best_of": "1"}, "best_of", "must be an integer"),
+    ({"max_completion_tokens": 5}, "max_completion_tokens", "Unrecognized"),
+    ({"messages": MSG}, "messages", "Unrecognized"),
+    ({"top_logprobs": 0}, "top_logprobs", "Unrecognized"),
+]
+
+CHAT_ERRORS = [
+    ({"messages": None}, "messages", "messages is required"),
+    ({"messages": []}, "messages", "must not be empty"),
+    ({"messages": "hi"}, "messages", "must be an array"),
+    ({"messages": [5]}, "messages[0]", "must be an object"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role", "missing `role`"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "is required"),
+    ({"messages": MSG + [{"role": "tool", "content": "x"}]}, "messages[1].role",
+     "`tool` messages are not supported"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "unknown role"),
+    ({"messages": [{"role": 3, "content": "x"}]}, "messages[0].role", "unknown role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+     "messages[0].content[0]", "`image_url` is not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0]", '"type": "text"'),
+    ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content[0]", "`type`"),
+    ({"messages": [{"role": "user", "content": "x", "foo": 1}]}, "messages[0].foo",
+     "Unrecognized"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
+     "messages[0].tool_calls", "not supported"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name", "string"),
+    ({"top_logprobs": 2}, "top_logprobs", "top logprobs are not supported yet"),
+    ({"top_logprobs": -1}, "top_logprobs", "at least 0"),
+    ({"logprobs": 1}, "logprobs", "must be a boolean"),
+    ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens", "differ"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
+    ({"add_generation_prompt": "no"}, "add_generation_prompt", "boolean"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ({"tool_choice": "auto"}, "tool_choice", "`tool_choice` is not supported"),
+    ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"parallel_tool_calls": True}, "parallel_tool_calls", "not supported"),
+    ({"service_tier": "flex"}, "service_tier", "not supported"),
+    ({"metadata": {"a": "b"}}, "metadata", "not supported"),
+    ({"store": True}, "store", "not supported"),
+    ({"modalities": ["text", "audio"]}, "modalities", "not supported"),
+    ({"prompt": "x"}, "prompt", "Unrecognized"),
+    ({"best_of": 1}, "best_of", "Unrecognized"),
+    ({"echo": False}, "echo", "Unrecognized"),
+]
+
+ERROR_CASES = ([(k, *c) for k in PARSE for c in COMMON_ERRORS]
+               + [("completion", *c) for c in COMPLETION_ERRORS]
+               + [("chat", *c) for c in CHAT_ERRORS])
+
+
+@pytest.mark.parametrize(("kind", "extra", "param", "text"), ERROR_CASES,
+                         ids=[f"{c[0]}-{c[2]}-{i}" for i, c in enumerate(ERROR_CASES)])
+def test_invalid_requests(kind, extra, param, text):
+    err = fail(kind, {**BASE[kind], **extra})
+    assert err.param == param
+    assert text in err.message
+    assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error",
+                                    "param": param, "code": None}}
+
+
+@pytest.mark.parametrize("kind", PARSE)
+@pytest.mark.parametrize("body", [[], "x", None, 3, [{"prompt": "x"}]])
+def test_body_must_be_object(kind, body):
+    err = fail(kind, body)
+    assert "JSON object" in err.message and err.param is None
+
+
+@pytest.mark.parametrize("kind", PARSE)
+def test_unknown_model_is_404(kind):
+    err = fail(kind, {**BASE[kind], "model": "gpt-4"}, status=404)
+    assert err.body()["error"] == {"message": "The model `gpt-4` does not exist.",
+                                   "type": "invalid_request_error", "param": "model",
+                                   "code": "model_not_found"}
+
+
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 1234,
+            "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+            "min_tokens": 3, "ignore_eos": True, "stop_token_ids": [7, 9], "n": 2,
+            "stop": ["\n\n", "END"], "stream": True, "user": "u1",
+            "stream_options": {"include_usage": True, "include_obfuscation": False}}
+EXPECTED = SamplingParams(max_tokens=50, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
+                          seed=1234, presence_penalty=0.5, frequency_penalty=-0.5,
+                          repetition_penalty=1.1, min_tokens=3, ignore_eos=True,
+                          stop_token_ids=(7, 9), logprobs=True)
+
+
+def check_common(req: GenerationRequest, kind: str):
+    assert req.kind == kind and req.model == M and req.params == EXPECTED
+    assert (req.stop, req.n, req.stream, req.include_usage) == (("\n\n", "END"), 2, True, True)
+    assert req.logprobs and req.user == "u1" and req.max_tokens_given
+
+
+def test_completion_all_fields():
+    req = parse_completion({**BASE["completion"], **SAMPLING, "max_tokens": 50, "logprobs": 1,
+                            "best_of": 2, "echo": False, "suffix": None, "logit_bias": {}}, M)
+    check_common(req, "completion")
+    assert (req.prompt_text, req.prompt_ids, req.messages) == ("hi", None, None)
+    assert not req.add_generation_prompt
+
+
+def test_chat_all_fields():
+    messages = [{"role": "system", "content": "be brief", "name": "sys"},
+                {"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]},
+                ChatCompletionMessage(role="assistant", content="ok").model_dump(),
+                {"role": "user", "content": ""}]
+    req = parse_chat({"messages": messages, **SAMPLING, "max_completion_tokens": 50,
+                      "max_tokens": 50, "logprobs": True, "top_logprobs": 0,
+                      "add_generation_prompt": False, "tools": [], "tool_choice": "none",
+                      "response_format": {"type": "text"}, "store": False, "metadata": {},
+                      "service_tier": "auto", "modalities": ["text"],
+                      "parallel_tool_calls": None}, M)
+    check_common(req, "chat")
+    assert req.messages == ({"role": "system", "content": "be brief", "name": "sys"},
+                            {"role": "user", "content": "a\nb"},
+                            {"role": "assistant", "content": "ok"},
+                            {"role": "user", "content": ""})
+    assert req.prompt_text is None and req.prompt_ids is None and not req.add_generation_prompt
+
+
+@pytest.mark.parametrize(("prompt", "text", "ids"), [
+    ("x", "x", None), (["x"], "x", None), ([1, 2, 3], None, (1, 2, 3)),
+    ([[4, 5]], None, (4, 5)), ([0], None, (0,))])
+def test_prompt_shapes(prompt, text, ids):
+    req = parse_completion({"prompt": prompt}, M)
+    assert (req.prompt_text, req.prompt_ids) == (text, ids)
+
+
+@pytest.mark.parametrize("kind", PARSE)
+def test_defaults_and_nulls(kind):
+    nulls = {k: None for k in SAMPLING} | {"model": None, "max_tokens": None, "logprobs": None}
+    for body in ({k: v for k, v in BASE[kind].items() if k != "model"}, {**BASE[kind], **nulls}):
+        req = PARSE[kind](body, M, default_max_tokens=123)
+        assert req.model == M and req.params == SamplingParams(max_tokens=123)
+        assert not req.max_tokens_given and req.stop == () and req.n == 1
+        assert not (req.stream or req.include_usage or req.logprobs) and req.user is None
+        assert req.add_generation_prompt == (kind == "chat")
+    assert PARSE[kind](BASE[kind], M).params.max_tokens == 16
+
+
+def test_small_accepted_variants():
+    assert parse_completion({"prompt": "x", "logprobs": 0}, M).params.logprobs
+    assert parse_completion({"prompt": "x", "top_k": -1}, M).params.top_k == -1
+    assert parse_completion({"prompt": "x", "stop": "##"}, M).stop == ("##",)
+    assert parse_completion({"prompt": "x", "stop": []}, M).stop == ()
+    assert parse_completion({"prompt": "x", "temperature": 0}, M).params.greedy
+    assert parse_chat({"messages": MSG, "max_tokens": 7}, M).params.max_tokens == 7
+    req = parse_chat({"messages": MSG, "stream": True, "stream_options": {}}, M)
+    assert req.stream and not req.include_usage
+
+
+@pytest.mark.parametrize(("kind", "schema"), [
+    ("completion", completion_create_params.CompletionCreateParamsBase),
+    ("chat", chat_create_params.CompletionCreateParamsBase)])
+def test_every_openai_field_is_known(kind, schema):
+    """Each field of the official client's request schema is handled: supported, or refused
+    with "not supported"/a type error, but never "unrecognized"."""
+    keys = set(typing.get_type_hints(schema)) | {"stream"}
+    assert keys <= (COMPLETION_KEYS if kind == "completion" else CHAT_KEYS)
+    for key in keys - {"model", "prompt", "messages"}:
+        with pytest.raises(APIError) as info:
+            PARSE[kind]({**BASE[kind], key: {"weird": [1]}}, M)
+        assert "nrecognized" not in info.value.message and info.value.param == key
+
+
+def test_error_helpers():
+    cases = [(errors.bad_request("m", "p", "c"), 400, "invalid_request_error", "c"),
+             (errors.not_found("m"), 404, "invalid_request_error", None),
+             (errors.payload_too_large(), 413, "invalid_request_error", None),
+             (errors.too_many_requests(), 429, "invalid_request_error", "rate_limit_exceeded"),
+             (errors.unavailable(), 503, "service_unavailable", None),
+             (APIError(500, "boom"), 500, "server_error", None)]
+    for err, status, type_, code in cases:
+        assert (err.status, err.type, err.code) == (status, type_, code)
+        assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+        assert err.body()["error"]["message"] == err.message == str(err)
+    assert errors.bad_request("m", "p").body()["error"]["param"] == "p"
+
+
+# ---------------------------------------------------------------------------- responses
+
+def test_completion_response_validates():
+    choices = [Choice(0, "Hello world", "stop", [5, 6], [-0.5, float("-inf")], ["Hello", " world"]),
+               Choice(1, "Hi", "length", [7], None, None)]
+    out = completion_response("cmpl-1", M, 1700000000, choices, Usage(4, 3))
+    json.loads(sse(out)[6:])  # strict JSON (no -Infinity)
+    c = Completion.model_validate(out)
+    assert (c.id, c.object, c.created, c.model) == ("cmpl-1", "text_completion", 1700000000, M)
+    assert [(x.index, x.text, x.finish_reason) for x in c.choices] == [
+        (0, "Hello world", "stop"), (1, "Hi", "length")]
+    lp = c.choices[0].logprobs
+    assert lp.tokens == ["Hello", " world"] and lp.token_logprobs == [-0.5, -9999.0]
+    assert lp.text_offset == [0, 5] and lp.top_logprobs is None
+    assert c.choices[1].logprobs is None
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (4, 3, 7)
+
+
+def test_chat_response_validates():
+    choices = [Choice(0, "héllo", "stop", [5, 6], [-0.25, -1.0], None)]
+    c = ChatCompletion.model_validate(chat_response("chatcmpl-9", M, 5, choices, Usage(2, 2)))
+    assert (c.id, c.object, c.created, c.model) == ("chatcmpl-9", "chat.completion", 5, M)
+    ch = c.choices[0]
+    assert (ch.index, ch.finish_reason, ch.message.role, ch.message.content) == (
+        0, "stop", "assistant", "héllo")
+    assert [(t.token, t.logprob, t.top_logprobs) for t in ch.logprobs.content] == [
+        ("token_id:5", -0.25, []), ("token_id:6", -1.0, [])]
+    assert c.usage.total_tokens == 4
+
+
+def test_chat_stream_chunks_validate():
+    lp = chat_logprobs(["é"], [-0.1])
+    chunks = [chat_chunk("chatcmpl-2", M, 9, 0, "", "assistant", None, None, include_usage=True),
+              chat_chunk("chatcmpl-2", M, 9, 0, "é", None, None, lp, include_usage=True),
+              chat_chunk("chatcmpl-2", M, 9, 0, None, None, "length", None, include_usage=True),
+              usage_chunk("chat", "chatcmpl-2", M, 9, Usage(3, 1))]
+    parsed = [ChatCompletionChunk.model_validate(json.loads(sse(c)[6:])) for c in chunks]
+    assert all(p.object == "chat.completion.chunk" and p.id == "chatcmpl-2" for p in parsed)
+    assert [c["usage"] for c in chunks[:3]] == [None] * 3
+    assert parsed[0].choices[0].delta.role == "assistant"
+    assert parsed[1].choices[0].delta.content == "é" and parsed[1].choices[0].delta.role is None
+    assert parsed[1].choices[0].logprobs.content[0].bytes == [0xC3, 0xA9]
+    assert chunks[2]["choices"][0]["delta"] == {} and parsed[2].choices[0].finish_reason == "length"
+    assert parsed[3].choices == [] and parsed[3].usage.total_tokens == 4
+    assert "usage" not in chat_chunk("c", M, 9, 0, "x", None, None, None)
+
+
+def test_completion_stream_chunks_validate():
+    lp = completion_logprobs([" b"], [-0.3], text_offset=2)
+    mid = completion_chunk("cmpl-3", M, 1, 1, " b", None, lp, include_usage=True)
+    last = completion_chunk("cmpl-3", M, 1, 1, "", "stop", None)
+    # the client's Completion type requires a finish_reason; OpenAI streams null mid-stream
+    assert mid["choices"][0]["finish_reason"] is None and mid["usage"] is None
+    patched = {**mid, "choices": [{**mid["choices"][0], "finish_reason": "stop"}]}
+    m = Completion.model_validate(patched)
+    assert (m.object, m.choices[0].index, m.choices[0].text) == ("text_completion", 1, " b")
+    assert m.choices[0].logprobs.text_offset == [2] and m.choices[0].logprobs.tokens == [" b"]
+    assert Completion.model_validate(last).choices[0].finish_reason == "stop"
+    assert "usage" not in last
+    u = Completion.model_validate(usage_chunk("completion", "cmpl-3", M, 1, Usage(1, 2)))
+    assert u.choices == [] and u.usage.total_tokens == 3 and u.object == "text_completion"
+
+
+def test_sse_framing_and_ids():
+    event = sse({"a": "ü"})
+    assert event == 'data: {"a":"ü"}\n\n'.encode()
+    assert SSE_DONE == b"data: [DONE]\n\n"
+    with pytest.raises(ValueError):
+        sse({"x": float("nan")})
+    assert new_id("chat").startswith("chatcmpl-") and new_id("completion").startswith("cmpl-")
+    assert new_id("chat") != new_id("chat")
+
+
+# ---------------------------------------------------------------------------- fuzzing
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
+    | st.sampled_from(["user", "assistant", "text", "", "none", "auto"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["role", "content", "type", "text", "include_usage"]) | st.text(max_size=4),
+        inner, max_size=4),
+    max_leaves=12)
+
+
+def parse_or_api_error(kind: str, body) -> None:
+    try:
+        req = PARSE[kind](body, M)
+    except APIError as err:
+        assert 400 <= err.status < 500 and json.dumps(err.body())
+        return
+    assert isinstance(req.params, SamplingParams) and 1 <= req.n <= 16
+    assert (req.prompt_text is None) != (req.prompt_ids is None) or kind == "chat"
+
+
+@settings(max_examples=150, deadline=None)
+@given(kind=st.sampled_from(list(PARSE)), body=json_values)
+def test_fuzz_any_body(kind, body):
+    parse_or_api_error(kind, body)
+
+
+@settings(max_examples=250, deadline=None)
+@given(kind=st.sampled_from(list(PARSE)), data=st.data())
+def test_fuzz_known_keys(kind, data):
+    keys = sorted(COMPLETION_KEYS if kind == "completion" else CHAT_KEYS)
+    extra = data.draw(st.dictionaries(st.sampled_from(keys), json_values, max_size=4))
+    parse_or_api_error(kind, {**BASE[kind], **extra})
