@@ -117,6 +117,8 @@ def up(engine: EngineConfig, svc: ServiceConfig) -> int:
         embedded.start(preexec_fn=_die_with_parent)
         redis_url = embedded.url
         log.info("embedded redis at %s", redis_url)
+        with open(os.path.join(run_dir, "redis.pid"), "w") as f:
+            f.write(str(embedded.proc.pid))
     svc = dataclasses.replace(svc, run_dir=run_dir, redis_url=redis_url)
     sup = Supervisor(engine, svc)
     stop = []

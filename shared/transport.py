@@ -86,13 +86,18 @@ class AsyncSender:
     def __init__(self, ctx: zmq.asyncio.Context, addr: str, bind: bool = False):
         self.sock = _socket(ctx, zmq.PUSH, addr, bind)
 
-    async def send(self, msg: Any) -> bool:
-        """Queue msg without waiting; False if no peer is connected to take it."""
-        try:
-            await self.sock.send(encode(msg), flags=zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:
-            return False
+    async def send(self, msg: Any, wait_ms: int = 0) -> bool:
+        """Queue msg; if no peer is connected to take it, wait up to wait_ms for one.
+        False if none came (the caller decides whether that is an error)."""
+        data = encode(msg)
+        for attempt in range(2):
+            try:
+                await self.sock.send(data, flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                if attempt or not wait_ms or not await self.sock.poll(wait_ms, zmq.POLLOUT):
+                    return False
+        return False
 
 
 class AsyncReceiver:

@@ -27,6 +27,7 @@ from shared.messages import Abort, ChatMessage, TokenizeRequest
 from shared.transport import AsyncSender
 
 log = logging.getLogger("pipellm.gateway")
+_PEER_WAIT_MS = 3000  # how long a request waits for a tokenizer worker to (re)connect
 
 
 class Gateway:
@@ -79,7 +80,8 @@ class Gateway:
             raise unavailable("Request state store (Redis) is unavailable.") from None
         inflight = self.registry.add(rid, req.n)
         try:
-            if not await self.to_tokenizer.send(self._tokenize_request(rid, req, inflight)):
+            tokenize = self._tokenize_request(rid, req, inflight)
+            if not await self.to_tokenizer.send(tokenize, wait_ms=_PEER_WAIT_MS):
                 raise unavailable("No tokenizer worker is connected; retry shortly.")
             choices = [ChoiceState(i) for i in range(req.n)]
             if req.stream:
