@@ -22,6 +22,7 @@ from services.gateway.inflight import Inflight, Registry
 from services.gateway.metrics import Metrics
 from services.gateway.stream import ChoiceState, collect, stream
 from shared import state
+from shared.codec import int32s
 from shared.config import ServiceConfig
 from shared.messages import Abort, ChatMessage, TokenizeRequest
 from shared.transport import AsyncSender
@@ -95,8 +96,6 @@ class Gateway:
 
     def _tokenize_request(self, rid: str, req: protocol.GenerationRequest,
                           inflight: Inflight) -> TokenizeRequest:
-        from shared.codec import int32s
-
         messages = None
         if req.messages is not None:
             messages = [ChatMessage(m["role"], m["content"]) for m in req.messages]

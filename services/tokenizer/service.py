@@ -21,7 +21,7 @@ from shared.messages import Delta, DeltaBatch, GenerateRequest, Route, TokenizeR
 from shared.tokenizer import encode, load_tokenizer
 from shared.transport import Receiver, Sender, Senders
 
-_PROMPT_TAIL = 6  # prompt tokens the detokenizer keeps as decoding context
+_PROMPT_TAIL = 10  # prompt tokens the detokenizer gets as decoding context (>= 9: whole chars)
 
 
 class PromptError(ValueError):
