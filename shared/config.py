@@ -28,12 +28,15 @@ class EngineConfig:
     kv_policy: str = "predicted"  # predicted | max
     default_predicted_len: int = 128  # predicted output length until the predictor knows better
     kv_min_grow: int = 16  # minimum growth of a KV segment that ran out
+    kernels: str = "auto"  # auto (Triton on CUDA, PyTorch reference on CPU) | triton | reference
 
     def __post_init__(self):
         if self.kv_policy not in ("predicted", "max"):
             raise ValueError(f"--kv-policy must be predicted or max, not {self.kv_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16: {self.dtype!r}")
+        if self.kernels not in ("auto", "triton", "reference"):
+            raise ValueError(f"--kernels must be auto, triton or reference, not {self.kernels!r}")
         if self.default_predicted_len < 1:
             raise ValueError("--default-predicted-len must be at least 1")
 

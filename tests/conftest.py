@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# Without a GPU, Triton kernels run under the interpreter (on CPU tensors). The variable must be
+# set before any kernel module is imported, i.e. here, before the tests import anything.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import itertools
 from collections.abc import Callable
 from pathlib import Path

@@ -131,3 +131,23 @@ def test_architecture_variants_match_hf(name, tmp_path):
     seqs = LLMEngine(config).generate(prompts, SamplingParams(max_tokens=12, temperature=0,
                                                               ignore_eos=True))
     assert [s.output_ids for s in seqs] == expected
+
+
+def test_triton_kernels_give_the_reference_tokens(tmp_path):
+    """The whole model on the Triton kernels (CPU interpreter) vs the PyTorch reference path."""
+    from kernels.dispatch import set_backend
+    from tests.hf_models import build_hf_model
+
+    build_hf_model(tmp_path, "llama", initializer_range=0.1, num_key_value_heads=1)
+    prompts = [[5, 6, 7], list(range(3, 40)), [9]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outputs = {}
+    try:
+        for backend in ("reference", "triton"):
+            config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
+                                  max_batched_tokens=16, max_running=4, kv_cache_tokens=256,
+                                  kernels=backend)
+            outputs[backend] = [s.output_ids for s in LLMEngine(config).generate(prompts, params)]
+    finally:
+        set_backend("auto")
+    assert outputs["triton"] == outputs["reference"]

@@ -13,21 +13,23 @@ from services.compute.scheduler import ScheduledStep
 class ForwardBatch:
     """Model inputs for one step. T = num_decodes + sum of prefill chunk lengths.
 
-    Tokens [0, num_decodes) are decodes (one per sequence); the rest are prefill chunks, chunk b
-    covering flat rows num_decodes + prefill_cu_q_lens[b] .. num_decodes + prefill_cu_q_lens[b+1].
-    kv_lens count the tokens in cache after this step's K/V are written.
+    Tokens [0, num_decodes) are decodes (one per sequence); the rest are P prefill chunks, chunk
+    p covering flat rows num_decodes + prefill_cu[p] .. num_decodes + prefill_cu[p+1]. KV lengths
+    count a sequence's tokens in cache after this step's K/V are written.
     """
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position within its sequence
     slots: torch.Tensor  # [T] int64, KV cache slot the token's K/V go to
+    logits_indices: torch.Tensor  # [S] flat rows whose logits are sampled (step.sampled order)
     num_decodes: int
-    decode_kv_starts: list[int]
-    decode_kv_lens: list[int]
-    prefill_cu_q_lens: list[int]  # [P+1], starting at 0
-    prefill_kv_starts: list[int]
-    prefill_kv_lens: list[int]
-    logits_indices: torch.Tensor  # [S] flat rows whose logits are sampled (order of step.sampled)
+    decode_starts: torch.Tensor  # [num_decodes] int32, first KV slot of each decode's sequence
+    decode_lens: torch.Tensor  # [num_decodes] int32, its KV length
+    prefill_cu: torch.Tensor  # [P+1] int32, cumulative chunk lengths from 0
+    prefill_starts: torch.Tensor  # [P] int32
+    prefill_lens: torch.Tensor  # [P] int32, KV length including the chunk
+    max_decode_len: int  # host-side maxima: kernel grids are sized without a device sync
+    max_chunk_len: int
 
 
 def build_batch(step: ScheduledStep, device: torch.device) -> ForwardBatch:
@@ -54,13 +56,18 @@ def build_batch(step: ScheduledStep, device: torch.device) -> ForwardBatch:
         pre_lens.append(c + n)
         if n == seq.pending:
             logits_rows.append(len(ids) - 1)
-
-    # one host->device copy for all index arrays, then views into it
+    # two host->device copies (int64 token data, int32 attention metadata), then views
+    T, D, P = len(ids), len(dec_starts), len(pre_starts)
     flat = torch.tensor(ids + pos + slots + logits_rows, dtype=torch.int64).to(device)
-    T = len(ids)
+    meta = torch.tensor(dec_starts + dec_lens + cu + pre_starts + pre_lens,
+                        dtype=torch.int32).to(device)
     return ForwardBatch(
         input_ids=flat[:T], positions=flat[T : 2 * T], slots=flat[2 * T : 3 * T],
-        num_decodes=len(step.decodes), decode_kv_starts=dec_starts, decode_kv_lens=dec_lens,
-        prefill_cu_q_lens=cu, prefill_kv_starts=pre_starts, prefill_kv_lens=pre_lens,
-        logits_indices=flat[3 * T :],
+        logits_indices=flat[3 * T :], num_decodes=D,
+        decode_starts=meta[:D], decode_lens=meta[D : 2 * D],
+        prefill_cu=meta[2 * D : 2 * D + P + 1],
+        prefill_starts=meta[2 * D + P + 1 : 2 * D + 2 * P + 1],
+        prefill_lens=meta[2 * D + 2 * P + 1 :],
+        max_decode_len=max(dec_lens, default=0),
+        max_chunk_len=max((n for _, n in step.prefills), default=0),
     )

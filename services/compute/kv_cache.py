@@ -17,13 +17,6 @@ class KVCache:
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [T, Hkv, D] at slots [T]; return the layer's (k_cache, v_cache)."""
-        kc, vc = self.k[layer], self.v[layer]
-        kc.index_copy_(0, slots, k)
-        vc.index_copy_(0, slots, v)
-        return kc, vc
-
     def move(self, src: int, dst: int, n: int) -> None:
         """Copy slots [src, src+n) to [dst, dst+n) in every layer; the ranges may overlap."""
         if n == 0 or src == dst:

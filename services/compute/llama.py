@@ -12,7 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import decode_attention, prefill_attention
+from kernels.activation import silu_mul
+from kernels.decode_attention import decode_attention
+from kernels.prefill_attention import prefill_attention
+from kernels.rmsnorm import add_rms_norm, rms_norm
+from kernels.rope import rope_kv_write
 from services.compute.batch import ForwardBatch
 from services.compute.kv_cache import KVCache
 from services.compute.model_config import ModelConfig
@@ -29,13 +33,6 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, inter]
     ln_attn: torch.Tensor  # [hidden]
     ln_mlp: torch.Tensor  # [hidden]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As HF: normalize in float32, cast back, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class LlamaModel:
@@ -72,12 +69,21 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Run one merged step, writing this step's K/V into `kv`. Returns [S, vocab] float32."""
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        residual = None  # the residual stream; h is what gets added to it next
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, rms_norm(h, layer.ln_attn, self.cfg.rms_norm_eps),
-                                    batch, kv)
-            h = h + self._mlp(layer, rms_norm(h, layer.ln_mlp, self.cfg.rms_norm_eps))
-        last = rms_norm(h[batch.logits_indices], self.norm, self.cfg.rms_norm_eps)
+            x, residual = self._norm(h, residual, layer.ln_attn)
+            h = self._attention(i, layer, x, batch, kv)
+            x, residual = self._norm(h, residual, layer.ln_mlp)
+            h = F.linear(silu_mul(F.linear(x, layer.gate_up)), layer.down)
+        rows = batch.logits_indices
+        last, _ = self._norm(h[rows], residual[rows], self.norm)  # [S, hidden]
         return F.linear(last, self.lm_head).float()
+
+    def _norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
+        """(rms_norm(residual + h), residual + h): HF's residual add and norm, fused."""
+        if residual is None:
+            return rms_norm(h, weight, self.cfg.rms_norm_eps), h
+        return add_rms_norm(h, residual, weight, self.cfg.rms_norm_eps)
 
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch,
                    kv: KVCache) -> torch.Tensor:
@@ -86,20 +92,18 @@ class LlamaModel:
         qkv = F.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                              c.num_kv_heads * c.head_dim], dim=-1)
-        q = self.rope(q.view(T, c.num_heads, c.head_dim), batch.positions)
-        k = self.rope(k.view(T, c.num_kv_heads, c.head_dim), batch.positions)
-        k_cache, v_cache = kv.write(i, batch.slots, k, v.view(T, c.num_kv_heads, c.head_dim))
-        out = torch.empty_like(q)
+        q, _ = rope_kv_write(q.view(T, c.num_heads, c.head_dim),
+                             k.view(T, c.num_kv_heads, c.head_dim),
+                             v.view(T, c.num_kv_heads, c.head_dim), batch.positions,
+                             self.rope.cos, self.rope.sin, kv.k[i], kv.v[i], batch.slots)
+        out = torch.empty_like(q)  # [T, H, D]
         nd = batch.num_decodes
         if nd:
-            out[:nd] = decode_attention(q[:nd], k_cache, v_cache, batch.decode_kv_starts,
-                                        batch.decode_kv_lens, self.scale)
+            out[:nd] = decode_attention(q[:nd], kv.k[i], kv.v[i], batch.decode_starts,
+                                        batch.decode_lens, self.scale,
+                                        max_seq_len=batch.max_decode_len)
         if T > nd:
-            out[nd:] = prefill_attention(q[nd:], k_cache, v_cache, batch.prefill_cu_q_lens,
-                                         batch.prefill_kv_starts, batch.prefill_kv_lens,
-                                         self.scale)
+            out[nd:] = prefill_attention(q[nd:], kv.k[i], kv.v[i], batch.prefill_cu,
+                                         batch.prefill_starts, batch.prefill_lens, self.scale,
+                                         max_q_len=batch.max_chunk_len)
         return F.linear(out.view(T, -1), layer.o)
-
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down)

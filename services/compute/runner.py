@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from kernels.dispatch import set_backend
 from kernels.sampling import apply_penalties, sample, to_device, token_stats
 from services.compute.batch import build_batch
 from services.compute.kv_cache import KVCache
@@ -29,6 +30,7 @@ def resolve_device(name: str) -> torch.device:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        set_backend(config.kernels)
         self.device = resolve_device(config.device)
         self.dtype = _DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
         weights = load_weights(config.model, self.dtype, self.device)

@@ -1,0 +1,272 @@
+"""Decode attention (one query per sequence) over the contiguous KV cache: flash-decoding.
+
+Cache layout, per layer: K and V of shape [capacity, n_kv_heads, head_dim]; sequence b owns the
+slots [seq_starts[b], seq_starts[b] + seq_lens[b]), the current token's K/V already written.
+GQA: query head h reads KV head h // (n_heads // n_kv_heads).
+
+Triton path, two launches:
+    1. `_decode_split_kernel`, grid (B, n_kv_heads, num_splits): each program reads its share of
+       one sequence's KV rows of ONE kv head once, for all the query heads of that GQA group,
+       in BLOCK_N chunks with an online softmax in fp32 (exp2 domain), and writes the partial
+       output (normalized) and its log2-sum-exp to a workspace. With num_splits == 1 it writes
+       the final output directly and step 2 is skipped.
+    2. `_decode_combine_kernel`, grid (B, n_heads): merges the splits' partials.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.dispatch import use_triton
+
+_BLOCK_N = 64  # KV rows per inner-loop chunk
+_MIN_SPLIT_TOKENS = 256  # a split covers at least this many tokens of the longest sequence
+_MAX_SPLITS = 64
+_TARGET_WAVES = 4  # split until B * n_kv_heads * num_splits >= this many waves of programs
+_DEFAULT_SMS = 132  # H100 SXM; used where no CUDA device can be asked
+# Tests (and experiments) force a split count: > 0 overrides the heuristic.
+_FORCED_SPLITS = int(os.environ.get("PIPELLM_DECODE_SPLITS", "0"))
+
+
+@triton.jit
+def _split_len(n, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split of a sequence of n tokens: an equal share rounded up to whole chunks."""
+    return tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _qk(q, k, USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """q [BLOCK_H, D], k [BLOCK_N, D] -> q @ k^T [BLOCK_H, BLOCK_N] fp32."""
+    if USE_DOT:
+        if UPCAST_DOT:  # the interpreter's tl.dot cannot do bf16: compute it in fp32 there
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:  # "ieee" keeps fp32 inputs exact (no tf32); fp16/bf16 run on tensor cores
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:  # one query head per kv head (MHA): a broadcast multiply-sum beats a padded dot
+        s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+    return s
+
+
+@triton.jit
+def _pv(p, v, USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """p [BLOCK_H, BLOCK_N] fp32, v [BLOCK_N, D] -> p @ v [BLOCK_H, D] fp32."""
+    if USE_DOT:
+        if UPCAST_DOT:
+            o = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            o = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        o = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+    return o
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, starts_ptr, lens_ptr,  # q [B, H, D]; k, v [capacity, Hkv, D]; [B] x2
+    out_ptr, part_o_ptr, part_lse_ptr,  # out [B, H, D]; part_o [B, H, S, D]; part_lse [B, H, S]
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
+    qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr,
+    KV_INT8: tl.constexpr,  # placeholder: int8 K/V with per-group scales (dequant after load)
+):
+    tl.static_assert(not KV_INT8, "int8 KV cache is not implemented yet")
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    n = tl.load(lens_ptr + b)
+    split_len = _split_len(n, num_splits, BLOCK_N)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, n)  # tokens [lo, hi) of b; empty (lo >= hi) for short b
+
+    offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] query head within the group (padded)
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    h_mask = offs_h < GROUP
+    heads = kvh * GROUP + offs_h  # [BLOCK_H] query heads
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None], other=0.0)  # [BLOCK_H, D]
+    k_base = k_ptr + kvh * stride_kh + offs_d[None, :]  # [1, D]
+    v_base = v_ptr + kvh * stride_vh + offs_d[None, :]
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (log2 domain)
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)  # unnormalized output
+    for t0 in range(lo, hi, BLOCK_N):
+        t = t0 + offs_n  # [BLOCK_N] token positions
+        t_mask = t < hi
+        rows = start + t  # [BLOCK_N] int64 cache slots
+        k = tl.load(k_base + rows[:, None] * stride_kt, mask=t_mask[:, None], other=0.0)
+        v = tl.load(v_base + rows[:, None] * stride_vt, mask=t_mask[:, None], other=0.0)
+        s = _qk(q, k, USE_DOT, UPCAST_DOT) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every chunk has a valid token
+        alpha = tl.exp2(m - m_new)  # [BLOCK_H]
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _pv(p, v, USE_DOT, UPCAST_DOT)
+        m = m_new
+
+    l_i = tl.maximum(l_i, 1.0)  # no-op (l >= 1: the max term is exp2(0)) except in empty splits
+    if DIRECT:  # one split: final output
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+    else:  # empty splits store nothing; the combine kernel skips them
+        valid = offs_h < tl.where(lo < hi, GROUP, 0)  # [BLOCK_H]
+        row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BLOCK_H]
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None],
+                 mask=valid[:, None])
+        tl.store(part_lse_ptr + row, m + tl.log2(l_i), mask=valid)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_o_ptr, part_lse_ptr, lens_ptr, out_ptr,  # [B, H, S, D] fp32, [B, H, S] fp32, [B], out
+    stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    b, h = tl.program_id(0), tl.program_id(1)
+    n = tl.load(lens_ptr + b)
+    used = tl.cdiv(n, _split_len(n, num_splits, BLOCK_N))  # non-empty splits of b (>= 1)
+    offs_s = tl.arange(0, SPLITS_PAD)  # [S_PAD]
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    s_mask = offs_s < used
+    row = (b * tl.num_programs(1) + h) * num_splits + offs_s  # [S_PAD]
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))  # [S_PAD]
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None],
+                other=0.0)  # [S_PAD, D]
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # [S_PAD], 0 for skipped splits
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)  # [D]
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_splits(batch: int, n_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per sequence: enough programs for _TARGET_WAVES waves over the SMs, but each split
+    of the longest sequence keeps >= _MIN_SPLIT_TOKENS tokens; rounded down to a power of 2."""
+    if _FORCED_SPLITS > 0:
+        return _FORCED_SPLITS
+    sms = _DEFAULT_SMS  # CPU (interpreter): plan as for an H100
+    if device.type == "cuda" and torch.cuda.is_available():
+        sms = _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+    want = triton.cdiv(_TARGET_WAVES * sms, batch * n_kv_heads)  # 1 once the batch fills it
+    cap = triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS)
+    splits = max(1, min(want, cap, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)  # round down to a power of 2
+
+
+def _check_inputs(q, k_cache, v_cache, seq_starts, seq_lens) -> None:
+    batch, n_heads, head_dim = q.shape
+    _, n_kv_heads, kv_dim = k_cache.shape
+    if head_dim not in (16, 32, 64, 128, 256) or kv_dim != head_dim:
+        raise ValueError(f"decode_attention: head_dim must be a power of 2 in [16, 256] and "
+                         f"equal for q and K/V, got q {head_dim}, K/V {kv_dim}")
+    if n_heads % n_kv_heads or v_cache.shape != k_cache.shape:
+        raise ValueError(f"decode_attention: n_heads {n_heads} must be a multiple of n_kv_heads "
+                         f"{n_kv_heads}; K {tuple(k_cache.shape)} vs V {tuple(v_cache.shape)}")
+    if seq_starts.shape != (batch,) or seq_lens.shape != (batch,):
+        raise ValueError("decode_attention: seq_starts and seq_lens must have shape [B]")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("decode_attention: q, k_cache, v_cache need a contiguous last dim")
+
+
+def _decode_attention_triton(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [capacity, Hkv, D]
+    v_cache: torch.Tensor,  # [capacity, Hkv, D]
+    seq_starts: torch.Tensor,  # [B] int32
+    seq_lens: torch.Tensor,  # [B] int32, >= 1
+    scale: float,
+    max_seq_len: int,
+    num_splits: int | None = None,  # None: `_num_splits` heuristic
+) -> torch.Tensor:  # [B, H, D], q.dtype
+    _check_inputs(q, k_cache, v_cache, seq_starts, seq_lens)
+    batch, n_heads, head_dim = q.shape
+    n_kv_heads = k_cache.shape[1]
+    group = n_heads // n_kv_heads
+    if num_splits is None:
+        num_splits = _num_splits(batch, n_kv_heads, max_seq_len, q.device)
+    out = torch.empty((batch, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    use_dot = group > 1  # tl.dot needs >= 16 rows: pad the group; MHA uses broadcast sums
+    block_h = max(16, triton.next_power_of_2(group)) if use_dot else 1
+    part_o = part_lse = out  # unused placeholders when num_splits == 1
+    if num_splits > 1:
+        part_o = torch.empty((batch, n_heads, num_splits, head_dim), dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty((batch, n_heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, n_kv_heads, num_splits)](
+        q, k_cache, v_cache, seq_starts, seq_lens, out, part_o, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        scale * math.log2(math.e),
+        GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N, USE_DOT=use_dot,
+        UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16, DIRECT=num_splits == 1,
+        KV_INT8=False, num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_combine_kernel[(batch, n_heads)](
+            part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [capacity, Hkv, D]
+    v_cache: torch.Tensor,  # [capacity, Hkv, D]
+    seq_starts: torch.Tensor,  # [B] int
+    seq_lens: torch.Tensor,  # [B] int, >= 1
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """Loop over sequences (a padded gather would copy max_len x B KV rows: slower on CPU)."""
+    out = torch.empty_like(q)
+    for b, (s, n) in enumerate(zip(seq_starts.tolist(), seq_lens.tolist(), strict=True)):
+        kb = k_cache[s : s + n].transpose(0, 1)  # [Hkv, n, D]
+        vb = v_cache[s : s + n].transpose(0, 1)
+        ob = F.scaled_dot_product_attention(q[b, :, None, :], kb, vb, scale=scale, enable_gqa=True)
+        out[b] = ob[:, 0, :]  # [H, D]
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Single-query attention of each sequence over all its cached tokens.
+
+    q [B, n_heads, head_dim]; k_cache, v_cache [capacity, n_kv_heads, head_dim] (one layer;
+    n_heads a multiple of n_kv_heads, head_dim a power of 2); seq_starts, seq_lens int32 [B] on
+    q's device: sequence b's K/V are the slots [seq_starts[b], seq_starts[b] + seq_lens[b]),
+    seq_lens >= 1, the current token's K/V already written. scale defaults to head_dim**-0.5.
+    max_seq_len: optional host-side max(seq_lens), sizes the Triton split grid without a device
+    sync (computed with .item() when None). Returns [B, n_heads, head_dim] in q's dtype.
+    Triton (flash-decoding) where `kernels.dispatch.use_triton(q)`, else the PyTorch reference.
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if not use_triton(q):
+        return decode_attention_reference(q, k_cache, v_cache, seq_starts, seq_lens, scale)
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1
+    return _decode_attention_triton(q, k_cache, v_cache, seq_starts, seq_lens, scale, max_seq_len)

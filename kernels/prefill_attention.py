@@ -1,0 +1,223 @@
+"""Prefill (and chunked-prefill) attention over the contiguous KV cache: Triton kernel + reference.
+
+Cache layout, per layer: K and V of shape [capacity, n_kv_heads, head_dim]. Sequence s owns the
+contiguous slots [seq_starts[s], seq_starts[s] + ctx_lens[s]); its new tokens' K/V are already
+written there. Its q_len = cu_q_lens[s+1] - cu_q_lens[s] new queries are the last q_len tokens of
+the sequence: query i sits at position ctx_lens[s] - q_len + i and sees keys 0..that position
+(a chunk attends to its cached prefix plus itself, causally). GQA: query head h reads KV head
+h // (n_heads // n_kv_heads).
+
+The kernel is FlashAttention-2 style: one program per (BLOCK_M queries, sequence, head) tile
+loops over the sequence's KV blocks up to its causal limit with an online softmax (fp32, exp2 on
+log2(e)-prescaled scores). Blocks entirely below the diagonal run unmasked; only the blocks the
+tile's diagonal crosses are masked; blocks above it are never loaded. Static configs by head_dim
+(no autotuning: deterministic, and fast under the interpreter). fp32 inputs use tl.dot's "tf32x3"
+(about fp32 accuracy on tensor cores; "ieee" compiles to a register-spilling FMA loop on sm_90).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.dispatch import use_triton
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_blocks(
+    acc, l_i, m_i, q, pos_m, k_base, v_base, lo, hi, stride_kt, stride_vt, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online-softmax update over keys [lo, hi) of one sequence (MASKED: also mask causally).
+
+    acc [BM, D] fp32, l_i/m_i [BM] fp32 (running max in log2 units), q [BM, D],
+    pos_m [BM] query positions, k_base/v_base scalar pointers to key 0 of the segment and head,
+    qk_scale = scale * log2(e) (so exp2 of scaled scores is exp of the true logits).
+    """
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # [BN] key positions
+        k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]  # [BN, D]
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]  # [BN, D]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=(offs_n < hi)[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_n < hi)[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
+        if MASKED:
+            causal = offs_n[None, :] <= pos_m[:, None]  # [BM, BN]
+            qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BM]
+        p = tl.math.exp2(qk - m_new[:, None])  # [BM, BN]
+        alpha = tl.math.exp2(m_i - m_new)  # [BM]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, starts_ptr, ctx_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(max_q_len, BLOCK_M), S, n_heads): one BLOCK_M query tile of one seq and head."""
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    n_tiles = tl.cdiv(q_len, BLOCK_M)
+    if tl.program_id(0) >= n_tiles:
+        return
+    start_m = (n_tiles - 1 - tl.program_id(0)) * BLOCK_M  # heaviest (last) tile first
+    ctx = tl.load(ctx_ptr + seq)
+    prefix = ctx - q_len  # position of the sequence's first new query
+    kv_start = tl.load(starts_ptr + seq).to(tl.int64)
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # [BM] query index within the sequence
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    rows_q = (q_start + offs_m).to(tl.int64)  # [BM] token index into q / out
+    q_ptrs = q_ptr + rows_q[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=(offs_m < q_len)[:, None], other=0.0)  # [BM, D]
+
+    kv_head = head // GROUP
+    k_base = k_ptr + kv_start * stride_kt + kv_head * stride_kh  # scalar: key 0 of the segment
+    v_base = v_ptr + kv_start * stride_vt + kv_head * stride_vh
+
+    pos_m = prefix + offs_m  # [BM] absolute query positions
+    hi = prefix + tl.minimum(start_m + BLOCK_M, q_len)  # the tile's last query sees keys [0, hi)
+    full_end = ((prefix + start_m + 1) // BLOCK_N) * BLOCK_N  # keys below: visible to all rows
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc, l_i, m_i = _attn_blocks(  # blocks entirely below the diagonal: no mask
+        acc, l_i, m_i, q, pos_m, k_base, v_base, 0, full_end, stride_kt, stride_vt, qk_scale,
+        HEAD_DIM, BLOCK_N, False, PRECISION,
+    )
+    acc, l_i, m_i = _attn_blocks(  # blocks the tile's diagonal crosses: causal mask
+        acc, l_i, m_i, q, pos_m, k_base, v_base, full_end, hi, stride_kt, stride_vt, qk_scale,
+        HEAD_DIM, BLOCK_N, True, PRECISION,
+    )
+
+    out = acc / l_i[:, None]  # [BM, D]
+    o_ptrs = o_ptr + rows_q[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+
+
+def _config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """Static (BLOCK_M, BLOCK_N, num_warps, num_stages) for H100, by head_dim and dtype."""
+    if dtype == torch.float32:  # fp32 tiles are twice as big in shared memory
+        return 64, 32, 4, 2
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 8, 2
+
+
+def _prefill_attention_triton(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [capacity, Hkv, D]
+    v_cache: torch.Tensor,  # [capacity, Hkv, D]
+    cu_q_lens: torch.Tensor,  # [S+1] int32
+    seq_starts: torch.Tensor,  # [S] int32
+    ctx_lens: torch.Tensor,  # [S] int32
+    scale: float,
+    max_q_len: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """Launch the kernel; block_m / block_n override the static config (tests use small ones)."""
+    n_heads, head_dim = q.shape[1], q.shape[2]
+    n_kv_heads = k_cache.shape[1]
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, "head_dim must be a power of 2"
+    assert n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads"
+    assert k_cache.shape[2] == head_dim and v_cache.shape == k_cache.shape
+    # the kernel takes any token/head strides but needs a unit stride along head_dim
+    q, k_cache, v_cache = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache)
+    )
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D]
+    n_seqs = seq_starts.shape[0]
+    if q.shape[0] == 0 or n_seqs == 0 or max_q_len <= 0:
+        return out
+    bm, bn, warps, stages = _config(head_dim, q.dtype)
+    bm, bn = block_m or bm, block_n or bn
+    grid = (triton.cdiv(max_q_len, bm), n_seqs, n_heads)
+    _prefill_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        cu_q_lens.to(torch.int32), seq_starts.to(torch.int32), ctx_lens.to(torch.int32),
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
+        PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",  # tl.dot default for 16-bit
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def prefill_attention_reference(
+    q: torch.Tensor,  # [T, H, D] new tokens of all sequences, concatenated
+    k_cache: torch.Tensor,  # [capacity, Hkv, D]
+    v_cache: torch.Tensor,  # [capacity, Hkv, D]
+    cu_q_lens: torch.Tensor,  # [S+1] int32
+    seq_starts: torch.Tensor,  # [S] int32
+    ctx_lens: torch.Tensor,  # [S] int32, including the new tokens
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """PyTorch reference: a loop over sequences, one masked SDPA each (the CPU path)."""
+    out = torch.empty_like(q)
+    cu, starts, lens = cu_q_lens.tolist(), seq_starts.tolist(), ctx_lens.tolist()
+    for s, (start, n) in enumerate(zip(starts, lens, strict=True)):
+        q0, q1 = cu[s], cu[s + 1]
+        if q1 == q0:
+            continue
+        qs = q[q0:q1].transpose(0, 1)  # [H, q_len, D]
+        ks = k_cache[start : start + n].transpose(0, 1)  # [Hkv, n, D]
+        vs = v_cache[start : start + n].transpose(0, 1)  # [Hkv, n, D]
+        q_pos = torch.arange(n - (q1 - q0), n, device=q.device)[:, None]  # [q_len, 1]
+        mask = torch.arange(n, device=q.device)[None, :] <= q_pos  # [q_len, n]
+        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)  # [H, q_len, D]
+        out[q0:q1] = os_.transpose(0, 1)
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    seq_starts: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached prefix plus themselves.
+
+    q [T, H, D] (sequence s's queries are q[cu_q_lens[s]:cu_q_lens[s+1]]); k_cache, v_cache
+    [capacity, Hkv, D]; cu_q_lens [S+1], seq_starts [S], ctx_lens [S] int32 on q's device
+    (ctx_lens include the new tokens). Returns [T, H, D] in q's dtype; scale defaults to D**-0.5.
+    max_q_len: optional host-side max of the q lengths (sizes the grid without a device sync).
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if not use_triton(q):
+        return prefill_attention_reference(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
+                                           scale)
+    if max_q_len is None:
+        max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max().item()) if len(cu_q_lens) > 1 else 0
+    return _prefill_attention_triton(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale,
+                                     max_q_len)

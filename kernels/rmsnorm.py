@@ -1,0 +1,142 @@
+"""RMSNorm, plain and fused with the residual add: Triton kernel, launcher, PyTorch reference.
+
+Semantics are HF Llama's (`LlamaRMSNorm` and the decoder layer's residual add):
+
+    h      = residual + x                                   (add_rms_norm only; in x's dtype)
+    normed = weight * (h_f32 * rsqrt(mean(h_f32^2) + eps)).to(h.dtype)
+
+The product with `weight` runs in the promoted dtype of (weight, h), as torch does it: both
+factors go to float32, multiply, round once to the output dtype (a product of two fp16/bf16
+values is exact in float32, so this is the same single rounding torch's CPU and CUDA kernels
+make). The residual add rounds once to x's dtype the same way. 1 / sqrt is computed with
+IEEE-rounded sqrt and division, as torch's CPU `rsqrt` (1 / sqrt(v)) does, and the launch sets
+enable_fp_fusion=False so the GPU compiler fuses no multiply-add (x * x rounds before the sum).
+
+The only difference from the reference is the order of the fp32 sum of squares (Triton's tree
+reduction vs torch's vectorized one): the variance can differ by an ulp, which moves that row's
+outputs by a few float32 ulp (<= 4 measured), and in fp16/bf16 flips the odd element by one
+ulp. Everything else is bit-identical: on inputs whose sum of squares is exact in any order the
+kernel matches the reference bit-for-bit (tested in fp32 and fp16).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dispatch import use_triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [T, N] input rows (last dim contiguous)
+    res_ptr,  # [T, N] residual (read only when HAS_RESIDUAL)
+    w_ptr,  # [N] weight
+    out_ptr,  # [T, N] normed output, dtype = promote(weight, x)
+    res_out_ptr,  # [T, N] residual + x, in x's dtype (written only when HAS_RESIDUAL)
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    eps,
+    N: tl.constexpr,  # hidden size
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,  # next_power_of_2(N)
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)  # [BLOCK]
+    mask = cols < N
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # [BLOCK] x dtype
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        h = (r.to(tl.float32) + h.to(tl.float32)).to(h.dtype)  # one rounding, as torch's add
+        tl.store(res_out_ptr + row * stride_res_out + cols, h, mask=mask)
+    hf = h.to(tl.float32)  # [BLOCK]
+    var = tl.div_rn(tl.sum(hf * hf, axis=0), tl.full((), N, tl.float32))  # scalar mean(h^2)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    y = (hf * rstd).to(h.dtype).to(tl.float32)  # normalized, rounded to x's dtype
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
+    out = (w * y).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+
+
+def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """[..., hidden] -> [T, hidden] with a contiguous last dim (a view when possible)."""
+    t = t.reshape(-1, hidden)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x, residual [..., N], weight [N] -> (normed [..., N], residual + x [..., N] or None)."""
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} != ({hidden},)")
+    block = triton.next_power_of_2(hidden)
+    if block * x.element_size() > 65536:
+        raise ValueError(f"hidden size {hidden} too large for a one-block-per-row RMSNorm")
+    x2 = _rows(x, hidden)  # [T, N]
+    res2 = _rows(residual, hidden) if residual is not None else x2  # [T, N]
+    weight = weight if weight.stride(0) == 1 else weight.contiguous()
+    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 0:
+        return out, res_out
+    out2 = out.view(-1, hidden)  # [T, N]
+    res_out2 = res_out.view(-1, hidden) if res_out is not None else out2  # [T, N]
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, res2, weight, out2, res_out2,
+        x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0), eps,
+        N=hidden, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8),
+        enable_fp_fusion=False,  # x * x and the sum round separately, as in torch
+    )
+    return out, res_out
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton RMSNorm: x [..., N], weight [N] -> [..., N] in promote(weight, x) dtype."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton fused residual add + RMSNorm; see `add_rms_norm`."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError("residual must have x's shape and dtype")
+    out, res_out = _launch(x, residual, weight, eps)
+    return out, res_out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """PyTorch reference, exactly HF: normalize in float32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of `add_rms_norm`."""
+    h = residual + x  # [..., N] in x's dtype, as HF's decoder layer adds
+    return rms_norm_ref(h, weight, eps), h
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N], weight [N] -> weight * rmsnorm(x) [..., N] (HF semantics)."""
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., N], weight [N] -> (rms_norm(residual + x), residual + x).
+
+    residual + x is rounded to x's dtype (as HF adds the residual) and normalized from that
+    rounded value. Both outputs are new tensors; the inputs are not modified.
+    """
+    if use_triton(x):
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)

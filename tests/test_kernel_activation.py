@@ -1,0 +1,94 @@
+"""SiLU-and-multiply kernel (kernels/activation.py): the Triton path against the PyTorch reference.
+
+On a machine without a GPU the Triton kernel runs under TRITON_INTERPRET=1 (tests/conftest.py).
+Known interpreter limitation: its float32 -> bfloat16 casts truncate (round toward zero) where
+the GPU rounds to nearest even, so bf16 results here are within 2 bf16 ulp rather than 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import dispatch
+from kernels.activation import silu_mul, silu_mul_ref, silu_mul_triton
+
+SHAPES = [(1, 96), (37, 96), (1, 1000), (37, 1000), (3, 2900)]  # (T, I); 2900 > one block
+
+
+@pytest.fixture
+def backend():
+    """Lets a test switch kernels.dispatch's backend; restores the previous one afterwards."""
+    previous = dispatch.backend()
+    yield dispatch.set_backend
+    dispatch.set_backend(previous)
+
+
+def _gate_up(T: int, inter: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+    """[T, 2 I] random gate | up (wide range: silu's tails and its negative dip)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, 2 * inter, generator=g) * 3 + 0.01
+    return x.to(device=device, dtype=dtype)
+
+
+def _ideal(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in float64: the value both implementations round."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("T,inter", SHAPES)
+def test_fp32(T, inter):
+    x = _gate_up(T, inter, torch.float32)
+    out = silu_mul_triton(x)
+    assert out.shape == (T, inter) and out.dtype == torch.float32
+    # Same operations; only exp's implementation differs (torch's vs numpy's): a few ulp.
+    torch.testing.assert_close(out, silu_mul_ref(x), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T,inter", [(1, 96), (37, 1000)])
+def test_half_dtypes(dtype, T, inter):
+    x = _gate_up(T, inter, dtype)
+    out = silu_mul_triton(x)
+    assert out.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    ideal = _ideal(x)
+    # The reference rounds twice (silu, product), the kernel once: ~1 ulp apart, at most 2 with
+    # the interpreter's truncating bf16 casts. The kernel's own error is one rounding.
+    torch.testing.assert_close(out, silu_mul_ref(x), rtol=2 * eps, atol=1e-5)
+    kernel_err = (out.double() - ideal).abs()
+    assert (kernel_err <= eps * ideal.abs() + 1e-6).all()
+
+
+def test_strided_rows_and_leading_dims():
+    big = _gate_up(37, 600, torch.float32)  # [37, 1200]
+    x = big[:, 8:200]  # [37, 192] view, row stride 1200 -> I = 96
+    torch.testing.assert_close(silu_mul_triton(x), silu_mul_ref(x), rtol=1e-6, atol=1e-7)
+    x3 = big.view(37, 3, 400)  # [..., 2I] with two leading dims
+    out = silu_mul_triton(x3)
+    assert out.shape == (37, 3, 200)
+    torch.testing.assert_close(out, silu_mul_ref(x3), rtol=1e-6, atol=1e-7)
+
+
+def test_dispatch(backend):
+    x = _gate_up(5, 96, torch.float32)
+    backend("reference")
+    assert torch.equal(silu_mul(x), silu_mul_ref(x))
+    backend("triton")
+    assert torch.equal(silu_mul(x), silu_mul_triton(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T,inter", [(1, 14336), (4099, 14336), (513, 11008)])
+def test_gpu_large(dtype, T, inter):
+    x = _gate_up(T, inter, dtype, device="cuda")
+    assert dispatch.use_triton(x)
+    out = silu_mul(x)
+    # fp32: tl.exp is ex2.approx on NVIDIA GPUs, ~1e-6 relative for |x| up to ~15.
+    # fp16/bf16: the reference's two roundings vs the kernel's one, <= 1.5 ulp.
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else \
+        dict(rtol=2 * torch.finfo(dtype).eps, atol=1e-5)
+    torch.testing.assert_close(out, silu_mul_ref(x), **tol)

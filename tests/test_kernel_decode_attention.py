@@ -1,0 +1,159 @@
+"""Decode attention: the Triton flash-decoding kernel (interpreter on CPU) vs the PyTorch reference,
+and the reference vs a dense masked softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.decode_attention as da
+from kernels import dispatch
+from kernels.decode_attention import (
+    _decode_attention_triton,
+    _num_splits,
+    decode_attention,
+    decode_attention_reference,
+)
+
+N_HEADS = 8
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def make_case(lens, n_kv_heads, head_dim, dtype=torch.float32, n_heads=N_HEADS, seed=0):
+    """Random q [B, H, D] and caches [cap, Hkv, D]: the sequences' segments sit in shuffled order
+    at random gaps; unused slots hold large random garbage (a stray read shows up)."""
+    g = torch.Generator().manual_seed(seed)
+    starts, pos = [0] * len(lens), 0
+    for b in torch.randperm(len(lens), generator=g).tolist():
+        pos += int(torch.randint(1, 40, (1,), generator=g))
+        starts[b], pos = pos, pos + lens[b]
+    cap = pos + 17
+    used = torch.zeros(cap, dtype=torch.bool)
+    for s, n in zip(starts, lens, strict=True):
+        used[s : s + n] = True
+    garbage = torch.where(used, 1.0, 30.0)[:, None, None]  # [cap, 1, 1]
+    k = torch.randn(cap, n_kv_heads, head_dim, generator=g) * garbage
+    v = torch.randn(cap, n_kv_heads, head_dim, generator=g) * garbage
+    q = torch.randn(len(lens), n_heads, head_dim, generator=g)
+    ints = dict(dtype=torch.int32)
+    return (q.to(dtype), k.to(dtype), v.to(dtype), torch.tensor(starts, **ints),
+            torch.tensor(lens, **ints))
+
+
+def dense_attention(q, k, v, starts, lens, scale):
+    """Padded gather + masked softmax in float64: q [B, H, D], k/v [cap, Hkv, D] -> [B, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    pos = torch.arange(int(lens.max()))  # [L]
+    idx = (starts[:, None].long() + pos[None, :]).clamp(max=k.shape[0] - 1)  # [B, L]
+    kk = k.double()[idx].repeat_interleave(group, dim=2)  # [B, L, H, D]
+    vv = v.double()[idx].repeat_interleave(group, dim=2)
+    s = torch.einsum("bhd,blhd->bhl", q.double(), kk) * scale  # [B, H, L]
+    s = s.masked_fill(pos[None, None, :] >= lens[:, None, None], float("-inf"))
+    return torch.einsum("bhl,blhd->bhd", s.softmax(dim=-1), vv)  # [B, H, D]
+
+
+def check(q, k, v, starts, lens, out, scale=None):
+    """out (any dtype) vs the reference on float32 copies of the inputs."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ref = decode_attention_reference(q.float(), k.float(), v.float(), starts, lens, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out.float()).all()
+    tol = TOL[q.dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.fixture
+def triton_backend():
+    dispatch.set_backend("triton")
+    yield
+    dispatch.set_backend("auto")
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_reference_matches_dense(group):
+    q, k, v, starts, lens = make_case([1, 37, 300, 64], N_HEADS // group, 64)
+    out = decode_attention_reference(q, k, v, starts, lens, 0.125)
+    torch.testing.assert_close(out.double(), dense_attention(q, k, v, starts, lens, 0.125),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_triton_matches_reference(group, head_dim, splits):
+    q, k, v, starts, lens = make_case([1, 37, 300], N_HEADS // group, head_dim, seed=group)
+    out = _decode_attention_triton(q, k, v, starts, lens, head_dim**-0.5, 300, num_splits=splits)
+    check(q, k, v, starts, lens, out)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kv_length_one(splits):
+    q, k, v, starts, lens = make_case([1, 1, 1], 2, 64)
+    out = _decode_attention_triton(q, k, v, starts, lens, 0.125, 1, num_splits=splits)
+    check(q, k, v, starts, lens, out, scale=0.125)
+    # one key: the output is that key's value row, for every query head of its kv head
+    expected = v[starts.long()].repeat_interleave(N_HEADS // 2, dim=1)  # [B, H, D]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 8])
+def test_low_precision(group, dtype):
+    # bf16 tl.dot is wrong in the interpreter: the launcher upcasts the GQA dots to fp32 there
+    q, k, v, starts, lens = make_case([5, 129, 70], N_HEADS // group, 64, dtype=dtype)
+    out = _decode_attention_triton(q, k, v, starts, lens, 0.125, 129, num_splits=2)
+    check(q, k, v, starts, lens, out, scale=0.125)
+
+
+def test_heuristic_splits_end_to_end():
+    q, k, v, starts, lens = make_case([700, 3], 2, 64)
+    assert _num_splits(2, 2, 700, q.device) > 1  # small batch, long sequence: splits
+    check(q, k, v, starts, lens, _decode_attention_triton(q, k, v, starts, lens, 0.125, 700),
+          scale=0.125)
+
+
+def test_public_function_triton(triton_backend, monkeypatch):
+    q, k, v, starts, lens = make_case([2, 90, 200], 2, 64, seed=3)
+    check(q, k, v, starts, lens, decode_attention(q, k, v, starts, lens))  # default scale
+    monkeypatch.setattr(da, "_FORCED_SPLITS", 4)
+    out = decode_attention(q, k, v, starts, lens, 0.1, max_seq_len=200)
+    check(q, k, v, starts, lens, out, scale=0.1)
+
+
+def test_public_function_cpu_uses_reference():
+    q, k, v, starts, lens = make_case([3, 40], 4, 64)
+    expected = decode_attention_reference(q, k, v, starts, lens, 0.125)
+    assert torch.equal(decode_attention(q, k, v, starts, lens), expected)
+
+
+def test_num_splits_heuristic():
+    cpu = torch.device("cpu")  # no CUDA: assumes an H100's 132 SMs
+    assert _num_splits(256, 8, 8192, cpu) == 1  # the batch fills the GPU
+    assert _num_splits(1, 8, 100, cpu) == 1  # too short to split
+    assert _num_splits(1, 8, 1024, cpu) == 4  # >= 256 tokens per split
+    assert _num_splits(1, 8, 1 << 20, cpu) == 64  # capped, a power of 2
+    assert _num_splits(16, 8, 1 << 20, cpu) == 4  # 4 waves of 132 SMs: ceil(528/128) -> 4
+
+
+def test_rejects_bad_shapes():
+    q, k, v, starts, lens = make_case([3], 2, 64)
+    with pytest.raises(ValueError, match="power of 2"):
+        _decode_attention_triton(q[..., :48], k[..., :48], v[..., :48], starts, lens, 1.0, 3)
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        _decode_attention_triton(q[:, :7], k, v, starts, lens, 1.0, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch,max_len", [(64, 2048), (2, 20000)])
+def test_gpu_large(dtype, batch, max_len):
+    g = torch.Generator().manual_seed(batch)
+    lens = torch.randint(1, max_len + 1, (batch,), generator=g).tolist()
+    lens[0] = max_len
+    q, k, v, starts, lens_t = make_case(lens, 8, 128, dtype=dtype, n_heads=32, seed=batch)
+    q, k, v, starts, lens_t = (t.cuda() for t in (q, k, v, starts, lens_t))
+    out = decode_attention(q, k, v, starts, lens_t, max_seq_len=max_len)  # auto: Triton
+    check(q, k, v, starts, lens_t, out)
+    for splits in (1, 7):
+        out = _decode_attention_triton(q, k, v, starts, lens_t, 128**-0.5, max_len, splits)
+        check(q, k, v, starts, lens_t, out)

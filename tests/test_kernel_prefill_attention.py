@@ -1,0 +1,204 @@
+"""Prefill attention: the Triton kernel (interpreted on CPU) against the PyTorch reference, and
+the reference against a dense causal softmax and against SDPA(is_causal=True)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import dispatch
+from kernels.prefill_attention import (
+    _prefill_attention_triton,
+    prefill_attention,
+    prefill_attention_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Chunked prefill in one launch: a decode-like 1-token chunk over a 200-token prefix, a 5-token
+# chunk over 13 cached tokens, a 70-token fresh prompt (KV lengths 201, 18, 70).
+Q_LENS, PREFIXES = (1, 5, 70), (200, 13, 0)  # check_triton defaults to max_q_len=70
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_bf16_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton interpreter stores bf16 as uint16 and its tl.dot multiplies the bit patterns
+    (triton-lang/triton#11584, "not supported yet"): upcast bf16 dot operands to fp32 there."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    orig = interpreter.InterpreterBuilder.create_dot
+
+    def to_f32(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        data = (h.data.astype(np.uint32) << 16).view(np.float32)  # bf16 bits -> fp32 value
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return orig(self, to_f32(a), to_f32(b), d, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+
+
+@pytest.fixture
+def triton_backend():
+    """Route the public function to the Triton kernel for the test, whatever the device."""
+    before = dispatch.backend()
+    dispatch.set_backend("triton")
+    yield
+    dispatch.set_backend(before)
+
+
+def make_batch(q_lens, prefixes, n_heads, n_kv_heads, head_dim, dtype, *, garbage="randn",
+               seed=0, device=DEVICE):
+    """Random queries and a KV cache holding each sequence's segment at scattered offsets.
+
+    Returns q [T, H, D], k, v [capacity, Hkv, D], cu_q_lens [S+1], seq_starts [S], ctx_lens [S]
+    (int32). Unused slots hold large random values (garbage="randn") or NaN (garbage="nan").
+    """
+    g = torch.Generator().manual_seed(seed)
+    ctx = [a + b for a, b in zip(q_lens, prefixes, strict=True)]
+    gaps = torch.randint(3, 40, (len(ctx) + 1,), generator=g).tolist()  # [S+1] unused slots
+    capacity = sum(ctx) + sum(gaps)
+    shape = (capacity, n_kv_heads, head_dim)
+    if garbage == "nan":
+        k, v = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
+    else:
+        k, v = 1e3 * torch.randn(shape, generator=g), 1e3 * torch.randn(shape, generator=g)
+    starts, slot = [0] * len(ctx), gaps[0]
+    for i, s in enumerate(torch.randperm(len(ctx), generator=g).tolist()):  # shuffled order
+        starts[s] = slot
+        k[slot : slot + ctx[s]] = torch.randn((ctx[s], n_kv_heads, head_dim), generator=g)
+        v[slot : slot + ctx[s]] = torch.randn((ctx[s], n_kv_heads, head_dim), generator=g)
+        slot += ctx[s] + gaps[i + 1]
+    q = torch.randn((sum(q_lens), n_heads, head_dim), generator=g)
+    cu = [0, *np.cumsum(q_lens).tolist()]
+    ints = [torch.tensor(x, dtype=torch.int32, device=device) for x in (cu, starts, ctx)]
+    return (q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), *ints)
+
+
+def dense_attention(q, k, v, cu_q_lens, seq_starts, ctx_lens, scale):
+    """Explicit float64 softmax(q k^T * scale + causal mask) v, one sequence at a time."""
+    group = q.shape[1] // k.shape[1]
+    cu, starts, ctx = cu_q_lens.tolist(), seq_starts.tolist(), ctx_lens.tolist()
+    outs = []
+    for s, (start, n) in enumerate(zip(starts, ctx, strict=True)):
+        qs = q[cu[s] : cu[s + 1]].double()  # [L, H, D]
+        ks = k[start : start + n].double().repeat_interleave(group, dim=1)  # [n, H, D]
+        vs = v[start : start + n].double().repeat_interleave(group, dim=1)  # [n, H, D]
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # [H, L, n]
+        pos = torch.arange(n - qs.shape[0], n, device=q.device)[:, None]  # [L, 1]
+        visible = torch.arange(n, device=q.device)[None, :] <= pos  # [L, n]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, vs))  # [L, H, D]
+    return torch.cat(outs)
+
+
+def check_triton(batch, scale, block_m=None, block_n=None, max_q_len=70):
+    """Run the kernel on `batch` and compare it with the fp32 reference on the same inputs."""
+    q, k, v, cu, starts, ctx = batch
+    out = _prefill_attention_triton(q, k, v, cu, starts, ctx, scale, max_q_len, block_m, block_n)
+    ref = prefill_attention_reference(q.float(), k.float(), v.float(), cu, starts, ctx, scale)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    tol = TOL[q.dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(2, 2), (4, 1)])
+def test_reference_matches_dense_softmax(n_heads, n_kv_heads):
+    batch = make_batch(Q_LENS, PREFIXES, n_heads, n_kv_heads, 64, torch.float32)
+    out = prefill_attention_reference(*batch, 0.1)
+    torch.testing.assert_close(out.double(), dense_attention(*batch, 0.1), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_matches_sdpa_causal():
+    """With no cached prefix (q_len == ctx_len) the mask is the plain causal one."""
+    q, k, v, cu, starts, ctx = make_batch((9, 33, 1), (0, 0, 0), 4, 2, 64, torch.float32)
+    out = prefill_attention_reference(q, k, v, cu, starts, ctx, 64**-0.5)
+    for s in range(3):
+        q0, q1, st = cu[s].item(), cu[s + 1].item(), starts[s].item()
+        ks = k[st : st + q1 - q0].repeat_interleave(2, dim=1).transpose(0, 1)  # [H, L, D]
+        vs = v[st : st + q1 - q0].repeat_interleave(2, dim=1).transpose(0, 1)  # [H, L, D]
+        exp = F.scaled_dot_product_attention(q[q0:q1].transpose(0, 1), ks, vs, is_causal=True)
+        torch.testing.assert_close(out[q0:q1], exp.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(2, 2), (4, 1), (8, 1)])
+def test_triton_matches_reference_fp32(n_heads, n_kv_heads, head_dim):
+    batch = make_batch(Q_LENS, PREFIXES, n_heads, n_kv_heads, head_dim, torch.float32)
+    check_triton(batch, head_dim**-0.5, 16, 16)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32), (64, 64), (None, None)])
+def test_triton_block_shapes(block_m, block_n):
+    """Diagonal handling when BLOCK_M != BLOCK_N, and the static (H100) default config."""
+    batch = make_batch(Q_LENS, PREFIXES, 4, 2, 64, torch.float16, seed=1)
+    check_triton(batch, 0.125, block_m, block_n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,n_kv_heads", [(64, 1), (128, 2)])
+def test_triton_half_precision(dtype, head_dim, n_kv_heads):
+    batch = make_batch(Q_LENS, PREFIXES, 4, n_kv_heads, head_dim, dtype, seed=2)
+    check_triton(batch, head_dim**-0.5, 16, 16)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (16, 32)])
+def test_triton_diagonal_alignments(block_m, block_n):
+    """Prefixes of every residue mod BLOCK_N: the unmasked/masked split must never let a query
+    see a later key. max_q_len is an over-estimate (the extra tiles must do nothing)."""
+    prefixes = list(range(block_n + 2))
+    q_lens = [1 + (7 * i) % 23 for i in prefixes]  # 1..23: one or two query tiles
+    batch = make_batch(q_lens, prefixes, 2, 1, 64, torch.float32, seed=5)
+    check_triton(batch, 0.125, block_m, block_n, max_q_len=64)
+
+
+def test_triton_reads_only_its_segments():
+    """NaN in every unused cache slot: reading any of them (even masked) would poison the output."""
+    batch = make_batch(Q_LENS, PREFIXES, 4, 1, 64, torch.float32, garbage="nan", seed=3)
+    check_triton(batch, 0.125, 16, 16)
+
+
+def test_public_function_dispatch(triton_backend):
+    """Default scale, the max_q_len hint (and the .item() fallback), a strided q (a view into a
+    fused qkv tensor), an empty chunk in the batch; the reference backend gives the same."""
+    q_lens, prefixes = (3, 0, 20), (7, 5, 11)
+    q, k, v, cu, starts, ctx = make_batch(q_lens, prefixes, 4, 2, 64, torch.float32, seed=4)
+    qkv = torch.randn(q.shape[0], 8, 64, device=q.device)  # [T, H + 2 Hkv, D]
+    qkv[:, :4] = q
+    q = qkv[:, :4]  # [T, H, D], token stride 8 * 64
+    exp = dense_attention(q, k, v, cu, starts, ctx, 64**-0.5)
+    out = prefill_attention(q, k, v, cu, starts, ctx, max_q_len=20)
+    torch.testing.assert_close(out.double(), exp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(prefill_attention(q, k, v, cu, starts, ctx), out)
+    dispatch.set_backend("reference")
+    ref = prefill_attention(q, k, v, cu, starts, ctx)
+    torch.testing.assert_close(ref.double(), exp, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_bad_head_dim():
+    q, k, v, cu, starts, ctx = make_batch((4,), (0,), 2, 2, 48, torch.float32)
+    with pytest.raises(AssertionError, match="power of 2"):
+        _prefill_attention_triton(q, k, v, cu, starts, ctx, 0.1, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(32, 8, 128), (16, 16, 64), (32, 4, 64)])
+def test_triton_large_gpu(dtype, n_heads, n_kv_heads, head_dim, triton_backend):
+    """Production-sized shapes with the default configs, through the public function."""
+    q_lens, prefixes = (1, 517, 2048, 77, 1024), (4000, 0, 0, 3071, 513)
+    q, k, v, cu, starts, ctx = make_batch(q_lens, prefixes, n_heads, n_kv_heads, head_dim, dtype)
+    out = prefill_attention(q, k, v, cu, starts, ctx, max_q_len=max(q_lens))
+    ref = prefill_attention_reference(q.float(), k.float(), v.float(), cu, starts, ctx,
+                                      head_dim**-0.5)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
