@@ -22,8 +22,9 @@ function of (seeds[b], steps[b], v), computed with int64 tensor ops whose values
 below 2^49, so a row's token depends only on its own (seed, step, logits, params): not on the
 batch, its position in it, or the device. Nothing here syncs with the host, so the same code
 runs on CUDA tensors; the caller, who knows the parameters on the host, opts into the fast
-paths (`all_greedy`, `need_sort=False`). This file is also the specification of the Triton
-kernel that will replace it (uint32 arithmetic there).
+paths (`all_greedy`, `need_sort=False`). `sample_reference` is also the specification of the
+Triton kernel (`kernels.sampling_triton`, uint32 arithmetic there), which `sample` runs when
+`dispatch.use_triton(logits)`.
 
 Penalties (`apply_penalties`, vLLM / OpenAI semantics) run before `sample`, on the logits the
 caller then passes to it; `token_stats` builds their per-row token statistics on the device.
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.dispatch import use_triton
 
 _M32 = 0xFFFFFFFF
 
@@ -98,7 +101,7 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     return x.masked_fill(x < torch.maximum(kth, pth), float("-inf"))
 
 
-def sample(
+def sample_reference(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_k: torch.Tensor,
@@ -145,6 +148,28 @@ def sample(
 
     ids = torch.where(greedy, greedy_ids, sampled_ids)  # [B]
     return ids, raw.gather(1, ids[:, None])[:, 0] - lse
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    *,
+    all_greedy: bool = False,
+    need_sort: bool = True,
+    raw_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_reference`'s contract; runs the Triton kernel when `use_triton(logits)`."""
+    impl = sample_reference
+    if use_triton(logits):
+        from kernels.sampling_triton import sample_triton as impl  # triton: imported on demand
+    return impl(logits, temperature, top_k, top_p, min_p, seeds, steps, all_greedy=all_greedy,
+                need_sort=need_sort, raw_logits=raw_logits)
+
 
 
 def apply_penalties(
