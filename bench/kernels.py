@@ -1,0 +1,273 @@
+"""Kernel microbenchmarks: each Triton kernel vs its PyTorch baseline, Llama-3-8B shapes, bf16.
+
+On CUDA, per kernel: median time (`triton.testing.do_bench`: warm-up, L2 flushed before each
+rep), achieved GB/s (TFLOP/s for prefill attention) and % of the device's peak bandwidth, which
+is measured in the same run as a 1 GiB device-to-device copy ((bytes read + written) / time).
+Bytes are each op's minimal traffic (inputs read once, outputs written once; sampling: one pass
+over the logits). Next to it the baseline: eager PyTorch reference ops; decode attention: SDPA
+on contiguous [B, H, 1, D] queries and [B, Hkv, ctx, D] K/V (enable_gqa); prefill attention:
+SDPA causal on the flash backend (lower-right causal mask for chunks with a prefix). "speed" =
+baseline time / Triton time (> 1: Triton faster). Shapes: 32 heads, 8 KV heads, head_dim 128,
+hidden 4096, intermediate 14336, vocab 128256. Targets, printed PASS/MISS: decode attention
+>= 70% of peak at batch 64, context 4096; fused add+RMSNorm >= 70% of peak at T=4096; prefill
+attention at 2k tokens within 1.3x of SDPA flash.
+
+    python -m bench.kernels [--quick]
+
+--quick: every code path at tiny shapes; without CUDA on CPU tensors under TRITON_INTERPRET=1,
+where the timings mean nothing. The last line printed is one JSON object with the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # also runnable as `python bench/kernels.py`
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402  (does not import triton)
+
+if "--quick" in sys.argv[1:] and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels' @triton.jit runs
+
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+from torch.backends.cuda import SDPAParams, can_use_flash_attention  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention.bias import causal_lower_right  # noqa: E402
+
+from kernels import dispatch  # noqa: E402
+from kernels.activation import silu_mul, silu_mul_ref  # noqa: E402
+from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.prefill_attention import prefill_attention  # noqa: E402
+from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref  # noqa: E402
+from kernels.rope import rope_kv_write, rope_kv_write_ref  # noqa: E402
+from kernels.sampling import sample, sample_reference  # noqa: E402
+from services.compute.rope import RotaryEmbedding  # noqa: E402
+
+FULL = dict(heads=(32, 8, 128), hidden=4096, inter=14336, vocab=128256, copy_mib=1024,
+            decode=[(64, 4096), (1, 4096), (256, 4096)], prefill=[(1, 2048, 0), (4, 512, 1536)],
+            norm=[4096, 64], tokens=4096, sample=256)
+QUICK = dict(heads=(4, 2, 16), hidden=256, inter=512, vocab=1000, copy_mib=16,
+             decode=[(2, 64), (1, 64), (3, 64)], prefill=[(1, 64, 0), (2, 16, 48)],
+             norm=[16, 4], tokens=16, sample=8)
+DECODE_PCT, NORM_PCT, PREFILL_RATIO = 70.0, 70.0, 1.3
+
+
+def timeit(fn, cuda: bool) -> float:
+    """Median ms of fn(): do_bench on CUDA; else 3 perf_counter runs after a warm-up call."""
+    if cuda:
+        return triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+    fn()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def peak_gbs(s: dict, cuda: bool) -> float:
+    """Device-to-device copy bandwidth: (bytes read + bytes written) / time."""
+    src = torch.empty(s["copy_mib"] << 20, dtype=torch.uint8, device=s["device"])
+    dst = torch.empty_like(src)
+    ms = timeit(lambda: dst.copy_(src), cuda)
+    return 2 * src.numel() / ms / 1e6
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> str:
+    return f"max|diff| {(a.float() - b.float().reshape(a.shape)).abs().max().item():.2e}"
+
+
+def flash_sdpa(q, k, v, **kw):
+    """SDPA restricted to the flash backend with native GQA; where that is refused, the same
+    with K/V heads repeated (noted). Returns the callable, already run once."""
+    def run(k=k, v=v, gqa=True):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kw)
+
+    if q.is_cuda and not can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True), True):
+        print("  note: can_use_flash_attention is False for these inputs (reasons logged "
+              "above); a lower-right causal mask then runs another backend silently")
+    try:
+        run()
+        return run
+    except RuntimeError as exc:
+        print(f"  note: flash SDPA refused GQA ({str(exc).splitlines()[0][:100]}); baseline "
+              f"repeats the K/V heads")
+        g = q.shape[1] // k.shape[1]
+        fn = functools.partial(run, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), False)
+        fn()
+        return fn
+
+
+def case_decode(s: dict, batch: int, ctx: int) -> dict:
+    (H, HKV, D), dt, dev = s["heads"], s["dtype"], s["device"]
+    q = torch.randn(batch, H, D, dtype=dt, device=dev)
+    k = torch.randn(batch * ctx, HKV, D, dtype=dt, device=dev)  # cache: sequences back to back
+    v = torch.randn_like(k)
+    starts = torch.arange(batch, dtype=torch.int32, device=dev) * ctx
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    kb, vb = (t.view(batch, ctx, HKV, D).transpose(1, 2).contiguous() for t in (k, v))
+    qb, scale = q[:, :, None, :], D**-0.5  # [B, H, 1, D] contiguous; K/V [B, Hkv, ctx, D]
+    return dict(
+        name=f"decode_attn_b{batch}_ctx{ctx}", unit="GB/s",
+        work=(2 * k.numel() + 2 * q.numel()) * q.element_size(),
+        tri=lambda: decode_attention(q, k, v, starts, lens, scale, max_seq_len=ctx),
+        base=lambda: F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=True),
+        check=max_err)
+
+
+def case_prefill(s: dict, n_seqs: int, q_len: int, prefix: int) -> dict:
+    (H, HKV, D), dt, dev = s["heads"], s["dtype"], s["device"]
+    ctx, scale, i32 = prefix + q_len, D**-0.5, dict(dtype=torch.int32, device=dev)
+    q = torch.randn(n_seqs * q_len, H, D, dtype=dt, device=dev)
+    k = torch.randn(n_seqs * ctx, HKV, D, dtype=dt, device=dev)
+    v = torch.randn_like(k)
+    cu, starts = torch.arange(n_seqs + 1, **i32) * q_len, torch.arange(n_seqs, **i32) * ctx
+    ctx_lens = torch.full((n_seqs,), ctx, **i32)
+    qb = q.view(n_seqs, q_len, H, D).transpose(1, 2).contiguous()  # [S, H, q_len, D]
+    kb, vb = (t.view(n_seqs, ctx, HKV, D).transpose(1, 2).contiguous() for t in (k, v))
+    mask = dict(is_causal=True) if prefix == 0 else dict(attn_mask=causal_lower_right(q_len, ctx))
+    keys = n_seqs * sum(range(prefix + 1, ctx + 1))  # (query, visible key) pairs
+    return dict(
+        name=f"prefill_attn_{n_seqs}x{q_len}" + (f"_prefix{prefix}" if prefix else ""),
+        unit="TFLOP/s", work=4 * H * D * keys,  # QK^T and PV: 2 flops per multiply-add each
+        tri=lambda: prefill_attention(q, k, v, cu, starts, ctx_lens, scale, max_q_len=q_len),
+        base=flash_sdpa(qb, kb, vb, scale=scale, **mask),
+        check=lambda a, b: max_err(a, b.transpose(1, 2)))
+
+
+def case_norm(s: dict, T: int) -> dict:
+    N, dt, dev = s["hidden"], s["dtype"], s["device"]
+    x, r = (torch.randn(T, N, dtype=dt, device=dev) for _ in range(2))
+    w = 1 + 0.1 * torch.randn(N, dtype=dt, device=dev)
+    return dict(name=f"add_rms_norm_t{T}", unit="GB/s", work=(4 * T * N + N) * x.element_size(),
+                tri=lambda: add_rms_norm(x, r, w, 1e-5),
+                base=lambda: add_rms_norm_ref(x, r, w, 1e-5),
+                check=lambda a, b: max_err(a[0], b[0]))
+
+
+def case_rope(s: dict, T: int) -> dict:
+    (H, HKV, D), dt, dev = s["heads"], s["dtype"], s["device"]
+    qkv = torch.randn(T, (H + 2 * HKV) * D, dtype=dt, device=dev)  # as the model's projection
+    q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, HKV * D, HKV * D], dim=-1))
+    rope = RotaryEmbedding(D, T, 500000.0, None, dev)
+    pos = torch.arange(T, device=dev)  # positions, also the cache slots
+    kc, vc = (torch.zeros(T, HKV, D, dtype=dt, device=dev) for _ in range(2))
+    args = (q, k, v, pos, rope.cos, rope.sin, kc, vc, pos)
+    per_token = (2 * H + 5 * HKV) * D * qkv.element_size() + 4 * D + 16  # q,k,v,outs,cos/sin,ids
+    return dict(name=f"rope_kv_write_t{T}", unit="GB/s", work=T * per_token,
+                tri=lambda: rope_kv_write(*args), base=lambda: rope_kv_write_ref(*args),
+                check=lambda a, b: max_err(a[0], b[0]))
+
+
+def case_silu(s: dict, T: int) -> dict:
+    inter, dt, dev = s["inter"], s["dtype"], s["device"]
+    gu = torch.randn(T, 2 * inter, dtype=dt, device=dev)
+    return dict(name=f"silu_mul_t{T}", unit="GB/s", work=3 * T * inter * gu.element_size(),
+                tri=lambda: silu_mul(gu), base=lambda: silu_mul_ref(gu), check=max_err)
+
+
+def case_sample(s: dict, B: int) -> dict:
+    """Rows mixed: top-k 50 on even rows, top-p 0.9 on rows not divisible by 3 (both, either or
+    neither), temperature 0.8, float32 logits as the model returns them."""
+    dev = s["device"]
+    logits = 4 * torch.randn(B, s["vocab"], device=dev)
+    rows = torch.arange(B, device=dev)
+    top_k = torch.where(rows % 2 == 0, 50, 0)
+    top_p = torch.where(rows % 3 == 0, 1.0, 0.9).float()
+    args = (logits, torch.full((B,), 0.8, device=dev), top_k, top_p, torch.zeros(B, device=dev),
+            rows * 7919 + 1, torch.zeros_like(rows))
+    return dict(name=f"sample_b{B}", unit="GB/s", work=logits.numel() * 4,
+                tri=lambda: sample(*args), base=lambda: sample_reference(*args),
+                check=lambda a, b: f"ids equal {int((a[0] == b[0]).sum())}/{B}")
+
+
+def measure(spec: dict, peak: float, cuda: bool) -> dict:
+    check = spec["check"](spec["tri"](), spec["base"]())  # also compiles / warms both
+    ms, base_ms = timeit(spec["tri"], cuda), timeit(spec["base"], cuda)
+    div, gbs = (1e6, True) if spec["unit"] == "GB/s" else (1e9, False)  # work / ms -> unit
+    rate, base_rate = spec["work"] / ms / div, spec["work"] / base_ms / div
+    r = dict(ms=round(ms, 4), baseline_ms=round(base_ms, 4), speedup=round(base_ms / ms, 3))
+    r["gbs" if gbs else "tflops"] = round(rate, 1)
+    pct = f" ({100 * rate / peak:4.0f}% peak)" if gbs else ""
+    if gbs:
+        r["pct_peak"] = round(100 * rate / peak, 1)
+    print(f"{spec['name']:<30} triton {ms:9.4f} ms {rate:8.1f} {spec['unit']}{pct} | baseline "
+          f"{base_ms:9.4f} ms {base_rate:8.1f} {spec['unit']} | speed x{base_ms / ms:5.2f} | "
+          f"{check}", flush=True)
+    return r
+
+
+def builders(s: dict) -> list:
+    p = functools.partial
+    return [*(p(case_decode, s, b, c) for b, c in s["decode"]),
+            *(p(case_prefill, s, *args) for args in s["prefill"]),
+            *(p(case_norm, s, t) for t in s["norm"]),
+            p(case_rope, s, s["tokens"]), p(case_silu, s, s["tokens"]),
+            p(case_sample, s, s["sample"])]
+
+
+def targets(s: dict, res: dict) -> dict:
+    """Name -> (value, PASS/MISS) for the issue's three targets."""
+    b, c = s["decode"][0]
+    n, q_len, prefix = s["prefill"][0]
+    dec = res.get(f"decode_attn_b{b}_ctx{c}", {}).get("pct_peak", 0.0)
+    norm = res.get(f"add_rms_norm_t{s['norm'][0]}", {}).get("pct_peak", 0.0)
+    pre = res.get(f"prefill_attn_{n}x{q_len}", {})
+    ratio = pre["ms"] / pre["baseline_ms"] if pre.get("ms") else float("inf")
+    ok = lambda good: "PASS" if good else "MISS"
+    return {f"decode_attn_b{b}_ctx{c}_pct_peak>={DECODE_PCT:g}": (dec, ok(dec >= DECODE_PCT)),
+            f"add_rms_norm_t{s['norm'][0]}_pct_peak>={NORM_PCT:g}": (norm, ok(norm >= NORM_PCT)),
+            f"prefill_{n}x{q_len}_time/flash<={PREFILL_RATIO:g}":
+                (round(ratio, 3), ok(ratio <= PREFILL_RATIO))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes (smoke run; see docstring)")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    s = dict(QUICK if args.quick else FULL, device=torch.device("cuda" if cuda else "cpu"),
+             dtype=torch.bfloat16 if cuda else torch.float16)  # the interpreter's dot: no bf16
+    dispatch.set_backend("triton")  # the public functions run their Triton kernels
+    device = torch.cuda.get_device_name() if cuda else "cpu (TRITON_INTERPRET=1)"
+    print(f"device: {device}; torch {torch.__version__}, triton {triton.__version__}; "
+          f"{s['dtype']}{'; quick shapes' if args.quick else ''}")
+    if not cuda:
+        print("WARNING: no CUDA device: kernels run under the Triton interpreter; the timings "
+              "below are meaningless (smoke test of the code paths only)")
+    torch.manual_seed(0)
+    peak = peak_gbs(s, cuda)
+    print(f"peak bandwidth (device copy of {s['copy_mib']} MiB, read + write): {peak:.1f} GB/s")
+    res = {}
+    for build in builders(s):
+        try:
+            spec = build()
+            res[spec["name"]] = measure(spec, peak, cuda)
+        except Exception as exc:  # one failing case must not lose the others' figures
+            print(f"ERROR in {build.func.__name__}{build.args[1:]}: {type(exc).__name__}: {exc}")
+            res[f"{build.func.__name__}{build.args[1:]}"] = dict(error=str(exc)[:300])
+        spec = None
+        if cuda:
+            torch.cuda.empty_cache()
+    tg = targets(s, res)
+    for name, (value, verdict) in tg.items():
+        print(f"target {name}: {value} {verdict}")
+    print(json.dumps(dict(device=device, torch=torch.__version__, triton=triton.__version__,
+                          quick=args.quick, timings_meaningful=cuda, peak_gbs=round(peak, 1),
+                          kernels=res, targets={k: v[1] for k, v in tg.items()})))
+
+
+if __name__ == "__main__":
+    main()
