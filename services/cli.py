@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     for p in (serve, up):
         add_config_args(p, EngineConfig)
         add_config_args(p, ServiceConfig)
+    from services.compute.sim import roofline
+
+    roof = sub.add_parser("roofline", help="decode roofline of a model on a GPU (sim backend)",
+                          description=roofline.__doc__)
+    roofline.add_args(roof)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command != "generate" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -36,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     from shared.tokenizer import TokenizerLoadError
 
     try:
+        if args.command == "roofline":
+            return roofline.run(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "up":
@@ -55,7 +62,12 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags; no --model means the built-in demo model."""
     from shared.demo_model import ensure_demo_model
 
-    return config_from_args(EngineConfig, args, model=args.model or str(ensure_demo_model()))
+    config = config_from_args(EngineConfig, args, model=args.model or str(ensure_demo_model()))
+    if config.backend == "sim":  # a bad --sim-* value fails here, not in a restarting child
+        from services.compute.sim import check_config
+
+        check_config(config)
+    return config
 
 
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServiceConfig]:

@@ -29,6 +29,15 @@ class EngineConfig:
     default_predicted_len: int = 128  # predicted output length until the predictor knows better
     kv_min_grow: int = 16  # minimum growth of a KV segment that ran out
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch reference on CPU) | triton | reference
+    backend: str = "torch"  # torch (the model) | sim (modelled GPU: services/compute/sim)
+    sim_gpu: str = "h100"  # sim: h100 | h200 | a100 | ... (services/compute/sim/hardware.py)
+    sim_model: str = "llama-3-8b"  # sim: llama-2-7b | llama-2-13b | llama-3-8b | mistral-7b | ...
+    sim_kv_dtype: str = "bf16"  # sim: bf16 | int8 | fp8 (KV bytes per element 2 / 1 / 1)
+    sim_weight_dtype: str = "bf16"  # sim: bf16 | int8 | fp8 (W8A8) | int4 (weight-only)
+    sim_eff_bw: float = 0.8  # sim: fraction of HBM bandwidth reached
+    sim_eff_flops: float = 0.6  # sim: fraction of peak tensor FLOP/s reached
+    sim_overhead_ms: float = 1.0  # sim: per-step time outside the roofline (launches, host)
+    sim_clock: str = "real"  # sim: real (sleep the step time) | virtual (advance a clock)
 
     def __post_init__(self):
         if self.kv_policy not in ("predicted", "max"):
@@ -37,6 +46,10 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16: {self.dtype!r}")
         if self.kernels not in ("auto", "triton", "reference"):
             raise ValueError(f"--kernels must be auto, triton or reference, not {self.kernels!r}")
+        if self.backend not in ("torch", "sim"):
+            raise ValueError(f"--backend must be torch or sim, not {self.backend!r}")
+        if self.sim_clock not in ("real", "virtual"):
+            raise ValueError(f"--sim-clock must be real or virtual, not {self.sim_clock!r}")
         if self.default_predicted_len < 1:
             raise ValueError("--default-predicted-len must be at least 1")
 

@@ -10,7 +10,7 @@ import secrets
 from dataclasses import dataclass
 
 from services.compute.allocator import KVAllocator
-from services.compute.model_config import ModelConfig, context_length
+from services.compute.model_config import served_model
 from services.compute.runner import ModelRunner
 from services.compute.scheduler import Scheduler, SchedulerConfig
 from services.compute.sequence import SeqStatus, Sequence
@@ -49,10 +49,11 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
-        mc = self.model_config
-        self.max_model_len = context_length(mc, config.max_model_len)
-        self.runner = ModelRunner(config, mc, self.max_model_len)
+        self.model_config, self.max_model_len = served_model(config)
+        runner_cls = ModelRunner
+        if config.backend == "sim":  # modelled GPU, no model: services/compute/sim
+            from services.compute.sim.runner import SimRunner as runner_cls
+        self.runner = runner_cls(config, self.model_config, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_batched_tokens, config.max_running, config.kv_policy,
                             config.kv_min_grow),

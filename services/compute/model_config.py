@@ -281,3 +281,16 @@ def context_length(mc: ModelConfig, requested: int = 0) -> int:
     if mc.sliding_window:
         limit = min(limit, mc.sliding_window)
     return min(requested or limit, limit)
+
+
+def served_model(config) -> tuple[ModelConfig, int]:
+    """The ModelConfig and context length every service uses for an EngineConfig: the model
+    directory's, or with the sim backend the simulated model's context (vocab and EOS still
+    from the directory, whose tokenizer the other services use)."""
+    if config.backend == "sim":
+        from services.compute import sim
+
+        mc = sim.model_config(config)
+    else:
+        mc = ModelConfig.from_dir(config.model)
+    return mc, context_length(mc, config.max_model_len)

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 import zmq.asyncio
 from aiohttp import web
 
-from services.compute.model_config import ModelConfig, context_length
+from services.compute.model_config import served_model
 from services.gateway.app import Gateway
 from shared.config import EngineConfig, ServiceConfig
 from shared.messages import DeltaBatch
@@ -22,9 +22,9 @@ log = logging.getLogger("pipellm.gateway")
 
 def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncReceiver]:
     ctx = zmq.asyncio.Context.instance()
-    mc = ModelConfig.from_dir(engine_cfg.model)
+    _, context = served_model(engine_cfg)
     name = svc.served_model_name or Path(engine_cfg.model).name
-    gw = Gateway(svc, name, context_length(mc, engine_cfg.max_model_len),
+    gw = Gateway(svc, name, context,
                  load_tokenizer(engine_cfg.model), aioredis.Redis.from_url(svc.redis_url),
                  AsyncSender(ctx, svc.addr("tokenizer"), bind=True),
                  AsyncSender(ctx, svc.addr("control")))

@@ -12,7 +12,7 @@ import dataclasses
 import redis
 import zmq
 
-from services.compute.model_config import ModelConfig, context_length
+from services.compute.model_config import served_model
 from shared import state
 from shared.chat_template import ChatTemplateError, load_chat_template
 from shared.codec import int32s
@@ -31,12 +31,11 @@ class PromptError(ValueError):
 class Tokenizer:
     """Pure request preparation (no sockets): TokenizeRequest -> GenerateRequests."""
 
-    def __init__(self, model_dir: str, max_model_len: int = 0):
-        mc = ModelConfig.from_dir(model_dir)
+    def __init__(self, config: EngineConfig):
+        mc, self.max_model_len = served_model(config)
         self.vocab_size = mc.vocab_size
-        self.max_model_len = context_length(mc, max_model_len)
-        self.tok = load_tokenizer(model_dir)
-        self.template = load_chat_template(model_dir)
+        self.tok = load_tokenizer(config.model)
+        self.template = load_chat_template(config.model)
 
     def prompt_ids(self, req: TokenizeRequest) -> list[int]:
         if req.messages is not None:
@@ -82,7 +81,7 @@ class Tokenizer:
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
-    tokenizer = Tokenizer(engine_cfg.model, engine_cfg.max_model_len)
+    tokenizer = Tokenizer(engine_cfg)
     ctx = zmq.Context.instance()
     inbox = Receiver(ctx, svc.addr("tokenizer"), bind=False)
     outbox = Sender(ctx, svc.addr("compute"))

@@ -1,0 +1,110 @@
+"""`SimRunner`: the ModelRunner interface (`capacity`, `execute(step)`) with no model behind it.
+
+Each step costs what the roofline `CostModel` says, either slept in real time (the compute
+service then paces like a GPU would) or added to a `VirtualClock` (the engine alone runs as
+fast as the CPU can schedule). No weights, no KV tensors, no torch.
+
+Tokens: a deterministic pseudo-random id per (request seed, output index), a splitmix64 hash
+mod vocab, that is never an EOS, BOS or stop token id of the request (the id is bumped past
+them). So an output ends by length: it runs to max_tokens (or the context length) without
+`ignore_eos`. Stop strings can still end a request in the full stack (the detokenizer checks
+the text). Logprobs are 0.0. A caller that knows a request's true output length (the virtual
+simulation) puts it in `runner.eos_at[request_id]`: the runner then samples a stop token of the
+request (its lowest stop id: EOS unless stop_token_ids are given) as output token number
+`eos_at`, as the real model would end it, so a request can ask for more `max_tokens` than it
+uses (what the `max` KV policy reserves for). With `ignore_eos` it runs on to max_tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from services.compute.model_config import ModelConfig
+from services.compute.scheduler import ScheduledStep
+from services.compute.sim.cost import CostModel, kv_dtype_bytes
+from shared.config import EngineConfig
+
+log = logging.getLogger(__name__)
+_MASK = 2**64 - 1
+
+
+class VirtualClock:
+    """Simulated seconds; steps advance it by their modelled time."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def token_id(seed: int, index: int, vocab: int) -> int:
+    """splitmix64(seed, index) mod vocab: deterministic, uniform enough, cheap in Python."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) % vocab
+
+
+def cost_model(config: EngineConfig) -> CostModel:
+    return CostModel(config.sim_gpu, config.sim_model, kv_dtype_bytes(config.sim_kv_dtype),
+                     config.sim_eff_bw, config.sim_eff_flops, config.sim_overhead_ms / 1e3,
+                     config.sim_weight_dtype)
+
+
+class SimRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.cost = cost_model(config)
+        self.capacity = (config.kv_cache_tokens if config.kv_cache_tokens > 0
+                         else self.cost.kv_capacity_tokens(config.gpu_memory_utilization))
+        self.vocab = model_config.vocab_size
+        self.never = frozenset(model_config.eos_token_ids) | (
+            {model_config.bos_token_id} if model_config.bos_token_id is not None else set())
+        if len(self.never) >= self.vocab:
+            raise ValueError("the vocabulary has no token left that is not EOS/BOS")
+        self.clock = VirtualClock() if config.sim_clock == "virtual" else None
+        self.eos_at: dict[str, int] = {}  # request id -> output length that ends with EOS
+        self.busy_s = 0.0  # modelled GPU time, all steps
+        self.steps = 0
+        self._last_end: float | None = None
+        log.info("simulated %s on %s: KV cache %d slots (%s KV, %d B/token), %s clock",
+                 self.cost.model.name, self.cost.gpu.name, self.capacity, config.sim_kv_dtype,
+                 self.cost.kv_bytes_per_token, config.sim_clock)
+
+    def step_time(self, step: ScheduledStep) -> float:
+        return self.cost.step_time(
+            [s.num_cached + 1 for s in step.decodes],
+            [(n, s.num_cached) for s, n in step.prefills],
+            len(step.sampled), sum(n for _, _, n in step.moves))
+
+    def execute(self, step: ScheduledStep) -> tuple[list[int], list[float]]:
+        """(token ids, logprobs) for step.sampled, after the modelled time has passed."""
+        dt = self.step_time(step)
+        self.busy_s += dt
+        self.steps += 1
+        if self.clock is not None:
+            self.clock.advance(dt)
+        else:
+            self._sleep(dt)
+        vocab, never, eos_at, out = self.vocab, self.never, self.eos_at, []
+        for s in step.sampled:
+            if eos_at and eos_at.get(s.request_id) == s.num_output + 1 and s.stop_ids:
+                out.append(min(s.stop_ids))
+                continue
+            tok = token_id(s.seed, s.num_output, vocab)
+            while tok in never or tok in s.stop_ids:
+                tok = (tok + 1) % vocab
+            out.append(tok)
+        return out, [0.0] * len(out)
+
+    def _sleep(self, dt: float) -> None:
+        """Sleep the step's modelled time, less the host time the loop already spent since the
+        last step (scheduling, sending outputs) up to the modelled overhead: the overhead is
+        that host time, so a step lasts roofline + max(overhead, host time)."""
+        now = time.perf_counter()
+        spent = 0.0 if self._last_end is None else min(now - self._last_end,
+                                                        self.cost.overhead_s)
+        if dt - spent > 0:
+            time.sleep(dt - spent)
+        self._last_end = time.perf_counter()
