@@ -1,21 +1,28 @@
 """Workloads for benchmarks and the load generator: (prompt, prompt length, output length) items.
 
-Real data comes from the ShareGPT samples in `default_data_dir()` (see its README); when a file
-is missing, callers fall back to `synthetic()`, which needs no data at all.
+Real data comes from `default_data_dir()` (see its README): the ShareGPT samples (text, true
+answer lengths) and the Azure 2023 conversation trace (arrival times and token counts, no text).
+When a file is missing, callers fall back to `synthetic()` or `random_items()`, which need no
+data at all. Items without a prompt (`prompt is None`) get one synthesized by `loadgen.prompts`.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 CHARS_PER_TOKEN = 4  # token-count estimate when no tokenizer is given
 SHAREGPT_FILE = "sharegpt_samples_1024.json"
+AZURE_FILE = "azure_llm_trace_conv_2023.csv"
+# vLLM's ShareGPT filter (benchmark_serving `is_valid_sequence`): drop tiny and long pairs
+SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 _SIGMA = 0.8  # spread of the synthetic lognormal lengths
 
 
@@ -26,6 +33,7 @@ class WorkItem:
     prompt: str | None
     prompt_len: int
     output_len: int
+    arrival_s: float | None = None  # trace replay: seconds after the trace's first request
 
 
 def default_data_dir() -> Path:
@@ -89,3 +97,87 @@ def _count(tokenizer: Tokenizer | None, text: str, special: bool) -> int:
     if tokenizer is None:
         return round(len(text) / CHARS_PER_TOKEN)
     return len(tokenizer.encode(text, add_special_tokens=special).ids)
+
+
+def sample_sharegpt(path: str | Path, n: int, seed: int = 0,
+                    tokenizer: Tokenizer | None = None) -> list[WorkItem]:
+    """`n` items of a ShareGPT file as `vllm bench serve` picks them: pairs with both lengths
+    >= 4, prompt <= 1024 and prompt + output <= 2048 tokens, in an order shuffled by `seed`.
+
+    When the file has fewer valid pairs than `n`, the shuffled list repeats (vLLM oversamples
+    the same way). Raises ValueError if it has none.
+    """
+    valid = [w for w in load_sharegpt(path, tokenizer)
+             if w.prompt_len >= SHAREGPT_MIN_LEN and w.output_len >= SHAREGPT_MIN_LEN
+             and w.prompt_len <= SHAREGPT_MAX_PROMPT
+             and w.prompt_len + w.output_len <= SHAREGPT_MAX_TOTAL]
+    if not valid:
+        raise ValueError(f"{path}: no usable prompt/answer pairs")
+    random.Random(seed).shuffle(valid)
+    return [valid[i % len(valid)] for i in range(n)]
+
+
+def load_azure_trace(path: str | Path, limit: int | None = None) -> list[WorkItem]:
+    """Items of an Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`).
+
+    `arrival_s` is each row's time after the first row's (rows in file order; the first `limit`
+    rows). TIMESTAMP is "YYYY-MM-DD HH:MM:SS[.fraction]" (any number of fraction digits) or a
+    number of seconds. Prompts are None (the trace has no text); lengths are at least 1.
+    """
+    items: list[WorkItem] = []
+    t0 = None
+    with open(path, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            if limit is not None and len(items) >= limit:
+                break
+            t = _seconds(row["TIMESTAMP"])
+            t0 = t if t0 is None else t0
+            items.append(WorkItem(None, max(int(row["ContextTokens"]), 1),
+                                  max(int(row["GeneratedTokens"]), 1), t - t0))
+    return items
+
+
+def random_items(n: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                 seed: int = 0) -> list[WorkItem]:
+    """`n` items with lengths uniform in [floor(L * (1 - r)), ceil(L * (1 + r))] (vLLM's random
+    dataset; r = `range_ratio` in [0, 1), 0 = every item exactly L); each length >= 1.
+    Deterministic for a seed."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError("range_ratio must be in [0, 1)")
+    rng = random.Random(seed)
+
+    def draw(length: int) -> int:
+        low = math.floor(length * (1 - range_ratio))
+        high = math.ceil(length * (1 + range_ratio))
+        return max(1, rng.randint(low, high))
+
+    return [WorkItem(None, draw(input_len), draw(output_len)) for _ in range(n)]
+
+
+def clip_to_context(items: list[WorkItem], max_model_len: int) -> list[WorkItem]:
+    """Items that fit a `max_model_len` context: an item with prompt + output > max_model_len
+    gets its prompt cut to at most half the context, then its output to the rest. Items that fit
+    are unchanged (same objects); clipped ones lose their prompt text so it is synthesized anew.
+    """
+    out = []
+    for w in items:
+        if w.prompt_len + w.output_len <= max_model_len:
+            out.append(w)
+            continue
+        prompt_len = min(w.prompt_len, max_model_len // 2)
+        prompt = w.prompt if prompt_len == w.prompt_len else None
+        out.append(replace(w, prompt=prompt, prompt_len=prompt_len,
+                           output_len=max(1, min(w.output_len, max_model_len - prompt_len))))
+    return out
+
+
+def _seconds(stamp: str) -> float:
+    """A trace TIMESTAMP as seconds (epoch for dates; as is for plain numbers)."""
+    stamp = stamp.strip()
+    try:
+        return float(stamp)
+    except ValueError:
+        pass
+    whole, _, frac = stamp.partition(".")
+    base = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    return base.timestamp() + (float("0." + frac) if frac else 0.0)

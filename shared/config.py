@@ -29,6 +29,7 @@ class EngineConfig:
     default_predicted_len: int = 128  # predicted output length until the predictor knows better
     kv_min_grow: int = 16  # minimum growth of a KV segment that ran out
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch reference on CPU) | triton | reference
+    threads: int = 0  # CPU threads for torch in compute; 0: torch's default
     backend: str = "torch"  # torch (the model) | sim (modelled GPU: services/compute/sim)
     sim_gpu: str = "h100"  # sim: h100 | h200 | a100 | ... (services/compute/sim/hardware.py)
     sim_model: str = "llama-3-8b"  # sim: llama-2-7b | llama-2-13b | llama-3-8b | mistral-7b | ...

@@ -31,6 +31,8 @@ def resolve_device(name: str) -> torch.device:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
         set_backend(config.kernels)
+        if config.threads > 0:  # on a small CPU, leave cores to the other services
+            torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
         self.dtype = _DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
         weights = load_weights(config.model, self.dtype, self.device)

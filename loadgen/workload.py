@@ -1,0 +1,111 @@
+"""From command-line choices to (items with prompts, arrival offsets).
+
+Modes: `poisson` (gamma arrivals at --request-rate; inf = all at once), `trace` (the Azure
+trace's own arrival times, times --trace-time-scale), `burst` (every request at once), and
+`throughput` (the talk's theoretical maximum: every request at once with the same prompt and
+the same lengths, with ignore_eos). The default is `trace` for the Azure dataset, else `poisson`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from loadgen import arrivals
+from loadgen.client import Endpoint
+from loadgen.datasets import (
+    AZURE_FILE,
+    SHAREGPT_FILE,
+    WorkItem,
+    clip_to_context,
+    default_data_dir,
+    load_azure_trace,
+    random_items,
+    sample_sharegpt,
+)
+from loadgen.prompts import PromptModel, fill_prompts, local_model
+from loadgen.runner import prompt_model
+
+MODES = ("poisson", "trace", "burst", "throughput")
+DATASETS = ("random", "sharegpt", "azure")
+
+
+def mode_of(args: argparse.Namespace) -> str:
+    return args.mode or ("trace" if args.dataset_name == "azure" else "poisson")
+
+
+def load_tokenizer(path: str | None) -> Tokenizer | None:
+    """A `tokenizers` tokenizer from a tokenizer.json file or a directory holding one."""
+    if not path:
+        return None
+    p = Path(path)
+    return Tokenizer.from_file(str(p / "tokenizer.json" if p.is_dir() else p))
+
+
+def load_items(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[WorkItem]:
+    """`--num-prompts` items of the chosen dataset (lengths only where it has no text)."""
+    n, name = args.num_prompts, args.dataset_name
+    if name == "random":
+        if args.dataset_path:
+            raise ValueError("the random dataset takes no --dataset-path")
+        return random_items(n, args.random_input_len, args.random_output_len,
+                            args.random_range_ratio, args.seed)
+    default = SHAREGPT_FILE if name == "sharegpt" else AZURE_FILE
+    path = Path(args.dataset_path or default_data_dir() / default)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: give --dataset-path")
+    if name == "sharegpt":
+        return sample_sharegpt(path, n, args.seed, tokenizer)
+    items = load_azure_trace(path, limit=n)
+    if len(items) < n:
+        print(f"warning: the trace has only {len(items)} requests", file=sys.stderr)
+    return items
+
+
+def offsets(args: argparse.Namespace, items: list[WorkItem]) -> list[float]:
+    """The arrival offsets of the mode."""
+    mode = mode_of(args)
+    if mode == "poisson":
+        return arrivals.poisson(len(items), args.request_rate, args.burstiness, args.seed)
+    if mode == "trace":
+        if any(w.arrival_s is None for w in items):
+            raise ValueError("--mode trace needs a dataset with arrival times (azure)")
+        return arrivals.trace([w.arrival_s for w in items], args.trace_time_scale)
+    return arrivals.burst(len(items))
+
+
+def build(args: argparse.Namespace, ep: Endpoint, max_model_len: int | None,
+          ) -> tuple[list[WorkItem], list[float]]:
+    """Items (clipped to the context, every one with a prompt) and their arrival offsets."""
+    tokenizer = load_tokenizer(args.tokenizer)
+    items = load_items(args, tokenizer)
+    if mode_of(args) == "throughput":
+        items = [items[0]] * len(items)
+    limit = args.max_model_len or max_model_len
+    if limit:
+        clipped = clip_to_context(items, limit)
+        if changed := sum(a is not b for a, b in zip(items, clipped, strict=True)):
+            print(f"note: {changed} requests clipped to the {limit}-token context",
+                  file=sys.stderr)
+        items = clipped
+    if any(w.prompt is None for w in items):
+        pm = fitted_prompt_model(ep, tokenizer)
+        items = fill_prompts(items, pm, args.seed)
+        if mode_of(args) == "throughput":
+            items = [items[0]] * len(items)
+    return items, offsets(args, items)
+
+
+def fitted_prompt_model(ep: Endpoint, tokenizer: Tokenizer | None) -> PromptModel:
+    """The server's prompt model; else one from --tokenizer; else 1 token per word."""
+    pm = prompt_model(ep)
+    if pm is None and tokenizer is not None:
+        pm = local_model(lambda text: len(tokenizer.encode(text).ids))
+    if pm is None:
+        print("warning: the server reported no usage.prompt_tokens and no --tokenizer was "
+              "given: assuming 1 token per word", file=sys.stderr)
+        pm = PromptModel()
+    return pm
