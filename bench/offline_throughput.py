@@ -32,13 +32,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/offline_throughp
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from loadgen.datasets import (  # noqa: E402
-    SHAREGPT_FILE,
-    WorkItem,
-    default_data_dir,
-    load_sharegpt,
-    synthetic,
-)
+from loadgen import datasets as ds  # noqa: E402
 from services.compute.allocator import KVAllocator  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
 from services.compute.engine import LLMEngine  # noqa: E402
@@ -66,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--data", type=Path, default=None,
-                   help=f"ShareGPT JSON (default: {default_data_dir() / SHAREGPT_FILE})")
+                   help=f"ShareGPT JSON (default: {ds.default_data_dir() / ds.SHAREGPT_FILE})")
     p.add_argument("--oracle-predicted-len", action="store_true",
                    help="pass each request's true output length as predicted_len")
     p.add_argument("--overhead-steps", type=int, default=500)
@@ -96,16 +90,16 @@ def machine() -> str:
            f"threads), transformers {transformers.__version__}"
 
 
-def load_workload(args: argparse.Namespace) -> tuple[list[WorkItem], str]:
-    path = args.data or default_data_dir() / SHAREGPT_FILE
+def load_workload(args: argparse.Namespace) -> tuple[list[ds.WorkItem], str]:
+    path = args.data or ds.default_data_dir() / ds.SHAREGPT_FILE
     if path.is_file():
-        items = load_sharegpt(path, build_demo_tokenizer(), limit=args.num_requests)
+        items = ds.load_sharegpt(path, build_demo_tokenizer(), limit=args.num_requests)
         return items, f"ShareGPT {path.name} (demo tokenizer counts)"
     print(f"WARNING: {path} not found; falling back to a synthetic workload", file=sys.stderr)
-    return synthetic(args.num_requests, args.seed, 240, 700), "synthetic lognormal"
+    return ds.synthetic(args.num_requests, args.seed, 240, 700), "synthetic lognormal"
 
 
-def clip(items: list[WorkItem], context: int) -> tuple[list[int], list[int]]:
+def clip(items: list[ds.WorkItem], context: int) -> tuple[list[int], list[int]]:
     """(prompt lens, output lens): prompt <= context / 2, prompt + output <= context."""
     plens = [min(w.prompt_len, context // 2) for w in items]
     olens = [max(1, min(w.output_len, context - p)) for w, p in zip(items, plens, strict=True)]

@@ -20,7 +20,6 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -233,13 +232,18 @@ def decode_attention_reference(
     seq_lens: torch.Tensor,  # [B] int, >= 1
     scale: float,
 ) -> torch.Tensor:  # [B, H, D]
-    """Loop over sequences (a padded gather would copy max_len x B KV rows: slower on CPU)."""
+    """Loop over sequences (a padded gather would copy max_len x B KV rows: slower on CPU).
+    Each KV head's query group is one [G, D] x [D, n] product: no repeated K/V, no SDPA call
+    overhead (on a CPU this loop is most of a decode step)."""
+    B, H, D = q.shape
+    hkv = k_cache.shape[1]
     out = torch.empty_like(q)
     for b, (s, n) in enumerate(zip(seq_starts.tolist(), seq_lens.tolist(), strict=True)):
-        kb = k_cache[s : s + n].transpose(0, 1)  # [Hkv, n, D]
-        vb = v_cache[s : s + n].transpose(0, 1)
-        ob = F.scaled_dot_product_attention(q[b, :, None, :], kb, vb, scale=scale, enable_gqa=True)
-        out[b] = ob[:, 0, :]  # [H, D]
+        kb = k_cache[s : s + n].permute(1, 2, 0).float()  # [Hkv, D, n]
+        vb = v_cache[s : s + n].transpose(0, 1).float()  # [Hkv, n, D]
+        qb = q[b].view(hkv, H // hkv, D).float()  # [Hkv, G, D]
+        p = torch.softmax(torch.matmul(qb, kb) * scale, dim=-1)  # [Hkv, G, n]
+        out[b] = torch.matmul(p, vb).view(H, D).to(q.dtype)
     return out
 
 
