@@ -28,23 +28,26 @@ def test_up_with_embedded_redis_and_ctrl_c_leaves_no_orphans(demo_model_dir):
     stack = Stack(demo_model_dir)
     argv = [sys.executable, "-m", "services.cli", "up", "--model", str(demo_model_dir),
             "--port", str(stack.port), "--run-dir", run_dir, "--tokenizer-workers", "2"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = Path(run_dir, "out.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True)
     stack.proc = proc
     try:
-        stack.wait_healthy(120)
+        deadline = time.monotonic() + 120  # the supervisor announces once /health is green
+        while "pipellm is up" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
         code, body = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
         assert code == 200, body
         names = ["redis", "compute", "detokenizer", "tokenizer-0", "tokenizer-1", "gateway"]
         pids = {n: int(Path(run_dir, f"{n}.pid").read_text()) for n in names}
         assert all(alive(p) for p in pids.values())
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 0, out
+        assert proc.wait(timeout=30) == 0, log.read_text()
         deadline = time.monotonic() + 5
         while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert [n for n, p in pids.items() if alive(p)] == []
-        assert "pipellm is up" in out
     finally:
         if proc.poll() is None:
             proc.kill()

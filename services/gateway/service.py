@@ -25,7 +25,9 @@ def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncR
     _, context = served_model(engine_cfg)
     name = svc.served_model_name or Path(engine_cfg.model).name
     gw = Gateway(svc, name, context,
-                 load_tokenizer(engine_cfg.model), aioredis.Redis.from_url(svc.redis_url),
+                 load_tokenizer(engine_cfg.model),
+                 # a connection per request in flight (redis-py's default pool is 100)
+                 aioredis.Redis.from_url(svc.redis_url, max_connections=svc.max_pending + 32),
                  AsyncSender(ctx, svc.addr("tokenizer"), bind=True),
                  AsyncSender(ctx, svc.addr("control")))
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
