@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/offline_throughp
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
 from services.compute.allocator import KVAllocator  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
@@ -76,18 +77,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.baseline_requests = min(args.baseline_requests or args.num_requests, args.num_requests)
     args.max_running = min(args.max_running, args.max_batched_tokens)
     return args
-
-
-def progress(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {msg}", file=sys.stderr,
-          flush=True)
-
-
-def machine() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} " \
-           f"threads), transformers {transformers.__version__}"
 
 
 def load_workload(args: argparse.Namespace) -> tuple[list[ds.WorkItem], str]:
@@ -157,10 +146,10 @@ def run_engine(model_dir: Path, prompts: list[list[int]], olens: list[int], capa
         engine.step()
         steps += 1
         if steps % 200 == 0:
-            progress(f"engine: {steps} steps, {len(engine.requests)} requests left")
+            log(f"engine: {steps} steps, {len(engine.requests)} requests left")
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     load = round(os.getloadavg()[2], 2)  # 15-minute average: about the whole phase
-    progress(f"engine: done in {elapsed:.1f} s")
+    log(f"engine: done in {elapsed:.1f} s")
     assert [s.num_output for s in seqs] == olens, "engine output lengths differ from the workload"
     st = engine.stats()
     ms = {k: 1000 * v / steps for k, v in timer.total.items()}
@@ -181,7 +170,7 @@ def run_hf(model_dir: Path, prompts: list[list[int]], olens: list[int]) -> dict:
         longest = max(olens[i : i + HF_BATCH])
         _hf_batch(model, prompts[i : i + HF_BATCH], longest)
         padded += longest * len(prompts[i : i + HF_BATCH])
-        progress(f"HF: batch {i // HF_BATCH + 1} done ({time.perf_counter() - t0:.1f} s)")
+        log(f"HF: batch {i // HF_BATCH + 1} done ({time.perf_counter() - t0:.1f} s)")
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     return dict(seconds=elapsed, cpu_seconds=cpu, tokens=sum(olens), computed_tokens=padded,
                 load=round(os.getloadavg()[2], 2))
@@ -282,7 +271,7 @@ def report(args, params: int, source: str, eng: dict, hf: dict, ovh: dict) -> di
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"machine: {machine()}")
+    print(f"machine: {machine()}, transformers {transformers.__version__}")
     items, source = load_workload(args)
     args.num_requests = len(items)
     args.baseline_requests = min(args.baseline_requests, len(items))
@@ -299,11 +288,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"model: random Llama, {params / 1e6:.1f}M parameters, float32, "
               f"{'quick' if args.quick else MODEL}")
         ovh = measure_overhead(prompts, args.context, capacity, args)
-        progress("engine: start")
+        log("engine: start")
         eng = run_engine(Path(tmp), prompts, olens, capacity, args)
         gc.collect()
         nb = args.baseline_requests
-        progress(f"HF: start, {nb} requests")
+        log(f"HF: start, {nb} requests")
         hf = run_hf(Path(tmp), prompts[:nb], olens[:nb])
     print(json.dumps(report(args, params, source, eng, hf, ovh)))
 

@@ -33,6 +33,7 @@ import aiohttp  # noqa: E402
 import redis  # noqa: E402
 import torch  # noqa: E402
 
+from bench.common import log, machine  # noqa: E402
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt, synthetic  # noqa: E402
 from services.compute.engine import LLMEngine  # noqa: E402
 from services.compute.model_config import ModelConfig, context_length  # noqa: E402
@@ -70,18 +71,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_requests, args.max_output = min(args.num_requests, 20), min(args.max_output, 16)
     args.model = Path(args.model or ensure_demo_model())
     return args
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} load {os.getloadavg()[0]:.1f}] {msg}", file=sys.stderr,
-          flush=True)
-
-
-def machine() -> str:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} " \
-           f"({torch.get_num_threads()} threads)"
 
 
 def load_workload(args, tok, context: int) -> tuple[list[tuple[str, int]], str]:
