@@ -89,6 +89,7 @@ class Gateway:
                 return await stream(self, request, req, inflight, choices)
             return await collect(self, req, inflight, choices)
         except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.requests.labels("aborted").inc()
             await self._abort_ids([rid], "aborted")
             raise
         finally:
@@ -108,10 +109,10 @@ class Gateway:
             arrival=inflight.arrival)
 
     async def _abort_ids(self, ids: list[str], status: str) -> None:
-        """Stop requests in compute (their KV is freed) and record how they ended."""
+        """Stop requests in compute (their KV is freed) and record how they ended in Redis.
+        (The outcome metric is counted where each request's handler ends, once.)"""
         for rid in ids:
             await self.to_control.send(Abort(rid))  # dropped if compute is down: moot then
-        self.metrics.requests.labels(status).inc(len(ids))
         try:
             pipe = self.redis.pipeline(transaction=False)
             for rid in ids:
