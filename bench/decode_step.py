@@ -46,6 +46,7 @@ from services.compute.llama import LlamaModel  # noqa: E402
 from services.compute.model_config import ModelConfig  # noqa: E402
 from services.compute.scheduler import ScheduledStep  # noqa: E402
 from services.compute.sequence import SeqStatus, Sequence  # noqa: E402
+from shared.length_dist import LengthDist  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 FULL = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
@@ -106,7 +107,7 @@ def make_batch(batch: int, ctx: int, vocab: int, device: torch.device) -> Forwar
     for b in range(batch):
         ids = [(b * 7919 + t * 31) % vocab for t in range(ctx)]
         seq = Sequence(f"b{b}", ids, SamplingParams(max_tokens=16), seed=b, max_len=ctx + 16,
-                       predicted_output_len=16, stop_ids=frozenset())
+                       length=LengthDist.point(16), stop_ids=frozenset())
         seq.num_cached, seq.kv_start, seq.kv_reserved = ctx - 1, b * ctx, ctx
         seq.status = SeqStatus.RUNNING
         seqs.append(seq)

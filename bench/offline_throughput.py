@@ -36,11 +36,12 @@ from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
 from services.compute.allocator import KVAllocator  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
-from services.compute.engine import LLMEngine  # noqa: E402
-from services.compute.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from services.compute.engine import LLMEngine, scheduler_config  # noqa: E402
+from services.compute.scheduler import Scheduler  # noqa: E402
 from services.compute.sequence import Sequence  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.demo_model import build_demo_tokenizer  # noqa: E402
+from shared.length_dist import LengthDist  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 MODEL = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
@@ -139,7 +140,7 @@ def run_engine(model_dir: Path, prompts: list[list[int]], olens: list[int], capa
     seqs = []
     for ids, n in zip(prompts, olens, strict=True):
         rid = engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                                 predicted_len=n if args.oracle_predicted_len else None)
+                                 predicted=n if args.oracle_predicted_len else None)
         seqs.append(engine.requests[rid])
     steps = 0
     while engine.has_work():
@@ -194,12 +195,11 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
                      args: argparse.Namespace) -> dict:
     """schedule + build_batch + update per decode step, all requests running, fake tokens."""
     cfg = EngineConfig(max_batched_tokens=args.max_batched_tokens, max_running=args.max_running)
-    sched = Scheduler(SchedulerConfig(cfg.max_batched_tokens, cfg.max_running, cfg.kv_policy,
-                                      cfg.kv_min_grow), KVAllocator(capacity))
+    sched = Scheduler(scheduler_config(cfg), KVAllocator(capacity))
     for i, ids in enumerate(prompts[: args.max_running]):  # as LLMEngine.add_request does
         params = SamplingParams(max_tokens=context - len(ids), temperature=0, ignore_eos=True)
         sched.add(Sequence(f"r{i}", list(ids), params, seed=i, max_len=context,
-                           predicted_output_len=min(cfg.default_predicted_len, params.max_tokens),
+                           length=LengthDist.point(cfg.default_predicted_len),
                            stop_ids=frozenset()))
     device, zeros = torch.device("cpu"), [5] * args.max_batched_tokens
     lps = [0.0] * args.max_batched_tokens

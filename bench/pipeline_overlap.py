@@ -11,6 +11,11 @@ It reports tokens/s and requests/s of both, where the time goes (engine step vs 
 CPU seconds per process in (b)) and whether both produced the same text.
 
     python -m bench.pipeline_overlap [--quick] [--num-requests N] [--max-output N] [--model DIR]
+        [--sim-model llama-2-7b [--sim-gpu h100]]
+
+With --sim-model both runs use the simulated GPU in real time (`--backend sim`: each step sleeps
+its roofline time, the CPU work of the services is real), the talk's setting: a GPU step for the
+CPU work to overlap with. The texts then come from the demo tokenizer over pseudo-random ids.
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -65,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-threads", type=int, default=0,
                    help="intra-op threads of the engine in both modes (OMP_NUM_THREADS for the "
                         "stack); default: torch's own (one per core)")
+    p.add_argument("--sim-model", default="", help="simulate this model's GPU steps")
+    p.add_argument("--sim-gpu", default="h100")
     p.add_argument("--quick", action="store_true", help="20 requests of <= 16 tokens (smoke)")
     args = p.parse_args(argv)
     if args.quick:
@@ -98,6 +105,16 @@ def clip_prompt(tok, text: str, limit: int) -> str:
     return text
 
 
+def engine_flags(args) -> dict:
+    """The engine settings both runs share."""
+    flags = dict(device="cpu", max_batched_tokens=args.max_batched_tokens,
+                 max_running=args.max_running, kv_cache_tokens=args.kv_cache_tokens)
+    if args.sim_model:
+        flags.update(backend="sim", sim_model=args.sim_model, sim_gpu=args.sim_gpu,
+                     sim_clock="real", kv_cache_tokens=0)
+    return flags
+
+
 def timed(obj: object, name: str) -> list[float]:
     """Wrap method `name` of a live object; the returned list's one item adds up its wall time."""
     total, fn = [0.0], getattr(obj, name)
@@ -114,8 +131,7 @@ def timed(obj: object, name: str) -> list[float]:
 
 def run_inline(args, work: list[tuple[str, int]]) -> dict:
     """(a): tokenize, add all, step; after every step detokenize + stop-match its events."""
-    cfg = EngineConfig(model=str(args.model), device="cpu", kv_cache_tokens=args.kv_cache_tokens,
-                       max_batched_tokens=args.max_batched_tokens, max_running=args.max_running)
+    cfg = EngineConfig(model=str(args.model), **engine_flags(args))
     engine, tok = LLMEngine(cfg), load_tokenizer(args.model)
     engine.generate([encode(tok, "warm up")], SamplingParams(max_tokens=4, temperature=0))
     execute, cpu0 = timed(engine.runner, "execute"), time.process_time()
@@ -124,8 +140,8 @@ def run_inline(args, work: list[tuple[str, int]]) -> dict:
     t0 = time.perf_counter()
     for i, (text, n) in enumerate(work):
         ids = encode(tok, text)
-        rid = engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                                 request_id=str(i))
+        rid = engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
+                                                    seed=i), request_id=str(i))
         streams[rid] = (IncrementalDetokenizer(tok, ids[-PROMPT_TAIL:]), StopMatcher([]), [])
     t_tokenize, counts, texts = time.perf_counter() - t0, [0] * len(work), [""] * len(work)
     while engine.has_work():
@@ -165,9 +181,10 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
-async def one_request(session, url: str, text: str, n: int) -> tuple[str, int]:
-    """A streaming completion; returns (text, usage.completion_tokens)."""
-    payload = {"prompt": text, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+async def one_request(session, url: str, text: str, n: int, seed: int) -> tuple[str, int]:
+    """A streaming completion; returns (text, usage.completion_tokens). The seed only
+    matters to the simulated backend's pseudo-random tokens."""
+    payload = {"prompt": text, "max_tokens": n, "temperature": 0, "ignore_eos": True, "seed": seed,
                "stream": True, "stream_options": {"include_usage": True}}
     pieces, used = [], -1
     async with session.post(url + "/v1/completions", json=payload) as r:
@@ -190,7 +207,8 @@ async def send_all(url: str, work: list[tuple[str, int]]) -> tuple[list, float, 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=timeout) as session:
         t0, wall0 = time.perf_counter(), time.time()
-        results = await asyncio.gather(*(one_request(session, url, t, n) for t, n in work))
+        results = await asyncio.gather(*(one_request(session, url, t, n, i)
+                                         for i, (t, n) in enumerate(work)))
         return results, time.perf_counter() - t0, wall0
 
 
@@ -205,9 +223,8 @@ def timeline(stack: Stack, wall0: float) -> dict:
 
 def run_pipelined(args, work: list[tuple[str, int]]) -> dict:
     """(b): the real stack, same engine flags; all requests at once over HTTP (SSE)."""
-    stack = Stack(args.model, "--device", "cpu", "--max-batched-tokens",
-                  str(args.max_batched_tokens), "--max-running", str(args.max_running),
-                  "--kv-cache-tokens", str(args.kv_cache_tokens))
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_flags(args).items()]
+    stack = Stack(args.model, *flags)
     if args.redis_max_connections:  # what an operator would put in REDIS_URL
         stack.redis.url += f"?max_connections={args.redis_max_connections}"
     try:
@@ -256,7 +273,8 @@ def report(args, source: str, work, a: dict, b: dict) -> dict:
         inline_tok_s=round(a["tok_s"], 2), pipelined_tok_s=round(b["tok_s"], 2),
         inline_req_s=round(a["req_s"], 3), pipelined_req_s=round(b["req_s"], 3),
         qps_ratio=round(ratio, 3), overlap_bound=round(bound, 3), num_requests=n,
-        output_tokens=a["tokens"], model=str(args.model), inline_s=round(a["seconds"], 2),
+        output_tokens=a["tokens"], model=str(args.model), sim_model=args.sim_model or None,
+        sim_gpu=args.sim_gpu if args.sim_model else None, inline_s=round(a["seconds"], 2),
         pipelined_s=round(b["seconds"], 2), inline_step_s=round(a["step_s"], 2),
         inline_execute_s=round(a["execute_s"], 2), inline_detok_s=round(a["detok_s"], 2),
         inline_steps=a["steps"], pipelined_last_queued_s=round(b["last_queued_s"], 3),

@@ -25,9 +25,14 @@ class EngineConfig:
     kv_cache_tokens: int = 0  # KV slots; 0: sized from memory (see below)
     kv_cache_gib: float = 1.0  # CPU: KV cache size when kv_cache_tokens is 0
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory for weights + KV
-    kv_policy: str = "predicted"  # predicted | max
+    kv_policy: str = "predicted"  # predicted | max | paged (sim only); see compute/scheduler.py
     default_predicted_len: int = 128  # predicted output length until the predictor knows better
     kv_min_grow: int = 16  # minimum growth of a KV segment that ran out
+    kv_reserve_quantile: float = 0.5  # predicted: a new segment holds this quantile of the length
+    kv_grow_quantile: float = 0.9  # predicted: an outgrown segment regrows to this (conditional)
+    kv_peak_quantile: float = 0.9  # predicted: admission keeps the future peak at this in memory
+    kv_reserve_horizon: int = 0  # predicted: reserve at most this many output slots ahead (0: all)
+    batching: str = "merged"  # merged (dynamic, merged steps) | static (a baseline)
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch reference on CPU) | triton | reference
     threads: int = 0  # CPU threads for torch in compute; 0: torch's default
     backend: str = "torch"  # torch (the model) | sim (modelled GPU: services/compute/sim)
@@ -41,8 +46,13 @@ class EngineConfig:
     sim_clock: str = "real"  # sim: real (sleep the step time) | virtual (advance a clock)
 
     def __post_init__(self):
-        if self.kv_policy not in ("predicted", "max"):
-            raise ValueError(f"--kv-policy must be predicted or max, not {self.kv_policy!r}")
+        if self.kv_policy not in ("predicted", "max", "paged"):
+            raise ValueError(f"--kv-policy must be predicted, max or paged: {self.kv_policy!r}")
+        if self.kv_policy == "paged" and self.backend != "sim":
+            raise ValueError("--kv-policy paged is a baseline of the simulator (--backend sim): "
+                             "the kernels read contiguous KV segments")
+        if self.batching not in ("merged", "static"):
+            raise ValueError(f"--batching must be merged or static, not {self.batching!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16: {self.dtype!r}")
         if self.kernels not in ("auto", "triton", "reference"):

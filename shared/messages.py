@@ -56,6 +56,7 @@ class Route:
     prompt_tail: array  # int32, last prompt tokens: context for incremental detokenization
     stop: list[str] = field(default_factory=list)
     n: int = 1  # choices of the API request this one belongs to
+    length_features: list[int] = field(default_factory=list)  # the predictor learns at finish
 
 
 @message
@@ -64,7 +65,7 @@ class GenerateRequest:
     prompt_ids: array  # int32
     params: SamplingParams
     route: Route
-    predicted_len: int | None = None
+    length_quantiles: list[int] | None = None  # predicted output length at length_dist.LEVELS
 
 
 # --- gateway / detokenizer -> compute control -----------------------------------------------

@@ -7,13 +7,14 @@ import pytest
 from services.compute.allocator import KVAllocator
 from services.compute.scheduler import Scheduler, SchedulerConfig
 from services.compute.sequence import SeqStatus, Sequence
+from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 
 
 def seq(rid: str, prompt_len: int, max_tokens: int = 8, predicted: int = 4, stop=(), **kw):
     params = SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
     return Sequence(rid, list(range(1, prompt_len + 1)), params, seed=0,
-                    max_len=prompt_len + max_tokens, predicted_output_len=predicted,
+                    max_len=prompt_len + max_tokens, length=LengthDist.point(predicted),
                     stop_ids=frozenset(stop))
 
 
@@ -146,7 +147,7 @@ def test_finish_conditions():
     assert ln.finish_reason == "length" and ln.num_output == 2
 
     ctx = Sequence("ctx", [1, 2, 3], SamplingParams(max_tokens=50), seed=0, max_len=5,
-                   predicted_output_len=4, stop_ids=frozenset())
+                   length=LengthDist.point(4), stop_ids=frozenset())
     s.add(ctx)
     run_step(s)
     run_step(s)

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 from services.compute.allocator import KVAllocator
 from services.compute.model_config import served_model
+from services.compute.paged_allocator import PagedAllocator
 from services.compute.runner import ModelRunner
 from services.compute.scheduler import Scheduler, SchedulerConfig
 from services.compute.sequence import SeqStatus, Sequence
 from shared.config import EngineConfig
+from shared.length_dist import LengthDist
 from shared.sampling import InvalidParams, SamplingParams
 
 
@@ -54,17 +56,17 @@ class LLMEngine:
         if config.backend == "sim":  # modelled GPU, no model: services/compute/sim
             from services.compute.sim.runner import SimRunner as runner_cls
         self.runner = runner_cls(config, self.model_config, self.max_model_len)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_batched_tokens, config.max_running, config.kv_policy,
-                            config.kv_min_grow),
-            KVAllocator(self.runner.capacity),
-        )
+        self.scheduler = Scheduler(scheduler_config(config), (
+            PagedAllocator(self.runner.capacity) if config.kv_policy == "paged"
+            else KVAllocator(self.runner.capacity)))
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, predicted_len: int | None = None) -> str:
-        """Queue a request. Raises InvalidParams if it cannot be served by this engine."""
+                    request_id: str | None = None,
+                    predicted: LengthDist | int | None = None) -> str:
+        """Queue a request. `predicted`: its output length (a distribution or a point; None:
+        --default-predicted-len). Raises InvalidParams if this engine cannot serve it."""
         if not prompt_ids:
             raise InvalidParams("prompt", "prompt must contain at least one token")
         vocab = self.model_config.vocab_size
@@ -76,7 +78,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidParams("request_id", f"request id {rid!r} is already in use")
-        predicted = predicted_len or self.config.default_predicted_len
+        if not isinstance(predicted, LengthDist):
+            predicted = LengthDist.point(predicted or self.config.default_predicted_len)
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.model_config.eos_token_ids)
@@ -84,7 +87,7 @@ class LLMEngine:
             request_id=rid, token_ids=list(prompt_ids), params=params,
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             max_len=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
-            predicted_output_len=min(predicted, params.max_tokens), stop_ids=frozenset(stop),
+            length=predicted, stop_ids=frozenset(stop),
         )
         try:
             self.scheduler.add(seq)
@@ -135,3 +138,10 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return seqs
+
+
+def scheduler_config(config: EngineConfig) -> SchedulerConfig:
+    return SchedulerConfig(
+        config.max_batched_tokens, config.max_running, config.kv_policy, config.kv_min_grow,
+        config.batching, config.kv_reserve_quantile, config.kv_grow_quantile,
+        config.kv_peak_quantile, config.kv_reserve_horizon)

@@ -1,9 +1,20 @@
-"""Merged-step scheduler over the contiguous KV allocator. Pure logic: no torch, sockets or Redis.
+"""Merged-step scheduler over a KV allocator. Pure logic: no torch, sockets or Redis.
 
 Each step: every running request with one pending token contributes a decode token (growing,
 moving or, as a last resort, preempting to make room for it); then running requests still in
 prefill continue their chunks; then waiting requests are admitted FCFS while the token budget,
 the running limit and free KV allow. A prompt larger than the budget is prefilled in chunks.
+
+KV policies (how much a request's segment holds):
+- `predicted`: prompt + the `reserve_quantile` of its predicted output length; a segment that
+  runs out regrows to the `grow_quantile` of the length given what it has generated. Admission
+  also requires the future KV peak to fit: with every running request's remaining length at the
+  `peak_quantile` (LightLLM's past-future estimate, with learned lengths).
+- `max`: prompt + max_tokens, never grows (what static-batching servers reserve).
+- `paged`: the vLLM baseline, with a `PagedAllocator`: blocks for the tokens present, one more
+  block when a token crosses into it; admission keeps a 1% watermark of blocks free.
+`batching="static"` is the static-batching baseline: admit only into an empty batch, then run it
+until every request in it has finished.
 """
 
 from __future__ import annotations
@@ -12,22 +23,36 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.compute.allocator import KVAllocator
+from services.compute.paged_allocator import PagedAllocator
 from services.compute.sequence import SeqStatus, Sequence
+
+KV_POLICIES = ("predicted", "max", "paged")
+BATCHING = ("merged", "static")
+PAGED_WATERMARK = 0.01  # vLLM's default share of blocks kept free at admission
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_batched_tokens: int = 512  # tokens per step (decodes + prefill chunks)
     max_running: int = 256
-    # "predicted": reserve prompt + predicted output; "max": prompt + max_tokens
-    kv_policy: str = "predicted"
+    kv_policy: str = "predicted"  # see the module docstring
     kv_min_grow: int = 16  # a segment that runs out grows by at least this many slots
+    batching: str = "merged"
+    reserve_quantile: float = 0.5
+    grow_quantile: float = 0.9
+    peak_quantile: float = 0.9
+    reserve_horizon: int = 0  # predicted: reserve at most this many output slots ahead (0: all)
 
     def __post_init__(self):
-        if self.kv_policy not in ("predicted", "max"):
-            raise ValueError(f"kv_policy must be 'predicted' or 'max', not {self.kv_policy!r}")
+        if self.kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, not {self.kv_policy!r}")
+        if self.batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, not {self.batching!r}")
         if not 1 <= self.max_running <= self.max_batched_tokens:
             raise ValueError("need 1 <= max_running <= max_batched_tokens")
+        for q in (self.reserve_quantile, self.grow_quantile, self.peak_quantile):
+            if not 0 < q <= 1:
+                raise ValueError("quantiles must be in (0, 1]")
 
 
 @dataclass
@@ -54,7 +79,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: KVAllocator):
+    def __init__(self, config: SchedulerConfig, allocator: KVAllocator | PagedAllocator):
+        if (config.kv_policy == "paged") != isinstance(allocator, PagedAllocator):
+            raise ValueError("the paged policy needs a PagedAllocator, the others a KVAllocator")
         self.config = config
         self.allocator = allocator
         self.waiting: deque[Sequence] = deque()
@@ -90,17 +117,31 @@ class Scheduler:
                 n = min(seq.pending, budget)
                 step.prefills.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
+        self._admit_waiting(step, budget)
+        step.sampled = step.decodes + [s for s, n in step.prefills if n == s.pending]
+        return step
+
+    def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
+        """FCFS admission into `step`: nobody overtakes the head of the queue. Static batching
+        admits only into an empty batch, all that fit at once (their prompts then prefill in
+        chunks over the next steps)."""
+        static = self.config.batching == "static"
+        if static and self.running:
+            return
+        peak = _FuturePeak(self) if self.config.kv_policy == "predicted" and self.waiting else None
+        while self.waiting and (budget > 0 or static) and \
+                len(self.running) < self.config.max_running:
             seq = self.waiting[0]
+            if peak is not None and not peak.fits(seq):
+                break
             if not self._admit(seq):
-                break  # FCFS: nobody overtakes the head of the queue
+                break
             self.waiting.popleft()
             step.admitted.append(seq)
             n = min(seq.pending, budget)
-            step.prefills.append((seq, n))
-            budget -= n
-        step.sampled = step.decodes + [s for s, n in step.prefills if n == s.pending]
-        return step
+            if n:
+                step.prefills.append((seq, n))
+                budget -= n
 
     def update(self, step: ScheduledStep, tokens: list[int],
                logprobs: list[float]) -> list[Sequence]:
@@ -130,14 +171,26 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def _reservation(self, seq: Sequence) -> int:
-        if self.config.kv_policy == "max":
+        policy = self.config.kv_policy
+        if policy == "max":
             return seq.max_len
-        remaining = max(seq.predicted_output_len - seq.num_output, 1)
-        return min(seq.max_len, seq.num_tokens + remaining)
+        if policy == "paged":
+            return seq.num_tokens
+        # not finished, so its output will be longer than num_output (0 for a new request)
+        total = seq.length.conditional_quantile(seq.num_output, self.config.reserve_quantile)
+        return min(seq.max_len, seq.num_prompt + self._horizon(seq, total))
+
+    def _horizon(self, seq: Sequence, total: int) -> int:
+        h = self.config.reserve_horizon
+        return min(total, seq.num_output + h) if h else total
 
     def _admit(self, seq: Sequence) -> bool:
         size = self._reservation(seq)
-        start = self.allocator.allocate(size)
+        a = self.allocator
+        if self.config.kv_policy == "paged" and \
+                a.free_slots - a.blocks(size) * a.block_size < PAGED_WATERMARK * a.capacity:
+            return False
+        start = a.allocate(size)
         if start is None:
             return False
         seq.kv_start, seq.kv_reserved = start, size
@@ -152,8 +205,7 @@ class Scheduler:
         need = seq.num_tokens
         if need <= seq.kv_reserved:
             return True
-        grow = max(self.config.kv_min_grow, seq.kv_reserved // 4)
-        target = min(seq.max_len, seq.kv_reserved + grow)
+        target = self._grow_target(seq)
         while True:
             for size in (target, need):
                 start = self.allocator.resize(seq.kv_start, size)
@@ -164,6 +216,16 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return False
+
+    def _grow_target(self, seq: Sequence) -> int:
+        """New segment size for a request that ran out: paged, one more token (a block);
+        predicted, the grow quantile of its length given its output so far, and at least
+        kv_min_grow more slots."""
+        if self.config.kv_policy == "paged":
+            return seq.num_tokens
+        total = seq.length.conditional_quantile(seq.num_output, self.config.grow_quantile)
+        return min(seq.max_len, max(seq.num_prompt + self._horizon(seq, total),
+                                    seq.kv_reserved + self.config.kv_min_grow))
 
     def _relocated(self, seq: Sequence, start: int, size: int, step: ScheduledStep) -> None:
         if start == seq.kv_start:
@@ -181,3 +243,35 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
+
+
+class _FuturePeak:
+    """The most KV slots the running requests (plus those admitted through `fits`) will hold
+    at once, if each generates up to the peak quantile of its length and then frees its slots:
+    with remaining lengths r sorted, the demand when the k-th finishes is the sum over those
+    still running of (tokens now + r_k). Each request's bound is cached in `peak_total` and
+    recomputed (conditioned on its output so far) once it is outgrown."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.q = scheduler.config.peak_quantile
+        self.capacity = scheduler.allocator.capacity
+        self.items = sorted(self._item(s) for s in scheduler.running)  # (remaining, tokens)
+
+    def _item(self, seq: Sequence) -> tuple[int, int]:
+        if seq.peak_total <= seq.num_output:
+            seq.peak_total = seq.length.conditional_quantile(seq.num_output, self.q)
+        total = min(seq.peak_total, seq.max_len - seq.num_prompt)
+        return max(total - seq.num_output, 1), seq.num_tokens
+
+    def fits(self, seq: Sequence) -> bool:
+        """Whether the peak still fits with `seq` running too; if so `seq` is counted."""
+        items = sorted([*self.items, self._item(seq)])
+        peak = tokens = 0
+        for k in range(len(items) - 1, -1, -1):  # suffix sums: requests lasting >= r_k
+            r, _ = items[k]
+            tokens += items[k][1]
+            peak = max(peak, tokens + (len(items) - k) * r)
+        if peak > self.capacity and len(items) > 1:  # alone, it always gets its chance
+            return False
+        self.items = items
+        return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 
 
@@ -25,7 +26,7 @@ class Sequence:
     params: SamplingParams
     seed: int
     max_len: int  # prompt + max_tokens, capped by the model's context length
-    predicted_output_len: int  # expected number of generated tokens (sizes the KV segment)
+    length: LengthDist  # predicted number of generated tokens (sizes the KV segment)
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     num_prompt: int = field(init=False)
     num_cached: int = 0
@@ -34,6 +35,7 @@ class Sequence:
     admit_order: int = -1
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
+    peak_total: int = 0  # the scheduler's cached output-length bound for admission (0: unset)
     logprobs: list[float] = field(default_factory=list)
 
     def __post_init__(self):

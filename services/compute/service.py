@@ -16,6 +16,7 @@ from services.compute.engine import LLMEngine
 from shared import state
 from shared.codec import float32s, int32s
 from shared.config import EngineConfig, ServiceConfig
+from shared.length_dist import LengthDist
 from shared.messages import Abort, GenerateRequest, Route, StepOutput
 from shared.sampling import InvalidParams
 from shared.transport import Receiver, Sender
@@ -66,8 +67,9 @@ class ComputeService:
         if self.early_aborts.pop(rid, None) or self.early_aborts.pop(state.api_id(rid), None):
             return
         try:
-            self.engine.add_request(list(req.prompt_ids), req.params, rid, req.predicted_len)
-        except InvalidParams as e:
+            predicted = LengthDist(tuple(req.length_quantiles)) if req.length_quantiles else None
+            self.engine.add_request(list(req.prompt_ids), req.params, rid, predicted)
+        except (InvalidParams, ValueError) as e:
             errors.append([rid, req.route.reply_to, str(e)])
             return
         self.routes[rid] = req.route

@@ -1,0 +1,277 @@
+"""The talk's ablation on a simulated GPU: QPS at SLO and throughput of each design choice.
+
+Every number here except the last row is SIMULATED: the real scheduler and KV allocator run on
+the virtual clock (services/compute/sim/virtual.py) with the KV capacity of the GPU and model
+and roofline step times (services/compute/sim/cost.py, efficiency factors not yet calibrated on
+a GPU). For each model and workload, each variant gets:
+- qps_at_slo: the highest Poisson arrival rate (ShareGPT) or time-scaled trace rate (Azure) at
+  which p99 TTFT <= 3 s and p99 TPOT <= 50 ms (the talk's SLO), found by doubling then
+  bisection on the same requests; output_throughput, p99s and preemptions are at that rate;
+- max_output_throughput: every request at once (the offline maximum).
+Requests send no max_tokens (as chat clients commonly do): they may run to the context, so the
+max-length policy reserves prompt + (context - prompt); each really ends with EOS at its true
+length. The oracle predictor knows each true length; `predictor` learns online in Redis
+(shared/length_predictor.py) once issue 6's predictor is in.
+
+The last row, pipelined vs inline detokenization, is a real-time run through the real services
+(bench/pipeline_overlap.py with `--sim-model`): real processes and sockets, simulated GPU steps.
+
+    python -m bench.ablation [--quick] [--models llama-2-7b,llama-3-8b] [--requests N]
+
+The last line printed is JSON: {"rows": [{"name", "model", "workload", "qps_at_slo",
+"output_throughput", "p99_ttft_ms", "p99_tpot_ms", "preemptions", ...}, ...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import log, machine  # noqa: E402
+from loadgen.datasets import default_data_dir  # noqa: E402
+from services.compute.sim.hardware import model as model_spec  # noqa: E402
+from services.compute.sim.virtual import (  # noqa: E402
+    azure_trace,
+    sharegpt_lengths,
+    simulate,
+    summarize,
+    with_arrivals,
+)
+from shared.config import EngineConfig  # noqa: E402
+
+SLO_TTFT_MS, SLO_TPOT_MS = 3000.0, 50.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: dict
+    predict: str = "none"  # none | oracle | predictor
+    talk: str = ""  # the talk's claim for this row
+
+
+VARIANTS = (
+    Variant("static batching, max-length KV", {"batching": "static", "kv_policy": "max"}),
+    Variant("merged steps, max-length KV", {"kv_policy": "max"},
+            talk="+100% QPS over static batching"),
+    Variant("merged, paged 16-token blocks", {"kv_policy": "paged"}),
+    Variant("merged, predicted KV (oracle)", {"kv_policy": "predicted"}, "oracle",
+            "+200% QPS over max-length reservation"),
+    Variant("merged, predicted KV (oracle), INT8 KV",
+            {"kv_policy": "predicted", "sim_kv_dtype": "int8"}, "oracle",
+            "2x requests, +50% throughput over FP16 KV"),
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="llama-2-7b,llama-3-8b")
+    p.add_argument("--workloads", default="sharegpt,azure")
+    p.add_argument("--gpu", default="h100")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--max-running", type=int, default=1024)
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--bisect", type=int, default=5, help="bisection steps after doubling")
+    p.add_argument("--pipeline-requests", type=int, default=200,
+                   help="requests of the real-time pipelined-vs-inline run (0: skip it)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="one model, one workload, 200 requests")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.workloads = args.models.split(",")[0], args.workloads.split(",")[0]
+        args.requests, args.bisect, args.pipeline_requests = 200, 3, 0
+    return args
+
+
+class Workload:
+    """(prompt_len, output_len) pairs of one data set, as arrivals at a chosen rate."""
+
+    def __init__(self, name: str, n: int, context: int, seed: int):
+        self.name, self.seed = name, seed
+        if name == "azure":
+            trace = [w for w in azure_trace(default_data_dir() / "azure_llm_trace_conv_2023.csv",
+                                            n * 2) if w[1] + w[2] <= context][:n]
+            self.native_qps = (len(trace) - 1) / (trace[-1][0] - trace[0][0])
+            self.items = trace
+        else:
+            self.items = [(0.0, p, o) for p, o in sharegpt_lengths(n, seed, max_len=context)]
+        self.context = context
+
+    def at(self, qps: float, predict: str) -> list[tuple]:
+        """Items (arrival, prompt, output, predicted, max_tokens) at `qps` (inf: all at once)."""
+        if self.name == "azure" and math.isfinite(qps):
+            scale = qps / self.native_qps
+            timed = [(t / scale, p, o) for t, p, o in self.items]
+        else:
+            timed = with_arrivals([(p, o) for _, p, o in self.items], qps, self.seed)
+        return [(t, p, o, o if predict == "oracle" else None, self.context - p)
+                for t, p, o in timed]
+
+
+def run(config: EngineConfig, wl: Workload, variant: Variant, qps: float) -> dict:
+    stats: dict = {}
+    summary = summarize(simulate(config, wl.at(qps, variant.predict), wl.seed, stats))
+    return summary | {"qps": qps, "kv_capacity": stats["capacity"], "moves": stats["moves"]}
+
+
+def meets_slo(s: dict) -> bool:
+    return (s.get("completed") == s["requests"] and s["ttft_ms_p99"] <= SLO_TTFT_MS
+            and (math.isnan(s["tpot_ms_p99"]) or s["tpot_ms_p99"] <= SLO_TPOT_MS))
+
+
+def qps_at_slo(config: EngineConfig, wl: Workload, variant: Variant, bisect: int) -> dict | None:
+    """Summary at the highest rate meeting the SLO (None if even 1/64 req/s misses it): from
+    0.5 req/s double while it passes (or halve while it fails), then bisect geometrically
+    between the last pass and the first failure."""
+    def ok(qps: float) -> dict | None:
+        s = run(config, wl, variant, qps)
+        return s if meets_slo(s) else None
+
+    step = 2.0 if (passed := ok(0.5)) else 0.5
+    failed, qps = (None, 1.0) if passed else (0.5, 0.25)
+    while 1 / 64 <= qps <= 4096:
+        s = ok(qps)
+        if (s is None) == (step > 1):  # the first change: a failure going up, a pass going down
+            passed, failed = (passed, qps) if s is None else (s, failed)
+            break
+        passed, failed = (s, failed) if s else (passed, qps)
+        qps *= step
+    else:
+        return passed  # passes at the top, or fails at the bottom (None)
+    lo, hi = passed["qps"], failed
+    for _ in range(bisect):
+        mid = math.sqrt(lo * hi)
+        s = run(config, wl, variant, mid)
+        if meets_slo(s):
+            passed, lo = s, mid
+        else:
+            hi = mid
+    return passed
+
+
+def measure(args, model: str, workload: str) -> list[dict]:
+    base = EngineConfig(backend="sim", sim_clock="virtual", sim_gpu=args.gpu, sim_model=model,
+                        max_running=args.max_running, max_batched_tokens=args.max_batched_tokens)
+    wl = Workload(workload, args.requests, model_spec(model).context, args.seed)
+    rows = []
+    for v in VARIANTS:
+        t0 = time.perf_counter()
+        config = dataclasses.replace(base, **v.overrides)
+        at = qps_at_slo(config, wl, v, args.bisect)
+        offline = run(config, wl, v, math.inf)
+        rows.append(row(v, model, workload, at, offline))
+        log(f"{model} {workload} {v.name}: {rows[-1]['qps_at_slo']} req/s at SLO "
+            f"({time.perf_counter() - t0:.0f} s)")
+    return rows
+
+
+def row(v: Variant, model: str, workload: str, at: dict | None, offline: dict) -> dict:
+    def r(x, nd=1):
+        return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
+
+    at = at or {}
+    return {"name": v.name, "model": model, "workload": workload, "simulated": True,
+            "qps_at_slo": r(at.get("qps"), 2), "output_throughput": r(at.get("output_tok_s")),
+            "p99_ttft_ms": r(at.get("ttft_ms_p99")), "p99_tpot_ms": r(at.get("tpot_ms_p99"), 2),
+            "preemptions": at.get("preemptions"),
+            "max_concurrent": at.get("max_concurrent"), "moves": at.get("moves"),
+            "kv_capacity": offline["kv_capacity"],
+            "max_output_throughput": r(offline.get("output_tok_s")),
+            "offline_max_concurrent": offline.get("max_concurrent"),
+            "offline_preemptions": offline.get("preemptions"), "talk": v.talk}
+
+
+def pipeline_row(args, model: str) -> dict | None:
+    """Pipelined vs inline detokenization: bench/pipeline_overlap.py in real time, sim GPU."""
+    cmd = [sys.executable, "-m", "bench.pipeline_overlap", "--sim-model", model, "--sim-gpu",
+           args.gpu, "--num-requests", str(args.pipeline_requests)]
+    log("pipelined vs inline: " + " ".join(cmd[1:]))
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        log(f"pipeline_overlap failed: {out.stderr[-2000:]}")
+        return None
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"name": "pipelined vs inline detokenization (real time, real services)",
+            "model": model, "workload": res["workload"], "simulated": "GPU steps only",
+            "qps_at_slo": None, "output_throughput": res["pipelined_tok_s"],
+            "p99_ttft_ms": None, "p99_tpot_ms": None, "preemptions": None,
+            "inline_output_throughput": res["inline_tok_s"], "qps_ratio": res["qps_ratio"],
+            "talk": "+10-20% QPS"}
+
+
+COMPARISONS = (  # (row, baseline row, what the talk claims)
+    ("merged steps, max-length KV", "static batching, max-length KV", "2.0x"),
+    ("merged, predicted KV (oracle)", "merged steps, max-length KV", "3.0x"),
+    ("merged, predicted KV (oracle)", "merged, paged 16-token blocks", "-"),
+    ("merged, predicted KV (oracle), INT8 KV", "merged, predicted KV (oracle)", "1.5x tput"),
+)
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """QPS-at-SLO and offline-throughput ratios of each comparison, per model and workload."""
+    out = []
+    for key in sorted({(r["model"], r["workload"]) for r in rows if r["simulated"] is True}):
+        by = {r["name"]: r for r in rows if (r["model"], r["workload"]) == key}
+        for name, base, talk in COMPARISONS:
+            if name in by and base in by:
+                a, b = by[name], by[base]
+                out.append({"model": key[0], "workload": key[1], "row": name, "vs": base,
+                            "qps_ratio": _ratio(a["qps_at_slo"], b["qps_at_slo"]),
+                            "throughput_ratio": _ratio(a["max_output_throughput"],
+                                                       b["max_output_throughput"]),
+                            "concurrency_ratio": _ratio(a["offline_max_concurrent"],
+                                                        b["offline_max_concurrent"]),
+                            "talk": talk})
+    return out
+
+
+def _ratio(a, b) -> float | None:
+    return round(a / b, 2) if a and b else None
+
+
+def print_table(rows: list[dict], comps: list[dict]) -> None:
+    print("| model | workload | variant | QPS at SLO | out tok/s | p99 TTFT ms | p99 TPOT ms "
+          "| preemptions | offline out tok/s | offline max concurrent |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['workload']} | {r['name']} | {r['qps_at_slo']} | "
+              f"{r['output_throughput']} | {r['p99_ttft_ms']} | {r['p99_tpot_ms']} | "
+              f"{r['preemptions']} | {r.get('max_output_throughput', '-')} | "
+              f"{r.get('offline_max_concurrent', '-')} |")
+    print("\n| model | workload | row | vs | QPS ratio | offline tput ratio | concurrency ratio "
+          "| talk |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in comps:
+        print(f"| {c['model']} | {c['workload']} | {c['row']} | {c['vs']} | {c['qps_ratio']} | "
+              f"{c['throughput_ratio']} | {c['concurrency_ratio']} | {c['talk']} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(f"machine: {machine()}; simulated GPU {args.gpu}; {args.requests} requests per run; "
+          f"max_running {args.max_running}, max_batched_tokens {args.max_batched_tokens}; "
+          f"SLO p99 TTFT <= {SLO_TTFT_MS:.0f} ms, p99 TPOT <= {SLO_TPOT_MS:.0f} ms")
+    rows = []
+    for model in args.models.split(","):
+        for workload in args.workloads.split(","):
+            rows += measure(args, model, workload)
+    if args.pipeline_requests:
+        extra = pipeline_row(args, args.models.split(",")[0])
+        rows += [extra] if extra else []
+    comps = ratios(rows)
+    print_table(rows, comps)
+    print(json.dumps({"rows": rows, "ratios": comps}))
+
+
+if __name__ == "__main__":
+    main()

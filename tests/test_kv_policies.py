@@ -1,0 +1,156 @@
+"""KV policies beside the default: paged blocks (the vLLM baseline), static batching, and the
+predicted policy's distribution-sized reservations, regrowth and future-peak admission."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.compute.allocator import KVAllocator
+from services.compute.paged_allocator import PagedAllocator
+from services.compute.scheduler import Scheduler, SchedulerConfig
+from services.compute.sequence import SeqStatus, Sequence
+from shared.config import EngineConfig
+from shared.length_dist import LEVELS, LengthDist
+from shared.sampling import SamplingParams
+
+WIDE = LengthDist((4, 6, 10, 20, 40, 50, 60))  # median 10, p90 40
+
+
+def seq(rid: str, prompt_len: int, max_tokens: int = 100, length=None) -> Sequence:
+    return Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+                    seed=0, max_len=prompt_len + max_tokens,
+                    length=length or LengthDist.point(4), stop_ids=frozenset())
+
+
+def make(policy="predicted", capacity=1000, budget=64, max_running=16, batching="merged"):
+    alloc = PagedAllocator(capacity) if policy == "paged" else KVAllocator(capacity)
+    return Scheduler(SchedulerConfig(budget, max_running, policy, 2, batching), alloc)
+
+
+def run_step(s: Scheduler):
+    step = s.schedule()
+    s.update(step, [7] * len(step.sampled), [0.0] * len(step.sampled))
+    s.allocator.check()
+    return step
+
+
+# -- paged -----------------------------------------------------------------------------------
+def test_paged_allocator_rounds_to_blocks_and_never_moves():
+    a = PagedAllocator(100, block_size=16)
+    assert a.capacity == 96 and a.free_slots == 96  # whole blocks only
+    h = a.allocate(17)
+    assert a.reserved == 32
+    assert a.resize(h, 33) == h and a.reserved == 48
+    assert a.resize(h, 200) is None and a.reserved == 48  # unchanged on failure
+    assert a.allocate(49) is None and a.allocate(48) is not None
+    a.free(h)
+    a.check()
+    assert a.reserved == 48
+    with pytest.raises(ValueError):
+        a.allocate(0)
+
+
+def test_paged_policy_grows_a_block_at_a_time_and_preempts_without_moves():
+    s = make("paged", capacity=16 * 8, budget=64)
+    a, b = seq("a", 20), seq("b", 20)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert (a.kv_reserved, s.allocator.reserved) == (20, 64)  # 2 blocks each
+    while a.num_cached <= 32:
+        assert not run_step(s).moves
+    assert s.allocator.reserved == 6 * 16  # each crossed into a third block
+    while s.stats.preemptions == 0:
+        assert not run_step(s).moves
+    assert b.status is SeqStatus.WAITING and a.status is SeqStatus.RUNNING  # b came last
+    assert s.stats.moves == 0
+
+
+def test_paged_admission_keeps_a_watermark():
+    s = make("paged", capacity=16 * 100, budget=2048)
+    s.add(seq("a", 16 * 98, max_tokens=10))  # leaves 2 of 100 blocks: >= the 1% watermark
+    s.add(seq("b", 32, max_tokens=10))  # would leave no block: below the 1-block watermark
+    run_step(s)
+    assert [x.request_id for x in s.running] == ["a"] and len(s.waiting) == 1
+
+
+def test_paged_policy_needs_the_simulator():
+    with pytest.raises(ValueError, match="paged"):
+        EngineConfig(kv_policy="paged")
+    EngineConfig(kv_policy="paged", backend="sim")
+    with pytest.raises(ValueError, match="PagedAllocator"):
+        Scheduler(SchedulerConfig(kv_policy="paged"), KVAllocator(10))
+
+
+# -- static batching -------------------------------------------------------------------------
+def test_static_batching_admits_only_into_an_empty_batch():
+    s = make("max", capacity=1000, budget=16, batching="static")
+    first = [seq(f"a{i}", 10, max_tokens=3 + i) for i in range(3)]
+    for x in first:
+        s.add(x)
+    run_step(s)
+    assert len(s.running) == 3  # all admitted at once, beyond the 16-token budget
+    late = seq("late", 4, max_tokens=2)
+    s.add(late)
+    while any(x.status is not SeqStatus.FINISHED for x in first):
+        assert late.status is SeqStatus.WAITING  # waits although memory is free
+        run_step(s)
+    run_step(s)
+    assert late.status is SeqStatus.RUNNING
+
+
+# -- predicted: distributions and the future peak --------------------------------------------
+def test_reserves_a_quantile_and_regrows_to_the_conditional_quantile():
+    s = make("predicted", capacity=1000)
+    a = seq("a", 10, length=WIDE)
+    s.add(a)
+    run_step(s)
+    assert a.kv_reserved == 10 + WIDE.quantile(0.5) == 20
+    while a.kv_reserved == 20:
+        run_step(s)
+    # it ran out with its 11th output token pending: regrown given > 11 tokens of output
+    assert a.num_output == 12 and a.kv_reserved == 10 + WIDE.conditional_quantile(11, 0.9)
+
+
+def test_admission_keeps_the_future_peak_in_memory():
+    # each: 10 prompt tokens, 20 reserved; by p90 it may hold 50; two peak at 100 together
+    s = make("predicted", capacity=100)
+    a, b, c = (seq(x, 10, max_tokens=60, length=WIDE) for x in "abc")
+    for x in (a, b, c):
+        s.add(x)
+    run_step(s)
+    assert [x.request_id for x in s.running] == ["a", "b"] and s.waiting[0] is c
+    assert s.allocator.free_slots >= 20  # c's reservation would fit: the peak refuses it
+    lone = make("predicted", capacity=40)
+    big = seq("big", 10, max_tokens=30, length=WIDE)
+    lone.add(big)
+    run_step(lone)
+    assert big.status is SeqStatus.RUNNING  # alone, a request always gets its chance
+
+
+# -- LengthDist --------------------------------------------------------------------------------
+def test_length_dist_quantiles_invert_the_cdf():
+    rng = random.Random(0)
+    for _ in range(200):
+        vals = sorted(rng.randint(1, 500) for _ in LEVELS)
+        d = LengthDist(tuple(vals))
+        qs = [d.quantile(q / 100) for q in range(101)]
+        assert qs == sorted(qs) and qs[0] >= 1
+        for q in (0.1, 0.5, 0.9, 0.99):
+            x = d.quantile(q)
+            assert d.cdf(x) >= q - 1e-9 and (x == 1 or d.cdf(x - 1) < q + 1e-9)
+        g = rng.randint(0, 1200)
+        assert d.conditional_quantile(g, 0.5) > g
+
+
+def test_length_dist_point_and_samples():
+    p = LengthDist.point(64)
+    assert p.quantile(0.05) == p.quantile(0.9) == p.median == 64
+    assert p.conditional_quantile(10, 0.9) == 64 and p.conditional_quantile(64, 0.5) > 64
+    assert LengthDist.from_samples(range(1, 101)).median == 51
+    with pytest.raises(ValueError):
+        LengthDist((5, 4, 6, 7, 8, 9, 10))
+    with pytest.raises(ValueError):
+        LengthDist((0,) * len(LEVELS))
