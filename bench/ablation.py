@@ -25,29 +25,36 @@ The last line printed is JSON: {"rows": [{"name", "model", "workload", "qps_at_s
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import math
+import random
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+
+import redis
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import log, machine  # noqa: E402
-from loadgen.datasets import default_data_dir  # noqa: E402
+from loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt  # noqa: E402
 from services.compute.sim.hardware import model as model_spec  # noqa: E402
 from services.compute.sim.virtual import (  # noqa: E402
     azure_trace,
-    sharegpt_lengths,
     simulate,
     summarize,
     with_arrivals,
 )
 from shared.config import EngineConfig  # noqa: E402
+from shared.length_dist import LengthDist  # noqa: E402
+from shared.length_predictor import LengthPredictor, length_features  # noqa: E402
+from shared.redis_server import EmbeddedRedis  # noqa: E402
 
 SLO_TTFT_MS, SLO_TPOT_MS = 3000.0, 50.0
 
@@ -66,6 +73,8 @@ VARIANTS = (
             talk="+100% QPS over static batching"),
     Variant("merged, paged 16-token blocks", {"kv_policy": "paged"}),
     Variant("merged, predicted KV (oracle)", {"kv_policy": "predicted"}, "oracle",
+            "+200% QPS over max-length reservation"),
+    Variant("merged, predicted KV (learned predictor)", {"kv_policy": "predicted"}, "predictor",
             "+200% QPS over max-length reservation"),
     Variant("merged, predicted KV (oracle), INT8 KV",
             {"kv_policy": "predicted", "sim_kv_dtype": "int8"}, "oracle",
@@ -103,8 +112,14 @@ class Workload:
                                             n * 2) if w[1] + w[2] <= context][:n]
             self.native_qps = (len(trace) - 1) / (trace[-1][0] - trace[0][0])
             self.items = trace
+            self.texts = [""] * len(trace)
         else:
-            self.items = [(0.0, p, o) for p, o in sharegpt_lengths(n, seed, max_len=context)]
+            pool = [w for w in load_sharegpt(default_data_dir() / SHAREGPT_FILE)
+                    if w.prompt_len + w.output_len <= context]
+            random.Random(seed).shuffle(pool)
+            picked = [pool[i % len(pool)] for i in range(n)]
+            self.items = [(0.0, w.prompt_len, w.output_len) for w in picked]
+            self.texts = [w.prompt for w in picked]
         self.context = context
 
     def at(self, qps: float, predict: str) -> list[tuple]:
@@ -118,9 +133,34 @@ class Workload:
                 for t, p, o in timed]
 
 
+class OnlineLengths:
+    """The Redis length predictor (shared/length_predictor.py) driven by the simulation: each
+    run starts cold under a fresh key prefix, predicts at arrival and learns at finish."""
+
+    _redis = None  # one embedded redis-server for the whole benchmark
+
+    def __init__(self, wl: Workload, model: str):
+        if OnlineLengths._redis is None:
+            OnlineLengths._redis = EmbeddedRedis().start()
+            atexit.register(OnlineLengths._redis.stop)
+        client = redis.Redis.from_url(OnlineLengths._redis.url)
+        self.predictor = LengthPredictor(client, model, prefix=f"ablation:{uuid.uuid4().hex}")
+        self.max_tokens = [wl.context - p for _, p, _ in wl.items]
+        self.features = [length_features(t, [], m, model)
+                         for t, m in zip(wl.texts, self.max_tokens, strict=True)]
+
+    def predict(self, index: int) -> LengthDist:
+        return self.predictor.predict(self.features[index], self.max_tokens[index])
+
+    def learn(self, index: int, output_len: int) -> None:
+        self.predictor.update(self.features[index], output_len)
+
+
 def run(config: EngineConfig, wl: Workload, variant: Variant, qps: float) -> dict:
     stats: dict = {}
-    summary = summarize(simulate(config, wl.at(qps, variant.predict), wl.seed, stats))
+    online = OnlineLengths(wl, config.sim_model) if variant.predict == "predictor" else None
+    summary = summarize(simulate(config, wl.at(qps, variant.predict), wl.seed, stats,
+                                 predictor=online))
     return summary | {"qps": qps, "kv_capacity": stats["capacity"], "moves": stats["moves"]}
 
 
@@ -213,6 +253,8 @@ COMPARISONS = (  # (row, baseline row, what the talk claims)
     ("merged steps, max-length KV", "static batching, max-length KV", "2.0x"),
     ("merged, predicted KV (oracle)", "merged steps, max-length KV", "3.0x"),
     ("merged, predicted KV (oracle)", "merged, paged 16-token blocks", "-"),
+    ("merged, predicted KV (learned predictor)", "merged steps, max-length KV", "3.0x"),
+    ("merged, predicted KV (learned predictor)", "merged, paged 16-token blocks", "-"),
     ("merged, predicted KV (oracle), INT8 KV", "merged, predicted KV (oracle)", "1.5x tput"),
 )
 

@@ -84,6 +84,7 @@ class ServiceConfig:
     max_body_bytes: int = 8 * 2**20
     request_ttl_s: int = 3600  # how long a finished request's state stays in Redis
     heartbeat_s: float = 0.5
+    length_predictor: bool = True  # predict output lengths (Redis) and learn them at finish
 
     def addr(self, name: str) -> str:
         """The zmq address of channel `name` (tokenizer, compute, control, detokenizer, gateway)."""

@@ -281,3 +281,28 @@ def test_stack_with_sim_backend_answers_http(sim_stack):
     status, body = sim_stack.post("/v1/chat/completions", {
         "model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12})
     assert status == 200 and body["usage"]["completion_tokens"] == 12
+
+
+def test_online_predictor_hook_is_asked_at_arrival_and_taught_at_finish():
+    """A predictor that knows the true lengths gives exactly the oracle items' run; it is asked
+    once per request in arrival order and taught each true length at finish."""
+    wl = workload(60, 40.0, out=50)
+    common = dict(sim_gpu="a100", sim_model="llama-2-7b", kv_cache_tokens=6000)
+
+    class Oracle:
+        def __init__(self):
+            self.asked, self.taught = [], {}
+
+        def predict(self, index):
+            self.asked.append(index)
+            return wl[index][2]
+
+        def learn(self, index, output_len):
+            self.taught[index] = output_len
+
+    hook = Oracle()
+    online = simulate(sim_config(**common), wl, predictor=hook, max_tokens=400)
+    items = simulate(sim_config(**common), [(*w, w[2]) for w in wl], max_tokens=400)
+    assert [r.token_times for r in online] == [r.token_times for r in items]
+    assert hook.asked == sorted(range(len(wl)), key=lambda i: wl[i][0])
+    assert hook.taught == {i: w[2] for i, w in enumerate(wl)}

@@ -20,6 +20,7 @@ from services.detokenizer.incremental import IncrementalDetokenizer
 from services.detokenizer.stop import StopMatcher
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
+from shared.length_predictor import LengthPredictor, model_key
 from shared.messages import Abort, Delta, DeltaBatch, Route, StepOutput
 from shared.tokenizer import load_tokenizer
 from shared.transport import Receiver, Sender, Senders
@@ -45,6 +46,8 @@ class Outputs:
     # Redis: (api request id, fields to set, ttl or None) and (api request id, counter, amount)
     updates: list[tuple[str, dict, int | None]] = field(default_factory=list)
     counts: list[tuple[str, str, int]] = field(default_factory=list)
+    # the length predictor learns: (length features, output length) of finished requests
+    lengths: list[tuple[list[int], int]] = field(default_factory=list)
 
     def send(self, reply_to: str, delta: Delta) -> None:
         self.deltas.setdefault(reply_to, []).append(delta)
@@ -116,6 +119,8 @@ class Detokenizer:
             self.finished_choices[api] = done
             res.updates.append((api, fields, None))
         res.counts.append((api, "completion_tokens", s.num_output))
+        if s.route.length_features:  # "stop" or "length": aborted requests never get here
+            res.lengths.append((s.route.length_features, s.num_output))
 
 
 def write_state(client: redis.Redis, res: Outputs) -> None:
@@ -138,6 +143,8 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     client = redis.Redis.from_url(svc.redis_url)
     state.Heartbeat(client, "detokenizer", svc.heartbeat_s)
     detok = Detokenizer(load_tokenizer(engine_cfg.model), svc.request_ttl_s)
+    predictor = LengthPredictor(client, model_key(engine_cfg.model)) if svc.length_predictor \
+        else None
     while True:
         msg = inbox.recv()
         if isinstance(msg, StepOutput):
@@ -148,5 +155,7 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
                 gateways.send(addr, DeltaBatch(deltas))
             try:
                 write_state(client, res)
+                for features, n in res.lengths if predictor is not None else ():
+                    predictor.update(features, n)
             except redis.RedisError as e:
                 log.warning("redis unavailable, request state not written: %s", e)

@@ -1,4 +1,10 @@
-"""A tokenizer worker: chat template + tokenization, context checks, n-way fan-out.
+"""A tokenizer worker: chat template + tokenization, context checks, the output-length
+prediction, n-way fan-out.
+
+Each request gets a predicted output-length distribution from the length predictor in Redis
+(compute sizes its KV segment with it) and carries its features along to the detokenizer,
+which teaches the predictor the true length at finish. With Redis down, or `--no-length-
+predictor`, requests go without one (compute then uses --default-predicted-len).
 
 Several workers may pull from the gateway's one PUSH socket (zmq spreads requests across them).
 A request that cannot be served (template error, prompt too long, bad token ids) is answered
@@ -8,6 +14,7 @@ to its gateway with a 400 error; everything else goes to compute as GenerateRequ
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import redis
 import zmq
@@ -17,10 +24,12 @@ from shared import state
 from shared.chat_template import ChatTemplateError, load_chat_template
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
+from shared.length_predictor import LengthPredictor, length_features, model_key
 from shared.messages import Delta, DeltaBatch, GenerateRequest, Route, TokenizeRequest
 from shared.tokenizer import encode, load_tokenizer
 from shared.transport import Receiver, Sender, Senders
 
+log = logging.getLogger("pipellm.tokenizer")
 _PROMPT_TAIL = 10  # prompt tokens the detokenizer gets as decoding context (>= 9: whole chars)
 
 
@@ -31,29 +40,44 @@ class PromptError(ValueError):
 class Tokenizer:
     """Pure request preparation (no sockets): TokenizeRequest -> GenerateRequests."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, predictor: LengthPredictor | None = None):
         mc, self.max_model_len = served_model(config)
         self.vocab_size = mc.vocab_size
         self.tok = load_tokenizer(config.model)
         self.template = load_chat_template(config.model)
+        self.model = model_key(config.model)
+        self.predictor = predictor
 
-    def prompt_ids(self, req: TokenizeRequest) -> list[int]:
+    def prompt(self, req: TokenizeRequest) -> tuple[str, list[int]]:
+        """(prompt text, or "" when given as ids; prompt token ids)."""
         if req.messages is not None:
             if self.template is None:
                 raise PromptError("this model has no chat template; use /v1/completions")
             messages = [{"role": m.role, "content": m.content} for m in req.messages]
             text = self.template.render(messages, req.add_generation_prompt)
-            return encode(self.tok, text, add_special_tokens=False)
+            return text, encode(self.tok, text, add_special_tokens=False)
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise PromptError(f"prompt token ids must be in [0, {self.vocab_size})")
-            return ids
-        return encode(self.tok, req.prompt_text or "")
+            return "", ids
+        return req.prompt_text or "", encode(self.tok, req.prompt_text or "")
+
+    def predict(self, text: str, ids: list[int], max_tokens: int,
+                ) -> tuple[list[int], list[int] | None]:
+        """(length features, predicted quantiles or None without a predictor or Redis)."""
+        feats = length_features(text, ids, max_tokens, self.model)
+        if self.predictor is None:
+            return feats, None
+        try:
+            return feats, list(self.predictor.predict(feats, max_tokens).values)
+        except redis.RedisError as e:
+            log.warning("length predictor unavailable: %s", e)
+            return feats, None
 
     def prepare(self, req: TokenizeRequest) -> list[GenerateRequest]:
         try:
-            ids = self.prompt_ids(req)
+            text, ids = self.prompt(req)
         except ChatTemplateError as e:
             raise PromptError(f"chat template failed: {e}") from None
         if not ids:
@@ -68,25 +92,31 @@ class Tokenizer:
                 f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
                 f"prompt, {params.max_tokens} for the completion). Please reduce the length "
                 f"of the prompt or max_tokens.")
+        feats, quantiles = self.predict(text, ids, params.max_tokens)
         route = Route(request_id="", reply_to=req.reply_to, num_prompt=len(ids),
-                      prompt_tail=int32s(ids[-_PROMPT_TAIL:]), stop=list(req.stop), n=req.n)
+                      prompt_tail=int32s(ids[-_PROMPT_TAIL:]), stop=list(req.stop), n=req.n,
+                      length_features=feats)
         packed = int32s(ids)
         out = []
         for i in range(req.n):
             rid = f"{req.request_id}:{i}"
             p = params if params.seed is None else dataclasses.replace(params,
                                                                       seed=params.seed + i)
-            out.append(GenerateRequest(rid, packed, p, dataclasses.replace(route, request_id=rid)))
+            out.append(GenerateRequest(rid, packed, p, dataclasses.replace(route, request_id=rid),
+                                       quantiles))
         return out
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
-    tokenizer = Tokenizer(engine_cfg)
+    client = redis.Redis.from_url(svc.redis_url)
+    predictor = LengthPredictor(client, model_key(engine_cfg.model), default_len=engine_cfg.
+                                default_predicted_len) if svc.length_predictor else None
+    tokenizer = Tokenizer(engine_cfg, predictor)
     ctx = zmq.Context.instance()
     inbox = Receiver(ctx, svc.addr("tokenizer"), bind=False)
     outbox = Sender(ctx, svc.addr("compute"))
     replies = Senders(ctx)
-    state.Heartbeat(redis.Redis.from_url(svc.redis_url), "tokenizer", svc.heartbeat_s)
+    state.Heartbeat(client, "tokenizer", svc.heartbeat_s)
     while True:
         msg = inbox.recv()
         if isinstance(msg, TokenizeRequest):

@@ -34,8 +34,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import pairwise
 from pathlib import Path
+from typing import Protocol
 
 from shared.config import EngineConfig, add_config_args, config_from_args
+from shared.length_dist import LengthDist
 from shared.sampling import InvalidParams, SamplingParams
 
 WorkItem = tuple  # (arrival_s, prompt_len, output_len[, predicted_len[, max_tokens]])
@@ -75,12 +77,22 @@ class RequestRecord:
         return (self.finish - self.first_token) / (self.generated - 1)
 
 
+class OnlinePredictor(Protocol):
+    """A length predictor driven by the simulation: asked when a request arrives, taught its
+    true output length when it finishes (in virtual-time order)."""
+
+    def predict(self, index: int) -> LengthDist | int | None: ...
+
+    def learn(self, index: int, output_len: int) -> None: ...
+
+
 def simulate(config: EngineConfig, workload: Sequence[WorkItem], seed: int = 0,
              engine_stats: dict | None = None, max_tokens: int | None = None,
-             ) -> list[RequestRecord]:
+             predictor: OnlinePredictor | None = None) -> list[RequestRecord]:
     """Run `workload` through the engine on the virtual clock; records in workload order.
     `max_tokens`: what every request asks for unless its item says (None: its output_len).
-    `engine_stats`, if given, is filled with the engine's counters and the modelled busy time."""
+    `engine_stats`, if given, is filled with the engine's counters and the modelled busy time.
+    `predictor`, if given, replaces the items' predicted lengths."""
     from services.compute.engine import LLMEngine
 
     config = dataclasses.replace(config, backend="sim", sim_clock="virtual")
@@ -94,7 +106,10 @@ def simulate(config: EngineConfig, workload: Sequence[WorkItem], seed: int = 0,
     nxt = 0
     while nxt < len(order) or engine.has_work():
         while nxt < len(order) and records[order[nxt]].arrival <= clock.now:
-            _add(engine, records[order[nxt]], workload[order[nxt]], rng, live, max_tokens)
+            item = workload[order[nxt]]
+            if predictor is not None:
+                item = (*item[:3], predictor.predict(order[nxt]), *item[4:5])
+            _add(engine, records[order[nxt]], item, rng, live, max_tokens)
             nxt += 1
         if not engine.has_work():
             if nxt < len(order):
@@ -116,6 +131,8 @@ def simulate(config: EngineConfig, workload: Sequence[WorkItem], seed: int = 0,
             if e.finish_reason is not None:
                 rec.finish, rec.finish_reason = now, e.finish_reason
                 del live[e.request_id]
+                if predictor is not None:
+                    predictor.learn(rec.index, rec.generated)
                 engine.runner.eos_at.pop(e.request_id, None)
         if now == before and not result.events:  # nothing could run: wait for an arrival
             if nxt == len(order):
@@ -136,7 +153,8 @@ def _add(engine, rec: RequestRecord, item: WorkItem, rng: random.Random,
     try:
         params = SamplingParams(max_tokens=rec.max_tokens, seed=rng.getrandbits(63))
         engine.add_request([1] * rec.prompt_len, params, rid,
-                           None if predicted is None else int(predicted))
+                           predicted if isinstance(predicted, LengthDist | None) else
+                           int(predicted))
     except InvalidParams:
         rec.finish, rec.finish_reason = rec.arrival, "rejected"
         return
