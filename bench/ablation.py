@@ -10,8 +10,9 @@ a GPU). For each model and workload, each variant gets:
 - max_output_throughput: every request at once (the offline maximum).
 Requests send no max_tokens (as chat clients commonly do): they may run to the context, so the
 max-length policy reserves prompt + (context - prompt); each really ends with EOS at its true
-length. The oracle predictor knows each true length; `predictor` learns online in Redis
-(shared/length_predictor.py) once issue 6's predictor is in.
+length. The oracle knows each true length; the learned predictor (shared/length_predictor.py,
+a real Redis) starts cold in every run, predicts at arrival and learns at finish, in virtual-time
+order; `predicted` reserves its median and regrows outgrown segments to the conditional p90.
 
 The last row, pipelined vs inline detokenization, is a real-time run through the real services
 (bench/pipeline_overlap.py with `--sim-model`): real processes and sockets, simulated GPU steps.

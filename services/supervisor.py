@@ -111,7 +111,8 @@ def up(engine: EngineConfig, svc: ServiceConfig) -> int:
     own_run_dir = not svc.run_dir
     run_dir = svc.run_dir or tempfile.mkdtemp(prefix="pipellm-")
     redis_url = svc.redis_url or os.environ.get("REDIS_URL", "")
-    embedded = None if redis_url else EmbeddedRedis(data_dir=os.path.join(run_dir, "redis"))
+    embedded = None if redis_url else EmbeddedRedis(
+        data_dir=svc.redis_dir or os.path.join(run_dir, "redis"), persist=bool(svc.redis_dir))
     if embedded is not None:
         os.makedirs(embedded.dir, exist_ok=True)
         embedded.start(preexec_fn=_die_with_parent)

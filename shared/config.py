@@ -73,6 +73,7 @@ class ServiceConfig:
     port: int = 8000
     served_model_name: str = ""  # empty: the model directory's name
     redis_url: str = ""  # empty with `pipellm up`: an embedded redis-server
+    redis_dir: str = ""  # embedded redis: persist here (learned lengths survive `up` restarts)
     run_dir: str = ""  # where ipc sockets live; empty: a temp dir chosen by `pipellm up`
     tokenizer_addr: str = ""  # gateway PUSH (bind) -> tokenizer workers PULL (connect)
     compute_addr: str = ""  # tokenizers PUSH -> compute PULL (bind)

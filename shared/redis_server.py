@@ -36,15 +36,20 @@ def free_port() -> int:
 class EmbeddedRedis:
     """`with EmbeddedRedis() as r: r.url` - a private redis-server on a free loopback port."""
 
-    def __init__(self, port: int | None = None, data_dir: str | None = None):
+    def __init__(self, port: int | None = None, data_dir: str | None = None,
+                 persist: bool = False):
+        """`persist`: snapshot to `data_dir`/dump.rdb (every 60 s after a change, and at
+        shutdown) and load it at start, so the length predictor outlives the server."""
         self.port = port or free_port()
         self.dir = data_dir or tempfile.mkdtemp(prefix="pipellm-redis-")
+        self.persist = persist
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 10.0, preexec_fn=None) -> EmbeddedRedis:
         args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", self.dir, "--save", "", "--appendonly", "no", "--daemonize", "no"]
+                "--dir", self.dir, "--save", *(("60", "1") if self.persist else ("",)),
+                "--appendonly", "no", "--daemonize", "no"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      preexec_fn=preexec_fn)
         client = redis.Redis.from_url(self.url)

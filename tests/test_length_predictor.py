@@ -101,17 +101,21 @@ def test_global_fallback_for_unseen_features(client):
     assert sum(p.counts()) == 100
 
 
-def _worker(url: str, worker: int, n: int, shared_feature: int) -> None:
+def _worker(url: str, worker: int, n: int, shared_feature: int, barrier) -> None:
     client = redis.Redis.from_url(url)  # each process its own connection
     p = LengthPredictor(client, "conc")
+    client.ping()
+    barrier.wait(30)  # all start writing together
     for i in range(n):
         p.update([shared_feature, 1000 + worker, 5000 + i % 7], 1 + (worker * 37 + i) % 3000)
 
 
 def test_concurrent_updates_lose_nothing(client, redis_url):
-    workers, n, shared = 4, 250, 42
+    workers, n, shared = 4, 400, 42
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(redis_url, w, n, shared)) for w in range(workers)]
+    barrier = ctx.Barrier(workers)
+    procs = [ctx.Process(target=_worker, args=(redis_url, w, n, shared, barrier))
+             for w in range(workers)]
     for proc in procs:
         proc.start()
     for proc in procs:
@@ -203,3 +207,17 @@ def test_redis_down_falls_back():
     strict = LengthPredictor(c, "m", strict=True)
     with pytest.raises(redis.ConnectionError):
         strict.predict([1, 2], 2048)
+
+
+def test_support_ranking_stays_bounded(client, monkeypatch):
+    import shared.length_predictor as lp
+
+    monkeypatch.setattr(lp, "TOP_CAP", 64)
+    monkeypatch.setattr(lp, "TOP_KEEP", 32)
+    p = LengthPredictor(client, "m", slots=1 << 12)
+    rng = random.Random(5)
+    for i in range(60):  # feature 7 on every request, 2 fresh ones each
+        p.update([7, rng.getrandbits(32), rng.getrandbits(32)], 10 + i)
+        assert client.zcard(p.top_key) <= 64
+    assert client.zscore(p.top_key, 7 % (1 << 12)) == 60
+    assert sum(p.counts(7)) == 60

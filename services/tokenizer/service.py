@@ -18,6 +18,8 @@ import logging
 
 import redis
 import zmq
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from services.compute.model_config import served_model
 from shared import state
@@ -109,7 +111,10 @@ class Tokenizer:
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     client = redis.Redis.from_url(svc.redis_url)
-    predictor = LengthPredictor(client, model_key(engine_cfg.model), default_len=engine_cfg.
+    # a prediction never waits long for a dead Redis: short timeouts, no retries
+    fast = redis.Redis.from_url(svc.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2,
+                                retry=Retry(NoBackoff(), 0))
+    predictor = LengthPredictor(fast, model_key(engine_cfg.model), default_len=engine_cfg.
                                 default_predicted_len) if svc.length_predictor else None
     tokenizer = Tokenizer(engine_cfg, predictor)
     ctx = zmq.Context.instance()

@@ -1,0 +1,23 @@
+"""`pipellm up --redis-dir`: the embedded Redis keeps the learned length model across restarts."""
+
+from __future__ import annotations
+
+import redis
+
+from shared.length_predictor import LengthPredictor, length_features
+from shared.redis_server import EmbeddedRedis
+
+
+def test_learned_lengths_survive_a_redis_restart(tmp_path):
+    feats = length_features("translate this sentence", [1, 2, 3], 256, "m")
+    with EmbeddedRedis(data_dir=str(tmp_path), persist=True) as r:
+        p = LengthPredictor(redis.Redis.from_url(r.url), "m", strict=True)
+        for n in (5, 6, 7, 5, 6) * 4:
+            p.update(feats, n)
+        before = p.predict(feats, 256)
+    with EmbeddedRedis(data_dir=str(tmp_path), persist=True) as r:  # a new server, same dir
+        p = LengthPredictor(redis.Redis.from_url(r.url), "m", strict=True)
+        assert sum(p.counts()) == 20 and p.predict(feats, 256) == before
+    (tmp_path / "fresh").mkdir()
+    with EmbeddedRedis(data_dir=str(tmp_path / "fresh")) as r:
+        assert sum(LengthPredictor(redis.Redis.from_url(r.url), "m").counts()) == 0
