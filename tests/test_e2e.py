@@ -241,6 +241,9 @@ def test_length_predictor_learns_from_finished_requests(stack, demo_model_dir):
             status, body = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": n,
                                                           "ignore_eos": True})
             assert status == 200 and body["usage"]["completion_tokens"] == n
+    deadline = time.monotonic() + 5  # the detokenizer writes Redis after streaming the end
+    while sum(predictor.counts()) < before + 24 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert sum(predictor.counts()) == before + 24  # every finish learned once
 
     def median(prompt: str) -> int:

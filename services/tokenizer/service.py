@@ -14,7 +14,6 @@ to its gateway with a 400 error; everything else goes to compute as GenerateRequ
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import redis
 import zmq
@@ -31,7 +30,6 @@ from shared.messages import Delta, DeltaBatch, GenerateRequest, Route, TokenizeR
 from shared.tokenizer import encode, load_tokenizer
 from shared.transport import Receiver, Sender, Senders
 
-log = logging.getLogger("pipellm.tokenizer")
 _PROMPT_TAIL = 10  # prompt tokens the detokenizer gets as decoding context (>= 9: whole chars)
 
 
@@ -67,15 +65,12 @@ class Tokenizer:
 
     def predict(self, text: str, ids: list[int], max_tokens: int,
                 ) -> tuple[list[int], list[int] | None]:
-        """(length features, predicted quantiles or None without a predictor or Redis)."""
+        """(length features, predicted quantiles; None without a predictor). With Redis down
+        the predictor answers its default (and logs it)."""
         feats = length_features(text, ids, max_tokens, self.model)
         if self.predictor is None:
             return feats, None
-        try:
-            return feats, list(self.predictor.predict(feats, max_tokens).values)
-        except redis.RedisError as e:
-            log.warning("length predictor unavailable: %s", e)
-            return feats, None
+        return feats, list(self.predictor.predict(feats, max_tokens).values)
 
     def prepare(self, req: TokenizeRequest) -> list[GenerateRequest]:
         try:
