@@ -154,3 +154,26 @@ def test_length_dist_point_and_samples():
         LengthDist((5, 4, 6, 7, 8, 9, 10))
     with pytest.raises(ValueError):
         LengthDist((0,) * len(LEVELS))
+
+
+def test_split_free_space_moves_the_right_neighbour_instead_of_preempting():
+    s = make("predicted", capacity=40)
+    a_ = s.allocator
+    layout = {}
+    for name, size in (("p", 10), ("a", 8), ("b", 4), ("c", 6), ("q", 6), ("d", 6)):
+        layout[name] = (a_.allocate(size), size)
+    a_.free(layout["c"][0])  # holes: [22, 28) and [34, 40); none takes a grown "a"
+    a_.free(layout["d"][0])
+    for name in ("p", "a", "b", "q"):
+        start, size = layout[name]
+        x = seq(name, 3, max_tokens=30)
+        x.token_ids += [7] * (size - 3 + (name == "a"))  # "a" has one token past its segment
+        x.num_cached, x.kv_start, x.kv_reserved = x.num_tokens - 1, start, size
+        x.status = SeqStatus.RUNNING
+        s.running.append(x)
+    a, b = s.running[1], s.running[2]
+    step = s.schedule()
+    assert step.moves == [(18, 22, b.num_cached)]  # b moved into the hole after it
+    assert (a.kv_start, b.kv_start) == (10, 22) and a.kv_reserved >= a.num_tokens
+    assert s.stats.preemptions == 0 and len(step.decodes) == 4
+    s.allocator.check()

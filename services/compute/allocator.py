@@ -58,6 +58,10 @@ class KVAllocator:
         """Size of the largest free block, or 0 if there is none."""
         return max(self._free.values(), default=0)
 
+    def free_after(self, start: int) -> int:
+        """Size of the free block right after the segment at ``start`` (0 if none)."""
+        return self._free.get(start + self._segs[start], 0)
+
     def segment_size(self, start: int) -> int:
         """Size of the segment starting at ``start``; KeyError if there is none."""
         return self._segs[start]

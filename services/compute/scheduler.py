@@ -212,10 +212,40 @@ class Scheduler:
                 if start is not None:
                     self._relocated(seq, start, size, step)
                     return True
+            if self._move_right_neighbour(seq, need, step):
+                continue  # seq now grows in place
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
+
+    def _move_right_neighbour(self, seq: Sequence, need: int, step: ScheduledStep) -> bool:
+        """Free space is there but split: move the segment right after seq's (a KV copy) to a
+        block elsewhere if that lets seq grow in place to `need`. Much cheaper than preempting
+        requests whose freed segments are not adjacent to seq."""
+        a = self.allocator
+        if self.config.kv_policy == "paged" or a.free_slots < need - seq.kv_reserved:
+            return False
+        end = seq.kv_start + seq.kv_reserved
+        nb = next((s for s in self.running if s.kv_start == end), None)
+        if nb is None:
+            return False
+        after = a.free_after(nb.kv_start)
+        start = a.allocate(nb.kv_reserved)  # nb still holds its range: no overlap
+        if start is None:
+            return False
+        # room for seq once nb is gone: its own segment, nb's, and the free block after nb
+        # unless nb just landed at that block's start
+        room = seq.kv_reserved + nb.kv_reserved + (0 if start == end + nb.kv_reserved else after)
+        if room < need:
+            a.free(start)  # undo: the allocator is exactly as before
+            return False
+        a.free(nb.kv_start)
+        if nb.num_cached:
+            step.moves.append((nb.kv_start, start, nb.num_cached))
+        nb.kv_start = start
+        self.stats.moves += 1
+        return True
 
     def _grow_target(self, seq: Sequence) -> int:
         """New segment size for a request that ran out: paged, one more token (a block);
