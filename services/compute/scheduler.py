@@ -137,7 +137,7 @@ class Scheduler:
             seq = self.waiting[0]
             if peak is not None and not peak.fits(seq):
                 break
-            if not self._admit(seq):
+            if not self._admit(seq, step):
                 break
             self.waiting.popleft()
             step.admitted.append(seq)
@@ -187,13 +187,16 @@ class Scheduler:
         h = self.config.reserve_horizon
         return min(total, seq.num_output + h) if h else total
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
         size = self._reservation(seq)
         a = self.allocator
         if self.config.kv_policy == "paged" and \
                 a.free_slots - a.blocks(size) * a.block_size < PAGED_WATERMARK * a.capacity:
             return False
         start = a.allocate(size)
+        if start is None and self.config.kv_policy == "predicted" and \
+                a.free_slots >= size and self._make_hole(size, step):
+            start = a.allocate(size)
         if start is None:
             return False
         seq.kv_start, seq.kv_reserved = start, size
@@ -215,31 +218,43 @@ class Scheduler:
                 if start is not None:
                     self._relocated(seq, start, size, step)
                     return True
-            if self._move_right_neighbour(seq, need, step):
+            if self.config.kv_policy == "predicted" and \
+                    self.allocator.free_slots >= need - seq.kv_reserved and \
+                    self._slide_out(seq.kv_start + seq.kv_reserved, seq.kv_reserved, need, step):
                 continue  # seq now grows in place
-            victim = self.running[-1]
+            victim = self._victim(seq)
             self._preempt(victim)
             if victim is seq:
                 return False
 
-    def _move_right_neighbour(self, seq: Sequence, need: int, step: ScheduledStep) -> bool:
-        """Free space is there but split: move the segment right after seq's (a KV copy) to a
-        block elsewhere if that lets seq grow in place to `need`. Much cheaper than preempting
-        requests whose freed segments are not adjacent to seq."""
+    def _victim(self, seq: Sequence) -> Sequence:
+        """Whom to preempt so that seq can grow: its right neighbour if admitted after it
+        (its slots are adjacent: one preemption suffices), else the most recently admitted.
+        Never one admitted before seq: those already have their token in this step."""
+        if self.config.kv_policy == "predicted":
+            nb = self._segment_at(seq.kv_start + seq.kv_reserved)
+            if nb is not None and nb.admit_order > seq.admit_order:
+                return nb
+        return self.running[-1]
+
+    def _segment_at(self, start: int) -> Sequence | None:
+        return next((s for s in self.running if s.kv_start == start), None)
+
+    def _slide_out(self, end: int, before: int, need: int, step: ScheduledStep) -> bool:
+        """Free space is there but split: move the segment that starts at `end` to a hole
+        elsewhere (a KV copy) if that leaves `need` contiguous slots from `end - before` (the
+        `before` slots there are the caller's: its own segment, or a free block). One copy of
+        a segment is far cheaper than preempting requests whose slots are not adjacent."""
         a = self.allocator
-        if self.config.kv_policy == "paged" or a.free_slots < need - seq.kv_reserved:
-            return False
-        end = seq.kv_start + seq.kv_reserved
-        nb = next((s for s in self.running if s.kv_start == end), None)
+        nb = self._segment_at(end)
         if nb is None:
             return False
         after = a.free_after(nb.kv_start)
         start = a.allocate(nb.kv_reserved)  # nb still holds its range: no overlap
         if start is None:
             return False
-        # room for seq once nb is gone: its own segment, nb's, and the free block after nb
-        # unless nb just landed at that block's start
-        room = seq.kv_reserved + nb.kv_reserved + (0 if start == end + nb.kv_reserved else after)
+        # the room: `before`, nb's range, and the free block after nb unless nb just took it
+        room = before + nb.kv_reserved + (0 if start == end + nb.kv_reserved else after)
         if room < need:
             a.free(start)  # undo: the allocator is exactly as before
             return False
@@ -249,6 +264,11 @@ class Scheduler:
         nb.kv_start = start
         self.stats.moves += 1
         return True
+
+    def _make_hole(self, size: int, step: ScheduledStep) -> bool:
+        """Try the few largest free blocks: slide out the segment after one of them."""
+        blocks = sorted(self.allocator.free_blocks(), key=lambda b: -b[1])[:4]
+        return any(self._slide_out(b + n, n, size, step) for b, n in blocks)
 
     def _grow_target(self, seq: Sequence) -> int:
         """New segment size for a request that ran out: paged, one more token (a block);
