@@ -77,8 +77,10 @@ VARIANTS = (
             "+200% QPS over max-length reservation"),
     Variant("merged, predicted KV (learned predictor)", {"kv_policy": "predicted"}, "predictor",
             "+200% QPS over max-length reservation"),
-    Variant("merged, predicted KV (oracle), INT8 KV",
-            {"kv_policy": "predicted", "sim_kv_dtype": "int8"}, "oracle",
+    Variant("merged, predicted KV (learned), 64-token horizon",
+            {"kv_policy": "predicted", "kv_reserve_horizon": 64}, "predictor"),
+    Variant("merged, predicted KV (learned), INT8 KV",
+            {"kv_policy": "predicted", "sim_kv_dtype": "int8"}, "predictor",
             "2x requests, +50% throughput over FP16 KV"),
 )
 
@@ -256,7 +258,10 @@ COMPARISONS = (  # (row, baseline row, what the talk claims)
     ("merged, predicted KV (oracle)", "merged, paged 16-token blocks", "-"),
     ("merged, predicted KV (learned predictor)", "merged steps, max-length KV", "3.0x"),
     ("merged, predicted KV (learned predictor)", "merged, paged 16-token blocks", "-"),
-    ("merged, predicted KV (oracle), INT8 KV", "merged, predicted KV (oracle)", "1.5x tput"),
+    ("merged, predicted KV (learned), 64-token horizon", "merged steps, max-length KV", "3.0x"),
+    ("merged, predicted KV (learned), 64-token horizon", "merged, paged 16-token blocks", "-"),
+    ("merged, predicted KV (learned), INT8 KV", "merged, predicted KV (learned predictor)",
+     "1.5x tput"),
 )
 
 

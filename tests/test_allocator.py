@@ -382,3 +382,50 @@ def test_random_op_sequences_tile_and_never_overlap(capacity, ops):
                 assert owner[i] is None
                 owner[i] = s
         assert a.free_slots == owner.count(None) == capacity - a.reserved
+
+
+def test_gather_packs_the_window_right_and_copies_safely():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = KVAllocator(rng.randint(20, 80))
+        ids = []
+        while (start := a.allocate(rng.randint(1, 8))) is not None:
+            ids.append(start)
+        for s in rng.sample(ids, len(ids) // 2):
+            a.free(s)
+        memory = [None] * a.capacity  # slot -> label of the segment holding it
+        for s, n in a.segments():
+            memory[s:s + n] = [s] * n
+        before = a.segments()
+        bounds = [s for s, _ in a.free_blocks()] + [s + n for s, n in before]
+        pos = rng.choice([b for b in bounds if b < a.capacity] or [0])
+        amount = rng.randint(1, 30)
+        moves = a.gather(pos, amount, max_moved=a.capacity)
+        a.check()
+        if moves is None:
+            assert a.segments() == before
+            continue
+        assert dict(a.free_blocks()).get(pos, 0) >= amount
+        for old, new in moves:  # in the returned order, an overlap-safe copy
+            n = dict(before)[old]
+            assert new > old
+            memory[new:new + n] = list(memory[old:old + n])
+        after = dict(a.segments())
+        relocated = dict(moves)
+        for s, n in before:
+            new = relocated.get(s, s)
+            assert after[new] == n and memory[new:new + n] == [s] * n
+
+
+def test_gather_refuses_short_space_or_too_much_copying():
+    a = KVAllocator(30)
+    x, y, z = a.allocate(10), a.allocate(10), a.allocate(5)
+    a.free(x)  # free: [0, 10) and [25, 30)
+    before = (a.segments(), a.free_blocks())
+    assert a.gather(0, 16, max_moved=100) is None  # only 15 free
+    assert a.gather(0, 12, max_moved=10) is None  # would copy 15 slots
+    assert (a.segments(), a.free_blocks()) == before
+    assert a.gather(0, 12, max_moved=15) == [(z, 25), (y, 15)]
+    assert a.free_blocks() == [(0, 15)]

@@ -177,3 +177,22 @@ def test_split_free_space_moves_the_right_neighbour_instead_of_preempting():
     assert (a.kv_start, b.kv_start) == (10, 22) and a.kv_reserved >= a.num_tokens
     assert s.stats.preemptions == 0 and len(step.decodes) == 4
     s.allocator.check()
+
+
+def test_gather_shifts_neighbours_right_when_no_hole_takes_them():
+    s = make("predicted", capacity=400)  # a gather may copy 5% of it: 20 slots
+    alloc = s.allocator
+    starts = {n: alloc.allocate(size) for n, size in (("a", 8), ("b", 12), ("gap", 4))}
+    starts["f"] = alloc.allocate(376)
+    alloc.free(starts["gap"])  # the only hole: [20, 24); b (12 slots) fits nowhere else
+    for name, size in (("a", 8), ("b", 12), ("f", 376)):
+        x = seq(name, 3, max_tokens=390)
+        x.token_ids += [7] * (size - 3 + (name == "a"))
+        x.num_cached, x.kv_start, x.kv_reserved = x.num_tokens - 1, starts[name], size
+        x.status = SeqStatus.RUNNING
+        s.running.append(x)
+    a, b = s.running[0], s.running[1]
+    step = s.schedule()
+    assert step.moves == [(8, 12, b.num_cached)] and b.kv_start == 12
+    assert a.kv_start == 0 and a.num_tokens <= a.kv_reserved <= 12 and s.stats.preemptions == 0
+    s.allocator.check()

@@ -132,6 +132,36 @@ class KVAllocator:
             return start
         return self._move(start, size, new_size)
 
+    def gather(self, pos: int, amount: int, max_moved: int) -> list[tuple[int, int]] | None:
+        """Make ``amount`` free slots contiguous at ``pos`` (a block boundary: a segment's end
+        or a free block's start) by packing the segments of the shortest window ``[pos, end)``
+        holding that much free space against its right end. Returns ``(old_start, new_start)``
+        of the segments that moved, rightmost first: each moves right, so copying in this order
+        with an overlap-safe copy never overwrites data not yet copied. None (nothing changed)
+        if the free space after ``pos`` is short, or the window's segments hold more than
+        ``max_moved`` slots."""
+        window, free, moved, p = [], 0, 0, pos
+        while free < amount and p < self.capacity:
+            is_free = p in self._free
+            n = self._free[p] if is_free else self._segs[p]
+            free, moved = (free + n, moved) if is_free else (free, moved + n)
+            window.append((p, n, is_free))
+            p += n
+        if free < amount or moved > max_moved:
+            return None
+        moves, cursor = [], p
+        for start, n, is_free in reversed(window):
+            if is_free:
+                self._pop_free(start)
+                continue
+            cursor -= n
+            del self._segs[start]
+            self._segs[cursor] = n
+            if cursor != start:
+                moves.append((start, cursor))
+        self._release(pos, cursor - pos)
+        return moves
+
     def _move(self, start: int, size: int, new_size: int) -> int | None:
         """Free the segment and best-fit ``new_size``; on failure restore the exact old state."""
         self.free(start)

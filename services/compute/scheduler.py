@@ -30,6 +30,7 @@ from services.compute.sequence import SeqStatus, Sequence
 KV_POLICIES = ("predicted", "max", "paged")
 BATCHING = ("merged", "static")
 PAGED_WATERMARK = 0.01  # vLLM's default share of blocks kept free at admission
+GATHER_MAX_SHARE = 0.05  # most of the cache one gather may copy
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,7 @@ class Scheduler:
                     return True
             if self.config.kv_policy == "predicted" and \
                     self.allocator.free_slots >= need - seq.kv_reserved and \
-                    self._slide_out(seq.kv_start + seq.kv_reserved, seq.kv_reserved, need, step):
+                    self._make_room_after(seq, need, step):
                 continue  # seq now grows in place
             victim = self._victim(seq)
             self._preempt(victim)
@@ -265,10 +266,35 @@ class Scheduler:
         self.stats.moves += 1
         return True
 
+    def _gather(self, pos: int, amount: int, step: ScheduledStep) -> bool:
+        """Shift the segments after `pos` right, into the holes beyond them, until `amount`
+        free slots are contiguous at `pos` (KV copies; at most GATHER_MAX_SHARE of the cache)."""
+        if self.config.kv_policy != "predicted":
+            return False
+        limit = int(GATHER_MAX_SHARE * self.allocator.capacity)
+        moves = self.allocator.gather(pos, amount, limit)
+        if moves is None:
+            return False
+        by_start = {s.kv_start: s for s in self.running}
+        for old, new in moves:
+            seq = by_start[old]
+            if seq.num_cached:
+                step.moves.append((old, new, seq.num_cached))
+            seq.kv_start = new
+        self.stats.moves += len(moves)
+        return True
+
     def _make_hole(self, size: int, step: ScheduledStep) -> bool:
-        """Try the few largest free blocks: slide out the segment after one of them."""
+        """A free block of `size` from split free space: slide out the segment after one of
+        the largest blocks, else gather the holes after the largest."""
         blocks = sorted(self.allocator.free_blocks(), key=lambda b: -b[1])[:4]
-        return any(self._slide_out(b + n, n, size, step) for b, n in blocks)
+        return any(self._slide_out(b + n, n, size, step) for b, n in blocks) or \
+            self._gather(blocks[0][0], size, step)
+
+    def _make_room_after(self, seq: Sequence, need: int, step: ScheduledStep) -> bool:
+        end = seq.kv_start + seq.kv_reserved
+        return self._slide_out(end, seq.kv_reserved, need, step) or \
+            self._gather(end, need - seq.kv_reserved, step)
 
     def _grow_target(self, seq: Sequence) -> int:
         """New segment size for a request that ran out: paged, one more token (a block);
