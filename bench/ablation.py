@@ -12,7 +12,9 @@ Requests send no max_tokens (as chat clients commonly do): they may run to the c
 max-length policy reserves prompt + (context - prompt); each really ends with EOS at its true
 length. The oracle knows each true length; the learned predictor (shared/length_predictor.py,
 a real Redis) starts cold in every run, predicts at arrival and learns at finish, in virtual-time
-order; `predicted` reserves its median and regrows outgrown segments to the conditional p90.
+order; `predicted` reserves its median but at most 64 tokens ahead (the default
+--kv-reserve-horizon; "whole-length segments" reserves the whole median) and regrows outgrown
+segments to the conditional p90, again at most 64 ahead.
 
 The last row, pipelined vs inline detokenization, is a real-time run through the real services
 (bench/pipeline_overlap.py with `--sim-model`): real processes and sockets, simulated GPU steps.
@@ -77,8 +79,8 @@ VARIANTS = (
             "+200% QPS over max-length reservation"),
     Variant("merged, predicted KV (learned predictor)", {"kv_policy": "predicted"}, "predictor",
             "+200% QPS over max-length reservation"),
-    Variant("merged, predicted KV (learned), 64-token horizon",
-            {"kv_policy": "predicted", "kv_reserve_horizon": 64}, "predictor"),
+    Variant("merged, predicted KV (learned), whole-length segments",
+            {"kv_policy": "predicted", "kv_reserve_horizon": 0}, "predictor"),
     Variant("merged, predicted KV (learned), INT8 KV",
             {"kv_policy": "predicted", "sim_kv_dtype": "int8"}, "predictor",
             "2x requests, +50% throughput over FP16 KV"),
@@ -258,8 +260,8 @@ COMPARISONS = (  # (row, baseline row, what the talk claims)
     ("merged, predicted KV (oracle)", "merged, paged 16-token blocks", "-"),
     ("merged, predicted KV (learned predictor)", "merged steps, max-length KV", "3.0x"),
     ("merged, predicted KV (learned predictor)", "merged, paged 16-token blocks", "-"),
-    ("merged, predicted KV (learned), 64-token horizon", "merged steps, max-length KV", "3.0x"),
-    ("merged, predicted KV (learned), 64-token horizon", "merged, paged 16-token blocks", "-"),
+    ("merged, predicted KV (learned), whole-length segments", "merged, paged 16-token blocks",
+     "-"),
     ("merged, predicted KV (learned), INT8 KV", "merged, predicted KV (learned predictor)",
      "1.5x tput"),
 )

@@ -6,8 +6,10 @@ prefill continue their chunks; then waiting requests are admitted FCFS while the
 the running limit and free KV allow. A prompt larger than the budget is prefilled in chunks.
 
 KV policies (how much a request's segment holds):
-- `predicted`: prompt + the `reserve_quantile` of its predicted output length; a segment that
-  runs out regrows to the `grow_quantile` of the length given what it has generated. Admission
+- `predicted`: prompt + the `reserve_quantile` of its predicted output length, at most
+  `reserve_horizon` tokens ahead; a segment that runs out regrows to the `grow_quantile` of the
+  length given what it has generated (again at most the horizon ahead). When free space is
+  split, a neighbouring segment moves (a KV copy) rather than anyone being preempted. Admission
   also requires the future KV peak to fit: with every running request's remaining length at the
   `peak_quantile` (LightLLM's past-future estimate, with learned lengths).
 - `max`: prompt + max_tokens, never grows (what static-batching servers reserve).
@@ -43,7 +45,7 @@ class SchedulerConfig:
     reserve_quantile: float = 0.5
     grow_quantile: float = 0.9
     peak_quantile: float = 0.9
-    reserve_horizon: int = 0  # predicted: reserve at most this many output slots ahead (0: all)
+    reserve_horizon: int = 64  # predicted: reserve at most this many output slots ahead (0: all)
 
     def __post_init__(self):
         if self.kv_policy not in KV_POLICIES:
@@ -108,7 +110,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         i = 0
-        while i < len(self.running):  # victims of preemption are removed from the tail
+        while i < len(self.running):  # preemption victims come after i (admitted later)
             seq = self.running[i]
             if seq.pending == 1 and self._make_room(seq, step):
                 step.decodes.append(seq)
