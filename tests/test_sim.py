@@ -283,6 +283,21 @@ def test_stack_with_sim_backend_answers_http(sim_stack):
     assert status == 200 and body["usage"]["completion_tokens"] == 12
 
 
+def test_load_generator_against_the_sim_backend(sim_stack, tmp_path):
+    """pipellm-bench over HTTP against the simulated GPU: 16 requests of 32 tokens each at
+    once; each token takes at least one modelled ~16 ms step, so TPOT cannot be below that."""
+    from loadgen import cli
+
+    argv = ["--base-url", sim_stack.url, "--dataset-name", "random", "--random-input-len", "24",
+            "--random-output-len", "32", "--ignore-eos", "--num-prompts", "16",
+            "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "r.json"]
+    assert cli.main(argv) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert (r["completed"], r["failed"]) == (16, 0) and r["output_lens"] == [32] * 16
+    assert r["mean_tpot_ms"] >= 26.0e9 / (2.039e12 * 0.8) * 1e3 * 0.95
+    assert r["mean_ttft_ms"] < r["mean_e2el_ms"]
+
 def test_online_predictor_hook_is_asked_at_arrival_and_taught_at_finish():
     """A predictor that knows the true lengths gives exactly the oracle items' run; it is asked
     once per request in arrival order and taught each true length at finish."""
