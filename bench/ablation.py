@@ -46,7 +46,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import log, machine  # noqa: E402
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt  # noqa: E402
+from loadgen.datasets import (  # noqa: E402
+    SHAREGPT_FILE,
+    default_data_dir,
+    load_sharegpt,
+    synthetic,
+)
 from services.compute.sim.hardware import model as model_spec  # noqa: E402
 from services.compute.sim.virtual import (  # noqa: E402
     azure_trace,
@@ -119,12 +124,15 @@ class Workload:
             self.items = trace
             self.texts = [""] * len(trace)
         else:
-            pool = [w for w in load_sharegpt(default_data_dir() / SHAREGPT_FILE)
+            path = default_data_dir() / SHAREGPT_FILE
+            if not path.is_file():
+                log(f"WARNING: {path} not found; synthetic lengths, no prompt text")
+            pool = [w for w in (load_sharegpt(path) if path.is_file() else synthetic(1024, seed))
                     if w.prompt_len + w.output_len <= context]
             random.Random(seed).shuffle(pool)
             picked = [pool[i % len(pool)] for i in range(n)]
             self.items = [(0.0, w.prompt_len, w.output_len) for w in picked]
-            self.texts = [w.prompt for w in picked]
+            self.texts = [w.prompt or "" for w in picked]
         self.context = context
 
     def at(self, qps: float, predict: str) -> list[tuple]:
