@@ -121,6 +121,30 @@ def test_logprobs_of_chosen_tokens(client):
     assert len(lp.token_logprobs) == 5 and all(x <= 0 for x in lp.token_logprobs)
 
 
+def test_length_predictor_learns_from_finished_requests(stack, demo_model_dir):
+    """Tokenizer features -> route -> detokenizer learns at finish -> Redis -> predictions."""
+    from shared.length_predictor import LengthPredictor, length_features, model_key
+
+    key = model_key(str(demo_model_dir))
+    predictor = LengthPredictor(redis.Redis.from_url(stack.redis.url), key, strict=True)
+    before = sum(predictor.counts())
+    for i in range(12):
+        for prompt, n in ((f"zebra quickly please {i}", 2), (f"write a long story {i}", 40)):
+            status, body = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": n,
+                                                          "ignore_eos": True})
+            assert status == 200 and body["usage"]["completion_tokens"] == n
+    deadline = time.monotonic() + 5  # the detokenizer writes Redis after streaming the end
+    while sum(predictor.counts()) < before + 24 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum(predictor.counts()) == before + 24  # every finish learned once
+
+    def median(prompt: str) -> int:
+        ids = encode(load_tokenizer(demo_model_dir), prompt)
+        return predictor.predict(length_features(prompt, ids, 64, key), 64).median
+
+    assert median("zebra quickly please 99") < 10 < 20 < median("write a long story 99")
+
+
 def test_hundred_concurrent_streams(stack):
     async def one(session, i):
         payload = {"model": MODEL, "prompt": f"Request number {i}", "max_tokens": 6,
@@ -228,26 +252,3 @@ def test_redis_outage_gives_503_and_service_resumes(stack):
     code, body = stack.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert code == 200, body
 
-
-def test_length_predictor_learns_from_finished_requests(stack, demo_model_dir):
-    """Tokenizer features -> route -> detokenizer learns at finish -> Redis -> predictions."""
-    from shared.length_predictor import LengthPredictor, length_features, model_key
-
-    key = model_key(str(demo_model_dir))
-    predictor = LengthPredictor(redis.Redis.from_url(stack.redis.url), key, strict=True)
-    before = sum(predictor.counts())
-    for i in range(12):
-        for prompt, n in ((f"zebra quickly please {i}", 2), (f"write a long story {i}", 40)):
-            status, body = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": n,
-                                                          "ignore_eos": True})
-            assert status == 200 and body["usage"]["completion_tokens"] == n
-    deadline = time.monotonic() + 5  # the detokenizer writes Redis after streaming the end
-    while sum(predictor.counts()) < before + 24 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sum(predictor.counts()) == before + 24  # every finish learned once
-
-    def median(prompt: str) -> int:
-        ids = encode(load_tokenizer(demo_model_dir), prompt)
-        return predictor.predict(length_features(prompt, ids, 64, key), 64).median
-
-    assert median("zebra quickly please 99") < 10 < 20 < median("write a long story 99")
