@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from services.compute import scheduler as scheduler_module
 from services.compute.allocator import KVAllocator
 from services.compute.paged_allocator import PagedAllocator
 from services.compute.scheduler import Scheduler, SchedulerConfig
@@ -196,3 +197,39 @@ def test_gather_shifts_neighbours_right_when_no_hole_takes_them():
     assert step.moves == [(8, 12, b.num_cached)] and b.kv_start == 12
     assert a.kv_start == 0 and a.num_tokens <= a.kv_reserved <= 12 and s.stats.preemptions == 0
     s.allocator.check()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_runs_keep_every_cached_token_where_its_segment_says(seed, monkeypatch):
+    """Model the KV cache as slot labels: apply each step's moves in order (overlap-safe), then
+    write the step's tokens at their slots. Whatever grows, moves, slides, gathers or is
+    preempted, every running request's cached tokens must sit at [kv_start, kv_start + n)."""
+    monkeypatch.setattr(scheduler_module, "GATHER_MAX_SHARE", 0.5)  # let small caches gather
+    rng = random.Random(seed)
+    s = make("predicted", capacity=rng.choice([120, 200, 300]), budget=48, max_running=12)
+    cache: list = [None] * s.allocator.capacity
+    n = 0
+    for _ in range(400):
+        if rng.random() < 0.3:
+            lengths = LengthDist(tuple(sorted(rng.randint(1, 40) for _ in LEVELS)))
+            s.add(seq(f"r{n}", rng.randint(1, 30), max_tokens=rng.randint(1, 60),
+                      length=lengths))
+            n += 1
+        if not s.has_work():
+            continue
+        step = s.schedule()
+        for src, dst, k in step.moves:
+            cache[dst:dst + k] = cache[src:src + k]
+        for x in step.decodes:
+            cache[x.kv_start + x.num_cached] = (x.request_id, x.num_cached)
+        for x, k in step.prefills:
+            for p in range(x.num_cached, x.num_cached + k):
+                cache[x.kv_start + p] = (x.request_id, p)
+        s.update(step, [7] * len(step.sampled), [0.0] * len(step.sampled))
+        s.allocator.check()
+        for x in s.running:
+            assert x.num_cached <= x.kv_reserved
+            assert s.allocator.segment_size(x.kv_start) == x.kv_reserved
+            assert cache[x.kv_start:x.kv_start + x.num_cached] == \
+                [(x.request_id, p) for p in range(x.num_cached)]
+    assert s.stats.moves > 0 and n > 50

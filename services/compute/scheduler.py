@@ -257,8 +257,9 @@ class Scheduler:
         if start is None:
             return False
         # the room: `before`, nb's range, and the free block after nb unless nb just took it
+        # (none if nb landed in the caller's own hole before it)
         room = before + nb.kv_reserved + (0 if start == end + nb.kv_reserved else after)
-        if room < need:
+        if end - before <= start < end or room < need:
             a.free(start)  # undo: the allocator is exactly as before
             return False
         a.free(nb.kv_start)
