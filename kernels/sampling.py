@@ -113,6 +113,7 @@ def sample_reference(
     all_greedy: bool = False,
     need_sort: bool = True,
     raw_logits: torch.Tensor | None = None,
+    need_logprobs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns (token_ids [B] int64, logprobs [B] float32).
 
@@ -128,13 +129,21 @@ def sample_reference(
 
     raw_logits [B, V] (optional): when `logits` were modified before sampling (penalties), the
     unmodified model logits; tokens are chosen from `logits`, logprobs come from `raw_logits`.
+
+    need_logprobs=False: nobody asked for logprobs; they may come back as zeros (this reference
+    then skips the log-sum-exp over the vocabulary; the Triton kernel fuses it into its pass).
     """
     chooser = logits.float()  # [B, V]
     raw = chooser if raw_logits is None else raw_logits.float()  # [B, V]
-    lse = raw.logsumexp(dim=-1)  # [B]
+
+    def logprobs(ids: torch.Tensor) -> torch.Tensor:  # [B]
+        if not need_logprobs:
+            return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+        return raw.gather(1, ids[:, None])[:, 0] - raw.logsumexp(dim=-1)
+
     greedy_ids = chooser.argmax(dim=-1)  # [B]
     if all_greedy:
-        return greedy_ids, raw.gather(1, greedy_ids[:, None])[:, 0] - lse
+        return greedy_ids, logprobs(greedy_ids)
 
     greedy = temperature <= 0  # [B]
     x = chooser / torch.where(greedy, 1.0, temperature)[:, None]  # [B, V]
@@ -147,7 +156,7 @@ def sample_reference(
     sampled_ids = (probs / noise).argmax(dim=-1)  # [B]
 
     ids = torch.where(greedy, greedy_ids, sampled_ids)  # [B]
-    return ids, raw.gather(1, ids[:, None])[:, 0] - lse
+    return ids, logprobs(ids)
 
 
 def sample(
@@ -162,13 +171,17 @@ def sample(
     all_greedy: bool = False,
     need_sort: bool = True,
     raw_logits: torch.Tensor | None = None,
+    need_logprobs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_reference`'s contract; runs the Triton kernel when `use_triton(logits)`."""
-    impl = sample_reference
+    """`sample_reference`'s contract; runs the Triton kernel when `use_triton(logits)` (which
+    always computes logprobs: they cost nothing extra there)."""
+    args = (logits, temperature, top_k, top_p, min_p, seeds, steps)
+    kw = dict(all_greedy=all_greedy, need_sort=need_sort, raw_logits=raw_logits)
     if use_triton(logits):
-        from kernels.sampling_triton import sample_triton as impl  # triton: imported on demand
-    return impl(logits, temperature, top_k, top_p, min_p, seeds, steps, all_greedy=all_greedy,
-                need_sort=need_sort, raw_logits=raw_logits)
+        from kernels.sampling_triton import sample_triton  # triton: imported on demand
+
+        return sample_triton(*args, **kw)
+    return sample_reference(*args, **kw, need_logprobs=need_logprobs)
 
 
 

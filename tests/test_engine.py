@@ -44,9 +44,14 @@ def test_unseeded_sampling_varies_and_greedy_is_deterministic(engine):
 
 
 def test_logprobs_are_returned_per_token(engine):
-    seq = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0,
-                                                       ignore_eos=True))[0]
-    assert len(seq.logprobs) == 5 and all(lp <= 0 for lp in seq.logprobs)
+    asked, not_asked = engine.generate([PROMPTS[0], PROMPTS[0]], [
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=True),
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)])
+    assert len(asked.logprobs) == 5 and all(lp < 0 for lp in asked.logprobs)
+    assert asked.output_ids == not_asked.output_ids
+    alone = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0,
+                                                         ignore_eos=True))[0]
+    assert alone.logprobs == [0.0] * 5  # nobody in its batches asked: not computed
 
 
 def test_stop_token_ends_and_min_tokens_defers_it(engine):

@@ -178,7 +178,7 @@ def test_row_without_penalties_is_unchanged_in_a_penalized_batch(engine):
 
 def test_matches_hf_repetition_penalty_and_logprobs_stay_raw(engine, demo_model_dir):
     model = transformers.LlamaForCausalLM.from_pretrained(demo_model_dir).eval()
-    seq = engine.generate([PROMPT], greedy(repetition_penalty=1.8))[0]
+    seq = engine.generate([PROMPT], greedy(repetition_penalty=1.8, logprobs=True))[0]
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,

@@ -344,3 +344,13 @@ def test_uniform_noise_is_uniform_and_uncorrelated():
     lag = torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1]
     assert abs(lag.item()) < 0.01  # neighbouring columns
     assert len({tuple(r[:8].tolist()) for r in u}) == b  # all rows differ
+
+
+def test_logprobs_can_be_skipped_without_changing_tokens():
+    torch.manual_seed(3)
+    logits = torch.randn(6, 50) * 3
+    for kw in ({"all_greedy": True}, {}):
+        p = params(6, temperature=[0.0, 0.7, 1.0, 1.3, 0.0, 0.9], seed=list(range(6)))
+        ids, lps = sample(logits, **p, **kw)
+        ids2, lps2 = sample(logits, **p, **kw, need_logprobs=False)
+        assert torch.equal(ids, ids2) and torch.all(lps < 0) and torch.all(lps2 == 0)

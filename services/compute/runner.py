@@ -87,6 +87,7 @@ class ModelRunner:
             all_greedy=all(p.temperature == 0 for p in ps),
             need_sort=any(p.top_k > 0 or p.top_p < 1 for p in ps if p.temperature > 0),
             raw_logits=raw,  # logprobs stay those of the model's own distribution
+            need_logprobs=any(p.logprobs for p in ps),
         )
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
