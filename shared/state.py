@@ -19,12 +19,21 @@ import uuid
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 log = logging.getLogger("pipellm.state")
 
 PREFIX = "pipellm:"
 SERVICES = ("tokenizer", "compute", "detokenizer")  # besides the gateway itself
 END_STATES = ("finished", "aborted", "failed")
+
+
+def fast_client(url: str, timeout_s: float = 0.2) -> redis.Redis:
+    """A client for work that must not wait on a dead Redis (length predictions and updates):
+    short timeouts, no retries; its callers fall back instead."""
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                retry=Retry(NoBackoff(), 0))
 
 
 def req_key(request_id: str) -> str:

@@ -143,8 +143,8 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     client = redis.Redis.from_url(svc.redis_url)
     state.Heartbeat(client, "detokenizer", svc.heartbeat_s)
     detok = Detokenizer(load_tokenizer(engine_cfg.model), svc.request_ttl_s)
-    predictor = LengthPredictor(client, model_key(engine_cfg.model)) if svc.length_predictor \
-        else None
+    predictor = LengthPredictor(state.fast_client(svc.redis_url), model_key(engine_cfg.model)) \
+        if svc.length_predictor else None
     while True:
         msg = inbox.recv()
         if isinstance(msg, StepOutput):
@@ -155,7 +155,7 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
                 gateways.send(addr, DeltaBatch(deltas))
             try:
                 write_state(client, res)
-                for features, n in res.lengths if predictor is not None else ():
-                    predictor.update(features, n)
             except redis.RedisError as e:
                 log.warning("redis unavailable, request state not written: %s", e)
+            for features, n in res.lengths if predictor is not None else ():
+                predictor.update(features, n)  # on Redis errors: dropped, logged

@@ -17,8 +17,6 @@ import dataclasses
 
 import redis
 import zmq
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from services.compute.model_config import served_model
 from shared import state
@@ -106,11 +104,9 @@ class Tokenizer:
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     client = redis.Redis.from_url(svc.redis_url)
-    # a prediction never waits long for a dead Redis: short timeouts, no retries
-    fast = redis.Redis.from_url(svc.redis_url, socket_timeout=0.2, socket_connect_timeout=0.2,
-                                retry=Retry(NoBackoff(), 0))
-    predictor = LengthPredictor(fast, model_key(engine_cfg.model), default_len=engine_cfg.
-                                default_predicted_len) if svc.length_predictor else None
+    predictor = LengthPredictor(state.fast_client(svc.redis_url), model_key(engine_cfg.model),
+                                default_len=engine_cfg.default_predicted_len) \
+        if svc.length_predictor else None
     tokenizer = Tokenizer(engine_cfg, predictor)
     ctx = zmq.Context.instance()
     inbox = Receiver(ctx, svc.addr("tokenizer"), bind=False)
