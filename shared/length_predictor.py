@@ -225,11 +225,22 @@ class LengthPredictor:
 
     def update(self, features: Sequence[int], output_len: int) -> None:
         """Learn one finished request: its true output length (tokens generated, >= 1)."""
-        slots = self._slots(features)
-        keys = [self.global_key, self.top_key, *(f"{self._feature_prefix}{s}" for s in slots)]
+        self.update_many([(features, output_len)])
+
+    def update_many(self, finished: Sequence[tuple[Sequence[int], int]]) -> None:
+        """Learn several finished requests `(features, output length)` in one round trip (one
+        atomic script call each, pipelined)."""
+        if not finished:
+            return
         try:
-            self._update_script(keys=keys, args=[f"#{bucket_of(output_len)}", f"#{NB}", TOP_CAP,
-                                                 TOP_KEEP, *slots])
+            pipe = self.client.pipeline(transaction=False)
+            for features, output_len in finished:
+                slots = self._slots(features)
+                keys = [self.global_key, self.top_key,
+                        *(f"{self._feature_prefix}{s}" for s in slots)]
+                self._update_script(keys=keys, args=[f"#{bucket_of(output_len)}", f"#{NB}",
+                                                     TOP_CAP, TOP_KEEP, *slots], client=pipe)
+            pipe.execute()
         except redis.RedisError as e:
             if self.strict:
                 raise

@@ -221,3 +221,18 @@ def test_support_ranking_stays_bounded(client, monkeypatch):
         assert client.zcard(p.top_key) <= 64
     assert client.zscore(p.top_key, 7 % (1 << 12)) == 60
     assert sum(p.counts(7)) == 60
+
+
+def test_update_many_learns_what_single_updates_learn(client, redis_url):
+    rng = random.Random(7)
+    batch = [(feats(*prompt(rng, rng.random() < 0.5)), rng.randint(1, 500)) for _ in range(40)]
+    one = LengthPredictor(client, "one")
+    for f, n in batch:
+        one.update(f, n)
+    many = LengthPredictor(redis.Redis.from_url(redis_url), "many")
+    many.update_many(batch)
+    many.update_many([])
+    assert many.counts() == one.counts() and sum(many.counts()) == 40
+    for f, _ in batch[:5]:
+        assert many.counts(f[0]) == one.counts(f[0])
+        assert many.predict(f, 600) == one.predict(f, 600)

@@ -157,5 +157,5 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
                 write_state(client, res)
             except redis.RedisError as e:
                 log.warning("redis unavailable, request state not written: %s", e)
-            for features, n in res.lengths if predictor is not None else ():
-                predictor.update(features, n)  # on Redis errors: dropped, logged
+            if predictor is not None:
+                predictor.update_many(res.lengths)  # on Redis errors: dropped, logged
