@@ -134,7 +134,15 @@ class Workload:
             picked = [pool[i % len(pool)] for i in range(n)]
             self.items = [(0.0, w.prompt_len, w.output_len) for w in picked]
             self.texts = [w.prompt or "" for w in picked]
-        self.context = context
+        self.max_tokens = [context - p for _, p, _ in self.items]  # no max_tokens sent
+        self._features: dict[str, list[list[int]]] = {}
+
+    def features(self, model: str) -> list[list[int]]:
+        """Each request's length features (computed once per model, reused by every run)."""
+        if model not in self._features:
+            self._features[model] = [length_features(t, [], m, model) for t, m in
+                                     zip(self.texts, self.max_tokens, strict=True)]
+        return self._features[model]
 
     def at(self, qps: float, predict: str) -> list[tuple]:
         """Items (arrival, prompt, output, predicted, max_tokens) at `qps` (inf: all at once)."""
@@ -143,8 +151,8 @@ class Workload:
             timed = [(t / scale, p, o) for t, p, o in self.items]
         else:
             timed = with_arrivals([(p, o) for _, p, o in self.items], qps, self.seed)
-        return [(t, p, o, o if predict == "oracle" else None, self.context - p)
-                for t, p, o in timed]
+        return [(t, p, o, o if predict == "oracle" else None, m)
+                for (t, p, o), m in zip(timed, self.max_tokens, strict=True)]
 
 
 class OnlineLengths:
@@ -159,9 +167,7 @@ class OnlineLengths:
             atexit.register(OnlineLengths._redis.stop)
         client = redis.Redis.from_url(OnlineLengths._redis.url)
         self.predictor = LengthPredictor(client, model, prefix=f"ablation:{uuid.uuid4().hex}")
-        self.max_tokens = [wl.context - p for _, p, _ in wl.items]
-        self.features = [length_features(t, [], m, model)
-                         for t, m in zip(wl.texts, self.max_tokens, strict=True)]
+        self.max_tokens, self.features = wl.max_tokens, wl.features(model)
 
     def predict(self, index: int) -> LengthDist:
         return self.predictor.predict(self.features[index], self.max_tokens[index])

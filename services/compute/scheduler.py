@@ -272,8 +272,6 @@ class Scheduler:
     def _gather(self, pos: int, amount: int, step: ScheduledStep) -> bool:
         """Shift the segments after `pos` right, into the holes beyond them, until `amount`
         free slots are contiguous at `pos` (KV copies; at most GATHER_MAX_SHARE of the cache)."""
-        if self.config.kv_policy != "predicted":
-            return False
         limit = int(GATHER_MAX_SHARE * self.allocator.capacity)
         moves = self.allocator.gather(pos, amount, limit)
         if moves is None:
