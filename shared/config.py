@@ -32,6 +32,7 @@ class EngineConfig:
     kv_grow_quantile: float = 0.9  # predicted: an outgrown segment regrows to this (conditional)
     kv_peak_quantile: float = 0.9  # predicted: admission keeps the future peak at this in memory
     kv_reserve_horizon: int = 64  # predicted: reserve at most this many output slots ahead (0: all)
+    kv_admission: str = "auto"  # auto | peak (the future KV peak must fit) | fit (compute/scheduler.py)
     batching: str = "merged"  # merged (dynamic, merged steps) | static (a baseline)
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch reference on CPU) | triton | reference
     threads: int = 0  # CPU threads for torch in compute; 0: torch's default
@@ -51,6 +52,8 @@ class EngineConfig:
         if self.kv_policy == "paged" and self.backend != "sim":
             raise ValueError("--kv-policy paged is a baseline of the simulator (--backend sim): "
                              "the kernels read contiguous KV segments")
+        if self.kv_admission not in ("auto", "peak", "fit"):
+            raise ValueError(f"--kv-admission must be auto, peak or fit: {self.kv_admission!r}")
         if self.batching not in ("merged", "static"):
             raise ValueError(f"--batching must be merged or static, not {self.batching!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -384,10 +384,11 @@ def test_random_op_sequences_tile_and_never_overlap(capacity, ops):
         assert a.free_slots == owner.count(None) == capacity - a.reserved
 
 
-def test_gather_packs_the_window_right_and_copies_safely():
+@pytest.mark.parametrize("left", [False, True])
+def test_gather_packs_the_window_and_copies_safely(left):
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(int(left))
     for _ in range(300):
         a = KVAllocator(rng.randint(20, 80))
         ids = []
@@ -400,17 +401,19 @@ def test_gather_packs_the_window_right_and_copies_safely():
             memory[s:s + n] = [s] * n
         before = a.segments()
         bounds = [s for s, _ in a.free_blocks()] + [s + n for s, n in before]
-        pos = rng.choice([b for b in bounds if b < a.capacity] or [0])
+        edge = 0 if left else a.capacity
+        pos = rng.choice([b for b in bounds if b != edge] or [a.capacity - edge])
         amount = rng.randint(1, 30)
-        moves = a.gather(pos, amount, max_moved=a.capacity)
+        moves = a.gather(pos, amount, max_moved=a.capacity, left=left)
         a.check()
         if moves is None:
             assert a.segments() == before
             continue
-        assert dict(a.free_blocks()).get(pos, 0) >= amount
+        lo, hi = (pos - amount, pos) if left else (pos, pos + amount)
+        assert any(s <= lo and hi <= s + n for s, n in a.free_blocks())
         for old, new in moves:  # in the returned order, an overlap-safe copy
             n = dict(before)[old]
-            assert new > old
+            assert new < old if left else new > old
             memory[new:new + n] = list(memory[old:old + n])
         after = dict(a.segments())
         relocated = dict(moves)
@@ -427,5 +430,17 @@ def test_gather_refuses_short_space_or_too_much_copying():
     assert a.gather(0, 16, max_moved=100) is None  # only 15 free
     assert a.gather(0, 12, max_moved=10) is None  # would copy 15 slots
     assert (a.segments(), a.free_blocks()) == before
+    assert a.gather(25, 11, max_moved=100, left=True) is None  # only 10 free left of 25
     assert a.gather(0, 12, max_moved=15) == [(z, 25), (y, 15)]
     assert a.free_blocks() == [(0, 15)]
+    assert a.gather(30, 15, max_moved=15, left=True) == [(15, 0), (25, 10)]
+    assert a.free_blocks() == [(15, 15)]
+
+
+def test_free_around_counts_the_free_blocks_beside_a_segment():
+    a = KVAllocator(30)
+    x, y, z = a.allocate(5), a.allocate(10), a.allocate(5)
+    a.free(x)  # free: [0, 5) and [20, 30)
+    assert (a.free_around(y), a.free_around(z)) == (5, 10)
+    a.free(z)
+    assert a.free_around(y) == 20

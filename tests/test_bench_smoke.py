@@ -19,6 +19,7 @@ def test_ablation_quick(capsys):
     rows = last_json(capsys.readouterr().out)["rows"]
     assert [r["name"] for r in rows] == [v.name for v in ablation.VARIANTS]
     assert all(ROW_KEYS <= set(r) and r["simulated"] is True for r in rows)
+    assert all(isinstance(r["preemptions_at_paged_qps"], int) for r in rows)
     by = {r["name"]: r for r in rows}
     # merged steps beat static batching; INT8 KV doubles the slots
     assert by["merged steps, max-length KV"]["max_output_throughput"] > \

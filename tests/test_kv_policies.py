@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.compute import scheduler as scheduler_module
+from services.compute import compaction
 from services.compute.allocator import KVAllocator
 from services.compute.paged_allocator import PagedAllocator
 from services.compute.scheduler import Scheduler, SchedulerConfig
@@ -115,6 +115,23 @@ def test_reserves_a_quantile_and_regrows_to_the_conditional_quantile():
     assert a.num_output == 12 and a.kv_reserved == 10 + WIDE.conditional_quantile(11, 0.9)
 
 
+def test_paged_memory_with_peak_admission():
+    def admitted(admission: str) -> list[str]:
+        config = SchedulerConfig(64, 16, "paged", 2, admission=admission)
+        s = Scheduler(config, PagedAllocator(16 * 7))  # 112 slots; each may peak at 50
+        for x in "abc":
+            s.add(seq(x, 10, max_tokens=60, length=WIDE))
+        run_step(s)
+        return [x.request_id for x in s.running]
+
+    assert admitted("fit") == admitted("auto") == ["a", "b", "c"]  # vLLM: whatever fits now
+    assert admitted("peak") == ["a", "b"]
+    with pytest.raises(ValueError, match="admission"):
+        SchedulerConfig(admission="greedy")
+    with pytest.raises(ValueError, match="kv-admission"):
+        EngineConfig(kv_admission="greedy")
+
+
 def test_admission_keeps_the_future_peak_in_memory():
     # each: 10 prompt tokens, 20 reserved; by p90 it may hold 50; two peak at 100 together
     s = make("predicted", capacity=100)
@@ -181,7 +198,7 @@ def test_split_free_space_moves_the_right_neighbour_instead_of_preempting():
 
 
 def test_gather_shifts_neighbours_right_when_no_hole_takes_them():
-    s = make("predicted", capacity=400)  # a gather may copy 5% of it: 20 slots
+    s = make("predicted", capacity=400)  # a growth's gather may copy 15% of it: 60 slots
     alloc = s.allocator
     starts = {n: alloc.allocate(size) for n, size in (("a", 8), ("b", 12), ("gap", 4))}
     starts["f"] = alloc.allocate(376)
@@ -199,12 +216,64 @@ def test_gather_shifts_neighbours_right_when_no_hole_takes_them():
     s.allocator.check()
 
 
+def place(s: Scheduler, layout: list[tuple[str, int, int]], grow: str) -> dict[str, Sequence]:
+    """Make running sequences of `layout` ((name, start, size) in address order, admitted in
+    list order unless `admit_order` is set later): each with one pending token that its segment
+    holds, except `grow`, whose pending token needs one slot more. Gaps stay free."""
+    alloc, out, fillers, pos = s.allocator, {}, [], 0
+    for name, start, size in layout:
+        if start > pos:
+            fillers.append(alloc.allocate(start - pos))
+        assert alloc.allocate(size) == start
+        x = seq(name, 1, max_tokens=alloc.capacity)
+        x.token_ids += [7] * (size - 1 + (name == grow))
+        x.num_cached, x.kv_start, x.kv_reserved = x.num_tokens - 1, start, size
+        x.status, x.admit_order = SeqStatus.RUNNING, len(out)
+        s.running.append(x)
+        out[name], pos = x, start + size
+    for f in fillers:
+        alloc.free(f)
+    return out
+
+
+def test_growth_packs_the_segments_before_it_left_when_nothing_after_it_can_move():
+    s = make("predicted", capacity=200)  # a growth's gather may copy 30 slots
+    x = place(s, [("b", 10, 10), ("a", 20, 10), ("c", 30, 170)], grow="a")
+    b_cached, a_cached = x["b"].num_cached, x["a"].num_cached
+    step = s.schedule()
+    # c fits in no hole and nothing is free after it: b and a shift left into [0, 10)
+    assert step.moves == [(10, 0, b_cached), (20, 10, a_cached)]
+    assert (x["b"].kv_start, x["a"].kv_start) == (0, 10) and x["a"].kv_reserved >= 11
+    assert s.stats.preemptions == 0 and len(step.decodes) == 3
+    s.allocator.check()
+
+
+@pytest.mark.parametrize("c_newer", [True, False])
+def test_a_segment_that_cannot_grow_preempts_one_whose_room_holds_it_or_itself(c_newer):
+    # a needs 31 slots; its right neighbour b is older; 5 slots are free, in no useful place
+    s = make("predicted", capacity=100)  # gathers of up to 15 slots: too few here
+    x = place(s, [("a", 0, 30), ("b", 30, 25), ("d", 55, 5), ("c", 65, 35)], grow="a")
+    order = ["b", "c", "a", "d"] if not c_newer else ["b", "a", "c", "d"]
+    for i, name in enumerate(order):
+        x[name].admit_order = i
+    s.running.sort(key=lambda q: q.admit_order)
+    s.schedule()
+    assert x["d"].status is SeqStatus.RUNNING  # the newest, but its room would not hold a
+    if c_newer:  # c's 35 slots and the 5 free before them hold a
+        assert x["c"].status is SeqStatus.WAITING and x["a"].kv_start == 60
+    else:  # nobody newer helps: a itself waits, rather than everyone after it
+        assert x["a"].status is SeqStatus.WAITING and x["c"].status is SeqStatus.RUNNING
+    assert s.stats.preemptions == 1
+    s.allocator.check()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_random_runs_keep_every_cached_token_where_its_segment_says(seed, monkeypatch):
     """Model the KV cache as slot labels: apply each step's moves in order (overlap-safe), then
     write the step's tokens at their slots. Whatever grows, moves, slides, gathers or is
     preempted, every running request's cached tokens must sit at [kv_start, kv_start + n)."""
-    monkeypatch.setattr(scheduler_module, "GATHER_MAX_SHARE", 0.5)  # let small caches gather
+    for share in ("ADMIT_GATHER_SHARE", "GROW_GATHER_SHARE"):  # let small caches gather
+        monkeypatch.setattr(compaction, share, 0.5)
     rng = random.Random(seed)
     s = make("predicted", capacity=rng.choice([120, 200, 300]), budget=48, max_running=12)
     cache: list = [None] * s.allocator.capacity

@@ -113,15 +113,17 @@ def test_preempted_request_recomputes_all_its_tokens():
     s.add(a)
     s.add(b)
     run_step(s)
-    outputs_before = b.num_output
-    while b.status is not SeqStatus.WAITING:
-        outputs_before = b.num_output
+    while s.stats.preemptions == 0:
+        outputs_before = {x.request_id: x.num_output for x in (a, b)}
         run_step(s)
-    assert s.stats.preemptions == 1 and outputs_before >= 1
-    while b.status is SeqStatus.WAITING:
+    assert s.stats.preemptions == 1  # both cannot fit: one of them waits
+    (victim,) = [x for x in (a, b) if x.status is SeqStatus.WAITING]
+    assert outputs_before[victim.request_id] >= 1
+    while victim.status is SeqStatus.WAITING:
         run_step(s)
     # readmitted: its first chunk covers prompt + everything generated so far
-    assert b.num_cached == b.num_tokens - 1 and b.num_output == outputs_before + 1
+    assert victim.num_cached == victim.num_tokens - 1
+    assert victim.num_output == outputs_before[victim.request_id] + 1
 
 
 def test_finish_conditions():

@@ -62,6 +62,14 @@ class KVAllocator:
         """Size of the free block right after the segment at ``start`` (0 if none)."""
         return self._free.get(start + self._segs[start], 0)
 
+    def free_around(self, start: int) -> int:
+        """Free slots adjacent to the segment at ``start``: the free blocks just before and
+        just after it."""
+        idx = bisect_left(self._free_starts, start) - 1
+        left = self._free_starts[idx] if idx >= 0 else -1
+        before = self._free[left] if left >= 0 and left + self._free[left] == start else 0
+        return before + self.free_after(start)
+
     def segment_size(self, start: int) -> int:
         """Size of the segment starting at ``start``; KeyError if there is none."""
         return self._segs[start]
@@ -132,35 +140,54 @@ class KVAllocator:
             return start
         return self._move(start, size, new_size)
 
-    def gather(self, pos: int, amount: int, max_moved: int) -> list[tuple[int, int]] | None:
-        """Make ``amount`` free slots contiguous at ``pos`` (a block boundary: a segment's end
-        or a free block's start) by packing the segments of the shortest window ``[pos, end)``
-        holding that much free space against its right end. Returns ``(old_start, new_start)``
-        of the segments that moved, rightmost first: each moves right, so copying in this order
-        with an overlap-safe copy never overwrites data not yet copied. None (nothing changed)
-        if the free space after ``pos`` is short, or the window's segments hold more than
-        ``max_moved`` slots."""
-        window, free, moved, p = [], 0, 0, pos
-        while free < amount and p < self.capacity:
-            is_free = p in self._free
-            n = self._free[p] if is_free else self._segs[p]
-            free, moved = (free + n, moved) if is_free else (free, moved + n)
-            window.append((p, n, is_free))
-            p += n
-        if free < amount or moved > max_moved:
+    def gather(self, pos: int, amount: int, max_moved: int,
+               left: bool = False) -> list[tuple[int, int]] | None:
+        """Make ``amount`` free slots contiguous next to ``pos`` (a block boundary: a segment's
+        end or a free block's start) by packing the segments of the shortest window that holds
+        that much free space away from ``pos``: the window ``[pos, end)`` packed against its
+        right end, or with ``left`` the window ``[start, pos)`` packed against its left end (the
+        free space then ends at ``pos``). Returns ``(old_start, new_start)`` of the segments
+        that moved, in copy order: each moves away from ``pos``, farthest first, so copying in
+        this order with an overlap-safe copy never overwrites data not yet copied. None
+        (nothing changed) if the free space on that side is short, or the window's segments
+        hold more than ``max_moved`` slots."""
+        window = self._window(pos, amount, left)
+        if window is None or sum(n for _, n, f in window if not f) > max_moved:
             return None
-        moves, cursor = [], p
+        # pack from the far end of the window back towards pos
+        moves, cursor = [], window[-1][0] if left else window[-1][0] + window[-1][1]
         for start, n, is_free in reversed(window):
             if is_free:
                 self._pop_free(start)
                 continue
-            cursor -= n
+            if not left:
+                cursor -= n
             del self._segs[start]
             self._segs[cursor] = n
             if cursor != start:
                 moves.append((start, cursor))
-        self._release(pos, cursor - pos)
+            if left:
+                cursor += n
+        self._release(*((cursor, pos - cursor) if left else (pos, cursor - pos)))
         return moves
+
+    def _window(self, pos: int, amount: int, left: bool) -> list[tuple[int, int, bool]] | None:
+        """The blocks ``(start, size, is_free)`` from ``pos`` outwards (to the right, or with
+        ``left`` to the left), nearest first, until they hold ``amount`` free slots; None if
+        that side of ``pos`` has fewer."""
+        if left:
+            ends = {s + n: (s, n, False) for s, n in self._segs.items()}
+            ends |= {s + n: (s, n, True) for s, n in self._free.items()}
+        window, free, p = [], 0, pos
+        while free < amount and (p > 0 if left else p < self.capacity):
+            if left:
+                block = ends[p]
+            else:
+                block = (p, self._free[p], True) if p in self._free else (p, self._segs[p], False)
+            window.append(block)
+            free += block[1] if block[2] else 0
+            p = block[0] if left else p + block[1]
+        return window if free >= amount else None
 
     def _move(self, start: int, size: int, new_size: int) -> int | None:
         """Free the segment and best-fit ``new_size``; on failure restore the exact old state."""

@@ -144,4 +144,4 @@ def scheduler_config(config: EngineConfig) -> SchedulerConfig:
     return SchedulerConfig(
         config.max_batched_tokens, config.max_running, config.kv_policy, config.kv_min_grow,
         config.batching, config.kv_reserve_quantile, config.kv_grow_quantile,
-        config.kv_peak_quantile, config.kv_reserve_horizon)
+        config.kv_peak_quantile, config.kv_reserve_horizon, config.kv_admission)

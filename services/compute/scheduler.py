@@ -9,12 +9,17 @@ KV policies (how much a request's segment holds):
 - `predicted`: prompt + the `reserve_quantile` of its predicted output length, at most
   `reserve_horizon` tokens ahead; a segment that runs out regrows to the `grow_quantile` of the
   length given what it has generated (again at most the horizon ahead). When free space is
-  split, a neighbouring segment moves (a KV copy) rather than anyone being preempted. Admission
-  also requires the future KV peak to fit: with every running request's remaining length at the
-  `peak_quantile` (LightLLM's past-future estimate, with learned lengths).
+  split, segments move (KV copies: a neighbour into a hole, or a run of segments on either
+  side packed into the holes beyond) rather than anyone being preempted; when nothing can
+  move, the newer of the request and its right neighbour is preempted.
 - `max`: prompt + max_tokens, never grows (what static-batching servers reserve).
 - `paged`: the vLLM baseline, with a `PagedAllocator`: blocks for the tokens present, one more
-  block when a token crosses into it; admission keeps a 1% watermark of blocks free.
+  block when a token crosses into it; admission keeps a 1% watermark of blocks free; a token
+  that finds no block preempts the newest request.
+Admission (`admission`): `fit` admits whenever the reservation fits; `peak` also requires the
+future KV peak to fit, with every running request's remaining length at the `peak_quantile` of
+its predicted length (LightLLM's past-future estimate, with learned lengths); `auto` is `peak`
+for the predicted policy and `fit` for the others (vLLM's greedy admission).
 `batching="static"` is the static-batching baseline: admit only into an empty batch, then run it
 until every request in it has finished.
 """
@@ -26,13 +31,14 @@ from dataclasses import dataclass, field
 
 from services.compute.admission import FuturePeak
 from services.compute.allocator import KVAllocator
+from services.compute.compaction import Compactor, segment_at
 from services.compute.paged_allocator import PagedAllocator
 from services.compute.sequence import SeqStatus, Sequence
 
 KV_POLICIES = ("predicted", "max", "paged")
 BATCHING = ("merged", "static")
+ADMISSION = ("auto", "peak", "fit")
 PAGED_WATERMARK = 0.01  # vLLM's default share of blocks kept free at admission
-GATHER_MAX_SHARE = 0.05  # most of the cache one gather may copy
 
 
 @dataclass(frozen=True)
@@ -46,10 +52,13 @@ class SchedulerConfig:
     grow_quantile: float = 0.9
     peak_quantile: float = 0.9
     reserve_horizon: int = 64  # predicted: reserve at most this many output slots ahead (0: all)
+    admission: str = "auto"  # peak | fit | auto (peak for predicted, fit otherwise): see below
 
     def __post_init__(self):
         if self.kv_policy not in KV_POLICIES:
             raise ValueError(f"kv_policy must be one of {KV_POLICIES}, not {self.kv_policy!r}")
+        if self.admission not in ADMISSION:
+            raise ValueError(f"admission must be one of {ADMISSION}, not {self.admission!r}")
         if self.batching not in BATCHING:
             raise ValueError(f"batching must be one of {BATCHING}, not {self.batching!r}")
         if not 1 <= self.max_running <= self.max_batched_tokens:
@@ -57,6 +66,11 @@ class SchedulerConfig:
         for q in (self.reserve_quantile, self.grow_quantile, self.peak_quantile):
             if not 0 < q <= 1:
                 raise ValueError("quantiles must be in (0, 1]")
+
+    @property
+    def peak_admission(self) -> bool:
+        return self.admission == "peak" or (self.admission == "auto" and
+                                            self.kv_policy == "predicted")
 
 
 @dataclass
@@ -91,6 +105,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.stats = SchedulerStats()
+        self.compactor = Compactor(allocator, self.stats) if config.kv_policy == "predicted" \
+            else None
         self._admitted = 0
 
     def add(self, seq: Sequence) -> None:
@@ -133,7 +149,7 @@ class Scheduler:
         if static and self.running:
             return
         peak = None
-        if self.config.kv_policy == "predicted" and self.waiting:
+        if self.config.peak_admission and self.waiting:
             peak = FuturePeak(self.running, self.config.peak_quantile, self.allocator.capacity)
         while self.waiting and (budget > 0 or static) and \
                 len(self.running) < self.config.max_running:
@@ -198,7 +214,7 @@ class Scheduler:
             return False
         start = a.allocate(size)
         if start is None and self.config.kv_policy == "predicted" and \
-                a.free_slots >= size and self._make_hole(size, step):
+                a.free_slots >= size and self.compactor.make_hole(self.running, size, step.moves):
             start = a.allocate(size)
         if start is None:
             return False
@@ -223,79 +239,32 @@ class Scheduler:
                     return True
             if self.config.kv_policy == "predicted" and \
                     self.allocator.free_slots >= need - seq.kv_reserved and \
-                    self._make_room_after(seq, need, step):
+                    self.compactor.make_room_after(self.running, seq, need, step.moves):
                 continue  # seq now grows in place
-            victim = self._victim(seq)
+            victim = self._victim(seq, need)
             self._preempt(victim)
             if victim is seq:
                 return False
 
-    def _victim(self, seq: Sequence) -> Sequence:
-        """Whom to preempt so that seq can grow: its right neighbour if admitted after it
-        (its slots are adjacent: one preemption suffices), else the most recently admitted.
-        Never one admitted before seq: those already have their token in this step."""
-        if self.config.kv_policy == "predicted":
-            nb = self._segment_at(seq.kv_start + seq.kv_reserved)
-            if nb is not None and nb.admit_order > seq.admit_order:
-                return nb
-        return self.running[-1]
-
-    def _segment_at(self, start: int) -> Sequence | None:
-        return next((s for s in self.running if s.kv_start == start), None)
-
-    def _slide_out(self, end: int, before: int, need: int, step: ScheduledStep) -> bool:
-        """Free space is there but split: move the segment that starts at `end` to a hole
-        elsewhere (a KV copy) if that leaves `need` contiguous slots from `end - before` (the
-        `before` slots there are the caller's: its own segment, or a free block). One copy of
-        a segment is far cheaper than preempting requests whose slots are not adjacent."""
+    def _victim(self, seq: Sequence, need: int) -> Sequence:
+        """Whom to preempt so that seq can grow to `need` slots. Paged: the most recently
+        admitted (any block will do). Contiguous: its right neighbour if admitted after it
+        (adjacent slots), else the newest request whose slots with the free space around them
+        would hold seq, else seq itself: preempting others whose slots are not adjacent would
+        free space that seq cannot use. Never one admitted before seq: those already have
+        their token in this step."""
+        if self.config.kv_policy != "predicted":
+            return self.running[-1]
+        nb = segment_at(self.running, seq.kv_start + seq.kv_reserved)
+        if nb is not None and nb.admit_order > seq.admit_order:
+            return nb
         a = self.allocator
-        nb = self._segment_at(end)
-        if nb is None:
-            return False
-        after = a.free_after(nb.kv_start)
-        start = a.allocate(nb.kv_reserved)  # nb still holds its range: no overlap
-        if start is None:
-            return False
-        # the room: `before`, nb's range, and the free block after nb unless nb just took it
-        # (none if nb landed in the caller's own hole before it)
-        room = before + nb.kv_reserved + (0 if start == end + nb.kv_reserved else after)
-        if end - before <= start < end or room < need:
-            a.free(start)  # undo: the allocator is exactly as before
-            return False
-        a.free(nb.kv_start)
-        if nb.num_cached:
-            step.moves.append((nb.kv_start, start, nb.num_cached))
-        nb.kv_start = start
-        self.stats.moves += 1
-        return True
-
-    def _gather(self, pos: int, amount: int, step: ScheduledStep) -> bool:
-        """Shift the segments after `pos` right, into the holes beyond them, until `amount`
-        free slots are contiguous at `pos` (KV copies; at most GATHER_MAX_SHARE of the cache)."""
-        limit = int(GATHER_MAX_SHARE * self.allocator.capacity)
-        moves = self.allocator.gather(pos, amount, limit)
-        if moves is None:
-            return False
-        by_start = {s.kv_start: s for s in self.running}
-        for old, new in moves:
-            seq = by_start[old]
-            if seq.num_cached:
-                step.moves.append((old, new, seq.num_cached))
-            seq.kv_start = new
-        self.stats.moves += len(moves)
-        return True
-
-    def _make_hole(self, size: int, step: ScheduledStep) -> bool:
-        """A free block of `size` from split free space: slide out the segment after one of
-        the largest blocks, else gather the holes after the largest."""
-        blocks = sorted(self.allocator.free_blocks(), key=lambda b: -b[1])[:4]
-        return any(self._slide_out(b + n, n, size, step) for b, n in blocks) or \
-            self._gather(blocks[0][0], size, step)
-
-    def _make_room_after(self, seq: Sequence, need: int, step: ScheduledStep) -> bool:
-        end = seq.kv_start + seq.kv_reserved
-        return self._slide_out(end, seq.kv_reserved, need, step) or \
-            self._gather(end, need - seq.kv_reserved, step)
+        for s in reversed(self.running):
+            if s.admit_order <= seq.admit_order:
+                break
+            if a.free_around(s.kv_start) + s.kv_reserved >= need:
+                return s
+        return seq
 
     def _grow_target(self, seq: Sequence) -> int:
         """New segment size for a request that ran out: paged, one more token (a block);
