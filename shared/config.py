@@ -32,7 +32,7 @@ class EngineConfig:
     kv_grow_quantile: float = 0.9  # predicted: an outgrown segment regrows to this (conditional)
     kv_peak_quantile: float = 0.9  # predicted: admission keeps the future peak at this in memory
     kv_reserve_horizon: int = 64  # predicted: reserve at most this many output slots ahead (0: all)
-    kv_admission: str = "auto"  # auto | peak (the future KV peak must fit) | fit (compute/scheduler.py)
+    kv_admission: str = "auto"  # peak (future KV peak must fit) | fit | auto (peak if predicted)
     batching: str = "merged"  # merged (dynamic, merged steps) | static (a baseline)
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch reference on CPU) | triton | reference
     threads: int = 0  # CPU threads for torch in compute; 0: torch's default
