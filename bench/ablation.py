@@ -229,14 +229,15 @@ def measure(args, model: str, workload: str) -> list[dict]:
                         max_running=args.max_running, max_batched_tokens=args.max_batched_tokens)
     wl = Workload(workload, args.requests, model_spec(model).context, args.seed)
     rows, configs = [], [dataclasses.replace(base, **v.overrides) for v in VARIANTS]
+    paged_qps = None  # paged's QPS at SLO (MAX_QPS if it absorbed the burst)
     for v, config in zip(VARIANTS, configs, strict=True):
         t0 = time.perf_counter()
         at = qps_at_slo(config, wl, v, args.bisect)
+        paged_qps = (at or {}).get("qps") if v.name == PAGED else paged_qps
         offline = run(config, wl, v, math.inf)
         rows.append(row(v, model, workload, at, offline))
         log(f"{model} {workload} {v.name}: {rows[-1]['qps_at_slo']} req/s at SLO "
             f"({time.perf_counter() - t0:.0f} s)")
-    paged_qps = next(r["qps_at_slo"] for r in rows if r["name"] == PAGED)
     for v, config, r in zip(VARIANTS, configs, rows, strict=True):  # all at paged's rate
         at = run(config, wl, v, paged_qps) if paged_qps else {}
         r["preemptions_at_paged_qps"] = at.get("preemptions")

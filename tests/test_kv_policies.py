@@ -174,7 +174,12 @@ def test_length_dist_point_and_samples():
         LengthDist((0,) * len(LEVELS))
 
 
-def test_split_free_space_moves_the_right_neighbour_instead_of_preempting():
+@pytest.fixture
+def copies_unlimited(monkeypatch):
+    monkeypatch.setattr(compaction, "COPY_RATE", 1.0)  # each step may copy the whole cache
+
+
+def test_split_free_space_moves_the_right_neighbour_instead_of_preempting(copies_unlimited):
     s = make("predicted", capacity=40)
     a_ = s.allocator
     layout = {}
@@ -197,7 +202,7 @@ def test_split_free_space_moves_the_right_neighbour_instead_of_preempting():
     s.allocator.check()
 
 
-def test_gather_shifts_neighbours_right_when_no_hole_takes_them():
+def test_gather_shifts_neighbours_right_when_no_hole_takes_them(copies_unlimited):
     s = make("predicted", capacity=400)  # a growth's gather may copy 15% of it: 60 slots
     alloc = s.allocator
     starts = {n: alloc.allocate(size) for n, size in (("a", 8), ("b", 12), ("gap", 4))}
@@ -236,11 +241,18 @@ def place(s: Scheduler, layout: list[tuple[str, int, int]], grow: str) -> dict[s
     return out
 
 
-def test_growth_packs_the_segments_before_it_left_when_nothing_after_it_can_move():
-    s = make("predicted", capacity=200)  # a growth's gather may copy 30 slots
+@pytest.mark.parametrize("copy_rate", [0.1, 0.05])
+def test_growth_packs_the_segments_before_it_left_when_nothing_after_it_can_move(
+        copy_rate, monkeypatch):
+    monkeypatch.setattr(compaction, "COPY_RATE", copy_rate)  # may copy 20 or 10 slots now
+    s = make("predicted", capacity=200)  # a growth's gather may shift 30 slots
     x = place(s, [("b", 10, 10), ("a", 20, 10), ("c", 30, 170)], grow="a")
-    b_cached, a_cached = x["b"].num_cached, x["a"].num_cached
+    b_cached, a_cached = x["b"].num_cached, x["a"].num_cached  # 9 + 9: 18 slots to copy
     step = s.schedule()
+    if copy_rate == 0.05:  # over the copy budget: the newer right neighbour is preempted
+        assert not step.moves and x["c"].status is SeqStatus.WAITING
+        assert s.stats.preemptions == 1 and x["a"].kv_start == 20
+        return
     # c fits in no hole and nothing is free after it: b and a shift left into [0, 10)
     assert step.moves == [(10, 0, b_cached), (20, 10, a_cached)]
     assert (x["b"].kv_start, x["a"].kv_start) == (0, 10) and x["a"].kv_reserved >= 11

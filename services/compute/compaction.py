@@ -13,19 +13,30 @@ from __future__ import annotations
 from services.compute.allocator import KVAllocator
 from services.compute.sequence import Sequence
 
-# Most of the cache one gather may copy: to admit a request (larger gathers pack segments
+# Most of the cache one gather may shift: to admit a request (larger gathers pack segments
 # tight, and their regrowth then costs more moves than the gather saved), and to let a running
 # request grow (rather than preempt it).
 ADMIT_GATHER_SHARE = 0.05
 GROW_GATHER_SHARE = 0.15
+# Copy budget (a token bucket, in cached slots as a share of the cache): each step adds
+# COPY_RATE, at most COPY_BURST is saved. Occasional large gathers pass; sustained compaction
+# (a full cache where every packed segment soon needs another gather) is cut to COPY_RATE a
+# step, and preemption takes over.
+COPY_RATE = 0.05
+COPY_BURST = 0.5
 
 
 class Compactor:
     """Moves segments of `running` (the sequences whose segments `allocator` holds), counting
-    each in `stats.moves`."""
+    each in `stats.moves`, within the copy budget (`refill` once per step)."""
 
     def __init__(self, allocator: KVAllocator, stats):
         self.allocator, self.stats = allocator, stats
+        self.budget = 0  # cached slots it may copy now
+
+    def refill(self) -> None:
+        cap = self.allocator.capacity
+        self.budget = min(self.budget + int(COPY_RATE * cap), int(COPY_BURST * cap))
 
     def make_hole(self, running: list[Sequence], size: int,
                   moves: list[tuple[int, int, int]]) -> bool:
@@ -56,7 +67,7 @@ class Compactor:
         own segment, or a free block)."""
         a = self.allocator
         nb = segment_at(running, end)
-        if nb is None:
+        if nb is None or nb.num_cached > self.budget:
             return False
         after = a.free_after(nb.kv_start)
         start = a.allocate(nb.kv_reserved)  # nb still holds its range: no overlap
@@ -75,10 +86,10 @@ class Compactor:
     def _gather(self, running: list[Sequence], pos: int, amount: int, share: float,
                 moves: list, left: bool = False) -> bool:
         """Pack the segments after `pos` right (with `left`, those before it left) into the
-        holes beyond them until `amount` free slots are contiguous next to `pos`, copying at
-        most `share` of the cache."""
+        holes beyond them until `amount` free slots are contiguous next to `pos`, shifting
+        segments of at most `share` of the cache and within the budget."""
         a = self.allocator
-        shifted = a.gather(pos, amount, int(share * a.capacity), left)
+        shifted = a.gather(pos, amount, min(int(share * a.capacity), self.budget), left)
         if shifted is None:
             return False
         by_start = {s.kv_start: s for s in running}
@@ -89,6 +100,7 @@ class Compactor:
     def _moved(self, seq: Sequence, start: int, moves: list) -> None:
         if seq.num_cached:
             moves.append((seq.kv_start, start, seq.num_cached))
+            self.budget -= seq.num_cached
         seq.kv_start = start
         self.stats.moves += 1
 

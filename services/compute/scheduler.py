@@ -125,6 +125,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
+        if self.compactor is not None:
+            self.compactor.refill()
         i = 0
         while i < len(self.running):  # preemption victims come after i (admitted later)
             seq = self.running[i]
