@@ -10,8 +10,9 @@ KV policies (how much a request's segment holds):
   `reserve_horizon` tokens ahead; a segment that runs out regrows to the `grow_quantile` of the
   length given what it has generated (again at most the horizon ahead). When free space is
   split, segments move (KV copies: a neighbour into a hole, or a run of segments on either
-  side packed into the holes beyond) rather than anyone being preempted; when nothing can
-  move, the newer of the request and its right neighbour is preempted.
+  side packed into the holes beyond; services/compute/compaction.py, within a per-step copy
+  budget) rather than anyone being preempted; when nothing can move, one request is (see
+  `_victim`).
 - `max`: prompt + max_tokens, never grows (what static-batching servers reserve).
 - `paged`: the vLLM baseline, with a `PagedAllocator`: blocks for the tokens present, one more
   block when a token crosses into it; admission keeps a 1% watermark of blocks free; a token
@@ -249,12 +250,12 @@ class Scheduler:
                 return False
 
     def _victim(self, seq: Sequence, need: int) -> Sequence:
-        """Whom to preempt so that seq can grow to `need` slots. Paged: the most recently
-        admitted (any block will do). Contiguous: its right neighbour if admitted after it
-        (adjacent slots), else the newest request whose slots with the free space around them
-        would hold seq, else seq itself: preempting others whose slots are not adjacent would
-        free space that seq cannot use. Never one admitted before seq: those already have
-        their token in this step."""
+        """Whom to preempt so that seq can grow to `need` slots. Paged (and max, which never
+        grows): the most recently admitted (any block will do). Predicted: its right neighbour
+        if admitted after it (adjacent slots), else the newest request whose slots with the
+        free space around them would hold seq, else seq itself: preempting others whose slots
+        are not adjacent would free space that seq cannot use. Never one admitted before seq:
+        those already have their token in this step."""
         if self.config.kv_policy != "predicted":
             return self.running[-1]
         nb = segment_at(self.running, seq.kv_start + seq.kv_reserved)
