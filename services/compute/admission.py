@@ -27,8 +27,8 @@ class FuturePeak:
         items = sorted([*self.items, self._item(seq)])
         peak = tokens = 0
         for k in range(len(items) - 1, -1, -1):  # suffix sums: requests lasting >= r_k
-            r, _ = items[k]
-            tokens += items[k][1]
+            r, t = items[k]
+            tokens += t
             peak = max(peak, tokens + (len(items) - k) * r)
         if peak > self.capacity and len(items) > 1:  # alone, it always gets its chance
             return False

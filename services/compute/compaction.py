@@ -86,8 +86,9 @@ class Compactor:
     def _gather(self, running: list[Sequence], pos: int, amount: int, share: float,
                 moves: list, left: bool = False) -> bool:
         """Pack the segments after `pos` right (with `left`, those before it left) into the
-        holes beyond them until `amount` free slots are contiguous next to `pos`, shifting
-        segments of at most `share` of the cache and within the budget."""
+        holes beyond them until `amount` free slots are contiguous next to `pos`. The shifted
+        segments may hold at most `share` of the cache, and at most the copy budget (their
+        slots bound the cached slots the copies spend)."""
         a = self.allocator
         shifted = a.gather(pos, amount, min(int(share * a.capacity), self.budget), left)
         if shifted is None:

@@ -53,7 +53,7 @@ class SchedulerConfig:
     grow_quantile: float = 0.9
     peak_quantile: float = 0.9
     reserve_horizon: int = 64  # predicted: reserve at most this many output slots ahead (0: all)
-    admission: str = "auto"  # peak | fit | auto (peak for predicted, fit otherwise): see below
+    admission: str = "auto"  # peak | fit | auto (peak for predicted, fit otherwise)
 
     def __post_init__(self):
         if self.kv_policy not in KV_POLICIES:
@@ -216,7 +216,7 @@ class Scheduler:
                 a.free_slots - a.blocks(size) * a.block_size < PAGED_WATERMARK * a.capacity:
             return False
         start = a.allocate(size)
-        if start is None and self.config.kv_policy == "predicted" and \
+        if start is None and self.compactor is not None and \
                 a.free_slots >= size and self.compactor.make_hole(self.running, size, step.moves):
             start = a.allocate(size)
         if start is None:
@@ -240,7 +240,7 @@ class Scheduler:
                 if start is not None:
                     self._relocated(seq, start, size, step)
                     return True
-            if self.config.kv_policy == "predicted" and \
+            if self.compactor is not None and \
                     self.allocator.free_slots >= need - seq.kv_reserved and \
                     self.compactor.make_room_after(self.running, seq, need, step.moves):
                 continue  # seq now grows in place
@@ -295,4 +295,3 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.stats.preemptions += 1
-
