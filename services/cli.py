@@ -59,10 +59,10 @@ SERVICES = ("gateway", "tokenizer", "compute", "detokenizer")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from the flags; no --model means the built-in demo model."""
-    from shared.demo_model import ensure_demo_model
+    """EngineConfig from the flags; no --model means the default model (SmolLM2, else demo)."""
+    from shared import default_model
 
-    config = config_from_args(EngineConfig, args, model=args.model or str(ensure_demo_model()))
+    config = config_from_args(EngineConfig, args, model=args.model or default_model.resolve())
     if config.backend == "sim":  # a bad --sim-* value fails here, not in a restarting child
         from services.compute.sim import check_config
 

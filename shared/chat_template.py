@@ -24,6 +24,8 @@ import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from shared.gguf.hf import tokenizer_config
+from shared.gguf.reader import is_gguf, open_gguf
 from shared.tokenizer import encode
 
 CONFIG_FILE = "tokenizer_config.json"
@@ -149,15 +151,20 @@ def _clean_messages(messages: list[dict]) -> list[dict]:
 
 
 def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
-    """The chat template of a model directory, or None when it has none.
+    """The chat template of a model directory (or of a GGUF file's `tokenizer.chat_template`),
+    or None when it has none.
 
     Raises ChatTemplateError when a template is present but unusable (bad JSON, wrong type,
     Jinja syntax error, a list without a "default" entry).
     """
     root = Path(model_dir)
-    config = _read_config(root / CONFIG_FILE)
-    jinja_file = root / JINJA_FILE
-    if jinja_file.is_file():
+    if is_gguf(root):
+        config = tokenizer_config(open_gguf(root))
+        jinja_file = None
+    else:
+        config = _read_config(root / CONFIG_FILE)
+        jinja_file = root / JINJA_FILE
+    if jinja_file is not None and jinja_file.is_file():
         source = jinja_file.read_text(encoding="utf-8")
     else:
         source = _pick_template(config.get("chat_template"))

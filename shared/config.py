@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = ""  # local HF model directory; empty: the built-in demo model
+    model: str = ""  # HF model directory or GGUF file; empty: SmolLM2 (shared/default_model.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
     max_model_len: int = 0  # 0: the model's max_position_embeddings
@@ -74,7 +74,7 @@ class ServiceConfig:
 
     host: str = "127.0.0.1"  # gateway HTTP
     port: int = 8000
-    served_model_name: str = ""  # empty: the model directory's name
+    served_model_name: str = ""  # empty: the model directory's (GGUF file's) name
     redis_url: str = ""  # empty with `pipellm up`: an embedded redis-server
     redis_dir: str = ""  # embedded redis: persist here (learned lengths survive `up` restarts)
     run_dir: str = ""  # where ipc sockets live; empty: a temp dir chosen by `pipellm up`

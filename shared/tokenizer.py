@@ -1,10 +1,13 @@
-"""Text <-> token ids, via a Hugging Face fast tokenizer (`tokenizer.json`)."""
+"""Text <-> token ids, via a Hugging Face fast tokenizer (`tokenizer.json` or a GGUF file)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from shared.gguf.reader import GGUFError, is_gguf, open_gguf
+from shared.gguf.tokenizer import build_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -14,7 +17,13 @@ class TokenizerLoadError(Exception):
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load `tokenizer.json` from a model directory (or from the file path itself)."""
+    """Load `tokenizer.json` from a model directory (or from the file path itself), or build
+    the tokenizer of a GGUF file from its metadata."""
+    if is_gguf(path):
+        try:
+            return build_tokenizer(open_gguf(path))
+        except GGUFError as exc:
+            raise TokenizerLoadError(str(exc)) from None
     path = Path(path)
     file = path / TOKENIZER_FILE if path.is_dir() else path
     if not file.is_file():

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.gguf.hf import hf_config
+from shared.gguf.reader import GGUFError, is_gguf, open_gguf
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -61,6 +64,16 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     sliding_window: int | None
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        """A model directory's config, or a GGUF file's (from its metadata)."""
+        if is_gguf(path):
+            try:
+                return _build(_Fields(hf_config(open_gguf(path)), Path(path)), {})
+            except GGUFError as exc:
+                raise ModelLoadError(str(exc)) from None
+        return cls.from_dir(path)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -292,5 +305,5 @@ def served_model(config) -> tuple[ModelConfig, int]:
 
         mc = sim.model_config(config)
     else:
-        mc = ModelConfig.from_dir(config.model)
+        mc = ModelConfig.from_path(config.model)
     return mc, context_length(mc, config.max_model_len)

@@ -1,4 +1,4 @@
-"""Checkpoint tensors from a Hugging Face model directory (safetensors only).
+"""Checkpoint tensors from a Hugging Face model directory (safetensors) or a GGUF file.
 
 Layouts, in order of preference:
   1. `model.safetensors.index.json` (sharded checkpoint; its `weight_map` names the shards),
@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from services.compute.gguf_weights import load_gguf_weights
 from services.compute.model_config import ModelLoadError
+from shared.gguf.reader import is_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -27,9 +29,11 @@ def load_weights(
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of the checkpoint in `path`, floating ones cast to `dtype`, on `device`.
 
-    Raises ModelLoadError when the directory has no safetensors, a shard is missing, or a file
-    cannot be read.
+    `path` may also be a GGUF file (see gguf_weights.py). Raises ModelLoadError when the
+    directory has no safetensors, a shard is missing, or a file cannot be read.
     """
+    if is_gguf(path):
+        return load_gguf_weights(path, dtype, device)
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(f"model directory {root} does not exist or is not a directory")

@@ -23,7 +23,7 @@ log = logging.getLogger("pipellm.gateway")
 def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncReceiver]:
     ctx = zmq.asyncio.Context.instance()
     _, context = served_model(engine_cfg)
-    name = svc.served_model_name or Path(engine_cfg.model).name
+    name = svc.served_model_name or Path(engine_cfg.model).name.removesuffix(".gguf")
     gw = Gateway(svc, name, context,
                  load_tokenizer(engine_cfg.model),
                  # a connection per request in flight (redis-py's default pool is 100)

@@ -21,7 +21,7 @@ def model_config(config: EngineConfig) -> ModelConfig:
     spec = model(config.sim_model)
     if not config.model:
         return spec_model_config(spec)
-    mc = ModelConfig.from_dir(config.model)
+    mc = ModelConfig.from_path(config.model)
     return dataclasses.replace(mc, max_position_embeddings=spec.context, sliding_window=None,
                                rope_scaling=None)
 

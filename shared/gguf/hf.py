@@ -1,0 +1,88 @@
+"""A GGUF file's metadata in Hugging Face terms: `config.json` and `tokenizer_config.json` fields.
+
+The model-config and chat-template loaders take these dicts exactly as they take the JSON
+files of a model directory, so a GGUF checkpoint is validated by the same code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared.gguf.reader import GGUFError, GGUFFile
+
+# GGUF architecture -> (HF architecture, whether llama.cpp permuted the Q/K rows for its RoPE)
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+
+
+def architecture(gguf: GGUFFile) -> tuple[str, str, bool]:
+    """(GGUF architecture name, HF architecture, Q/K permuted); GGUFError if unsupported."""
+    arch = gguf.require("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{gguf.path}: architecture {arch!r} is not supported (supported: "
+                        f"{', '.join(ARCHITECTURES)})")
+    return (arch, *ARCHITECTURES[arch])
+
+
+def hf_config(gguf: GGUFFile) -> dict[str, Any]:
+    """The `config.json` of the checkpoint, from `{arch}.*` and `tokenizer.ggml.*` keys."""
+    arch, hf_arch, _ = architecture(gguf)
+
+    def key(name: str, default: Any = None) -> Any:
+        value = gguf.get(f"{arch}.{name}", default)
+        if value is None:
+            raise GGUFError(f"{gguf.path}: metadata key '{arch}.{name}' is missing")
+        return value
+
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    if "rope_freqs.weight" in gguf.tensors:
+        raise GGUFError(f"{gguf.path}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style "
+                        "scaling) are not supported")
+    tokens = gguf.require("tokenizer.ggml.tokens")
+    return {
+        "architectures": [hf_arch],
+        "vocab_size": gguf.get(f"{arch}.vocab_size", len(tokens)),
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": key("attention.key_length", hidden // heads),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope.freq_base", 10_000.0),
+        "rope_scaling": _rope_scaling(gguf, arch),
+        "max_position_embeddings": key("context_length"),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
+        "torch_dtype": "float32",  # weights are dequantized to float32 at load
+        "bos_token_id": gguf.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _eos_ids(gguf),
+    }
+
+
+def tokenizer_config(gguf: GGUFFile) -> dict[str, Any]:
+    """The `tokenizer_config.json` fields the chat template uses: the template and the
+    special-token strings."""
+    tokens = gguf.get("tokenizer.ggml.tokens") or []
+    out: dict[str, Any] = {"chat_template": gguf.get("tokenizer.chat_template")}
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
+                      ("pad_token", "padding")):
+        token_id = gguf.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None and 0 <= token_id < len(tokens):
+            out[name] = tokens[token_id]
+    return out
+
+
+def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
+    kind = gguf.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise GGUFError(f"{gguf.path}: RoPE scaling {kind!r} is not supported (none, linear)")
+    return {"rope_type": "linear", "factor": gguf.require(f"{arch}.rope.scaling.factor")}
+
+
+def _eos_ids(gguf: GGUFFile) -> list[int]:
+    """EOS plus end-of-turn (llama.cpp's `eot_token_id`, e.g. <|im_end|>): both end a reply."""
+    ids = [gguf.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+    return list(dict.fromkeys(i for i in ids if i is not None))
