@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             from services.supervisor import up
 
-            return up(*_configs(args))
+            engine, svc = _configs(args)
+            _check_model(engine)
+            return up(engine, svc)
         return _generate(args)
     except (ModelLoadError, TokenizerLoadError, ValueError, OSError) as e:
         print(f"pipellm: error: {e}", file=sys.stderr)
@@ -68,6 +70,22 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
         check_config(config)
     return config
+
+
+def _check_model(config: EngineConfig) -> None:
+    """Raise (ModelLoadError, TokenizerLoadError, ValueError) if the model cannot be served,
+    before any service starts: its config, tokenizer, chat template and tensor table."""
+    from services.compute.gguf_weights import check_gguf
+    from services.compute.model_config import served_model
+    from shared.chat_template import load_chat_template
+    from shared.gguf.reader import is_gguf
+    from shared.tokenizer import load_tokenizer
+
+    served_model(config)
+    load_tokenizer(config.model)
+    load_chat_template(config.model)
+    if config.backend == "torch" and is_gguf(config.model):
+        check_gguf(config.model)
 
 
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServiceConfig]:

@@ -38,16 +38,30 @@ def load_gguf_weights(path, dtype: torch.dtype, device) -> dict[str, torch.Tenso
 
     Raises ModelLoadError naming the file and the tensor for unknown tensors or types."""
     try:
-        gguf = open_gguf(path)
-        arch, _, permuted = architecture(gguf)
-        gguf.check_types()
-        q_heads = gguf.require(f"{arch}.attention.head_count")
-        heads = {"q_proj": q_heads,
-                 "k_proj": gguf.get(f"{arch}.attention.head_count_kv", q_heads)}
-        return {name: _load(gguf, src, name, heads if permuted else None).to(device, dtype)
-                for src, name in _names(gguf).items()}
+        gguf, names, heads = _check(path)
+        return {name: _load(gguf, src, name, heads).to(device, dtype)
+                for src, name in names.items()}
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from None
+
+
+def check_gguf(path) -> None:
+    """Raise ModelLoadError if the file's tensors cannot be loaded (names, types, truncation),
+    without reading them: what `pipellm up` checks before any service starts."""
+    try:
+        _check(path)
+    except GGUFError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def _check(path) -> tuple[GGUFFile, dict[str, str], dict[str, int] | None]:
+    """(file, GGUF -> HF tensor names, heads per permuted projection or None)."""
+    gguf = open_gguf(path)
+    arch, _, permuted = architecture(gguf)
+    gguf.check_types()
+    q_heads = gguf.require(f"{arch}.attention.head_count")
+    heads = {"q_proj": q_heads, "k_proj": gguf.get(f"{arch}.attention.head_count_kv", q_heads)}
+    return gguf, _names(gguf), heads if permuted else None
 
 
 def _names(gguf: GGUFFile) -> dict[str, str]:

@@ -38,7 +38,7 @@ _SCALARS = {
 }
 
 
-class GGUFError(Exception):
+class GGUFError(ValueError):
     """A GGUF file cannot be read or served; the message names the file and what is wrong."""
 
 
@@ -113,10 +113,13 @@ def open_gguf(path: str | Path) -> GGUFFile:
 
 
 def is_gguf(path: str | Path) -> bool:
-    """True when `path` is a file that starts with the GGUF magic."""
+    """True when `path` is a file named *.gguf or starting with the GGUF magic (so that a
+    broken .gguf file is reported as one)."""
     p = Path(path)
     if not p.is_file():
         return False
+    if p.suffix.lower() == ".gguf":
+        return True
     with open(p, "rb") as f:
         return f.read(4) == MAGIC
 
@@ -177,7 +180,9 @@ class _Parser:
                 self.pos += n * dt.itemsize
                 return arr.tolist()
             return [self._value(item) for _ in range(n)]
-        return self._scalar(_SCALARS[vtype])
+        value = self._scalar(_SCALARS[vtype])
+        # float32 metadata as the decimal it was written from (1e-5, not 9.99999974e-06)
+        return float(str(np.float32(value))) if vtype == GGUFValueType.FLOAT32 else value
 
     def _tensor_header(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = self._string()

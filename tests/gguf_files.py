@@ -1,0 +1,138 @@
+"""GGUF files written in tests with `gguf.GGUFWriter`, the way llama.cpp's converter writes them.
+
+from tests.gguf_files import write_gguf
+write_gguf(path, hf_model, qtype=GGMLQuantizationType.Q4_1)   # a tiny HF model as a GGUF file
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.gguf_writer import GGUFValue
+from gguf.quants import quantize
+
+from services.compute.gguf_weights import hf_name
+from shared.demo_model import CHAT_TEMPLATE
+from tests.hf_models import demo_tokenizer
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """Bytes stored as they are: `data` uint8 [rows, row bytes] of `qtype` (the writer derives
+    the element shape from the byte shape)."""
+
+    data: np.ndarray
+    qtype: GGMLQuantizationType
+
+
+def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (HF rotate-half -> interleaved)."""
+    return (w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
+    """GGUF-named float32 tensors of an HF model, Q/K permuted for the llama architecture."""
+    cfg = model.config
+    from_hf = {}
+    for i in range(cfg.num_hidden_layers):
+        for short in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm",
+                      "ffn_gate", "ffn_up", "ffn_down"):
+            for kind in ("weight", "bias"):
+                name = f"blk.{i}.{short}.{kind}"
+                from_hf[hf_name(name)] = name
+    for name in ("token_embd.weight", "output_norm.weight", "output.weight"):
+        from_hf[hf_name(name)] = name
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    out = {}
+    for hf, tensor in model.state_dict().items():
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = tensor.detach().float().numpy()
+        for proj, n in heads.items():
+            if arch == "llama" and f".{proj}." in hf:
+                w = permute(w, n)
+        out[from_hf[hf]] = w
+    return out
+
+
+def quantized(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """What GGUFWriter.add_tensor takes for `qtype`: the bytes (or the float array)."""
+    if qtype == Q.F32:
+        return w.astype(np.float32)
+    if qtype == Q.F16:
+        return w.astype(np.float16)
+    return quantize(w.astype(np.float32), qtype).view(np.uint8)  # BF16 comes back as uint16
+
+
+def write_gguf(path: Path, model, qtype: GGMLQuantizationType = Q.F32, *, arch: str = "llama",
+               meta: dict | None = None, tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """Write `model` (an HF Llama/Qwen2, with the demo tokenizer) to `path`: matrices in
+    `qtype`, 1-D tensors in F32. `meta` overrides metadata keys, `tensors` GGUF tensors."""
+    cfg = model.config
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    _add_tokenizer(w)
+    for key, value in (meta or {}).items():  # replaces what the writer already holds
+        vtype = GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT32
+        w.kv_data[0][key] = GGUFValue(value, vtype)
+    for name, t in (tensors or gguf_tensors(model, arch)).items():
+        if isinstance(t, RawTensor):
+            w.add_tensor(name, t.data, raw_dtype=t.qtype)
+        elif t.ndim == 1 or qtype == Q.F32:
+            w.add_tensor(name, t.astype(np.float32))
+        else:
+            data = quantized(t, qtype)
+            w.add_tensor(name, data, raw_dtype=None if qtype == Q.F16 else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return Path(path)
+
+
+def _add_tokenizer(w: GGUFWriter) -> None:
+    """The demo tokenizer as `tokenizer.ggml.*` (gpt2 byte-level BPE), BOS added, ChatML-ish
+    template; <unk>, <s>, </s> are control tokens (type 3)."""
+    tok = demo_tokenizer()
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in ("<unk>", "<s>", "</s>") else 1 for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m
+                        for m in spec["model"]["merges"]])
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(vocab["</s>"])
+    w.add_add_bos_token(True)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def dequantized(model, qtype: GGMLQuantizationType) -> dict[str, np.ndarray]:
+    """GGUF-named float32 tensors as `write_gguf(..., qtype)` stores them (matrices through
+    the gguf package's quantize + dequantize; still permuted)."""
+    from gguf.quants import dequantize
+
+    out = {}
+    for name, t in gguf_tensors(model).items():
+        if t.ndim > 1 and qtype == Q.F16:
+            t = t.astype(np.float16).astype(np.float32)
+        elif t.ndim > 1 and qtype != Q.F32:
+            t = dequantize(quantized(t, qtype), qtype).reshape(t.shape)
+        out[name] = t
+    return out
