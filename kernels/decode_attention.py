@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import cpu_extension, use_triton
 
 _BLOCK_N = 64  # KV rows per inner-loop chunk
 _MIN_SPLIT_TOKENS = 256  # a split covers at least this many tokens of the longest sequence
@@ -265,11 +265,14 @@ def decode_attention(
     seq_lens >= 1, the current token's K/V already written. scale defaults to head_dim**-0.5.
     max_seq_len: optional host-side max(seq_lens), sizes the Triton split grid without a device
     sync (computed with .item() when None). Returns [B, n_heads, head_dim] in q's dtype.
-    Triton (flash-decoding) where `kernels.dispatch.use_triton(q)`, else the PyTorch reference.
+    Triton (flash-decoding) where `kernels.dispatch.use_triton(q)`, else the C++ CPU kernel
+    (kernels/cpu/decode_attention.cpp) where it builds, else the PyTorch reference.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not use_triton(q):
+        if (ext := cpu_extension(q)) is not None:
+            return ext.decode_attention(q, k_cache, v_cache, seq_starts, seq_lens, scale)
         return decode_attention_reference(q, k_cache, v_cache, seq_starts, seq_lens, scale)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1

@@ -1,6 +1,8 @@
-"""Which implementation a kernel call runs: the Triton kernel or its PyTorch reference.
+"""Which implementation a kernel call runs: the Triton kernel, a C++ CPU kernel, or the PyTorch
+reference.
 
-"auto" (default): Triton for CUDA tensors, the reference for CPU tensors (the server's CPU path).
+"auto" (default): Triton for CUDA tensors; for CPU tensors the C++ kernel where one exists and
+builds (kernels/cpu), else the reference (the server's CPU path).
 "triton": always Triton (on CPU tensors only under TRITON_INTERPRET=1: how CI tests kernels).
 "reference": always the PyTorch reference. Set once at start-up (`--kernels`, PIPELLM_KERNELS).
 """
@@ -29,3 +31,12 @@ def backend() -> str:
 def use_triton(t: torch.Tensor) -> bool:
     """Whether a kernel called on tensor `t` runs its Triton implementation."""
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
+
+
+def cpu_extension(t: torch.Tensor):
+    """The C++ CPU kernels module when a call on tensor `t` should use it, else None."""
+    if _backend != "auto" or t.is_cuda:
+        return None
+    from kernels.cpu import extension
+
+    return extension()

@@ -8,6 +8,7 @@ import torch
 
 import kernels.decode_attention as da
 from kernels import dispatch
+from kernels.cpu import extension as cpu_extension
 from kernels.decode_attention import (
     _decode_attention_triton,
     _num_splits,
@@ -120,10 +121,43 @@ def test_public_function_triton(triton_backend, monkeypatch):
     check(q, k, v, starts, lens, out, scale=0.1)
 
 
-def test_public_function_cpu_uses_reference():
+@pytest.fixture(scope="module")
+def cpu_ext():
+    ext = cpu_extension()
+    assert ext is not None, "the C++ CPU kernels did not build (see the log)"
+    return ext
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(8, 8, 64), (9, 3, 64), (8, 2, 32),
+                                                         (4, 1, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_kernel_matches_reference(cpu_ext, n_heads, n_kv_heads, head_dim, dtype):
+    q, k, v, starts, lens = make_case([1, 7, 64, 300, 33], n_kv_heads, head_dim, dtype,
+                                      n_heads=n_heads, seed=n_heads + head_dim)
+    check(q, k, v, starts, lens, cpu_ext.decode_attention(q, k, v, starts, lens, 0.2), 0.2)
+
+
+def test_cpu_kernel_reads_strided_queries(cpu_ext):
+    """q as the engine passes it: rows of a wider [T, H, D] view (the decode rows of a step)."""
+    q, k, v, starts, lens = make_case([5, 80, 2], 2, 64, seed=7)
+    wide = torch.randn(3, 2 * N_HEADS, 64)[:, :N_HEADS]  # non-contiguous: batch stride 2*H*D
+    wide.copy_(q)
+    check(q, k, v, starts, lens, cpu_ext.decode_attention(wide, k, v, starts, lens, 0.125))
+
+
+def test_public_function_on_cpu_uses_the_cpu_kernel_unless_reference(cpu_ext, monkeypatch):
     q, k, v, starts, lens = make_case([3, 40], 4, 64)
-    expected = decode_attention_reference(q, k, v, starts, lens, 0.125)
-    assert torch.equal(decode_attention(q, k, v, starts, lens), expected)
+    calls = []
+    monkeypatch.setattr(da, "decode_attention_reference",
+                        lambda *a: calls.append(1) or decode_attention_reference(*a))
+    check(q, k, v, starts, lens, decode_attention(q, k, v, starts, lens))
+    assert calls == []
+    dispatch.set_backend("reference")
+    try:
+        expected = decode_attention_reference(q, k, v, starts, lens, 0.125)
+        assert torch.equal(decode_attention(q, k, v, starts, lens), expected) and calls == [1]
+    finally:
+        dispatch.set_backend("auto")
 
 
 def test_num_splits_heuristic():

@@ -1,0 +1,100 @@
+// Decode attention on the CPU over the contiguous KV cache: the CPU twin of the Triton kernel in
+// kernels/decode_attention.py (same arguments, same layout), with kernels/decode_attention.py's
+// decode_attention_reference as its reference.
+//
+// q [B, H, D]; k_cache, v_cache [capacity, Hkv, D] (one layer, rows contiguous in D);
+// seq_starts, seq_lens int32 [B]: sequence b owns slots [start, start + len), len >= 1.
+// One work item per (sequence, kv head): it reads that head's K rows once for the G = H / Hkv
+// query heads of its group (scores in fp32), then its V rows once. Items run in parallel on
+// ATen's thread pool. Returns [B, H, D] in q's dtype.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename scalar_t>
+void attend_one(const scalar_t* q, int64_t q_sh, const scalar_t* k, const scalar_t* v,
+                int64_t row_stride, int64_t n, int64_t G, int64_t D, float scale,
+                scalar_t* out, int64_t o_sh, std::vector<float>& qf,
+                std::vector<float>& scores, std::vector<float>& acc) {
+  qf.assign(G * D, 0.f);
+  acc.assign(G * D, 0.f);
+  scores.resize(G * n);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[g * q_sh + d]) * scale;
+  std::vector<float> mx(G, -std::numeric_limits<float>::infinity()), inv(G);
+  for (int64_t t = 0; t < n; ++t) {  // pass 1: q . k for every token, each K row read once
+    const scalar_t* kr = k + t * row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf.data() + g * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(kr[d]);
+      scores[g * n + t] = dot;
+      mx[g] = std::max(mx[g], dot);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {  // softmax numerators and 1 / denominator
+    float sum = 0.f;
+    float* s = scores.data() + g * n;
+    for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx[g]));
+    inv[g] = 1.f / sum;
+  }
+  for (int64_t t = 0; t < n; ++t) {  // pass 2: p . v, each V row read once
+    const scalar_t* vr = v + t * row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + t];
+      float* a = acc.data() + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vr[d]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) out[g * o_sh + d] = static_cast<scalar_t>(acc[g * D + d] * inv[g]);
+}
+
+}  // namespace
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor seq_starts, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
+              "head_dim must be contiguous");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), "K and V caches must share a layout");
+  TORCH_CHECK(seq_starts.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "seq_starts and seq_lens must be int32");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  TORCH_CHECK(H % Hkv == 0 && k_cache.size(2) == D, "head counts or head_dim do not match");
+  auto starts = seq_starts.contiguous(), lens = seq_lens.contiguous();
+  auto out = torch::empty_like(q);
+  const int32_t* st = starts.data_ptr<int32_t>();
+  const int32_t* ln = lens.data_ptr<int32_t>();
+  const int64_t G = H / Hkv;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
+                                  [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf, scores, acc;  // per-thread scratch
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / Hkv, h = i % Hkv;
+        const int64_t row = static_cast<int64_t>(st[b]) * k_cache.stride(0) + h * k_cache.stride(1);
+        attend_one<scalar_t>(qp + b * q.stride(0) + h * G * q.stride(1), q.stride(1), kp + row,
+                             vp + row, k_cache.stride(0), ln[b], G, D, static_cast<float>(scale),
+                             op + b * out.stride(0) + h * G * out.stride(1), out.stride(1), qf,
+                             scores, acc);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "decode attention over contiguous KV segments");
+}
