@@ -19,6 +19,7 @@ from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rope import rope_kv_write
 from services.compute.batch import ForwardBatch
 from services.compute.kv_cache import KVCache
+from services.compute.linear import Linear
 from services.compute.model_config import ModelConfig
 from services.compute.rope import RotaryEmbedding
 from services.compute.weights import require
@@ -26,11 +27,10 @@ from services.compute.weights import require
 
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor  # [(H + 2 * Hkv) * D, hidden], q, k, v projections fused
-    qkv_bias: torch.Tensor | None  # [(H + 2 * Hkv) * D]
-    o: torch.Tensor  # [hidden, H * D]
-    gate_up: torch.Tensor  # [2 * inter, hidden], gate and up fused
-    down: torch.Tensor  # [hidden, inter]
+    qkv: Linear  # [(H + 2 * Hkv) * D, hidden] (+ bias), q, k, v projections fused
+    o: Linear  # [hidden, H * D]
+    gate_up: Linear  # [2 * inter, hidden], gate and up fused
+    down: Linear  # [hidden, inter]
     ln_attn: torch.Tensor  # [hidden]
     ln_mlp: torch.Tensor  # [hidden]
 
@@ -44,7 +44,7 @@ class LlamaModel:
         head = weights.get("lm_head.weight")
         if head is None and not cfg.tie_word_embeddings:
             head = require(weights, "lm_head.weight")
-        self.lm_head = self.embed if head is None else head
+        self.lm_head = Linear(self.embed if head is None else head)  # [vocab, hidden]
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                     cfg.rope_scaling, device)
@@ -57,11 +57,11 @@ class LlamaModel:
         if self.cfg.attention_bias:
             bias = torch.cat([require(w, f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
         return LayerWeights(
-            qkv=torch.cat(qkv),
-            qkv_bias=bias,
-            o=require(w, f"{p}self_attn.o_proj.weight"),
-            gate_up=torch.cat([require(w, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")]),
-            down=require(w, f"{p}mlp.down_proj.weight"),
+            qkv=Linear(torch.cat(qkv), bias),
+            o=Linear(require(w, f"{p}self_attn.o_proj.weight")),
+            gate_up=Linear(torch.cat([require(w, f"{p}mlp.{n}_proj.weight")
+                                      for n in ("gate", "up")])),
+            down=Linear(require(w, f"{p}mlp.down_proj.weight")),
             ln_attn=require(w, f"{p}input_layernorm.weight"),
             ln_mlp=require(w, f"{p}post_attention_layernorm.weight"),
         )
@@ -74,10 +74,10 @@ class LlamaModel:
             x, residual = self._norm(h, residual, layer.ln_attn)
             h = self._attention(i, layer, x, batch, kv)
             x, residual = self._norm(h, residual, layer.ln_mlp)
-            h = F.linear(silu_mul(F.linear(x, layer.gate_up)), layer.down)
+            h = layer.down(silu_mul(layer.gate_up(x)))
         rows = batch.logits_indices
         last, _ = self._norm(h[rows], residual[rows], self.norm)  # [S, hidden]
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()
 
     def _norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
         """(rms_norm(residual + h), residual + h): HF's residual add and norm, fused."""
@@ -89,7 +89,7 @@ class LlamaModel:
                    kv: KVCache) -> torch.Tensor:
         c = self.cfg
         T = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = layer.qkv(x)
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                              c.num_kv_heads * c.head_dim], dim=-1)
         q, _ = rope_kv_write(q.view(T, c.num_heads, c.head_dim),
@@ -106,4 +106,4 @@ class LlamaModel:
             out[nd:] = prefill_attention(q[nd:], kv.k[i], kv.v[i], batch.prefill_cu,
                                          batch.prefill_starts, batch.prefill_lens, self.scale,
                                          max_q_len=batch.max_chunk_len)
-        return F.linear(out.view(T, -1), layer.o)
+        return layer.o(out.view(T, -1))
