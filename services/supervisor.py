@@ -1,21 +1,29 @@
 """`pipellm up`: Redis plus the four services as child processes, supervised.
 
 Children get their settings as PIPELLM_* env vars (the one config path), die with the
-supervisor (PR_SET_PDEATHSIG), are restarted when they crash, and are stopped on SIGINT/SIGTERM.
+supervisor (PR_SET_PDEATHSIG), are restarted when they crash (after 1, 2, 4 ... 60 s while they
+keep crashing; a child that ran RESET_AFTER_S is forgiven), each crash reported with the child's
+last line on stderr, and are stopped on SIGINT/SIGTERM. The embedded redis-server is a child like
+the others: restarted on its port with its data (append-only file in its directory, kept for the
+life of `up`), the services reconnect by themselves. Nothing starts when a port to bind is taken.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.parse
 import urllib.request
 
 from shared.config import EngineConfig, ServiceConfig, env_for
@@ -23,6 +31,7 @@ from shared.redis_server import EmbeddedRedis
 
 log = logging.getLogger("pipellm.up")
 _PR_SET_PDEATHSIG = 1
+FIRST_DELAY_S, MAX_DELAY_S, RESET_AFTER_S = 1.0, 60.0, 30.0
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -38,11 +47,18 @@ class Child:
     argv: list[str]
     env: dict[str, str]
     proc: subprocess.Popen | None = None
-    restarts: int = 0
-    next_start: float = 0.0
+    restarts: int = 0  # crashes in a row (reset once it has run RESET_AFTER_S)
+    next_start: float = 0.0  # monotonic time of the pending restart; 0: none pending
+    started_at: float = 0.0
+    stderr_tail: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=20))
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent,
+                                     stderr=subprocess.PIPE)
+        self.started_at = time.monotonic()
+        threading.Thread(target=self._forward_stderr, args=(self.proc.stderr,),
+                         daemon=True).start()
         log.info("started %s (pid %d)", self.name, self.proc.pid)
         run_dir = self.env.get("PIPELLM_RUN_DIR")
         if run_dir:  # for operators and tests: which process is which
@@ -53,9 +69,26 @@ class Child:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
 
+    def last_error(self) -> str:
+        """The child's last non-empty stderr line (a traceback's last line is the error)."""
+        lines = [line for line in self.stderr_tail if line.strip()]
+        return lines[-1].strip() if lines else "no output on stderr"
+
+    def _forward_stderr(self, stream) -> None:
+        """Copy the child's stderr to ours line by line, keeping the last lines."""
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            self.stderr_tail.append(line)
+            sys.stderr.write(line)
+        stream.close()
+
 
 class Supervisor:
-    def __init__(self, engine: EngineConfig, svc: ServiceConfig):
+    """The children of `pipellm up`: the embedded redis-server (when there is one) first, then
+    the services; stopped in the reverse order."""
+
+    def __init__(self, engine: EngineConfig, svc: ServiceConfig,
+                 redis: EmbeddedRedis | None = None):
         self.svc = svc
         env = {**os.environ, **env_for(engine), **env_for(svc)}
         cmd = [sys.executable, "-m", "services.cli", "serve"]
@@ -64,31 +97,45 @@ class Supervisor:
         names = services[:2] + [f"tokenizer-{i}" for i in range(svc.tokenizer_workers)]
         self.children = [Child(name, cmd + [service], env)
                          for name, service in zip(names + ["gateway"], services, strict=True)]
-        self.stopping = False
+        self.redis = redis
+        if redis is not None:
+            self.children.insert(0, Child("redis", redis.argv(), env))
 
     def start(self) -> None:
         for c in self.children:
             c.start()
+            if c.name == "redis":
+                self.redis.wait_ready(c.proc)
 
     def check(self) -> None:
-        """Restart children that exited (with a growing delay if they keep crashing)."""
+        """Restart children that exited, after a delay that doubles while they keep crashing."""
         now = time.monotonic()
         for c in self.children:
             if c.proc is None or c.proc.poll() is None:
                 continue
             if c.next_start == 0.0:
-                log.error("%s exited with code %s; restarting", c.name, c.proc.returncode)
+                if now - c.started_at >= RESET_AFTER_S:
+                    c.restarts = 0
+                delay = min(FIRST_DELAY_S * 2 ** c.restarts, MAX_DELAY_S)
                 c.restarts += 1
-                c.next_start = now + min(0.2 * 2 ** min(c.restarts, 6), 10.0)
+                log.error("%s exited with code %s (%s); restart %d in %.0f s", c.name,
+                          c.proc.returncode, c.last_error(), c.restarts, delay)
+                c.next_start = now + delay
             elif now >= c.next_start:
                 c.next_start = 0.0
                 c.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        for c in self.children:
+        services = [c for c in self.children if c.name != "redis"]
+        self._stop(services, timeout_s)
+        self._stop([c for c in self.children if c.name == "redis"], timeout_s)
+
+    @staticmethod
+    def _stop(children: list[Child], timeout_s: float) -> None:
+        for c in children:
             c.stop()
         deadline = time.monotonic() + timeout_s
-        for c in self.children:
+        for c in children:
             if c.proc is None:
                 continue
             try:
@@ -107,21 +154,39 @@ class Supervisor:
             return False
 
 
+def check_ports(svc: ServiceConfig) -> None:
+    """Raise OSError naming the first address `up` would bind that is taken (the HTTP port, tcp
+    zmq addresses), before anything starts."""
+    addrs = [(svc.host or "0.0.0.0", svc.port, "--port")]
+    for name in ("tokenizer", "compute", "control", "detokenizer", "gateway"):
+        given = getattr(svc, f"{name}_addr")
+        if given.startswith("tcp://"):
+            url = urllib.parse.urlsplit(given)
+            addrs.append((url.hostname or "0.0.0.0", url.port or 0, f"--{name}-addr"))
+    for host, port, flag in addrs:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise OSError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}; is "
+                              "another server running there?") from None
+
+
 def up(engine: EngineConfig, svc: ServiceConfig) -> int:
+    check_ports(svc)
     own_run_dir = not svc.run_dir
     run_dir = svc.run_dir or tempfile.mkdtemp(prefix="pipellm-")
     redis_url = svc.redis_url or os.environ.get("REDIS_URL", "")
+    # the data dir outlives a redis-server crash (a temporary one: the life of `up`)
     embedded = None if redis_url else EmbeddedRedis(
-        data_dir=svc.redis_dir or os.path.join(run_dir, "redis"), persist=bool(svc.redis_dir))
+        data_dir=svc.redis_dir or os.path.join(run_dir, "redis"), persist=True)
     if embedded is not None:
         os.makedirs(embedded.dir, exist_ok=True)
-        embedded.start(preexec_fn=_die_with_parent)
         redis_url = embedded.url
-        log.info("embedded redis at %s", redis_url)
-        with open(os.path.join(run_dir, "redis.pid"), "w") as f:
-            f.write(str(embedded.proc.pid))
+        log.info("embedded redis at %s (data in %s)", redis_url, embedded.dir)
     svc = dataclasses.replace(svc, run_dir=run_dir, redis_url=redis_url)
-    sup = Supervisor(engine, svc)
+    sup = Supervisor(engine, svc, embedded)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))
@@ -138,8 +203,6 @@ def up(engine: EngineConfig, svc: ServiceConfig) -> int:
     finally:
         log.info("stopping")
         sup.stop()
-        if embedded is not None:
-            embedded.stop()
         if own_run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
     return 0

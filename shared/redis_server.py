@@ -38,31 +38,44 @@ class EmbeddedRedis:
 
     def __init__(self, port: int | None = None, data_dir: str | None = None,
                  persist: bool = False):
-        """`persist`: snapshot to `data_dir`/dump.rdb (every 60 s after a change, and at
-        shutdown) and load it at start, so the length predictor outlives the server."""
+        """`persist`: keep the data in `data_dir` (an append-only file synced every second,
+        plus dump.rdb snapshots) and load it at start, so a restarted server has it again."""
         self.port = port or free_port()
         self.dir = data_dir or tempfile.mkdtemp(prefix="pipellm-redis-")
         self.persist = persist
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
+    def argv(self) -> list[str]:
+        """The redis-server command line (what a supervisor restarts)."""
+        persist = ("--save", "60", "1", "--appendonly", "yes", "--appendfsync", "everysec")
+        return [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", self.dir, *(persist if self.persist else ("--save", "",
+                                                                   "--appendonly", "no")),
+                "--logfile", "redis.log", "--daemonize", "no"]
+
     def start(self, timeout_s: float = 10.0, preexec_fn=None) -> EmbeddedRedis:
-        args = [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", self.dir, "--save", *(("60", "1") if self.persist else ("",)),
-                "--appendonly", "no", "--daemonize", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     preexec_fn=preexec_fn)
+        self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, preexec_fn=preexec_fn)
+        try:
+            self.wait_ready(self.proc, timeout_s)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def wait_ready(self, proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+        """Block until the server answers PING; RuntimeError if `proc` exits or time runs out."""
         client = redis.Redis.from_url(self.url)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 client.ping()
-                return self
+                return
             except redis.ConnectionError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    err = self.proc.stderr.read().decode() if self.proc.poll() is not None else ""
-                    self.stop()
-                    raise RuntimeError(f"redis-server did not start: {err}") from None
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port} "
+                                       f"(exit code {proc.poll()})") from None
                 time.sleep(0.05)
 
     def stop(self) -> None:

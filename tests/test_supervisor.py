@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -51,3 +52,103 @@ def test_up_with_embedded_redis_and_ctrl_c_leaves_no_orphans(demo_model_dir):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def start_up(model_dir, run_dir: str, port: int, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """`pipellm up` with its embedded Redis; returns (process, log file) once it is up."""
+    argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--port",
+            str(port), "--run-dir", run_dir, "--heartbeat-s", "0.2", *extra]
+    log = Path(run_dir, "out.log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while "pipellm is up" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    return proc, log
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until predicate() held; fails after timeout_s."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, what
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def test_port_taken_refuses_to_start_in_one_line(demo_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model",
+                              str(demo_model_dir), "--port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "pipellm is up" not in out.stdout
+    errors = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "in use" in errors[0], errors
+    assert time.monotonic() - start < 30  # nothing was started and waited for
+
+
+def test_killed_embedded_redis_comes_back_with_its_data(demo_model_dir):
+    import redis
+
+    run_dir = tempfile.mkdtemp(prefix="pl-")
+    stack = Stack(demo_model_dir)
+    proc, log = start_up(demo_model_dir, run_dir, stack.port)
+    stack.proc = proc
+    try:
+        url = next(line.split()[-4] for line in log.read_text().splitlines()
+                   if "embedded redis at" in line)
+        client = redis.Redis.from_url(url)
+        client.set("pipellm-test-key", "kept")
+        time.sleep(1.5)  # the append-only file is synced every second
+        os.kill(int(Path(run_dir, "redis.pid").read_text()), signal.SIGKILL)
+        assert wait_for(lambda: stack.get("/health")[0] != 200, 10, "health never noticed")
+        recovery = wait_for(lambda: stack.get("/health")[0] == 200, 30, "redis not restarted")
+        assert client.get("pipellm-test-key") == b"kept"
+        code, body = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
+        assert code == 200, body
+        assert "redis exited with code -9" in log.read_text() and recovery < 30
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
+def test_crash_loop_backs_off_and_reports_the_last_error(demo_model_dir):
+    """compute's tcp address taken while it restarts: each crash is reported with the bind error
+    and the delays double; once the address is free, compute comes back."""
+    from shared.redis_server import free_port
+
+    run_dir = tempfile.mkdtemp(prefix="pl-")
+    stack = Stack(demo_model_dir)
+    addr_port = free_port()
+    proc, log = start_up(demo_model_dir, run_dir, stack.port, "--compute-addr",
+                         f"tcp://127.0.0.1:{addr_port}")
+    stack.proc = proc
+    try:
+        blocker = socket.socket()
+        os.kill(int(Path(run_dir, "compute.pid").read_text()), signal.SIGKILL)
+        wait_for(lambda: _try_bind(blocker, addr_port), 10, "compute's port never freed")
+        wait_for(lambda: "restart 3 in 4 s" in log.read_text(), 30, log.read_text()[-3000:])
+        crashes = [line for line in log.read_text().splitlines() if "compute exited" in line]
+        assert "Address already in use" in crashes[-1], crashes
+        blocker.close()
+        wait_for(lambda: stack.get("/health")[0] == 200, 30, "compute did not come back")
+        code, body = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
+        assert code == 200, body
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
+def _try_bind(sock, port: int) -> bool:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as zmq binds
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        return True
+    except OSError:
+        return False
