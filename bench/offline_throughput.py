@@ -37,7 +37,7 @@ from loadgen import datasets as ds  # noqa: E402
 from services.compute.allocator import KVAllocator  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
 from services.compute.engine import LLMEngine, scheduler_config  # noqa: E402
-from services.compute.scheduler import Scheduler  # noqa: E402
+from services.compute.scheduler import Scheduler, StepSample  # noqa: E402
 from services.compute.sequence import Sequence  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.demo_model import build_demo_tokenizer  # noqa: E402
@@ -208,7 +208,7 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
         step = sched.schedule()
         build_batch(step, device)
         n = len(step.sampled)
-        sched.update(step, zeros[:n], lps[:n])
+        sched.update(step, StepSample(zeros[:n], lps[:n]))
 
     while sched.waiting or any(s.pending > 1 for s in sched.running):  # prefill
         fake_step()

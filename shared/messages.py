@@ -57,6 +57,7 @@ class Route:
     stop: list[str] = field(default_factory=list)
     n: int = 1  # choices of the API request this one belongs to
     length_features: list[int] = field(default_factory=list)  # the predictor learns at finish
+    prompt_ids: array | None = None  # int32, the whole prompt: only with prompt logprobs
 
 
 @message
@@ -81,6 +82,30 @@ class Abort:
 # --- compute -> detokenizer -----------------------------------------------------------------
 
 @message
+class TokenLogprobs:
+    """Logprobs at n consecutive positions of one request's tokens, from `start` (a prompt
+    position >= 1; 0 for the output token a step generated). Row i: the token there and its
+    logprob given the tokens before it, then the k most likely tokens at that position, best
+    first."""
+
+    request_id: str
+    start: int
+    token_ids: array  # int32 [n]
+    logprobs: array  # float32 [n]
+    top_ids: array  # int32 [n * k], row-major
+    top_logprobs: array  # float32 [n * k]
+
+    @property
+    def k(self) -> int:
+        return len(self.top_ids) // max(len(self.token_ids), 1)
+
+    def extend(self, other: TokenLogprobs) -> None:
+        """Append the piece that follows this one."""
+        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
+            getattr(self, name).extend(getattr(other, name))
+
+
+@message
 class StepOutput:
     """Everything one engine step produced, in columns: entry i is one token of request_ids[i]."""
 
@@ -92,6 +117,8 @@ class StepOutput:
     errors: list[list[str]] = field(default_factory=list)  # [request_id, reply_to, message]
     aborted: list[str] = field(default_factory=list)  # requests ended by an Abort
     step_time: float = 0.0  # wall clock when the step finished
+    top_logprobs: list[TokenLogprobs] = field(default_factory=list)  # output tokens' top-k
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # pieces, by chunk
 
 
 # --- detokenizer / tokenizer -> gateway -----------------------------------------------------
@@ -110,6 +137,10 @@ class Delta:
     error: str | None = None
     error_status: int = 0  # HTTP status for errors (400: bad request, 503: service)
     started_at: float = 0.0  # on a choice's first delta: wall clock when compute admitted it
+    top_ids: array = field(default_factory=lambda: array("i"))  # [len(token_ids) * k]
+    top_logprobs: array = field(default_factory=lambda: array("f"))
+    prompt_ids: array | None = None  # on the first delta, with prompt logprobs: the prompt
+    prompt_logprobs: TokenLogprobs | None = None  # and its tokens' logprobs, from position 1
 
 
 @message

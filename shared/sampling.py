@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's and vLLM's limit)
 
 class InvalidParams(ValueError):
     """A sampling parameter is out of range; `param` names it (for OpenAI-style errors)."""
@@ -30,7 +31,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
-    logprobs: bool = False
+    logprobs: bool = False  # return each generated token's logprob
+    top_logprobs: int = 0  # and the k most likely tokens at each of those positions
+    prompt_logprobs: int | None = None  # None: none; k: every prompt token's logprob (but the
+    # first's) and the k most likely tokens at its position
     presence_penalty: float = 0.0  # subtract once from every token already generated
     frequency_penalty: float = 0.0  # subtract per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # divide (positive) / multiply (negative) logits of tokens
@@ -50,6 +54,10 @@ class SamplingParams:
                "frequency_penalty must be in [-2, 2]")
         _check(self.repetition_penalty > 0, "repetition_penalty",
                "repetition_penalty must be > 0")
+        _check(0 <= self.top_logprobs <= MAX_LOGPROBS, "top_logprobs",
+               f"top_logprobs must be in [0, {MAX_LOGPROBS}]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+               "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2^63)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 

@@ -1,10 +1,15 @@
-"""The simulator-side benchmarks run end to end on small inputs and end with their JSON line."""
+"""The simulator-side benchmarks run end to end on small inputs and end with their JSON line;
+bench/vs_vllm.py's parts that need neither vLLM nor the SmolLM2 GGUF."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
-from bench import ablation, length_predictor
+import pytest
+
+from bench import ablation, length_predictor, servers, vs_vllm
 
 ROW_KEYS = {"name", "model", "workload", "qps_at_slo", "output_throughput", "p99_ttft_ms",
             "p99_tpot_ms", "preemptions"}
@@ -36,3 +41,80 @@ def test_length_predictor_bench_small(capsys):
     assert methods["oracle"] == {"mae": 0.0, "outgrow_rate": 0.0, "reserved_over_used": 1.0}
     assert methods["max_tokens"]["reserved_over_used"] > methods["predictor"][
         "reserved_over_used"] > 1.0
+
+
+def _row(server: str, workload: str, rep: int, tps: float, ok: bool = True) -> dict:
+    row = dict(server=server, workload=workload, rep=rep, ok=ok)
+    if ok:
+        row.update(output_throughput=tps, mean_ttft_ms=1000 / tps, mean_tpot_ms=10.0,
+                   request_throughput=tps / 100, completed=16, failed=rep)
+    return row
+
+
+def test_vs_vllm_summary_medians_and_ratios():
+    rows = [_row("pipellm", "random_inf", r, t) for r, t in enumerate([100, 300, 200])]
+    rows += [_row("vllm", "random_inf", r, t) for r, t in enumerate([50, 400, 100])]
+    rows += [_row("pipellm", "sharegpt", 0, 10), _row("vllm", "sharegpt", 0, 0, ok=False)]
+    s = vs_vllm.summarize(rows)
+    assert list(s) == ["random_inf", "sharegpt"]
+    p, v, ratio = s["random_inf"]["pipellm"], s["random_inf"]["vllm"], s["random_inf"]["ratio"]
+    assert (p["output_throughput"], v["output_throughput"]) == (200, 100)
+    assert ratio["output_throughput"] == 2.0 and ratio["mean_tpot_ms"] == 1.0
+    assert ratio["mean_ttft_ms"] == 0.5  # median 5 ms against 10 ms
+    assert (p["runs_ok"], p["runs"], p["failed_requests"]) == (3, 3, 0 + 1 + 2)
+    share = s["sharegpt"]  # the failed vLLM run: no median, no ratio
+    assert share["vllm"]["output_throughput"] is None and share["vllm"]["runs_ok"] == 0
+    assert share["ratio"]["output_throughput"] is None
+    assert json.loads(json.dumps(s)) == s
+
+
+def test_vs_vllm_args_and_commands(tmp_path):
+    args = vs_vllm.parse_args(["--quick", "--results-dir", str(tmp_path)])
+    assert (args.repeats, args.num_prompts, args.sharegpt_prompts) == (1, 16, 16)
+    assert args.offline_prompts == 16 and not args.skip_online
+    full = vs_vllm.parse_args([])
+    assert (full.repeats, full.num_prompts, full.max_model_len) == (3, 64, 2048)
+    args.pipellm_model = "/m/model.gguf"
+    pl = vs_vllm.make_server(args, "pipellm", tmp_path / "hf", 8001, 0)
+    assert pl.argv[1:4] == ["up", "--model", "/m/model.gguf"] and pl.ready_url.endswith("/health")
+    assert {"--dtype", "float32", "--max-model-len", "2048", "--threads"} <= set(pl.argv)
+    vl = vs_vllm.make_server(args, "vllm", tmp_path / "hf", 8002, 0)
+    assert vl.argv[1:3] == ["serve", str(tmp_path / "hf")] and vl.ready_url.endswith("/v1/models")
+    assert vl.env["VLLM_TARGET_DEVICE"] == "cpu"
+    share = vs_vllm.bench_argv(args, "sharegpt", 8002, 7, tmp_path / "hf", tmp_path / "r.json")
+    assert {"--ignore-eos", "--tokenizer", "--dataset-path"} <= set(share)
+    assert share[share.index("--num-prompts") + 1] == "16"
+    assert share[share.index("--seed") + 1] == "7"
+    rnd = vs_vllm.bench_argv(args, "random_2rps", 8002, 7, tmp_path / "hf", tmp_path / "r.json")
+    assert rnd[rnd.index("--request-rate") + 1] == "2" and "--tokenizer" not in rnd
+
+
+def test_vs_vllm_thread_notes_read_the_vllm_log(tmp_path):
+    args = vs_vllm.parse_args(["--results-dir", str(tmp_path), "--pipellm-threads", "1"])
+    (tmp_path / "vllm-rep0.log").write_text(
+        "x\tlocal_rank=0, core ids=[0]\nReducing Torch threads from 2 to 1 for serving.\n")
+    notes = vs_vllm.thread_notes(args)
+    assert "cores [0] with 1 torch thread" in notes["vllm"]
+    assert "--threads 1" in notes["pipellm"]
+
+
+def test_server_stops_its_whole_process_group(tmp_path):
+    port = servers.free_port()
+    script = (f"sleep 300 & echo $! > {tmp_path}/child.pid; "
+              f"exec {sys.executable} -m http.server {port} --bind 127.0.0.1")
+    srv = servers.Server("http", ["sh", "-c", script], f"http://127.0.0.1:{port}/",
+                         tmp_path / "http.log")
+    with servers.running(srv, timeout_s=30) as startup_s:
+        assert startup_s < 30 and servers.http_ok(srv.ready_url)
+    child = int((tmp_path / "child.pid").read_text())
+    assert not servers.http_ok(srv.ready_url)
+    assert not Path(f"/proc/{child}").exists() or \
+        "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_server_that_exits_early_raises_with_its_log(tmp_path):
+    argv = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
+    srv = servers.Server("bad", argv, "http://127.0.0.1:9/", tmp_path / "bad.log")
+    with pytest.raises(servers.ServerError, match="no model here"), servers.running(srv, 30):
+        pass
+    assert srv.proc is None

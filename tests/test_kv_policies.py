@@ -10,7 +10,7 @@ import pytest
 from services.compute import compaction
 from services.compute.allocator import KVAllocator
 from services.compute.paged_allocator import PagedAllocator
-from services.compute.scheduler import Scheduler, SchedulerConfig
+from services.compute.scheduler import Scheduler, SchedulerConfig, StepSample
 from services.compute.sequence import SeqStatus, Sequence
 from shared.config import EngineConfig
 from shared.length_dist import LEVELS, LengthDist
@@ -32,7 +32,7 @@ def make(policy="predicted", capacity=1000, budget=64, max_running=16, batching=
 
 def run_step(s: Scheduler):
     step = s.schedule()
-    s.update(step, [7] * len(step.sampled), [0.0] * len(step.sampled))
+    s.update(step, StepSample([7] * len(step.sampled), [0.0] * len(step.sampled)))
     s.allocator.check()
     return step
 
@@ -306,7 +306,7 @@ def test_random_runs_keep_every_cached_token_where_its_segment_says(seed, monkey
         for x, k in step.prefills:
             for p in range(x.num_cached, x.num_cached + k):
                 cache[x.kv_start + p] = (x.request_id, p)
-        s.update(step, [7] * len(step.sampled), [0.0] * len(step.sampled))
+        s.update(step, StepSample([7] * len(step.sampled), [0.0] * len(step.sampled)))
         s.allocator.check()
         for x in s.running:
             assert x.num_cached <= x.kv_reserved

@@ -24,6 +24,7 @@ from services.gateway.protocol import (
 from services.gateway.responses import (
     SSE_DONE,
     Choice,
+    TokenLogprob,
     Usage,
     chat_chunk,
     chat_logprobs,
@@ -60,7 +61,7 @@ COMMON_ERRORS = [
     ({"max_tokens": "16"}, "max_tokens", "max_tokens must be an integer"),
     ({"max_tokens": True}, "max_tokens", "must be an integer"),
     ({"max_tokens": 16.0}, "max_tokens", "must be an integer"),
-    ({"max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"max_tokens": -1}, "max_tokens", "at least"),
     ({"temperature": "0.5"}, "temperature", "temperature must be a number"),
     ({"temperature": True}, "temperature", "must be a number"),
     ({"temperature": -1}, "temperature", ">= 0"),
@@ -116,11 +117,11 @@ COMPLETION_ERRORS = [
     ({"prompt": [True]}, "prompt", "must be a string"),
     ({"prompt": 5}, "prompt", "must be a string"),
     ({"prompt": {"a": 1}}, "prompt", "must be a string"),
-    ({"logprobs": 2}, "logprobs", "top logprobs are not supported yet"),
-    ({"logprobs": -1}, "logprobs", "at least 0"),
+    ({"logprobs": 21}, "logprobs", "between 0 and 20"),
+    ({"logprobs": -1}, "logprobs", "between 0 and 20"),
     ({"logprobs": True}, "logprobs", "must be an integer"),
-    ({"echo": True}, "echo", "`echo` is not supported"),
-    ({"echo": 0}, "echo", "`echo` is not supported"),
+    ({"echo": 0}, "echo", "must be a boolean"),
+    ({"echo": "yes"}, "echo", "must be a boolean"),
     ({"suffix": "x"}, "suffix", "`suffix` is not supported"),
     ({"best_of": 2}, "best_of", "`best_of` is not supported"),
     ({"best_of": 2, "n": 3}, "best_of", "`best_of` is not supported"),
@@ -153,8 +154,10 @@ CHAT_ERRORS = [
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
      "messages[0].tool_calls", "not supported"),
     ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name", "string"),
-    ({"top_logprobs": 2}, "top_logprobs", "top logprobs are not supported yet"),
-    ({"top_logprobs": -1}, "top_logprobs", "at least 0"),
+    ({"max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", "between 0 and 20"),
+    ({"top_logprobs": -1}, "top_logprobs", "between 0 and 20"),
     ({"logprobs": 1}, "logprobs", "must be a boolean"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens", "differ"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
@@ -221,7 +224,7 @@ def check_common(req: GenerationRequest, kind: str):
 
 
 def test_completion_all_fields():
-    req = parse_completion({**BASE["completion"], **SAMPLING, "max_tokens": 50, "logprobs": 1,
+    req = parse_completion({**BASE["completion"], **SAMPLING, "max_tokens": 50, "logprobs": 0,
                             "best_of": 2, "echo": False, "suffix": None, "logit_bias": {}}, M)
     check_common(req, "completion")
     assert (req.prompt_text, req.prompt_ids, req.messages) == ("hi", None, None)
@@ -268,6 +271,22 @@ def test_defaults_and_nulls(kind):
     assert PARSE[kind](BASE[kind], M).params.max_tokens == 16
 
 
+def test_logprobs_echo_and_max_tokens_zero():
+    req = parse_completion({"prompt": "x", "logprobs": 5}, M)
+    assert (req.params.logprobs, req.params.top_logprobs, req.params.prompt_logprobs) == (
+        True, 5, None)
+    assert req.logprobs and req.top_logprobs == 5 and not req.echo
+    # lm-eval's loglikelihood request: the prompt's logprobs, nothing generated
+    req = parse_completion({"prompt": "x", "echo": True, "logprobs": 3, "max_tokens": 0}, M)
+    assert req.echo and req.discard_output and req.max_tokens_given
+    assert (req.params.max_tokens, req.params.prompt_logprobs, req.params.top_logprobs) == (
+        1, 3, 3)
+    req = parse_completion({"prompt": "x", "echo": True}, M)  # echo alone: text, no logprobs
+    assert req.echo and req.params.prompt_logprobs is None and not req.discard_output
+    req = parse_chat({"messages": MSG, "logprobs": True, "top_logprobs": 20}, M)
+    assert req.params.top_logprobs == 20 and req.params.prompt_logprobs is None
+
+
 def test_small_accepted_variants():
     assert parse_completion({"prompt": "x", "logprobs": 0}, M).params.logprobs
     assert parse_completion({"prompt": "x", "top_k": -1}, M).params.top_k == -1
@@ -310,8 +329,9 @@ def test_error_helpers():
 # ---------------------------------------------------------------------------- responses
 
 def test_completion_response_validates():
-    choices = [Choice(0, "Hello world", "stop", [5, 6], [-0.5, float("-inf")], ["Hello", " world"]),
-               Choice(1, "Hi", "length", [7], None, None)]
+    entries = [TokenLogprob("Hello", -0.5),
+               TokenLogprob(" world", float("-inf"), [(" there", -0.1), (" world", -9e9)])]
+    choices = [Choice(0, "Hello world", "stop", entries), Choice(1, "Hi", "length")]
     out = completion_response("cmpl-1", M, 1700000000, choices, Usage(4, 3))
     json.loads(sse(out)[6:])  # strict JSON (no -Infinity)
     c = Completion.model_validate(out)
@@ -320,25 +340,38 @@ def test_completion_response_validates():
         (0, "Hello world", "stop"), (1, "Hi", "length")]
     lp = c.choices[0].logprobs
     assert lp.tokens == ["Hello", " world"] and lp.token_logprobs == [-0.5, -9999.0]
-    assert lp.text_offset == [0, 5] and lp.top_logprobs is None
+    assert lp.text_offset == [0, 5]
+    # the chosen token first, then the alternatives (vLLM's shape); a repeat keeps its place
+    assert lp.top_logprobs == [{"Hello": -0.5}, {" world": -9e9, " there": -0.1}]
+    assert list(lp.top_logprobs[1]) == [" world", " there"]
     assert c.choices[1].logprobs is None
     assert (c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) == (4, 3, 7)
 
 
+def test_echoed_prompt_logprobs_start_with_null():
+    """As OpenAI's legacy API and vLLM answer (the client's pydantic type cannot say so)."""
+    lp = completion_logprobs([TokenLogprob("A", None), TokenLogprob("B", -1.5, [("C", -0.2)])])
+    assert lp == {"tokens": ["A", "B"], "token_logprobs": [None, -1.5],
+                  "top_logprobs": [None, {"B": -1.5, "C": -0.2}], "text_offset": [0, 1]}
+
+
 def test_chat_response_validates():
-    choices = [Choice(0, "héllo", "stop", [5, 6], [-0.25, -1.0], None)]
+    choices = [Choice(0, "héllo", "stop", [TokenLogprob("h", -0.25, [("h", -0.25), ("x", -2.0)]),
+                                          TokenLogprob("éllo", -1.0)])]
     c = ChatCompletion.model_validate(chat_response("chatcmpl-9", M, 5, choices, Usage(2, 2)))
     assert (c.id, c.object, c.created, c.model) == ("chatcmpl-9", "chat.completion", 5, M)
     ch = c.choices[0]
     assert (ch.index, ch.finish_reason, ch.message.role, ch.message.content) == (
         0, "stop", "assistant", "héllo")
-    assert [(t.token, t.logprob, t.top_logprobs) for t in ch.logprobs.content] == [
-        ("token_id:5", -0.25, []), ("token_id:6", -1.0, [])]
+    assert [(t.token, t.logprob) for t in ch.logprobs.content] == [("h", -0.25), ("éllo", -1.0)]
+    assert [(t.token, t.logprob, t.bytes) for t in ch.logprobs.content[0].top_logprobs] == [
+        ("h", -0.25, [104]), ("x", -2.0, [120])]
+    assert ch.logprobs.content[1].top_logprobs == []
     assert c.usage.total_tokens == 4
 
 
 def test_chat_stream_chunks_validate():
-    lp = chat_logprobs(["é"], [-0.1])
+    lp = chat_logprobs([TokenLogprob("é", -0.1)])
     chunks = [chat_chunk("chatcmpl-2", M, 9, 0, "", "assistant", None, None, include_usage=True),
               chat_chunk("chatcmpl-2", M, 9, 0, "é", None, None, lp, include_usage=True),
               chat_chunk("chatcmpl-2", M, 9, 0, None, None, "length", None, include_usage=True),
@@ -355,7 +388,7 @@ def test_chat_stream_chunks_validate():
 
 
 def test_completion_stream_chunks_validate():
-    lp = completion_logprobs([" b"], [-0.3], text_offset=2)
+    lp = completion_logprobs([TokenLogprob(" b", -0.3)], text_offset=2)
     mid = completion_chunk("cmpl-3", M, 1, 1, " b", None, lp, include_usage=True)
     last = completion_chunk("cmpl-3", M, 1, 1, "", "stop", None)
     # the client's Completion type requires a finish_reason; OpenAI streams null mid-stream

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.compute.allocator import KVAllocator
-from services.compute.scheduler import Scheduler, SchedulerConfig
+from services.compute.scheduler import Scheduler, SchedulerConfig, StepSample
 from services.compute.sequence import SeqStatus, Sequence
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
@@ -25,7 +25,7 @@ def make(capacity=1000, budget=16, max_running=8, policy="predicted", min_grow=2
 def run_step(s: Scheduler, token: int = 7):
     step = s.schedule()
     n = len(step.sampled)
-    s.update(step, [token] * n, [0.0] * n)
+    s.update(step, StepSample([token] * n, [0.0] * n))
     s.allocator.check()
     return step
 

@@ -146,3 +146,79 @@ def test_server_answers_paris_as_transformers_does(stack, hf, prompts):
     assert "Paris" in text
     want = hf[1].decode(hf_greedy(hf[0], prompts[0]), skip_special_tokens=True)
     assert text == want
+
+
+def hf_rows(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab] float32: row i is log p(. | ids[:i + 1])."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def check_top(top: dict, row: torch.Tensor, k: int) -> None:
+    """A completions top_logprobs entry (the chosen token, then k alternatives) against
+    transformers' row: its k best logprobs are there, to 1e-3."""
+    best = row.topk(k).values.tolist()
+    values = sorted(top.values(), reverse=True)[: k]
+    assert len(top) >= k and max(abs(a - b) for a, b in zip(values, best, strict=True)) < 1e-3
+
+
+def test_prompt_logprobs_as_lm_eval_asks_for_them(stack, hf, prompts, gguf_path):
+    """lm-eval's loglikelihood request: echo, logprobs k, max_tokens 0."""
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    ids = prompts[4] + prompts[5]
+    r = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=ids, echo=True,
+                                  logprobs=5, max_tokens=0, temperature=0)
+    choice, rows = r.choices[0], hf_rows(hf[0], ids)
+    tok = load_tokenizer(gguf_path)
+    assert choice.text == tok.decode(ids, skip_special_tokens=False)
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    assert choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = rows[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-3)
+    for i in range(1, len(ids)):
+        check_top(lp.top_logprobs[i], rows[i - 1], 5)
+
+
+def test_streamed_echo_and_top_logprobs_of_generated_tokens(stack, hf, prompts):
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    text = COMPLETIONS[2]
+    chunks = list(client.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", prompt=text, echo=True, logprobs=2, max_tokens=6,
+        temperature=0, stream=True))
+    assert chunks[0].choices[0].text.startswith(text)
+    tokens, logprobs, tops = [], [], []
+    for c in chunks:
+        if c.choices and c.choices[0].logprobs is not None:
+            tokens += c.choices[0].logprobs.tokens
+            logprobs += c.choices[0].logprobs.token_logprobs
+            tops += c.choices[0].logprobs.top_logprobs
+    ids = prompts[6]  # the same text, tokenized by the server's tokenizer
+    assert len(tokens) == len(ids) + 6 and logprobs[0] is None
+    generated = hf_greedy(hf[0], ids)[:6]
+    rows = hf_rows(hf[0], ids + generated)
+    full = ids + generated
+    want = rows[torch.arange(len(full) - 1), torch.tensor(full[1:])]
+    assert torch.allclose(torch.tensor(logprobs[1:]), want, atol=1e-3)
+    for i in range(1, len(full)):
+        check_top(tops[i], rows[i - 1], 2)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text + hf[1].decode(
+        generated)
+
+
+def test_chat_top_logprobs_match_transformers(stack, hf, prompts):
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", temperature=0, max_tokens=8, logprobs=True,
+        top_logprobs=3, messages=[{"role": "user", "content": QUESTIONS[0]}])
+    content = r.choices[0].logprobs.content
+    generated = hf_greedy(hf[0], prompts[0])[:8]
+    rows = hf_rows(hf[0], prompts[0] + generated)[len(prompts[0]) - 1 : -1]
+    assert len(content) == len(generated)
+    for entry, tok, row in zip(content, generated, rows, strict=True):
+        assert abs(entry.logprob - row[tok].item()) < 1e-3
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            row.topk(3).values.tolist(), abs=1e-3)
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the best is the chosen

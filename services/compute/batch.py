@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from services.compute.scheduler import ScheduledStep
+from services.compute.sequence import Sequence
 
 
 @dataclass
@@ -21,7 +22,8 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, position within its sequence
     slots: torch.Tensor  # [T] int64, KV cache slot the token's K/V go to
-    logits_indices: torch.Tensor  # [S] flat rows whose logits are sampled (step.sampled order)
+    logits_indices: torch.Tensor  # [S + R] flat rows whose logits are computed: the S sampled
+    # (step.sampled order), then R rows whose logits score the prompt token after them
     num_decodes: int
     decode_starts: torch.Tensor  # [num_decodes] int32, first KV slot of each decode's sequence
     decode_lens: torch.Tensor  # [num_decodes] int32, its KV length
@@ -30,6 +32,8 @@ class ForwardBatch:
     prefill_lens: torch.Tensor  # [P] int32, KV length including the chunk
     max_decode_len: int  # host-side maxima: kernel grids are sized without a device sync
     max_chunk_len: int
+    prompt_spans: list[tuple[Sequence, int, int]]  # (seq, first prompt position scored, count):
+    # the R prompt rows in order; row j of a span scores token_ids[position + j]
 
 
 def build_batch(step: ScheduledStep, device: torch.device) -> ForwardBatch:
@@ -46,8 +50,14 @@ def build_batch(step: ScheduledStep, device: torch.device) -> ForwardBatch:
         dec_lens.append(c + 1)
     logits_rows = list(range(len(step.decodes)))
     cu, pre_starts, pre_lens = [0], [], []
+    prompt_rows, spans = [], []
     for seq, n in step.prefills:
         c = seq.num_cached
+        owed = seq.prompt_logprobs_owed  # scored by the rows of positions owed - 1
+        lo, hi = max(c, owed.start - 1), min(c + n, owed.stop - 1)
+        if hi > lo:
+            prompt_rows.extend(range(len(ids) + lo - c, len(ids) + hi - c))
+            spans.append((seq, lo + 1, hi - lo))
         ids.extend(seq.token_ids[c : c + n])
         pos.extend(range(c, c + n))
         slots.extend(range(seq.kv_start + c, seq.kv_start + c + n))
@@ -58,7 +68,8 @@ def build_batch(step: ScheduledStep, device: torch.device) -> ForwardBatch:
             logits_rows.append(len(ids) - 1)
     # two host->device copies (int64 token data, int32 attention metadata), then views
     T, D, P = len(ids), len(dec_starts), len(pre_starts)
-    flat = torch.tensor(ids + pos + slots + logits_rows, dtype=torch.int64).to(device)
+    flat = torch.tensor(ids + pos + slots + logits_rows + prompt_rows,
+                        dtype=torch.int64).to(device)
     meta = torch.tensor(dec_starts + dec_lens + cu + pre_starts + pre_lens,
                         dtype=torch.int32).to(device)
     return ForwardBatch(
@@ -70,4 +81,5 @@ def build_batch(step: ScheduledStep, device: torch.device) -> ForwardBatch:
         prefill_lens=meta[2 * D + 2 * P + 1 :],
         max_decode_len=max(dec_lens, default=0),
         max_chunk_len=max((n for _, n in step.prefills), default=0),
+        prompt_spans=spans,
     )

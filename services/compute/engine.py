@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.compute.allocator import KVAllocator
 from services.compute.model_config import served_model
 from services.compute.paged_allocator import PagedAllocator
 from services.compute.runner import ModelRunner
-from services.compute.scheduler import Scheduler, SchedulerConfig
+from services.compute.scheduler import Scheduler, SchedulerConfig, StepSample, Top
 from services.compute.sequence import SeqStatus, Sequence
+from shared.codec import float32s, int32s
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
+from shared.messages import TokenLogprobs
 from shared.sampling import InvalidParams, SamplingParams
 
 
@@ -28,12 +30,14 @@ class TokenEvent:
     token_id: int
     logprob: float
     finish_reason: str | None  # "stop" | "length" | None
+    top: Top | None = None  # with params.top_logprobs: the k most likely tokens here
 
 
 @dataclass(frozen=True)
 class StepResult:
     events: list[TokenEvent]  # one per request that got a token, in batch order
     admitted: list[str]  # request ids taken from the queue (first time or after preemption)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # scored prompt pieces
 
 
 @dataclass(frozen=True)
@@ -112,14 +116,15 @@ class LLMEngine:
         admitted = [s.request_id for s in step.admitted]
         if step.num_tokens == 0:
             return StepResult([], admitted)
-        tokens, logprobs = self.runner.execute(step)
+        out = self.runner.execute(step)
         events = []
-        for seq in self.scheduler.update(step, tokens, logprobs):
+        for seq, top in zip(self.scheduler.update(step, out), out.top or
+                            [None] * len(out.tokens), strict=True):
             events.append(TokenEvent(seq.request_id, seq.token_ids[-1], seq.logprobs[-1],
-                                     seq.finish_reason))
+                                     seq.finish_reason, top))
             if seq.finish_reason is not None:
                 del self.requests[seq.request_id]
-        return StepResult(events, admitted)
+        return StepResult(events, admitted, _prompt_pieces(out))
 
     def stats(self) -> EngineStats:
         s, a = self.scheduler, self.scheduler.allocator
@@ -138,6 +143,18 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return seqs
+
+
+def _prompt_pieces(out: StepSample) -> list[TokenLogprobs]:
+    """The step's scored prompt tokens, one piece per request."""
+    pieces = []
+    for seq, logprobs, top in out.prompt:
+        start = len(seq.prompt_logprobs) - len(logprobs) + 1  # update() appended them
+        pieces.append(TokenLogprobs(
+            seq.request_id, start, int32s(seq.token_ids[start : start + len(logprobs)]),
+            float32s(logprobs), int32s(i for ids, _ in top for i in ids),
+            float32s(v for _, values in top for v in values)))
+    return pieces
 
 
 def scheduler_config(config: EngineConfig) -> SchedulerConfig:

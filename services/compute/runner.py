@@ -12,7 +12,7 @@ from services.compute.batch import build_batch
 from services.compute.kv_cache import KVCache
 from services.compute.llama import LlamaModel
 from services.compute.model_config import ModelConfig
-from services.compute.scheduler import ScheduledStep
+from services.compute.scheduler import ScheduledStep, StepSample, Top
 from services.compute.sequence import Sequence
 from services.compute.weights import load_weights
 from shared.config import EngineConfig
@@ -57,19 +57,24 @@ class ModelRunner:
         return max(int(budget // per_token), 1)
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep) -> tuple[list[int], list[float]]:
-        """Apply KV moves, run the merged forward, sample. Returns (token ids, logprobs) for
-        step.sampled, in that order."""
+    def execute(self, step: ScheduledStep) -> StepSample:
+        """Apply KV moves, run the merged forward, sample one token per step.sampled."""
         for src, dst, n in step.moves:
             self.kv.move(src, dst, n)
         sampled = step.sampled
         batch = build_batch(step, self.device)
-        logits = self.model.forward(batch, self.kv)  # [S, vocab]
+        logits = self.model.forward(batch, self.kv)  # [S + R, vocab]
+        out = StepSample()
+        if batch.prompt_spans:
+            out.prompt = _prompt_logprobs(logits[len(sampled):], batch.prompt_spans)
         if not sampled:
-            return [], []
+            return out
+        logits = logits[: len(sampled)]
         _suppress_stop_tokens(logits, sampled)
+        out.top = _top_logprobs(logits, [s.params.top_logprobs for s in sampled])
         tokens, logprobs = self._sample(logits, sampled)
-        return tokens.tolist(), logprobs.tolist()  # the step's one device->host sync
+        out.tokens, out.logprobs = tokens.tolist(), logprobs.tolist()  # one device->host sync
+        return out
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Sample one token per row of `logits` [S, vocab] for `seqs`; no host sync."""
@@ -87,7 +92,7 @@ class ModelRunner:
             all_greedy=all(p.temperature == 0 for p in ps),
             need_sort=any(p.top_k > 0 or p.top_p < 1 for p in ps if p.temperature > 0),
             raw_logits=raw,  # logprobs stay those of the model's own distribution
-            need_logprobs=any(p.logprobs for p in ps),
+            need_logprobs=any(p.logprobs or p.top_logprobs for p in ps),
         )
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -109,3 +114,37 @@ def _suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     for row, s in enumerate(seqs):
         if s.num_output < s.params.min_tokens and s.stop_ids:
             logits[row, list(s.stop_ids)] = float("-inf")
+
+
+def _top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The k most likely tokens of each row of `logprobs` [R, vocab], best first, on the host."""
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    return ids.tolist(), values.tolist()
+
+
+def _top_logprobs(logits: torch.Tensor, ks: list[int]) -> list[Top | None]:
+    """Per row of `logits` [S, vocab]: its ks[i] most likely tokens, or None where ks[i] is 0."""
+    rows = [i for i, k in enumerate(ks) if k]
+    out: list[Top | None] = [None] * len(ks)
+    if rows:
+        ids, values = _top_k(logits[rows].float().log_softmax(-1), max(ks))
+        for j, i in enumerate(rows):
+            out[i] = (ids[j][: ks[i]], values[j][: ks[i]])
+    return out
+
+
+def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]):
+    """logits [R, vocab]: the rows before the prompt tokens of `spans` (see ForwardBatch).
+    Per span: (seq, the scored tokens' logprobs, their positions' top k)."""
+    targets = [t for seq, start, n in spans for t in seq.token_ids[start : start + n]]
+    logprobs = logits.float().log_softmax(-1)  # [R, vocab]
+    index = torch.tensor(targets, dtype=torch.int64, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    ids, values = _top_k(logprobs, max(seq.params.prompt_logprobs for seq, _, _ in spans))
+    out, row = [], 0
+    for seq, _, n in spans:
+        k = seq.params.prompt_logprobs
+        top = [(ids[r][:k], values[r][:k]) for r in range(row, row + n)]
+        out.append((seq, chosen[row : row + n], top))
+        row += n
+    return out

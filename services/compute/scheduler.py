@@ -90,6 +90,21 @@ class ScheduledStep:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
 
+Top = tuple[list[int], list[float]]  # the k most likely tokens at a position, and their logprobs
+
+
+@dataclass
+class StepSample:
+    """What a step produced, on the host. tokens/logprobs/top follow step.sampled; top[i] is
+    None unless that request asked for top logprobs. prompt: per batch.prompt_spans span, the
+    scored prompt tokens' logprobs and top k."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[Top | None] = field(default_factory=list)
+    prompt: list[tuple[Sequence, list[float], list[Top]]] = field(default_factory=list)
+
+
 @dataclass
 class SchedulerStats:
     moves: int = 0
@@ -168,15 +183,19 @@ class Scheduler:
                 step.prefills.append((seq, n))
                 budget -= n
 
-    def update(self, step: ScheduledStep, tokens: list[int],
-               logprobs: list[float]) -> list[Sequence]:
-        """Apply a finished forward: advance caches, append sampled tokens, retire finished."""
+    def update(self, step: ScheduledStep, out: StepSample) -> list[Sequence]:
+        """Apply a finished forward: advance caches, append sampled tokens (and the logprobs
+        asked for), retire finished."""
         for seq in step.decodes:
             seq.num_cached += 1
         for seq, n in step.prefills:
             seq.num_cached += n
-        for seq, tok, lp in zip(step.sampled, tokens, logprobs, strict=True):
-            seq.append(tok, lp)
+        for seq, logprobs, top in out.prompt:
+            seq.prompt_logprobs += logprobs
+            seq.prompt_top += top
+        for seq, tok, lp, top in zip(step.sampled, out.tokens, out.logprobs,
+                                     out.top or [None] * len(out.tokens), strict=True):
+            seq.append(tok, lp, top)
             if seq.finish_reason is not None:
                 self._retire(seq)
         return step.sampled

@@ -36,7 +36,12 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     peak_total: int = 0  # the scheduler's cached output-length bound for admission (0: unset)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of token_ids[num_prompt:]
+    # with params.top_logprobs: [(ids, logprobs)] of the k most likely tokens, per output token
+    top: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # with params.prompt_logprobs: of token_ids[1 : 1 + len(prompt_logprobs)] (and their top k)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
     def __post_init__(self):
         self.num_prompt = len(self.token_ids)
@@ -54,12 +59,22 @@ class Sequence:
         return self.token_ids[self.num_prompt :]
 
     @property
+    def prompt_logprobs_owed(self) -> range:
+        """Prompt positions whose logprobs are still to be computed (none unless asked for)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(1 + len(self.prompt_logprobs), self.num_prompt)
+
+    @property
     def pending(self) -> int:
         return len(self.token_ids) - self.num_cached
 
-    def append(self, token: int, logprob: float) -> None:
+    def append(self, token: int, logprob: float,
+               top: tuple[list[int], list[float]] | None = None) -> None:
         self.token_ids.append(token)
         self.logprobs.append(logprob)
+        if top is not None:
+            self.top.append(top)
         self.finish_reason = self._finish_reason(token)
 
     def _finish_reason(self, token: int) -> str | None:

@@ -17,7 +17,7 @@ from shared import state
 from shared.codec import float32s, int32s
 from shared.config import EngineConfig, ServiceConfig
 from shared.length_dist import LengthDist
-from shared.messages import Abort, GenerateRequest, Route, StepOutput
+from shared.messages import Abort, GenerateRequest, Route, StepOutput, TokenLogprobs
 from shared.sampling import InvalidParams
 from shared.transport import Receiver, Sender
 
@@ -92,7 +92,9 @@ class ComputeService:
         for e in result.events:
             if e.finish_reason is not None:
                 self.routes.pop(e.request_id, None)
-        return _output(result.events, routes, [])
+        out = _output(result.events, routes, [])
+        out.prompt_logprobs = result.prompt_logprobs
+        return out
 
     def beat(self) -> None:
         """Every heartbeat period: expire stale early aborts, publish engine stats."""
@@ -116,6 +118,9 @@ def _output(events, routes: list[Route], errors: list[list[str]]) -> StepOutput:
         token_ids=int32s(e.token_id for e in events),
         logprobs=float32s(e.logprob for e in events),
         finish_reasons=[e.finish_reason for e in events], errors=errors, step_time=time.time(),
+        top_logprobs=[TokenLogprobs(e.request_id, 0, int32s([e.token_id]),
+                                    float32s([e.logprob]), int32s(e.top[0]), float32s(e.top[1]))
+                      for e in events if e.top is not None],
     )
 
 

@@ -21,7 +21,7 @@ from services.detokenizer.stop import StopMatcher
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
 from shared.length_predictor import LengthPredictor, model_key
-from shared.messages import Abort, Delta, DeltaBatch, Route, StepOutput
+from shared.messages import Abort, Delta, DeltaBatch, Route, StepOutput, TokenLogprobs
 from shared.tokenizer import load_tokenizer
 from shared.transport import Receiver, Sender, Senders
 
@@ -35,6 +35,7 @@ class Stream:
     stops: StopMatcher
     started_at: float
     num_output: int = 0
+    prompt_logprobs: TokenLogprobs | None = None  # pieces joined, until the first token
 
 
 @dataclass
@@ -71,11 +72,18 @@ class Detokenizer:
                     StopMatcher(route.stop), now)
                 res.updates.append((state.api_id(route.request_id),
                                     {"status": "running", "started_at": now}, None))
+        for piece in out.prompt_logprobs:
+            stream = self.streams.get(piece.request_id)
+            if stream is not None and stream.prompt_logprobs is None:
+                stream.prompt_logprobs = piece
+            elif stream is not None:
+                stream.prompt_logprobs.extend(piece)
+        tops = {t.request_id: t for t in out.top_logprobs}
         for rid, tok, lp, fin in zip(out.request_ids, out.token_ids, out.logprobs,
                                      out.finish_reasons, strict=True):
             stream = self.streams.get(rid)
             if stream is not None:
-                self._token(stream, tok, lp, fin, res, now)
+                self._token(stream, tok, lp, fin, res, now, tops.get(rid))
         for rid, reply_to, message in out.errors:
             res.send(reply_to, Delta(rid, error=message, error_status=400))
             res.updates.append((state.api_id(rid), {"status": "failed", "error": message},
@@ -85,7 +93,7 @@ class Detokenizer:
         return res
 
     def _token(self, s: Stream, tok: int, lp: float, fin: str | None, res: Outputs,
-               now: float) -> None:
+               now: float, top: TokenLogprobs | None) -> None:
         s.num_output += 1
         text = s.detok.add([tok])
         if fin is not None:
@@ -98,9 +106,16 @@ class Detokenizer:
             emitted += s.stops.flush()
         rid = s.route.request_id
         first = s.num_output == 1
-        res.send(s.route.reply_to, Delta(
-            rid, emitted, array("i", [tok]), array("f", [lp]), fin, s.route.num_prompt,
-            s.num_output, started_at=s.started_at if first else 0.0))
+        delta = Delta(rid, emitted, array("i", [tok]), array("f", [lp]), fin,
+                      s.route.num_prompt, s.num_output)
+        if top is not None:
+            delta.top_ids, delta.top_logprobs = top.top_ids, top.top_logprobs
+        if first:
+            delta.started_at = s.started_at
+            if s.route.prompt_ids is not None:  # prompt logprobs asked for
+                delta.prompt_ids = s.route.prompt_ids
+                delta.prompt_logprobs = s.prompt_logprobs or _no_logprobs(rid)
+        res.send(s.route.reply_to, delta)
         if first:
             res.updates.append((state.api_id(rid), {"first_token_at": now}, None))
         if fin is not None:
@@ -121,6 +136,11 @@ class Detokenizer:
         res.counts.append((api, "completion_tokens", s.num_output))
         if s.route.length_features:  # "stop" or "length": aborted requests never get here
             res.lengths.append((s.route.length_features, s.num_output))
+
+
+def _no_logprobs(rid: str) -> TokenLogprobs:
+    """A one-token prompt has no token to score."""
+    return TokenLogprobs(rid, 1, array("i"), array("f"), array("i"), array("f"))
 
 
 def write_state(client: redis.Redis, res: Outputs) -> None:

@@ -46,6 +46,16 @@ class Gateway:
         self.metrics = Metrics()
         self.health = Health(redis_client, self.registry, self._abort_ids, self.metrics)
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """One token as a string, as logprobs answers list it (cached)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_texts) < 1 << 18:
+                self._token_texts[token_id] = text
+        return text
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.svc.max_body_bytes,

@@ -13,7 +13,10 @@
   `max_tokens_given` tells which, so the gateway can later replace the default for chat with
   `context_len - prompt_len` once the prompt is tokenized. Checking prompt + max_tokens against
   the context length is the gateway's job. For chat, `max_completion_tokens` and `max_tokens` are
-  synonyms; giving both with different values is a 400.
+  synonyms; giving both with different values is a 400. Completions accept max_tokens 0 (with
+  echo: the prompt's logprobs only, what lm-eval's loglikelihood requests send).
+* Logprobs: completions `logprobs` k in [0, 20] (the chosen tokens' logprobs and the k most
+  likely alternatives; with `echo`, also the prompt's); chat `logprobs` true and `top_logprobs`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from services.gateway.validation import (
     same,
     token_ids,
 )
-from shared.sampling import InvalidParams, SamplingParams
+from shared.sampling import MAX_LOGPROBS, InvalidParams, SamplingParams
 
 MAX_N = 16
 
@@ -46,7 +49,7 @@ _COMMON_KEYS = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
 })
 # Known OpenAI fields we do not implement, with the values that ask for nothing (null is too).
-_COMPLETION_NEUTRAL: dict[str, tuple] = {"echo": (False,), "suffix": ("",), "logit_bias": ({},)}
+_COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",), "logit_bias": ({},)}
 _CHAT_NEUTRAL: dict[str, tuple] = {
     "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
@@ -55,10 +58,10 @@ _CHAT_NEUTRAL: dict[str, tuple] = {
     "web_search_options": (), "verbosity": (), "moderation": (), "prompt_cache_key": (),
     "prompt_cache_options": (), "prompt_cache_retention": (), "safety_identifier": (),
 }
-COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of"} | _COMPLETION_NEUTRAL.keys())
+COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"}
+                            | _COMPLETION_NEUTRAL.keys())
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs",
                                       "add_generation_prompt"} | _CHAT_NEUTRAL.keys())
-_TOP_LOGPROBS = "top logprobs are not supported yet"
 _ROLES = ("system", "user", "assistant")
 _OTHER_ROLES = ("developer", "tool", "function")  # OpenAI roles we do not implement
 # Message fields we do not implement; null (or an empty list) is what clients echo back.
@@ -84,6 +87,11 @@ class GenerationRequest:
     add_generation_prompt: bool  # chat (default True); False for completions
     user: str | None
     max_tokens_given: bool = True  # False: params.max_tokens is the default_max_tokens argument
+    top_logprobs: int = 0  # and the k most likely tokens at each position (params.top_logprobs)
+    echo: bool = False  # completions: the prompt comes back before the completion (with
+    # logprobs: its tokens' too, params.prompt_logprobs)
+    discard_output: bool = False  # completions with max_tokens 0: compute generates one token
+    # (it always does), the answer leaves it out
 
 
 def parse_completion(body: Any, served_model: str, *,
@@ -96,14 +104,15 @@ def parse_completion(body: Any, served_model: str, *,
     best_of = get_int(body, "best_of")
     if best_of is not None and best_of != n:
         raise bad_request("`best_of` is not supported (only best_of == n)", "best_of")
-    logprobs = get_int(body, "logprobs", lo=0)
-    if logprobs is not None and logprobs > 1:
-        raise bad_request(_TOP_LOGPROBS, "logprobs")
-    max_tokens = get_int(body, "max_tokens")
+    logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
+    echo = get_bool(body, "echo", False)
+    max_tokens = get_int(body, "max_tokens", lo=0)
     return _finish(body, "completion", model, prompt_text=prompt_text, prompt_ids=prompt_ids,
-                   messages=None, n=n, logprobs=logprobs is not None, max_tokens=max_tokens,
-                   max_param="max_tokens", default_max_tokens=default_max_tokens,
-                   add_generation_prompt=False)
+                   messages=None, n=n, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
+                   prompt_logprobs=logprobs if echo else None, echo=echo,
+                   discard_output=max_tokens == 0,
+                   max_tokens=1 if max_tokens == 0 else max_tokens, max_param="max_tokens",
+                   default_max_tokens=default_max_tokens, add_generation_prompt=False)
 
 
 def parse_chat(body: Any, served_model: str, *, default_max_tokens: int = 16) -> GenerationRequest:
@@ -113,8 +122,9 @@ def parse_chat(body: Any, served_model: str, *, default_max_tokens: int = 16) ->
     messages = parse_messages(body.get("messages"))
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     logprobs = get_bool(body, "logprobs", False)
-    if get_int(body, "top_logprobs", 0, lo=0):
-        raise bad_request(_TOP_LOGPROBS, "top_logprobs")
+    top_logprobs = get_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+    if top_logprobs and not logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = get_int(body, "max_tokens")
     max_completion = get_int(body, "max_completion_tokens")
     if max_completion is not None and max_tokens is not None and max_completion != max_tokens:
@@ -124,7 +134,7 @@ def parse_chat(body: Any, served_model: str, *, default_max_tokens: int = 16) ->
     if max_completion is not None:
         max_tokens, param = max_completion, "max_completion_tokens"
     return _finish(body, "chat", model, prompt_text=None, prompt_ids=None, messages=messages,
-                   n=n, logprobs=logprobs, max_tokens=max_tokens,
+                   n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, default_max_tokens=default_max_tokens,
                    add_generation_prompt=get_bool(body, "add_generation_prompt", True))
 
@@ -182,8 +192,8 @@ def _stream_fields(body: dict) -> tuple[bool, bool]:
     return stream, get_bool(options, "include_usage", False)
 
 
-def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool,
-                     max_param: str) -> SamplingParams:
+def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool, top_logprobs: int,
+                     prompt_logprobs: int | None, max_param: str) -> SamplingParams:
     """SamplingParams from the sampling fields; range errors become 400s naming the field."""
     stop_ids = body.get("stop_token_ids")
     try:
@@ -198,6 +208,8 @@ def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool,
             min_tokens=get_int(body, "min_tokens", 0),
             stop_token_ids=() if stop_ids is None else token_ids(stop_ids, "stop_token_ids"),
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=get_number(body, "presence_penalty", 0.0),
             frequency_penalty=get_number(body, "frequency_penalty", 0.0),
             repetition_penalty=get_number(body, "repetition_penalty", 1.0),
@@ -208,16 +220,17 @@ def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool,
 
 
 def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_param: str,
-            default_max_tokens: int, n: int, logprobs: bool, **fields: Any) -> GenerationRequest:
+            default_max_tokens: int, n: int, logprobs: bool, top_logprobs: int,
+            prompt_logprobs: int | None = None, **fields: Any) -> GenerationRequest:
     """Validate the fields both endpoints share and build the request."""
     stream, include_usage = _stream_fields(body)
     params = _sampling_params(
-        body, logprobs=logprobs, max_param=max_param,
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens)
+        body, logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+        max_param=max_param, max_tokens=default_max_tokens if max_tokens is None else max_tokens)
     return GenerationRequest(
         kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
-        include_usage=include_usage, logprobs=logprobs, user=get_str(body, "user"),
-        max_tokens_given=max_tokens is not None, **fields)
+        include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
+        user=get_str(body, "user"), max_tokens_given=max_tokens is not None, **fields)
 
 
 def parse_messages(messages: Any) -> tuple[dict, ...]:

@@ -1,8 +1,7 @@
 """Pure builders for OpenAI-shaped response bodies and SSE chunks (dicts; the gateway dumps them).
 
 Ids are used verbatim: make them with `new_id(kind)` ("cmpl-..." / "chatcmpl-..."). Logprobs that
-JSON cannot carry (-inf, nan) are clamped to -9999.0 as vLLM does. Tokens without a decoded
-string (`Choice.tokens` None) are shown as "token_id:<id>" (vLLM's convention).
+JSON cannot carry (-inf, nan) are clamped to -9999.0 as vLLM does.
 """
 
 from __future__ import annotations
@@ -19,15 +18,24 @@ _OBJECTS = {"completion": ("text_completion", "text_completion"),
 
 
 @dataclass
+class TokenLogprob:
+    """One token in a logprobs answer: its string, its logprob (None for the prompt's first
+    token: nothing before it scores it) and the k most likely tokens at its place, best first."""
+
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
 class Choice:
-    """One finished choice: its text, why it ended ("stop" | "length"), and its tokens."""
+    """One finished choice: its text, why it ended ("stop" | "length"), and its tokens'
+    logprobs when requested (with echo, the prompt's first)."""
 
     index: int
     text: str
     finish_reason: str | None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None  # the chosen tokens' logprobs, when requested
-    tokens: list[str] | None = None  # the chosen tokens as strings, for logprobs
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -57,37 +65,41 @@ def _logprob(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
-def _token_strings(tokens: list[str] | None, token_ids: list[int], count: int) -> list[str]:
-    if tokens is not None:
-        return list(tokens)
-    return [f"token_id:{t}" for t in token_ids[:count]]
-
-
-def completion_logprobs(tokens: list[str], logprobs: list[float], text_offset: int = 0) -> dict:
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> dict:
     """The completions `logprobs` object; `text_offset` is where the first token starts in the
-    generated text (in a stream: the length of the text sent before this chunk)."""
+    text (in a stream: the length of the text sent before this chunk). Each `top_logprobs`
+    entry maps the token itself and then its k alternatives to their logprobs (vLLM's shape)."""
     offsets = []
-    for tok in tokens:
+    for e in entries:
         offsets.append(text_offset)
-        text_offset += len(tok)
-    return {"tokens": list(tokens), "token_logprobs": [_logprob(x) for x in logprobs],
-            "top_logprobs": None, "text_offset": offsets}
+        text_offset += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [None if e.logprob is None else _logprob(e.logprob)
+                               for e in entries],
+            "top_logprobs": [None if e.logprob is None else {
+                e.token: _logprob(e.logprob), **{t: _logprob(v) for t, v in e.top}}
+                for e in entries],
+            "text_offset": offsets}
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
+def _chat_token(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": _logprob(logprob),
+            "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
     """The chat `logprobs` object: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
-    return {"content": [{"token": tok, "logprob": _logprob(lp),
-                         "bytes": list(tok.encode("utf-8", errors="replace")),
-                         "top_logprobs": []} for tok, lp in zip(tokens, logprobs, strict=True)]}
+    return {"content": [{**_chat_token(e.token, e.logprob),
+                         "top_logprobs": [_chat_token(t, v) for t, v in e.top]}
+                        for e in entries]}
 
 
 def _choice_logprobs(choice: Choice, kind: str) -> dict | None:
     if choice.logprobs is None:
         return None
-    tokens = _token_strings(choice.tokens, choice.token_ids, len(choice.logprobs))
     if kind == "chat":
-        return chat_logprobs(tokens, choice.logprobs)
-    return completion_logprobs(tokens, choice.logprobs)
+        return chat_logprobs(choice.logprobs)
+    return completion_logprobs(choice.logprobs)
 
 
 def _envelope(kind: str, chunk: bool, req_id: str, model: str, created: int,

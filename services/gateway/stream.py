@@ -7,6 +7,7 @@ The stream's headers go out with the first delta, so an error that comes before 
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -23,7 +24,7 @@ class ChoiceState:
     index: int
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[responses.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt: int = 0
     last: float = 0.0  # monotonic time of the last delta, for inter-token latency
@@ -31,7 +32,9 @@ class ChoiceState:
 
 
 async def _deltas(gw, req: GenerationRequest, inflight: Inflight, choices: list[ChoiceState]):
-    """Yield (choice, delta) until every choice finished; raise APIError on an error delta."""
+    """Yield (choice, delta, its logprob entries) until every choice finished; raise APIError
+    on an error delta. With req.discard_output (max_tokens 0) the generated token is dropped
+    here: the delta keeps only what the prompt contributes."""
     open_choices = len(choices)
     while open_choices:
         delta: Delta = await inflight.deltas.get()
@@ -40,16 +43,42 @@ async def _deltas(gw, req: GenerationRequest, inflight: Inflight, choices: list[
             raise APIError(delta.error_status or 500, delta.error)
         c = choices[int(delta.request_id.rsplit(":", 1)[1])]
         _observe(gw, inflight, c, delta)
+        if req.discard_output:
+            delta.text, delta.token_ids = "", array("i")
+            delta.finish_reason = delta.finish_reason and "length"
+        entries = _entries(gw, req, delta)
         c.text.append(delta.text)
         c.token_ids.extend(delta.token_ids)
-        c.logprobs.extend(delta.logprobs)
+        c.logprobs.extend(entries)
         c.num_prompt = delta.num_prompt
         if delta.finish_reason is not None:
             c.finish_reason = delta.finish_reason
             open_choices -= 1
-        yield c, delta
+        yield c, delta, entries
     gw.metrics.requests.labels("finished").inc()
     gw.metrics.e2e.observe(time.monotonic() - inflight.start)
+
+
+def _entries(gw, req: GenerationRequest, delta: Delta) -> list[responses.TokenLogprob]:
+    """The delta's logprob entries: the prompt's (when echoed with logprobs, on the first
+    delta), then its generated tokens' (when asked for)."""
+    out = []
+    p = delta.prompt_logprobs
+    if p is not None and delta.prompt_ids is not None:
+        out.append(responses.TokenLogprob(gw.token_text(delta.prompt_ids[0]), None))
+        out += _rows(gw, p.token_ids, p.logprobs, p.top_ids, p.top_logprobs, p.k)
+    if req.logprobs:
+        out += _rows(gw, delta.token_ids, delta.logprobs, delta.top_ids, delta.top_logprobs,
+                     req.top_logprobs)
+    return out
+
+
+def _rows(gw, ids, logprobs, top_ids, top_logprobs, k: int) -> list[responses.TokenLogprob]:
+    """TokenLogprobs of tokens `ids` [n] with their k alternatives ([n * k], row-major)."""
+    text = gw.token_text
+    return [responses.TokenLogprob(text(t), lp, [
+        (text(top_ids[j]), top_logprobs[j]) for j in range(i * k, (i + 1) * k)])
+        for i, (t, lp) in enumerate(zip(ids, logprobs, strict=False))]
 
 
 def _observe(gw, inflight: Inflight, c: ChoiceState, delta: Delta) -> None:
@@ -69,18 +98,22 @@ def _usage(choices: list[ChoiceState]) -> responses.Usage:
     return responses.Usage(choices[0].num_prompt, sum(len(c.token_ids) for c in choices))
 
 
-def _token_strings(gw, ids) -> list[str]:
-    return [gw.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+def _echo(gw, req: GenerationRequest) -> str:
+    """The prompt as echoed before a completion: its text, or its token ids decoded."""
+    if not req.echo:
+        return ""
+    if req.prompt_text is not None:
+        return req.prompt_text
+    return gw.tokenizer.decode(list(req.prompt_ids), skip_special_tokens=False)
 
 
 async def collect(gw, req: GenerationRequest, inflight: Inflight,
                   choices: list[ChoiceState]) -> web.Response:
     async for _ in _deltas(gw, req, inflight, choices):
         pass
-    out = [responses.Choice(
-        c.index, "".join(c.text), c.finish_reason, c.token_ids,
-        c.logprobs if req.logprobs else None,
-        _token_strings(gw, c.token_ids) if req.logprobs else None) for c in choices]
+    echo = _echo(gw, req)
+    out = [responses.Choice(c.index, echo + "".join(c.text), c.finish_reason,
+                            c.logprobs if req.logprobs else None) for c in choices]
     build = responses.chat_response if req.kind == "chat" else responses.completion_response
     return web.json_response(build(inflight.request_id, req.model, int(time.time()), out,
                                    _usage(choices)))
@@ -90,18 +123,19 @@ async def stream(gw, request: web.Request, req: GenerationRequest, inflight: Inf
                  choices: list[ChoiceState]) -> web.StreamResponse:
     resp: web.StreamResponse | None = None
     created = int(time.time())
+    echo = _echo(gw, req)
     sent_chars = [0] * len(choices)
-    async for c, delta in _deltas(gw, req, inflight, choices):
+    async for c, delta, entries in _deltas(gw, req, inflight, choices):
         if resp is None:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
             await resp.prepare(request)
+        if echo and not sent_chars[c.index]:  # the first chunk of a choice carries the prompt
+            delta.text = echo + delta.text
         lp = None
         if req.logprobs:
-            toks = _token_strings(gw, delta.token_ids)
-            lp = (responses.chat_logprobs(toks, list(delta.logprobs)) if req.kind == "chat"
-                  else responses.completion_logprobs(toks, list(delta.logprobs),
-                                                     sent_chars[c.index]))
+            lp = (responses.chat_logprobs(entries) if req.kind == "chat"
+                  else responses.completion_logprobs(entries, sent_chars[c.index]))
         sent_chars[c.index] += len(delta.text)
         await resp.write(responses.sse(_chunk(req, inflight, created, c, delta, lp)))
     if req.include_usage:

@@ -88,10 +88,11 @@ class Tokenizer:
                 f"prompt, {params.max_tokens} for the completion). Please reduce the length "
                 f"of the prompt or max_tokens.")
         feats, quantiles = self.predict(text, ids, params.max_tokens)
+        packed = int32s(ids)
         route = Route(request_id="", reply_to=req.reply_to, num_prompt=len(ids),
                       prompt_tail=int32s(ids[-_PROMPT_TAIL:]), stop=list(req.stop), n=req.n,
-                      length_features=feats)
-        packed = int32s(ids)
+                      length_features=feats,
+                      prompt_ids=packed if params.prompt_logprobs is not None else None)
         out = []
         for i in range(req.n):
             rid = f"{req.request_id}:{i}"

@@ -21,7 +21,7 @@ import logging
 import time
 
 from services.compute.model_config import ModelConfig
-from services.compute.scheduler import ScheduledStep
+from services.compute.scheduler import ScheduledStep, StepSample
 from services.compute.sim.cost import CostModel, kv_dtype_bytes
 from shared.config import EngineConfig
 
@@ -78,8 +78,9 @@ class SimRunner:
             [(n, s.num_cached) for s, n in step.prefills],
             len(step.sampled), sum(n for _, _, n in step.moves))
 
-    def execute(self, step: ScheduledStep) -> tuple[list[int], list[float]]:
-        """(token ids, logprobs) for step.sampled, after the modelled time has passed."""
+    def execute(self, step: ScheduledStep) -> StepSample:
+        """Token ids for step.sampled (logprobs 0, none of the extras), after the modelled time
+        has passed."""
         dt = self.step_time(step)
         self.busy_s += dt
         self.steps += 1
@@ -96,7 +97,7 @@ class SimRunner:
             while tok in never or tok in s.stop_ids:
                 tok = (tok + 1) % vocab
             out.append(tok)
-        return out, [0.0] * len(out)
+        return StepSample(out, [0.0] * len(out))
 
     def _sleep(self, dt: float) -> None:
         """Sleep the step's modelled time, less the host time the loop already spent since the

@@ -1,0 +1,119 @@
+"""Prompt logprobs and top-k logprobs in the engine, against HF transformers on tiny random models.
+
+Requests arrive staggered, prefills are chunked, and in one variant the KV pool is so small that
+requests are preempted and recomputed: every prompt position is still scored exactly once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.compute.engine import LLMEngine
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from tests.test_engine_vs_hf import make_prompts, run_staggered
+
+K = 5
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    from tests.hf_models import build_hf_model
+
+    path = tmp_path_factory.mktemp("llama")
+    model = build_hf_model(path, "llama", initializer_range=0.1, num_key_value_heads=2)
+    return path, model
+
+
+def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: row i is log p(. | ids[:i + 1])."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def check_top(top: list[tuple[list[int], list[float]]], ref: torch.Tensor) -> None:
+    """top: per row, K (ids, logprobs); ref [rows, vocab]: HF's logprobs. The values are HF's
+    K best, and each id has the value given (near-ties may come in either order)."""
+    ids = torch.tensor([i for i, _ in top])
+    values = torch.tensor([v for _, v in top])
+    assert torch.allclose(values, ref.topk(K).values, atol=1e-4)
+    assert torch.allclose(ref.gather(1, ids), values, atol=1e-4)
+
+
+def run(engine: LLMEngine, prompts, params):
+    """run_staggered, keeping each request's Sequence and its prompt-logprob pieces."""
+    seqs, pieces = {}, {}
+    add, step = engine.add_request, engine.step
+
+    def keep(prompt, p):
+        rid = add(prompt, p)
+        seqs[rid] = engine.requests[rid]  # the engine forgets it once finished
+        return rid
+
+    def collect():
+        result = step()
+        for piece in result.prompt_logprobs:
+            pieces.setdefault(piece.request_id, []).append(piece)
+        return result
+
+    engine.add_request, engine.step = keep, collect
+    rids = run_staggered(engine, prompts, params)
+    return [seqs[r] for r in rids], [pieces.get(r, []) for r in rids]
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(kv_cache_tokens=8192),
+    dict(kv_cache_tokens=360, default_predicted_len=2, kv_min_grow=4),  # moves, preemption
+], ids=["roomy", "preempting"])
+def test_prompt_and_top_logprobs_match_hf(hf, cfg):
+    path, model = hf
+    prompts = make_prompts(model.config.vocab_size)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=True,
+                            top_logprobs=K, prompt_logprobs=K)
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32",
+                                    max_batched_tokens=48, max_running=16, **cfg))
+    seqs, pieces = run(engine, prompts, params)
+    if "default_predicted_len" in cfg:
+        assert engine.stats().preemptions > 0
+    for seq, got_pieces, prompt in zip(seqs, pieces, prompts, strict=True):
+        ref = hf_logprobs(model, seq.token_ids)  # prompt + generated
+        P = len(prompt)
+        # each prompt position 1..P-1 scored once, in order, across chunk-sized pieces
+        got = [(p.start, len(p.token_ids)) for p in got_pieces]
+        assert sum(n for _, n in got) == P - 1 == len(seq.prompt_logprobs)
+        assert [s for s, _ in got] == [1 + sum(n for _, n in got[:i]) for i in range(len(got))]
+        if P > 1:
+            want = ref[torch.arange(P - 1), torch.tensor(prompt[1:])]
+            assert torch.allclose(torch.tensor(seq.prompt_logprobs), want, atol=1e-4)
+            check_top(seq.prompt_top, ref[: P - 1])
+            assert [t for p in got_pieces for t in p.token_ids] == prompt[1:]
+            assert all(p.k == K for p in got_pieces)
+        # generated tokens: greedy = HF's argmax, logprobs and top k from the same rows
+        out = seq.output_ids
+        rows = ref[P - 1 : P - 1 + len(out)]
+        assert out == rows.argmax(-1).tolist()
+        assert torch.allclose(torch.tensor(seq.logprobs), rows.max(-1).values, atol=1e-4)
+        check_top(seq.top, rows)
+
+
+def test_logprob_requests_leave_the_others_unchanged(hf):
+    """Mixed in one batch, requests asking for nothing get the very same tokens, and nothing
+    extra is computed or kept for them."""
+    path, model = hf
+    prompts = make_prompts(model.config.vocab_size, seed=3)[:8]
+    plain = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    asking = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=True,
+                            top_logprobs=2, prompt_logprobs=0)
+    config = EngineConfig(model=str(path), device="cpu", dtype="float32", max_batched_tokens=48,
+                          max_running=16, kv_cache_tokens=4096)
+    alone = LLMEngine(config).generate(prompts, plain)
+    mixed = LLMEngine(config).generate(prompts, [plain, asking] * 4)
+    assert [s.output_ids for s in mixed] == [s.output_ids for s in alone]
+    for s in mixed[0::2]:
+        assert s.prompt_logprobs == [] and s.top == [] and s.prompt_top == []
+    for s in mixed[1::2]:
+        assert len(s.prompt_logprobs) == s.num_prompt - 1
+        assert all(ids == [] for ids, _ in s.prompt_top)  # k = 0: the token's own logprob only
+        assert len(s.top) == MAX_NEW and all(len(ids) == 2 for ids, _ in s.top)
