@@ -79,7 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--pipellm-bin", default=str(ROOT / ".venv/bin/pipellm"))
     a("--bench-bin", default=str(ROOT / ".venv/bin/pipellm-bench"))
     a("--vllm-bin", default="/work/vllm-venv/bin/vllm")
-    a("--pipellm-threads", type=int, default=1, help="torch threads of pipellm's compute")
+    a("--pipellm-threads", type=int, default=0, help="torch threads of pipellm's compute "
+      "(0: pipellm's default, torch's: one per core)")
+    a("--warmup-prompts", type=int, default=8, help="requests sent to each fresh server "
+      "before the measured runs (not measured)")
     a("--kv-cache-gib", type=float, default=2.0, help="KV cache of both servers")
     a("--max-model-len", type=int, default=2048)
     a("--pipellm-extra", default="", help="more `pipellm up` flags, one string")
@@ -87,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--ready-timeout", type=float, default=900.0, help="seconds for a server to start")
     a("--bench-timeout", type=float, default=1800.0, help="seconds for one pipellm-bench run")
     a("--offline-prompts", type=int, default=32)
-    a("--offline-threads", type=int, default=1, help="torch threads, offline (both sides)")
+    a("--offline-threads", type=int, default=os.cpu_count(), help="torch threads, offline "
+      "(both sides)")
     a("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.quick:
@@ -107,9 +111,10 @@ def make_server(args: argparse.Namespace, name: str, hf_dir: Path, port: int,
     if name == "pipellm":
         argv = [args.pipellm_bin, "up", "--model", str(args.pipellm_model or hf_dir),
                 "--port", str(port), "--device", "cpu", "--dtype", "float32",
-                "--max-model-len", str(args.max_model_len), "--threads",
-                str(args.pipellm_threads), "--kv-cache-gib", str(args.kv_cache_gib),
-                *shlex.split(args.pipellm_extra)]
+                "--max-model-len", str(args.max_model_len), "--kv-cache-gib",
+                str(args.kv_cache_gib), *shlex.split(args.pipellm_extra)]
+        if args.pipellm_threads:
+            argv += ["--threads", str(args.pipellm_threads)]
         return Server(name, argv, f"http://127.0.0.1:{port}/health", log_path)
     argv = [args.vllm_bin, "serve", str(hf_dir), "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-model-len", str(args.max_model_len),
@@ -127,6 +132,17 @@ def bench_argv(args: argparse.Namespace, workload: str, port: int, seed: int,
             *extra, "--num-prompts", str(n), "--ignore-eos", "--temperature", "0",
             "--seed", str(seed), "--disable-tqdm", "--save-result",
             "--result-dir", str(out.parent), "--result-filename", out.name]
+
+
+def warm(args: argparse.Namespace, port: int, hf_dir: Path) -> None:
+    """A few requests first: both servers do one-time work on their first batches (vLLM
+    compiles for new shapes), which the measured runs should not include."""
+    if args.warmup_prompts <= 0:
+        return
+    out = args.results_dir / f"warmup-{port}.json"
+    argv = bench_argv(args, "random_inf", port, args.seed + 99, hf_dir, out)
+    argv[argv.index("--num-prompts") + 1] = str(args.warmup_prompts)
+    run_bench(args, argv, out)
 
 
 def run_bench(args: argparse.Namespace, argv: list[str], out: Path) -> dict | None:
@@ -151,6 +167,7 @@ def serve_round(args: argparse.Namespace, name: str, hf_dir: Path, rep: int) -> 
     log(f"round {rep + 1}/{args.repeats}: starting {name} on port {port}")
     with running(server, args.ready_timeout) as startup_s:
         log(f"{name} ready after {startup_s:.0f} s")
+        warm(args, port, hf_dir)
         for i, workload in enumerate(WORKLOADS):
             seed = args.seed + 100 * rep + i  # same for both servers, new for every run
             out = args.results_dir / f"{name}-{workload}-rep{rep}.json"
@@ -186,9 +203,10 @@ def thread_notes(args: argparse.Namespace) -> dict:
         vllm = (f"model on cores {cores.group(1) if cores else '?'} with "
                 f"{torch_t.group(1) if torch_t else '?'} torch thread(s) (its default on "
                 f"{os.cpu_count()} cores: one core kept for itself)")
-    return dict(pipellm=f"compute with --threads {args.pipellm_threads} torch thread(s); "
-                        "gateway, tokenizer, detokenizer and redis as separate processes, "
-                        "unpinned", vllm=vllm)
+    threads = (f"--threads {args.pipellm_threads}" if args.pipellm_threads else
+               f"its default, {os.cpu_count()} torch threads (one per core)")
+    return dict(pipellm=f"compute with {threads}; gateway, tokenizer, detokenizer and redis as "
+                        "separate processes, unpinned", vllm=vllm)
 
 
 def _median(values: list[float]) -> float | None:

@@ -77,7 +77,11 @@ def test_vs_vllm_args_and_commands(tmp_path):
     args.pipellm_model = "/m/model.gguf"
     pl = vs_vllm.make_server(args, "pipellm", tmp_path / "hf", 8001, 0)
     assert pl.argv[1:4] == ["up", "--model", "/m/model.gguf"] and pl.ready_url.endswith("/health")
-    assert {"--dtype", "float32", "--max-model-len", "2048", "--threads"} <= set(pl.argv)
+    assert {"--dtype", "float32", "--max-model-len", "2048"} <= set(pl.argv)
+    assert "--threads" not in pl.argv  # pipellm's own default unless asked
+    args.pipellm_threads = 1
+    pl = vs_vllm.make_server(args, "pipellm", tmp_path / "hf", 8001, 0)
+    assert pl.argv[pl.argv.index("--threads") + 1] == "1"
     vl = vs_vllm.make_server(args, "vllm", tmp_path / "hf", 8002, 0)
     assert vl.argv[1:3] == ["serve", str(tmp_path / "hf")] and vl.ready_url.endswith("/v1/models")
     assert vl.env["VLLM_TARGET_DEVICE"] == "cpu"
