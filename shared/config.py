@@ -11,7 +11,7 @@ import dataclasses
 import os
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,30 @@ class ServiceConfig:
     control_addr: str = ""  # gateway, detokenizer PUSH -> compute PULL (bind): aborts, stops
     detokenizer_addr: str = ""  # compute PUSH -> detokenizer PULL (bind)
     gateway_addr: str = ""  # detokenizer, tokenizer PUSH -> this gateway's PULL (bind)
-    tokenizer_workers: int = 1
+    tokenizer_workers: int = field(default=0, metadata={"help": (
+        "tokenizer processes; 0 (default): 2 on a machine with 4 or more cores, else 1")})
     max_pending: int = 512  # requests in flight at the gateway before it answers 429
     max_body_bytes: int = 8 * 2**20
+    max_prompt_bytes: int = field(default=0, metadata={"help": (
+        "largest prompt (UTF-8 bytes of the completion prompt, or of all chat message "
+        "contents) the gateway accepts, else 400; 0 (default): 16 bytes per token of the "
+        "context length, at least 64 KiB")})
     request_ttl_s: int = 3600  # how long a finished request's state stays in Redis
     heartbeat_s: float = 0.5
     length_predictor: bool = True  # predict output lengths (Redis) and learn them at finish
+
+    def __post_init__(self):
+        if self.tokenizer_workers < 0:
+            raise ValueError("--tokenizer-workers must be 0 (automatic) or more")
+        if self.max_prompt_bytes < 0:
+            raise ValueError("--max-prompt-bytes must be 0 (automatic) or more")
+        if self.tokenizer_workers == 0:  # resolved once: children inherit the number (env_for)
+            object.__setattr__(self, "tokenizer_workers", auto_tokenizer_workers())
+
+    def prompt_bytes_limit(self, max_model_len: int) -> int:
+        """The prompt size cap in bytes: --max-prompt-bytes, or when 0, 16 bytes per token of
+        the context length but at least 64 KiB (tokens are rarely over 8 bytes of text)."""
+        return self.max_prompt_bytes or max(16 * max_model_len, 64 * 1024)
 
     def addr(self, name: str) -> str:
         """The zmq address of channel `name` (tokenizer, compute, control, detokenizer, gateway)."""
@@ -100,6 +118,15 @@ class ServiceConfig:
         return f"ipc://{self.run_dir}/{name}.sock"
 
 
+def auto_tokenizer_workers(cores: int | None = None) -> int:
+    """Tokenizer workers by default: 2 with at least 4 cores (usable by this process), else 1
+    (on 2 cores a second worker would only take CPU from compute)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+    return 2 if cores >= 4 else 1
+
+
 def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add one flag per field of the dataclass `cls`, defaulting to its env var or field default."""
     hints = typing.get_type_hints(cls)
@@ -108,10 +135,12 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
         env = os.environ.get(_env_name(f.name))
         default = f.default if env is None else _parse(typ, env)
         flag = "--" + f.name.replace("_", "-")
+        help = f.metadata.get("help")
         if typ is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=help)
         else:
-            parser.add_argument(flag, type=typ, default=default)
+            parser.add_argument(flag, type=typ, default=default, help=help)
 
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides):
