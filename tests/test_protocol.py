@@ -61,7 +61,7 @@ COMMON_ERRORS = [
     ({"max_tokens": "16"}, "max_tokens", "max_tokens must be an integer"),
     ({"max_tokens": True}, "max_tokens", "must be an integer"),
     ({"max_tokens": 16.0}, "max_tokens", "must be an integer"),
-    ({"max_tokens": -1}, "max_tokens", "at least"),
+    ({"max_tokens": -1}, "max_tokens", "max_tokens must be"),
     ({"temperature": "0.5"}, "temperature", "temperature must be a number"),
     ({"temperature": True}, "temperature", "must be a number"),
     ({"temperature": -1}, "temperature", ">= 0"),

@@ -8,7 +8,6 @@ streamed as SSE. A client that leaves gets its request aborted in compute (KV fr
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
@@ -16,11 +15,12 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from services.gateway import protocol, responses
-from services.gateway.errors import APIError, bad_request, not_found, too_many_requests, unavailable
+from services.gateway.errors import APIError, not_found, too_many_requests, unavailable
 from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
 from services.gateway.metrics import Metrics
 from services.gateway.stream import ChoiceState, collect, stream
+from services.gateway.validation import parse_json_body
 from shared import state
 from shared.codec import int32s
 from shared.config import ServiceConfig
@@ -29,6 +29,7 @@ from shared.transport import AsyncSender
 
 log = logging.getLogger("pipellm.gateway")
 _PEER_WAIT_MS = 3000  # how long a request waits for a tokenizer worker to (re)connect
+_INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop (< 1 ms)
 
 
 class Gateway:
@@ -163,10 +164,13 @@ async def _json_body(request: web.Request):
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise APIError(413, "Request body is too large.", code="payload_too_large") from None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request(f"Request body is not valid JSON: {e}") from None
+    except web.RequestPayloadError:  # e.g. a Content-Encoding: gzip body that is not gzip
+        raise APIError(400, "Request body could not be decoded (its Content-Encoding or "
+                            "Transfer-Encoding is broken).") from None
+    if len(raw) <= _INLINE_PARSE_BYTES:  # 400 unless UTF-8 JSON, bounded depth, ints, floats
+        return parse_json_body(raw)
+    # the checks of a large body are Python code: on a thread, the event loop serves meanwhile
+    return await asyncio.get_running_loop().run_in_executor(None, parse_json_body, raw)
 
 
 @web.middleware

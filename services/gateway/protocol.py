@@ -9,12 +9,16 @@
   supported", unless given a harmless value (null, false, {}, "none", ...): never ignored.
 * Supported vLLM extras: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
   stop_token_ids, and for chat add_generation_prompt.
-* max_tokens: the given value, else `default_max_tokens` (16 = OpenAI's completions default);
-  `max_tokens_given` tells which, so the gateway can later replace the default for chat with
-  `context_len - prompt_len` once the prompt is tokenized. Checking prompt + max_tokens against
-  the context length is the gateway's job. For chat, `max_completion_tokens` and `max_tokens` are
-  synonyms; giving both with different values is a 400. Completions accept max_tokens 0 (with
-  echo: the prompt's logprobs only, what lm-eval's loglikelihood requests send).
+* max_tokens: the given value, else `default_max_tokens` (16 = OpenAI's and vLLM's completions
+  default, which completions keep); `max_tokens_given` tells which, so that for chat the
+  tokenizer replaces the default with `context_len - prompt_len` once the prompt is tokenized.
+  Checking prompt + max_tokens against the context length is the tokenizer's job. For chat,
+  `max_completion_tokens` and `max_tokens` are synonyms; giving both with different values is a
+  400. Completions accept max_tokens 0 (with echo: the prompt's logprobs only, what lm-eval's
+  loglikelihood requests send).
+* Integers are bounded before anything reaches the wire codec: token counts (max_tokens,
+  max_completion_tokens, min_tokens, top_k) by 2^31 - 1, seed by 2^63 - 16 (the seed of choice i
+  is seed + i). (The body as a whole was checked by `validation.check_json_value`.)
 * Logprobs: completions `logprobs` k in [0, 20] (the chosen tokens' logprobs and the k most
   likely alternatives; with `echo`, also the prompt's); chat `logprobs` true and `top_logprobs`.
 """
@@ -41,6 +45,8 @@ from services.gateway.validation import (
 from shared.sampling import MAX_LOGPROBS, InvalidParams, SamplingParams
 
 MAX_N = 16
+MAX_COUNT = 2**31 - 1  # token counts fit int32 everywhere downstream
+MAX_SEED = 2**63 - MAX_N  # choice i samples with seed + i, which must stay below 2^63
 
 _COMMON_KEYS = frozenset({
     "model", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n", "seed",
@@ -106,7 +112,7 @@ def parse_completion(body: Any, served_model: str, *,
         raise bad_request("`best_of` is not supported (only best_of == n)", "best_of")
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
-    max_tokens = get_int(body, "max_tokens", lo=0)
+    max_tokens = get_int(body, "max_tokens", lo=0, hi=MAX_COUNT)
     return _finish(body, "completion", model, prompt_text=prompt_text, prompt_ids=prompt_ids,
                    messages=None, n=n, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
                    prompt_logprobs=logprobs if echo else None, echo=echo,
@@ -125,8 +131,8 @@ def parse_chat(body: Any, served_model: str, *, default_max_tokens: int = 16) ->
     top_logprobs = get_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs and not logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    max_tokens = get_int(body, "max_tokens")
-    max_completion = get_int(body, "max_completion_tokens")
+    max_tokens = get_int(body, "max_tokens", hi=MAX_COUNT)
+    max_completion = get_int(body, "max_completion_tokens", hi=MAX_COUNT)
     if max_completion is not None and max_tokens is not None and max_completion != max_tokens:
         raise bad_request("max_tokens and max_completion_tokens differ; give only one",
                           "max_completion_tokens")
@@ -200,12 +206,12 @@ def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool, top_logprob
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=get_number(body, "temperature", 1.0),
-            top_k=get_int(body, "top_k", 0),
+            top_k=get_int(body, "top_k", 0, hi=MAX_COUNT),
             top_p=get_number(body, "top_p", 1.0),
             min_p=get_number(body, "min_p", 0.0),
-            seed=get_int(body, "seed"),
+            seed=get_int(body, "seed", hi=MAX_SEED),
             ignore_eos=get_bool(body, "ignore_eos", False),
-            min_tokens=get_int(body, "min_tokens", 0),
+            min_tokens=get_int(body, "min_tokens", 0, hi=MAX_COUNT),
             stop_token_ids=() if stop_ids is None else token_ids(stop_ids, "stop_token_ids"),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
