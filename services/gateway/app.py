@@ -20,7 +20,7 @@ from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
 from services.gateway.metrics import Metrics
 from services.gateway.stream import ChoiceState, collect, stream
-from services.gateway.validation import parse_json_body
+from services.gateway.validation import check_prompt_bytes, parse_json_body
 from shared import state
 from shared.codec import int32s
 from shared.config import ServiceConfig
@@ -78,6 +78,8 @@ class Gateway:
         return await self._generate(request, protocol.parse_chat(body, self.model_name))
 
     async def _generate(self, request: web.Request, req: protocol.GenerationRequest):
+        check_prompt_bytes(req.prompt_text, req.messages,
+                           self.svc.prompt_bytes_limit(self.max_model_len))
         if len(self.registry) >= self.svc.max_pending:
             raise too_many_requests("The server is at capacity; retry shortly.")
         if not self.health.ok:
