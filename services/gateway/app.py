@@ -15,10 +15,11 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from services.gateway import protocol, responses
-from services.gateway.errors import APIError, not_found, too_many_requests, unavailable
+from services.gateway.errors import APIError, not_found, unavailable
 from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
 from services.gateway.metrics import Metrics
+from services.gateway.pending import PendingLimit
 from services.gateway.stream import ChoiceState, collect, stream
 from services.gateway.validation import check_prompt_bytes, parse_json_body
 from shared import state
@@ -44,6 +45,7 @@ class Gateway:
         self.redis = redis_client
         self.to_tokenizer, self.to_control = to_tokenizer, to_control
         self.registry = Registry()
+        self.pending = PendingLimit(svc.max_pending)  # counted before the body is read
         self.metrics = Metrics()
         self.health = Health(redis_client, self.registry, self._abort_ids, self.metrics)
         self.created = int(time.time())
@@ -70,18 +72,18 @@ class Gateway:
         return app
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
-        return await self._generate(request, protocol.parse_completion(body, self.model_name))
+        with self.pending.hold():  # 429 past --max-pending, before anything is awaited
+            body = await _json_body(request)
+            return await self._generate(request, protocol.parse_completion(body, self.model_name))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
-        return await self._generate(request, protocol.parse_chat(body, self.model_name))
+        with self.pending.hold():
+            body = await _json_body(request)
+            return await self._generate(request, protocol.parse_chat(body, self.model_name))
 
     async def _generate(self, request: web.Request, req: protocol.GenerationRequest):
         check_prompt_bytes(req.prompt_text, req.messages,
                            self.svc.prompt_bytes_limit(self.max_model_len))
-        if len(self.registry) >= self.svc.max_pending:
-            raise too_many_requests("The server is at capacity; retry shortly.")
         if not self.health.ok:
             raise unavailable(f"Not ready: {self.health.reason}")
         rid = responses.new_id(req.kind)

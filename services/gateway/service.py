@@ -26,11 +26,20 @@ def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncR
     name = svc.served_model_name or Path(engine_cfg.model).name.removesuffix(".gguf")
     gw = Gateway(svc, name, context,
                  load_tokenizer(engine_cfg.model),
-                 # a connection per request in flight (redis-py's default pool is 100)
-                 aioredis.Redis.from_url(svc.redis_url, max_connections=svc.max_pending + 32),
+                 redis_client(svc),
                  AsyncSender(ctx, svc.addr("tokenizer"), bind=True),
                  AsyncSender(ctx, svc.addr("control")))
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
+
+
+def redis_client(svc: ServiceConfig) -> aioredis.Redis:
+    """The gateway's Redis client. Requests in flight are at most --max-pending (PendingLimit),
+    each using one connection at a time; the margin serves health checks, aborts and
+    /v1/requests. The pool blocks when all are busy instead of failing, so a burst past the
+    margin waits rather than reads as "Redis unavailable"."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        svc.redis_url, max_connections=svc.max_pending + 32, timeout=5)
+    return aioredis.Redis(connection_pool=pool)
 
 
 async def read_deltas(gw: Gateway, inbox: AsyncReceiver) -> None:
