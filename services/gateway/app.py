@@ -120,7 +120,9 @@ class Gateway:
             prompt_text=req.prompt_text,
             prompt_ids=None if req.prompt_ids is None else int32s(req.prompt_ids),
             messages=messages, add_generation_prompt=req.add_generation_prompt,
-            stop=list(req.stop), n=req.n, max_tokens_auto=not req.max_tokens_given,
+            stop=list(req.stop), n=req.n,
+            # chat without max_tokens: up to the context; completions keep 16 (OpenAI's default)
+            max_tokens_auto=req.kind == "chat" and not req.max_tokens_given,
             arrival=inflight.arrival)
 
     async def _abort_ids(self, ids: list[str], status: str) -> None:
