@@ -36,8 +36,8 @@ from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
 from services.compute.allocator import KVAllocator  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
-from services.compute.engine import LLMEngine, scheduler_config  # noqa: E402
-from services.compute.scheduler import Scheduler, StepSample  # noqa: E402
+from services.compute.engine import LLMEngine  # noqa: E402
+from services.compute.scheduler import Scheduler, SchedulerConfig, StepSample  # noqa: E402
 from services.compute.sequence import Sequence  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.demo_model import build_demo_tokenizer  # noqa: E402
@@ -195,7 +195,7 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
                      args: argparse.Namespace) -> dict:
     """schedule + build_batch + update per decode step, all requests running, fake tokens."""
     cfg = EngineConfig(max_batched_tokens=args.max_batched_tokens, max_running=args.max_running)
-    sched = Scheduler(scheduler_config(cfg), KVAllocator(capacity))
+    sched = Scheduler(SchedulerConfig.of(cfg), KVAllocator(capacity))
     for i, ids in enumerate(prompts[: args.max_running]):  # as LLMEngine.add_request does
         params = SamplingParams(max_tokens=context - len(ids), temperature=0, ignore_eos=True)
         sched.add(Sequence(f"r{i}", list(ids), params, seed=i, max_len=context,

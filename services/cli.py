@@ -65,6 +65,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     from shared import default_model
 
     config = config_from_args(EngineConfig, args, model=args.model or default_model.resolve())
+    from services.compute.scheduler import SchedulerConfig
+
+    SchedulerConfig.of(config)  # a bad combination of scheduler flags fails here, not in compute
     if config.backend == "sim":  # a bad --sim-* value fails here, not in a restarting child
         from services.compute.sim import check_config
 

@@ -28,6 +28,16 @@ class ChatMessage:
 # --- gateway -> tokenizer -------------------------------------------------------------------
 
 @message
+class Resume:
+    """A choice to continue after a restart of compute, the detokenizer or a tokenizer lost
+    it: its next attempt and what its client already has (state.choice_id names it)."""
+
+    index: int
+    attempt: int  # >= 1
+    output_ids: array  # int32, the tokens already streamed
+    sent_chars: int  # characters of text already streamed
+
+@message
 class TokenizeRequest:
     """One API request as the gateway validated it; n > 1 fans out in the tokenizer."""
 
@@ -42,6 +52,7 @@ class TokenizeRequest:
     n: int = 1
     max_tokens_auto: bool = False  # no max_tokens given: generate up to the context length
     arrival: float = 0.0  # gateway wall clock (time.time())
+    resume: list[Resume] = field(default_factory=list)  # not empty: only these choices, resumed
 
 
 # --- tokenizer -> compute -------------------------------------------------------------------
@@ -58,6 +69,7 @@ class Route:
     n: int = 1  # choices of the API request this one belongs to
     length_features: list[int] = field(default_factory=list)  # the predictor learns at finish
     prompt_ids: array | None = None  # int32, the whole prompt: only with prompt logprobs
+    resume: Resume | None = None  # a resumed choice: the detokenizer replays its outputs
 
 
 @message
@@ -67,6 +79,8 @@ class GenerateRequest:
     params: SamplingParams
     route: Route
     length_quantiles: list[int] | None = None  # predicted output length at length_dist.LEVELS
+    output_ids: array = field(default_factory=lambda: array("i"))  # int32: a resumed choice's
+    # tokens so far (they follow the prompt and count as output)
 
 
 # --- gateway / detokenizer -> compute control -----------------------------------------------

@@ -18,10 +18,15 @@ from shared.redis_server import EmbeddedRedis, free_port
 
 
 class Stack:
-    def __init__(self, model_dir: Path, *extra: str):
+    """`embedded_redis`: `pipellm up` runs (and supervises) its own redis-server; otherwise
+    the test owns one (`self.redis`) and passes --redis-url."""
+
+    def __init__(self, model_dir: Path, *extra: str, embedded_redis: bool = False):
         self.run_dir = tempfile.mkdtemp(prefix="pl-")  # short: ipc paths are limited to 107
-        self.redis = EmbeddedRedis(data_dir=os.path.join(self.run_dir, "redis"))
-        os.makedirs(self.redis.dir)
+        self.redis = None
+        if not embedded_redis:
+            self.redis = EmbeddedRedis(data_dir=os.path.join(self.run_dir, "redis"))
+            os.makedirs(self.redis.dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = model_dir
@@ -29,11 +34,13 @@ class Stack:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 120) -> Stack:
-        self.redis.start()
+        redis = []
+        if self.redis is not None:
+            self.redis.start()
+            redis = ["--redis-url", self.redis.url]
         argv = [sys.executable, "-m", "services.cli", "up", "--model", str(self.model_dir),
-                "--port", str(self.port), "--run-dir", self.run_dir, "--redis-url",
-                self.redis.url, "--heartbeat-s", "0.2", "--kv-cache-tokens", "20000",
-                *self.extra]
+                "--port", str(self.port), "--run-dir", self.run_dir, *redis,
+                "--heartbeat-s", "0.2", "--kv-cache-tokens", "20000", *self.extra]
         self.log = open(os.path.join(self.run_dir, "up.log"), "w")  # noqa: SIM115
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_healthy(timeout_s)
@@ -88,7 +95,8 @@ class Stack:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        self.redis.stop()
+        if self.redis is not None:
+            self.redis.stop()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 

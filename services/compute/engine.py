@@ -60,7 +60,7 @@ class LLMEngine:
         if config.backend == "sim":  # modelled GPU, no model: services/compute/sim
             from services.compute.sim.runner import SimRunner as runner_cls
         self.runner = runner_cls(config, self.model_config, self.max_model_len)
-        self.scheduler = Scheduler(scheduler_config(config), (
+        self.scheduler = Scheduler(SchedulerConfig.of(config), (
             PagedAllocator(self.runner.capacity) if config.kv_policy == "paged"
             else KVAllocator(self.runner.capacity)))
         self.requests: dict[str, Sequence] = {}
@@ -68,14 +68,20 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
-                    predicted: LengthDist | int | None = None) -> str:
+                    predicted: LengthDist | int | None = None,
+                    output_ids: list[int] = ()) -> str:
         """Queue a request. `predicted`: its output length (a distribution or a point; None:
-        --default-predicted-len). Raises InvalidParams if this engine cannot serve it."""
+        --default-predicted-len). `output_ids`: tokens it generated before (a request resumed
+        after a restart continues after them as if never interrupted). Raises InvalidParams
+        if this engine cannot serve it."""
         if not prompt_ids:
             raise InvalidParams("prompt", "prompt must contain at least one token")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise InvalidParams("prompt", f"token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in output_ids) or len(output_ids) >= params.max_tokens:
+            raise InvalidParams("output_ids", "resumed output must be token ids, fewer than "
+                                "max_tokens")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidParams("prompt", f"prompt has {len(prompt_ids)} tokens; the context "
                                 f"length is {self.max_model_len}")
@@ -88,10 +94,10 @@ class LLMEngine:
         if not params.ignore_eos:
             stop.update(self.model_config.eos_token_ids)
         seq = Sequence(
-            request_id=rid, token_ids=list(prompt_ids), params=params,
+            request_id=rid, token_ids=[*prompt_ids, *output_ids], params=params,
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             max_len=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
-            length=predicted, stop_ids=frozenset(stop),
+            length=predicted, stop_ids=frozenset(stop), num_prompt=len(prompt_ids),
         )
         try:
             self.scheduler.add(seq)
@@ -155,10 +161,3 @@ def _prompt_pieces(out: StepSample) -> list[TokenLogprobs]:
             float32s(logprobs), int32s(i for ids, _ in top for i in ids),
             float32s(v for _, values in top for v in values)))
     return pieces
-
-
-def scheduler_config(config: EngineConfig) -> SchedulerConfig:
-    return SchedulerConfig(
-        config.max_batched_tokens, config.max_running, config.kv_policy, config.kv_min_grow,
-        config.batching, config.kv_reserve_quantile, config.kv_grow_quantile,
-        config.kv_peak_quantile, config.kv_reserve_horizon, config.kv_admission)

@@ -68,6 +68,14 @@ class SchedulerConfig:
             if not 0 < q <= 1:
                 raise ValueError("quantiles must be in (0, 1]")
 
+    @classmethod
+    def of(cls, config) -> SchedulerConfig:
+        """The scheduler's part of an EngineConfig (ValueError if inconsistent)."""
+        return cls(config.max_batched_tokens, config.max_running, config.kv_policy,
+                   config.kv_min_grow, config.batching, config.kv_reserve_quantile,
+                   config.kv_grow_quantile, config.kv_peak_quantile, config.kv_reserve_horizon,
+                   config.kv_admission)
+
     @property
     def peak_admission(self) -> bool:
         return self.admission == "peak" or (self.admission == "auto" and

@@ -28,7 +28,7 @@ class Sequence:
     max_len: int  # prompt + max_tokens, capped by the model's context length
     length: LengthDist  # predicted number of generated tokens (sizes the KV segment)
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
-    num_prompt: int = field(init=False)
+    num_prompt: int = -1  # token_ids[:num_prompt] is the prompt (-1: all of token_ids)
     num_cached: int = 0
     kv_start: int = -1
     kv_reserved: int = 0
@@ -36,7 +36,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     peak_total: int = 0  # the scheduler's cached output-length bound for admission (0: unset)
-    logprobs: list[float] = field(default_factory=list)  # of token_ids[num_prompt:]
+    logprobs: list[float] = field(default_factory=list)  # of the tokens this engine generated
     # with params.top_logprobs: [(ids, logprobs)] of the k most likely tokens, per output token
     top: list[tuple[list[int], list[float]]] = field(default_factory=list)
     # with params.prompt_logprobs: of token_ids[1 : 1 + len(prompt_logprobs)] (and their top k)
@@ -44,7 +44,8 @@ class Sequence:
     prompt_top: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
     def __post_init__(self):
-        self.num_prompt = len(self.token_ids)
+        if self.num_prompt < 0:
+            self.num_prompt = len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:

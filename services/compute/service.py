@@ -68,7 +68,8 @@ class ComputeService:
             return
         try:
             predicted = LengthDist(tuple(req.length_quantiles)) if req.length_quantiles else None
-            self.engine.add_request(list(req.prompt_ids), req.params, rid, predicted)
+            self.engine.add_request(list(req.prompt_ids), req.params, rid, predicted,
+                                    list(req.output_ids))
         except (InvalidParams, ValueError) as e:
             errors.append([rid, req.route.reply_to, str(e)])
             return

@@ -36,6 +36,7 @@ class Stream:
     started_at: float
     num_output: int = 0
     prompt_logprobs: TokenLogprobs | None = None  # pieces joined, until the first token
+    skip: int = 0  # characters of text its client already has (a resumed choice), not re-sent
 
 
 @dataclass
@@ -67,9 +68,7 @@ class Detokenizer:
         now = time.time()
         for route in out.routes:
             if route.request_id not in self.streams:
-                self.streams[route.request_id] = Stream(
-                    route, IncrementalDetokenizer(self.tokenizer, list(route.prompt_tail)),
-                    StopMatcher(route.stop), now)
+                self.streams[route.request_id] = self._open(route, now)
                 res.updates.append((state.api_id(route.request_id),
                                     {"status": "running", "started_at": now}, None))
         for piece in out.prompt_logprobs:
@@ -92,6 +91,16 @@ class Detokenizer:
             self.streams.pop(rid, None)
         return res
 
+    def _open(self, route: Route, now: float) -> Stream:
+        s = Stream(route, IncrementalDetokenizer(self.tokenizer, list(route.prompt_tail)),
+                   StopMatcher(route.stop), now)
+        r = route.resume
+        if r is not None:  # replay what its client has: decoding and stop matching go on
+            s.num_output = len(r.output_ids)  # from there, held-back text included
+            emitted, _ = s.stops.feed(s.detok.add(list(r.output_ids)))
+            s.skip = max(r.sent_chars - len(emitted), 0)
+        return s
+
     def _token(self, s: Stream, tok: int, lp: float, fin: str | None, res: Outputs,
                now: float, top: TokenLogprobs | None) -> None:
         s.num_output += 1
@@ -104,6 +113,9 @@ class Detokenizer:
             res.stops.append(Abort(s.route.request_id, "stop"))
         elif fin is not None and not matched:
             emitted += s.stops.flush()
+        if s.skip:
+            cut = min(s.skip, len(emitted))
+            emitted, s.skip = emitted[cut:], s.skip - cut
         rid = s.route.request_id
         first = s.num_output == 1
         delta = Delta(rid, emitted, array("i", [tok]), array("f", [lp]), fin,

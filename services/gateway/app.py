@@ -8,7 +8,9 @@ streamed as SSE. A client that leaves gets its request aborted in compute (KV fr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import time
 
 import redis.asyncio as aioredis
@@ -20,7 +22,7 @@ from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
 from services.gateway.metrics import Metrics
 from services.gateway.pending import PendingLimit
-from services.gateway.stream import ChoiceState, collect, stream
+from services.gateway.stream import collect, stream
 from services.gateway.validation import check_prompt_bytes, parse_json_body
 from shared import state
 from shared.codec import int32s
@@ -47,7 +49,8 @@ class Gateway:
         self.registry = Registry()
         self.pending = PendingLimit(svc.max_pending)  # counted before the body is read
         self.metrics = Metrics()
-        self.health = Health(redis_client, self.registry, self._abort_ids, self.metrics)
+        self.health = Health(redis_client, self.registry, self.resume_lost, self._abort_ids,
+                             self.metrics)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
 
@@ -96,13 +99,12 @@ class Gateway:
             raise unavailable("Request state store (Redis) is unavailable.") from None
         inflight = self.registry.add(rid, req.n)
         try:
-            tokenize = self._tokenize_request(rid, req, inflight)
-            if not await self.to_tokenizer.send(tokenize, wait_ms=_PEER_WAIT_MS):
+            inflight.tokenize = self._tokenize_request(rid, req, inflight)
+            if not await self.to_tokenizer.send(inflight.tokenize, wait_ms=_PEER_WAIT_MS):
                 raise unavailable("No tokenizer worker is connected; retry shortly.")
-            choices = [ChoiceState(i) for i in range(req.n)]
             if req.stream:
-                return await stream(self, request, req, inflight, choices)
-            return await collect(self, req, inflight, choices)
+                return await stream(self, request, req, inflight)
+            return await collect(self, req, inflight)
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.requests.labels("aborted").inc()
             await self._abort_ids([rid], "aborted")
@@ -115,8 +117,11 @@ class Gateway:
         messages = None
         if req.messages is not None:
             messages = [ChatMessage(m["role"], m["content"]) for m in req.messages]
+        params = req.params
+        if params.seed is None:  # drawn here, so a resumed choice samples what it would have
+            params = dataclasses.replace(params, seed=secrets.randbits(62))
         return TokenizeRequest(
-            request_id=rid, reply_to=self.svc.addr("gateway"), params=req.params,
+            request_id=rid, reply_to=self.svc.addr("gateway"), params=params,
             prompt_text=req.prompt_text,
             prompt_ids=None if req.prompt_ids is None else int32s(req.prompt_ids),
             messages=messages, add_generation_prompt=req.add_generation_prompt,
@@ -124,6 +129,20 @@ class Gateway:
             # chat without max_tokens: up to the context; completions keep 16 (OpenAI's default)
             max_tokens_auto=req.kind == "chat" and not req.max_tokens_given,
             arrival=inflight.arrival)
+
+    async def resume_lost(self, only_without_output: bool) -> None:
+        """A restarted service lost requests: each continues from what its client has (the
+        lost attempts are aborted in compute, where they may still run)."""
+        connected = True
+        for inflight, tokenize, lost in self.registry.resume(only_without_output):
+            for rid in lost:
+                await self.to_control.send(Abort(rid))
+            if tokenize is None:
+                continue
+            connected = connected and await self.to_tokenizer.send(tokenize,
+                                                                   wait_ms=_PEER_WAIT_MS)
+            if not connected:
+                inflight.fail("No tokenizer worker is connected to resume the request; retry.")
 
     async def _abort_ids(self, ids: list[str], status: str) -> None:
         """Stop requests in compute (their KV is freed) and record how they ended in Redis.

@@ -1,30 +1,35 @@
 """Service liveness from Redis heartbeats, engine stats for /metrics, and restart handling.
 
-A restarted compute or detokenizer has lost the state of every request in flight, so the
-gateway fails them all (503, the client may retry; compute is told to abort them) instead of
-letting them hang; a restarted tokenizer may have lost requests it had not yet passed on, so
-those without any output yet are failed (and aborted in compute, in case they got there).
+A restarted compute or detokenizer has lost every request in flight, so the gateway resumes
+them all (each choice continues from what its client already has, inflight.py); a restarted
+tokenizer may have lost requests it had not yet passed on, so those without any output yet are
+resumed. A service that stays down longer than RESUME_TIMEOUT_S fails the requests in flight
+(503: an error event on a stream) instead of letting them hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import redis.asyncio as aioredis
 
 from shared import state
 
 log = logging.getLogger("pipellm.gateway")
+RESUME_TIMEOUT_S = 120.0  # a model's load time and the supervisor's back-off fit well within
 
 
 class Health:
-    def __init__(self, client: aioredis.Redis, registry, abort_ids, metrics):
+    def __init__(self, client: aioredis.Redis, registry, resume, abort_ids, metrics):
+        """resume(only_without_output): continue lost requests; abort_ids(ids, status)."""
         self.client, self.registry, self.metrics = client, registry, metrics
-        self.abort_ids = abort_ids
+        self.resume, self.abort_ids = resume, abort_ids
         self.ok = False
         self.reason = "starting"
         self.seen: dict[str, set[str]] = {}
+        self.down_since: dict[str, float] = {}  # services seen once, not live now
 
     async def run(self, period_s: float) -> None:
         while True:
@@ -46,14 +51,23 @@ class Health:
         self.ok = not missing
         self.reason = "ok" if self.ok else f"waiting for {', '.join(missing)}"
         await self._restarts(live)
+        await self._outages(missing)
         self.seen = {s: self.seen.get(s, set()) | live.get(s, set()) for s in state.SERVICES}
 
     async def _restarts(self, live: dict[str, set[str]]) -> None:
-        for service, only_waiting in (("compute", False), ("detokenizer", False),
-                                      ("tokenizer", True)):
+        for service, only_without_output in (("compute", False), ("detokenizer", False),
+                                             ("tokenizer", True)):
             new = live.get(service, set()) - self.seen.get(service, set())
             if new and self.seen.get(service):
-                log.warning("%s restarted; failing requests it may have lost", service)
-                ids = self.registry.fail(f"the {service} service restarted; please retry",
-                                         only_waiting=only_waiting)
-                await self.abort_ids(ids, "failed")
+                log.warning("%s restarted; resuming the requests it may have lost", service)
+                await self.resume(only_without_output)
+
+    async def _outages(self, missing: list[str]) -> None:
+        now = time.monotonic()
+        self.down_since = {s: self.down_since.get(s, now) for s in missing if self.seen.get(s)}
+        down = [s for s, t in self.down_since.items() if now - t > RESUME_TIMEOUT_S]
+        if down and len(self.registry):
+            log.warning("%s down for over %.0f s; failing the requests in flight",
+                        ", ".join(down), RESUME_TIMEOUT_S)
+            ids = self.registry.fail(f"the {down[0]} service is down; please retry")
+            await self.abort_ids(ids, "failed")

@@ -1,25 +1,68 @@
-"""Requests this gateway owns, and the routing of incoming deltas to them."""
+"""Requests this gateway owns, the routing of incoming deltas to them, and their resumption.
+
+The gateway holds each request's HTTP connection, so what its client already has (tokens and
+text per choice) lives here, exactly as long as the stream can still be continued. When a
+restart of compute, the detokenizer or a tokenizer lost requests, `Registry.resume` turns that
+into Resume messages: the choice continues under a new attempt id (state.choice_id), and
+deltas of an older attempt that arrive late are dropped.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass, field, replace
 
-from shared.messages import Delta, DeltaBatch
-from shared.state import api_id
+from services.gateway.responses import TokenLogprob
+from shared import state
+from shared.messages import Delta, DeltaBatch, Resume, TokenizeRequest
+
+MAX_RESUMES = 3  # a request whose services keep dying is failed after this many resumptions
+
+
+@dataclass
+class ChoiceState:
+    """One choice as its client has it so far."""
+
+    index: int
+    attempt: int = 0
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt: int = 0
+    last: float = 0.0  # monotonic time of the last delta, for inter-token latency
+    sent_role: bool = False
+
+    @property
+    def id_suffix(self) -> str:
+        return state.choice_id("", self.index, self.attempt)
 
 
 @dataclass
 class Inflight:
-    """One API request. `deltas` receives its choices' Deltas (request ids '<id>:<index>')."""
+    """One API request. `deltas` receives its choices' Deltas; `tokenize` is what was sent to
+    the tokenizers (sent again, with `resume`, to continue after a restart)."""
 
     request_id: str
     n: int
     arrival: float = field(default_factory=time.time)  # wall clock, as compute and Redis see
     start: float = field(default_factory=time.monotonic)
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
-    got_output: bool = False
+    choices: list[ChoiceState] = field(default_factory=list)
+    tokenize: TokenizeRequest | None = None
+    resumes: int = 0
+
+    def __post_init__(self):
+        self.choices = [ChoiceState(i) for i in range(self.n)]
+
+    @property
+    def got_output(self) -> bool:
+        return any(c.token_ids for c in self.choices)
+
+    def fail(self, message: str, status: int = 503) -> None:
+        self.deltas.put_nowait(Delta(self.request_id, error=message, error_status=status))
 
 
 class Registry:
@@ -38,17 +81,51 @@ class Registry:
 
     def dispatch(self, batch: DeltaBatch) -> None:
         for delta in batch.deltas:
-            req = self.requests.get(api_id(delta.request_id))
-            if req is not None:  # else: its client is gone
-                req.got_output = True
-                req.deltas.put_nowait(delta)
-
-    def fail(self, message: str, only_waiting: bool = False) -> list[str]:
-        """End requests with a 503 error (a service restarted); returns their ids."""
-        failed = []
-        for req in list(self.requests.values()):
-            if only_waiting and req.got_output:
+            req = self.requests.get(state.api_id(delta.request_id))
+            if req is None:  # its client is gone
                 continue
-            req.deltas.put_nowait(Delta(req.request_id, error=message, error_status=503))
-            failed.append(req.request_id)
-        return failed
+            if delta.request_id != req.request_id:  # a choice's: is it its current attempt?
+                index, attempt = state.choice_of(delta.request_id)
+                if index >= req.n or req.choices[index].attempt != attempt:
+                    continue
+            req.deltas.put_nowait(delta)
+
+    def fail(self, message: str) -> list[str]:
+        """End every request with a 503 error; returns their ids."""
+        for req in self.requests.values():
+            req.fail(message)
+        return list(self.requests)
+
+    def resume(self, only_without_output: bool) -> list[tuple[Inflight, TokenizeRequest | None,
+                                                             list[str]]]:
+        """Continue the requests a restart lost (only those without output yet: a tokenizer's
+        restart; the others passed it). Per request: what to send the tokenizers (None: it
+        failed after MAX_RESUMES, or its choices all had their tokens) and the choice ids of
+        the lost attempts (to abort in compute, where they may still run)."""
+        out = []
+        for req in self.requests.values():
+            if req.tokenize is None or (only_without_output and req.got_output):
+                continue
+            lost = [req.request_id + c.id_suffix for c in req.choices if c.finish_reason is None]
+            if req.resumes >= MAX_RESUMES:
+                req.fail(f"the request was lost {req.resumes + 1} times by restarting services")
+                out.append((req, None, lost))
+                continue
+            req.resumes += 1
+            resumes = []
+            for c in req.choices:
+                if c.finish_reason is None:
+                    c.attempt += 1
+                    resumes.append(self._resume_choice(req, c))
+            resumes = [r for r in resumes if r is not None]
+            out.append((req, replace(req.tokenize, resume=resumes) if resumes else None, lost))
+        return out
+
+    @staticmethod
+    def _resume_choice(req: Inflight, c: ChoiceState) -> Resume | None:
+        """The Resume of choice c, or None when it had all its tokens (it finishes here)."""
+        if len(c.token_ids) >= req.tokenize.params.max_tokens:
+            req.deltas.put_nowait(Delta(req.request_id + c.id_suffix, finish_reason="length",
+                                        num_prompt=c.num_prompt))
+            return None
+        return Resume(c.index, c.attempt, array("i", c.token_ids), sum(map(len, c.text)))

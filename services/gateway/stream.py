@@ -8,40 +8,29 @@ from __future__ import annotations
 
 import time
 from array import array
-from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from services.gateway import responses
 from services.gateway.errors import APIError
-from services.gateway.inflight import Inflight
+from services.gateway.inflight import ChoiceState, Inflight
 from services.gateway.protocol import GenerationRequest
+from shared import state
 from shared.messages import Delta
 
 
-@dataclass
-class ChoiceState:
-    index: int
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[responses.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_prompt: int = 0
-    last: float = 0.0  # monotonic time of the last delta, for inter-token latency
-    sent_role: bool = False
-
-
-async def _deltas(gw, req: GenerationRequest, inflight: Inflight, choices: list[ChoiceState]):
+async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
     """Yield (choice, delta, its logprob entries) until every choice finished; raise APIError
     on an error delta. With req.discard_output (max_tokens 0) the generated token is dropped
     here: the delta keeps only what the prompt contributes."""
+    choices = inflight.choices
     open_choices = len(choices)
     while open_choices:
         delta: Delta = await inflight.deltas.get()
         if delta.error is not None:
             gw.metrics.requests.labels("failed").inc()
             raise APIError(delta.error_status or 500, delta.error)
-        c = choices[int(delta.request_id.rsplit(":", 1)[1])]
+        c = choices[state.choice_of(delta.request_id)[0]]
         _observe(gw, inflight, c, delta)
         if req.discard_output:
             delta.text, delta.token_ids = "", array("i")
@@ -107,10 +96,10 @@ def _echo(gw, req: GenerationRequest) -> str:
     return gw.tokenizer.decode(list(req.prompt_ids), skip_special_tokens=False)
 
 
-async def collect(gw, req: GenerationRequest, inflight: Inflight,
-                  choices: list[ChoiceState]) -> web.Response:
-    async for _ in _deltas(gw, req, inflight, choices):
+async def collect(gw, req: GenerationRequest, inflight: Inflight) -> web.Response:
+    async for _ in _deltas(gw, req, inflight):
         pass
+    choices = inflight.choices
     echo = _echo(gw, req)
     out = [responses.Choice(c.index, echo + "".join(c.text), c.finish_reason,
                             c.logprobs if req.logprobs else None) for c in choices]
@@ -119,28 +108,36 @@ async def collect(gw, req: GenerationRequest, inflight: Inflight,
                                    _usage(choices)))
 
 
-async def stream(gw, request: web.Request, req: GenerationRequest, inflight: Inflight,
-                 choices: list[ChoiceState]) -> web.StreamResponse:
+async def stream(gw, request: web.Request, req: GenerationRequest,
+                 inflight: Inflight) -> web.StreamResponse:
+    """The SSE answer. Headers go out with the first delta; an error after that ends the
+    stream with an error event (the OpenAI client raises it), never silently."""
     resp: web.StreamResponse | None = None
     created = int(time.time())
     echo = _echo(gw, req)
-    sent_chars = [0] * len(choices)
-    async for c, delta, entries in _deltas(gw, req, inflight, choices):
+    sent_chars = [0] * req.n
+    try:
+        async for c, delta, entries in _deltas(gw, req, inflight):
+            if resp is None:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+                await resp.prepare(request)
+            if echo and not sent_chars[c.index]:  # a choice's first chunk carries the prompt
+                delta.text = echo + delta.text
+            lp = None
+            if req.logprobs:
+                lp = (responses.chat_logprobs(entries) if req.kind == "chat"
+                      else responses.completion_logprobs(entries, sent_chars[c.index]))
+            sent_chars[c.index] += len(delta.text)
+            await resp.write(responses.sse(_chunk(req, inflight, created, c, delta, lp)))
+    except APIError as e:
         if resp is None:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-        if echo and not sent_chars[c.index]:  # the first chunk of a choice carries the prompt
-            delta.text = echo + delta.text
-        lp = None
-        if req.logprobs:
-            lp = (responses.chat_logprobs(entries) if req.kind == "chat"
-                  else responses.completion_logprobs(entries, sent_chars[c.index]))
-        sent_chars[c.index] += len(delta.text)
-        await resp.write(responses.sse(_chunk(req, inflight, created, c, delta, lp)))
-    if req.include_usage:
-        await resp.write(responses.sse(responses.usage_chunk(
-            req.kind, inflight.request_id, req.model, created, _usage(choices))))
+            raise
+        await resp.write(responses.sse(e.body()))
+    else:
+        if req.include_usage:
+            await resp.write(responses.sse(responses.usage_chunk(
+                req.kind, inflight.request_id, req.model, created, _usage(inflight.choices))))
     await resp.write(responses.SSE_DONE)
     await resp.write_eof()
     return resp

@@ -14,6 +14,7 @@ to its gateway with a 400 error; everything else goes to compute as GenerateRequ
 from __future__ import annotations
 
 import dataclasses
+from array import array
 
 import redis
 import zmq
@@ -24,7 +25,8 @@ from shared.chat_template import ChatTemplateError, load_chat_template
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
 from shared.length_predictor import LengthPredictor, length_features, model_key
-from shared.messages import Delta, DeltaBatch, GenerateRequest, Route, TokenizeRequest
+from shared.messages import Delta, DeltaBatch, GenerateRequest, Resume, Route, TokenizeRequest
+from shared.sampling import SamplingParams
 from shared.tokenizer import encode, load_tokenizer
 from shared.transport import Receiver, Sender, Senders
 
@@ -93,14 +95,21 @@ class Tokenizer:
                       prompt_tail=int32s(ids[-_PROMPT_TAIL:]), stop=list(req.stop), n=req.n,
                       length_features=feats,
                       prompt_ids=packed if params.prompt_logprobs is not None else None)
-        out = []
-        for i in range(req.n):
-            rid = f"{req.request_id}:{i}"
-            p = params if params.seed is None else dataclasses.replace(params,
-                                                                      seed=params.seed + i)
-            out.append(GenerateRequest(rid, packed, p, dataclasses.replace(route, request_id=rid),
-                                       quantiles))
-        return out
+        resumes = req.resume or [Resume(i, 0, array("i"), 0) for i in range(req.n)]
+        return [self._choice(req.request_id, r, packed, params, route, quantiles)
+                for r in resumes]
+
+    @staticmethod
+    def _choice(api: str, r: Resume, prompt: array, params: SamplingParams, route: Route,
+                quantiles: list[int] | None) -> GenerateRequest:
+        """Choice r.index of the request (seed + index: choices differ, resumes repeat)."""
+        rid = state.choice_id(api, r.index, r.attempt)
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + r.index)
+        if r.output_ids:  # its first delta, the prompt's logprobs with it, was delivered
+            params = dataclasses.replace(params, prompt_logprobs=None)
+        route = dataclasses.replace(route, request_id=rid, resume=r if r.attempt else None)
+        return GenerateRequest(rid, prompt, params, route, quantiles, r.output_ids)
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
