@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--max-model-len", type=int, default=2048)
     a("--pipellm-extra", default="", help="more `pipellm up` flags, one string")
     a("--vllm-extra", default="", help="more `vllm serve` flags, one string")
+    a("--vllm-cores", default="auto", help="VLLM_CPU_OMP_THREADS_BIND: the cores vLLM runs "
+      "its model on (auto: its default, all but one; e.g. 0-1 for both of two)")
     a("--ready-timeout", type=float, default=900.0, help="seconds for a server to start")
     a("--bench-timeout", type=float, default=1800.0, help="seconds for one pipellm-bench run")
     a("--offline-prompts", type=int, default=32)
@@ -119,7 +121,8 @@ def make_server(args: argparse.Namespace, name: str, hf_dir: Path, port: int,
     argv = [args.vllm_bin, "serve", str(hf_dir), "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--max-model-len", str(args.max_model_len),
             *shlex.split(args.vllm_extra)]
-    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}"}
+    env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}",
+           "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cores}
     return Server(name, argv, f"http://127.0.0.1:{port}/v1/models", log_path, env)
 
 
@@ -199,10 +202,14 @@ def thread_notes(args: argparse.Namespace) -> dict:
     if log_path.is_file():
         text = log_path.read_text(encoding="utf-8", errors="replace")
         cores = re.search(r"core ids=(\[[^\]]*\])", text)
-        torch_t = re.search(r"Reducing Torch threads from \d+ to (\d+)", text)
+        # the model worker's own line wins over the engine core's
+        torch_t = (re.search(r"leaving Torch threads at (\d+)", text)
+                   or re.search(r"Reducing Torch threads from \d+ to (\d+)", text))
         vllm = (f"model on cores {cores.group(1) if cores else '?'} with "
-                f"{torch_t.group(1) if torch_t else '?'} torch thread(s) (its default on "
-                f"{os.cpu_count()} cores: one core kept for itself)")
+                f"{torch_t.group(1) if torch_t else '?'} torch thread(s) ("
+                + (f"its default on {os.cpu_count()} cores: one core kept for itself)"
+                   if args.vllm_cores == "auto" else
+                   f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_cores})"))
     threads = (f"--threads {args.pipellm_threads}" if args.pipellm_threads else
                f"its default, {os.cpu_count()} torch threads (one per core)")
     return dict(pipellm=f"compute with {threads}; gateway, tokenizer, detokenizer and redis as "
@@ -260,7 +267,8 @@ def headline(args, summary: dict | None, threads: dict | None, offline: dict | N
                 num_prompts=args.num_prompts, sharegpt_prompts=args.sharegpt_prompts,
                 workloads={k: " ".join(v) for k, v in WORKLOADS.items()},
                 server_lifetime="one start per server per repetition round",
-                pipellm_model=str(args.pipellm_model), quick=args.quick,
+                pipellm_model=str(args.pipellm_model), vllm_cores=args.vllm_cores,
+                quick=args.quick,
                 results_dir=str(args.results_dir), machine=args.machine,
                 load_avg=round(os.getloadavg()[0], 2))
 
