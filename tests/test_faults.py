@@ -92,7 +92,8 @@ async def run_round(stack: Stack, kill=None) -> tuple[list[dict], float]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(stack):
-    results, _ = asyncio.run(run_round(stack))
+    results, seconds = asyncio.run(run_round(stack))
+    print(f"\nuninterrupted: all {len(results)} requests done in {seconds:.1f} s")
     assert all(r["error"] is None and r["finish"] == "length" for r in results), results
     return [r["text"] for r in results]
 
@@ -101,6 +102,7 @@ def uninterrupted(stack):
 def test_kill_during_streams_loses_nothing(stack, uninterrupted, victim):
     old = stack.pid(victim)
     results, seconds = asyncio.run(run_round(stack, lambda: os.kill(old, signal.SIGKILL)))
+    print(f"\nkill -9 {victim}: all {len(results)} requests done in {seconds:.1f} s")
     assert seconds < DEADLINE_S
     # every request here can be resumed (what its client has is in the gateway), so each must
     # complete with exactly the uninterrupted text; an error (event) would fail this too
