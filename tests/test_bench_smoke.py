@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,8 +113,17 @@ def test_server_stops_its_whole_process_group(tmp_path):
         assert startup_s < 30 and servers.http_ok(srv.ready_url)
     child = int((tmp_path / "child.pid").read_text())
     assert not servers.http_ok(srv.ready_url)
-    assert not Path(f"/proc/{child}").exists() or \
-        "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+    def gone() -> bool:  # exited, or a zombie left for init to reap
+        try:
+            return "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 10  # the signal is sent; the child may not have run yet
+    while not gone():
+        assert time.monotonic() < deadline, "the server's child outlived it"
+        time.sleep(0.05)
 
 
 def test_server_that_exits_early_raises_with_its_log(tmp_path):

@@ -41,3 +41,35 @@ def test_prediction_is_attached_to_every_choice(demo_model_dir):
             assert max(g.length_quantiles) <= 30  # capped at max_tokens
         warm = tok.prepare(request("summarize this", 500))[0].length_quantiles
         assert 20 <= LengthDist(tuple(warm)).median <= 80  # learned ~40
+
+
+def test_min_tokens_beyond_the_room_is_a_prompt_error_not_a_crash(demo_model_dir):
+    """Found by the hostile-input tests: chat without max_tokens fills the context, and a
+    min_tokens larger than the room left used to raise InvalidParams and kill the worker."""
+    import pytest
+
+    from services.tokenizer.service import PromptError
+
+    tok = Tokenizer(EngineConfig(model=str(demo_model_dir), max_model_len=64))
+    req = TokenizeRequest("r1", "ipc://gw", SamplingParams(max_tokens=16, min_tokens=10),
+                          prompt_text="word " * 28, max_tokens_auto=True)  # 59 tokens
+    with pytest.raises(PromptError, match="maximum context length is 64"):
+        tok.prepare(req)
+
+
+def test_resumed_choices_continue_with_their_outputs(demo_model_dir):
+    from array import array
+
+    from shared.messages import Resume
+
+    tok = Tokenizer(EngineConfig(model=str(demo_model_dir)))
+    req = TokenizeRequest("r1", "ipc://gw", SamplingParams(max_tokens=8, seed=5,
+                                                           prompt_logprobs=2),
+                          prompt_text="hello there", n=3)
+    first = tok.prepare(req)
+    req.resume = [Resume(2, 1, array("i", [7, 8]), 3)]
+    (gen,) = tok.prepare(req)
+    assert gen.request_id == "r1:2.1" and list(gen.output_ids) == [7, 8]
+    assert gen.prompt_ids == first[2].prompt_ids and gen.params.seed == first[2].params.seed == 7
+    assert gen.params.prompt_logprobs is None  # delivered with the choice's first delta
+    assert gen.route.resume.sent_chars == 3 and first[2].route.resume is None

@@ -14,6 +14,7 @@ to its gateway with a 400 error; everything else goes to compute as GenerateRequ
 from __future__ import annotations
 
 import dataclasses
+import logging
 from array import array
 
 import redis
@@ -30,6 +31,7 @@ from shared.sampling import SamplingParams
 from shared.tokenizer import encode, load_tokenizer
 from shared.transport import Receiver, Sender, Senders
 
+log = logging.getLogger("pipellm.tokenizer")
 _PROMPT_TAIL = 10  # prompt tokens the detokenizer gets as decoding context (>= 9: whole chars)
 
 
@@ -81,8 +83,8 @@ class Tokenizer:
             raise PromptError("the prompt is empty after tokenization")
         params = req.params
         room = self.max_model_len - len(ids)
-        if req.max_tokens_auto and room > 0:
-            params = dataclasses.replace(params, max_tokens=room)
+        if req.max_tokens_auto and room > 0:  # min_tokens beyond the room: the check below
+            params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
         if room < params.max_tokens:
             raise PromptError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
@@ -131,4 +133,9 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
                     outbox.send(gen)
             except PromptError as e:
                 err = Delta(msg.request_id, error=str(e), error_status=400)
+                replies.send(msg.reply_to, DeltaBatch([err]))
+            except Exception:  # a bug must cost one request, not the worker (and its queue)
+                log.exception("request %s failed in the tokenizer", msg.request_id)
+                err = Delta(msg.request_id, error="internal error in the tokenizer",
+                            error_status=500)
                 replies.send(msg.reply_to, DeltaBatch([err]))
