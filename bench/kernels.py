@@ -52,7 +52,7 @@ from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref  # noqa: E402
 from kernels.rope import rope_kv_write, rope_kv_write_ref  # noqa: E402
 from kernels.sampling import sample, sample_reference  # noqa: E402
-from services.compute.rope import RotaryEmbedding  # noqa: E402
+from services.compute.model.rope import RotaryEmbedding  # noqa: E402
 
 FULL = dict(heads=(32, 8, 128), hidden=4096, inter=14336, vocab=128256, copy_mib=1024,
             decode=[(64, 4096), (1, 4096), (256, 4096)], prefill=[(1, 2048, 0), (4, 512, 1536)],

@@ -34,11 +34,11 @@ import transformers  # noqa: E402
 
 from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
-from services.compute.allocator import KVAllocator  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
 from services.compute.engine import LLMEngine  # noqa: E402
-from services.compute.scheduler import Scheduler, SchedulerConfig, StepSample  # noqa: E402
-from services.compute.sequence import Sequence  # noqa: E402
+from services.compute.kv.allocator import KVAllocator  # noqa: E402
+from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig, StepSample  # noqa: E402
+from services.compute.scheduling.sequence import Sequence  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.demo_model import build_demo_tokenizer  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402

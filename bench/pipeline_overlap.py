@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from bench.common import log, machine  # noqa: E402
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt, synthetic  # noqa: E402
 from services.compute.engine import LLMEngine  # noqa: E402
-from services.compute.model_config import ModelConfig, context_length  # noqa: E402
+from services.compute.model.model_config import ModelConfig, context_length  # noqa: E402
 from services.detokenizer.incremental import IncrementalDetokenizer  # noqa: E402
 from services.detokenizer.stop import StopMatcher  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402

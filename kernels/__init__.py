@@ -1,0 +1,25 @@
+"""The memory-bound work of a step, each op in its own module in the Triton tutorials' order:
+kernel, launcher, PyTorch reference. The functions exported here choose per call (see
+`dispatch.py`): Triton on CUDA, a C++ extension or the reference on CPU, or what
+`set_backend` forces.
+
+    silu_mul(gate_up)                          [T, 2I] -> [T, I]
+    rms_norm(x, w, eps) / add_rms_norm(x, residual, w, eps)
+    rope_kv_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    decode_attention(q, k_cache, v_cache, starts, lens, scale)       one query per sequence
+    prefill_attention(q, k_cache, v_cache, cu, starts, lens, scale)  causal chunks
+    sample(logits, temperature, top_k, top_p, min_p, seeds, steps)   token ids and logprobs
+    apply_penalties(...), token_stats(...)
+"""
+
+from kernels.activation import silu_mul
+from kernels.decode_attention import decode_attention
+from kernels.dispatch import backend, set_backend
+from kernels.prefill_attention import prefill_attention
+from kernels.rmsnorm import add_rms_norm, rms_norm
+from kernels.rope import rope_kv_write
+from kernels.sampling import apply_penalties, sample, to_device, token_stats
+
+__all__ = ["add_rms_norm", "apply_penalties", "backend", "decode_attention",
+           "prefill_attention", "rms_norm", "rope_kv_write", "sample", "set_backend",
+           "silu_mul", "to_device", "token_stats"]

@@ -21,7 +21,6 @@ import aiohttp
 
 from loadgen.metrics import RequestRecord
 
-CHAT_ENDPOINT = "/v1/chat/completions"
 TIMEOUT = aiohttp.ClientTimeout(total=6 * 3600)
 
 

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command != "generate" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from services.compute.model_config import ModelLoadError
+    from services.compute.model.model_config import ModelLoadError
     from shared.tokenizer import TokenizerLoadError
 
     try:
@@ -65,7 +65,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     from shared import default_model
 
     config = config_from_args(EngineConfig, args, model=args.model or default_model.resolve())
-    from services.compute.scheduler import SchedulerConfig
+    from services.compute.scheduling.scheduler import SchedulerConfig
 
     SchedulerConfig.of(config)  # a bad combination of scheduler flags fails here, not in compute
     if config.backend == "sim":  # a bad --sim-* value fails here, not in a restarting child
@@ -78,8 +78,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 def _check_model(config: EngineConfig) -> None:
     """Raise (ModelLoadError, TokenizerLoadError, ValueError) if the model cannot be served,
     before any service starts: its config, tokenizer, chat template and tensor table."""
-    from services.compute.gguf_weights import check_gguf
-    from services.compute.model_config import served_model
+    from services.compute.model.gguf_weights import check_gguf
+    from services.compute.model.model_config import served_model
     from shared.chat_template import load_chat_template
     from shared.gguf.reader import is_gguf
     from shared.tokenizer import load_tokenizer

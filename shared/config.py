@@ -25,7 +25,7 @@ class EngineConfig:
     kv_cache_tokens: int = 0  # KV slots; 0: sized from memory (see below)
     kv_cache_gib: float = 1.0  # CPU: KV cache size when kv_cache_tokens is 0
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total memory for weights + KV
-    kv_policy: str = "predicted"  # predicted | max | paged (sim only); see compute/scheduler.py
+    kv_policy: str = "predicted"  # predicted | max | paged (sim only); see scheduling/scheduler.py
     default_predicted_len: int = 128  # predicted output length until the predictor knows better
     kv_min_grow: int = 16  # minimum growth of a KV segment that ran out
     kv_reserve_quantile: float = 0.5  # predicted: a new segment holds this quantile of the length

@@ -26,7 +26,6 @@ log = logging.getLogger("pipellm.state")
 
 PREFIX = "pipellm:"
 SERVICES = ("tokenizer", "compute", "detokenizer")  # besides the gateway itself
-END_STATES = ("finished", "aborted", "failed")
 
 
 def fast_client(url: str, timeout_s: float = 0.2) -> redis.Redis:

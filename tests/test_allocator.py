@@ -1,4 +1,4 @@
-"""Tests for services.compute.allocator.KVAllocator (unit tests + hypothesis state machine)."""
+"""Tests for services.compute.kv.allocator.KVAllocator (unit tests + hypothesis state machine)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from services.compute.allocator import KVAllocator
+from services.compute.kv.allocator import KVAllocator
 
 
 def layout(a: KVAllocator, *sizes: int) -> list[int]:

@@ -14,8 +14,8 @@ import pytest
 import torch
 import transformers
 
-from services.compute.model_config import ModelConfig
-from services.compute.weights import load_weights
+from services.compute.model.model_config import ModelConfig
+from services.compute.model.weights import load_weights
 from shared.demo_model import FILES, ensure_demo_model
 from shared.tokenizer import TokenizerLoadError, decode, encode, load_tokenizer
 

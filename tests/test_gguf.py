@@ -13,8 +13,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from services.compute.engine import LLMEngine
-from services.compute.gguf_weights import hf_name, load_gguf_weights
-from services.compute.model_config import ModelConfig, ModelLoadError
+from services.compute.model.gguf_weights import hf_name, load_gguf_weights
+from services.compute.model.model_config import ModelConfig, ModelLoadError
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig
 from shared.gguf.reader import GGUFError, GGUFFile

@@ -3,10 +3,11 @@ and the reference vs a dense masked softmax."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
-import kernels.decode_attention as da
 from kernels import dispatch
 from kernels.cpu import extension as cpu_extension
 from kernels.decode_attention import (
@@ -15,6 +16,9 @@ from kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
 )
+
+# the module (the package exports its public function under the same name)
+da = importlib.import_module("kernels.decode_attention")
 
 N_HEADS = 8
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}

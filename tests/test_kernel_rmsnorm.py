@@ -19,7 +19,7 @@ from kernels.rmsnorm import (
     rms_norm_ref,
     rms_norm_triton,
 )
-from services.compute.llama import rms_norm as llama_rms_norm
+from services.compute.model.llama import rms_norm as llama_rms_norm
 
 EPS = 1e-5
 SHAPES = [(1, 96), (37, 96), (1, 1000), (37, 1000)]  # (T, hidden): hidden not a power of 2

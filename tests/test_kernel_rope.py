@@ -12,7 +12,7 @@ import torch
 
 from kernels import dispatch
 from kernels.rope import rope_kv_write, rope_kv_write_ref, rope_kv_write_triton
-from services.compute.rope import RotaryEmbedding, inv_frequencies
+from services.compute.model.rope import RotaryEmbedding, inv_frequencies
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

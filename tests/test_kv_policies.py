@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from services.compute import compaction
-from services.compute.allocator import KVAllocator
-from services.compute.paged_allocator import PagedAllocator
-from services.compute.scheduler import Scheduler, SchedulerConfig, StepSample
-from services.compute.sequence import SeqStatus, Sequence
+from services.compute.kv import compaction
+from services.compute.kv.allocator import KVAllocator
+from services.compute.kv.paged_allocator import PagedAllocator
+from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig, StepSample
+from services.compute.scheduling.sequence import SeqStatus, Sequence
 from shared.config import EngineConfig
 from shared.length_dist import LEVELS, LengthDist
 from shared.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""services/compute/linear.py: the oneDNN-packed CPU path against F.linear on random inputs."""
+"""services/compute/model/linear.py: the oneDNN-packed CPU path against F.linear, random inputs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import dispatch
-from services.compute.linear import Linear
+from services.compute.model.linear import Linear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.compute.allocator import KVAllocator
-from services.compute.scheduler import Scheduler, SchedulerConfig, StepSample
-from services.compute.sequence import SeqStatus, Sequence
+from services.compute.kv.allocator import KVAllocator
+from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig, StepSample
+from services.compute.scheduling.sequence import SeqStatus, Sequence
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.compute.scheduler import ScheduledStep
-from services.compute.sequence import Sequence
+from services.compute.scheduling.scheduler import ScheduledStep
+from services.compute.scheduling.sequence import Sequence
 
 
 @dataclass

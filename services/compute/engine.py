@@ -9,12 +9,12 @@ import itertools
 import secrets
 from dataclasses import dataclass, field
 
-from services.compute.allocator import KVAllocator
-from services.compute.model_config import served_model
-from services.compute.paged_allocator import PagedAllocator
+from services.compute.kv.allocator import KVAllocator
+from services.compute.kv.paged_allocator import PagedAllocator
+from services.compute.model.model_config import served_model
 from services.compute.runner import ModelRunner
-from services.compute.scheduler import Scheduler, SchedulerConfig, StepSample, Top
-from services.compute.sequence import SeqStatus, Sequence
+from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig, StepSample, Top
+from services.compute.scheduling.sequence import SeqStatus, Sequence
 from shared.codec import float32s, int32s
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist

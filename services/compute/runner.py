@@ -6,15 +6,14 @@ import logging
 
 import torch
 
-from kernels.dispatch import set_backend
-from kernels.sampling import apply_penalties, sample, to_device, token_stats
+from kernels import apply_penalties, sample, set_backend, to_device, token_stats
 from services.compute.batch import build_batch
-from services.compute.kv_cache import KVCache
-from services.compute.llama import LlamaModel
-from services.compute.model_config import ModelConfig
-from services.compute.scheduler import ScheduledStep, StepSample, Top
-from services.compute.sequence import Sequence
-from services.compute.weights import load_weights
+from services.compute.kv.kv_cache import KVCache
+from services.compute.model.llama import LlamaModel
+from services.compute.model.model_config import ModelConfig
+from services.compute.model.weights import load_weights
+from services.compute.scheduling.scheduler import ScheduledStep, StepSample, Top
+from services.compute.scheduling.sequence import Sequence
 from shared.config import EngineConfig
 
 log = logging.getLogger(__name__)

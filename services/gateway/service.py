@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 import zmq.asyncio
 from aiohttp import web
 
-from services.compute.model_config import served_model
+from services.compute.model.model_config import served_model
 from services.gateway.app import Gateway
 from shared.config import EngineConfig, ServiceConfig
 from shared.messages import DeltaBatch

@@ -20,7 +20,7 @@ from array import array
 import redis
 import zmq
 
-from services.compute.model_config import served_model
+from services.compute.model.model_config import served_model
 from shared import state
 from shared.chat_template import ChatTemplateError, load_chat_template
 from shared.codec import int32s

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.compute.model_config import ModelConfig
+from services.compute.model.model_config import ModelConfig
 from services.compute.sim.hardware import ModelSpec, model
 from shared.config import EngineConfig
 

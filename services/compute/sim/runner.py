@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import time
 
-from services.compute.model_config import ModelConfig
-from services.compute.scheduler import ScheduledStep, StepSample
+from services.compute.model.model_config import ModelConfig
+from services.compute.scheduling.scheduler import ScheduledStep, StepSample
 from services.compute.sim.cost import CostModel, kv_dtype_bytes
 from shared.config import EngineConfig
 

@@ -12,17 +12,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_mul
-from kernels.decode_attention import decode_attention
-from kernels.prefill_attention import prefill_attention
-from kernels.rmsnorm import add_rms_norm, rms_norm
-from kernels.rope import rope_kv_write
+from kernels import (
+    add_rms_norm,
+    decode_attention,
+    prefill_attention,
+    rms_norm,
+    rope_kv_write,
+    silu_mul,
+)
 from services.compute.batch import ForwardBatch
-from services.compute.kv_cache import KVCache
-from services.compute.linear import Linear
-from services.compute.model_config import ModelConfig
-from services.compute.rope import RotaryEmbedding
-from services.compute.weights import require
+from services.compute.kv.kv_cache import KVCache
+from services.compute.model.linear import Linear
+from services.compute.model.model_config import ModelConfig
+from services.compute.model.rope import RotaryEmbedding
+from services.compute.model.weights import require
 
 
 @dataclass

@@ -10,7 +10,7 @@ KV policies (how much a request's segment holds):
   `reserve_horizon` tokens ahead; a segment that runs out regrows to the `grow_quantile` of the
   length given what it has generated (again at most the horizon ahead). When free space is
   split, segments move (KV copies: a neighbour into a hole, or a run of segments on either
-  side packed into the holes beyond; services/compute/compaction.py, within a per-step copy
+  side packed into the holes beyond; services/compute/kv/compaction.py, within a per-step copy
   budget) rather than anyone being preempted; when nothing can move, one request is (see
   `_victim`).
 - `max`: prompt + max_tokens, never grows (what static-batching servers reserve).
@@ -30,11 +30,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.compute.admission import FuturePeak
-from services.compute.allocator import KVAllocator
-from services.compute.compaction import Compactor, segment_at
-from services.compute.paged_allocator import PagedAllocator
-from services.compute.sequence import SeqStatus, Sequence
+from services.compute.kv.allocator import KVAllocator
+from services.compute.kv.compaction import Compactor, segment_at
+from services.compute.kv.paged_allocator import PagedAllocator
+from services.compute.scheduling.admission import FuturePeak
+from services.compute.scheduling.sequence import SeqStatus, Sequence
 
 KV_POLICIES = ("predicted", "max", "paged")
 BATCHING = ("merged", "static")
@@ -212,15 +212,18 @@ class Scheduler:
         if seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
-            self.allocator.free(seq.kv_start)
+            self._release(seq)
         seq.finish_reason = seq.finish_reason or reason
         seq.status = SeqStatus.FINISHED
 
     def _retire(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        """Take seq out of the running batch and free its KV segment."""
         self.running.remove(seq)
         self.allocator.free(seq.kv_start)
-        seq.status = SeqStatus.FINISHED
 
     def _reservation(self, seq: Sequence) -> int:
         policy = self.config.kv_policy
@@ -316,8 +319,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's KV and requeue it first in line; it recomputes prompt + output later."""
-        self.running.remove(seq)
-        self.allocator.free(seq.kv_start)
+        self._release(seq)
         seq.num_cached, seq.kv_start, seq.kv_reserved = 0, -1, 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

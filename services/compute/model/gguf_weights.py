@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from services.compute.model_config import ModelLoadError
+from services.compute.model.model_config import ModelLoadError
 from shared.gguf.hf import architecture
 from shared.gguf.reader import GGUFError, GGUFFile, open_gguf
 

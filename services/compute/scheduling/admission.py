@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.compute.sequence import Sequence
+from services.compute.scheduling.sequence import Sequence
 
 
 class FuturePeak:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.compute.gguf_weights import load_gguf_weights
-from services.compute.model_config import ModelLoadError
+from services.compute.model.gguf_weights import load_gguf_weights
+from services.compute.model.model_config import ModelLoadError
 from shared.gguf.reader import is_gguf
 
 INDEX_FILE = "model.safetensors.index.json"
