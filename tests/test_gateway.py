@@ -99,3 +99,23 @@ def test_overload_429_restart_resumes_and_a_long_outage_fails(demo_model_dir, re
         original.request_id, 0, 1, [], 0)
     assert resumed.params.seed == original.params.seed is not None  # samples as it would have
     assert status == 503 and "compute" in message and "down" in message
+
+
+def test_redis_client_survives_a_redis_restart():
+    """A pooled connection that died with Redis is retried on a fresh one, so the first request
+    after a restart is not a false 503 (it was, now and then, under load)."""
+    from services.gateway.service import redis_client
+
+    async def roundtrips(client, n=8):  # several at once: several pooled connections
+        await asyncio.gather(*(client.set(f"k{i}", i) for i in range(n)))
+        return await asyncio.gather(*(client.get(f"k{i}") for i in range(n)))
+
+    with EmbeddedRedis() as r:
+        async def main():
+            client = redis_client(ServiceConfig(redis_url=r.url))
+            await roundtrips(client)
+            r.stop()
+            r.start()  # same port, fresh process: every pooled connection is dead
+            return await roundtrips(client)
+
+        assert asyncio.run(main()) == [str(i).encode() for i in range(8)]

@@ -9,8 +9,6 @@ import itertools
 import secrets
 from dataclasses import dataclass, field
 
-from services.compute.kv.allocator import KVAllocator
-from services.compute.kv.paged_allocator import PagedAllocator
 from services.compute.model.model_config import served_model
 from services.compute.runner import ModelRunner
 from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig, StepSample, Top
@@ -60,9 +58,8 @@ class LLMEngine:
         if config.backend == "sim":  # modelled GPU, no model: services/compute/sim
             from services.compute.sim.runner import SimRunner as runner_cls
         self.runner = runner_cls(config, self.model_config, self.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig.of(config), (
-            PagedAllocator(self.runner.capacity) if config.kv_policy == "paged"
-            else KVAllocator(self.runner.capacity)))
+        sched = SchedulerConfig.of(config)
+        self.scheduler = Scheduler(sched, sched.policy.allocator(self.runner.capacity))
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
 

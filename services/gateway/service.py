@@ -9,6 +9,8 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import zmq.asyncio
 from aiohttp import web
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from services.compute.model.model_config import served_model
 from services.gateway.app import Gateway
@@ -36,9 +38,11 @@ def redis_client(svc: ServiceConfig) -> aioredis.Redis:
     """The gateway's Redis client. Requests in flight are at most --max-pending (PendingLimit),
     each using one connection at a time; the margin serves health checks, aborts and
     /v1/requests. The pool blocks when all are busy instead of failing, so a burst past the
-    margin waits rather than reads as "Redis unavailable"."""
+    margin waits rather than reads as "Redis unavailable". A pooled connection that died with a
+    restarted Redis is retried on a fresh one (pool connections otherwise never retry)."""
     pool = aioredis.BlockingConnectionPool.from_url(
-        svc.redis_url, max_connections=svc.max_pending + 32, timeout=5)
+        svc.redis_url, max_connections=svc.max_pending + 32, timeout=5,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3))
     return aioredis.Redis(connection_pool=pool)
 
 

@@ -5,18 +5,9 @@ moving or, as a last resort, preempting to make room for it); then running reque
 prefill continue their chunks; then waiting requests are admitted FCFS while the token budget,
 the running limit and free KV allow. A prompt larger than the budget is prefilled in chunks.
 
-KV policies (how much a request's segment holds):
-- `predicted`: prompt + the `reserve_quantile` of its predicted output length, at most
-  `reserve_horizon` tokens ahead; a segment that runs out regrows to the `grow_quantile` of the
-  length given what it has generated (again at most the horizon ahead). When free space is
-  split, segments move (KV copies: a neighbour into a hole, or a run of segments on either
-  side packed into the holes beyond; services/compute/kv/compaction.py, within a per-step copy
-  budget) rather than anyone being preempted; when nothing can move, one request is (see
-  `_victim`).
-- `max`: prompt + max_tokens, never grows (what static-batching servers reserve).
-- `paged`: the vLLM baseline, with a `PagedAllocator`: blocks for the tokens present, one more
-  block when a token crosses into it; admission keeps a 1% watermark of blocks free; a token
-  that finds no block preempts the newest request.
+KV policies (how much a request's segment holds, how it grows, whom to preempt) are objects in
+`kv_policy.py`: `predicted` (segments sized by the predicted output length, moved to close holes
+rather than preempting), `max` (prompt + max_tokens) and `paged` (the vLLM baseline, blocks).
 Admission (`admission`): `fit` admits whenever the reservation fits; `peak` also requires the
 future KV peak to fit, with every running request's remaining length at the `peak_quantile` of
 its predicted length (LightLLM's past-future estimate, with learned lengths); `auto` is `peak`
@@ -31,15 +22,14 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.compute.kv.allocator import KVAllocator
-from services.compute.kv.compaction import Compactor, segment_at
+from services.compute.kv.compaction import Compactor
 from services.compute.kv.paged_allocator import PagedAllocator
 from services.compute.scheduling.admission import FuturePeak
+from services.compute.scheduling.kv_policy import KVPolicy, make_policy
 from services.compute.scheduling.sequence import SeqStatus, Sequence
 
-KV_POLICIES = ("predicted", "max", "paged")
 BATCHING = ("merged", "static")
 ADMISSION = ("auto", "peak", "fit")
-PAGED_WATERMARK = 0.01  # vLLM's default share of blocks kept free at admission
 
 
 @dataclass(frozen=True)
@@ -54,10 +44,12 @@ class SchedulerConfig:
     peak_quantile: float = 0.9
     reserve_horizon: int = 64  # predicted: reserve at most this many output slots ahead (0: all)
     admission: str = "auto"  # peak | fit | auto (peak for predicted, fit otherwise)
+    policy: KVPolicy = field(init=False, repr=False, compare=False)  # built from the above
 
     def __post_init__(self):
-        if self.kv_policy not in KV_POLICIES:
-            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, not {self.kv_policy!r}")
+        object.__setattr__(self, "policy", make_policy(
+            self.kv_policy, self.reserve_quantile, self.grow_quantile, self.reserve_horizon,
+            self.kv_min_grow))
         if self.admission not in ADMISSION:
             raise ValueError(f"admission must be one of {ADMISSION}, not {self.admission!r}")
         if self.batching not in BATCHING:
@@ -79,7 +71,7 @@ class SchedulerConfig:
     @property
     def peak_admission(self) -> bool:
         return self.admission == "peak" or (self.admission == "auto" and
-                                            self.kv_policy == "predicted")
+                                            self.policy.peak_admission)
 
 
 @dataclass
@@ -122,15 +114,16 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: KVAllocator | PagedAllocator):
-        if (config.kv_policy == "paged") != isinstance(allocator, PagedAllocator):
-            raise ValueError("the paged policy needs a PagedAllocator, the others a KVAllocator")
-        self.config = config
+        """`allocator`: of the kind config.policy.allocator() makes."""
+        self.config, self.policy = config, config.policy
+        if type(allocator) is not type(self.policy.allocator(1)):
+            raise ValueError(f"the {self.policy.name} policy needs a "
+                             f"{type(self.policy.allocator(1)).__name__}")
         self.allocator = allocator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.stats = SchedulerStats()
-        self.compactor = Compactor(allocator, self.stats) if config.kv_policy == "predicted" \
-            else None
+        self.compactor = Compactor(allocator, self.stats) if self.policy.compacts else None
         self._admitted = 0
 
     def add(self, seq: Sequence) -> None:
@@ -225,25 +218,10 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.kv_start)
 
-    def _reservation(self, seq: Sequence) -> int:
-        policy = self.config.kv_policy
-        if policy == "max":
-            return seq.max_len
-        if policy == "paged":
-            return seq.num_tokens
-        # not finished, so its output will be longer than num_output (0 for a new request)
-        total = seq.length.conditional_quantile(seq.num_output, self.config.reserve_quantile)
-        return min(seq.max_len, seq.num_prompt + self._horizon(seq, total))
-
-    def _horizon(self, seq: Sequence, total: int) -> int:
-        h = self.config.reserve_horizon
-        return min(total, seq.num_output + h) if h else total
-
     def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
-        size = self._reservation(seq)
+        size = self.policy.reservation(seq)
         a = self.allocator
-        if self.config.kv_policy == "paged" and \
-                a.free_slots - a.blocks(size) * a.block_size < PAGED_WATERMARK * a.capacity:
+        if not self.policy.can_admit(a, size):
             return False
         start = a.allocate(size)
         if start is None and self.compactor is not None and \
@@ -263,7 +241,7 @@ class Scheduler:
         need = seq.num_tokens
         if need <= seq.kv_reserved:
             return True
-        target = self._grow_target(seq)
+        target = self.policy.grow_target(seq)
         while True:
             for size in (target, need):
                 start = self.allocator.resize(seq.kv_start, size)
@@ -274,40 +252,10 @@ class Scheduler:
                     self.allocator.free_slots >= need - seq.kv_reserved and \
                     self.compactor.make_room_after(self.running, seq, need, step.moves):
                 continue  # seq now grows in place
-            victim = self._victim(seq, need)
+            victim = self.policy.victim(self.running, seq, need, self.allocator)
             self._preempt(victim)
             if victim is seq:
                 return False
-
-    def _victim(self, seq: Sequence, need: int) -> Sequence:
-        """Whom to preempt so that seq can grow to `need` slots. Paged (and max, which never
-        grows): the most recently admitted (any block will do). Predicted: its right neighbour
-        if admitted after it (adjacent slots), else the newest request whose slots with the
-        free space around them would hold seq, else seq itself: preempting others whose slots
-        are not adjacent would free space that seq cannot use. Never one admitted before seq:
-        those already have their token in this step."""
-        if self.config.kv_policy != "predicted":
-            return self.running[-1]
-        nb = segment_at(self.running, seq.kv_start + seq.kv_reserved)
-        if nb is not None and nb.admit_order > seq.admit_order:
-            return nb
-        a = self.allocator
-        for s in reversed(self.running):
-            if s.admit_order <= seq.admit_order:
-                break
-            if a.free_around(s.kv_start) + s.kv_reserved >= need:
-                return s
-        return seq
-
-    def _grow_target(self, seq: Sequence) -> int:
-        """New segment size for a request that ran out: paged, one more token (a block);
-        predicted, the grow quantile of its length given its output so far, and at least
-        kv_min_grow more slots."""
-        if self.config.kv_policy == "paged":
-            return seq.num_tokens
-        total = seq.length.conditional_quantile(seq.num_output, self.config.grow_quantile)
-        return min(seq.max_len, max(seq.num_prompt + self._horizon(seq, total),
-                                    seq.kv_reserved + self.config.kv_min_grow))
 
     def _relocated(self, seq: Sequence, start: int, size: int, step: ScheduledStep) -> None:
         if start == seq.kv_start:

@@ -1,0 +1,153 @@
+"""KV policies: how much of the cache a request's segment holds, and what happens when it runs out.
+
+A policy is an object behind the small `KVPolicy` protocol; the scheduler asks it and never
+switches on its name. `make_policy(config)` is the one place a `--kv-policy` string is read.
+
+- `Predicted`: prompt + the `reserve_quantile` of the predicted output length, at most
+  `horizon` tokens ahead; a segment that runs out regrows to the `grow_quantile` of the length
+  given what it has generated (again at most the horizon ahead, at least `min_grow` more).
+  Free space split into holes is closed by moving segments (a `Compactor`), and a victim is
+  chosen among those whose slots seq can actually use.
+- `MaxLength`: prompt + max_tokens, never grows (what static-batching servers reserve).
+- `Paged`: the vLLM baseline on a `PagedAllocator`: blocks for the tokens present, one more
+  block when a token crosses into it, a 1% watermark of blocks kept free at admission, the
+  newest request preempted when no block is left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.compute.kv.allocator import KVAllocator
+from services.compute.kv.compaction import segment_at
+from services.compute.kv.paged_allocator import PagedAllocator
+from services.compute.scheduling.sequence import Sequence
+
+PAGED_WATERMARK = 0.01  # vLLM's default share of blocks kept free at admission
+
+
+class KVPolicy(Protocol):
+    name: str
+    compacts: bool  # moves segments to close holes (the scheduler then runs a Compactor)
+    peak_admission: bool  # what admission "auto" means under this policy
+
+    def allocator(self, capacity: int) -> KVAllocator | PagedAllocator:
+        """A fresh allocator of `capacity` slots of the kind this policy manages."""
+
+    def reservation(self, seq: Sequence) -> int:
+        """Slots to reserve for seq when it is admitted (or readmitted)."""
+
+    def grow_target(self, seq: Sequence) -> int:
+        """The new segment size for seq, whose pending token found no slot."""
+
+    def can_admit(self, allocator, size: int) -> bool:
+        """Whether a new segment of `size` slots may be taken now (headroom rules)."""
+
+    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator) -> Sequence:
+        """Whom to preempt so that seq can grow to `need` slots (seq itself if nobody helps).
+        Never one admitted before seq: those already have their token in this step."""
+
+
+@dataclass(frozen=True)
+class Predicted:
+    reserve_quantile: float = 0.5
+    grow_quantile: float = 0.9
+    horizon: int = 64  # reserve at most this many output slots ahead (0: all)
+    min_grow: int = 16
+    name: str = "predicted"
+    compacts: bool = True
+    peak_admission: bool = True
+
+    def allocator(self, capacity: int) -> KVAllocator:
+        return KVAllocator(capacity)
+
+    def reservation(self, seq: Sequence) -> int:
+        # not finished, so its output will be longer than num_output (0 for a new request)
+        total = seq.length.conditional_quantile(seq.num_output, self.reserve_quantile)
+        return min(seq.max_len, seq.num_prompt + self._ahead(seq, total))
+
+    def grow_target(self, seq: Sequence) -> int:
+        total = seq.length.conditional_quantile(seq.num_output, self.grow_quantile)
+        return min(seq.max_len, max(seq.num_prompt + self._ahead(seq, total),
+                                    seq.kv_reserved + self.min_grow))
+
+    def _ahead(self, seq: Sequence, total: int) -> int:
+        return min(total, seq.num_output + self.horizon) if self.horizon else total
+
+    def can_admit(self, allocator, size: int) -> bool:
+        return True
+
+    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator) -> Sequence:
+        """Its right neighbour if admitted after it (adjacent slots), else the newest request
+        whose slots with the free space around them would hold seq, else seq itself:
+        preempting others whose slots are not adjacent frees space seq cannot use."""
+        nb = segment_at(running, seq.kv_start + seq.kv_reserved)
+        if nb is not None and nb.admit_order > seq.admit_order:
+            return nb
+        for s in reversed(running):
+            if s.admit_order <= seq.admit_order:
+                break
+            if allocator.free_around(s.kv_start) + s.kv_reserved >= need:
+                return s
+        return seq
+
+
+@dataclass(frozen=True)
+class MaxLength:
+    name: str = "max"
+    compacts: bool = False
+    peak_admission: bool = False
+
+    def allocator(self, capacity: int) -> KVAllocator:
+        return KVAllocator(capacity)
+
+    def reservation(self, seq: Sequence) -> int:
+        return seq.max_len
+
+    def grow_target(self, seq: Sequence) -> int:
+        return seq.max_len  # never reached: the reservation holds every token
+
+    def can_admit(self, allocator, size: int) -> bool:
+        return True
+
+    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator) -> Sequence:
+        return running[-1]
+
+
+@dataclass(frozen=True)
+class Paged:
+    name: str = "paged"
+    compacts: bool = False
+    peak_admission: bool = False
+
+    def allocator(self, capacity: int) -> PagedAllocator:
+        return PagedAllocator(capacity)
+
+    def reservation(self, seq: Sequence) -> int:
+        return seq.num_tokens
+
+    def grow_target(self, seq: Sequence) -> int:
+        return seq.num_tokens  # one more token: a new block when it crosses into one
+
+    def can_admit(self, allocator: PagedAllocator, size: int) -> bool:
+        free_after = allocator.free_slots - allocator.blocks(size) * allocator.block_size
+        return free_after >= PAGED_WATERMARK * allocator.capacity
+
+    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator) -> Sequence:
+        return running[-1]  # the most recently admitted: any block will do
+
+
+KV_POLICIES = ("predicted", "max", "paged")
+
+
+def make_policy(name: str, reserve_quantile: float = 0.5, grow_quantile: float = 0.9,
+                horizon: int = 64, min_grow: int = 16) -> KVPolicy:
+    """The policy named `name` (ValueError naming the choices otherwise)."""
+    if name == "predicted":
+        return Predicted(reserve_quantile, grow_quantile, horizon, min_grow)
+    if name == "max":
+        return MaxLength()
+    if name == "paged":
+        return Paged()
+    raise ValueError(f"kv_policy must be one of {KV_POLICIES}, not {name!r}")
