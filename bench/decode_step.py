@@ -107,7 +107,7 @@ def make_batch(batch: int, ctx: int, vocab: int, device: torch.device) -> Forwar
     for b in range(batch):
         ids = [(b * 7919 + t * 31) % vocab for t in range(ctx)]
         seq = Sequence(f"b{b}", ids, SamplingParams(max_tokens=16), seed=b, max_len=ctx + 16,
-                       length=LengthDist.point(16), stop_ids=frozenset())
+                       predicted_length=LengthDist.point(16), stop_ids=frozenset())
         seq.num_cached, seq.kv_start, seq.kv_reserved = ctx - 1, b * ctx, ctx
         seq.status = SeqStatus.RUNNING
         seqs.append(seq)

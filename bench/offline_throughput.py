@@ -140,7 +140,7 @@ def run_engine(model_dir: Path, prompts: list[list[int]], olens: list[int], capa
     seqs = []
     for ids, n in zip(prompts, olens, strict=True):
         rid = engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                                 predicted=n if args.oracle_predicted_len else None)
+                                 predicted_length=n if args.oracle_predicted_len else None)
         seqs.append(engine.requests[rid])
     steps = 0
     while engine.has_work():
@@ -199,7 +199,7 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
     for i, ids in enumerate(prompts[: args.max_running]):  # as LLMEngine.add_request does
         params = SamplingParams(max_tokens=context - len(ids), temperature=0, ignore_eos=True)
         sched.add(Sequence(f"r{i}", list(ids), params, seed=i, max_len=context,
-                           length=LengthDist.point(cfg.default_predicted_len),
+                           predicted_length=LengthDist.point(cfg.default_predicted_len),
                            stop_ids=frozenset()))
     device, zeros = torch.device("cpu"), [5] * args.max_batched_tokens
     lps = [0.0] * args.max_batched_tokens

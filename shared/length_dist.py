@@ -1,7 +1,7 @@
 """A predicted output-length distribution: quantiles at fixed levels. Pure logic.
 
 The length predictor produces one per request (the tokenizer attaches it to the
-GenerateRequest as `length_quantiles`); compute reads it to size a KV segment (a quantile), to
+GenerateRequest as `predicted_length`); compute reads it to size a KV segment (a quantile), to
 regrow a segment that ran out (a quantile of the length *given* what was already generated),
 and to estimate the future KV peak at admission.
 

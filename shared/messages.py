@@ -78,7 +78,7 @@ class GenerateRequest:
     prompt_ids: array  # int32
     params: SamplingParams
     route: Route
-    length_quantiles: list[int] | None = None  # predicted output length at length_dist.LEVELS
+    predicted_length: list[int] | None = None  # its quantiles at length_dist.LEVELS
     output_ids: array = field(default_factory=lambda: array("i"))  # int32: a resumed choice's
     # tokens so far (they follow the prompt and count as output)
 

@@ -19,10 +19,10 @@ from shared.sampling import SamplingParams
 WIDE = LengthDist((4, 6, 10, 20, 40, 50, 60))  # median 10, p90 40
 
 
-def seq(rid: str, prompt_len: int, max_tokens: int = 100, length=None) -> Sequence:
+def seq(rid: str, prompt_len: int, max_tokens: int = 100, predicted_length=None) -> Sequence:
     return Sequence(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
                     seed=0, max_len=prompt_len + max_tokens,
-                    length=length or LengthDist.point(4), stop_ids=frozenset())
+                    predicted_length=predicted_length or LengthDist.point(4), stop_ids=frozenset())
 
 
 def make(policy="predicted", capacity=1000, budget=64, max_running=16, batching="merged"):
@@ -105,7 +105,7 @@ def test_static_batching_admits_only_into_an_empty_batch():
 # -- predicted: distributions and the future peak --------------------------------------------
 def test_reserves_a_quantile_and_regrows_to_the_conditional_quantile():
     s = make("predicted", capacity=1000)
-    a = seq("a", 10, length=WIDE)
+    a = seq("a", 10, predicted_length=WIDE)
     s.add(a)
     run_step(s)
     assert a.kv_reserved == 10 + WIDE.quantile(0.5) == 20
@@ -120,7 +120,7 @@ def test_paged_memory_with_peak_admission():
         config = SchedulerConfig(64, 16, "paged", 2, admission=admission)
         s = Scheduler(config, PagedAllocator(16 * 7))  # 112 slots; each may peak at 50
         for x in "abc":
-            s.add(seq(x, 10, max_tokens=60, length=WIDE))
+            s.add(seq(x, 10, max_tokens=60, predicted_length=WIDE))
         run_step(s)
         return [x.request_id for x in s.running]
 
@@ -135,14 +135,14 @@ def test_paged_memory_with_peak_admission():
 def test_admission_keeps_the_future_peak_in_memory():
     # each: 10 prompt tokens, 20 reserved; by p90 it may hold 50; two peak at 100 together
     s = make("predicted", capacity=100)
-    a, b, c = (seq(x, 10, max_tokens=60, length=WIDE) for x in "abc")
+    a, b, c = (seq(x, 10, max_tokens=60, predicted_length=WIDE) for x in "abc")
     for x in (a, b, c):
         s.add(x)
     run_step(s)
     assert [x.request_id for x in s.running] == ["a", "b"] and s.waiting[0] is c
     assert s.allocator.free_slots >= 20  # c's reservation would fit: the peak refuses it
     lone = make("predicted", capacity=40)
-    big = seq("big", 10, max_tokens=30, length=WIDE)
+    big = seq("big", 10, max_tokens=30, predicted_length=WIDE)
     lone.add(big)
     run_step(lone)
     assert big.status is SeqStatus.RUNNING  # alone, a request always gets its chance
@@ -294,7 +294,7 @@ def test_random_runs_keep_every_cached_token_where_its_segment_says(seed, monkey
         if rng.random() < 0.3:
             lengths = LengthDist(tuple(sorted(rng.randint(1, 40) for _ in LEVELS)))
             s.add(seq(f"r{n}", rng.randint(1, 30), max_tokens=rng.randint(1, 60),
-                      length=lengths))
+                      predicted_length=lengths))
             n += 1
         if not s.has_work():
             continue

@@ -14,7 +14,7 @@ from shared.sampling import SamplingParams
 def seq(rid: str, prompt_len: int, max_tokens: int = 8, predicted: int = 4, stop=(), **kw):
     params = SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
     return Sequence(rid, list(range(1, prompt_len + 1)), params, seed=0,
-                    max_len=prompt_len + max_tokens, length=LengthDist.point(predicted),
+                    max_len=prompt_len + max_tokens, predicted_length=LengthDist.point(predicted),
                     stop_ids=frozenset(stop))
 
 
@@ -149,7 +149,7 @@ def test_finish_conditions():
     assert ln.finish_reason == "length" and ln.num_output == 2
 
     ctx = Sequence("ctx", [1, 2, 3], SamplingParams(max_tokens=50), seed=0, max_len=5,
-                   length=LengthDist.point(4), stop_ids=frozenset())
+                   predicted_length=LengthDist.point(4), stop_ids=frozenset())
     s.add(ctx)
     run_step(s)
     run_step(s)

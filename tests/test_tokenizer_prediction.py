@@ -21,7 +21,7 @@ def request(text: str, max_tokens: int, n: int = 1) -> TokenizeRequest:
 def test_without_a_predictor_features_still_travel(demo_model_dir):
     tok = Tokenizer(EngineConfig(model=str(demo_model_dir)))
     (gen,) = tok.prepare(request("hello there", 8))
-    assert gen.length_quantiles is None and gen.route.length_features
+    assert gen.predicted_length is None and gen.route.length_features
 
 
 def test_prediction_is_attached_to_every_choice(demo_model_dir):
@@ -31,15 +31,15 @@ def test_prediction_is_attached_to_every_choice(demo_model_dir):
                                     strict=True)
         tok = Tokenizer(cfg, predictor)
         (cold,) = tok.prepare(request("summarize this", 500))
-        assert LengthDist(tuple(cold.length_quantiles)) == LengthDist.point(128)  # default
+        assert LengthDist(tuple(cold.predicted_length)) == LengthDist.point(128)  # default
         for gen in tok.prepare(request("summarize this", 500, n=3)):
             predictor.update(gen.route.length_features, 40)  # as the detokenizer does
         gens = tok.prepare(request("summarize this", 30, n=2))
         assert [g.request_id for g in gens] == ["r1:0", "r1:1"]
         for g in gens:
-            assert len(g.length_quantiles) == len(LEVELS)
-            assert max(g.length_quantiles) <= 30  # capped at max_tokens
-        warm = tok.prepare(request("summarize this", 500))[0].length_quantiles
+            assert len(g.predicted_length) == len(LEVELS)
+            assert max(g.predicted_length) <= 30  # capped at max_tokens
+        warm = tok.prepare(request("summarize this", 500))[0].predicted_length
         assert 20 <= LengthDist(tuple(warm)).median <= 80  # learned ~40
 
 

@@ -65,9 +65,9 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
-                    predicted: LengthDist | int | None = None,
+                    predicted_length: LengthDist | int | None = None,
                     output_ids: list[int] = ()) -> str:
-        """Queue a request. `predicted`: its output length (a distribution or a point; None:
+        """Queue a request. `predicted_length`: its output length (a distribution or a point; None:
         --default-predicted-len). `output_ids`: tokens it generated before (a request resumed
         after a restart continues after them as if never interrupted). Raises InvalidParams
         if this engine cannot serve it."""
@@ -85,8 +85,9 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidParams("request_id", f"request id {rid!r} is already in use")
-        if not isinstance(predicted, LengthDist):
-            predicted = LengthDist.point(predicted or self.config.default_predicted_len)
+        if not isinstance(predicted_length, LengthDist):
+            predicted_length = LengthDist.point(predicted_length
+                                                or self.config.default_predicted_len)
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.model_config.eos_token_ids)
@@ -94,7 +95,7 @@ class LLMEngine:
             request_id=rid, token_ids=[*prompt_ids, *output_ids], params=params,
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             max_len=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
-            length=predicted, stop_ids=frozenset(stop), num_prompt=len(prompt_ids),
+            predicted_length=predicted_length, stop_ids=frozenset(stop), num_prompt=len(prompt_ids),
         )
         try:
             self.scheduler.add(seq)

@@ -67,7 +67,7 @@ class ComputeService:
         if self.early_aborts.pop(rid, None) or self.early_aborts.pop(state.api_id(rid), None):
             return
         try:
-            predicted = LengthDist(tuple(req.length_quantiles)) if req.length_quantiles else None
+            predicted = LengthDist(tuple(req.predicted_length)) if req.predicted_length else None
             self.engine.add_request(list(req.prompt_ids), req.params, rid, predicted,
                                     list(req.output_ids))
         except (InvalidParams, ValueError) as e:

@@ -18,7 +18,7 @@ class FuturePeak:
 
     def _item(self, seq: Sequence) -> tuple[int, int]:
         if seq.peak_total <= seq.num_output:
-            seq.peak_total = seq.length.conditional_quantile(seq.num_output, self.q)
+            seq.peak_total = seq.predicted_length.conditional_quantile(seq.num_output, self.q)
         total = min(seq.peak_total, seq.max_len - seq.num_prompt)
         return max(total - seq.num_output, 1), seq.num_tokens
 

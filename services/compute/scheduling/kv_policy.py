@@ -64,11 +64,11 @@ class Predicted:
 
     def reservation(self, seq: Sequence) -> int:
         # not finished, so its output will be longer than num_output (0 for a new request)
-        total = seq.length.conditional_quantile(seq.num_output, self.reserve_quantile)
+        total = seq.predicted_length.conditional_quantile(seq.num_output, self.reserve_quantile)
         return min(seq.max_len, seq.num_prompt + self._ahead(seq, total))
 
     def grow_target(self, seq: Sequence) -> int:
-        total = seq.length.conditional_quantile(seq.num_output, self.grow_quantile)
+        total = seq.predicted_length.conditional_quantile(seq.num_output, self.grow_quantile)
         return min(seq.max_len, max(seq.num_prompt + self._ahead(seq, total),
                                     seq.kv_reserved + self.min_grow))
 

@@ -26,7 +26,7 @@ class Sequence:
     params: SamplingParams
     seed: int
     max_len: int  # prompt + max_tokens, capped by the model's context length
-    length: LengthDist  # predicted number of generated tokens (sizes the KV segment)
+    predicted_length: LengthDist  # of its output, in tokens (sizes the KV segment)
     stop_ids: frozenset[int]  # EOS (unless ignore_eos) and stop_token_ids
     num_prompt: int = -1  # token_ids[:num_prompt] is the prompt (-1: all of token_ids)
     num_cached: int = 0
