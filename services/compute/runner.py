@@ -6,12 +6,13 @@ import logging
 
 import torch
 
-from kernels import apply_penalties, sample, set_backend, to_device, token_stats
+from kernels import apply_penalties, set_backend, to_device, token_stats
 from services.compute.batch import build_batch
 from services.compute.kv.kv_cache import KVCache
 from services.compute.model.llama import LlamaModel
 from services.compute.model.model_config import ModelConfig
 from services.compute.model.weights import load_weights
+from services.compute.sampling_batch import SamplingBatch
 from services.compute.scheduling.scheduler import ScheduledStep, StepSample, Top
 from services.compute.scheduling.sequence import Sequence
 from shared.config import EngineConfig
@@ -77,22 +78,11 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Sample one token per row of `logits` [S, vocab] for `seqs`; no host sync."""
-        ps = [s.params for s in seqs]
         raw = None
-        if any(p.has_penalties for p in ps):  # fast path: no penalty work at all otherwise
-            raw = logits
+        if any(s.params.has_penalties for s in seqs):  # else no penalty work at all
+            raw = logits  # logprobs stay those of the model's own distribution
             logits = self._penalize(logits.float(), seqs)
-        floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps],
-                               [p.min_p for p in ps]], dtype=torch.float32).to(self.device)
-        ints = torch.tensor([[p.top_k for p in ps], [s.seed for s in seqs],
-                             [s.num_output for s in seqs]], dtype=torch.int64).to(self.device)
-        return sample(
-            logits, floats[0], ints[0], floats[1], floats[2], ints[1], ints[2],
-            all_greedy=all(p.temperature == 0 for p in ps),
-            need_sort=any(p.top_k > 0 or p.top_p < 1 for p in ps if p.temperature > 0),
-            raw_logits=raw,  # logprobs stay those of the model's own distribution
-            need_logprobs=any(p.logprobs or p.top_logprobs for p in ps),
-        )
+        return SamplingBatch.of(seqs, self.device).sample(logits, raw)
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Presence/frequency/repetition penalties on the rows whose params ask for them; the
