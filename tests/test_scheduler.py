@@ -166,3 +166,22 @@ def test_abort_frees_kv_and_request_too_large_is_refused():
     assert s.allocator.reserved == 0 and not s.has_work()
     with pytest.raises(ValueError, match="KV slots"):
         s.add(seq("huge", 15, max_tokens=10))
+
+
+def test_kv_policies_are_objects_named_once():
+    from services.compute.kv.paged_allocator import PagedAllocator
+    from services.compute.scheduling.kv_policy import MaxLength, Paged, Predicted, make_policy
+
+    assert isinstance(SchedulerConfig(kv_policy="paged").policy, Paged)
+    assert SchedulerConfig(kv_policy="max").policy == MaxLength()
+    assert SchedulerConfig(reserve_horizon=8).policy == Predicted(0.5, 0.9, 8, 16)
+    with pytest.raises(ValueError, match="kv_policy must be one of"):
+        make_policy("lru")
+    with pytest.raises(ValueError, match="needs a PagedAllocator"):
+        Scheduler(SchedulerConfig(kv_policy="paged"), KVAllocator(64))
+    # the horizon caps what a long predicted output reserves at admission
+    a = seq("a", 10, max_tokens=500, predicted=300)
+    assert Predicted(horizon=8).reservation(a) == 18 and Predicted(horizon=0).reservation(a) == 310
+    # paged keeps 1% of the blocks free at admission
+    paged = PagedAllocator(1600)
+    assert Paged().can_admit(paged, 1584) and not Paged().can_admit(paged, 1585)
