@@ -1,7 +1,7 @@
 """The talk's ablation on a simulated GPU: QPS at SLO and throughput of each design choice.
 
 Every number here except the last row is SIMULATED: the real scheduler and KV allocator run on
-the virtual clock (services/compute/sim/virtual.py) with the KV capacity of the GPU and model
+the virtual clock (bench/virtual.py) with the KV capacity of the GPU and model
 and roofline step times (services/compute/sim/cost.py, efficiency factors not yet calibrated on
 a GPU). For each model and workload, each variant gets:
 - qps_at_slo: the highest Poisson arrival rate (ShareGPT) or time-scaled trace rate (Azure) at
@@ -46,6 +46,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.common import log, machine  # noqa: E402
+from bench.virtual import (  # noqa: E402
+    azure_trace,
+    simulate,
+    summarize,
+    with_arrivals,
+)
 from loadgen.datasets import (  # noqa: E402
     SHAREGPT_FILE,
     default_data_dir,
@@ -53,12 +59,6 @@ from loadgen.datasets import (  # noqa: E402
     synthetic,
 )
 from services.compute.sim.hardware import model as model_spec  # noqa: E402
-from services.compute.sim.virtual import (  # noqa: E402
-    azure_trace,
-    simulate,
-    summarize,
-    with_arrivals,
-)
 from shared.config import EngineConfig  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402
 from shared.length_predictor import LengthPredictor, length_features  # noqa: E402

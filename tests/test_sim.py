@@ -10,13 +10,13 @@ import time
 
 import pytest
 
+from bench.virtual import max_concurrent, simulate, summarize, with_arrivals
 from services.cli import main as cli_main
 from services.compute.engine import LLMEngine
 from services.compute.sim import hardware
 from services.compute.sim.cost import CostModel, fit_decode
 from services.compute.sim.hardware import GiB
 from services.compute.sim.runner import token_id
-from services.compute.sim.virtual import max_concurrent, simulate, summarize, with_arrivals
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from tests.stack import Stack

@@ -2,7 +2,8 @@
 KV capacity of a chosen GPU and model and step times from a roofline cost model.
 
 - `hardware`: GPU and model specs; `cost`: the cost model; `runner`: `SimRunner` and the
-  virtual clock; `virtual`: whole workloads on the virtual clock; `roofline`: the table.
+  virtual clock; `roofline`: the table. Whole workloads on the virtual clock (what the
+  ablation runs) are bench/virtual.py: benchmark code, not the server's.
 - `model_config(config)`: the ModelConfig the engine runs with: vocabulary and EOS from the
   `--model` directory when one is given (the tokenizer the running stack uses), else from the
   simulated model; the context length always from the simulated model (Llama-3-8B: 8192).

@@ -7,7 +7,7 @@ first-token time, per-token times, finish time and preemptions are recorded. No 
 no model, so thousands of requests take seconds; the result is a pure function of the config,
 the workload and the seed.
 
-    python -m services.compute.sim.virtual --sim-gpu h100 --sim-model llama-3-8b \\
+    python -m bench.virtual --sim-gpu h100 --sim-model llama-3-8b \\
         --workload sharegpt --requests 2000 --qps 4,8,16,inf [--predict oracle] [--json]
 
 Workload items are `(arrival_s, prompt_len, output_len[, predicted_len[, max_tokens]])`:
@@ -267,7 +267,7 @@ def azure_trace(path: str | Path, limit: int | None = None, time_scale: float = 
 
 # -- command line --------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.compute.sim.virtual",
+    p = argparse.ArgumentParser(prog="python -m bench.virtual",
                                 description=__doc__.split("\n\n")[0])
     add_config_args(p, EngineConfig)
     p.add_argument("--workload", choices=("sharegpt", "synthetic", "azure"), default="sharegpt")
