@@ -47,15 +47,11 @@ class EngineConfig:
     sim_clock: str = "real"  # sim: real (sleep the step time) | virtual (advance a clock)
 
     def __post_init__(self):
-        if self.kv_policy not in ("predicted", "max", "paged"):
-            raise ValueError(f"--kv-policy must be predicted, max or paged: {self.kv_policy!r}")
+        """The scheduler's settings (kv_policy, kv_admission, batching, the quantiles) are
+        checked once, by SchedulerConfig.of, which `pipellm` calls at start-up."""
         if self.kv_policy == "paged" and self.backend != "sim":
             raise ValueError("--kv-policy paged is a baseline of the simulator (--backend sim): "
                              "the kernels read contiguous KV segments")
-        if self.kv_admission not in ("auto", "peak", "fit"):
-            raise ValueError(f"--kv-admission must be auto, peak or fit: {self.kv_admission!r}")
-        if self.batching not in ("merged", "static"):
-            raise ValueError(f"--batching must be merged or static, not {self.batching!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16: {self.dtype!r}")
         if self.kernels not in ("auto", "triton", "reference"):

@@ -128,8 +128,8 @@ def test_paged_memory_with_peak_admission():
     assert admitted("peak") == ["a", "b"]
     with pytest.raises(ValueError, match="admission"):
         SchedulerConfig(admission="greedy")
-    with pytest.raises(ValueError, match="kv-admission"):
-        EngineConfig(kv_admission="greedy")
+    with pytest.raises(ValueError, match="--kv-admission"):  # checked once, by the scheduler
+        SchedulerConfig.of(EngineConfig(kv_admission="greedy"))
 
 
 def test_admission_keeps_the_future_peak_in_memory():

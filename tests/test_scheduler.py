@@ -175,7 +175,7 @@ def test_kv_policies_are_objects_named_once():
     assert isinstance(SchedulerConfig(kv_policy="paged").policy, Paged)
     assert SchedulerConfig(kv_policy="max").policy == MaxLength()
     assert SchedulerConfig(reserve_horizon=8).policy == Predicted(0.5, 0.9, 8, 16)
-    with pytest.raises(ValueError, match="kv_policy must be one of"):
+    with pytest.raises(ValueError, match="--kv-policy must be one of"):
         make_policy("lru")
     with pytest.raises(ValueError, match="needs a PagedAllocator"):
         Scheduler(SchedulerConfig(kv_policy="paged"), KVAllocator(64))

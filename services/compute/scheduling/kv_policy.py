@@ -150,4 +150,4 @@ def make_policy(name: str, reserve_quantile: float = 0.5, grow_quantile: float =
         return MaxLength()
     if name == "paged":
         return Paged()
-    raise ValueError(f"kv_policy must be one of {KV_POLICIES}, not {name!r}")
+    raise ValueError(f"--kv-policy must be one of {KV_POLICIES}, not {name!r}")

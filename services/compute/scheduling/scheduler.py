@@ -51,9 +51,9 @@ class SchedulerConfig:
             self.kv_policy, self.reserve_quantile, self.grow_quantile, self.reserve_horizon,
             self.kv_min_grow))
         if self.admission not in ADMISSION:
-            raise ValueError(f"admission must be one of {ADMISSION}, not {self.admission!r}")
+            raise ValueError(f"--kv-admission must be one of {ADMISSION}, not {self.admission!r}")
         if self.batching not in BATCHING:
-            raise ValueError(f"batching must be one of {BATCHING}, not {self.batching!r}")
+            raise ValueError(f"--batching must be one of {BATCHING}, not {self.batching!r}")
         if not 1 <= self.max_running <= self.max_batched_tokens:
             raise ValueError("need 1 <= max_running <= max_batched_tokens")
         for q in (self.reserve_quantile, self.grow_quantile, self.peak_quantile):
