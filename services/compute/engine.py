@@ -122,8 +122,7 @@ class LLMEngine:
             return StepResult([], admitted)
         out = self.runner.execute(step)
         events = []
-        for seq, top in zip(self.scheduler.update(step, out), out.top or
-                            [None] * len(out.tokens), strict=True):
+        for seq, top in zip(self.scheduler.update(step, out), out.tops(), strict=True):
             events.append(TokenEvent(seq.request_id, seq.token_ids[-1], seq.logprobs[-1],
                                      seq.finish_reason, top))
             if seq.finish_reason is not None:
@@ -152,8 +151,7 @@ class LLMEngine:
 def _prompt_pieces(out: StepSample) -> list[TokenLogprobs]:
     """The step's scored prompt tokens, one piece per request."""
     pieces = []
-    for seq, logprobs, top in out.prompt:
-        start = len(seq.prompt_logprobs) - len(logprobs) + 1  # update() appended them
+    for seq, start, logprobs, top in out.prompt:
         pieces.append(TokenLogprobs(
             seq.request_id, start, int32s(seq.token_ids[start : start + len(logprobs)]),
             float32s(logprobs), int32s(i for ids, _ in top for i in ids),

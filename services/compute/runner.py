@@ -124,16 +124,16 @@ def _top_logprobs(logits: torch.Tensor, ks: list[int]) -> list[Top | None]:
 
 def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]):
     """logits [R, vocab]: the rows before the prompt tokens of `spans` (see ForwardBatch).
-    Per span: (seq, the scored tokens' logprobs, their positions' top k)."""
+    Per span: (seq, its first scored position, the scored tokens' logprobs, their top k)."""
     targets = [t for seq, start, n in spans for t in seq.token_ids[start : start + n]]
     logprobs = logits.float().log_softmax(-1)  # [R, vocab]
     index = torch.tensor(targets, dtype=torch.int64, device=logits.device)[:, None]
     chosen = logprobs.gather(1, index)[:, 0].tolist()
     ids, values = _top_k(logprobs, max(seq.params.prompt_logprobs for seq, _, _ in spans))
     out, row = [], 0
-    for seq, _, n in spans:
+    for seq, start, n in spans:
         k = seq.params.prompt_logprobs
         top = [(ids[r][:k], values[r][:k]) for r in range(row, row + n)]
-        out.append((seq, chosen[row : row + n], top))
+        out.append((seq, start, chosen[row : row + n], top))
         row += n
     return out

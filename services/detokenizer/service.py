@@ -73,9 +73,11 @@ class Detokenizer:
                                     {"status": "running", "started_at": now}, None))
         for piece in out.prompt_logprobs:
             stream = self.streams.get(piece.request_id)
-            if stream is not None and stream.prompt_logprobs is None:
+            if stream is None:
+                continue
+            if stream.prompt_logprobs is None:
                 stream.prompt_logprobs = piece
-            elif stream is not None:
+            else:
                 stream.prompt_logprobs.extend(piece)
         tops = {t.request_id: t for t in out.top_logprobs}
         for rid, tok, lp, fin in zip(out.request_ids, out.token_ids, out.logprobs,

@@ -32,8 +32,9 @@ async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
             raise APIError(delta.error_status or 500, delta.error)
         c = choices[state.choice_of(delta.request_id)[0]]
         _observe(gw, inflight, c, delta)
-        if req.discard_output:
-            delta.text, delta.token_ids = "", array("i")
+        if req.discard_output:  # the token, its logprob and alternatives
+            delta.text, delta.token_ids, delta.logprobs = "", array("i"), array("f")
+            delta.top_ids, delta.top_logprobs = array("i"), array("f")
             delta.finish_reason = delta.finish_reason and "length"
         entries = _entries(gw, req, delta)
         c.text.append(delta.text)
@@ -67,7 +68,7 @@ def _rows(gw, ids, logprobs, top_ids, top_logprobs, k: int) -> list[responses.To
     text = gw.token_text
     return [responses.TokenLogprob(text(t), lp, [
         (text(top_ids[j]), top_logprobs[j]) for j in range(i * k, (i + 1) * k)])
-        for i, (t, lp) in enumerate(zip(ids, logprobs, strict=False))]
+        for i, (t, lp) in enumerate(zip(ids, logprobs, strict=True))]
 
 
 def _observe(gw, inflight: Inflight, c: ChoiceState, delta: Delta) -> None:

@@ -227,11 +227,11 @@ def _walk(value: Any, depth: int, top: str | None) -> None:
                 deeper.extend(node)
                 continue
             for kind in kinds:
-                same = node if len(kinds) == 1 else [v for v in node if type(v) is kind]
+                group = node if len(kinds) == 1 else [v for v in node if type(v) is kind]
                 if kind in _CONTAINERS:
-                    deeper.extend(same)
+                    deeper.extend(group)
                 else:
-                    _check_scalars(same, kind, top)
+                    _check_scalars(group, kind, top)
         level, depth = deeper, depth + 1
 
 

@@ -141,11 +141,11 @@ class Paged:
 KV_POLICIES = ("predicted", "max", "paged")
 
 
-def make_policy(name: str, reserve_quantile: float = 0.5, grow_quantile: float = 0.9,
-                horizon: int = 64, min_grow: int = 16) -> KVPolicy:
-    """The policy named `name` (ValueError naming the choices otherwise)."""
+def make_policy(name: str, **predicted) -> KVPolicy:
+    """The policy named `name` (ValueError naming the choices otherwise); `predicted`: the
+    `Predicted` policy's settings (the others have none)."""
     if name == "predicted":
-        return Predicted(reserve_quantile, grow_quantile, horizon, min_grow)
+        return Predicted(**predicted)
     if name == "max":
         return MaxLength()
     if name == "paged":

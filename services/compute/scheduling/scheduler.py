@@ -48,8 +48,9 @@ class SchedulerConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "policy", make_policy(
-            self.kv_policy, self.reserve_quantile, self.grow_quantile, self.reserve_horizon,
-            self.kv_min_grow))
+            self.kv_policy, reserve_quantile=self.reserve_quantile,
+            grow_quantile=self.grow_quantile, horizon=self.reserve_horizon,
+            min_grow=self.kv_min_grow))
         if self.admission not in ADMISSION:
             raise ValueError(f"--kv-admission must be one of {ADMISSION}, not {self.admission!r}")
         if self.batching not in BATCHING:
@@ -96,13 +97,17 @@ Top = tuple[list[int], list[float]]  # the k most likely tokens at a position, a
 @dataclass
 class StepSample:
     """What a step produced, on the host. tokens/logprobs/top follow step.sampled; top[i] is
-    None unless that request asked for top logprobs. prompt: per batch.prompt_spans span, the
-    scored prompt tokens' logprobs and top k."""
+    None unless that request asked for top logprobs. prompt: per batch.prompt_spans span, its
+    first scored prompt position, the scored tokens' logprobs and their top k."""
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[Top | None] = field(default_factory=list)
-    prompt: list[tuple[Sequence, list[float], list[Top]]] = field(default_factory=list)
+    prompt: list[tuple[Sequence, int, list[float], list[Top]]] = field(default_factory=list)
+
+    def tops(self) -> list[Top | None]:
+        """`top` aligned with `tokens` (a runner that computes none leaves `top` empty)."""
+        return self.top or [None] * len(self.tokens)
 
 
 @dataclass
@@ -191,11 +196,11 @@ class Scheduler:
             seq.num_cached += 1
         for seq, n in step.prefills:
             seq.num_cached += n
-        for seq, logprobs, top in out.prompt:
+        for seq, _, logprobs, top in out.prompt:
             seq.prompt_logprobs += logprobs
             seq.prompt_top += top
-        for seq, tok, lp, top in zip(step.sampled, out.tokens, out.logprobs,
-                                     out.top or [None] * len(out.tokens), strict=True):
+        for seq, tok, lp, top in zip(step.sampled, out.tokens, out.logprobs, out.tops(),
+                                     strict=True):
             seq.append(tok, lp, top)
             if seq.finish_reason is not None:
                 self._retire(seq)
