@@ -59,7 +59,7 @@ from loadgen.datasets import (  # noqa: E402
     synthetic,
 )
 from services.compute.sim.hardware import model as model_spec  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
+from shared.config import EngineConfig, with_settings  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402
 from shared.length_predictor import LengthPredictor, length_features  # noqa: E402
 from shared.redis_server import EmbeddedRedis  # noqa: E402
@@ -183,7 +183,7 @@ class OnlineLengths:
 
 def run(config: EngineConfig, wl: Workload, variant: Variant, qps: float) -> dict:
     stats: dict = {}
-    online = OnlineLengths(wl, config.sim_model) if variant.predict == "predictor" else None
+    online = OnlineLengths(wl, config.sim.model) if variant.predict == "predictor" else None
     summary = summarize(simulate(config, wl.at(qps, variant.predict), wl.seed, stats,
                                  predictor=online))
     return summary | {"qps": qps, "kv_capacity": stats["capacity"], "moves": stats["moves"]}
@@ -225,10 +225,11 @@ def qps_at_slo(config: EngineConfig, wl: Workload, variant: Variant, bisect: int
 
 
 def measure(args, model: str, workload: str) -> list[dict]:
-    base = EngineConfig(backend="sim", sim_clock="virtual", sim_gpu=args.gpu, sim_model=model,
-                        max_running=args.max_running, max_batched_tokens=args.max_batched_tokens)
+    base = with_settings(EngineConfig(), backend="sim", sim_clock="virtual", sim_gpu=args.gpu,
+                         sim_model=model, max_running=args.max_running,
+                         max_batched_tokens=args.max_batched_tokens)
     wl = Workload(workload, args.requests, model_spec(model).context, args.seed)
-    rows, configs = [], [dataclasses.replace(base, **v.overrides) for v in VARIANTS]
+    rows, configs = [], [with_settings(base, **v.overrides) for v in VARIANTS]
     paged_qps = None  # paged's QPS at SLO (MAX_QPS if it absorbed the burst)
     for v, config in zip(VARIANTS, configs, strict=True):
         t0 = time.perf_counter()

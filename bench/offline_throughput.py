@@ -34,8 +34,8 @@ import transformers  # noqa: E402
 
 from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
+from services.compute.backend import build_engine  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
-from services.compute.engine import LLMEngine  # noqa: E402
 from services.compute.kv.allocator import KVAllocator  # noqa: E402
 from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig, StepSample  # noqa: E402
 from services.compute.scheduling.sequence import Sequence  # noqa: E402
@@ -127,7 +127,7 @@ class StepTimer:
 
 def run_engine(model_dir: Path, prompts: list[list[int]], olens: list[int], capacity: int,
                args: argparse.Namespace) -> dict:
-    engine = LLMEngine(EngineConfig(
+    engine = build_engine(EngineConfig(
         model=str(model_dir), device="cpu", dtype="float32", kv_cache_tokens=capacity,
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running))
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0))  # warm-up

@@ -40,12 +40,12 @@ import torch  # noqa: E402
 
 from bench.common import log, machine  # noqa: E402
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt, synthetic  # noqa: E402
-from services.compute.engine import LLMEngine  # noqa: E402
-from services.compute.model.model_config import ModelConfig, context_length  # noqa: E402
+from services.compute.backend import build_engine  # noqa: E402
 from services.detokenizer.incremental import IncrementalDetokenizer  # noqa: E402
 from services.detokenizer.stop import StopMatcher  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
+from shared.config import EngineConfig, with_settings  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
+from shared.model_config import ModelConfig, context_length  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.tokenizer import encode, load_tokenizer  # noqa: E402
 from tests.stack import Stack  # noqa: E402
@@ -131,8 +131,8 @@ def timed(obj: object, name: str) -> list[float]:
 
 def run_inline(args, work: list[tuple[str, int]]) -> dict:
     """(a): tokenize, add all, step; after every step detokenize + stop-match its events."""
-    cfg = EngineConfig(model=str(args.model), **engine_flags(args))
-    engine, tok = LLMEngine(cfg), load_tokenizer(args.model)
+    cfg = with_settings(EngineConfig(), model=str(args.model), **engine_flags(args))
+    engine, tok = build_engine(cfg), load_tokenizer(args.model)
     engine.generate([encode(tok, "warm up")], SamplingParams(max_tokens=4, temperature=0))
     execute, cpu0 = timed(engine.runner, "execute"), time.process_time()
     t_step, t_detok, steps, first_token = 0.0, 0.0, 0, 0.0

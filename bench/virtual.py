@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import json
 import math
 import random
@@ -36,7 +35,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Protocol
 
-from shared.config import EngineConfig, add_config_args, config_from_args
+from shared.config import EngineConfig, add_config_args, config_from_args, with_settings
 from shared.length_dist import LengthDist
 from shared.sampling import InvalidParams, SamplingParams
 
@@ -93,10 +92,10 @@ def simulate(config: EngineConfig, workload: Sequence[WorkItem], seed: int = 0,
     `max_tokens`: what every request asks for unless its item says (None: its output_len).
     `engine_stats`, if given, is filled with the engine's counters and the modelled busy time.
     `predictor`, if given, replaces the items' predicted lengths."""
-    from services.compute.engine import LLMEngine
+    from services.compute.backend import build_engine
 
-    config = dataclasses.replace(config, backend="sim", sim_clock="virtual")
-    engine = LLMEngine(config)
+    config = with_settings(config, backend="sim", sim_clock="virtual")
+    engine = build_engine(config)
     clock = engine.runner.clock
     rng = random.Random(seed)
     records = [RequestRecord(i, float(w[0]), int(w[1]), int(w[2]))
@@ -285,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(EngineConfig, args, backend="sim", sim_clock="virtual")
     from services.compute.sim.hardware import model
 
-    ctx = model(config.sim_model).context
+    ctx = model(config.sim.model).context
     rows = []
     for qps_text in args.qps.split(","):
         qps = float(qps_text)
@@ -316,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(summary)
         if not args.json:
             print(_line(summary), flush=True)
-    print(json.dumps({"gpu": config.sim_gpu, "model": config.sim_model,
+    print(json.dumps({"gpu": config.sim.gpu, "model": config.sim.model,
                       "kv_policy": config.kv_policy, "workload": args.workload,
                       "predict": args.predict, "results": [_rounded(r) for r in rows]}))
     return 0

@@ -19,7 +19,7 @@ import torch
 
 from bench.common import log
 from bench.offline_throughput import HF_BATCH, run_hf
-from services.compute.engine import LLMEngine
+from services.compute.backend import build_engine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 
@@ -33,7 +33,7 @@ def run_engine(model_dir: Path, prompts: list[list[int]], output_len: int,
                threads: int) -> dict:
     """Output tok/s of LLMEngine with every request queued at once (after a warm-up)."""
     capacity = len(prompts) * (max(map(len, prompts)) + output_len + 16)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+    engine = build_engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
                                     kv_cache_tokens=capacity, threads=threads))
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)

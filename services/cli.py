@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command != "generate" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from services.compute.model.model_config import ModelLoadError
+    from shared.model_config import ModelLoadError
     from shared.tokenizer import TokenizerLoadError
 
     try:
@@ -72,19 +72,19 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         from services.compute.sim import check_config
 
         check_config(config)
-    return config
+    from services.compute.backend import resolve
+
+    return resolve(config)  # raises ModelLoadError for a model that cannot be read
 
 
 def _check_model(config: EngineConfig) -> None:
     """Raise (ModelLoadError, TokenizerLoadError, ValueError) if the model cannot be served,
     before any service starts: its config, tokenizer, chat template and tensor table."""
     from services.compute.model.gguf_weights import check_gguf
-    from services.compute.model.model_config import served_model
     from shared.chat_template import load_chat_template
     from shared.gguf.reader import is_gguf
     from shared.tokenizer import load_tokenizer
 
-    served_model(config)
     load_tokenizer(config.model)
     load_chat_template(config.model)
     if config.backend == "torch" and is_gguf(config.model):
@@ -104,12 +104,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.compute.engine import LLMEngine
+    from services.compute.backend import build_engine
     from shared.sampling import SamplingParams
     from shared.tokenizer import decode, encode, load_tokenizer
 
     config = _engine_config(args)
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     tok = load_tokenizer(config.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -15,6 +15,25 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class SimConfig:
+    """The modelled GPU of `--backend sim` (services/compute/sim). Its fields are the flags
+    `--sim-<field>` and env vars `PIPELLM_SIM_<FIELD>`."""
+
+    gpu: str = "h100"  # h100 | h200 | a100 | ... (services/compute/sim/hardware.py)
+    model: str = "llama-3-8b"  # llama-2-7b | llama-2-13b | llama-3-8b | mistral-7b | ...
+    kv_dtype: str = "bf16"  # bf16 | int8 | fp8 (KV bytes per element 2 / 1 / 1)
+    weight_dtype: str = "bf16"  # bf16 | int8 | fp8 (W8A8) | int4 (weight-only)
+    eff_bw: float = 0.8  # fraction of HBM bandwidth reached
+    eff_flops: float = 0.6  # fraction of peak tensor FLOP/s reached
+    overhead_ms: float = 1.0  # per-step time outside the roofline (launches, host)
+    clock: str = "real"  # real (sleep the step time) | virtual (advance a clock)
+
+    def __post_init__(self):
+        if self.clock not in ("real", "virtual"):
+            raise ValueError(f"--sim-clock must be real or virtual, not {self.clock!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = ""  # HF model directory or GGUF file; empty: SmolLM2 (shared/default_model.py)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -37,14 +56,7 @@ class EngineConfig:
     kernels: str = "auto"  # auto (Triton on CUDA, PyTorch reference on CPU) | triton | reference
     threads: int = 0  # CPU threads for torch in compute; 0: torch's default
     backend: str = "torch"  # torch (the model) | sim (modelled GPU: services/compute/sim)
-    sim_gpu: str = "h100"  # sim: h100 | h200 | a100 | ... (services/compute/sim/hardware.py)
-    sim_model: str = "llama-3-8b"  # sim: llama-2-7b | llama-2-13b | llama-3-8b | mistral-7b | ...
-    sim_kv_dtype: str = "bf16"  # sim: bf16 | int8 | fp8 (KV bytes per element 2 / 1 / 1)
-    sim_weight_dtype: str = "bf16"  # sim: bf16 | int8 | fp8 (W8A8) | int4 (weight-only)
-    sim_eff_bw: float = 0.8  # sim: fraction of HBM bandwidth reached
-    sim_eff_flops: float = 0.6  # sim: fraction of peak tensor FLOP/s reached
-    sim_overhead_ms: float = 1.0  # sim: per-step time outside the roofline (launches, host)
-    sim_clock: str = "real"  # sim: real (sleep the step time) | virtual (advance a clock)
+    sim: SimConfig = field(default_factory=SimConfig)  # --sim-* flags
 
     def __post_init__(self):
         """The scheduler's settings (kv_policy, kv_admission, batching, the quantiles) are
@@ -58,8 +70,6 @@ class EngineConfig:
             raise ValueError(f"--kernels must be auto, triton or reference, not {self.kernels!r}")
         if self.backend not in ("torch", "sim"):
             raise ValueError(f"--backend must be torch or sim, not {self.backend!r}")
-        if self.sim_clock not in ("real", "virtual"):
-            raise ValueError(f"--sim-clock must be real or virtual, not {self.sim_clock!r}")
         if self.default_predicted_len < 1:
             raise ValueError("--default-predicted-len must be at least 1")
 
@@ -125,12 +135,10 @@ def auto_tokenizer_workers(cores: int | None = None) -> int:
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add one flag per field of the dataclass `cls`, defaulting to its env var or field default."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        typ = _base_type(hints[f.name])
-        env = os.environ.get(_env_name(f.name))
+    for dest, f, typ in _leaf_fields(cls):
+        env = os.environ.get(_env_name(dest))
         default = f.default if env is None else _parse(typ, env)
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + dest.replace("_", "-")
         help = f.metadata.get("help")
         if typ is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
@@ -140,19 +148,59 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides):
-    """Build the frozen config `cls` from parsed flags (and explicit overrides)."""
-    names = [f.name for f in dataclasses.fields(cls) if hasattr(args, f.name)]
-    values = {n: getattr(args, n) for n in names}
-    return cls(**{**values, **overrides})
+    """Build the frozen config `cls` from parsed flags (and explicit overrides, named as in
+    `with_settings`)."""
+    values = {dest: getattr(args, dest) for dest, _, _ in _leaf_fields(cls) if hasattr(args, dest)}
+    return _build(cls, {**values, **overrides})
+
+
+def with_settings(config, **changes):
+    """`config` with some settings changed, each named as its flag's destination:
+    `with_settings(c, sim_clock="virtual")` is --sim-clock, so it sets `c.sim.clock`."""
+    return _build(type(config), {**settings(config), **changes})
+
+
+def settings(config, prefix: str = "") -> dict:
+    """Every setting of `config`, named as its flag's destination (`sim_clock`)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(settings(value, f"{prefix}{f.name}_"))
+        else:
+            out[prefix + f.name] = value
+    return out
 
 
 def env_for(config) -> dict[str, str]:
     """The PIPELLM_* env vars that reproduce `config` in a child process."""
-    out = {}
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        out[_env_name(f.name)] = str(int(value)) if isinstance(value, bool) else str(value)
-    return out
+    return {_env_name(dest): str(int(value)) if isinstance(value, bool) else str(value)
+            for dest, value in settings(config).items()}
+
+
+def _leaf_fields(cls: type, prefix: str = ""):
+    """(destination, field, type) of each setting of `cls`; a field holding a config class
+    (EngineConfig.sim) contributes its own settings, named with its name as a prefix."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        typ = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(typ):
+            yield from _leaf_fields(typ, f"{prefix}{f.name}_")
+        else:
+            yield prefix + f.name, f, typ
+
+
+def _build(cls: type, values: dict, prefix: str = ""):
+    if not prefix and (unknown := values.keys() - {d for d, _, _ in _leaf_fields(cls)}):
+        raise TypeError(f"{cls.__name__} has no setting {', '.join(sorted(unknown))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        typ = _base_type(typing.get_type_hints(cls)[f.name])
+        if dataclasses.is_dataclass(typ):
+            kwargs[f.name] = _build(typ, values, f"{prefix}{f.name}_")
+        elif prefix + f.name in values:
+            kwargs[f.name] = values[prefix + f.name]
+    return cls(**kwargs)
 
 
 def _env_name(field_name: str) -> str:

@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers
 
-from services.compute.model.model_config import ModelConfig
 from services.compute.model.weights import load_weights
 from shared.demo_model import FILES, ensure_demo_model
+from shared.model_config import ModelConfig
 from shared.tokenizer import TokenizerLoadError, decode, encode, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

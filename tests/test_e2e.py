@@ -13,7 +13,7 @@ import openai
 import pytest
 import redis
 
-from services.compute.engine import LLMEngine
+from services.compute.backend import build_engine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.tokenizer import decode, encode, load_tokenizer
@@ -37,7 +37,7 @@ def client(stack):
 @pytest.fixture(scope="module")
 def reference(demo_model_dir):
     """Greedy completions of the in-process engine, as text."""
-    engine = LLMEngine(EngineConfig(model=str(demo_model_dir), device="cpu",
+    engine = build_engine(EngineConfig(model=str(demo_model_dir), device="cpu",
                                     kv_cache_tokens=4096))
     tok = load_tokenizer(demo_model_dir)
 

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from services.compute.backend import build_engine
 from services.compute.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
@@ -53,7 +54,7 @@ def run_staggered(engine: LLMEngine, prompts, params, arrive_every: int = 2):
 
 def engine_greedy(model_dir, prompts, **cfg) -> tuple[list[list[int]], LLMEngine]:
     config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **cfg)
-    engine = LLMEngine(config)
+    engine = build_engine(config)
     outputs: dict[str, list[int]] = {}
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     orig_step = engine.step
@@ -128,7 +129,7 @@ def test_architecture_variants_match_hf(name, tmp_path):
     expected = hf_greedy(model, prompts, 12)
     config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
                           max_batched_tokens=40, max_running=8, kv_cache_tokens=2048)
-    seqs = LLMEngine(config).generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+    seqs = build_engine(config).generate(prompts, SamplingParams(max_tokens=12, temperature=0,
                                                               ignore_eos=True))
     assert [s.output_ids for s in seqs] == expected
 
@@ -147,7 +148,8 @@ def test_triton_kernels_give_the_reference_tokens(tmp_path):
             config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
                                   max_batched_tokens=16, max_running=4, kv_cache_tokens=256,
                                   kernels=backend)
-            outputs[backend] = [s.output_ids for s in LLMEngine(config).generate(prompts, params)]
+            seqs = build_engine(config).generate(prompts, params)
+            outputs[backend] = [s.output_ids for s in seqs]
     finally:
         set_backend("auto")
     assert outputs["triton"] == outputs["reference"]

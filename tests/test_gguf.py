@@ -12,12 +12,12 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from services.compute.engine import LLMEngine
+from services.compute.backend import build_engine
 from services.compute.model.gguf_weights import hf_name, load_gguf_weights
-from services.compute.model.model_config import ModelConfig, ModelLoadError
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig
 from shared.gguf.reader import GGUFError, GGUFFile
+from shared.model_config import ModelConfig, ModelLoadError
 from shared.sampling import SamplingParams
 from shared.tokenizer import TokenizerLoadError, load_tokenizer
 from tests.gguf_files import Q, RawTensor, dequantized, gguf_tensors, permute, write_gguf
@@ -87,7 +87,7 @@ def test_engine_on_gguf_generates_what_it_does_on_the_hf_directory(tmp_path, tin
     for model_path in (hf_dir, path):
         config = EngineConfig(model=str(model_path), kv_cache_tokens=512, max_batched_tokens=32,
                               max_running=8)
-        outs.append([s.output_ids for s in LLMEngine(config).generate(prompts, params)])
+        outs.append([s.output_ids for s in build_engine(config).generate(prompts, params)])
     assert outs[0] == outs[1]
     with torch.no_grad():
         hf = model.generate(torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.compute.backend import build_engine
 from services.compute.engine import LLMEngine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
@@ -72,7 +73,7 @@ def test_prompt_and_top_logprobs_match_hf(hf, cfg):
     prompts = make_prompts(model.config.vocab_size)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=True,
                             top_logprobs=K, prompt_logprobs=K)
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32",
+    engine = build_engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
                                     max_batched_tokens=48, max_running=16, **cfg))
     seqs, pieces = run(engine, prompts, params)
     if "default_predicted_len" in cfg:
@@ -108,8 +109,8 @@ def test_logprob_requests_leave_the_others_unchanged(hf):
                             top_logprobs=2, prompt_logprobs=0)
     config = EngineConfig(model=str(path), device="cpu", dtype="float32", max_batched_tokens=48,
                           max_running=16, kv_cache_tokens=4096)
-    alone = LLMEngine(config).generate(prompts, plain)
-    mixed = LLMEngine(config).generate(prompts, [plain, asking] * 4)
+    alone = build_engine(config).generate(prompts, plain)
+    mixed = build_engine(config).generate(prompts, [plain, asking] * 4)
     assert [s.output_ids for s in mixed] == [s.output_ids for s in alone]
     for s in mixed[0::2]:
         assert s.prompt_logprobs == [] and s.top == [] and s.prompt_top == []

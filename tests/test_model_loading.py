@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.compute.model.model_config import ModelConfig, ModelLoadError
 from services.compute.model.weights import load_weights, require
+from shared.model_config import ModelConfig, ModelLoadError
 from tests.hf_models import build_hf_model
 
 LLAMA3_SCALING = {

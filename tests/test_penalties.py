@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from kernels.sampling import apply_penalties, sample, token_stats
-from services.compute.engine import LLMEngine
+from services.compute.backend import build_engine
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 
@@ -137,7 +137,7 @@ OTHER = [1, 5, 9, 200, 41]
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir):
-    return LLMEngine(EngineConfig(model=str(demo_model_dir), device="cpu", dtype="float32",
+    return build_engine(EngineConfig(model=str(demo_model_dir), device="cpu", dtype="float32",
                                   max_batched_tokens=64, max_running=8, kv_cache_tokens=4096))
 
 

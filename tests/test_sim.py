@@ -12,12 +12,12 @@ import pytest
 
 from bench.virtual import max_concurrent, simulate, summarize, with_arrivals
 from services.cli import main as cli_main
-from services.compute.engine import LLMEngine
+from services.compute.backend import build_engine
 from services.compute.sim import hardware
 from services.compute.sim.cost import CostModel, fit_decode
 from services.compute.sim.hardware import GiB
 from services.compute.sim.runner import token_id
-from shared.config import EngineConfig
+from shared.config import EngineConfig, with_settings
 from shared.sampling import SamplingParams
 from tests.stack import Stack
 
@@ -121,14 +121,14 @@ def test_fit_decode_recovers_efficiency_and_overhead():
 
 # -- the runner inside the engine ----------------------------------------------------------
 def sim_config(**kw) -> EngineConfig:
-    return EngineConfig(backend="sim", sim_clock="virtual", **kw)
+    return with_settings(EngineConfig(), backend="sim", sim_clock="virtual", **kw)
 
 
 def test_engine_sim_backend_from_the_spec_and_from_a_model_dir(demo_model_dir):
-    e = LLMEngine(sim_config())
+    e = build_engine(sim_config())
     assert e.model_config.vocab_size == 128256 and e.max_model_len == 8192
     assert e.runner.capacity == ideal().kv_capacity_tokens()
-    d = LLMEngine(sim_config(model=str(demo_model_dir), sim_model="llama-2-7b",
+    d = build_engine(sim_config(model=str(demo_model_dir), sim_model="llama-2-7b",
                              kv_cache_tokens=5000))
     assert d.model_config.vocab_size == 1000 and d.model_config.eos_token_ids == (2,)
     assert d.max_model_len == 4096 and d.runner.capacity == 5000
@@ -140,13 +140,13 @@ def test_sim_outputs_run_to_max_tokens_deterministically(demo_model_dir):
     cfg = sim_config(model=str(demo_model_dir), kv_cache_tokens=4096)
     params = [SamplingParams(max_tokens=n, seed=s, stop_token_ids=(5, 6))
               for n, s in ((50, 1), (200, 2), (7, 1))]
-    engine = LLMEngine(cfg)
+    engine = build_engine(cfg)
     seqs = engine.generate([[1, 10, 11], [1, 12], [1, 13, 14, 15]], params)
     assert [s.num_output for s in seqs] == [50, 200, 7]
     assert all(s.finish_reason == "length" for s in seqs)
     assert not {0, 1, 2, 5, 6} & {t for s in seqs for t in s.output_ids}  # no BOS/EOS/stop
     assert seqs[0].output_ids[:7] == seqs[2].output_ids  # (seed, index) -> token
-    again = LLMEngine(cfg).generate([[1, 10, 11]], params[0])[0]
+    again = build_engine(cfg).generate([[1, 10, 11]], params[0])[0]
     assert again.output_ids == seqs[0].output_ids
     assert len(set(seqs[1].output_ids)) > 100  # spread over the vocabulary
     assert engine.runner.clock.now == pytest.approx(engine.runner.busy_s) and engine.runner.steps
@@ -154,9 +154,9 @@ def test_sim_outputs_run_to_max_tokens_deterministically(demo_model_dir):
 
 
 def test_real_clock_sleeps_the_modelled_time(demo_model_dir):
-    cfg = EngineConfig(backend="sim", model=str(demo_model_dir), sim_gpu="a100",
-                       sim_model="llama-2-13b", kv_cache_tokens=4096)
-    engine = LLMEngine(cfg)
+    cfg = with_settings(EngineConfig(), backend="sim", model=str(demo_model_dir), sim_gpu="a100",
+                        sim_model="llama-2-13b", kv_cache_tokens=4096)
+    engine = build_engine(cfg)
     t0 = time.perf_counter()
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=10))
     wall = time.perf_counter() - t0

@@ -14,7 +14,7 @@ import torch
 import transformers
 from tokenizers import pre_tokenizers
 
-from services.compute.engine import LLMEngine
+from services.compute.backend import build_engine
 from shared import default_model
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig
@@ -66,7 +66,7 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_greedy_is_token_exact_with_transformers_and_logprobs_agree(gguf_path, hf, prompts):
-    engine = LLMEngine(EngineConfig(model=str(gguf_path), kv_cache_tokens=4096))
+    engine = build_engine(EngineConfig(model=str(gguf_path), kv_cache_tokens=4096))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=True)
     for prompt, seq in zip(prompts, engine.generate(prompts, params), strict=True):
         assert seq.output_ids == hf_greedy(hf[0], prompt)

@@ -9,8 +9,6 @@ import itertools
 import secrets
 from dataclasses import dataclass, field
 
-from services.compute.model.model_config import served_model
-from services.compute.runner import ModelRunner
 from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig, StepSample, Top
 from services.compute.scheduling.sequence import SeqStatus, Sequence
 from shared.codec import float32s, int32s
@@ -51,13 +49,12 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, runner):
+        """`runner`: a ModelRunner or SimRunner (services/compute/backend.py makes the one
+        --backend names), holding the model's config, the context length and the KV slots."""
         self.config = config
-        self.model_config, self.max_model_len = served_model(config)
-        runner_cls = ModelRunner
-        if config.backend == "sim":  # modelled GPU, no model: services/compute/sim
-            from services.compute.sim.runner import SimRunner as runner_cls
-        self.runner = runner_cls(config, self.model_config, self.max_model_len)
+        self.runner = runner
+        self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
         sched = SchedulerConfig.of(config)
         self.scheduler = Scheduler(sched, sched.policy.allocator(self.runner.capacity))
         self.requests: dict[str, Sequence] = {}

@@ -10,12 +10,12 @@ from kernels import apply_penalties, set_backend, to_device, token_stats
 from services.compute.batch import build_batch
 from services.compute.kv.kv_cache import KVCache
 from services.compute.model.llama import LlamaModel
-from services.compute.model.model_config import ModelConfig
 from services.compute.model.weights import load_weights
 from services.compute.sampling_batch import SamplingBatch
 from services.compute.scheduling.scheduler import ScheduledStep, StepSample, Top
 from services.compute.scheduling.sequence import Sequence
 from shared.config import EngineConfig
+from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ def resolve_device(name: str) -> torch.device:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.model_config, self.max_model_len = model_config, max_model_len
         set_backend(config.kernels)
         if config.threads > 0:  # on a small CPU, leave cores to the other services
             torch.set_num_threads(config.threads)

@@ -12,6 +12,7 @@ import time
 import redis
 import zmq
 
+from services.compute.backend import build_engine
 from services.compute.engine import LLMEngine
 from shared import state
 from shared.codec import float32s, int32s
@@ -126,5 +127,5 @@ def _output(events, routes: list[Route], errors: list[list[str]]) -> StepOutput:
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
-    engine = LLMEngine(engine_cfg)
+    engine = build_engine(engine_cfg)
     ComputeService(engine, svc, redis.Redis.from_url(svc.redis_url)).run()

@@ -12,10 +12,10 @@ from aiohttp import web
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from services.compute.model.model_config import served_model
 from services.gateway.app import Gateway
 from shared.config import EngineConfig, ServiceConfig
 from shared.messages import DeltaBatch
+from shared.model_config import served_context
 from shared.tokenizer import load_tokenizer
 from shared.transport import AsyncReceiver, AsyncSender
 
@@ -24,9 +24,8 @@ log = logging.getLogger("pipellm.gateway")
 
 def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncReceiver]:
     ctx = zmq.asyncio.Context.instance()
-    _, context = served_model(engine_cfg)
     name = svc.served_model_name or Path(engine_cfg.model).name.removesuffix(".gguf")
-    gw = Gateway(svc, name, context,
+    gw = Gateway(svc, name, served_context(engine_cfg),
                  load_tokenizer(engine_cfg.model),
                  redis_client(svc),
                  AsyncSender(ctx, svc.addr("tokenizer"), bind=True),

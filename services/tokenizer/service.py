@@ -20,13 +20,13 @@ from array import array
 import redis
 import zmq
 
-from services.compute.model.model_config import served_model
 from shared import state
 from shared.chat_template import ChatTemplateError, load_chat_template
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
 from shared.length_predictor import LengthPredictor, length_features, model_key
 from shared.messages import Delta, DeltaBatch, GenerateRequest, Resume, Route, TokenizeRequest
+from shared.model_config import ModelConfig, served_context
 from shared.sampling import SamplingParams
 from shared.tokenizer import encode, load_tokenizer
 from shared.transport import Receiver, Sender, Senders
@@ -43,8 +43,8 @@ class Tokenizer:
     """Pure request preparation (no sockets): TokenizeRequest -> GenerateRequests."""
 
     def __init__(self, config: EngineConfig, predictor: LengthPredictor | None = None):
-        mc, self.max_model_len = served_model(config)
-        self.vocab_size = mc.vocab_size
+        self.max_model_len = served_context(config)
+        self.vocab_size = ModelConfig.from_path(config.model).vocab_size
         self.tok = load_tokenizer(config.model)
         self.template = load_chat_template(config.model)
         self.model = model_key(config.model)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from services.compute.model.model_config import ModelLoadError
 from shared.gguf.hf import architecture
 from shared.gguf.reader import GGUFError, GGUFFile, open_gguf
+from shared.model_config import ModelLoadError
 
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
            "output_norm.weight": "model.norm.weight",

@@ -23,9 +23,9 @@ from kernels import (
 from services.compute.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
 from services.compute.model.linear import Linear
-from services.compute.model.model_config import ModelConfig
 from services.compute.model.rope import RotaryEmbedding
 from services.compute.model.weights import require
+from shared.model_config import ModelConfig
 
 
 @dataclass

@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from services.compute.model.gguf_weights import load_gguf_weights
-from services.compute.model.model_config import ModelLoadError
 from shared.gguf.reader import is_gguf
+from shared.model_config import ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from services.compute.model.model_config import ModelConfig
 from services.compute.sim.hardware import ModelSpec, model
 from shared.config import EngineConfig
+from shared.model_config import ModelConfig
 
 
 def model_config(config: EngineConfig) -> ModelConfig:
-    spec = model(config.sim_model)
+    spec = model(config.sim.model)
     if not config.model:
         return spec_model_config(spec)
     mc = ModelConfig.from_path(config.model)

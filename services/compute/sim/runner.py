@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import time
 
-from services.compute.model.model_config import ModelConfig
 from services.compute.scheduling.scheduler import ScheduledStep, StepSample
 from services.compute.sim.cost import CostModel, kv_dtype_bytes
 from shared.config import EngineConfig
+from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 _MASK = 2**64 - 1
@@ -48,13 +48,14 @@ def token_id(seed: int, index: int, vocab: int) -> int:
 
 
 def cost_model(config: EngineConfig) -> CostModel:
-    return CostModel(config.sim_gpu, config.sim_model, kv_dtype_bytes(config.sim_kv_dtype),
-                     config.sim_eff_bw, config.sim_eff_flops, config.sim_overhead_ms / 1e3,
-                     config.sim_weight_dtype)
+    return CostModel(config.sim.gpu, config.sim.model, kv_dtype_bytes(config.sim.kv_dtype),
+                     config.sim.eff_bw, config.sim.eff_flops, config.sim.overhead_ms / 1e3,
+                     config.sim.weight_dtype)
 
 
 class SimRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+        self.model_config, self.max_model_len = model_config, max_model_len
         self.cost = cost_model(config)
         self.capacity = (config.kv_cache_tokens if config.kv_cache_tokens > 0
                          else self.cost.kv_capacity_tokens(config.gpu_memory_utilization))
@@ -63,14 +64,14 @@ class SimRunner:
             {model_config.bos_token_id} if model_config.bos_token_id is not None else set())
         if len(self.never) >= self.vocab:
             raise ValueError("the vocabulary has no token left that is not EOS/BOS")
-        self.clock = VirtualClock() if config.sim_clock == "virtual" else None
+        self.clock = VirtualClock() if config.sim.clock == "virtual" else None
         self.eos_at: dict[str, int] = {}  # request id -> output length that ends with EOS
         self.busy_s = 0.0  # modelled GPU time, all steps
         self.steps = 0
         self._last_end: float | None = None
         log.info("simulated %s on %s: KV cache %d slots (%s KV, %d B/token), %s clock",
-                 self.cost.model.name, self.cost.gpu.name, self.capacity, config.sim_kv_dtype,
-                 self.cost.kv_bytes_per_token, config.sim_clock)
+                 self.cost.model.name, self.cost.gpu.name, self.capacity, config.sim.kv_dtype,
+                 self.cost.kv_bytes_per_token, config.sim.clock)
 
     def step_time(self, step: ScheduledStep) -> float:
         return self.cost.step_time(

@@ -296,14 +296,9 @@ def context_length(mc: ModelConfig, requested: int = 0) -> int:
     return min(requested or limit, limit)
 
 
-def served_model(config) -> tuple[ModelConfig, int]:
-    """The ModelConfig and context length every service uses for an EngineConfig: the model
-    directory's, or with the sim backend the simulated model's context (vocab and EOS still
-    from the directory, whose tokenizer the other services use)."""
-    if config.backend == "sim":
-        from services.compute import sim
 
-        mc = sim.model_config(config)
-    else:
-        mc = ModelConfig.from_path(config.model)
-    return mc, context_length(mc, config.max_model_len)
+def served_context(config) -> int:
+    """The context length the gateway and tokenizers enforce for an EngineConfig: its
+    --max-model-len, which `pipellm` resolves at start-up to the one compute serves
+    (services/compute/backend.resolve); when 0 (a config built in code), the model file's."""
+    return config.max_model_len or context_length(ModelConfig.from_path(config.model))

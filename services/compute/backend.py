@@ -1,0 +1,51 @@
+"""The one place a backend (`--backend`) is chosen: the model it serves, its runner, the engine.
+
+- `torch`: the model's weights on a CPU or GPU (`runner.ModelRunner`).
+- `sim`: no weights, a modelled GPU (`sim.runner.SimRunner`): the real scheduler and KV
+  allocator, step times from a roofline cost model.
+
+A runner has `model_config`, `max_model_len`, `capacity` (KV slots) and `execute(step)`;
+the engine takes one (`LLMEngine(config, runner)`) and never asks which kind it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from services.compute import sim
+from shared.config import EngineConfig
+from shared.model_config import ModelConfig, context_length
+
+
+def served_model(config: EngineConfig) -> tuple[ModelConfig, int]:
+    """The ModelConfig a backend runs and its context length (tokens a request may span): the
+    model file's, or with the sim backend the simulated model's context (vocab and EOS still
+    from the model file, whose tokenizer the other services use)."""
+    mc = sim.model_config(config) if config.backend == "sim" else ModelConfig.from_path(
+        config.model)
+    return mc, context_length(mc, config.max_model_len)
+
+
+def resolve(config: EngineConfig) -> EngineConfig:
+    """`config` with --max-model-len resolved to the served context length, once at start-up,
+    so that every service (gateway, tokenizers, compute) enforces the same number."""
+    return dataclasses.replace(config, max_model_len=served_model(config)[1])
+
+
+def make_runner(config: EngineConfig):
+    """The runner of `config.backend`; loads the weights (torch) or the cost model (sim)."""
+    mc, context = served_model(config)
+    if config.backend == "sim":
+        from services.compute.sim.runner import SimRunner
+
+        return SimRunner(config, mc, context)
+    from services.compute.runner import ModelRunner
+
+    return ModelRunner(config, mc, context)
+
+
+def build_engine(config: EngineConfig):
+    """An LLMEngine on the runner of `config.backend`."""
+    from services.compute.engine import LLMEngine
+
+    return LLMEngine(config, make_runner(config))
