@@ -100,11 +100,11 @@ class GenerationRequest:
     # (it always does), the answer leaves it out
 
 
-def parse_completion(body: Any, served_model: str, *,
+def parse_completion(body: Any, model_name: str, *,
                      default_max_tokens: int = 16) -> GenerationRequest:
     """Validate a `/v1/completions` body. `prompt` is a non-empty string, a list of one string,
     a non-empty list of token ids or a list of one such list; batches are a 400."""
-    model = _check_body(body, served_model, COMPLETION_KEYS, _COMPLETION_NEUTRAL)
+    model = _check_body(body, model_name, COMPLETION_KEYS, _COMPLETION_NEUTRAL)
     prompt_text, prompt_ids = _parse_prompt(body.get("prompt"))
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     best_of = get_int(body, "best_of")
@@ -121,10 +121,10 @@ def parse_completion(body: Any, served_model: str, *,
                    default_max_tokens=default_max_tokens, add_generation_prompt=False)
 
 
-def parse_chat(body: Any, served_model: str, *, default_max_tokens: int = 16) -> GenerationRequest:
+def parse_chat(body: Any, model_name: str, *, default_max_tokens: int = 16) -> GenerationRequest:
     """Validate a `/v1/chat/completions` body. Messages have role system, user or assistant
     and content as a string or a list of text parts (joined with newlines)."""
-    model = _check_body(body, served_model, CHAT_KEYS, _CHAT_NEUTRAL)
+    model = _check_body(body, model_name, CHAT_KEYS, _CHAT_NEUTRAL)
     messages = parse_messages(body.get("messages"))
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     logprobs = get_bool(body, "logprobs", False)
@@ -145,14 +145,14 @@ def parse_chat(body: Any, served_model: str, *, default_max_tokens: int = 16) ->
                    add_generation_prompt=get_bool(body, "add_generation_prompt", True))
 
 
-def _check_body(body: Any, served_model: str, allowed: frozenset[str],
+def _check_body(body: Any, model_name: str, allowed: frozenset[str],
                 neutral: dict[str, tuple]) -> str:
     """Body is an object with only known keys, no unsupported features, and names our model."""
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {json_type(body)}")
     reject_unknown(body, allowed)
-    model = get_str(body, "model", served_model)
-    if model != served_model:
+    model = get_str(body, "model", model_name)
+    if model != model_name:
         raise not_found(f"The model `{model}` does not exist."[:300], "model", "model_not_found")
     reject_unsupported(body, neutral)
     return model
