@@ -1,8 +1,9 @@
 """Which implementation a kernel call runs: the Triton kernel, a C++ CPU kernel, or the PyTorch
 reference.
 
-"auto" (default): Triton for CUDA tensors; for CPU tensors the C++ kernel where one exists and
-builds (kernels/cpu), else the reference (the server's CPU path).
+"auto" (default): Triton for CUDA tensors; for CPU tensors the kernel's CPU implementation where
+it has one (C++ in kernels/cpu, where it builds; or PyTorch arranged for CPU speed), else the
+reference (the server's CPU path).
 "triton": always Triton (on CPU tensors only under TRITON_INTERPRET=1: how CI tests kernels).
 "reference": always the PyTorch reference. Set once at start-up (`--kernels`, PIPELLM_KERNELS).
 """
@@ -33,9 +34,15 @@ def use_triton(t: torch.Tensor) -> bool:
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
 
 
+def cpu_fast_path(t: torch.Tensor) -> bool:
+    """Whether a call on tensor `t` takes a kernel's CPU implementation (C++ or PyTorch written
+    for CPU speed) rather than its reference: "auto" on a CPU tensor."""
+    return _backend == "auto" and not t.is_cuda
+
+
 def cpu_extension(t: torch.Tensor):
     """The C++ CPU kernels module when a call on tensor `t` should use it, else None."""
-    if _backend != "auto" or t.is_cuda:
+    if not cpu_fast_path(t):
         return None
     from kernels.cpu import extension
 

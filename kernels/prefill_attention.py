@@ -13,6 +13,11 @@ log2(e)-prescaled scores). Blocks entirely below the diagonal run unmasked; only
 tile's diagonal crosses are masked; blocks above it are never loaded. Static configs by head_dim
 (no autotuning: deterministic, and fast under the interpreter). fp32 inputs use tl.dot's "tf32x3"
 (about fp32 accuracy on tensor cores; "ieee" compiles to a register-spilling FMA loop on sm_90).
+
+On a CPU, `_prefill_attention_cpu`: per sequence and KV head, the group of query heads that
+share it as one plain GEMM against K (no K/V copy for GQA), an additive causal mask, softmax and
+one GEMM with V; about 2x the masked SDPA of the reference on the CPU (whose GQA/mask path falls
+back to batched small matmuls).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import cpu_fast_path, use_triton
 
 _LOG2E = 1.4426950408889634
 
@@ -194,6 +199,29 @@ def prefill_attention_reference(
     return out
 
 
+def _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale):
+    """The reference's contract, as GEMMs (MKL) per (sequence, KV head); fp32 arithmetic."""
+    out = torch.empty_like(q)
+    _, num_heads, head_dim = q.shape
+    group = num_heads // k_cache.shape[1]
+    cu, starts, lens = cu_q_lens.tolist(), seq_starts.tolist(), ctx_lens.tolist()
+    for s, (start, n) in enumerate(zip(starts, lens, strict=True)):
+        q0, q1 = cu[s], cu[s + 1]
+        m = q1 - q0
+        if m == 0:
+            continue
+        # query i (position n - m + i) sees keys 0..n - m + i: -inf above that diagonal
+        hidden = torch.ones(m, n, dtype=torch.bool).triu_(n - m + 1)
+        bias = torch.zeros(m, n).masked_fill_(hidden, float("-inf")).repeat(group, 1)  # [g*m, n]
+        ks, vs = k_cache[start : start + n].float(), v_cache[start : start + n].float()
+        for h in range(k_cache.shape[1]):
+            heads = slice(h * group, (h + 1) * group)
+            qh = q[q0:q1, heads].float().transpose(0, 1).reshape(group * m, head_dim)
+            p = torch.softmax(torch.addmm(bias, qh, ks[:, h].t(), alpha=scale), dim=-1)
+            out[q0:q1, heads] = (p @ vs[:, h]).view(group, m, head_dim).transpose(0, 1)
+    return out
+
+
 def prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -215,8 +243,8 @@ def prefill_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not use_triton(q):
-        return prefill_attention_reference(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
-                                           scale)
+        fn = _prefill_attention_cpu if cpu_fast_path(q) else prefill_attention_reference
+        return fn(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale)
     if max_q_len is None:
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max().item()) if len(cu_q_lens) > 1 else 0
     return _prefill_attention_triton(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale,

@@ -118,6 +118,19 @@ def test_reference_matches_dense_softmax(n_heads, n_kv_heads):
     torch.testing.assert_close(out.double(), dense_attention(*batch, 0.1), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(2, 2), (6, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_path_matches_dense_softmax(n_heads, n_kv_heads, dtype):
+    """The CPU implementation `prefill_attention` runs under --kernels auto: chunks with and
+    without a cached prefix, GQA, a sequence with no new tokens this step."""
+    batch = make_batch((1, 5, 0, 70), (200, 13, 7, 0), n_heads, n_kv_heads, 64, dtype)
+    assert dispatch.cpu_fast_path(batch[0])
+    out = prefill_attention(*batch, 0.1)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), dense_attention(*batch, 0.1), atol=tol, rtol=tol)
+
+
 def test_reference_matches_sdpa_causal():
     """With no cached prefix (q_len == ctx_len) the mask is the plain causal one."""
     q, k, v, cu, starts, ctx = make_batch((9, 33, 1), (0, 0, 0), 4, 2, 64, torch.float32)
