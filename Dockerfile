@@ -1,6 +1,6 @@
 # One image for every pipellm service: compose.yaml runs it as gateway, tokenizer, compute and
-# detokenizer (`pipellm serve <service>`); alone, `docker run --gpus all -p 8000:8000 IMAGE` runs
-# `pipellm up` (embedded Redis and all four services in one container).
+# detokenizer (`pipellm service <name>`); alone, `docker run --gpus all -p 8000:8000 IMAGE` runs
+# `pipellm serve` (embedded Redis and all four services in one container).
 FROM python:3.11-slim
 
 # gcc and the libc headers: Triton compiles its small CUDA launcher with the C compiler at run time.
@@ -41,4 +41,4 @@ RUN useradd --create-home --uid 1000 pipellm
 USER pipellm
 
 EXPOSE 8000
-CMD ["pipellm", "up", "--host", "0.0.0.0"]
+CMD ["pipellm", "serve", "--host", "0.0.0.0"]

@@ -59,10 +59,11 @@ from loadgen.datasets import (  # noqa: E402
     synthetic,
 )
 from services.compute.sim.hardware import model as model_spec  # noqa: E402
-from shared.config import EngineConfig, with_settings  # noqa: E402
+from shared.config import EngineConfig  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402
 from shared.length_predictor import LengthPredictor, length_features  # noqa: E402
 from shared.redis_server import EmbeddedRedis  # noqa: E402
+from shared.settings import with_settings  # noqa: E402
 
 SLO_TTFT_MS, SLO_TPOT_MS = 3000.0, 50.0
 MAX_QPS = 4096  # the search's top; passing there means the KV cache took the whole burst

@@ -43,10 +43,11 @@ from loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt, syn
 from services.compute.backend import build_engine  # noqa: E402
 from services.detokenizer.incremental import IncrementalDetokenizer  # noqa: E402
 from services.detokenizer.stop import StopMatcher  # noqa: E402
-from shared.config import EngineConfig, with_settings  # noqa: E402
+from shared.config import EngineConfig  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
 from shared.model_config import ModelConfig, context_length  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
+from shared.settings import with_settings  # noqa: E402
 from shared.tokenizer import encode, load_tokenizer  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 

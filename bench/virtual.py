@@ -35,9 +35,10 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Protocol
 
-from shared.config import EngineConfig, add_config_args, config_from_args, with_settings
+from shared.config import EngineConfig
 from shared.length_dist import LengthDist
 from shared.sampling import InvalidParams, SamplingParams
+from shared.settings import add_config_args, config_from_args, with_settings
 
 WorkItem = tuple  # (arrival_s, prompt_len, output_len[, predicted_len[, max_tokens]])
 

@@ -1,4 +1,4 @@
-"""The `pipellm` command."""
+"""The `pipellm` command: `pipellm serve [MODEL]` starts the OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import json
 import logging
 import sys
 
-from shared.config import EngineConfig, ServiceConfig, add_config_args, config_from_args
+from shared.config import EngineConfig, ServiceConfig
+from shared.settings import add_config_args, config_from_args
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipellm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="run the engine in-process on some prompts")
@@ -23,10 +24,21 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    serve = sub.add_parser("serve", help="run one service (what each container runs)")
-    serve.add_argument("service", choices=SERVICES)
-    up = sub.add_parser("up", help="start Redis and all four services, supervised")
-    for p in (serve, up):
+    serve = sub.add_parser("serve", aliases=["up"], help="the whole server: Redis and the four "
+                           "services, supervised (as `vllm serve MODEL`)",
+                           description="Start the OpenAI-compatible server on MODEL.")
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL", help="model directory or GGUF "
+                       "file (the same as --model)")
+    batch = sub.add_parser("run-batch", help="an OpenAI batch file (JSON lines) through the "
+                           "engine in-process, as vLLM's run_batch")
+    batch.add_argument("-i", "--input-file", required=True, help="requests, one per line")
+    batch.add_argument("-o", "--output-file", required=True, help="results, one per line")
+    batch.add_argument("--served-model-name", default="", help="the model name requests give "
+                       "(default: the model file's or directory's name)")
+    add_config_args(batch, EngineConfig)
+    service = sub.add_parser("service", help="run one service (what each container runs)")
+    service.add_argument("service", choices=SERVICES)
+    for p in (serve, service):
         add_config_args(p, EngineConfig)
         add_config_args(p, ServiceConfig)
     from services.compute.sim import roofline
@@ -34,7 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     roof = sub.add_parser("roofline", help="decode roofline of a model on a GPU (sim backend)",
                           description=roofline.__doc__)
     roofline.add_args(roof)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.command != "generate" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from shared.model_config import ModelLoadError
@@ -42,10 +58,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "roofline":
+            from services.compute.sim import roofline
+
             return roofline.run(args)
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "up":
+        if args.command == "service":
+            return _service(args)
+        if args.command == "run-batch":
+            return _run_batch(args)
+        if args.command in ("serve", "up"):
             from services.supervisor import up
 
             engine, svc = _configs(args)
@@ -64,7 +84,11 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags; no --model means the default model (SmolLM2, else demo)."""
     from shared import default_model
 
-    config = config_from_args(EngineConfig, args, model=args.model or default_model.resolve())
+    model = getattr(args, "model_arg", None)
+    if model and args.model and model != args.model:
+        raise ValueError(f"two models given: {model} and --model {args.model}")
+    model = model or args.model
+    config = config_from_args(EngineConfig, args, model=model or default_model.resolve())
     from services.compute.scheduling.scheduler import SchedulerConfig
 
     SchedulerConfig.of(config)  # a bad combination of scheduler flags fails here, not in compute
@@ -86,7 +110,7 @@ def _check_model(config: EngineConfig) -> None:
     from shared.tokenizer import load_tokenizer
 
     load_tokenizer(config.model)
-    load_chat_template(config.model)
+    load_chat_template(config.model, config.chat_template)
     if config.backend == "torch" and is_gguf(config.model):
         check_gguf(config.model)
 
@@ -95,11 +119,29 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServiceConfig]:
     return _engine_config(args), config_from_args(ServiceConfig, args)
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _service(args: argparse.Namespace) -> int:
     import importlib
 
     module = importlib.import_module(f"services.{args.service}.service")
     module.serve(*_configs(args))
+    return 0
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from services.compute.backend import build_engine
+    from services.run_batch import run_batch
+    from services.tokenizer.service import Tokenizer
+    from shared.model_config import served_name
+
+    config = _engine_config(args)
+    with open(args.input_file, encoding="utf-8") as src:  # before loading: a typo fails fast
+        lines = src.readlines()
+    engine, tokenizer = build_engine(config), Tokenizer(config)
+    name = args.served_model_name or served_name(config.model)
+    with open(args.output_file, "w", encoding="utf-8") as dst:
+        n, failed, tokens, seconds = run_batch(engine, tokenizer, name, lines, dst)
+    print(f"run-batch: {n} requests ({failed} failed), {tokens} output tokens in "
+          f"{seconds:.1f} s: {tokens / max(seconds, 1e-9):.1f} tok/s")
     return 0
 
 

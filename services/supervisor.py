@@ -26,8 +26,13 @@ import time
 import urllib.parse
 import urllib.request
 
-from shared.config import EngineConfig, ServiceConfig, env_for
+import redis
+
+from shared import state
+from shared.config import EngineConfig, ServiceConfig
+from shared.model_config import served_name
 from shared.redis_server import EmbeddedRedis
+from shared.settings import env_for
 
 log = logging.getLogger("pipellm.up")
 _PR_SET_PDEATHSIG = 1
@@ -91,7 +96,7 @@ class Supervisor:
                  redis: EmbeddedRedis | None = None):
         self.svc = svc
         env = {**os.environ, **env_for(engine), **env_for(svc)}
-        cmd = [sys.executable, "-m", "services.cli", "serve"]
+        cmd = [sys.executable, "-m", "services.cli", "service"]
         services = ["compute", "detokenizer"] + ["tokenizer"] * svc.tokenizer_workers
         services.append("gateway")
         names = services[:2] + [f"tokenizer-{i}" for i in range(svc.tokenizer_workers)]
@@ -173,6 +178,26 @@ def check_ports(svc: ServiceConfig) -> None:
                               "another server running there?") from None
 
 
+def banner(engine: EngineConfig, svc: ServiceConfig) -> str:
+    """What a user needs once the server is up: the URL, the model and how it runs, the KV
+    cache (compute's figures, from the stats it publishes in Redis)."""
+    stats, client = {}, redis.Redis.from_url(svc.redis_url)
+    for _ in range(20):  # compute publishes them every --heartbeat-s
+        try:
+            stats = state.decode_hash(client.hgetall(state.STATS_KEY))
+        except redis.RedisError:
+            break
+        if "device" in stats:
+            break
+        time.sleep(0.1)
+    name = svc.served_model_name or served_name(engine.model)
+    lines = [f"pipellm is up: http://{svc.host}:{svc.port}/v1 (model {engine.model})",
+             f"  model {name!r}: {stats.get('dtype', '?')} on {stats.get('device', '?')}, "
+             f"context {stats.get('max_model_len', engine.max_model_len)} tokens",
+             f"  KV cache: {stats.get('capacity', '?')} tokens, {stats.get('kv_gib', '?')} GiB"]
+    return "\n".join(lines)
+
+
 def up(engine: EngineConfig, svc: ServiceConfig) -> int:
     check_ports(svc)
     own_run_dir = not svc.run_dir
@@ -197,8 +222,7 @@ def up(engine: EngineConfig, svc: ServiceConfig) -> int:
             sup.check()
             if not announced and sup.healthy():
                 announced = True
-                print(f"pipellm is up: http://{svc.host}:{svc.port}/v1 (model {engine.model})",
-                      flush=True)
+                print(banner(engine, svc), flush=True)
             time.sleep(0.2)
     finally:
         log.info("stopping")

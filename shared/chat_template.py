@@ -150,12 +150,13 @@ def _clean_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
+def load_chat_template(model_dir: str | Path, override: str = "") -> ChatTemplate | None:
     """The chat template of a model directory (or of a GGUF file's `tokenizer.chat_template`),
-    or None when it has none.
+    or None when it has none. `override` (--chat-template): a template file, or the template
+    itself, used instead (the model's special tokens still fill it).
 
     Raises ChatTemplateError when a template is present but unusable (bad JSON, wrong type,
-    Jinja syntax error, a list without a "default" entry).
+    Jinja syntax error, a list without a "default" entry, an override file that is missing).
     """
     root = Path(model_dir)
     if is_gguf(root):
@@ -164,7 +165,9 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
     else:
         config = _read_config(root / CONFIG_FILE)
         jinja_file = root / JINJA_FILE
-    if jinja_file is not None and jinja_file.is_file():
+    if override:
+        source = _override_source(override)
+    elif jinja_file is not None and jinja_file.is_file():
         source = jinja_file.read_text(encoding="utf-8")
     else:
         source = _pick_template(config.get("chat_template"))
@@ -173,6 +176,20 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
     tokens = {k: _token_str(config.get(k)) for k in _SPECIAL}
     extra = {k: v for k, v in tokens.items() if v is not None and k in ("unk_token", "pad_token")}
     return ChatTemplate(source, tokens["bos_token"], tokens["eos_token"], extra)
+
+
+def _override_source(value: str) -> str:
+    """--chat-template's text: a file's contents, or the value itself when it reads as a
+    template (vLLM's rule: Jinja or a line break in it) rather than a path."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, ValueError):  # a template too long or odd to be a path
+        pass
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ChatTemplateError(f"--chat-template {value!r} is neither a file nor a template")
 
 
 def _read_config(path: Path) -> dict[str, Any]:

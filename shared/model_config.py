@@ -302,3 +302,8 @@ def served_context(config) -> int:
     --max-model-len, which `pipellm` resolves at start-up to the one compute serves
     (services/compute/backend.resolve); when 0 (a config built in code), the model file's."""
     return config.max_model_len or context_length(ModelConfig.from_path(config.model))
+
+
+def served_name(model: str) -> str:
+    """The model's name in the API by default: its directory's or GGUF file's name."""
+    return Path(model).name.removesuffix(".gguf")

@@ -39,6 +39,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtract per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # divide (positive) / multiply (negative) logits of tokens
     # seen in prompt or output (the CTRL / HF rule)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]): added to
+    # that token's logit before sampling (OpenAI's logit_bias; logprobs stay the model's)
 
     def __post_init__(self):
         _check(self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
@@ -60,10 +62,19 @@ class SamplingParams:
                "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2^63)")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)  # lists after msgpack
+        _check(all(t >= 0 and -100 <= b <= 100 for t, b in bias), "logit_bias",
+               "logit_bias maps token ids to biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether its logits are changed before sampling (penalties, logit_bias)."""
+        return self.has_penalties or bool(self.logit_bias)
 
     @property
     def has_penalties(self) -> bool:

@@ -2,7 +2,7 @@
 or started. Each check is a function that raises AssertionError; the last tests feed them broken
 copies of compose.yaml to show that they can fail.
 
-Checked: the five services; each `pipellm serve <service>` command line, with its container's
+Checked: the five services; each `pipellm service <name>` command line, with its container's
 environment, parses with the real CLI parser (services.cli.main, with the serve step stubbed out);
 every zmq address a service connects to is one another service binds, on the same channel and
 port, with who binds and who connects read from the services' code; the env var names are config
@@ -25,7 +25,8 @@ import pytest
 
 from services import cli
 from shared import demo_model, transport
-from shared.config import EngineConfig, ServiceConfig, config_from_args
+from shared.config import EngineConfig, ServiceConfig
+from shared.settings import config_from_args
 
 # PyYAML comes with transformers (the `test` extra); without it these checks cannot run at all.
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to parse compose.yaml")
@@ -81,14 +82,20 @@ def _transport_calls(tree: ast.AST):
 
 
 def _advertises_gateway_addr() -> bool:
-    """Whether the gateway sends its own `svc.addr("gateway")` as each request's reply_to."""
+    """Whether the gateway sends its own `svc.addr("gateway")` as each request's reply_to
+    (a `reply_to=` keyword, or the reply address argument of `tokenize_request`)."""
+    def is_gateway_addr(node) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "addr" and ast.literal_eval(node.args[0]) == "gateway")
+
     for path in (ROOT / "services" / "gateway").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (isinstance(node, ast.keyword) and node.arg == "reply_to"
-                    and isinstance(node.value, ast.Call)
-                    and isinstance(node.value.func, ast.Attribute)
-                    and node.value.func.attr == "addr"
-                    and ast.literal_eval(node.value.args[0]) == "gateway"):
+            if isinstance(node, ast.keyword) and node.arg == "reply_to" and is_gateway_addr(
+                    node.value):
+                return True
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "tokenize_request"
+                    and any(is_gateway_addr(a) for a in node.args[1:2])):
                 return True
     return False
 
@@ -126,14 +133,14 @@ def parse_serve(name: str, service: dict) -> tuple[EngineConfig, ServiceConfig]:
     command = service.get("command")
     assert isinstance(command, list) and all(isinstance(a, str) for a in command), \
         f"{name}: command must be a list of strings: {command!r}"
-    assert command[:3] == ["pipellm", "serve", name], f"{name}: runs {command[:3]}"
+    assert command[:3] == ["pipellm", "service", name], f"{name}: runs {command[:3]}"
     captured = []
     with pytest.MonkeyPatch.context() as mp:
         for key in [k for k in os.environ if k.startswith("PIPELLM_") or k == "REDIS_URL"]:
             mp.delenv(key)  # only what the container sets
         for key, value in environment(service).items():
             mp.setenv(key, value)
-        mp.setattr(cli, "_serve", lambda args: captured.append(args) or 0)
+        mp.setattr(cli, "_service", lambda args: captured.append(args) or 0)
         try:
             rc = cli.main(command[1:])
         except SystemExit as e:  # argparse: an unknown flag, a bad value
@@ -169,7 +176,7 @@ def check_services(compose: dict) -> None:
 def check_env_names(compose: dict) -> None:
     for name in PIPELLM:
         for key in environment(compose["services"][name]):
-            assert key != "REDIS_URL", f"{name}: `pipellm serve` reads PIPELLM_REDIS_URL, not {key}"
+            assert key != "REDIS_URL", f"{name}: reads PIPELLM_REDIS_URL, not {key}"
             assert key in CONFIG_ENV | OTHER_PIPELLM_ENV, f"{name}: {key} is no pipellm setting"
 
 

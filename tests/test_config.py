@@ -6,17 +6,9 @@ import argparse
 import pytest
 
 from services.compute.backend import resolve
-from shared.config import (
-    EngineConfig,
-    ServiceConfig,
-    SimConfig,
-    add_config_args,
-    config_from_args,
-    env_for,
-    settings,
-    with_settings,
-)
+from shared.config import EngineConfig, ServiceConfig, SimConfig
 from shared.model_config import served_context
+from shared.settings import add_config_args, config_from_args, env_for, settings, with_settings
 
 
 def parse(argv: list[str], cls=EngineConfig):

@@ -121,6 +121,29 @@ def test_logprobs_of_chosen_tokens(client):
     assert len(lp.token_logprobs) == 5 and all(x <= 0 for x in lp.token_logprobs)
 
 
+def test_best_of_returns_the_most_likely_choices(client):
+    """best_of 3, n 2 answers the two of the three seeded choices (choice i samples with
+    seed + i, as n 3 shows) with the highest cumulative logprob, best first."""
+    kw = dict(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    every = client.completions.create(n=3, logprobs=0, **kw)
+    ranked = sorted(every.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(n=2, best_of=3, **kw)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == 24  # all three were generated
+
+
+def test_logit_bias_forces_a_token(client, demo_model_dir):
+    tok = load_tokenizer(demo_model_dir)
+    r = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=6, temperature=0,
+                                  logprobs=0, logit_bias={"321": 100},
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].logprobs.tokens == [decode(tok, [321])] * 6
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt="x", logit_bias={"100000": 1})
+
+
 def test_length_predictor_learns_from_finished_requests(stack, demo_model_dir):
     """Tokenizer features -> route -> detokenizer learns at finish -> Redis -> predictions."""
     from shared.length_predictor import LengthPredictor, length_features, model_key
@@ -203,7 +226,7 @@ BAD = [
     ({"prompt": "x", "max_tokens": 5000}, 400, None),  # over the 2048 context
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": [999999]}, 400, None),  # token id outside the vocabulary
-    ({"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
     ({"prompt": "x", "frobnicate": 1}, 400, None),
 ]
 

@@ -22,7 +22,8 @@ from services.gateway.validation import (
     check_prompt_bytes,
     parse_json_body,
 )
-from shared.config import ServiceConfig, add_config_args, auto_tokenizer_workers
+from shared.config import ServiceConfig, auto_tokenizer_workers
+from shared.settings import add_config_args
 
 
 def rejected(raw: bytes | str) -> APIError:
@@ -236,15 +237,15 @@ def test_new_flags_parse_and_have_help():
     args = parser.parse_args(["--max-prompt-bytes", "4096", "--tokenizer-workers", "3"])
     assert (args.max_prompt_bytes, args.tokenizer_workers) == (4096, 3)
     text = " ".join(parser.format_help().split())
-    assert "--max-prompt-bytes MAX_PROMPT_BYTES largest prompt" in text
-    assert "2 on a machine with 4 or more cores" in text
+    assert "--max-prompt-bytes N largest prompt" in text
+    assert "2 with 4 or more cores" in text
 
 
 def test_completions_keep_16_chat_goes_to_the_context():
     """max_tokens_auto (fill the context) is asked for chat without max_tokens only."""
     from services.gateway.app import Gateway
 
-    gw = SimpleNamespace(svc=SimpleNamespace(addr=lambda name: "ipc://x"))
+    gw = SimpleNamespace(svc=SimpleNamespace(addr=lambda name: "ipc://x"), seeds=None)
     inflight = SimpleNamespace(arrival=0.0)
     make = Gateway._tokenize_request
     chat = [{"role": "user", "content": "x"}]

@@ -11,7 +11,7 @@ import transformers
 from kernels.sampling import apply_penalties, sample, token_stats
 from services.compute.backend import build_engine
 from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from shared.sampling import InvalidParams, SamplingParams
 
 F32, I64 = torch.float32, torch.int64
 
@@ -203,3 +203,28 @@ def test_repetition_covers_the_prompt_but_frequency_and_presence_only_the_output
     for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
         out = engine.generate([looped], SamplingParams(**one, **kw))[0].output_ids
         assert out == [nxt], kw  # nothing generated yet: output-only penalties do nothing
+
+
+def test_logit_bias_forces_and_bans_tokens_and_leaves_other_rows_alone(engine):
+    plain = engine.generate([OTHER], greedy(logprobs=True))[0]
+    forced, banned, other, mixed_bias = engine.generate(
+        [PROMPT, OTHER, OTHER, OTHER],
+        [greedy(logit_bias=((777, 100.0),), logprobs=True),
+         greedy(logit_bias=((plain.output_ids[0], -100.0),)),
+         greedy(logprobs=True),
+         greedy(logit_bias=((777, 100.0), (plain.output_ids[0], -100.0), (777, -100.0)))])
+    assert forced.output_ids == [777] * 32
+    assert banned.output_ids[0] != plain.output_ids[0]
+    assert plain.output_ids[0] not in banned.output_ids
+    assert other.output_ids == plain.output_ids  # its neighbours' biases do not leak
+    assert other.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+    assert 777 not in mixed_bias.output_ids[:1]  # +100 and -100 on one token add up to 0
+    # logprobs stay the model's: the forced token's are its own (low) probability
+    assert max(forced.logprobs) < -1.0
+
+
+def test_logit_bias_is_validated(engine):
+    with pytest.raises(InvalidParams, match="logit_bias"):
+        SamplingParams(logit_bias=((5, 101.0),))
+    with pytest.raises(InvalidParams, match="logit_bias"):
+        engine.add_request([1, 2], greedy(logit_bias=((10**6, 1.0),)))

@@ -101,7 +101,13 @@ COMMON_ERRORS = [
      "Unrecognized"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "include_usage", "boolean"),
     ({"user": 5}, "user", "must be a string"),
-    ({"logit_bias": {"1": 5}}, "logit_bias", "`logit_bias` is not supported"),
+    ({"logit_bias": {"a": 5}}, "logit_bias", "keys must be token ids"),
+    ({"logit_bias": {"-1": 5}}, "logit_bias", "keys must be token ids"),
+    ({"logit_bias": {"9" * 5000: 5}}, "logit_bias", "keys must be token ids"),
+    ({"logit_bias": {"1": "5"}}, "logit_bias", "must be a number"),
+    ({"logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": [1]}, "logit_bias", "must be an object"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024"),
 ]
 
 COMPLETION_ERRORS = [
@@ -123,8 +129,9 @@ COMPLETION_ERRORS = [
     ({"echo": 0}, "echo", "must be a boolean"),
     ({"echo": "yes"}, "echo", "must be a boolean"),
     ({"suffix": "x"}, "suffix", "`suffix` is not supported"),
-    ({"best_of": 2}, "best_of", "`best_of` is not supported"),
-    ({"best_of": 2, "n": 3}, "best_of", "`best_of` is not supported"),
+    ({"best_of": 2, "n": 3}, "best_of", "must be at least n"),
+    ({"best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
+    ({"best_of": 17}, "best_of", "between 1 and 16"),
     ({"best_of": "1"}, "best_of", "must be an integer"),
     ({"max_completion_tokens": 5}, "max_completion_tokens", "Unrecognized"),
     ({"messages": MSG}, "messages", "Unrecognized"),
@@ -228,7 +235,16 @@ def test_completion_all_fields():
                             "best_of": 2, "echo": False, "suffix": None, "logit_bias": {}}, M)
     check_common(req, "completion")
     assert (req.prompt_text, req.prompt_ids, req.messages) == ("hi", None, None)
-    assert not req.add_generation_prompt
+    assert not req.add_generation_prompt and req.best_of == 0 and req.generated == 2
+
+
+def test_best_of_and_logit_bias():
+    req = parse_completion({**BASE["completion"], "best_of": 5, "n": 2,
+                            "logit_bias": {"7": -100, "12": 3.5}}, M)
+    assert (req.n, req.best_of, req.generated) == (2, 5, 5)
+    assert req.params.logit_bias == ((7, -100.0), (12, 3.5))
+    chat = parse_chat({**BASE["chat"], "logit_bias": {"0": 1}}, M)
+    assert chat.params.logit_bias == ((0, 1.0),) and chat.generated == 1
 
 
 def test_chat_all_fields():

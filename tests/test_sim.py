@@ -17,8 +17,9 @@ from services.compute.sim import hardware
 from services.compute.sim.cost import CostModel, fit_decode
 from services.compute.sim.hardware import GiB
 from services.compute.sim.runner import token_id
-from shared.config import EngineConfig, with_settings
+from shared.config import EngineConfig
 from shared.sampling import SamplingParams
+from shared.settings import with_settings
 from tests.stack import Stack
 
 L3 = 8_030_261_248  # Llama-3-8B parameters (the HF checkpoint's count)

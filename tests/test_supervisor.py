@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from shared import demo_model as dm
 from tests.stack import Stack
 
 
@@ -27,8 +28,9 @@ def alive(pid: int) -> bool:
 def test_up_with_embedded_redis_and_ctrl_c_leaves_no_orphans(demo_model_dir):
     run_dir = tempfile.mkdtemp(prefix="pl-")
     stack = Stack(demo_model_dir)
-    argv = [sys.executable, "-m", "services.cli", "up", "--model", str(demo_model_dir),
-            "--port", str(stack.port), "--run-dir", run_dir, "--tokenizer-workers", "2"]
+    argv = [sys.executable, "-m", "services.cli", "serve", str(demo_model_dir),
+            "--port", str(stack.port), "--run-dir", run_dir, "--tokenizer-workers", "2",
+            "--kv-cache-tokens", "1000", "--dtype", "float32", "--device", "cpu"]
     log = Path(run_dir, "out.log")
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -40,6 +42,13 @@ def test_up_with_embedded_redis_and_ctrl_c_leaves_no_orphans(demo_model_dir):
             time.sleep(0.2)
         code, body = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
         assert code == 200, body
+        # what a user needs at start-up: the URL, dtype and device, the KV cache's size
+        banner = log.read_text()
+        assert f"http://127.0.0.1:{stack.port}/v1" in banner
+        assert "float32 on cpu" in banner and "context 2048 tokens" in banner
+        per_token = dm.LAYERS * 2 * dm.KV_HEADS * (dm.HIDDEN // dm.HEADS) * 4  # K and V, fp32
+        kv_gib = 1000 * per_token / 2**30
+        assert f"KV cache: 1000 tokens, {round(kv_gib, 3)} GiB" in banner
         names = ["redis", "compute", "detokenizer", "tokenizer-0", "tokenizer-1", "gateway"]
         pids = {n: int(Path(run_dir, f"{n}.pid").read_text()) for n in names}
         assert all(alive(p) for p in pids.values())

@@ -73,6 +73,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise InvalidParams("prompt", f"token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidParams("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in output_ids) or len(output_ids) >= params.max_tokens:
             raise InvalidParams("output_ids", "resumed output must be token ids, fewer than "
                                 "max_tokens")

@@ -42,6 +42,11 @@ class ModelRunner:
         self.capacity = self._kv_capacity(config, model_config)
         self.kv = KVCache(model_config.num_layers, self.capacity, model_config.num_kv_heads,
                           model_config.head_dim, self.dtype, self.device)
+        kv_bytes = self.capacity * KVCache.bytes_per_token(
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.dtype)
+        # what start-up reports (published with the engine stats)
+        self.summary = {"device": str(self.device), "dtype": str(self.dtype).removeprefix(
+            "torch."), "kv_gib": round(kv_bytes / 2**30, 3)}
         log.info("KV cache: %d slots on %s (%s)", self.capacity, self.device, self.dtype)
 
     def _kv_capacity(self, config: EngineConfig, mc: ModelConfig) -> int:
@@ -80,9 +85,12 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Sample one token per row of `logits` [S, vocab] for `seqs`; no host sync."""
         raw = None
-        if any(s.params.has_penalties for s in seqs):  # else no penalty work at all
+        if any(s.params.shapes_logits for s in seqs):  # else no such work at all
             raw = logits  # logprobs stay those of the model's own distribution
-            logits = self._penalize(logits.float(), seqs)
+            logits = logits.float()
+            if any(s.params.has_penalties for s in seqs):
+                logits = self._penalize(logits, seqs)
+            logits = _add_logit_bias(logits, seqs)
         return SamplingBatch.of(seqs, self.device).sample(logits, raw)
 
     def _penalize(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -97,6 +105,17 @@ class ModelRunner:
                             [p.repetition_penalty for p in ps]], dtype=torch.float32)
         pen = to_device(pen, self.device)
         return apply_penalties(logits, prompt_mask, output_counts, pen[0], pen[1], pen[2])
+
+
+def _add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [S, vocab] float, plus each row's logit_bias (one scatter for the whole step)."""
+    cells = [(row, t, b) for row, s in enumerate(seqs) for t, b in s.params.logit_bias]
+    if not cells:
+        return logits
+    rows, ids, biases = zip(*cells, strict=True)
+    index = torch.tensor([rows, ids], dtype=torch.int64).to(logits.device, non_blocking=True)
+    values = torch.tensor(biases, dtype=logits.dtype).to(logits.device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), values, accumulate=True)
 
 
 def _suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:

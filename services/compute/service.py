@@ -108,7 +108,8 @@ class ComputeService:
                              if now - t < _EARLY_ABORT_TTL_S}
         try:
             pipe = self.redis.pipeline(transaction=False)
-            state.set_stats(pipe, vars(self.engine.stats()))
+            state.set_stats(pipe, {**vars(self.engine.stats()), **self.engine.runner.summary,
+                                   "max_model_len": self.engine.max_model_len})
             pipe.execute()
         except redis.RedisError:
             pass  # the heartbeat thread reports the outage

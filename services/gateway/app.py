@@ -8,8 +8,8 @@ streamed as SSE. A client that leaves gets its request aborted in compute (KV fr
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
+import random
 import secrets
 import time
 
@@ -17,22 +17,23 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from services.gateway import protocol, responses
-from services.gateway.errors import APIError, not_found, unavailable
+from services.gateway.access import Cors, api_key_middleware
+from services.gateway.errors import errors_as_json, not_found, unavailable
 from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
 from services.gateway.metrics import Metrics
 from services.gateway.pending import PendingLimit
 from services.gateway.stream import collect, stream
-from services.gateway.validation import check_prompt_bytes, parse_json_body
+from services.gateway.utility import Utility
+from services.gateway.validation import check_prompt_bytes, read_json_body
 from shared import state
-from shared.codec import int32s
+from shared.chat_template import ChatTemplate
 from shared.config import ServiceConfig
-from shared.messages import Abort, ChatMessage, TokenizeRequest
+from shared.messages import Abort, TokenizeRequest
 from shared.transport import AsyncSender
 
 log = logging.getLogger("pipellm.gateway")
 _PEER_WAIT_MS = 3000  # how long a request waits for a tokenizer worker to (re)connect
-_INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop (< 1 ms)
 
 
 class Gateway:
@@ -41,9 +42,12 @@ class Gateway:
 
     def __init__(self, svc: ServiceConfig, model_name: str, max_model_len: int, tokenizer,
                  redis_client: aioredis.Redis, to_tokenizer: AsyncSender,
-                 to_control: AsyncSender):
+                 to_control: AsyncSender, template: ChatTemplate | None = None):
+        """`template`: the chat template /tokenize renders messages with (the tokenizers
+        render generation requests' own)."""
         self.svc, self.model_name, self.max_model_len = svc, model_name, max_model_len
-        self.tokenizer = tokenizer
+        self.tokenizer, self.template = tokenizer, template
+        self.seeds = random.Random(svc.seed) if svc.seed is not None else None
         self.redis = redis_client
         self.to_tokenizer, self.to_control = to_tokenizer, to_control
         self.registry = Registry()
@@ -64,8 +68,18 @@ class Gateway:
         return text
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.svc.max_body_bytes,
-                              middlewares=[_errors_as_json])
+        """The aiohttp app. Middlewares, outermost first: CORS preflights, errors as JSON (so a
+        401 is one too), the API key; CORS headers go on every answer as it is prepared."""
+        middlewares = [errors_as_json]
+        if self.svc.api_key:
+            middlewares.append(api_key_middleware(self.svc.api_key))
+        cors = Cors(self.svc.origins())
+        if cors.origins:
+            middlewares.insert(0, cors.preflight)
+        app = web.Application(client_max_size=self.svc.max_body_bytes, middlewares=middlewares)
+        if cors.origins:
+            app.on_response_prepare.append(cors.on_prepare)
+        Utility(self, self.template).add_routes(app.router)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -76,12 +90,12 @@ class Gateway:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         with self.pending.hold():  # 429 past --max-pending, before anything is awaited
-            body = await _json_body(request)
+            body = await read_json_body(request)
             return await self._generate(request, protocol.parse_completion(body, self.model_name))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         with self.pending.hold():
-            body = await _json_body(request)
+            body = await read_json_body(request)
             return await self._generate(request, protocol.parse_chat(body, self.model_name))
 
     async def _generate(self, request: web.Request, req: protocol.GenerationRequest):
@@ -92,12 +106,12 @@ class Gateway:
         rid = responses.new_id(req.kind)
         try:
             pipe = self.redis.pipeline(transaction=False)
-            state.set_request(pipe, rid, status="queued", queued_at=time.time(), n=req.n,
+            state.set_request(pipe, rid, status="queued", queued_at=time.time(), n=req.generated,
                               model=req.model, kind=req.kind)
             await pipe.execute()
         except aioredis.RedisError:
             raise unavailable("Request state store (Redis) is unavailable.") from None
-        inflight = self.registry.add(rid, req.n)
+        inflight = self.registry.add(rid, req.generated)
         try:
             inflight.tokenize = self._tokenize_request(rid, req, inflight)
             if not await self.to_tokenizer.send(inflight.tokenize, wait_ms=_PEER_WAIT_MS):
@@ -114,21 +128,9 @@ class Gateway:
 
     def _tokenize_request(self, rid: str, req: protocol.GenerationRequest,
                           inflight: Inflight) -> TokenizeRequest:
-        messages = None
-        if req.messages is not None:
-            messages = [ChatMessage(m["role"], m["content"]) for m in req.messages]
-        params = req.params
-        if params.seed is None:  # drawn here, so a resumed choice samples what it would have
-            params = dataclasses.replace(params, seed=secrets.randbits(62))
-        return TokenizeRequest(
-            request_id=rid, reply_to=self.svc.addr("gateway"), params=params,
-            prompt_text=req.prompt_text,
-            prompt_ids=None if req.prompt_ids is None else int32s(req.prompt_ids),
-            messages=messages, add_generation_prompt=req.add_generation_prompt,
-            stop=list(req.stop), n=req.n,
-            # chat without max_tokens: up to the context; completions keep 16 (OpenAI's default)
-            max_tokens_auto=req.kind == "chat" and not req.max_tokens_given,
-            arrival=inflight.arrival)
+        # an unseeded request's seed is drawn here, so a resumed choice samples what it would
+        seed = self.seeds.getrandbits(62) if self.seeds else secrets.randbits(62)
+        return req.tokenize_request(rid, self.svc.addr("gateway"), seed, inflight.arrival)
 
     async def resume_lost(self, only_without_output: bool) -> None:
         """A restarted service lost requests: each continues from what its client has (the
@@ -182,38 +184,3 @@ class Gateway:
         if not raw:
             raise not_found(f"No request with id `{rid}`.", "request_id")
         return web.json_response({"id": rid, **state.decode_hash(raw)})
-
-
-async def _json_body(request: web.Request):
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise APIError(413, "Request body is too large.", code="payload_too_large") from None
-    except web.RequestPayloadError:  # e.g. a Content-Encoding: gzip body that is not gzip
-        raise APIError(400, "Request body could not be decoded (its Content-Encoding or "
-                            "Transfer-Encoding is broken).") from None
-    if len(raw) <= _INLINE_PARSE_BYTES:  # 400 unless UTF-8 JSON, bounded depth, ints, floats
-        return parse_json_body(raw)
-    # the checks of a large body are Python code: on a thread, the event loop serves meanwhile
-    return await asyncio.get_running_loop().run_in_executor(None, parse_json_body, raw)
-
-
-@web.middleware
-async def _errors_as_json(request: web.Request, handler):
-    """Every failure leaves as an OpenAI-style JSON error, never a stack trace."""
-    try:
-        return await handler(request)
-    except APIError as e:
-        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-        return web.json_response(e.body(), status=e.status, headers=headers)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        err = APIError(e.status, e.reason or "error", code=None)
-        return web.json_response(err.body(), status=e.status)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:  # a bug: log it, answer 500, keep serving
-        log.exception("unhandled error on %s", request.path)
-        err = APIError(500, "Internal server error.")
-        return web.json_response(err.body(), status=500)

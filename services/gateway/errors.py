@@ -1,6 +1,14 @@
-"""OpenAI-shaped API errors: raise `APIError`, answer with `err.status` and `err.body()`."""
+"""OpenAI-shaped API errors: raise `APIError` anywhere in a handler; the `errors_as_json`
+middleware answers with its status and body (and turns any other failure into one)."""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+log = logging.getLogger("pipellm.gateway")
 
 _DEFAULT_TYPES = {500: "server_error", 503: "service_unavailable"}
 
@@ -61,3 +69,24 @@ def unavailable(message: str = "The server is temporarily unavailable.",
                 param: str | None = None, code: str | None = None) -> APIError:
     """503 (type "service_unavailable"): e.g. the engine is down or shutting down."""
     return APIError(503, message, param=param, code=code)
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler):
+    """Every failure leaves as an OpenAI-style JSON error, never a stack trace."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        return web.json_response(e.body(), status=e.status, headers=headers)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        err = APIError(e.status, e.reason or "error", code=None)
+        return web.json_response(err.body(), status=e.status)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:  # a bug: log it, answer 500, keep serving
+        log.exception("unhandled error on %s", request.path)
+        err = APIError(500, "Internal server error.")
+        return web.json_response(err.body(), status=500)

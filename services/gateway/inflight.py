@@ -31,6 +31,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    cum_logprob: float = 0.0  # of its generated tokens (best_of ranks choices by it)
     num_prompt: int = 0
     last: float = 0.0  # monotonic time of the last delta, for inter-token latency
     sent_role: bool = False

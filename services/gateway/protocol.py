@@ -25,11 +25,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import APIError, bad_request, not_found
 from services.gateway.validation import (
+    MAX_TOKEN_ID,
     get_bool,
     get_int,
     get_number,
@@ -42,10 +44,13 @@ from services.gateway.validation import (
     same,
     token_ids,
 )
+from shared.codec import int32s
+from shared.messages import ChatMessage, TokenizeRequest
 from shared.sampling import MAX_LOGPROBS, InvalidParams, SamplingParams
 
 MAX_N = 16
 MAX_COUNT = 2**31 - 1  # token counts fit int32 everywhere downstream
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_SEED = 2**63 - MAX_N  # choice i samples with seed + i, which must stay below 2^63
 
 _COMMON_KEYS = frozenset({
@@ -53,11 +58,12 @@ _COMMON_KEYS = frozenset({
     "stop", "stream", "stream_options", "temperature", "top_p", "user",
     # vLLM extensions we implement
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "logit_bias",
 })
 # Known OpenAI fields we do not implement, with the values that ask for nothing (null is too).
-_COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",), "logit_bias": ({},)}
+_COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",)}
 _CHAT_NEUTRAL: dict[str, tuple] = {
-    "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
     "metadata": ({},), "store": (False,), "service_tier": ("auto", "default"),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
@@ -98,6 +104,32 @@ class GenerationRequest:
     # logprobs: its tokens' too, params.prompt_logprobs)
     discard_output: bool = False  # completions with max_tokens 0: compute generates one token
     # (it always does), the answer leaves it out
+    best_of: int = 0  # completions: generate this many choices (> n), answer the n with the
+    # highest cumulative logprob; 0: n
+
+    @property
+    def generated(self) -> int:
+        """Choices generated: best_of, or n."""
+        return self.best_of or self.n
+
+    def tokenize_request(self, request_id: str, reply_to: str, seed: int,
+                         arrival: float) -> TokenizeRequest:
+        """What goes to the tokenizers; `seed` is used when the request gave none."""
+        messages = None
+        if self.messages is not None:
+            messages = [ChatMessage(m["role"], m["content"]) for m in self.messages]
+        params = self.params
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=seed)
+        return TokenizeRequest(
+            request_id=request_id, reply_to=reply_to, params=params,
+            prompt_text=self.prompt_text,
+            prompt_ids=None if self.prompt_ids is None else int32s(self.prompt_ids),
+            messages=messages, add_generation_prompt=self.add_generation_prompt,
+            stop=list(self.stop), n=self.generated,
+            # chat without max_tokens: up to the context; completions keep 16 (OpenAI's default)
+            max_tokens_auto=self.kind == "chat" and not self.max_tokens_given,
+            arrival=arrival)
 
 
 def parse_completion(body: Any, model_name: str, *,
@@ -107,9 +139,12 @@ def parse_completion(body: Any, model_name: str, *,
     model = _check_body(body, model_name, COMPLETION_KEYS, _COMPLETION_NEUTRAL)
     prompt_text, prompt_ids = _parse_prompt(body.get("prompt"))
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
-    best_of = get_int(body, "best_of")
-    if best_of is not None and best_of != n:
-        raise bad_request("`best_of` is not supported (only best_of == n)", "best_of")
+    best_of = get_int(body, "best_of", n, lo=1, hi=MAX_N)
+    if best_of < n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if best_of > n and get_bool(body, "stream", False):
+        raise bad_request("best_of > n cannot be streamed (the best are known at the end)",
+                          "best_of")
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
     max_tokens = get_int(body, "max_tokens", lo=0, hi=MAX_COUNT)
@@ -118,7 +153,8 @@ def parse_completion(body: Any, model_name: str, *,
                    prompt_logprobs=logprobs if echo else None, echo=echo,
                    discard_output=max_tokens == 0,
                    max_tokens=1 if max_tokens == 0 else max_tokens, max_param="max_tokens",
-                   default_max_tokens=default_max_tokens, add_generation_prompt=False)
+                   default_max_tokens=default_max_tokens, add_generation_prompt=False,
+                   best_of=best_of if best_of > n else 0)
 
 
 def parse_chat(body: Any, model_name: str, *, default_max_tokens: int = 16) -> GenerationRequest:
@@ -148,14 +184,19 @@ def parse_chat(body: Any, model_name: str, *, default_max_tokens: int = 16) -> G
 def _check_body(body: Any, model_name: str, allowed: frozenset[str],
                 neutral: dict[str, tuple]) -> str:
     """Body is an object with only known keys, no unsupported features, and names our model."""
+    reject_unsupported(check_model(body, model_name, allowed), neutral)
+    return model_name
+
+
+def check_model(body: Any, model_name: str, allowed: frozenset[str]) -> dict:
+    """`body`, once it is an object with only `allowed` keys that names our model (or none)."""
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {json_type(body)}")
     reject_unknown(body, allowed)
     model = get_str(body, "model", model_name)
     if model != model_name:
         raise not_found(f"The model `{model}` does not exist."[:300], "model", "model_not_found")
-    reject_unsupported(body, neutral)
-    return model
+    return body
 
 
 def _parse_prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
@@ -219,10 +260,31 @@ def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool, top_logprob
             presence_penalty=get_number(body, "presence_penalty", 0.0),
             frequency_penalty=get_number(body, "frequency_penalty", 0.0),
             repetition_penalty=get_number(body, "repetition_penalty", 1.0),
+            logit_bias=_logit_bias(body.get("logit_bias")),
         )
     except InvalidParams as exc:
         param = max_param if exc.param == "max_tokens" else exc.param
         raise APIError(400, str(exc), param=param) from exc
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"<token id>": bias in [-100, 100], ...} -> ((id, bias), ...)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad_request(f"logit_bias must be an object mapping token ids to biases, got "
+                          f"{json_type(value)}", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (len(key) <= 10 and key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}"[:200],
+                              "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise bad_request(f"logit_bias[{key!r}] must be a number", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
 
 
 def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_param: str,
@@ -230,9 +292,10 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
             prompt_logprobs: int | None = None, **fields: Any) -> GenerationRequest:
     """Validate the fields both endpoints share and build the request."""
     stream, include_usage = _stream_fields(body)
-    params = _sampling_params(
-        body, logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
-        max_param=max_param, max_tokens=default_max_tokens if max_tokens is None else max_tokens)
+    params = _sampling_params(  # best_of ranks choices by their logprobs: compute sends them
+        body, logprobs=logprobs or fields.get("best_of", 0) > 0, top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs, max_param=max_param,
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens)
     return GenerationRequest(
         kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
         include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 import redis.asyncio as aioredis
 import zmq.asyncio
@@ -13,9 +12,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from services.gateway.app import Gateway
+from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, ServiceConfig
 from shared.messages import DeltaBatch
-from shared.model_config import served_context
+from shared.model_config import served_context, served_name
 from shared.tokenizer import load_tokenizer
 from shared.transport import AsyncReceiver, AsyncSender
 
@@ -24,12 +24,13 @@ log = logging.getLogger("pipellm.gateway")
 
 def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncReceiver]:
     ctx = zmq.asyncio.Context.instance()
-    name = svc.served_model_name or Path(engine_cfg.model).name.removesuffix(".gguf")
+    name = svc.served_model_name or served_name(engine_cfg.model)
     gw = Gateway(svc, name, served_context(engine_cfg),
                  load_tokenizer(engine_cfg.model),
                  redis_client(svc),
                  AsyncSender(ctx, svc.addr("tokenizer"), bind=True),
-                 AsyncSender(ctx, svc.addr("control")))
+                 AsyncSender(ctx, svc.addr("control")),
+                 load_chat_template(engine_cfg.model, engine_cfg.chat_template))
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
 
 

@@ -39,6 +39,7 @@ async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
         entries = _entries(gw, req, delta)
         c.text.append(delta.text)
         c.token_ids.extend(delta.token_ids)
+        c.cum_logprob += sum(delta.logprobs)
         c.logprobs.extend(entries)
         c.num_prompt = delta.num_prompt
         if delta.finish_reason is not None:
@@ -101,12 +102,15 @@ async def collect(gw, req: GenerationRequest, inflight: Inflight) -> web.Respons
     async for _ in _deltas(gw, req, inflight):
         pass
     choices = inflight.choices
+    if req.best_of:  # the n most likely of best_of, best first
+        choices = sorted(choices, key=lambda c: -c.cum_logprob)[: req.n]
     echo = _echo(gw, req)
-    out = [responses.Choice(c.index, echo + "".join(c.text), c.finish_reason,
-                            c.logprobs if req.logprobs else None) for c in choices]
+    out = [responses.Choice(i, echo + "".join(c.text), c.finish_reason,
+                            c.logprobs if req.logprobs else None)
+           for i, c in enumerate(choices)]
     build = responses.chat_response if req.kind == "chat" else responses.completion_response
     return web.json_response(build(inflight.request_id, req.model, int(time.time()), out,
-                                   _usage(choices)))
+                                   _usage(inflight.choices)))
 
 
 async def stream(gw, request: web.Request, req: GenerationRequest,

@@ -6,11 +6,16 @@ JSON booleans are never accepted as numbers, and integers given as floats (16.0)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
 
+from aiohttp import web
+
 from services.gateway.errors import APIError, bad_request
+
+_INLINE_PARSE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop (< 1 ms)
 
 MAX_STOP_STRINGS = 16
 MAX_TOKEN_ID = 2**31 - 1  # token ids must fit int32; the gateway checks them against the vocab
@@ -288,3 +293,18 @@ def check_prompt_bytes(prompt_text: str | None, messages: tuple[dict, ...] | Non
     raise bad_request(f"The prompt is longer than {limit} bytes of UTF-8 text, the most this "
                       f"server accepts (its --max-prompt-bytes); send a shorter prompt",
                       "prompt" if prompt_text is not None else "messages", "prompt_too_large")
+
+
+async def read_json_body(request: web.Request) -> Any:
+    """The request's JSON body, checked (parse_json_body); 413 past the size limit."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise APIError(413, "Request body is too large.", code="payload_too_large") from None
+    except web.RequestPayloadError:  # e.g. a Content-Encoding: gzip body that is not gzip
+        raise APIError(400, "Request body could not be decoded (its Content-Encoding or "
+                            "Transfer-Encoding is broken).") from None
+    if len(raw) <= _INLINE_PARSE_BYTES:  # 400 unless UTF-8 JSON, bounded depth, ints, floats
+        return parse_json_body(raw)
+    # the checks of a large body are Python code: on a thread, the event loop serves meanwhile
+    return await asyncio.get_running_loop().run_in_executor(None, parse_json_body, raw)

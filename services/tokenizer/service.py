@@ -46,7 +46,7 @@ class Tokenizer:
         self.max_model_len = served_context(config)
         self.vocab_size = ModelConfig.from_path(config.model).vocab_size
         self.tok = load_tokenizer(config.model)
-        self.template = load_chat_template(config.model)
+        self.template = load_chat_template(config.model, config.chat_template)
         self.model = model_key(config.model)
         self.predictor = predictor
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from services.compute.model.progress import progress
 from shared.gguf.hf import architecture
 from shared.gguf.reader import GGUFError, GGUFFile, open_gguf
 from shared.model_config import ModelLoadError
@@ -40,7 +41,7 @@ def load_gguf_weights(path, dtype: torch.dtype, device) -> dict[str, torch.Tenso
     try:
         gguf, names, heads = _check(path)
         return {name: _load(gguf, src, name, heads).to(device, dtype)
-                for src, name in names.items()}
+                for src, name in progress(names.items(), len(names), "weights (tensors)")}
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from None
 

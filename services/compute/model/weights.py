@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from services.compute.model.gguf_weights import load_gguf_weights
+from services.compute.model.progress import progress
 from shared.gguf.reader import is_gguf
 from shared.model_config import ModelLoadError
 
@@ -38,15 +39,17 @@ def load_weights(
     if not root.is_dir():
         raise ModelLoadError(f"model directory {root} does not exist or is not a directory")
     weights: dict[str, torch.Tensor] = {}
-    for file, names in _checkpoint_files(root).items():
-        for name, tensor in _read_file(file, names):
-            if name in weights:
-                raise ModelLoadError(f"tensor '{name}' appears in more than one file in {root}")
-            if tensor.is_floating_point():
-                tensor = tensor.to(device=device, dtype=dtype)
-            else:
-                tensor = tensor.to(device=device)
-            weights[name] = tensor
+    files = _checkpoint_files(root)
+    known = None if None in files.values() else sum(len(n) for n in files.values())
+    tensors = (t for file, names in files.items() for t in _read_file(file, names))
+    for name, tensor in progress(tensors, known, "weights (tensors)"):
+        if name in weights:
+            raise ModelLoadError(f"tensor '{name}' appears in more than one file in {root}")
+        if tensor.is_floating_point():
+            tensor = tensor.to(device=device, dtype=dtype)
+        else:
+            tensor = tensor.to(device=device)
+        weights[name] = tensor
     return weights
 
 

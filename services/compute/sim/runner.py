@@ -69,6 +69,9 @@ class SimRunner:
         self.busy_s = 0.0  # modelled GPU time, all steps
         self.steps = 0
         self._last_end: float | None = None
+        self.summary = {"device": f"simulated {self.cost.gpu.name}",
+                        "dtype": f"{config.sim.weight_dtype} ({self.cost.model.name})",
+                        "kv_gib": round(self.capacity * self.cost.kv_bytes_per_token / 2**30, 3)}
         log.info("simulated %s on %s: KV cache %d slots (%s KV, %d B/token), %s clock",
                  self.cost.model.name, self.cost.gpu.name, self.capacity, config.sim.kv_dtype,
                  self.cost.kv_bytes_per_token, config.sim.clock)

@@ -1,0 +1,110 @@
+"""The endpoints vLLM users script against besides generation: /tokenize, /detokenize,
+/version and /ping, with vLLM's request and response shapes.
+
+- `POST /tokenize`: `{"prompt": str, "add_special_tokens": true}` or `{"messages": [...],
+  "add_generation_prompt": true, "add_special_tokens": false}` (rendered with the chat
+  template, as a chat request would be) -> `{"count", "max_model_len", "tokens", "token_strs"}`
+  (`token_strs` with `"return_token_strs": true`, else null).
+- `POST /detokenize`: `{"tokens": [int, ...]}` -> `{"prompt": str}`.
+- `GET /version` -> `{"version": str}`; `GET|POST /ping`: what /health answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import metadata
+
+from aiohttp import web
+
+from services.gateway.errors import bad_request
+from services.gateway.protocol import check_model, parse_messages
+from services.gateway.validation import (
+    check_prompt_bytes,
+    get_bool,
+    get_str,
+    read_json_body,
+    token_ids,
+)
+from shared.chat_template import ChatTemplateError
+from shared.tokenizer import decode, encode
+
+TOKENIZE_KEYS = frozenset({"model", "prompt", "messages", "add_special_tokens",
+                           "add_generation_prompt", "return_token_strs", "continue_final_message"})
+DETOKENIZE_KEYS = frozenset({"model", "tokens"})
+_INLINE_CHARS = 16 * 1024  # texts up to this size are tokenized on the event loop
+
+
+def version() -> str:
+    try:
+        return metadata.version("pipellm")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class Utility:
+    """The handlers, over the gateway's tokenizer, chat template and model name."""
+
+    def __init__(self, gateway, template):
+        self.gw, self.template = gateway, template
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/tokenize", self.tokenize)
+        router.add_post("/detokenize", self.detokenize)
+        router.add_get("/version", self.version)
+        router.add_route("*", "/ping", self.gw.health_check)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = check_model(await read_json_body(request), self.gw.model_name, TOKENIZE_KEYS)
+        if body.get("continue_final_message"):
+            raise bad_request("continue_final_message is not supported", "continue_final_message")
+        text = self._text(body)
+        chat = "messages" in body
+        special = get_bool(body, "add_special_tokens", not chat)
+        ids = await _off_loop(len(text), encode, self.gw.tokenizer, text,
+                              add_special_tokens=special)
+        strs = None
+        if get_bool(body, "return_token_strs", False):
+            strs = [self.gw.tokenizer.id_to_token(i) for i in ids]
+        return web.json_response({"count": len(ids), "max_model_len": self.gw.max_model_len,
+                                  "tokens": ids, "token_strs": strs})
+
+    def _text(self, body: dict) -> str:
+        """The text to tokenize: the prompt, or the messages rendered as chat renders them."""
+        if ("prompt" in body) == ("messages" in body):
+            raise bad_request("give either prompt or messages", "prompt")
+        if "prompt" in body:
+            text = get_str(body, "prompt")
+            check_prompt_bytes(text, None, self.gw.svc.prompt_bytes_limit(self.gw.max_model_len))
+            return text
+        messages = parse_messages(body["messages"])
+        check_prompt_bytes(None, messages, self.gw.svc.prompt_bytes_limit(self.gw.max_model_len))
+        if self.template is None:
+            raise bad_request("this model has no chat template (see --chat-template)",
+                              "messages")
+        try:
+            return self.template.render(list(messages),
+                                        get_bool(body, "add_generation_prompt", True))
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc)[:500], "messages") from None
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = check_model(await read_json_body(request), self.gw.model_name,
+                           DETOKENIZE_KEYS)
+        if "tokens" not in body:
+            raise bad_request("tokens is required", "tokens")
+        ids = list(token_ids(body["tokens"], "tokens"))
+        vocab = self.gw.tokenizer.get_vocab_size(with_added_tokens=True)
+        if any(t >= vocab for t in ids):
+            raise bad_request(f"token ids must be below the vocabulary size {vocab}", "tokens")
+        text = await _off_loop(len(ids), decode, self.gw.tokenizer, ids)
+        return web.json_response({"prompt": text})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": version()})
+
+
+async def _off_loop(size: int, fn, *args, **kwargs):
+    """fn(*args, **kwargs), on a thread when the input is large (the loop serves meanwhile)."""
+    if size <= _INLINE_CHARS:
+        return fn(*args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kwargs))

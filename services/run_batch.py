@@ -1,0 +1,191 @@
+"""`pipellm run-batch -i requests.jsonl -o results.jsonl`: an OpenAI batch file through the
+engine in-process, without the services (vLLM's `run_batch`).
+
+Each input line is `{"custom_id", "method": "POST", "url": "/v1/completions" or
+"/v1/chat/completions", "body": {...}}`; each output line, in input order, is `{"id",
+"custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`. A line that
+cannot be served gets its 4xx and OpenAI error body there; the others run, all at once through
+the engine's scheduler. The parts are the server's: the gateway's request parsing and response
+shapes, the tokenizer's prompt preparation, the detokenizer's incremental decoding and stop
+strings; so an answer is what the server gives for the same request and seed.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from services.detokenizer.incremental import IncrementalDetokenizer
+from services.detokenizer.stop import StopMatcher
+from services.gateway import protocol, responses
+from services.gateway.errors import APIError
+from services.tokenizer.service import PromptError, Tokenizer
+from shared import state
+from shared.messages import GenerateRequest
+from shared.sampling import InvalidParams
+from shared.tokenizer import decode
+
+URLS = {"/v1/completions": protocol.parse_completion,
+        "/v1/chat/completions": protocol.parse_chat}
+
+
+@dataclass
+class Choice:
+    """One generated choice: its streaming decoders and what it produced."""
+
+    detok: IncrementalDetokenizer
+    stop: StopMatcher
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    cum_logprob: float = 0.0
+    logprobs: list[responses.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Item:
+    """One input line: its request (None if it failed to parse) and its choices."""
+
+    custom_id: str | None
+    request_id: str
+    req: protocol.GenerationRequest | None = None
+    error: APIError | None = None
+    num_prompt: int = 0
+    choices: dict[str, Choice] = field(default_factory=dict)  # choice id -> its state
+
+
+class BatchRunner:
+    def __init__(self, engine, tokenizer: Tokenizer, model_name: str):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.live: dict[str, tuple[Item, Choice]] = {}  # engine request id -> its choice
+
+    def parse(self, line: str) -> Item:
+        """An input line as an Item; an unusable one carries its error."""
+        item = Item(None, f"batch_req_{uuid.uuid4().hex}")
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise APIError(400, "each line must be a JSON object")
+            item.custom_id = obj.get("custom_id")
+            parse = URLS.get(obj.get("url"))
+            if parse is None or obj.get("method", "POST") != "POST":
+                raise APIError(400, f"url must be POST {' or '.join(URLS)}", param="url")
+            item.req = parse(obj.get("body"), self.model_name)
+            if item.req.params.prompt_logprobs is not None:
+                raise APIError(400, "prompt logprobs (echo with logprobs) are not supported by "
+                               "run-batch", param="echo")
+        except json.JSONDecodeError as exc:
+            item.error = APIError(400, f"line is not JSON: {exc}")
+        except APIError as exc:
+            item.error = exc
+        return item
+
+    def submit(self, item: Item) -> None:
+        """Tokenize `item` and queue its choices in the engine (or record why not)."""
+        if item.error is not None:
+            return
+        tokenize = item.req.tokenize_request(item.request_id, "", secrets.randbits(62), 0.0)
+        try:
+            choices = self.tokenizer.prepare(tokenize)
+            for g in choices:
+                self._add(item, g)
+        except (PromptError, InvalidParams) as exc:
+            item.error = APIError(400, str(exc), param=getattr(exc, "param", None))
+            for rid in item.choices:
+                self.engine.abort(rid)
+                self.live.pop(rid, None)
+
+    def _add(self, item: Item, g: GenerateRequest) -> None:
+        self.engine.add_request(list(g.prompt_ids), g.params, g.request_id)
+        item.num_prompt = g.route.num_prompt
+        c = Choice(IncrementalDetokenizer(self.tokenizer.tok, list(g.route.prompt_tail)),
+                   StopMatcher(g.route.stop))
+        item.choices[g.request_id] = c
+        self.live[g.request_id] = (item, c)
+
+    def run(self, on_step) -> None:
+        """Step the engine until every choice finished; `on_step(tokens)` after each step."""
+        while self.live:
+            result = self.engine.step()
+            for e in result.events:
+                self._token(e)
+            on_step(len(result.events))
+
+    def _token(self, e) -> None:
+        item, c = self.live[e.request_id]
+        c.tokens += 1
+        c.cum_logprob += e.logprob
+        if item.req.logprobs:
+            text = self._token_text
+            top = [(text(i), v) for i, v in zip(*e.top, strict=True)] if e.top else []
+            c.logprobs.append(responses.TokenLogprob(text(e.token_id), e.logprob, top))
+        out, stopped = c.stop.feed(c.detok.add([e.token_id]))
+        c.text.append(out)
+        if stopped or e.finish_reason is not None:
+            if stopped:
+                self.engine.abort(e.request_id)
+            else:
+                c.text.append(c.stop.flush())
+            c.finish_reason = "stop" if stopped else e.finish_reason
+            del self.live[e.request_id]
+
+    def _token_text(self, token_id: int) -> str:
+        return decode(self.tokenizer.tok, [token_id], skip_special_tokens=False)
+
+    def output(self, item: Item) -> dict:
+        """The output line of a finished item."""
+        if item.error is not None:
+            status, body = item.error.status, item.error.body()
+        else:
+            status, body = 200, self._body(item)
+        return {"id": item.request_id, "custom_id": item.custom_id,
+                "response": {"status_code": status, "request_id": item.request_id,
+                             "body": body}, "error": None}
+
+    def _body(self, item: Item) -> dict:
+        req = item.req
+        ranked = sorted(item.choices.items(), key=lambda kv: state.choice_of(kv[0]))
+        chosen = [c for _, c in ranked]
+        if req.best_of:
+            chosen = sorted(chosen, key=lambda c: -c.cum_logprob)[: req.n]
+        echo = (req.prompt_text or "") if req.echo else ""
+        out = [responses.Choice(i, echo + "".join(c.text), c.finish_reason,
+                                c.logprobs if req.logprobs else None)
+               for i, c in enumerate(chosen)]
+        usage = responses.Usage(item.num_prompt, sum(c.tokens for _, c in ranked))
+        build = responses.chat_response if req.kind == "chat" else responses.completion_response
+        return build(responses.new_id(req.kind), req.model, int(time.time()), out, usage)
+
+
+def run_batch(engine, tokenizer: Tokenizer, model_name: str, src, dst, progress=sys.stderr):
+    """Run the batch file `src` (lines) into `dst`; returns (requests, failed, tokens, s)."""
+    runner = BatchRunner(engine, tokenizer, model_name)
+    items = [runner.parse(line) for line in src if line.strip()]
+    start = time.monotonic()
+    for item in items:
+        runner.submit(item)
+    total = [0]
+    shown = [0.0]
+
+    def on_step(tokens: int) -> None:
+        total[0] += tokens
+        now = time.monotonic()
+        if progress is not None and (now - shown[0] > 0.2 or not runner.live):
+            shown[0] = now
+            done = sum(1 for i in items if not any(r in runner.live for r in i.choices))
+            bar = "#" * (30 * done // max(len(items), 1))
+            progress.write(f"\r[{bar:<30}] {done}/{len(items)} requests, {total[0]} tokens, "
+                           f"{total[0] / max(now - start, 1e-9):.1f} tok/s")
+            progress.flush()
+
+    runner.run(on_step)
+    if progress is not None:
+        progress.write("\n")
+    for item in items:
+        dst.write(json.dumps(runner.output(item), ensure_ascii=False) + "\n")
+    failed = sum(item.error is not None for item in items)
+    return len(items), failed, total[0], time.monotonic() - start

@@ -1,0 +1,127 @@
+"""How config classes become flags and env vars: the machinery behind `shared/config.py`.
+
+Every field `foo_bar` of a config class is the flag `--foo-bar` and the env var
+`PIPELLM_FOO_BAR`; precedence: flag > env var > default. A field holding another config class
+(`EngineConfig.sim`) contributes its fields under its name (`--sim-gpu`, `PIPELLM_SIM_GPU`).
+Fields made with `setting(...)` carry a help text, a group for `--help`, and optionally the
+name vLLM gives the same thing (`--max-num-seqs` for `--max-running`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Iterator
+
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
+
+
+def setting(default=dataclasses.MISSING, help: str = "", *, group: str = "", alias: str = "",
+            default_factory=dataclasses.MISSING):
+    """A config field: its default, the one-line help of its flag, its --help group, and
+    `alias`, the flag vLLM users know it by (without the dashes)."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={"help": help, "group": group, "alias": alias})
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per setting of `cls`, in its group, defaulting to its env var or its default."""
+    for dest, f, typ in _leaf_fields(cls):
+        env = os.environ.get(_env_name(dest))
+        default = f.default if env is None else _parse(typ, env)
+        flags = ["--" + dest.replace("_", "-")]
+        if f.metadata.get("alias"):
+            flags.append("--" + f.metadata["alias"])
+        help = f.metadata.get("help", "")
+        help += f" (default: {'unset' if default is None else default!r}"
+        help += f", from {_env_name(dest)})" if env is not None else ")"
+        group = _group(parser, f.metadata.get("group") or "other")
+        if typ is bool:
+            group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction,
+                               default=default, help=help.replace("%", "%%"))
+        else:
+            group.add_argument(*flags, dest=dest, type=typ, default=default,
+                               help=help.replace("%", "%%"), metavar=_METAVARS[typ])
+
+
+def config_from_args(cls: type, args: argparse.Namespace, **overrides):
+    """Build the frozen config `cls` from parsed flags (and explicit overrides, named as in
+    `with_settings`)."""
+    values = {dest: getattr(args, dest) for dest, _, _ in _leaf_fields(cls) if hasattr(args, dest)}
+    return _build(cls, {**values, **overrides})
+
+
+def with_settings(config, **changes):
+    """`config` with some settings changed, each named as its flag's destination:
+    `with_settings(c, sim_clock="virtual")` is --sim-clock, so it sets `c.sim.clock`."""
+    return _build(type(config), {**settings(config), **changes})
+
+
+def settings(config, prefix: str = "") -> dict:
+    """Every setting of `config`, named as its flag's destination (`sim_clock`)."""
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(settings(value, f"{prefix}{f.name}_"))
+        else:
+            out[prefix + f.name] = value
+    return out
+
+
+def env_for(config) -> dict[str, str]:
+    """The PIPELLM_* env vars that reproduce `config` in a child process (None: unset)."""
+    return {_env_name(dest): str(int(value)) if isinstance(value, bool) else str(value)
+            for dest, value in settings(config).items() if value is not None}
+
+
+def _leaf_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, type]]:
+    """(destination, field, type) of each setting of `cls`; a field holding a config class
+    contributes its own settings, named with its name as a prefix."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        typ = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(typ):
+            yield from _leaf_fields(typ, f"{prefix}{f.name}_")
+        else:
+            yield prefix + f.name, f, typ
+
+
+def _build(cls: type, values: dict, prefix: str = ""):
+    if not prefix and (unknown := values.keys() - {d for d, _, _ in _leaf_fields(cls)}):
+        raise TypeError(f"{cls.__name__} has no setting {', '.join(sorted(unknown))}")
+    kwargs = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        typ = _base_type(hints[f.name])
+        if dataclasses.is_dataclass(typ):
+            kwargs[f.name] = _build(typ, values, f"{prefix}{f.name}_")
+        elif prefix + f.name in values:
+            kwargs[f.name] = values[prefix + f.name]
+    return cls(**kwargs)
+
+
+def _group(parser: argparse.ArgumentParser, title: str):
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def _env_name(dest: str) -> str:
+    return "PIPELLM_" + dest.upper()
+
+
+def _base_type(hint) -> type:
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _parse(typ: type, text: str):
+    if typ is bool:
+        return text.strip().lower() in ("1", "true", "yes", "on")
+    return typ(text)

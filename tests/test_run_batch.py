@@ -1,0 +1,123 @@
+"""`pipellm run-batch`: an OpenAI batch file through the engine, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.compute.backend import build_engine
+from shared.chat_template import load_chat_template
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from shared.tokenizer import decode, encode, load_tokenizer
+
+MODEL = "demo"
+
+
+def line(custom_id: str, body: dict, url: str = "/v1/completions") -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
+                       "body": {"model": MODEL, **body}})
+
+
+@pytest.fixture(scope="module")
+def engine(demo_model_dir):
+    return build_engine(EngineConfig(model=str(demo_model_dir), kv_cache_tokens=4096))
+
+
+def greedy_text(engine, tok, ids: list[int], n: int) -> str:
+    seq = engine.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return decode(tok, seq[0].output_ids)
+
+
+@pytest.fixture(scope="module")
+def stop(engine, demo_model_dir) -> str:
+    """A stop string from the middle of the greedy completion."""
+    tok = load_tokenizer(demo_model_dir)
+    text = greedy_text(engine, tok, encode(tok, "The quick brown fox"), 12)
+    middle = len(text) // 2
+    return text[middle : middle + 3]
+
+
+@pytest.fixture(scope="module")
+def results(demo_model_dir, tmp_path_factory, stop):
+    tmp = tmp_path_factory.mktemp("batch")
+    lines = [
+        line("greedy", {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
+                        "ignore_eos": True, "logprobs": 2}),
+        line("chat", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+                      "temperature": 0, "ignore_eos": True}, url="/v1/chat/completions"),
+        "this is not json",
+        line("bad-url", {"prompt": "x"}, url="/v1/embeddings"),
+        line("other-model", {"prompt": "x", "model": "gpt-4"}),
+        line("too-long", {"prompt": "x", "max_tokens": 10**6}),
+        line("seeded", {"prompt": "Once", "max_tokens": 8, "temperature": 1.0, "seed": 3, "n": 3,
+                        "ignore_eos": True}),
+        line("best", {"prompt": "Once", "max_tokens": 8, "temperature": 1.0, "seed": 3, "n": 2,
+                      "best_of": 3, "ignore_eos": True}),
+        line("stopped", {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
+                         "ignore_eos": True, "stop": [stop]}),
+    ]
+    src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "run-batch", "-i", str(src),
+                           "-o", str(dst), "--model", str(demo_model_dir), "--served-model-name",
+                           MODEL, "--kv-cache-tokens", "4096"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    return proc, out
+
+
+def test_one_output_line_per_input_line_in_order_and_a_closing_line(results):
+    proc, out = results
+    assert [o["custom_id"] for o in out] == [
+        "greedy", "chat", None, "bad-url", "other-model", "too-long", "seeded", "best", "stopped"]
+    assert all(o["error"] is None and o["id"].startswith("batch_req_") for o in out)
+    assert proc.stdout.strip().startswith("run-batch: 9 requests (4 failed), ")
+    assert proc.stdout.strip().endswith("tok/s")
+    assert "requests," in proc.stderr  # the progress bar
+
+
+def test_answers_are_the_engines(results, engine, demo_model_dir):
+    _, out = results
+    tok = load_tokenizer(demo_model_dir)
+    greedy = out[0]["response"]
+    assert greedy["status_code"] == 200
+    body = greedy["body"]
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    expected = greedy_text(engine, tok, encode(tok, "The quick brown fox"), 12)
+    assert body["choices"][0]["text"] == expected
+    assert len(body["choices"][0]["logprobs"]["top_logprobs"]) == 12
+    assert body["usage"]["completion_tokens"] == 12
+    rendered = load_chat_template(demo_model_dir).render([{"role": "user", "content": "hi"}])
+    chat = out[1]["response"]["body"]
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["content"] == greedy_text(
+        engine, tok, encode(tok, rendered, add_special_tokens=False), 9)
+
+
+def test_bad_lines_get_their_errors(results):
+    _, out = results
+    statuses = {o["custom_id"]: o["response"]["status_code"] for o in out}
+    assert statuses[None] == 400 and statuses["bad-url"] == 400
+    assert statuses["other-model"] == 404 and statuses["too-long"] == 400
+    too_long = out[5]["response"]["body"]["error"]
+    assert "maximum context length" in too_long["message"]
+
+
+def test_seeds_best_of_and_stop_strings(results, stop):
+    _, out = results
+    seeded = out[6]["response"]["body"]["choices"]
+    best = out[7]["response"]["body"]
+    assert len(seeded) == 3 and len({c["text"] for c in seeded}) > 1
+    assert [c["text"] for c in best["choices"]] != [] and len(best["choices"]) == 2
+    assert {c["text"] for c in best["choices"]} <= {c["text"] for c in seeded}
+    assert best["usage"]["completion_tokens"] == 24
+    full = out[0]["response"]["body"]["choices"][0]["text"]
+    stopped = out[8]["response"]["body"]
+    assert stopped["choices"][0]["text"] == full[: full.index(stop)]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] < 12  # generation ended at the stop
