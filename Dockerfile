@@ -1,44 +1,64 @@
-# One image for every pipellm service: compose.yaml runs it as gateway, tokenizer, compute and
-# detokenizer (`pipellm service <name>`); alone, `docker run --gpus all -p 8000:8000 IMAGE` runs
-# `pipellm serve` (embedded Redis and all four services in one container).
-FROM python:3.11-slim
+# Two images from one file; compose.yaml builds both:
+#   slim     the gateway, tokenizer and detokenizer (`pipellm service <name>`): no torch
+#   compute  slim plus torch, Triton and a C compiler: compute, or the whole server alone
+#            (`docker run -p 8000:8000 IMAGE` runs `pipellm serve`, embedded Redis included)
+# Both carry the default model, SmolLM2-135M-Instruct, fetched at build time into
+# $PIPELLM_DEFAULT_MODEL_DIR, so that every container reads the very same file.
+#
+# Which torch compute carries is a build argument. The default, PyPI's torch==2.13.0, is on
+# Linux x86_64 the CUDA 13.0 build: it runs on any machine, and on an NVIDIA GPU with a driver
+# of the 580 series or newer (compose.gpu.yaml). A CPU-only image (about a tenth of the size):
+#   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# or, without that index, a CPU torch wheel put in ./wheels (wheels there are preferred: a local
+# version such as 2.13.0+cpu sorts above PyPI's 2.13.0).
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX_URL=
 
-# gcc and the libc headers: Triton compiles its small CUDA launcher with the C compiler at run time.
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
+FROM python:3.11-slim AS slim
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIPELLM_DEMO_DIR=/opt/pipellm/demo-llama
+    PIPELLM_DEFAULT_MODEL_DIR=/opt/pipellm/models
 
 WORKDIR /app
 
-# torch first and pinned, as services/setup.sh installs it, but PyPI's default build: on Linux
-# x86_64 that is the CUDA build (with its nvidia-* libraries and triton), not the CPU index's.
-RUN pip install torch==2.13.0
-
-# The other dependencies, read from pyproject.toml alone, so that this layer survives source edits.
+# The base dependencies, read from pyproject.toml alone, so that this layer survives source edits.
 COPY pyproject.toml ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
-# The project itself (pyproject.toml packages services, shared, kernels, loadgen).
+# The project itself (pyproject.toml packages services, shared, kernels, loadgen), then the model.
 COPY services ./services
 COPY shared ./shared
 COPY kernels ./kernels
 COPY loadgen ./loadgen
-RUN pip install --no-deps .
-
-# The built-in demo model, built once here at $PIPELLM_DEMO_DIR, so that every container of this
-# image (every service) reads the very same files instead of each building its own at start-up.
-RUN python -c "from shared.demo_model import ensure_demo_model; print(ensure_demo_model())"
+RUN pip install --no-deps . && python -m shared.default_model
 
 RUN useradd --create-home --uid 1000 pipellm
 USER pipellm
-
 EXPOSE 8000
+
+
+FROM slim AS compute
+
+USER root
+# gcc and the libc headers: Triton compiles its small CUDA launcher with the C compiler at run
+# time, and the CPU kernels (kernels/cpu) are built with it on first use.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+ARG TORCH_SPEC
+ARG TORCH_INDEX_URL
+# `wheel[s]` copies the wheels in ./wheels when there is one, and nothing otherwise
+COPY pyproject.toml wheel[s] /tmp/build/
+RUN pip install --find-links /tmp/build \
+        ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC" \
+    && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['compute']))" \
+        > /tmp/requirements.txt \
+    && pip install --find-links /tmp/build -r /tmp/requirements.txt \
+    && rm -rf /tmp/requirements.txt /tmp/build
+USER pipellm
 CMD ["pipellm", "serve", "--host", "0.0.0.0"]

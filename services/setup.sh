@@ -5,9 +5,9 @@
 # (SmolLM2-135M-Instruct, shared/default_model.py) is fetched once into ~/.cache/pipellm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${1:-}"
+extras="compute${1:+,$1}"  # compute: the model's packages (torch, Triton); every service else
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" torch==2.13.0
-if [ -n "$extras" ]; then "${pip[@]}" -e ".[$extras]"; else "${pip[@]}" -e .; fi
+"${pip[@]}" -e ".[$extras]"
 .venv/bin/python -m shared.default_model

@@ -1,13 +1,16 @@
-"""compose.yaml, checked statically: there is no Docker here or in CI, so nothing is built, pulled
-or started. Each check is a function that raises AssertionError; the last tests feed them broken
-copies of compose.yaml to show that they can fail.
+"""compose.yaml and compose.gpu.yaml, checked statically: nothing is built, pulled or started
+(tests/test_docker.py runs the stack where a Docker daemon is). Each check is a function that
+raises AssertionError; the last tests feed them broken copies of compose.yaml to show that they
+can fail.
 
 Checked: the five services; each `pipellm service <name>` command line, with its container's
 environment, parses with the real CLI parser (services.cli.main, with the serve step stubbed out);
 every zmq address a service connects to is one another service binds, on the same channel and
 port, with who binds and who connects read from the services' code; the env var names are config
-fields; all four services use the same image and engine settings (so the same model); compute
-reserves a GPU; the gateway listens on all interfaces and publishes its port; Redis is wired.
+fields; gateway, tokenizer and detokenizer run the slim image (and import no torch), compute the
+compute image; all four use the same engine settings and the model baked into the images;
+nothing needs a GPU but the override gives compute one; every container stops fast (init); the
+gateway listens on all interfaces and publishes its port; Redis is wired.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ import dataclasses
 import inspect
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
 from services import cli
-from shared import demo_model, transport
+from shared import default_model, demo_model, transport
 from shared.config import EngineConfig, ServiceConfig
 from shared.settings import config_from_args
 
@@ -37,14 +42,18 @@ CHANNELS = ("tokenizer", "compute", "control", "detokenizer", "gateway")
 WILDCARD_HOSTS = ("*", "0.0.0.0")
 CONFIG_ENV = {"PIPELLM_" + f.name.upper()
               for cls in (EngineConfig, ServiceConfig) for f in dataclasses.fields(cls)}
-OTHER_PIPELLM_ENV = {demo_model.ENV_VAR}  # read by shared/demo_model.py, not a config field
+OTHER_PIPELLM_ENV = {demo_model.ENV_VAR, default_model.ENV_VAR}  # read there, not config fields
 COMPUTE_ONLY = {"device"}  # engine settings no other service reads
 Parsed = dict[str, tuple[EngineConfig, ServiceConfig]]  # per service, its parsed configs
+GPU = "x-gpu-override"  # where load_compose puts compose.gpu.yaml
 _ADDR = re.compile(r"tcp://(?P<host>[^:/\s]+):(?P<port>\d+)")
 
 
 def load_compose() -> dict:
-    return yaml.safe_load((ROOT / "compose.yaml").read_text(encoding="utf-8"))
+    """compose.yaml, with the GPU override file under the key GPU."""
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text(encoding="utf-8"))
+    compose[GPU] = yaml.safe_load((ROOT / "compose.gpu.yaml").read_text(encoding="utf-8"))
+    return compose
 
 
 @pytest.fixture(scope="module")
@@ -167,10 +176,17 @@ def check_services(compose: dict) -> None:
     services = compose.get("services") or {}
     assert set(services) == {"redis", *PIPELLM}, sorted(services)
     assert str(services["redis"].get("image", "")).split(":")[0] in ("redis", "library/redis")
-    images = {name: (services[name].get("image"), services[name].get("build")) for name in PIPELLM}
-    assert len(set(map(repr, images.values()))) == 1, f"one image for all services: {images}"
     for name in PIPELLM:
+        build = services[name].get("build") or {}
+        want = "compute" if name == "compute" else "slim"  # only compute needs torch
+        assert build.get("context") == "." and build.get("target") == want, \
+            f"{name}: builds {build}, not the Dockerfile's {want} target"
         assert "redis" in (services[name].get("depends_on") or {}), f"{name}: depends_on redis"
+    images = {services[n].get("image") for n in PIPELLM if n != "compute"}
+    assert len(images) == 1 and services["compute"].get("image") not in images, \
+        "one slim image for gateway, tokenizer, detokenizer; another for compute"
+    for name in services:  # SIGTERM reaches the process: `stop` takes < 1 s, not 10
+        assert services[name].get("init") is True, f"{name}: no init: true"
 
 
 def check_env_names(compose: dict) -> None:
@@ -234,31 +250,35 @@ def check_redis(compose: dict, parsed: Parsed) -> None:
 
 
 def check_same_model(compose: dict, parsed: Parsed) -> None:
-    """All four see the same model and engine settings (context length, vocab, predictor key)."""
+    """All four see the same model and engine settings (context length, vocab, predictor key),
+    and that model is the file the images carry."""
     engines = {name: dataclasses.replace(engine, **{f: "" for f in COMPUTE_ONLY})
                for name, (engine, _) in parsed.items()}
     assert len(set(engines.values())) == 1, f"engine settings differ: {engines}"
-    demo_dirs = {environment(compose["services"][n]).get(demo_model.ENV_VAR) for n in PIPELLM}
-    assert len(demo_dirs) == 1, f"{demo_model.ENV_VAR} differs between services: {demo_dirs}"
-    if not engines["gateway"].model:  # the demo model: built into the image at one place
-        dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
-        m = re.search(rf"^ENV\b[^#]*?\b{demo_model.ENV_VAR}=(\S+)", dockerfile, re.M | re.S)
-        assert m, f"Dockerfile sets no {demo_model.ENV_VAR}"
-        assert demo_dirs in ({None}, {m[1]}), f"compose's {demo_dirs} is not the image's {m[1]}"
-        assert re.search(r"^RUN .*ensure_demo_model\(\)", dockerfile, re.M), \
-            "Dockerfile does not build the demo model"
+    model = engines["gateway"].model
+    dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    m = re.search(rf"^ENV\b[^#]*?\b{default_model.ENV_VAR}=(\S+)", dockerfile, re.M | re.S)
+    assert m, f"Dockerfile sets no {default_model.ENV_VAR}"
+    assert model == f"{m[1]}/{default_model.FILE_NAME}", \
+        f"--model {model!r} is not the default model the images carry"
+    assert re.search(r"^RUN .*python -m shared.default_model", dockerfile, re.M), \
+        "Dockerfile does not fetch the default model"
 
 
 def check_gpu(compose: dict, parsed: Parsed) -> None:
-    def devices(name: str) -> list:
-        deploy = compose["services"][name].get("deploy") or {}
+    """compose.yaml runs anywhere (no device reservations, compute's --device auto); the GPU
+    override reserves one NVIDIA GPU for compute alone."""
+    def devices(file: dict, name: str) -> list:
+        deploy = ((file.get("services") or {}).get(name) or {}).get("deploy") or {}
         return ((deploy.get("resources") or {}).get("reservations") or {}).get("devices") or []
 
-    gpus = [d for d in devices("compute") if d.get("driver") == "nvidia"
+    assert not any(devices(compose, n) for n in compose["services"]), \
+        "compose.yaml reserves a device: it would not start on a machine without one"
+    assert parsed["compute"][0].device == "auto", "compute's --device must stay auto"
+    gpus = [d for d in devices(compose[GPU], "compute") if d.get("driver") == "nvidia"
             and "gpu" in (d.get("capabilities") or []) and d.get("count") == 1]
-    assert len(gpus) == 1, f"compute reserves no nvidia GPU (count 1): {devices('compute')}"
-    assert parsed["compute"][0].device != "cpu", "compute reserves a GPU and runs on the CPU"
-    assert not any(devices(n) for n in PIPELLM if n != "compute"), "only compute needs a GPU"
+    assert len(gpus) == 1, "compose.gpu.yaml reserves no nvidia GPU (count 1) for compute"
+    assert set(compose[GPU]["services"]) == {"compute"}, "only compute needs a GPU"
 
 
 def check_gateway_port(compose: dict, parsed: Parsed) -> None:
@@ -350,10 +370,16 @@ BROKEN = {
     "REDIS_URL, which serve does not read": lambda c: _with(
         c, "gateway", environment={"REDIS_URL": "redis://redis:6379/0"}),
     "engine settings differ": lambda c: _flag(c, "tokenizer", "--max-model-len", "512"),
-    "a different demo dir": lambda c: _with(c, "detokenizer", environment={
-        **environment(c["services"]["detokenizer"]), demo_model.ENV_VAR: "/tmp/elsewhere"}),
-    "no GPU reservation": lambda c: _with(c, "compute", deploy=None),
+    "no GPU reservation": lambda c: {**c, GPU: {"services": {"compute": {}}}},
+    "a GPU required": lambda c: _with(c, "compute", deploy=c[GPU]["services"]["compute"]["deploy"]),
     "compute on CPU": lambda c: _flag(c, "compute", "--device", "cpu"),
+    "compute on CUDA": lambda c: _flag(c, "compute", "--device", "cuda"),
+    "no init": lambda c: _with(c, "detokenizer", init=None),
+    "gateway on the compute image": lambda c: _with(
+        c, "gateway", build={"context": ".", "target": "compute"}),
+    "a model the images lack": lambda c: {**c, "services": {
+        n: ({**v, "environment": {**environment(v), "PIPELLM_MODEL": "/models/x.gguf"}}
+            if n != "redis" else v) for n, v in c["services"].items()}},
     "gateway port not published": lambda c: _with(c, "gateway", ports=["8080:8080"]),
     "a service missing": lambda c: {**c, "services": {
         k: v for k, v in c["services"].items() if k != "detokenizer"}},
@@ -365,3 +391,21 @@ def test_checks_catch_a_broken_compose(compose, breakage):
     check_all(compose)  # the real file passes...
     with pytest.raises(AssertionError):  # ...and this copy of it does not
         check_all(BROKEN[breakage](compose))
+
+
+def test_slim_services_run_without_torch(demo_model_dir):
+    """What the slim image runs (gateway, tokenizer, detokenizer; their settings resolved as at
+    start-up) imports neither torch nor the other compute packages."""
+    script = (
+        "import sys\n"
+        "for m in ('torch', 'triton', 'safetensors', 'ninja'): sys.modules[m] = None\n"
+        "from services import cli\n"
+        "from services.tokenizer.service import Tokenizer\n"
+        "import services.gateway.service, services.detokenizer.service\n"
+        "for name in ('gateway', 'tokenizer', 'detokenizer'):\n"
+        "    args = cli.build_parser().parse_args(['service', name, '--model', sys.argv[1]])\n"
+        "    engine, svc = cli._configs(args)\n"
+        "Tokenizer(engine)\n")
+    out = subprocess.run([sys.executable, "-c", script, str(demo_model_dir)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
