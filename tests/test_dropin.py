@@ -73,6 +73,14 @@ def test_vllm_flag_names_and_serve_model(demo_model_dir):
         cli._configs(two)
 
 
+def test_api_key_from_the_environment(monkeypatch, demo_model_dir):
+    monkeypatch.setenv("PIPELLM_API_KEY", "from-env")
+    args = subparser("serve").parse_args([str(demo_model_dir)])
+    assert cli._configs(args)[1].api_key == "from-env"
+    args = subparser("serve").parse_args([str(demo_model_dir), "--api-key", "flag"])
+    assert cli._configs(args)[1].api_key == "flag"
+
+
 def test_bad_allowed_origins_fail_at_start_up():
     with pytest.raises(ValueError, match="allowed-origins"):
         ServiceConfig(allowed_origins='["a", 1]')

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,16 @@ def test_require_names_missing_tensor():
     assert require(weights, "model.norm.weight") is weights["model.norm.weight"]
     with pytest.raises(ModelLoadError, match="missing tensor 'model.layers.0.mlp.up_proj.weight'"):
         require(weights, "model.layers.0.mlp.up_proj.weight")
+
+
+def test_weight_loading_reports_progress_only_when_slow(caplog):
+    from services.compute.model.progress import progress
+
+    with caplog.at_level(logging.INFO, logger="pipellm.compute"):
+        assert list(progress(range(4), 4, "weights", after_s=60)) == [0, 1, 2, 3]
+        assert caplog.records == []  # quick: quiet
+        assert list(progress(range(4), 4, "weights", after_s=0, every_s=0)) == [0, 1, 2, 3]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("loading weights: [#####               ] 25% (1/4)")
+    assert lines[3].startswith("loading weights: [####################] 100% (4/4)")
+    assert lines[-1].startswith("loaded weights: 4 in")
