@@ -79,7 +79,7 @@ class Gateway:
         app = web.Application(client_max_size=self.svc.max_body_bytes, middlewares=middlewares)
         if cors.origins:
             app.on_response_prepare.append(cors.on_prepare)
-        Utility(self, self.template).add_routes(app.router)
+        Utility(self).add_routes(app.router)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)

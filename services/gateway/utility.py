@@ -44,8 +44,8 @@ def version() -> str:
 class Utility:
     """The handlers, over the gateway's tokenizer, chat template and model name."""
 
-    def __init__(self, gateway, template):
-        self.gw, self.template = gateway, template
+    def __init__(self, gateway):
+        self.gw = gateway
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/tokenize", self.tokenize)
@@ -78,11 +78,11 @@ class Utility:
             return text
         messages = parse_messages(body["messages"])
         check_prompt_bytes(None, messages, self.gw.svc.prompt_bytes_limit(self.gw.max_model_len))
-        if self.template is None:
+        if self.gw.template is None:
             raise bad_request("this model has no chat template (see --chat-template)",
                               "messages")
         try:
-            return self.template.render(list(messages),
+            return self.gw.template.render(list(messages),
                                         get_bool(body, "add_generation_prompt", True))
         except ChatTemplateError as exc:
             raise bad_request(str(exc)[:500], "messages") from None
