@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import cpu_extension, use_triton
+from kernels.kv_quant import kv_rows
 
 _BLOCK_N = 64  # KV rows per inner-loop chunk
 _MIN_SPLIT_TOKENS = 256  # a split covers at least this many tokens of the longest sequence
@@ -231,16 +232,19 @@ def decode_attention_reference(
     seq_starts: torch.Tensor,  # [B] int
     seq_lens: torch.Tensor,  # [B] int, >= 1
     scale: float,
+    k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     """Loop over sequences (a padded gather would copy max_len x B KV rows: slower on CPU).
     Each KV head's query group is one [G, D] x [D, n] product: no repeated K/V, no SDPA call
-    overhead (on a CPU this loop is most of a decode step)."""
+    overhead (on a CPU this loop is most of a decode step). INT8 caches are dequantized one
+    sequence's rows at a time."""
     B, H, D = q.shape
     hkv = k_cache.shape[1]
     out = torch.empty_like(q)
     for b, (s, n) in enumerate(zip(seq_starts.tolist(), seq_lens.tolist(), strict=True)):
-        kb = k_cache[s : s + n].permute(1, 2, 0).float()  # [Hkv, D, n]
-        vb = v_cache[s : s + n].transpose(0, 1).float()  # [Hkv, n, D]
+        kb = kv_rows(k_cache, k_scale, s, n).permute(1, 2, 0)  # [Hkv, D, n]
+        vb = kv_rows(v_cache, v_scale, s, n).transpose(0, 1)  # [Hkv, n, D]
         qb = q[b].view(hkv, H // hkv, D).float()  # [Hkv, G, D]
         p = torch.softmax(torch.matmul(qb, kb) * scale, dim=-1)  # [Hkv, G, n]
         out[b] = torch.matmul(p, vb).view(H, D).to(q.dtype)
@@ -256,6 +260,8 @@ def decode_attention(
     scale: float | None = None,
     *,
     max_seq_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Single-query attention of each sequence over all its cached tokens.
 
@@ -266,10 +272,15 @@ def decode_attention(
     max_seq_len: optional host-side max(seq_lens), sizes the Triton split grid without a device
     sync (computed with .item() when None). Returns [B, n_heads, head_dim] in q's dtype.
     Triton (flash-decoding) where `kernels.dispatch.use_triton(q)`, else the C++ CPU kernel
-    (kernels/cpu/decode_attention.cpp) where it builds, else the PyTorch reference.
+    (kernels/cpu/decode_attention.cpp) where it builds, else the PyTorch reference. With
+    k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): the reference runs, on every
+    device for now (no INT8 Triton or C++ twin yet).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if k_scale is not None:
+        return decode_attention_reference(q, k_cache, v_cache, seq_starts, seq_lens, scale,
+                                          k_scale, v_scale)
     if not use_triton(q):
         if (ext := cpu_extension(q)) is not None:
             return ext.decode_attention(q, k_cache, v_cache, seq_starts, seq_lens, scale)

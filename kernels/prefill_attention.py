@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import cpu_fast_path, use_triton
+from kernels.kv_quant import kv_rows
 
 _LOG2E = 1.4426950408889634
 
@@ -199,8 +200,10 @@ def prefill_attention_reference(
     return out
 
 
-def _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale):
-    """The reference's contract, as GEMMs (MKL) per (sequence, KV head); fp32 arithmetic."""
+def _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale,
+                           k_scale=None, v_scale=None):
+    """The reference's contract, as GEMMs (MKL) per (sequence, KV head); fp32 arithmetic.
+    INT8 caches (with scales) are dequantized one sequence's rows at a time."""
     out = torch.empty_like(q)
     _, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
@@ -213,7 +216,7 @@ def _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
         # query i (position n - m + i) sees keys 0..n - m + i: -inf above that diagonal
         hidden = torch.ones(m, n, dtype=torch.bool).triu_(n - m + 1)
         bias = torch.zeros(m, n).masked_fill_(hidden, float("-inf")).repeat(group, 1)  # [g*m, n]
-        ks, vs = k_cache[start : start + n].float(), v_cache[start : start + n].float()
+        ks, vs = kv_rows(k_cache, k_scale, start, n), kv_rows(v_cache, v_scale, start, n)
         for h in range(k_cache.shape[1]):
             heads = slice(h * group, (h + 1) * group)
             qh = q[q0:q1, heads].float().transpose(0, 1).reshape(group * m, head_dim)
@@ -232,6 +235,8 @@ def prefill_attention(
     scale: float | None = None,
     *,
     max_q_len: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix plus themselves.
 
@@ -239,9 +244,14 @@ def prefill_attention(
     [capacity, Hkv, D]; cu_q_lens [S+1], seq_starts [S], ctx_lens [S] int32 on q's device
     (ctx_lens include the new tokens). Returns [T, H, D] in q's dtype; scale defaults to D**-0.5.
     max_q_len: optional host-side max of the q lengths (sizes the grid without a device sync).
+    With k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): the GEMM path runs, on
+    every device for now (no INT8 Triton twin yet).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    if k_scale is not None:
+        return _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
+                                      scale, k_scale, v_scale)
     if not use_triton(q):
         fn = _prefill_attention_cpu if cpu_fast_path(q) else prefill_attention_reference
         return fn(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale)

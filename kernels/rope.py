@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import use_triton
+from kernels.kv_quant import quantize_kv
 
 
 @triton.jit
@@ -160,13 +161,18 @@ def _rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots):
-    """PyTorch reference: RotaryEmbedding math on q and k, then index_copy_ into the caches."""
+def rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots, k_scale=None,
+                      v_scale=None):
+    """PyTorch reference: RotaryEmbedding math on q and k, then index_copy_ into the caches
+    (quantized to INT8 first when the caches have scales)."""
     q_rot = _rotate_ref(q, positions, cos, sin)  # [T, H, D]
     k_rot = _rotate_ref(k, positions, cos, sin)  # [T, Hkv, D]
     slots = slots.long()
-    k_cache.index_copy_(0, slots, k_rot)
-    v_cache.index_copy_(0, slots, v)
+    for cache, scales, rows in ((k_cache, k_scale, k_rot), (v_cache, v_scale, v)):
+        if scales is not None:
+            rows, row_scales = quantize_kv(rows)
+            scales.index_copy_(0, slots, row_scales)
+        cache.index_copy_(0, slots, rows)
     return q_rot, k_rot
 
 
@@ -180,11 +186,18 @@ def rope_kv_write(
     k_cache: torch.Tensor,  # [capacity, Hkv, D], written in place at `slots`
     v_cache: torch.Tensor,  # [capacity, Hkv, D], written in place at `slots`
     slots: torch.Tensor,  # [T] int64/int32 distinct cache slots
+    k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # q_rot [T, H, D], k_rot [T, Hkv, D]
     """Rotate q and k (rotate-half RoPE), store rotated k and raw v at `slots` of the caches.
 
     q, k, v may be strided views (last dim contiguous); the outputs are new contiguous tensors.
+    With scales, the caches are INT8 (kernels/kv_quant.py) and the rows are quantized as they
+    are written (by the PyTorch path on every device, for now: no fused Triton twin yet).
     """
+    if k_scale is not None:
+        return rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots,
+                                 k_scale, v_scale)
     if use_triton(q):
         return rope_kv_write_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
     return rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots)

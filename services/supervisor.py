@@ -194,7 +194,8 @@ def banner(engine: EngineConfig, svc: ServiceConfig) -> str:
     lines = [f"pipellm is up: http://{svc.host}:{svc.port}/v1 (model {engine.model})",
              f"  model {name!r}: {stats.get('dtype', '?')} on {stats.get('device', '?')}, "
              f"context {stats.get('max_model_len', engine.max_model_len)} tokens",
-             f"  KV cache: {stats.get('capacity', '?')} tokens, {stats.get('kv_gib', '?')} GiB"]
+             f"  KV cache: {stats.get('capacity', '?')} tokens, {stats.get('kv_gib', '?')} GiB"
+             + (" (int8)" if stats.get("kv_dtype") == "int8" else "")]
     return "\n".join(lines)
 
 

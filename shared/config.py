@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from shared.settings import setting
 
-MODEL, SCHEDULING, SERVER, WIRING, SIMULATOR = (
-    "model", "scheduling and KV cache", "server", "services wiring", "simulator (--backend sim)")
+MODEL, SCHEDULING, QUANTIZATION, SERVER, WIRING, SIMULATOR = (
+    "model", "scheduling and KV cache", "quantization", "server", "services wiring",
+    "simulator (--backend sim)")
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,9 @@ class EngineConfig:
                                 group=SCHEDULING)
     batching: str = setting("merged", "merged (dynamic, merged steps) or static (a baseline)",
                             group=SCHEDULING)
+    kv_cache_dtype: str = setting("auto", "KV cache elements: auto (the model's dtype) or int8 "
+                                  "(groups of 8 with an fp16 scale: 1.25 bytes a value)",
+                                  group=QUANTIZATION)
     sim: SimConfig = setting(default_factory=SimConfig)
 
     def __post_init__(self):
@@ -105,6 +109,9 @@ class EngineConfig:
             raise ValueError(f"--kernels must be auto, triton or reference, not {self.kernels!r}")
         if self.backend not in ("torch", "sim"):
             raise ValueError(f"--backend must be torch or sim, not {self.backend!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"--kv-cache-dtype must be auto or int8, not {self.kv_cache_dtype!r}"
+                             " (fp8 is not implemented yet)")
         if self.default_predicted_len < 1:
             raise ValueError("--default-predicted-len must be at least 1")
 

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from kernels import apply_penalties, set_backend, to_device, token_stats
+from kernels.kv_quant import KV_GROUP
 from services.compute.batch import build_batch
 from services.compute.kv.kv_cache import KVCache
 from services.compute.model.llama import LlamaModel
@@ -39,21 +40,24 @@ class ModelRunner:
         weights = load_weights(config.model, self.dtype, self.device)
         self.model = LlamaModel(model_config, weights, self.device, max_model_len)
         del weights
-        self.capacity = self._kv_capacity(config, model_config)
+        self.int8_kv = config.kv_cache_dtype == "int8"
+        if self.int8_kv and model_config.head_dim % KV_GROUP:
+            raise ValueError(f"--kv-cache-dtype int8 needs head_dim a multiple of {KV_GROUP}")
+        per_token = KVCache.bytes_per_token(model_config.num_layers, model_config.num_kv_heads,
+                                            model_config.head_dim, self.dtype, self.int8_kv)
+        self.capacity = self._kv_capacity(config, per_token)
         self.kv = KVCache(model_config.num_layers, self.capacity, model_config.num_kv_heads,
-                          model_config.head_dim, self.dtype, self.device)
-        kv_bytes = self.capacity * KVCache.bytes_per_token(
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, self.dtype)
+                          model_config.head_dim, self.dtype, self.device, self.int8_kv)
         # what start-up reports (published with the engine stats)
         self.summary = {"device": str(self.device), "dtype": str(self.dtype).removeprefix(
-            "torch."), "kv_gib": round(kv_bytes / 2**30, 3)}
-        log.info("KV cache: %d slots on %s (%s)", self.capacity, self.device, self.dtype)
+            "torch."), "kv_dtype": "int8" if self.int8_kv else "auto",
+            "kv_gib": round(self.capacity * per_token / 2**30, 3)}
+        log.info("KV cache: %d slots on %s (%s)", self.capacity, self.device,
+                 "int8" if self.int8_kv else self.dtype)
 
-    def _kv_capacity(self, config: EngineConfig, mc: ModelConfig) -> int:
+    def _kv_capacity(self, config: EngineConfig, per_token: int) -> int:
         if config.kv_cache_tokens > 0:
             return config.kv_cache_tokens
-        per_token = KVCache.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                            self.dtype)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = total * config.gpu_memory_utilization - torch.cuda.memory_allocated()

@@ -1,25 +1,43 @@
-"""The KV cache tensors: per layer K and V of shape [capacity, n_kv_heads, head_dim]."""
+"""The KV cache tensors: per layer K and V of shape [capacity, n_kv_heads, head_dim], in the
+model's dtype, or INT8 with fp16 scales per group of KV_GROUP values (kernels/kv_quant.py)."""
 
 from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import KV_GROUP
+
 
 class KVCache:
     def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, int8: bool = False):
         shape = (num_layers, capacity, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, capacity, Hkv, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        store = torch.int8 if int8 else dtype
+        self.k = torch.zeros(shape, dtype=store, device=device)  # [L, capacity, Hkv, D]
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        self.k_scale = self.v_scale = None  # INT8: [L, capacity, Hkv, D / KV_GROUP] fp16
+        if int8:
+            scales = (num_layers, capacity, num_kv_heads, head_dim // KV_GROUP)
+            self.k_scale = torch.zeros(scales, dtype=torch.float16, device=device)
+            self.v_scale = torch.zeros(scales, dtype=torch.float16, device=device)
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+                        dtype: torch.dtype, int8: bool = False) -> int:
+        """K and V of one token in every layer (INT8: the values and their scales)."""
+        per_head = head_dim + 2 * (head_dim // KV_GROUP) if int8 else head_dim * dtype.itemsize
+        return 2 * num_layers * num_kv_heads * per_head
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(K scales, V scales) of one layer; (None, None) for a cache in the model's dtype."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
 
     def move(self, src: int, dst: int, n: int) -> None:
         """Copy slots [src, src+n) to [dst, dst+n) in every layer; the ranges may overlap."""
         if n == 0 or src == dst:
             return
-        for cache in (self.k, self.v):
-            cache[:, dst : dst + n] = cache[:, src : src + n].clone()
+        for cache in (self.k, self.v, self.k_scale, self.v_scale):
+            if cache is not None:
+                cache[:, dst : dst + n] = cache[:, src : src + n].clone()

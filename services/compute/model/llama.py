@@ -95,18 +95,22 @@ class LlamaModel:
         qkv = layer.qkv(x)
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                              c.num_kv_heads * c.head_dim], dim=-1)
+        k_scale, v_scale = kv.scales(i)  # None, None unless the cache is INT8
         q, _ = rope_kv_write(q.view(T, c.num_heads, c.head_dim),
                              k.view(T, c.num_kv_heads, c.head_dim),
                              v.view(T, c.num_kv_heads, c.head_dim), batch.positions,
-                             self.rope.cos, self.rope.sin, kv.k[i], kv.v[i], batch.slots)
+                             self.rope.cos, self.rope.sin, kv.k[i], kv.v[i], batch.slots,
+                             k_scale, v_scale)
         out = torch.empty_like(q)  # [T, H, D]
         nd = batch.num_decodes
         if nd:
             out[:nd] = decode_attention(q[:nd], kv.k[i], kv.v[i], batch.decode_starts,
                                         batch.decode_lens, self.scale,
-                                        max_seq_len=batch.max_decode_len)
+                                        max_seq_len=batch.max_decode_len, k_scale=k_scale,
+                                        v_scale=v_scale)
         if T > nd:
             out[nd:] = prefill_attention(q[nd:], kv.k[i], kv.v[i], batch.prefill_cu,
                                          batch.prefill_starts, batch.prefill_lens, self.scale,
-                                         max_q_len=batch.max_chunk_len)
+                                         max_q_len=batch.max_chunk_len, k_scale=k_scale,
+                                         v_scale=v_scale)
         return layer.o(out.view(T, -1))
