@@ -273,18 +273,17 @@ def decode_attention(
     sync (computed with .item() when None). Returns [B, n_heads, head_dim] in q's dtype.
     Triton (flash-decoding) where `kernels.dispatch.use_triton(q)`, else the C++ CPU kernel
     (kernels/cpu/decode_attention.cpp) where it builds, else the PyTorch reference. With
-    k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): the reference runs, on every
-    device for now (no INT8 Triton or C++ twin yet).
+    k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): the C++ kernel reads them on
+    a CPU; elsewhere the reference runs for now (no INT8 Triton twin yet).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if k_scale is not None:
+    if not use_triton(q) and (ext := cpu_extension(q)) is not None:
+        return ext.decode_attention(q, k_cache, v_cache, seq_starts, seq_lens, scale, k_scale,
+                                    v_scale)
+    if not use_triton(q) or k_scale is not None:  # (no INT8 Triton twin yet)
         return decode_attention_reference(q, k_cache, v_cache, seq_starts, seq_lens, scale,
                                           k_scale, v_scale)
-    if not use_triton(q):
-        if (ext := cpu_extension(q)) is not None:
-            return ext.decode_attention(q, k_cache, v_cache, seq_starts, seq_lens, scale)
-        return decode_attention_reference(q, k_cache, v_cache, seq_starts, seq_lens, scale)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1
     return _decode_attention_triton(q, k_cache, v_cache, seq_starts, seq_lens, scale, max_seq_len)

@@ -51,19 +51,24 @@ def load_sharegpt(path: str | Path, tokenizer: Tokenizer | None = None,
     `CHARS_PER_TOKEN` characters per token; both are at least 1. At most `limit` items, in file
     order.
     """
+    return [WorkItem(prompt, max(_count(tokenizer, prompt, True), 1),
+                     max(_count(tokenizer, answer, False), 1))
+            for prompt, answer in sharegpt_pairs(path, limit)]
+
+
+def sharegpt_pairs(path: str | Path, limit: int | None = None) -> list[tuple[str, str]]:
+    """(first human turn, first gpt answer after it) of each ShareGPT conversation that has
+    both (and a non-empty prompt), in file order, at most `limit`."""
     with open(path, encoding="utf-8") as f:
         records = json.load(f)
-    items: list[WorkItem] = []
+    pairs: list[tuple[str, str]] = []
     for record in records:
-        if limit is not None and len(items) >= limit:
+        if limit is not None and len(pairs) >= limit:
             break
         pair = _first_exchange(record.get("conversations") or [])
-        if pair is None:
-            continue
-        prompt, answer = pair
-        items.append(WorkItem(prompt, max(_count(tokenizer, prompt, True), 1),
-                              max(_count(tokenizer, answer, False), 1)))
-    return items
+        if pair is not None:
+            pairs.append(pair)
+    return pairs
 
 
 def synthetic(n: int, seed: int = 0, mean_prompt: int = 256, mean_output: int = 256,

@@ -130,3 +130,24 @@ def test_int8_capacity_at_the_same_memory(engines):
     assert int8_cap / float_cap == pytest.approx(4 / 1.25, rel=0.01)  # fp32 -> 1.25 B a value
     with pytest.raises(ValueError, match="kv-cache-dtype"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def test_cpu_kernel_reads_int8_like_the_reference():
+    """The C++ decode kernel (--kernels auto on a CPU) on INT8 caches, fp32 and bf16 queries."""
+    from kernels import dispatch
+    from kernels.cpu import extension
+
+    if extension() is None:
+        pytest.skip("the C++ CPU kernels do not build here")
+    assert dispatch.cpu_extension(torch.zeros(1)) is not None
+    torch.manual_seed(3)
+    cap, hkv, h, d = 200, 3, 9, 64
+    (kq, vq, ks, vs), (kf, vf) = int8_cache(torch.randn(cap, hkv, d), torch.randn(cap, hkv, d))
+    starts, lens = torch.tensor([5, 150, 0], dtype=torch.int32), torch.tensor(
+        [140, 50, 1], dtype=torch.int32)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(3, h, d).to(dtype)
+        got = decode_attention(q, kq, vq, starts, lens, 0.125, k_scale=ks, v_scale=vs)
+        ref = decode_attention_reference(q.float(), kf, vf, starts, lens, 0.125)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)

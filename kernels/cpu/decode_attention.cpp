@@ -13,18 +13,41 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
 namespace {
 
-template <typename scalar_t>
+constexpr int64_t kGroup = 8;  // INT8 caches: one fp16 scale per 8 values (kernels/kv_quant.py)
+
+// Element d of a K or V head row as float: the value, or the INT8 value times its group's scale.
+template <typename cache_t>
+inline float load(const cache_t* r, const at::Half* s, int64_t d) {
+  if constexpr (std::is_same_v<cache_t, int8_t>) {
+    return static_cast<float>(r[d]) * static_cast<float>(s[d / kGroup]);
+  } else {
+    return static_cast<float>(r[d]);
+  }
+}
+
+// Where the scales of K/V row t, kv head h live (INT8 caches; nullptr otherwise).
+struct Scales {
+  const at::Half* k = nullptr;
+  const at::Half* v = nullptr;
+  int64_t row_stride = 0, head_stride = 0;
+  const at::Half* at(const at::Half* base, int64_t t, int64_t h) const {
+    return base ? base + t * row_stride + h * head_stride : nullptr;
+  }
+};
+
+template <typename scalar_t, typename cache_t>
 // One sequence: q [H, D] (head stride q_sh), K/V rows at k, v (row_stride apart, kv heads
 // head_stride apart), n rows; query head h reads kv head h / group. out [H, D] (head stride o_sh).
-void attend_one(const scalar_t* q, int64_t q_sh, const scalar_t* k, const scalar_t* v,
-                int64_t row_stride, int64_t head_stride, int64_t group, int64_t n, int64_t H,
-                int64_t D, float scale, scalar_t* out, int64_t o_sh, std::vector<float>& qf,
-                std::vector<float>& scores, std::vector<float>& acc) {
+void attend_one(const scalar_t* q, int64_t q_sh, const cache_t* k, const cache_t* v,
+                int64_t row_stride, int64_t head_stride, const Scales& sc, int64_t group,
+                int64_t n, int64_t H, int64_t D, float scale, scalar_t* out, int64_t o_sh,
+                std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
   qf.assign(H * D, 0.f);
   acc.assign(H * D, 0.f);
   scores.resize(H * n);
@@ -32,13 +55,14 @@ void attend_one(const scalar_t* q, int64_t q_sh, const scalar_t* k, const scalar
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[g * q_sh + d]) * scale;
   std::vector<float> mx(H, -std::numeric_limits<float>::infinity()), inv(H);
   for (int64_t t = 0; t < n; ++t) {  // pass 1: q . k for every token, each K row read once
-    const scalar_t* row = k + t * row_stride;
+    const cache_t* row = k + t * row_stride;
     for (int64_t g = 0; g < H; ++g) {
       const float* qg = qf.data() + g * D;
-      const scalar_t* kr = row + (g / group) * head_stride;
+      const cache_t* kr = row + (g / group) * head_stride;
+      const at::Half* ks = sc.at(sc.k, t, g / group);
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(kr[d]);
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(kr, ks, d);
       scores[g * n + t] = dot;
       mx[g] = std::max(mx[g], dot);
     }
@@ -50,56 +74,92 @@ void attend_one(const scalar_t* q, int64_t q_sh, const scalar_t* k, const scalar
     inv[g] = 1.f / sum;
   }
   for (int64_t t = 0; t < n; ++t) {  // pass 2: p . v, each V row read once
-    const scalar_t* row = v + t * row_stride;
+    const cache_t* row = v + t * row_stride;
     for (int64_t g = 0; g < H; ++g) {
-      const scalar_t* vr = row + (g / group) * head_stride;
+      const cache_t* vr = row + (g / group) * head_stride;
+      const at::Half* vs = sc.at(sc.v, t, g / group);
       const float p = scores[g * n + t];
       float* a = acc.data() + g * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += p * static_cast<float>(vr[d]);
+      for (int64_t d = 0; d < D; ++d) a[d] += p * load(vr, vs, d);
     }
   }
   for (int64_t g = 0; g < H; ++g)
     for (int64_t d = 0; d < D; ++d) out[g * o_sh + d] = static_cast<scalar_t>(acc[g * D + d] * inv[g]);
 }
 
+template <typename scalar_t, typename cache_t>
+void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const Scales& sc, const int32_t* st, const int32_t* ln, double scale,
+         torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), group = H / k_cache.size(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const cache_t* kp = k_cache.data_ptr<cache_t>();
+  const cache_t* vp = v_cache.data_ptr<cache_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, acc;  // per-thread scratch
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = st[b];
+      Scales seq = sc;  // this sequence's scales start at its first row
+      if (seq.k) {
+        seq.k += first * sc.row_stride;
+        seq.v += first * sc.row_stride;
+      }
+      attend_one<scalar_t, cache_t>(qp + b * q.stride(0), q.stride(1),
+                                    kp + first * k_cache.stride(0), vp + first * k_cache.stride(0),
+                                    k_cache.stride(0), k_cache.stride(1), seq, group, ln[b], H, D,
+                                    static_cast<float>(scale), op + b * out.stride(0),
+                                    out.stride(1), qf, scores, acc);
+    }
+  });
+}
+
 }  // namespace
 
+// k_scale, v_scale (INT8 caches): fp16 [capacity, Hkv, D / 8], the caches int8.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor seq_starts, torch::Tensor seq_lens, double scale) {
+                               torch::Tensor seq_starts, torch::Tensor seq_lens, double scale,
+                               c10::optional<torch::Tensor> k_scale,
+                               c10::optional<torch::Tensor> v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
               "head_dim must be contiguous");
   TORCH_CHECK(k_cache.strides() == v_cache.strides(), "K and V caches must share a layout");
   TORCH_CHECK(seq_starts.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "seq_starts and seq_lens must be int32");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(H % Hkv == 0 && k_cache.size(2) == D, "head counts or head_dim do not match");
+  const bool int8 = k_scale.has_value();
+  Scales sc;
+  if (int8) {
+    TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_scale.has_value() && D % kGroup == 0,
+                "INT8 caches need int8 values, both scales and head_dim a multiple of 8");
+    const auto& ks = *k_scale;
+    const auto& vs = *v_scale;
+    TORCH_CHECK(ks.scalar_type() == at::kHalf && ks.strides() == vs.strides() &&
+                ks.stride(2) == 1 && ks.size(2) == D / kGroup, "bad INT8 scales");
+    sc = Scales{ks.data_ptr<at::Half>(), vs.data_ptr<at::Half>(), ks.stride(0), ks.stride(1)};
+  }
   auto starts = seq_starts.contiguous(), lens = seq_lens.contiguous();
   auto out = torch::empty_like(q);
   const int32_t* st = starts.data_ptr<int32_t>();
   const int32_t* ln = lens.data_ptr<int32_t>();
-  const int64_t group = H / Hkv;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf, scores, acc;  // per-thread scratch
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t row = static_cast<int64_t>(st[b]) * k_cache.stride(0);
-        attend_one<scalar_t>(qp + b * q.stride(0), q.stride(1), kp + row, vp + row,
-                             k_cache.stride(0), k_cache.stride(1), group, ln[b], H, D,
-                             static_cast<float>(scale), op + b * out.stride(0), out.stride(1),
-                             qf, scores, acc);
-      }
-    });
+    if (int8) {
+      run<scalar_t, int8_t>(q, k_cache, v_cache, sc, st, ln, scale, out);
+    } else {
+      TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "caches must be q's dtype");
+      run<scalar_t, scalar_t>(q, k_cache, v_cache, sc, st, ln, scale, out);
+    }
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over contiguous KV segments");
+  m.def("decode_attention", &decode_attention, "decode attention over contiguous KV segments",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("seq_starts"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
 }

@@ -45,6 +45,7 @@ class ModelRunner:
             raise ValueError(f"--kv-cache-dtype int8 needs head_dim a multiple of {KV_GROUP}")
         per_token = KVCache.bytes_per_token(model_config.num_layers, model_config.num_kv_heads,
                                             model_config.head_dim, self.dtype, self.int8_kv)
+        self.kv_bytes_per_token = per_token
         self.capacity = self._kv_capacity(config, per_token)
         self.kv = KVCache(model_config.num_layers, self.capacity, model_config.num_kv_heads,
                           model_config.head_dim, self.dtype, self.device, self.int8_kv)
