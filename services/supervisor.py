@@ -1,4 +1,4 @@
-"""`pipellm up`: Redis plus the four services as child processes, supervised.
+"""`pipellm serve` (alias `up`): Redis plus the four services as child processes, supervised.
 
 Children get their settings as PIPELLM_* env vars (the one config path), die with the
 supervisor (PR_SET_PDEATHSIG), are restarted when they crash (after 1, 2, 4 ... 60 s while they
@@ -89,7 +89,7 @@ class Child:
 
 
 class Supervisor:
-    """The children of `pipellm up`: the embedded redis-server (when there is one) first, then
+    """The children of `pipellm serve`: the embedded redis-server (when there is one) first, then
     the services; stopped in the reverse order."""
 
     def __init__(self, engine: EngineConfig, svc: ServiceConfig,

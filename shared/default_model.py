@@ -89,4 +89,4 @@ if __name__ == "__main__":
     try:
         print(fetch())
     except ModelUnavailable as exc:
-        print(f"pipellm: {exc}; `pipellm up` will serve the random demo model", file=sys.stderr)
+        print(f"pipellm: {exc}; `pipellm serve` will serve the random demo model", file=sys.stderr)

@@ -11,10 +11,11 @@ import time
 import pytest
 
 from bench.virtual import max_concurrent, simulate, summarize, with_arrivals
+from kernels.kv_quant import KV_GROUP
 from services.cli import main as cli_main
 from services.compute.backend import build_engine
 from services.compute.sim import hardware
-from services.compute.sim.cost import CostModel, fit_decode
+from services.compute.sim.cost import CostModel, fit_decode, kv_dtype_bytes
 from services.compute.sim.hardware import GiB
 from services.compute.sim.runner import token_id
 from shared.config import EngineConfig
@@ -73,8 +74,10 @@ def test_kv_reads_efficiencies_and_overhead():
     assert c.time_s == pytest.approx(c.bytes / 3.35e12)
     real = CostModel("h100", "llama-3-8b", eff_bw=0.5, eff_flops=0.6, overhead_s=1e-3)
     assert real.decode(64, 2048).time_s == pytest.approx(2 * c.time_s + 1e-3)
-    # int8 KV halves the KV bytes; int8 weights halve the decoder-layer weights
+    # fp8 KV halves the KV bytes, int8 (with its fp16 scale per 8 values) takes 1.25 / 2 of
+    # them; int8 weights halve the decoder-layer weights
     assert ideal(kv_dtype_bytes=1).decode(64, 2048).kv_bytes == c.kv_bytes / 2
+    assert kv_dtype_bytes("int8") == 1 + 2 / KV_GROUP  # what the real INT8 cache stores
     w8 = ideal(weight_dtype="int8").decode(1, 1).weight_bytes
     m = hardware.model("llama-3-8b")
     assert w8 == m.linear_params + 2 * (m.small_params + m.lm_head_params + 4096)

@@ -48,7 +48,7 @@ def load_gguf_weights(path, dtype: torch.dtype, device) -> dict[str, torch.Tenso
 
 def check_gguf(path) -> None:
     """Raise ModelLoadError if the file's tensors cannot be loaded (names, types, truncation),
-    without reading them: what `pipellm up` checks before any service starts."""
+    without reading them: what `pipellm serve` checks before any service starts."""
     try:
         _check(path)
     except GGUFError as exc:

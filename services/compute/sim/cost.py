@@ -19,7 +19,8 @@ Bytes (HBM traffic):
   flash-attention kernel re-reads K/V per query tile; prefill is compute-bound anyway).
 - KV written: T tokens. KV moves of the contiguous allocator: 2 x (read + write) per moved token.
 - bytes per token of KV = 2 (K and V) x layers x kv_heads x head_dim x kv_dtype_bytes
-  (bf16 2, int8 / fp8 1; quantization scales are not counted: ~3% for int8 with 64-wide groups).
+  (bf16 2; int8 1.25: the value and an fp16 scale per 8, as the real INT8 cache stores them,
+  kernels/kv_quant.py; fp8 1, a per-tensor scale).
 - Not counted: activations (a few T x hidden tensors per layer, small next to the weights at
   decode batch sizes; absorbed by eff_bw), logits, sampling.
 
@@ -44,13 +45,14 @@ from dataclasses import dataclass
 
 from services.compute.sim.hardware import GiB, GpuSpec, ModelSpec, gpu, model
 
-KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}
+# int8: one byte and a 2-byte scale per 8 values (kernels/kv_quant.KV_GROUP; a test checks it)
+KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "int8": 1.25, "fp8": 1}
 WEIGHT_DTYPE_BYTES = {"bf16": 2.0, "fp16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / 128}
 DEFAULT_EFF_BW, DEFAULT_EFF_FLOPS, DEFAULT_OVERHEAD_S = 0.8, 0.6, 1e-3
 DEFAULT_RESERVE_BYTES = 2 * GiB  # activations, logits, CUDA context (the real runner's headroom)
 
 
-def kv_dtype_bytes(name: str) -> int:
+def kv_dtype_bytes(name: str) -> float:
     try:
         return KV_DTYPE_BYTES[name]
     except KeyError:
