@@ -27,12 +27,13 @@ def test_ablation_quick(capsys):
     assert all(ROW_KEYS <= set(r) and r["simulated"] is True for r in rows)
     assert all(isinstance(r["preemptions_at_paged_qps"], int) for r in rows)
     by = {r["name"]: r for r in rows}
-    # merged steps beat static batching; INT8 KV doubles the slots
+    # merged steps beat static batching; INT8 KV (1.25 bytes a value with its scales) holds
+    # 1.6x the slots of the 16-bit cache
     assert by["merged steps, max-length KV"]["max_output_throughput"] > \
         by["static batching, max-length KV"]["max_output_throughput"]
     int8, fp16 = by["merged, predicted KV (learned), INT8 KV"], \
         by["merged, predicted KV (learned predictor)"]
-    assert int8["kv_capacity"] == 2 * fp16["kv_capacity"]
+    assert int8["kv_capacity"] == pytest.approx(1.6 * fp16["kv_capacity"], rel=1e-4)
 
 
 def test_length_predictor_bench_small(capsys):
