@@ -5,9 +5,11 @@ kernel, launcher, PyTorch reference. The functions exported here choose per call
 
     silu_mul(gate_up)                          [T, 2I] -> [T, I]
     rms_norm(x, w, eps) / add_rms_norm(x, residual, w, eps)
-    rope_kv_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    rope_kv_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots[, k_scale, v_scale])
     decode_attention(q, k_cache, v_cache, starts, lens, scale)       one query per sequence
     prefill_attention(q, k_cache, v_cache, cu, starts, lens, scale)  causal chunks
+    quantize_kv(x) / dequantize_kv(q, scales)  the INT8 KV layout; the three above take
+                                               k_scale=, v_scale= for INT8 caches
     sample(logits, temperature, top_k, top_p, min_p, seeds, steps)   token ids and logprobs
     apply_penalties(...), token_stats(...)
 """
@@ -15,11 +17,12 @@ kernel, launcher, PyTorch reference. The functions exported here choose per call
 from kernels.activation import silu_mul
 from kernels.decode_attention import decode_attention
 from kernels.dispatch import backend, set_backend
+from kernels.kv_quant import dequantize_kv, quantize_kv
 from kernels.prefill_attention import prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rope import rope_kv_write
 from kernels.sampling import apply_penalties, sample, to_device, token_stats
 
-__all__ = ["add_rms_norm", "apply_penalties", "backend", "decode_attention",
-           "prefill_attention", "rms_norm", "rope_kv_write", "sample", "set_backend",
-           "silu_mul", "to_device", "token_stats"]
+__all__ = ["add_rms_norm", "apply_penalties", "backend", "decode_attention", "dequantize_kv",
+           "prefill_attention", "quantize_kv", "rms_norm", "rope_kv_write", "sample",
+           "set_backend", "silu_mul", "to_device", "token_stats"]
