@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import cpu_extension, use_triton
-from kernels.kv_quant import kv_rows
+from kernels.kv_quant import KV_GROUP, kv_rows
 
 _BLOCK_N = 64  # KV rows per inner-loop chunk
 _MIN_SPLIT_TOKENS = 256  # a split covers at least this many tokens of the longest sequence
@@ -71,13 +71,14 @@ def _pv(p, v, USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, starts_ptr, lens_ptr,  # q [B, H, D]; k, v [capacity, Hkv, D]; [B] x2
     out_ptr, part_o_ptr, part_lse_ptr,  # out [B, H, D]; part_o [B, H, S, D]; part_lse [B, H, S]
+    ks_ptr, vs_ptr,  # KV_INT8: fp16 scales [capacity, Hkv, D / KV_GROUP] (K's and V's layout)
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
+    stride_st, stride_sh,  # KV_INT8: the scales' row and head strides
     qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr,
-    KV_INT8: tl.constexpr,  # placeholder: int8 K/V with per-group scales (dequant after load)
+    KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,  # int8 K/V, one scale per KV_GROUP values
 ):
-    tl.static_assert(not KV_INT8, "int8 KV cache is not implemented yet")
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
     start = tl.load(starts_ptr + b).to(tl.int64)
@@ -95,6 +96,7 @@ def _decode_split_kernel(
                 mask=h_mask[:, None], other=0.0)  # [BLOCK_H, D]
     k_base = k_ptr + kvh * stride_kh + offs_d[None, :]  # [1, D]
     v_base = v_ptr + kvh * stride_vh + offs_d[None, :]
+    s_off = kvh * stride_sh + (offs_d // KV_GROUP)[None, :]  # [1, D]: each value's scale
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2
@@ -105,6 +107,12 @@ def _decode_split_kernel(
         rows = start + t  # [BLOCK_N] int64 cache slots
         k = tl.load(k_base + rows[:, None] * stride_kt, mask=t_mask[:, None], other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vt, mask=t_mask[:, None], other=0.0)
+        if KV_INT8:  # dequantize in registers: int8 x its group's fp16 scale, in q's dtype
+            s_ptrs = rows[:, None] * stride_st + s_off  # [BLOCK_N, D]
+            k_sc = tl.load(ks_ptr + s_ptrs, mask=t_mask[:, None], other=0.0).to(tl.float32)
+            v_sc = tl.load(vs_ptr + s_ptrs, mask=t_mask[:, None], other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * k_sc).to(q.dtype)
+            v = (v.to(tl.float32) * v_sc).to(q.dtype)
         s = _qk(q, k, USE_DOT, UPCAST_DOT) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every chunk has a valid token
@@ -190,8 +198,13 @@ def _decode_attention_triton(
     scale: float,
     max_seq_len: int,
     num_splits: int | None = None,  # None: `_num_splits` heuristic
+    k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, H, D], q.dtype
     _check_inputs(q, k_cache, v_cache, seq_starts, seq_lens)
+    int8 = k_scale is not None
+    if int8 and (k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1):
+        raise ValueError("decode_attention: K and V scales need one layout, contiguous last dim")
     batch, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[1]
     group = n_heads // n_kv_heads
@@ -207,14 +220,15 @@ def _decode_attention_triton(
         part_o = torch.empty((batch, n_heads, num_splits, head_dim), dtype=torch.float32,
                              device=q.device)
         part_lse = torch.empty((batch, n_heads, num_splits), dtype=torch.float32, device=q.device)
+    scales = (k_scale, v_scale) if int8 else (out, out)  # placeholders without INT8
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_starts, seq_lens, out, part_o, part_lse,
+        q, k_cache, v_cache, seq_starts, seq_lens, out, part_o, part_lse, *scales,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        scale * math.log2(math.e),
+        scales[0].stride(0), scales[0].stride(1), scale * math.log2(math.e),
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N, USE_DOT=use_dot,
         UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16, DIRECT=num_splits == 1,
-        KV_INT8=False, num_warps=4, num_stages=2,
+        KV_INT8=int8, KV_GROUP=KV_GROUP, num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, n_heads)](
@@ -273,17 +287,18 @@ def decode_attention(
     sync (computed with .item() when None). Returns [B, n_heads, head_dim] in q's dtype.
     Triton (flash-decoding) where `kernels.dispatch.use_triton(q)`, else the C++ CPU kernel
     (kernels/cpu/decode_attention.cpp) where it builds, else the PyTorch reference. With
-    k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): the C++ kernel reads them on
-    a CPU; elsewhere the reference runs for now (no INT8 Triton twin yet).
+    k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): every path reads them,
+    dequantizing in registers (Triton, C++) or one sequence's rows (the reference).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not use_triton(q) and (ext := cpu_extension(q)) is not None:
         return ext.decode_attention(q, k_cache, v_cache, seq_starts, seq_lens, scale, k_scale,
                                     v_scale)
-    if not use_triton(q) or k_scale is not None:  # (no INT8 Triton twin yet)
+    if not use_triton(q):
         return decode_attention_reference(q, k_cache, v_cache, seq_starts, seq_lens, scale,
                                           k_scale, v_scale)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1
-    return _decode_attention_triton(q, k_cache, v_cache, seq_starts, seq_lens, scale, max_seq_len)
+    return _decode_attention_triton(q, k_cache, v_cache, seq_starts, seq_lens, scale, max_seq_len,
+                                    k_scale=k_scale, v_scale=v_scale)

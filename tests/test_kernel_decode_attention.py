@@ -16,6 +16,7 @@ from kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
 )
+from kernels.kv_quant import dequantize_kv, quantize_kv
 
 # the module (the package exports its public function under the same name)
 da = importlib.import_module("kernels.decode_attention")
@@ -89,6 +90,20 @@ def test_triton_matches_reference(group, head_dim, splits):
     q, k, v, starts, lens = make_case([1, 37, 300], N_HEADS // group, head_dim, seed=group)
     out = _decode_attention_triton(q, k, v, starts, lens, head_dim**-0.5, 300, num_splits=splits)
     check(q, k, v, starts, lens, out)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("group,dtype", [(1, torch.float32), (4, torch.float32),
+                                         (4, torch.bfloat16)])
+def test_triton_reads_int8_kv_like_the_reference(group, dtype, splits):
+    """INT8 caches (kernels/kv_quant.py), dequantized in registers: the kernel against the
+    reference on the dequantized cache."""
+    q, k, v, starts, lens = make_case([1, 37, 300], N_HEADS // group, 64, seed=7 + group)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    out = _decode_attention_triton(q.to(dtype), kq, vq, starts, lens, 0.125, 300,
+                                   num_splits=splits, k_scale=ks, v_scale=vs)
+    check(q.to(dtype), dequantize_kv(kq, ks), dequantize_kv(vq, vs), starts, lens, out,
+          scale=0.125)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
