@@ -14,6 +14,9 @@ tile's diagonal crosses are masked; blocks above it are never loaded. Static con
 (no autotuning: deterministic, and fast under the interpreter). fp32 inputs use tl.dot's "tf32x3"
 (about fp32 accuracy on tensor cores; "ieee" compiles to a register-spilling FMA loop on sm_90).
 
+INT8 caches (KV_INT8): K/V int8 with an fp16 scale per KV_GROUP values, dequantized in
+registers after the load.
+
 On a CPU, `_prefill_attention_cpu`: per sequence and KV head, the group of query heads that
 share it as one plain GEMM against K (no K/V copy for GQA), an additive causal mask, softmax and
 one GEMM with V; about 2x the masked SDPA of the reference on the CPU (whose GQA/mask path falls
@@ -28,21 +31,24 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import cpu_fast_path, use_triton
-from kernels.kv_quant import kv_rows
+from kernels.kv_quant import KV_GROUP, kv_rows
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _attn_blocks(
-    acc, l_i, m_i, q, pos_m, k_base, v_base, lo, hi, stride_kt, stride_vt, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, lo, hi, stride_kt, stride_vt,
+    stride_st, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    PRECISION: tl.constexpr, KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,
 ):
     """Online-softmax update over keys [lo, hi) of one sequence (MASKED: also mask causally).
 
     acc [BM, D] fp32, l_i/m_i [BM] fp32 (running max in log2 units), q [BM, D],
     pos_m [BM] query positions, k_base/v_base scalar pointers to key 0 of the segment and head,
     qk_scale = scale * log2(e) (so exp2 of scaled scores is exp of the true logits).
+    KV_INT8: K/V are int8, ks_base/vs_base point at key 0's fp16 scales (one per KV_GROUP
+    values, stride_st apart): dequantized in registers to q's dtype.
     """
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
     for start_n in range(lo, hi, BLOCK_N):
@@ -50,12 +56,22 @@ def _attn_blocks(
         offs_n = start_n + tl.arange(0, BLOCK_N)  # [BN] key positions
         k_ptrs = k_base + offs_n[:, None] * stride_kt + offs_d[None, :]  # [BN, D]
         v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]  # [BN, D]
+        s_off = offs_n[:, None] * stride_st + (offs_d // KV_GROUP)[None, :]  # [BN, D]
         if MASKED:
             k = tl.load(k_ptrs, mask=(offs_n < hi)[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=(offs_n < hi)[:, None], other=0.0)
+            if KV_INT8:
+                k_sc = tl.load(ks_base + s_off, mask=(offs_n < hi)[:, None], other=0.0)
+                v_sc = tl.load(vs_base + s_off, mask=(offs_n < hi)[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+            if KV_INT8:
+                k_sc = tl.load(ks_base + s_off)
+                v_sc = tl.load(vs_base + s_off)
+        if KV_INT8:
+            k = (k.to(tl.float32) * k_sc.to(tl.float32)).to(q.dtype)
+            v = (v.to(tl.float32) * v_sc.to(tl.float32)).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
         if MASKED:
             causal = offs_n[None, :] <= pos_m[:, None]  # [BM, BN]
@@ -71,10 +87,11 @@ def _attn_blocks(
 
 @triton.jit
 def _prefill_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, starts_ptr, ctx_ptr, qk_scale,
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, starts_ptr, ctx_ptr, ks_ptr, vs_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_st, stride_sh,  # KV_INT8: the scales' [capacity, Hkv, D / KV_GROUP] strides
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,
 ):
     """Grid (cdiv(max_q_len, BLOCK_M), S, n_heads): one BLOCK_M query tile of one seq and head."""
     seq = tl.program_id(1)
@@ -98,6 +115,8 @@ def _prefill_attention_kernel(
     kv_head = head // GROUP
     k_base = k_ptr + kv_start * stride_kt + kv_head * stride_kh  # scalar: key 0 of the segment
     v_base = v_ptr + kv_start * stride_vt + kv_head * stride_vh
+    ks_base = ks_ptr + kv_start * stride_st + kv_head * stride_sh  # (placeholders unless INT8)
+    vs_base = vs_ptr + kv_start * stride_st + kv_head * stride_sh
 
     pos_m = prefix + offs_m  # [BM] absolute query positions
     hi = prefix + tl.minimum(start_m + BLOCK_M, q_len)  # the tile's last query sees keys [0, hi)
@@ -107,12 +126,12 @@ def _prefill_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     acc, l_i, m_i = _attn_blocks(  # blocks entirely below the diagonal: no mask
-        acc, l_i, m_i, q, pos_m, k_base, v_base, 0, full_end, stride_kt, stride_vt, qk_scale,
-        HEAD_DIM, BLOCK_N, False, PRECISION,
+        acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, 0, full_end, stride_kt,
+        stride_vt, stride_st, qk_scale, HEAD_DIM, BLOCK_N, False, PRECISION, KV_INT8, KV_GROUP,
     )
     acc, l_i, m_i = _attn_blocks(  # blocks the tile's diagonal crosses: causal mask
-        acc, l_i, m_i, q, pos_m, k_base, v_base, full_end, hi, stride_kt, stride_vt, qk_scale,
-        HEAD_DIM, BLOCK_N, True, PRECISION,
+        acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, full_end, hi, stride_kt,
+        stride_vt, stride_st, qk_scale, HEAD_DIM, BLOCK_N, True, PRECISION, KV_INT8, KV_GROUP,
     )
 
     out = acc / l_i[:, None]  # [BM, D]
@@ -142,6 +161,8 @@ def _prefill_attention_triton(
     max_q_len: int,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Launch the kernel; block_m / block_n override the static config (tests use small ones)."""
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -160,15 +181,19 @@ def _prefill_attention_triton(
     bm, bn, warps, stages = _config(head_dim, q.dtype)
     bm, bn = block_m or bm, block_n or bn
     grid = (triton.cdiv(max_q_len, bm), n_seqs, n_heads)
+    int8 = k_scale is not None
+    assert not int8 or (k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1)
+    scales = (k_scale, v_scale) if int8 else (out, out)  # placeholders without INT8
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out,
         cu_q_lens.to(torch.int32), seq_starts.to(torch.int32), ctx_lens.to(torch.int32),
-        scale * _LOG2E,
+        *scales, scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        scales[0].stride(0), scales[0].stride(1),
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",  # tl.dot default for 16-bit
-        num_warps=warps, num_stages=stages,
+        KV_INT8=int8, KV_GROUP=KV_GROUP, num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -244,18 +269,18 @@ def prefill_attention(
     [capacity, Hkv, D]; cu_q_lens [S+1], seq_starts [S], ctx_lens [S] int32 on q's device
     (ctx_lens include the new tokens). Returns [T, H, D] in q's dtype; scale defaults to D**-0.5.
     max_q_len: optional host-side max of the q lengths (sizes the grid without a device sync).
-    With k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): the GEMM path runs, on
-    every device for now (no INT8 Triton twin yet).
+    With k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): Triton dequantizes in
+    registers; off Triton the GEMM path dequantizes one sequence's rows at a time.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if k_scale is not None:
-        return _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
-                                      scale, k_scale, v_scale)
     if not use_triton(q):
-        fn = _prefill_attention_cpu if cpu_fast_path(q) else prefill_attention_reference
-        return fn(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale)
+        if k_scale is not None or cpu_fast_path(q):
+            return _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
+                                          scale, k_scale, v_scale)
+        return prefill_attention_reference(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
+                                           scale)
     if max_q_len is None:
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max().item()) if len(cu_q_lens) > 1 else 0
     return _prefill_attention_triton(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale,
-                                     max_q_len)
+                                     max_q_len, k_scale=k_scale, v_scale=v_scale)

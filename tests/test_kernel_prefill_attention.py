@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import dispatch
+from kernels.kv_quant import dequantize_kv, quantize_kv
 from kernels.prefill_attention import (
     _prefill_attention_triton,
     prefill_attention,
@@ -195,6 +196,21 @@ def test_public_function_dispatch(triton_backend):
     dispatch.set_backend("reference")
     ref = prefill_attention(q, k, v, cu, starts, ctx)
     torch.testing.assert_close(ref.double(), exp, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_reads_int8_kv_like_the_reference(n_heads, n_kv_heads, dtype):
+    """INT8 caches (kernels/kv_quant.py) dequantized in registers, masked and unmasked blocks:
+    the kernel against the reference on the dequantized cache."""
+    q, k, v, cu, starts, ctx = make_batch(Q_LENS, PREFIXES, n_heads, n_kv_heads, 64, dtype)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    out = _prefill_attention_triton(q, kq, vq, cu, starts, ctx, 0.1, 70, 16, 16,
+                                    k_scale=ks, v_scale=vs)
+    ref = prefill_attention_reference(q.float(), dequantize_kv(kq, ks), dequantize_kv(vq, vs),
+                                      cu, starts, ctx, 0.1)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 def test_rejects_bad_head_dim():
