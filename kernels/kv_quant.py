@@ -20,13 +20,15 @@ KV_GROUP = 8
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [N, Hkv, D] (D a multiple of KV_GROUP) -> (int8 [N, Hkv, D], fp16 scales
     [N, Hkv, D // KV_GROUP]). Each group's scale is its max |value| / 127, rounded to fp16
-    first, so that dequantizing with the stored scale is what was quantized against."""
+    first, so that dequantizing with the stored scale is what was quantized against; values
+    round half away from zero (what the Triton write does too)."""
     n, h, d = x.shape
     groups = x.float().view(n, h, d // KV_GROUP, KV_GROUP)
     scale = (groups.abs().amax(-1) / 127.0).half()  # [N, Hkv, D / G]
     s = scale.float()[..., None]
     q = torch.where(s > 0, groups / torch.where(s > 0, s, 1.0), 0.0)
-    return q.round_().clamp_(-127, 127).to(torch.int8).view(n, h, d), scale
+    q = q.sign() * (q.abs() + 0.5).floor()  # round half away from zero
+    return q.clamp_(-127, 127).to(torch.int8).view(n, h, d), scale
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import use_triton
-from kernels.kv_quant import quantize_kv
+from kernels.kv_quant import KV_GROUP, quantize_kv
 
 
 @triton.jit
@@ -65,18 +65,54 @@ def _rope_q_block(q_row, sq_h, qo_row, hb, H, d, d_ok, c, s, HALF: tl.constexpr,
 
 
 @triton.jit
-def _rope_kv_block(k_row, sk_h, v_row, sv_h, ko_row, kc_row, skc_h, vc_row, svc_h, hb, HKV,
-                   d, d_ok, c, s, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate k heads of block hb of one token into k_rot and its cache slot; copy v there."""
+def _store_int8_half(dst, stride_h, s_dst, s_stride_h, heads, h_ok, d, mask, x, first_group,
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     KV_GROUP: tl.constexpr):
+    """Quantize half rows x [BH, BD] in groups of KV_GROUP (kernels/kv_quant.py: fp16 scale
+    = max |x| / 127, value = round(x / scale)); store the int8 values at `dst` and the scales
+    at `s_dst` from group `first_group` on."""
+    xf = x.to(tl.float32)
+    groups = tl.reshape(tl.abs(xf), (BLOCK_H, BLOCK_D // KV_GROUP, KV_GROUP))
+    scale = (tl.max(groups, axis=2) / 127.0).to(tl.float16)  # [BH, BD / G]
+    sf = scale.to(tl.float32)
+    per_value = tl.reshape(tl.broadcast_to(sf[:, :, None], (BLOCK_H, BLOCK_D // KV_GROUP,
+                                                             KV_GROUP)), (BLOCK_H, BLOCK_D))
+    q = xf / tl.where(per_value > 0, per_value, 1.0)
+    q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(-q + 0.5))  # round half away from 0
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+    tl.store(dst + heads[:, None] * stride_h + d[None, :], q, mask=mask)
+    g = tl.arange(0, BLOCK_D // KV_GROUP)  # [BD / G] groups of this half
+    g_mask = h_ok[:, None] & (g < HALF // KV_GROUP)[None, :]
+    tl.store(s_dst + heads[:, None] * s_stride_h + (first_group + g)[None, :], scale,
+             mask=g_mask)
+
+
+@triton.jit
+def _rope_kv_block(k_row, sk_h, v_row, sv_h, ko_row, kc_row, skc_h, vc_row, svc_h, ks_row,
+                   vs_row, ss_h, hb, HKV, d, d_ok, c, s, HALF: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_INT8: tl.constexpr,
+                   KV_GROUP: tl.constexpr):
+    """Rotate k heads of block hb of one token into k_rot and its cache slot; copy v there
+    (KV_INT8: quantized, with their scales at ks_row, vs_row)."""
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
-    mask = (heads < HKV)[:, None] & d_ok[None, :]  # [BH, BD]
+    h_ok = heads < HKV
+    mask = h_ok[:, None] & d_ok[None, :]  # [BH, BD]
     o1, o2 = _rotate(k_row, sk_h, heads, d, mask, c, s, HALF)
     _store_halves(ko_row, 2 * HALF, heads, d, mask, o1, o2, HALF)
-    _store_halves(kc_row, skc_h, heads, d, mask, o1, o2, HALF)
     v_ptrs = v_row + heads[:, None] * sv_h + d[None, :]  # [BH, BD]
     v1 = tl.load(v_ptrs, mask=mask)
     v2 = tl.load(v_ptrs + HALF, mask=mask)
-    _store_halves(vc_row, svc_h, heads, d, mask, v1, v2, HALF)
+    if KV_INT8:
+        half_groups = HALF // KV_GROUP
+        for dst, stride, s_dst, x, first in ((kc_row, skc_h, ks_row, o1, 0),
+                                             (kc_row + HALF, skc_h, ks_row, o2, half_groups),
+                                             (vc_row, svc_h, vs_row, v1, 0),
+                                             (vc_row + HALF, svc_h, vs_row, v2, half_groups)):
+            _store_int8_half(dst, stride, s_dst, ss_h, heads, h_ok, d, mask, x, first,
+                             HALF, BLOCK_H, BLOCK_D, KV_GROUP)
+    else:
+        _store_halves(kc_row, skc_h, heads, d, mask, o1, o2, HALF)
+        _store_halves(vc_row, svc_h, heads, d, mask, v1, v2, HALF)
 
 
 @triton.jit
@@ -86,10 +122,12 @@ def _rope_kv_kernel(
     cos_ptr, sin_ptr,  # [max_pos, D // 2] float32 (rows contiguous)
     kc_ptr, vc_ptr,  # [capacity, Hkv, D] caches (head dim contiguous)
     qo_ptr, ko_ptr,  # [T, H, D], [T, Hkv, D] outputs (contiguous)
+    ks_ptr, vs_ptr,  # KV_INT8: [capacity, Hkv, D / KV_GROUP] fp16 scales (one layout)
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,  # strides (elements) over tokens and heads
-    skc_t, skc_h, svc_t, svc_h, s_cos,
+    skc_t, skc_h, svc_t, svc_h, s_cos, ss_t, ss_h,
     H, HKV,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,
 ):
     # grid (T, cdiv(H, BLOCK_HQ) + cdiv(HKV, BLOCK_HKV)): first the q head blocks, then k/v.
     t = tl.program_id(0).to(tl.int64)
@@ -107,8 +145,9 @@ def _rope_kv_kernel(
         slot = tl.load(slot_ptr + t).to(tl.int64)
         _rope_kv_block(k_ptr + t * sk_t, sk_h, v_ptr + t * sv_t, sv_h,
                        ko_ptr + t * HKV * 2 * HALF, kc_ptr + slot * skc_t, skc_h,
-                       vc_ptr + slot * svc_t, svc_h, hb - n_qb, HKV, d, d_ok, c, s,
-                       HALF, BLOCK_HKV)
+                       vc_ptr + slot * svc_t, svc_h, ks_ptr + slot * ss_t, vs_ptr + slot * ss_t,
+                       ss_h, hb - n_qb, HKV, d, d_ok, c, s, HALF, BLOCK_HKV, BLOCK_D, KV_INT8,
+                       KV_GROUP)
 
 
 def _check(q, k, v, cos, k_cache, v_cache) -> None:
@@ -119,15 +158,22 @@ def _check(q, k, v, cos, k_cache, v_cache) -> None:
     caches_ok = k_cache.shape[1:] == k.shape[1:] and v_cache.shape == k_cache.shape
     if cos.shape[-1] != D // 2 or not caches_ok:
         raise ValueError("cos/sin must be [max_pos, D // 2] and caches [capacity, Hkv, D]")
-    if not (q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError("q, k, v and the caches must share a dtype")
+    if not (q.dtype == k.dtype == v.dtype) or k_cache.dtype != v_cache.dtype or (
+            k_cache.dtype not in (q.dtype, torch.int8)):
+        raise ValueError("q, k, v and the caches must share a dtype (or the caches be int8)")
     if any(t.stride(-1) != 1 for t in (q, k, v, cos, k_cache, v_cache)):
         raise ValueError("the last dim of q, k, v, cos/sin and the caches must be contiguous")
 
 
-def rope_kv_write_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots):
+def rope_kv_write_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots, k_scale=None,
+                         v_scale=None):
     """Triton implementation of `rope_kv_write` (same arguments and result)."""
     _check(q, k, v, cos, k_cache, v_cache)
+    int8 = k_scale is not None
+    if int8 and (k_cache.dtype != torch.int8 or k_scale.stride() != v_scale.stride()
+                 or k_scale.stride(-1) != 1 or (q.shape[-1] // 2) % KV_GROUP):
+        raise ValueError("INT8 caches: int8 values, scales of one layout, head_dim / 2 a "
+                         f"multiple of {KV_GROUP}")
     if sin.shape != cos.shape or sin.stride() != cos.stride():
         raise ValueError("sin must have cos's shape and strides")
     T, H, D = q.shape
@@ -141,12 +187,14 @@ def rope_kv_write_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots):
     bhq = min(triton.next_power_of_2(H), cap)
     bhkv = min(triton.next_power_of_2(hkv), cap)
     grid = (T, triton.cdiv(H, bhq) + triton.cdiv(hkv, bhkv))
+    scales = (k_scale, v_scale) if int8 else (k_rot, k_rot)  # placeholders without INT8
     _rope_kv_kernel[grid](
-        q, k, v, positions, slots, cos, sin, k_cache, v_cache, q_rot, k_rot,
+        q, k, v, positions, slots, cos, sin, k_cache, v_cache, q_rot, k_rot, *scales,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        cos.stride(0), H, hkv,
-        HALF=D // 2, BLOCK_D=block_d, BLOCK_HQ=bhq, BLOCK_HKV=bhkv, num_warps=4,
+        cos.stride(0), scales[0].stride(0), scales[0].stride(1), H, hkv,
+        HALF=D // 2, BLOCK_D=block_d, BLOCK_HQ=bhq, BLOCK_HKV=bhkv, KV_INT8=int8,
+        KV_GROUP=KV_GROUP, num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the reference's exact fp32 roundings
     )
     return q_rot, k_rot
@@ -193,11 +241,7 @@ def rope_kv_write(
 
     q, k, v may be strided views (last dim contiguous); the outputs are new contiguous tensors.
     With scales, the caches are INT8 (kernels/kv_quant.py) and the rows are quantized as they
-    are written (by the PyTorch path on every device, for now: no fused Triton twin yet).
+    are written (in the Triton kernel, fused).
     """
-    if k_scale is not None:
-        return rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots,
-                                 k_scale, v_scale)
-    if use_triton(q):
-        return rope_kv_write_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
-    return rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    fn = rope_kv_write_triton if use_triton(q) else rope_kv_write_ref
+    return fn(q, k, v, positions, cos, sin, k_cache, v_cache, slots, k_scale, v_scale)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels import dispatch
+from kernels.kv_quant import KV_GROUP
 from kernels.rope import rope_kv_write, rope_kv_write_ref, rope_kv_write_triton
 from services.compute.model.rope import RotaryEmbedding, inv_frequencies
 
@@ -144,3 +145,30 @@ def test_gpu_large(dtype, T, H, hkv, D):
         assert ((k_rot.float() - rk.float()).abs() <= _half_bound(args["k"])).all()
     assert torch.equal(kc[args["slots"]], k_rot)
     assert torch.equal(vc, rvc)
+
+
+@pytest.mark.parametrize("T,H,hkv,D", [(5, 4, 2, 64), (3, 6, 3, 32), (2, 8, 1, 128)])
+def test_int8_write_matches_the_reference(T, H, hkv, D):
+    """INT8 caches: the Triton kernel quantizes the rows it writes (fused) as the reference
+    does: the same scales, values at most one step apart (a division's last bit), only the
+    written slots touched."""
+    args, _ = _case(T, H, hkv, D, torch.float32, seed=D)
+    cap = args["k_cache"].shape[0]
+    out = {}
+    for name, fn in (("triton", rope_kv_write_triton), ("ref", rope_kv_write_ref)):
+        caches = [torch.zeros(cap, hkv, D, dtype=torch.int8) for _ in range(2)]
+        scales = [torch.zeros(cap, hkv, D // KV_GROUP, dtype=torch.float16) for _ in range(2)]
+        q_rot, k_rot = fn(**dict(args, k_cache=caches[0], v_cache=caches[1]), k_scale=scales[0],
+                          v_scale=scales[1])
+        out[name] = (q_rot, k_rot, *caches, *scales)
+    got, want = out["triton"], out["ref"]
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    for g, w in zip(got[2:4], want[2:4], strict=True):
+        assert (g.int() - w.int()).abs().max() <= 1
+    for g, w in zip(got[4:], want[4:], strict=True):
+        assert torch.equal(g, w)
+    untouched = torch.ones(cap, dtype=torch.bool)
+    untouched[args["slots"]] = False
+    assert got[2][untouched].eq(0).all() and got[4][untouched].eq(0).all()
+    assert got[2][args["slots"]].ne(0).any()
