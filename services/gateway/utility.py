@@ -16,8 +16,9 @@ from importlib import metadata
 
 from aiohttp import web
 
+from services.gateway.chat_messages import parse_messages
 from services.gateway.errors import bad_request
-from services.gateway.protocol import check_model, parse_messages
+from services.gateway.protocol import check_model
 from services.gateway.validation import (
     check_prompt_bytes,
     get_bool,

@@ -1,0 +1,75 @@
+"""Chat messages of a request, validated: roles system, user, assistant; content a string or
+text parts; the OpenAI fields we do not implement accepted only with the values that ask for
+nothing (what clients echo back), anything else a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.gateway.errors import bad_request
+from services.gateway.validation import json_type, same
+
+_ROLES = ("system", "user", "assistant")
+_OTHER_ROLES = ("developer", "tool", "function")  # OpenAI roles we do not implement
+# Message fields we do not implement; null (or an empty list) is what clients echo back.
+_MESSAGE_NEUTRAL: dict[str, tuple] = {"tool_calls": ([],), "tool_call_id": (), "function_call": (),
+                                      "audio": (), "refusal": (), "annotations": ([],)}
+
+
+def parse_messages(messages: Any) -> tuple[dict, ...]:
+    """Validated chat messages as ({"role", "content": str[, "name"]}, ...)."""
+    if messages is None:
+        raise bad_request("messages is required", "messages")
+    if not isinstance(messages, list):
+        raise bad_request(f"messages must be an array, got {json_type(messages)}", "messages")
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    return tuple(_parse_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+
+
+def _parse_message(message: Any, where: str) -> dict:
+    if not isinstance(message, dict):
+        raise bad_request(f"{where} must be an object, got {json_type(message)}", where)
+    for key, value in message.items():
+        if key in ("role", "content", "name"):
+            continue
+        if key not in _MESSAGE_NEUTRAL:
+            raise bad_request(f"Unrecognized argument in {where}: {key}"[:300], f"{where}.{key}")
+        if value is not None and not any(same(value, ok) for ok in _MESSAGE_NEUTRAL[key]):
+            raise bad_request(f"`{key}` in messages is not supported", f"{where}.{key}")
+    role = message.get("role")
+    if role is None:
+        raise bad_request(f"{where} is missing `role`", f"{where}.role")
+    if role not in _ROLES:
+        what = f"`{role}` messages are not supported" if role in _OTHER_ROLES else (
+            f"unknown role {str(role)[:50]!r}; expected one of system, user, assistant")
+        raise bad_request(what, f"{where}.role")
+    out = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise bad_request(f"{where}.name must be a string", f"{where}.name")
+        out["name"] = name
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    """A string, or a list of {"type": "text", "text": str} parts joined with newlines."""
+    if content is None:
+        raise bad_request(f"{where} is required", where)
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or an array of content parts, "
+                          f"got {json_type(content)}", where)
+    texts = []
+    for i, part in enumerate(content):
+        at = f"{where}[{i}]"
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad_request(f"{at} must be an object with a string `type`", at)
+        if part["type"] != "text":
+            raise bad_request(f"content part type `{part['type'][:50]}` is not supported", at)
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise bad_request(f"{at} must be {{\"type\": \"text\", \"text\": string}}", at)
+        texts.append(part["text"])
+    return "\n".join(texts)
