@@ -23,8 +23,9 @@ from services.detokenizer.incremental import IncrementalDetokenizer
 from services.detokenizer.stop import StopMatcher
 from services.gateway import protocol, responses
 from services.gateway.errors import APIError
+from services.gateway.inflight import ChoiceState
+from services.gateway.stream import final_answer
 from services.tokenizer.service import PromptError, Tokenizer
-from shared import state
 from shared.messages import GenerateRequest
 from shared.sampling import InvalidParams
 from shared.tokenizer import decode
@@ -35,15 +36,11 @@ URLS = {"/v1/completions": protocol.parse_completion,
 
 @dataclass
 class Choice:
-    """One generated choice: its streaming decoders and what it produced."""
+    """One generated choice: what it produced, as the gateway keeps it, and its decoders."""
 
+    state: ChoiceState
     detok: IncrementalDetokenizer
     stop: StopMatcher
-    text: list[str] = field(default_factory=list)
-    tokens: int = 0
-    cum_logprob: float = 0.0
-    logprobs: list[responses.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -54,8 +51,7 @@ class Item:
     request_id: str
     req: protocol.GenerationRequest | None = None
     error: APIError | None = None
-    num_prompt: int = 0
-    choices: dict[str, Choice] = field(default_factory=dict)  # choice id -> its state
+    choices: dict[str, Choice] = field(default_factory=dict)  # choice id, in index order
 
 
 class BatchRunner:
@@ -101,8 +97,8 @@ class BatchRunner:
 
     def _add(self, item: Item, g: GenerateRequest) -> None:
         self.engine.add_request(list(g.prompt_ids), g.params, g.request_id)
-        item.num_prompt = g.route.num_prompt
-        c = Choice(IncrementalDetokenizer(self.tokenizer.tok, list(g.route.prompt_tail)),
+        state = ChoiceState(len(item.choices), num_prompt=g.route.num_prompt)
+        c = Choice(state, IncrementalDetokenizer(self.tokenizer.tok, list(g.route.prompt_tail)),
                    StopMatcher(g.route.stop))
         item.choices[g.request_id] = c
         self.live[g.request_id] = (item, c)
@@ -117,20 +113,21 @@ class BatchRunner:
 
     def _token(self, e) -> None:
         item, c = self.live[e.request_id]
-        c.tokens += 1
-        c.cum_logprob += e.logprob
+        s = c.state
+        s.token_ids.append(e.token_id)
+        s.cum_logprob += e.logprob
         if item.req.logprobs:
             text = self._token_text
             top = [(text(i), v) for i, v in zip(*e.top, strict=True)] if e.top else []
-            c.logprobs.append(responses.TokenLogprob(text(e.token_id), e.logprob, top))
+            s.logprobs.append(responses.TokenLogprob(text(e.token_id), e.logprob, top))
         out, stopped = c.stop.feed(c.detok.add([e.token_id]))
-        c.text.append(out)
+        s.text.append(out)
         if stopped or e.finish_reason is not None:
             if stopped:
                 self.engine.abort(e.request_id)
             else:
-                c.text.append(c.stop.flush())
-            c.finish_reason = "stop" if stopped else e.finish_reason
+                s.text.append(c.stop.flush())
+            s.finish_reason = "stop" if stopped else e.finish_reason
             del self.live[e.request_id]
 
     def _token_text(self, token_id: int) -> str:
@@ -147,18 +144,10 @@ class BatchRunner:
                              "body": body}, "error": None}
 
     def _body(self, item: Item) -> dict:
-        req = item.req
-        ranked = sorted(item.choices.items(), key=lambda kv: state.choice_of(kv[0]))
-        chosen = [c for _, c in ranked]
-        if req.best_of:
-            chosen = sorted(chosen, key=lambda c: -c.cum_logprob)[: req.n]
-        echo = (req.prompt_text or "") if req.echo else ""
-        out = [responses.Choice(i, echo + "".join(c.text), c.finish_reason,
-                                c.logprobs if req.logprobs else None)
-               for i, c in enumerate(chosen)]
-        usage = responses.Usage(item.num_prompt, sum(c.tokens for _, c in ranked))
-        build = responses.chat_response if req.kind == "chat" else responses.completion_response
-        return build(responses.new_id(req.kind), req.model, int(time.time()), out, usage)
+        """The answer the gateway gives (services/gateway/stream.final_answer)."""
+        states = [c.state for c in item.choices.values()]
+        return final_answer(self.tokenizer.tok, item.req, responses.new_id(item.req.kind),
+                            states)
 
 
 def run_batch(engine, tokenizer: Tokenizer, model_name: str, src, dst, progress=sys.stderr):

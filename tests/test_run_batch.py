@@ -59,6 +59,8 @@ def results(demo_model_dir, tmp_path_factory, stop):
                       "best_of": 3, "ignore_eos": True}),
         line("stopped", {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0,
                          "ignore_eos": True, "stop": [stop]}),
+        line("echo-ids", {"prompt": [1, 200, 300], "echo": True, "max_tokens": 2,
+                          "temperature": 0, "ignore_eos": True}),
     ]
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
@@ -74,9 +76,10 @@ def results(demo_model_dir, tmp_path_factory, stop):
 def test_one_output_line_per_input_line_in_order_and_a_closing_line(results):
     proc, out = results
     assert [o["custom_id"] for o in out] == [
-        "greedy", "chat", None, "bad-url", "other-model", "too-long", "seeded", "best", "stopped"]
+        "greedy", "chat", None, "bad-url", "other-model", "too-long", "seeded", "best", "stopped",
+        "echo-ids"]
     assert all(o["error"] is None and o["id"].startswith("batch_req_") for o in out)
-    assert proc.stdout.strip().startswith("run-batch: 9 requests (4 failed), ")
+    assert proc.stdout.strip().startswith("run-batch: 10 requests (4 failed), ")
     assert proc.stdout.strip().endswith("tok/s")
     assert "requests," in proc.stderr  # the progress bar
 
@@ -121,3 +124,11 @@ def test_seeds_best_of_and_stop_strings(results, stop):
     assert stopped["choices"][0]["text"] == full[: full.index(stop)]
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] < 12  # generation ended at the stop
+
+
+def test_echo_of_a_token_id_prompt_is_its_text(results, demo_model_dir):
+    _, out = results
+    tok = load_tokenizer(demo_model_dir)
+    text = out[9]["response"]["body"]["choices"][0]["text"]
+    prompt = tok.decode([1, 200, 300], skip_special_tokens=False)
+    assert text.startswith(prompt) and len(text) > len(prompt)

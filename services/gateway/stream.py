@@ -89,28 +89,35 @@ def _usage(choices: list[ChoiceState]) -> responses.Usage:
     return responses.Usage(choices[0].num_prompt, sum(len(c.token_ids) for c in choices))
 
 
-def _echo(gw, req: GenerationRequest) -> str:
+def echo_text(tokenizer, req: GenerationRequest) -> str:
     """The prompt as echoed before a completion: its text, or its token ids decoded."""
     if not req.echo:
         return ""
     if req.prompt_text is not None:
         return req.prompt_text
-    return gw.tokenizer.decode(list(req.prompt_ids), skip_special_tokens=False)
+    return tokenizer.decode(list(req.prompt_ids), skip_special_tokens=False)
+
+
+def final_answer(tokenizer, req: GenerationRequest, request_id: str,
+                 choices: list[ChoiceState]) -> dict:
+    """The non-streamed answer of finished `choices` (all that were generated, in index
+    order): with best_of, the n with the highest cumulative logprob, best first."""
+    answered = choices
+    if req.best_of:
+        answered = sorted(choices, key=lambda c: -c.cum_logprob)[: req.n]
+    echo = echo_text(tokenizer, req)
+    out = [responses.Choice(i, echo + "".join(c.text), c.finish_reason,
+                            c.logprobs if req.logprobs else None)
+           for i, c in enumerate(answered)]
+    build = responses.chat_response if req.kind == "chat" else responses.completion_response
+    return build(request_id, req.model, int(time.time()), out, _usage(choices))
 
 
 async def collect(gw, req: GenerationRequest, inflight: Inflight) -> web.Response:
     async for _ in _deltas(gw, req, inflight):
         pass
-    choices = inflight.choices
-    if req.best_of:  # the n most likely of best_of, best first
-        choices = sorted(choices, key=lambda c: -c.cum_logprob)[: req.n]
-    echo = _echo(gw, req)
-    out = [responses.Choice(i, echo + "".join(c.text), c.finish_reason,
-                            c.logprobs if req.logprobs else None)
-           for i, c in enumerate(choices)]
-    build = responses.chat_response if req.kind == "chat" else responses.completion_response
-    return web.json_response(build(inflight.request_id, req.model, int(time.time()), out,
-                                   _usage(inflight.choices)))
+    return web.json_response(final_answer(gw.tokenizer, req, inflight.request_id,
+                                          inflight.choices))
 
 
 async def stream(gw, request: web.Request, req: GenerationRequest,
@@ -119,7 +126,7 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
     stream with an error event (the OpenAI client raises it), never silently."""
     resp: web.StreamResponse | None = None
     created = int(time.time())
-    echo = _echo(gw, req)
+    echo = echo_text(gw.tokenizer, req)
     sent_chars = [0] * req.n
     try:
         async for c, delta, entries in _deltas(gw, req, inflight):

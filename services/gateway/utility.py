@@ -73,12 +73,13 @@ class Utility:
         """The text to tokenize: the prompt, or the messages rendered as chat renders them."""
         if ("prompt" in body) == ("messages" in body):
             raise bad_request("give either prompt or messages", "prompt")
+        limit = self.gw.svc.prompt_bytes_limit(self.gw.max_model_len)
         if "prompt" in body:
             text = get_str(body, "prompt")
-            check_prompt_bytes(text, None, self.gw.svc.prompt_bytes_limit(self.gw.max_model_len))
+            check_prompt_bytes(text, None, limit)
             return text
         messages = parse_messages(body["messages"])
-        check_prompt_bytes(None, messages, self.gw.svc.prompt_bytes_limit(self.gw.max_model_len))
+        check_prompt_bytes(None, messages, limit)
         if self.gw.template is None:
             raise bad_request("this model has no chat template (see --chat-template)",
                               "messages")
