@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import use_triton
+from kernels.int8_quant import Int8Activation, quantize_int8_ref, quantize_row
 
 
 @triton.jit
@@ -35,6 +36,7 @@ def _rms_norm_kernel(
     w_ptr,  # [N] weight
     out_ptr,  # [T, N] normed output, dtype = promote(weight, x)
     res_out_ptr,  # [T, N] residual + x, in x's dtype (written only when HAS_RESIDUAL)
+    scale_ptr,  # [T] float32 per-row scales (QUANT: out_ptr is then [T, N] int8)
     stride_x,
     stride_res,
     stride_out,
@@ -42,6 +44,7 @@ def _rms_norm_kernel(
     eps,
     N: tl.constexpr,  # hidden size
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,  # store the normed row as int8 + one scale (W8A8 activations)
     BLOCK: tl.constexpr,  # next_power_of_2(N)
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -57,8 +60,14 @@ def _rms_norm_kernel(
     rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
     y = (hf * rstd).to(h.dtype).to(tl.float32)  # normalized, rounded to x's dtype
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
-    out = (w * y).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    if QUANT:  # the normed row rounded to x's dtype, then quantized as quantize_int8_ref does
+        out = (w * y).to(h.dtype).to(tl.float32)
+        q, scale = quantize_row(out)
+        tl.store(out_ptr + row * stride_out + cols, q, mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        out = (w * y).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
 
 
 def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -68,8 +77,9 @@ def _rows(t: torch.Tensor, hidden: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x, residual [..., N], weight [N] -> (normed [..., N], residual + x [..., N] or None)."""
+            eps: float, quant: bool = False):
+    """x, residual [..., N], weight [N] -> (normed [..., N], residual + x [..., N] or None);
+    with `quant`, normed is an Int8Activation of [T, N] rows."""
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} != ({hidden},)")
@@ -79,20 +89,25 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     x2 = _rows(x, hidden)  # [T, N]
     res2 = _rows(residual, hidden) if residual is not None else x2  # [T, N]
     weight = weight if weight.stride(0) == 1 else weight.contiguous()
-    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    if quant and weight.dtype != x.dtype:
+        raise ValueError("the int8 RMSNorm takes a weight of x's dtype")
+    out_dtype = torch.int8 if quant else torch.result_type(weight, x)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    scales = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     res_out = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x2.shape[0] == 0:
-        return out, res_out
     out2 = out.view(-1, hidden)  # [T, N]
+    normed = Int8Activation(out2, scales) if quant else out
+    if x2.shape[0] == 0:
+        return normed, res_out
     res_out2 = res_out.view(-1, hidden) if res_out is not None else out2  # [T, N]
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, res2, weight, out2, res_out2,
+        x2, res2, weight, out2, res_out2, scales,
         x2.stride(0), res2.stride(0), out2.stride(0), res_out2.stride(0), eps,
-        N=hidden, HAS_RESIDUAL=residual is not None, BLOCK=block,
+        N=hidden, HAS_RESIDUAL=residual is not None, QUANT=quant, BLOCK=block,
         num_warps=min(max(block // 256, 1), 8),
         enable_fp_fusion=False,  # x * x and the sum round separately, as in torch
     )
-    return out, res_out
+    return normed, res_out
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -140,3 +155,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if use_triton(x):
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def rms_norm_int8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                  eps: float) -> tuple[Int8Activation, torch.Tensor | None]:
+    """W8A8's fused norm: (quantize_int8(rms_norm(residual + x)), residual + x), or without
+    a residual (quantize_int8(rms_norm(x)), None). Rows are [T, N] (x flattened)."""
+    if use_triton(x):
+        return _launch(x, residual, weight, eps, quant=True)
+    if residual is None:
+        normed, res = rms_norm_ref(x, weight, eps), None
+    else:
+        normed, res = add_rms_norm_ref(x, residual, weight, eps)
+    return quantize_int8_ref(normed.reshape(-1, x.shape[-1])), res

@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shared.demo_model import ensure_demo_model
@@ -47,3 +48,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton interpreter stores bf16 as uint16 and its tl.dot multiplies the bit patterns
+    (triton-lang/triton#11584, "not supported yet"): upcast bf16 dot operands to fp32 there."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    orig = interpreter.InterpreterBuilder.create_dot
+
+    def to_f32(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        data = (h.data.astype(np.uint32) << 16).view(np.float32)  # bf16 bits -> fp32 value
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return orig(self, to_f32(a), to_f32(b), d, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

@@ -3,8 +3,6 @@ the reference against a dense causal softmax and against SDPA(is_causal=True).""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -25,27 +23,7 @@ Q_LENS, PREFIXES = (1, 5, 70), (200, 13, 0)  # check_triton defaults to max_q_le
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_bf16_dot(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton interpreter stores bf16 as uint16 and its tl.dot multiplies the bit patterns
-    (triton-lang/triton#11584, "not supported yet"): upcast bf16 dot operands to fp32 there."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    orig = interpreter.InterpreterBuilder.create_dot
-
-    def to_f32(h):
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        data = (h.data.astype(np.uint32) << 16).view(np.float32)  # bf16 bits -> fp32 value
-        return interpreter.TensorHandle(data, tl.float32)
-
-    def create_dot(self, a, b, d, *args):
-        return orig(self, to_f32(a), to_f32(b), d, *args)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+pytestmark = pytest.mark.usefixtures("interpreter_bf16_dot")
 
 
 @pytest.fixture

@@ -1,0 +1,198 @@
+"""W4A16 GEMM: group-wise INT4 weights dequantized inside the GEMM. The layout, our float -> INT4
+quantization, Triton kernel, launcher, PyTorch reference, and the CPU path.
+
+Layout (`Int4Weight`, GGUF Q4_1's block semantics, so Q4_0/Q4_1 blocks map onto it exactly):
+    packed  uint8 [N, K // 2]  byte j of row n: k = 2j in the low nibble, k = 2j + 1 in the high
+    scales  [N, K // G]        one per group of G consecutive k (G = group_size: 32, 64 or 128)
+    mins    [N, K // G]
+    w[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G],   q in [0, 15]
+
+The Triton kernel reads the packed bytes and the group's scale and min per K block and
+dequantizes in registers: the weight is never materialized in float. The CPU path is PyTorch's
+int4 kernel (`_weight_int4pack_mm_for_cpu`, bfloat16 activations), whose dequantization is
+(q - 8) * scale + zero: the weight is repacked once at load (`pack_int4_cpu`) with
+zero = min + 8 * scale, scales and zeros rounded to bfloat16.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dispatch import cpu_fast_path, use_triton
+
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class Int4Weight:
+    packed: torch.Tensor  # uint8 [N, K // 2]
+    scales: torch.Tensor  # [N, K // G]
+    mins: torch.Tensor  # [N, K // G]
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins))
+
+    def to(self, device, dtype: torch.dtype) -> Int4Weight:
+        """On `device`, scales and mins in `dtype`."""
+        return Int4Weight(self.packed.to(device), self.scales.to(device, dtype),
+                          self.mins.to(device, dtype), self.group_size)
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        """Concatenate along N (fused projections); every part has the same K and group."""
+        if len({(p.shape[1], p.group_size) for p in parts}) != 1:
+            raise ValueError("fused INT4 weights need the same K and group size")
+        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts])
+                            for f in ("packed", "scales", "mins")), parts[0].group_size)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] integers in [0, 15] (K even) -> uint8 [N, K // 2] (even k in the low nibble)."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K // 2] -> uint8 [N, K] in [0, 15]."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
+    """Our float -> INT4: per group, min and max map to 0 and 15 (llama.cpp's Q4_1 rule):
+    scale = (max - min) / 15, q = round((w - min) / scale). w [N, K], K % group_size == 0."""
+    n, k = w.shape
+    if group_size not in GROUP_SIZES or k % group_size:
+        raise ValueError(f"INT4 groups of {group_size} do not fit K = {k} "
+                         f"(group sizes: {GROUP_SIZES})")
+    groups = w.float().view(n, k // group_size, group_size)
+    lo, hi = groups.amin(-1), groups.amax(-1)  # [N, K / G]
+    scale = (hi - lo) / 15
+    q = ((groups - lo[..., None]) / torch.where(scale > 0, scale, 1.0)[..., None]).round()
+    return Int4Weight(pack_nibbles(q.clamp_(0, 15).view(n, k)), scale, lo, group_size)
+
+
+def dequantize_int4(w: Int4Weight) -> torch.Tensor:
+    """The float32 [N, K] matrix an Int4Weight stands for (the reference's weight)."""
+    g = w.group_size
+    q = unpack_nibbles(w.packed).float()
+    return (q * w.scales.float().repeat_interleave(g, 1)
+            + w.mins.float().repeat_interleave(g, 1))
+
+
+@triton.jit
+def _int4_gemm_kernel(
+    x_ptr,  # [M, K] activations, row stride stride_x
+    qw_ptr,  # [N, K // 2] uint8 packed weight
+    s_ptr, m_ptr,  # [N, K // G] scales, mins
+    bias_ptr,  # [N] (read when HAS_BIAS)
+    out_ptr,  # [M, N], contiguous, x's dtype
+    M, N, K, stride_x,
+    G: tl.constexpr,  # group size; BLOCK_K divides it, so a K block has one group per row
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for float32 activations (no TF32), else the default
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rb = tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte offsets
+    m_ok, n_ok = rm < M, rn < N
+    n_groups = K // G
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (K % G == 0)
+        rk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
+                    mask=m_ok[:, None], other=0.0)  # [BM, BK]
+        b = tl.load(qw_ptr + rn[:, None].to(tl.int64) * (K // 2) + k0 // 2 + rb[None, :],
+                    mask=n_ok[:, None], other=0)  # [BN, BK / 2] uint8
+        q = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K)  # [BN, BK]: k even, odd, ...
+        g = rn.to(tl.int64) * n_groups + k0 // G  # [BN]
+        s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
+        w = (q.to(tl.float32) * s[:, None] + mn[:, None]).to(x.dtype)  # [BN, BK]
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def int4_gemm_triton(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
+    """Triton implementation of `int4_gemm`."""
+    (n, k), g = w.shape, w.group_size
+    if x.shape[-1] != k:
+        raise ValueError(f"K mismatch: activations {tuple(x.shape)}, INT4 weight {(n, k)}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block_m = 16 if x2.shape[0] <= 16 else 64
+        block_n = 32 if x2.shape[0] <= 16 else 64  # small batch: more programs over N
+        grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n))
+        _int4_gemm_kernel[grid](x2, w.packed, w.scales, w.mins,
+                                bias if bias is not None else out, out, x2.shape[0], n, k,
+                                x2.stride(0), G=g, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+                                BLOCK_N=block_n, BLOCK_K=min(g, 64), num_warps=4,
+                                PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return out.view(*x.shape[:-1], n)
+
+
+def int4_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
+    """PyTorch reference: x @ dequantize_int4(w)^T (+ bias) in float32, rounded to x's dtype."""
+    out = x.float() @ dequantize_int4(w).t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+@dataclass
+class Int4Cpu:
+    """An Int4Weight repacked for PyTorch's CPU int4 kernel."""
+
+    packed: torch.Tensor  # uint8, the kernel's layout
+    scales_zeros: torch.Tensor  # bfloat16 [K // G, N, 2]: (scale, min + 8 * scale)
+    group_size: int
+    out_features: int
+
+
+def pack_int4_cpu(w: Int4Weight) -> Int4Cpu:
+    q = unpack_nibbles(w.packed).to(torch.int32)  # [N, K]
+    s, mn = w.scales.float(), w.mins.float()
+    sz = torch.stack([s.t(), (mn + 8 * s).t()], dim=-1).to(torch.bfloat16).contiguous()
+    return Int4Cpu(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz, w.group_size,
+                   w.shape[0])
+
+
+def int4_gemm_cpu(x: torch.Tensor, w: Int4Cpu, bias=None) -> torch.Tensor:
+    """CPU: x [..., K] (any float dtype; computed in bfloat16) -> [..., N] in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w.packed, w.group_size,
+                                                     w.scales_zeros).to(x.dtype)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], w.out_features)
+
+
+def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu:
+    """The weight in the layout the call path wants, made once at load: repacked for the CPU
+    kernel on CPU (`--kernels auto`); as is for Triton and the reference."""
+    return pack_int4_cpu(w) if cpu_fast_path(w.packed) else w
+
+
+def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype; w from `prepare_int4`."""
+    if isinstance(w, Int4Cpu):
+        return int4_gemm_cpu(x, w, bias)
+    if use_triton(x):
+        return int4_gemm_triton(x, w, bias)
+    return int4_gemm_ref(x, w, bias)

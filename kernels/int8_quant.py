@@ -1,0 +1,129 @@
+"""Per-token dynamic INT8 activations for W8A8: Triton kernel, launchers, PyTorch reference.
+
+Each row (token) gets one float32 scale = max |x| / 127 and values round(x / scale) in
+[-127, 127], rounded half away from zero (as the INT8 KV cache's). A row of zeros has scale 0
+and values 0. Two producers: the plain quantization of a row (the attention output, before the
+o projection) and SiLU x mul fused with it (before the down projection); the third, RMSNorm
+fused with it, lives with the norm (`rmsnorm.rms_norm_int8`) and shares `quantize_row`.
+
+The fused SiLU x mul quantizes its float32 result directly (the unfused path would first round
+it to the activation dtype). Kernel and reference then differ only where exp's implementations
+round differently and a value sits at a rounding tie: at most one step on rare elements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.dispatch import use_triton
+
+
+@dataclass
+class Int8Activation:
+    """Quantized rows: values int8 [T, K], scales float32 [T]; row t = values[t] * scales[t]."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.values.float() * self.scales[:, None]
+
+
+@triton.jit
+def quantize_row(x):
+    """x float32 [BLOCK] (masked lanes 0) -> (int8 values [BLOCK], float32 scale)."""
+    scale = tl.div_rn(tl.max(tl.abs(x), axis=0), 127.0)
+    safe = tl.where(scale > 0, scale, 1.0)
+    q = tl.where(scale > 0, tl.div_rn(x, safe), 0.0)
+    q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(-q + 0.5))  # round half away from 0
+    return tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8), scale
+
+
+@triton.jit
+def _load_act(x_row, cols, mask, n, SILU_MUL: tl.constexpr):
+    """float32 [BLOCK] of the row's activation: x, or silu(gate) * up with up at +n."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if SILU_MUL:
+        u = tl.load(x_row + n + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x / (1.0 + tl.exp(-x)) * u
+    return x
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr,  # [T, K] rows, or [T, 2K] gate | up when SILU_MUL (last dim contiguous)
+    q_ptr,  # [T, K] int8 out, contiguous
+    s_ptr,  # [T] float32 scales out
+    n,  # K, the quantized row's length
+    stride_x,
+    SILU_MUL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros((), dtype=tl.float32)
+    for c0 in range(0, n, BLOCK):  # pass 1: the row's max |x|
+        cols = c0 + tl.arange(0, BLOCK)
+        x = _load_act(x_row, cols, cols < n, n, SILU_MUL)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+    scale = tl.div_rn(amax, 127.0)
+    safe = tl.where(scale > 0, scale, 1.0)
+    for c0 in range(0, n, BLOCK):  # pass 2: quantize against it (recomputing the activation)
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < n
+        q = tl.where(scale > 0, tl.div_rn(_load_act(x_row, cols, mask, n, SILU_MUL), safe), 0.0)
+        q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(-q + 0.5))
+        q = tl.minimum(tl.maximum(q, -127.0), 127.0).to(tl.int8)
+        tl.store(q_ptr + row * n + cols, q, mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def _launch(x: torch.Tensor, n: int, silu_mul: bool) -> Int8Activation:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = Int8Activation(torch.empty(rows.shape[0], n, dtype=torch.int8, device=x.device),
+                         torch.empty(rows.shape[0], dtype=torch.float32, device=x.device))
+    if rows.shape[0]:
+        _quant_rows_kernel[(rows.shape[0],)](rows, out.values, out.scales, n, rows.stride(0),
+                                             SILU_MUL=silu_mul, num_warps=4,
+                                             BLOCK=min(triton.next_power_of_2(n), 1024),
+                                             enable_fp_fusion=False)
+    return out
+
+
+def quantize_int8_ref(x: torch.Tensor) -> Int8Activation:
+    """PyTorch reference: x [T, K] -> Int8Activation (per-row scales, float32 arithmetic)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127.0  # [T]
+    s = torch.where(scale > 0, scale, 1.0)[:, None]
+    q = torch.where(scale[:, None] > 0, xf / s, 0.0)
+    q = q.sign() * (q.abs() + 0.5).floor()  # round half away from zero
+    return Int8Activation(q.clamp_(-127, 127).to(torch.int8), scale)
+
+
+def silu_mul_int8_ref(gate_up: torch.Tensor) -> Int8Activation:
+    """PyTorch reference of `silu_mul_int8`: SiLU x mul in float32, then quantize_int8_ref."""
+    gate, up = gate_up.reshape(-1, gate_up.shape[-1]).float().chunk(2, dim=-1)
+    return quantize_int8_ref(F.silu(gate) * up)
+
+
+def quantize_int8(x: torch.Tensor) -> Int8Activation:
+    """x [..., K] -> per-token INT8 rows [T, K] (T = x.numel() // K)."""
+    if use_triton(x):
+        return _launch(x, x.shape[-1], silu_mul=False)
+    return quantize_int8_ref(x.reshape(-1, x.shape[-1]))
+
+
+def silu_mul_int8(gate_up: torch.Tensor) -> Int8Activation:
+    """gate_up [..., 2I] (gate | up) -> quantize_int8(silu(gate) * up) as [T, I] rows."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"last dim {gate_up.shape[-1]} of gate_up is odd")
+    if use_triton(gate_up):
+        return _launch(gate_up, gate_up.shape[-1] // 2, silu_mul=True)
+    return silu_mul_int8_ref(gate_up)

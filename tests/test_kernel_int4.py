@@ -1,0 +1,113 @@
+"""W4A16: the INT4 layout and our float -> INT4 quantization, the Triton GEMM (under the
+interpreter without a GPU) and the CPU path, each against the PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import dispatch
+from kernels.int4_gemm import (
+    Int4Cpu,
+    Int4Weight,
+    dequantize_int4,
+    int4_gemm,
+    int4_gemm_ref,
+    int4_gemm_triton,
+    pack_nibbles,
+    prepare_int4,
+    quantize_int4,
+    unpack_nibbles,
+)
+
+
+@pytest.fixture
+def backend():
+    previous = dispatch.backend()
+    yield dispatch.set_backend
+    dispatch.set_backend(previous)
+
+
+def _weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05 + 0.01
+
+
+def test_nibbles_round_trip():
+    q = torch.randint(0, 16, (5, 64), generator=torch.Generator().manual_seed(1))
+    packed = pack_nibbles(q)
+    assert packed.shape == (5, 32) and packed.dtype == torch.uint8
+    assert int(packed[0, 0]) == int(q[0, 0]) | int(q[0, 1]) << 4  # even k in the low nibble
+    assert torch.equal(unpack_nibbles(packed), q.to(torch.uint8))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_quantize_int4_error_is_half_a_step(group):
+    w = _weight(24, 256)
+    q = quantize_int4(w, group)
+    assert q.scales.shape == (24, 256 // group) and q.nbytes() < w.numel() * 4 / 4
+    err = (dequantize_int4(q) - w).abs()
+    assert (err <= q.scales.repeat_interleave(group, 1) / 2 + 1e-6).all()
+
+
+def test_quantizing_grid_values_is_lossless():
+    """A weight already on a 4-bit grid (a GGUF Q4_1 file's float copy) comes back exactly."""
+    q = quantize_int4(_weight(8, 64), 32)
+    again = quantize_int4(dequantize_int4(q), 32)
+    torch.testing.assert_close(dequantize_int4(again), dequantize_int4(q), rtol=0, atol=1e-6)
+
+
+def test_bad_groups_are_refused():
+    with pytest.raises(ValueError, match="do not fit"):
+        quantize_int4(_weight(4, 96), 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        quantize_int4(_weight(4, 96), 48)
+
+
+def test_cat_fuses_along_n():
+    a, b = quantize_int4(_weight(8, 64, 1)), quantize_int4(_weight(4, 64, 2))
+    both = Int4Weight.cat([a, b])
+    assert both.shape == (12, 64)
+    assert torch.equal(dequantize_int4(both), torch.cat([dequantize_int4(a), dequantize_int4(b)]))
+
+
+@pytest.mark.parametrize("M,N,K,group", [(1, 48, 64, 32), (5, 100, 256, 64), (40, 72, 256, 128)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int4_gemm_triton_matches_reference_fp32(M, N, K, group, with_bias):
+    w = quantize_int4(_weight(N, K), group)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(N) if with_bias else None
+    torch.testing.assert_close(int4_gemm_triton(x, w, bias), int4_gemm_ref(x, w, bias),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_int4_gemm_triton_bf16(interpreter_bf16_dot):
+    w = quantize_int4(_weight(64, 128), 32).to("cpu", torch.bfloat16)
+    x = torch.randn(3, 7, 128).bfloat16()
+    out = int4_gemm_triton(x, w)
+    assert out.shape == (3, 7, 64) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, int4_gemm_ref(x, w), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("M", [1, 4, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_cpu_path_matches_reference(backend, M, dtype):
+    backend("auto")
+    w = quantize_int4(_weight(96, 256), 32)
+    prepared = prepare_int4(w)
+    assert isinstance(prepared, Int4Cpu)
+    x = torch.randn(M, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
+    bias = torch.randn(96).to(dtype)
+    out = int4_gemm(x, prepared, bias)
+    ref = int4_gemm_ref(x, w, bias)
+    assert out.dtype == dtype
+    # bfloat16 activations, scales and zeros: ~3 significant digits
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=3e-2)
+
+
+def test_reference_backend_keeps_the_layout(backend):
+    backend("reference")
+    w = quantize_int4(_weight(16, 64), 32)
+    assert prepare_int4(w) is w
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(int4_gemm(x, w), x @ dequantize_int4(w).t())
