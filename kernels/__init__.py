@@ -10,6 +10,8 @@ kernel, launcher, PyTorch reference. The functions exported here choose per call
     prefill_attention(q, k_cache, v_cache, cu, starts, lens, scale)  causal chunks
     quantize_kv(x) / dequantize_kv(q, scales)  the INT8 KV layout; the three above take
                                                k_scale=, v_scale= for INT8 caches
+    rms_norm_int8(x, residual, w, eps) / silu_mul_int8(gate_up)   W8A8: per-token INT8 rows
+    int8_gemm.int8_gemm / int4_gemm.int4_gemm   the W8A8 and W4A16 GEMMs (model/linear/)
     sample(logits, temperature, top_k, top_p, min_p, seeds, steps)   token ids and logprobs
     apply_penalties(...), token_stats(...)
 """
@@ -17,12 +19,13 @@ kernel, launcher, PyTorch reference. The functions exported here choose per call
 from kernels.activation import silu_mul
 from kernels.decode_attention import decode_attention
 from kernels.dispatch import backend, set_backend
+from kernels.int8_quant import silu_mul_int8
 from kernels.kv_quant import dequantize_kv, quantize_kv
 from kernels.prefill_attention import prefill_attention
-from kernels.rmsnorm import add_rms_norm, rms_norm
+from kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_int8
 from kernels.rope import rope_kv_write
 from kernels.sampling import apply_penalties, sample, to_device, token_stats
 
 __all__ = ["add_rms_norm", "apply_penalties", "backend", "decode_attention", "dequantize_kv",
-           "prefill_attention", "quantize_kv", "rms_norm", "rope_kv_write", "sample",
-           "set_backend", "silu_mul", "to_device", "token_stats"]
+           "prefill_attention", "quantize_kv", "rms_norm", "rms_norm_int8", "rope_kv_write",
+           "sample", "set_backend", "silu_mul", "silu_mul_int8", "to_device", "token_stats"]

@@ -193,10 +193,19 @@ def banner(engine: EngineConfig, svc: ServiceConfig) -> str:
     name = svc.served_model_name or served_name(engine.model)
     lines = [f"pipellm is up: http://{svc.host}:{svc.port}/v1 (model {engine.model})",
              f"  model {name!r}: {stats.get('dtype', '?')} on {stats.get('device', '?')}, "
-             f"context {stats.get('max_model_len', engine.max_model_len)} tokens",
+             f"context {stats.get('max_model_len', engine.max_model_len)} tokens"
+             + _weights(stats),
              f"  KV cache: {stats.get('capacity', '?')} tokens, {stats.get('kv_gib', '?')} GiB"
              + (" (int8)" if stats.get("kv_dtype") == "int8" else "")]
     return "\n".join(lines)
+
+
+def _weights(stats: dict) -> str:
+    """', weights 0.08 GiB (int4)': what the torch backend publishes; '' for the simulator."""
+    if "weights_gib" not in stats:
+        return ""
+    quant = stats.get("quantization", "none")
+    return f", weights {stats['weights_gib']} GiB" + ("" if quant == "none" else f" ({quant})")
 
 
 def up(engine: EngineConfig, svc: ServiceConfig) -> int:

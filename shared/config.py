@@ -95,6 +95,12 @@ class EngineConfig:
     kv_cache_dtype: str = setting("auto", "KV cache elements: auto (the model's dtype) or int8 "
                                   "(groups of 8 with an fp16 scale: 1.25 bytes a value)",
                                   group=QUANTIZATION)
+    quantization: str = setting("auto", "weights: none, w8a8 (INT8 weights and activations), "
+                                "int4 (INT4 weight-only; a GGUF file's Q4 blocks as they are), "
+                                "fp8 (e4m3; GPUs of compute capability 8.9+, or CPU); auto: int4 "
+                                "for a Q4_0/Q4_1 GGUF file, else none", group=QUANTIZATION)
+    int4_group_size: int = setting(32, "int4: values per scale and min when pipellm quantizes "
+                                   "a float weight (32, 64 or 128)", group=QUANTIZATION)
     sim: SimConfig = setting(default_factory=SimConfig)
 
     def __post_init__(self):
@@ -112,6 +118,11 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"--kv-cache-dtype must be auto or int8, not {self.kv_cache_dtype!r}"
                              " (fp8 is not implemented yet)")
+        if self.quantization not in ("auto", "none", "w8a8", "int4", "fp8"):
+            raise ValueError("--quantization must be auto, none, w8a8, int4 or fp8, not "
+                             f"{self.quantization!r}")
+        if self.int4_group_size not in (32, 64, 128):
+            raise ValueError(f"--int4-group-size must be 32, 64 or 128: {self.int4_group_size}")
         if self.default_predicted_len < 1:
             raise ValueError("--default-predicted-len must be at least 1")
 

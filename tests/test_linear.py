@@ -1,4 +1,4 @@
-"""services/compute/model/linear.py: the oneDNN-packed CPU path against F.linear, random inputs."""
+"""model/linear/dense.py: the oneDNN-packed CPU path against F.linear, random inputs."""
 
 from __future__ import annotations
 

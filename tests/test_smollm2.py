@@ -1,5 +1,6 @@
 """The reference real model, SmolLM2-135M-Instruct (Q4_1 GGUF, fetched by the test command into
-the cache), against transformers' own GGUF loading of the same file, in float32."""
+the cache), against transformers' own GGUF loading of the same file, in float32
+(`--quantization none`: the float copy; the INT4 path is tests/test_quantization.py)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def test_greedy_is_token_exact_with_transformers_and_logprobs_agree(gguf_path, hf, prompts):
-    engine = build_engine(EngineConfig(model=str(gguf_path), kv_cache_tokens=4096))
+    engine = build_engine(EngineConfig(model=str(gguf_path), kv_cache_tokens=4096,
+                                       quantization="none"))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=True)
     for prompt, seq in zip(prompts, engine.generate(prompts, params), strict=True):
         assert seq.output_ids == hf_greedy(hf[0], prompt)
@@ -131,7 +133,8 @@ def test_chat_template_renders_as_transformers(gguf_path, hf):
 
 @pytest.fixture(scope="module")
 def stack(gguf_path):
-    s = Stack(gguf_path, "--kv-cache-tokens", "4096").start(timeout_s=180)
+    s = Stack(gguf_path, "--kv-cache-tokens", "4096", "--quantization", "none").start(
+        timeout_s=180)
     yield s
     s.stop()
 

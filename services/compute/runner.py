@@ -10,6 +10,7 @@ from kernels import apply_penalties, set_backend, to_device, token_stats
 from kernels.kv_quant import KV_GROUP
 from services.compute.batch import build_batch
 from services.compute.kv.kv_cache import KVCache
+from services.compute.model import quantization
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
 from services.compute.sampling_batch import SamplingBatch
@@ -37,8 +38,11 @@ class ModelRunner:
             torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
         self.dtype = _DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
-        weights = load_weights(config.model, self.dtype, self.device)
-        self.model = LlamaModel(model_config, weights, self.device, max_model_len)
+        self.quant = quantization.resolve(config.quantization, config.model, self.device,
+                                          self.dtype, config.int4_group_size)
+        weights = load_weights(config.model, self.dtype, self.device,
+                               keep_int4=self.quant.keeps_gguf_blocks)
+        self.model = LlamaModel(model_config, weights, self.device, max_model_len, self.quant)
         del weights
         self.int8_kv = config.kv_cache_dtype == "int8"
         if self.int8_kv and model_config.head_dim % KV_GROUP:
@@ -52,6 +56,8 @@ class ModelRunner:
         # what start-up reports (published with the engine stats)
         self.summary = {"device": str(self.device), "dtype": str(self.dtype).removeprefix(
             "torch."), "kv_dtype": "int8" if self.int8_kv else "auto",
+            "quantization": self.quant.name,
+            "weights_gib": round(self.model.weight_bytes() / 2**30, 3),
             "kv_gib": round(self.capacity * per_token / 2**30, 3)}
         log.info("KV cache: %d slots on %s (%s)", self.capacity, self.device,
                  "int8" if self.int8_kv else self.dtype)

@@ -87,15 +87,21 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: tensor '{t.name}' is {t.qtype.name}, which pipellm "
                                 f"cannot dequantize (supported: {names})")
 
-    def tensor(self, name: str) -> np.ndarray:
-        """The tensor `name` dequantized to float32, in numpy order (`TensorInfo.shape`)."""
+    def blocks(self, name: str) -> np.ndarray:
+        """The stored bytes of tensor `name`, uint8 [*shape[:-1], bytes per row] (a view of the
+        file): a quantized tensor's blocks as they are."""
         info = self.tensors.get(name)
         if info is None:
             raise GGUFError(f"{self.path}: tensor '{name}' is missing")
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return raw.reshape(*info.shape[:-1], -1)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor `name` dequantized to float32, in numpy order (`TensorInfo.shape`)."""
+        rows = self.blocks(name)  # dequantize works on whole rows of blocks
+        info = self.tensors[name]
         if info.qtype not in SUPPORTED_TYPES:
             self.check_types()
-        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        rows = raw.reshape(*info.shape[:-1], -1)  # dequantize works on whole rows of blocks
         out = np.asarray(dequantize(rows, info.qtype), dtype=np.float32).reshape(info.shape)
         return out if out.flags.writeable else out.copy()  # F32 is a view of the mmap
 

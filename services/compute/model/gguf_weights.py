@@ -4,12 +4,20 @@ llama.cpp's converter stores, for the `llama` architecture, the rows of each Q a
 permuted from HF's rotate-half RoPE layout to its interleaved one: within every head, rows
 (0, d/2, 1, d/2+1, ...). `_unpermute` undoes that, so the model runs with the same RoPE as for
 a Hugging Face checkpoint.
+
+With `keep_int4`, the decoder's Q4_0/Q4_1 matrices are not dequantized: their blocks become an
+`Int4Weight` (the same values, 4 bits each, an fp16 scale and min per 32), served by the INT4
+GEMM. Block layout (ggml): Q4_1 = fp16 d, fp16 m, 16 bytes of nibbles; Q4_0 = fp16 d, 16 bytes;
+nibble j of a block is value j (low nibbles) or j + 16 (high); value = q * d + m (Q4_0:
+(q - 8) * d).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from kernels.int4_gemm import Int4Weight, pack_nibbles
 from services.compute.model.progress import progress
 from shared.gguf.hf import architecture
 from shared.gguf.reader import GGUFError, GGUFFile, open_gguf
@@ -34,14 +42,22 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_gguf_weights(path, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """Every tensor of the GGUF file at `path`, as float `dtype` on `device`, HF-named.
+def load_gguf_weights(path, dtype: torch.dtype, device,
+                      keep_int4: bool = False) -> dict[str, torch.Tensor | Int4Weight]:
+    """Every tensor of the GGUF file at `path`, as float `dtype` on `device`, HF-named; with
+    `keep_int4`, decoder matrices stored as Q4_0/Q4_1 as Int4Weight instead.
 
     Raises ModelLoadError naming the file and the tensor for unknown tensors or types."""
     try:
         gguf, names, heads = _check(path)
-        return {name: _load(gguf, src, name, heads).to(device, dtype)
-                for src, name in progress(names.items(), len(names), "weights (tensors)")}
+        out = {}
+        for src, name in progress(names.items(), len(names), "weights (tensors)"):
+            if keep_int4 and src.startswith("blk.") and gguf.tensors[src].qtype.name in _Q4:
+                out[name] = _permuted(_int4(gguf, src), name, heads).to(device, dtype)
+            else:
+                out[name] = _permuted(torch.from_numpy(gguf.tensor(src)), name, heads).to(
+                    device, dtype)
+        return out
     except GGUFError as exc:
         raise ModelLoadError(str(exc)) from None
 
@@ -75,13 +91,34 @@ def _names(gguf: GGUFFile) -> dict[str, str]:
     return names
 
 
-def _load(gguf: GGUFFile, src: str, name: str, heads: dict | None) -> torch.Tensor:
-    t = torch.from_numpy(gguf.tensor(src))
-    if heads is not None:
-        for proj, n_heads in heads.items():
-            if f".{proj}." in name:
-                t = _unpermute(t, n_heads)
+def _permuted(t, name: str, heads: dict | None):
+    """t (a tensor or an Int4Weight, rows first) with llama.cpp's Q/K row order undone."""
+    for proj, n_heads in (heads or {}).items():
+        if f".{proj}." in name:
+            if isinstance(t, Int4Weight):
+                return Int4Weight(*(_unpermute(getattr(t, f), n_heads)
+                                    for f in ("packed", "scales", "mins")), t.group_size)
+            return _unpermute(t, n_heads)
     return t
+
+
+_Q4 = {"Q4_0": 18, "Q4_1": 20}  # block bytes; 32 values a block
+
+
+def _int4(gguf: GGUFFile, src: str) -> Int4Weight:
+    """A Q4_0/Q4_1 matrix's blocks as an Int4Weight (the same values, no rounding)."""
+    qtype = gguf.tensors[src].qtype.name
+    raw = gguf.blocks(src)  # [N, K / 32 * block bytes]
+    blocks = raw.reshape(raw.shape[0], -1, _Q4[qtype])  # [N, K / 32, bytes]
+    d = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0])
+    if qtype == "Q4_1":
+        mins = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
+        mins = mins.float()
+    else:
+        mins = -8 * d.float()
+    nibbles = torch.from_numpy(np.ascontiguousarray(blocks[..., -16:]))  # [N, K / 32, 16]
+    q = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).view(raw.shape[0], -1)  # [N, K]
+    return Int4Weight(pack_nibbles(q), d.float(), mins, group_size=32)
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

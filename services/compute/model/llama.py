@@ -17,12 +17,16 @@ from kernels import (
     decode_attention,
     prefill_attention,
     rms_norm,
+    rms_norm_int8,
     rope_kv_write,
     silu_mul,
+    silu_mul_int8,
 )
+from kernels.int4_gemm import Int4Weight, quantize_int4
 from services.compute.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
 from services.compute.model.linear import Linear
+from services.compute.model.quantization import Quantization
 from services.compute.model.rope import RotaryEmbedding
 from services.compute.model.weights import require
 from shared.model_config import ModelConfig
@@ -30,24 +34,29 @@ from shared.model_config import ModelConfig
 
 @dataclass
 class LayerWeights:
-    qkv: Linear  # [(H + 2 * Hkv) * D, hidden] (+ bias), q, k, v projections fused
-    o: Linear  # [hidden, H * D]
-    gate_up: Linear  # [2 * inter, hidden], gate and up fused
-    down: Linear  # [hidden, inter]
+    """The projections are linear layers of the quantization method's kind (`model/linear/`)."""
+
+    qkv: object  # [(H + 2 * Hkv) * D, hidden] (+ bias), q, k, v projections fused
+    o: object  # [hidden, H * D]
+    gate_up: object  # [2 * inter, hidden], gate and up fused
+    down: object  # [hidden, inter]
     ln_attn: torch.Tensor  # [hidden]
     ln_mlp: torch.Tensor  # [hidden]
 
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 max_positions: int):
+                 max_positions: int, quant: Quantization | None = None):
         self.cfg = cfg
+        self.quant = quant or Quantization()
+        self.int8_act = self.quant.int8_activations  # norms and SiLU x mul hand out int8 rows
         self.embed = require(weights, "model.embed_tokens.weight")
         self.norm = require(weights, "model.norm.weight")
         head = weights.get("lm_head.weight")
         if head is None and not cfg.tie_word_embeddings:
             head = require(weights, "lm_head.weight")
         self.lm_head = Linear(self.embed if head is None else head)  # [vocab, hidden]
+        self.lm_head_tied = head is None
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                     cfg.rope_scaling, device)
@@ -55,16 +64,15 @@ class LlamaModel:
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        qkv = [require(w, f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+        linear = self.quant.linear
         bias = None
         if self.cfg.attention_bias:
             bias = torch.cat([require(w, f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
         return LayerWeights(
-            qkv=Linear(torch.cat(qkv), bias),
-            o=Linear(require(w, f"{p}self_attn.o_proj.weight")),
-            gate_up=Linear(torch.cat([require(w, f"{p}mlp.{n}_proj.weight")
-                                      for n in ("gate", "up")])),
-            down=Linear(require(w, f"{p}mlp.down_proj.weight")),
+            qkv=linear(_cat([require(w, f"{p}self_attn.{n}_proj.weight") for n in "qkv"]), bias),
+            o=linear(require(w, f"{p}self_attn.o_proj.weight")),
+            gate_up=linear(_cat([require(w, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])),
+            down=linear(require(w, f"{p}mlp.down_proj.weight")),
             ln_attn=require(w, f"{p}input_layernorm.weight"),
             ln_mlp=require(w, f"{p}post_attention_layernorm.weight"),
         )
@@ -73,17 +81,32 @@ class LlamaModel:
         """Run one merged step, writing this step's K/V into `kv`. Returns [S, vocab] float32."""
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         residual = None  # the residual stream; h is what gets added to it next
+        act = silu_mul_int8 if self.int8_act else silu_mul
         for i, layer in enumerate(self.layers):
-            x, residual = self._norm(h, residual, layer.ln_attn)
+            x, residual = self._norm(h, residual, layer.ln_attn, self.int8_act)
             h = self._attention(i, layer, x, batch, kv)
-            x, residual = self._norm(h, residual, layer.ln_mlp)
-            h = layer.down(silu_mul(layer.gate_up(x)))
+            x, residual = self._norm(h, residual, layer.ln_mlp, self.int8_act)
+            h = layer.down(act(layer.gate_up(x)))
         rows = batch.logits_indices
         last, _ = self._norm(h[rows], residual[rows], self.norm)  # [S, hidden]
         return self.lm_head(last).float()
 
-    def _norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
-        """(rms_norm(residual + h), residual + h): HF's residual add and norm, fused."""
+    def weight_bytes(self) -> int:
+        """Bytes the weights take as served (embedding, norms, projections, LM head)."""
+        projections = sum(getattr(layer, f).nbytes() for layer in self.layers
+                          for f in ("qkv", "o", "gate_up", "down"))
+        tensors = [self.embed, self.norm] + [t for layer in self.layers
+                                             for t in (layer.ln_attn, layer.ln_mlp)]
+        head = 0 if self.lm_head_tied else self.lm_head.nbytes()
+        return projections + head + sum(t.numel() * t.element_size() for t in tensors)
+
+    def _norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+              int8: bool = False):
+        """(rms_norm(residual + h), residual + h): HF's residual add and norm, fused; with
+        `int8`, the normed rows come as an Int8Activation (W8A8)."""
+        if int8:
+            x, res = rms_norm_int8(h, residual, weight, self.cfg.rms_norm_eps)
+            return x, h if res is None else res
         if residual is None:
             return rms_norm(h, weight, self.cfg.rms_norm_eps), h
         return add_rms_norm(h, residual, weight, self.cfg.rms_norm_eps)
@@ -91,7 +114,7 @@ class LlamaModel:
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch,
                    kv: KVCache) -> torch.Tensor:
         c = self.cfg
-        T = x.shape[0]
+        T = batch.input_ids.shape[0]  # x may be an Int8Activation (W8A8)
         qkv = layer.qkv(x)
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                              c.num_kv_heads * c.head_dim], dim=-1)
@@ -114,3 +137,13 @@ class LlamaModel:
                                          max_q_len=batch.max_chunk_len, k_scale=k_scale,
                                          v_scale=v_scale)
         return layer.o(out.view(T, -1))
+
+
+def _cat(weights: list) -> torch.Tensor | Int4Weight:
+    """Fuse projections along their output rows (float tensors or INT4 blocks). A float one
+    beside INT4 blocks (a GGUF file mixing Q4 and other types) is quantized alike."""
+    if not any(isinstance(w, Int4Weight) for w in weights):
+        return torch.cat(weights)
+    group = next(w.group_size for w in weights if isinstance(w, Int4Weight))
+    return Int4Weight.cat([w if isinstance(w, Int4Weight) else quantize_int4(w, group)
+                           for w in weights])

@@ -26,15 +26,17 @@ _UNSUPPORTED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
 def load_weights(
-    path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+    keep_int4: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of the checkpoint in `path`, floating ones cast to `dtype`, on `device`.
 
-    `path` may also be a GGUF file (see gguf_weights.py). Raises ModelLoadError when the
-    directory has no safetensors, a shard is missing, or a file cannot be read.
+    `path` may also be a GGUF file (see gguf_weights.py; `keep_int4` keeps its Q4_0/Q4_1
+    matrices as Int4Weight). Raises ModelLoadError when the directory has no safetensors, a
+    shard is missing, or a file cannot be read.
     """
     if is_gguf(path):
-        return load_gguf_weights(path, dtype, device)
+        return load_gguf_weights(path, dtype, device, keep_int4)
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(f"model directory {root} does not exist or is not a directory")

@@ -1,4 +1,4 @@
-"""Linear layers: a weight prepared once for the device's fastest GEMM.
+"""Float linear layers: a weight prepared once for the device's fastest GEMM.
 
 On a CPU, `F.linear` goes to MKL's sgemm, which is slow for the shapes serving has: a decode
 step's few rows (M = 2..16 runs 2-3x slower than M = 1) and the wide LM head. oneDNN with the
@@ -30,6 +30,10 @@ class Linear:
         self.packed = _onednn_pack(weight)
         # the plain weight is kept only when it is what runs (a packed copy would double it)
         self.weight = weight if self.packed is None else None
+
+    def nbytes(self) -> int:
+        w = self.packed if self.packed is not None else self.weight
+        return w.numel() * w.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

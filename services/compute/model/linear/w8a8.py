@@ -1,0 +1,35 @@
+"""W8A8 linear: symmetric INT8 weights with one scale per output channel (made once at load),
+per-token dynamic INT8 activations, INT8 x INT8 -> INT32 GEMM with both scales applied in its
+epilogue (`kernels/int8_gemm.py`).
+
+The activations come quantized from the kernel before the projection where one can fuse it
+(add + RMSNorm before q/k/v and gate/up, SiLU x mul before down): the layer then receives an
+`Int8Activation`. A float input (the attention output before the o projection) is quantized
+here, per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.int8_gemm import int8_gemm
+from kernels.int8_quant import Int8Activation, quantize_int8, quantize_int8_ref
+
+
+class W8A8Linear:
+    """y = x @ weight^T + bias, weight [out, in] quantized at construction; x [T, in] float or
+    Int8Activation -> [T, out] in the weight's original dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.out_dtype, self.bias = weight.dtype, bias
+        self.out_features, self.in_features = weight.shape
+        q = quantize_int8_ref(weight)  # per output channel: each row's max |w| -> 127
+        self.weight, self.scales = q.values, q.scales  # int8 [out, in], float32 [out]
+
+    def nbytes(self) -> int:
+        return self.weight.numel() + 4 * self.scales.numel()
+
+    def __call__(self, x: torch.Tensor | Int8Activation) -> torch.Tensor:
+        if not isinstance(x, Int8Activation):
+            x = quantize_int8(x)
+        return int8_gemm(x.values, x.scales, self.weight, self.scales, self.bias, self.out_dtype)

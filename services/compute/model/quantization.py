@@ -1,0 +1,90 @@
+"""Quantization methods (`--quantization`): which linear layer each decoder projection becomes
+and whether the activations entering it come quantized from the fused norm and SiLU kernels.
+
+The embedding, the norms and the LM head stay in the model's dtype, as in vLLM's methods.
+
+    none  float weights (a GGUF file's quantized tensors dequantized at load)
+    w8a8  per-channel INT8 weights, per-token INT8 activations (fused into add + RMSNorm and
+          SiLU x mul), INT32 accumulation
+    int4  group-wise INT4 weight-only: a GGUF file's Q4_0/Q4_1 tensors served from their own
+          blocks, other weights quantized at load (groups of --int4-group-size)
+    fp8   e4m3 weights and per-token activations, torch._scaled_mm: GPUs of compute capability
+          8.9+ (Ada, Hopper) in bfloat16, and CPUs (PyTorch's unaccelerated kernel)
+    auto  int4 for a GGUF file whose projections are Q4_0/Q4_1, else none
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.int4_gemm import Int4Weight
+from services.compute.model.linear import Fp8Linear, Int4Linear, Linear, W8A8Linear
+from shared.gguf.reader import is_gguf, open_gguf
+
+METHODS = ("auto", "none", "w8a8", "int4", "fp8")
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1")  # the GGUF block types Int4Weight represents exactly
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """One method: `linear(weight, bias)` builds a projection; `int8_activations` says the
+    model hands W8A8 layers their input already quantized."""
+
+    name: str = "none"
+    int4_group_size: int = 32
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def int8_activations(self) -> bool:
+        return self.name == "w8a8"
+
+    @property
+    def keeps_gguf_blocks(self) -> bool:
+        """Whether the loader hands Q4_0/Q4_1 tensors over as Int4Weight (not dequantized)."""
+        return self.name == "int4"
+
+    def linear(self, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None):
+        if self.name == "int4" or isinstance(weight, Int4Weight):
+            return Int4Linear(weight, bias, self.int4_group_size, self.dtype)
+        if self.name == "w8a8":
+            return W8A8Linear(weight, bias)
+        if self.name == "fp8":
+            return Fp8Linear(weight, bias)
+        return Linear(weight, bias)
+
+
+def resolve(name: str, model: str, device: torch.device, dtype: torch.dtype,
+            int4_group_size: int = 32) -> Quantization:
+    """The method `--quantization name` means for this model and device; ValueError (a clear
+    start-up message) where it cannot run."""
+    if name not in METHODS:
+        raise ValueError(f"--quantization must be one of {', '.join(METHODS)}, not {name!r}")
+    if name == "auto":
+        name = "int4" if gguf_int4(model) else "none"
+    if name == "fp8":
+        _check_fp8(device, dtype)
+    return Quantization(name, int4_group_size, dtype)
+
+
+def gguf_int4(model: str) -> bool:
+    """Whether `model` is a GGUF file whose projection weights are all Q4_0/Q4_1 blocks."""
+    if not model or not is_gguf(model):
+        return False
+    types = {info.qtype.name for name, info in open_gguf(model).tensors.items()
+             if name.startswith("blk.") and len(info.shape) == 2}
+    return bool(types) and types <= set(GGUF_INT4_TYPES)
+
+
+def _check_fp8(device: torch.device, dtype: torch.dtype) -> None:
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ValueError(
+            f"--quantization fp8 needs FP8 tensor cores (compute capability 8.9+: Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}: use w8a8 or int4")
+    if dtype != torch.bfloat16:
+        raise ValueError("--quantization fp8 on a GPU runs with --dtype bfloat16 (row-wise "
+                         "scaled FP8 GEMMs write bfloat16)")
