@@ -37,8 +37,9 @@ from loadgen import datasets as ds  # noqa: E402
 from services.compute.backend import build_engine  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
 from services.compute.kv.allocator import KVAllocator  # noqa: E402
-from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig, StepSample  # noqa: E402
+from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from services.compute.scheduling.sequence import Sequence  # noqa: E402
+from services.compute.scheduling.step import StepSample  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.demo_model import build_demo_tokenizer  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402

@@ -92,6 +92,9 @@ class EngineConfig:
                                 group=SCHEDULING)
     batching: str = setting("merged", "merged (dynamic, merged steps) or static (a baseline)",
                             group=SCHEDULING)
+    overlap_schedule: str = setting("auto", "schedule and launch step N+1 while the device runs "
+                                    "step N: on, off, or auto (on where steps run "
+                                    "asynchronously: CUDA)", group=SCHEDULING)
     kv_cache_dtype: str = setting("auto", "KV cache elements: auto (the model's dtype) or int8 "
                                   "(groups of 8 with an fp16 scale: 1.25 bytes a value)",
                                   group=QUANTIZATION)
@@ -118,6 +121,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"--kv-cache-dtype must be auto or int8, not {self.kv_cache_dtype!r}"
                              " (fp8 is not implemented yet)")
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(f"--overlap-schedule must be auto, on or off, not "
+                             f"{self.overlap_schedule!r}")
         if self.quantization not in ("auto", "none", "w8a8", "int4", "fp8"):
             raise ValueError("--quantization must be auto, none, w8a8, int4 or fp8, not "
                              f"{self.quantization!r}")

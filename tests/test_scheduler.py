@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from services.compute.kv.allocator import KVAllocator
-from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig, StepSample
+from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig
 from services.compute.scheduling.sequence import SeqStatus, Sequence
+from services.compute.scheduling.step import StepSample
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 

@@ -4,8 +4,10 @@
 - `sim`: no weights, a modelled GPU (`sim.runner.SimRunner`): the real scheduler and KV
   allocator, step times from a roofline cost model.
 
-A runner has `model_config`, `max_model_len`, `capacity` (KV slots) and `execute(step)`;
-the engine takes one (`LLMEngine(config, runner)`) and never asks which kind it is.
+A runner has `model_config`, `max_model_len`, `capacity` (KV slots), `launch(step, prev)`
+(returning a handle whose `result()` is the step's StepSample) and `asynchronous` (whether
+launch returns before the step ran); the engine takes one (`LLMEngine(config, runner)`) and
+never asks which kind it is.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.compute.scheduling.scheduler import ScheduledStep
-from services.compute.scheduling.sequence import Sequence
+from kernels import to_device
+from services.compute.inflight import InFlight
+from services.compute.scheduling.sequence import UNSAMPLED, Sequence
+from services.compute.scheduling.step import ScheduledStep
 
 
 @dataclass
@@ -36,7 +38,10 @@ class ForwardBatch:
     # the R prompt rows in order; row j of a span scores token_ids[position + j]
 
 
-def build_batch(step: ScheduledStep, device: torch.device) -> ForwardBatch:
+def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None = None,
+                ) -> ForwardBatch:
+    """The step's inputs on `device`. Tokens still UNSAMPLED (sampled by `prev`, the step in
+    flight) are read from prev's ids on the device."""
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -66,15 +71,19 @@ def build_batch(step: ScheduledStep, device: torch.device) -> ForwardBatch:
         pre_lens.append(c + n)
         if n == seq.pending:
             logits_rows.append(len(ids) - 1)
+    late_at, late_rows = _late_tokens(ids, step, prev)
     # two host->device copies (int64 token data, int32 attention metadata), then views
-    T, D, P = len(ids), len(dec_starts), len(pre_starts)
-    flat = torch.tensor(ids + pos + slots + logits_rows + prompt_rows,
-                        dtype=torch.int64).to(device)
-    meta = torch.tensor(dec_starts + dec_lens + cu + pre_starts + pre_lens,
-                        dtype=torch.int32).to(device)
+    T, D, P, L = len(ids), len(dec_starts), len(pre_starts), len(late_at)
+    flat = to_device(torch.tensor(ids + pos + slots + late_at + late_rows + logits_rows
+                                  + prompt_rows, dtype=torch.int64), device)
+    meta = to_device(torch.tensor(dec_starts + dec_lens + cu + pre_starts + pre_lens,
+                                  dtype=torch.int32), device)
+    if L:  # input_ids[late_at] = prev's sampled ids [late_rows]
+        late = flat[3 * T : 3 * T + 2 * L]
+        flat[:T].index_copy_(0, late[:L], prev.tokens.index_select(0, late[L:]))
     return ForwardBatch(
         input_ids=flat[:T], positions=flat[T : 2 * T], slots=flat[2 * T : 3 * T],
-        logits_indices=flat[3 * T :], num_decodes=D,
+        logits_indices=flat[3 * T + 2 * L :], num_decodes=D,
         decode_starts=meta[:D], decode_lens=meta[D : 2 * D],
         prefill_cu=meta[2 * D : 2 * D + P + 1],
         prefill_starts=meta[2 * D + P + 1 : 2 * D + 2 * P + 1],
@@ -83,3 +92,15 @@ def build_batch(step: ScheduledStep, device: torch.device) -> ForwardBatch:
         max_chunk_len=max((n for _, n in step.prefills), default=0),
         prompt_spans=spans,
     )
+
+
+def _late_tokens(ids: list[int], step: ScheduledStep, prev: InFlight | None):
+    """(flat positions of the UNSAMPLED ids, the rows of prev.tokens holding their values)."""
+    at = [i for i, t in enumerate(ids) if t == UNSAMPLED]
+    if not at:
+        return [], []
+    if prev is None:
+        raise RuntimeError("a step reads a token no step in flight samples")
+    row = {seq: i for i, seq in enumerate(prev.step.sampled)}
+    owner = list(step.decodes) + [seq for seq, n in step.prefills for _ in range(n)]
+    return at, [row[owner[i]] for i in at]

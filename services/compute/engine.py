@@ -1,5 +1,11 @@
 """The engine: scheduler + allocator + model runner, one merged step at a time.
 
+With the overlap schedule (`--overlap-schedule`, on by default on CUDA), step N+1 is scheduled
+and launched while the device still runs step N, and step N's tokens are committed after that:
+the host never waits for the device except for the ids it needs to finish requests. A request
+step N finishes (stop token) then ran once more in step N+1; that token is dropped. A step that
+reads token values on the host (penalties) commits the step in flight first.
+
 This class runs in-process for `pipellm generate`; the compute service wraps the same class.
 """
 
@@ -9,8 +15,9 @@ import itertools
 import secrets
 from dataclasses import dataclass, field
 
-from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig, StepSample, Top
+from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig
 from services.compute.scheduling.sequence import SeqStatus, Sequence
+from services.compute.scheduling.step import ScheduledStep, Top
 from shared.codec import float32s, int32s
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
@@ -59,6 +66,9 @@ class LLMEngine:
         self.scheduler = Scheduler(sched, sched.policy.allocator(self.runner.capacity))
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        mode = config.overlap_schedule
+        self.overlap = mode == "on" or (mode == "auto" and runner.asynchronous)
+        self._inflight = None  # (ScheduledStep, its runner handle): launched, not committed
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
@@ -111,22 +121,37 @@ class LLMEngine:
         return True
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> StepResult:
-        """Schedule and run one merged step; return the tokens it generated."""
+        """Schedule and launch one merged step; return the tokens committed meanwhile: this
+        step's, or with the overlap schedule the step's before it."""
         step = self.scheduler.schedule()
-        admitted = [s.request_id for s in step.admitted]
-        if step.num_tokens == 0:
-            return StepResult([], admitted)
-        out = self.runner.execute(step)
-        events = []
-        for seq, top in zip(self.scheduler.update(step, out), out.tops(), strict=True):
-            events.append(TokenEvent(seq.request_id, seq.token_ids[-1], seq.logprobs[-1],
-                                     seq.finish_reason, top))
+        result = StepResult([], [s.request_id for s in step.admitted])
+        if self._inflight and (not step.num_tokens or _reads_token_values(step)):
+            self._commit(result)
+        if step.num_tokens:
+            prev = self._inflight[1] if self._inflight else None
+            launched = (step, self.runner.launch(step, prev))
+            self.scheduler.advance(step)
+            if self._inflight:
+                self._commit(result)
+            self._inflight = launched
+            if not self.overlap:
+                self._commit(result)
+        return result
+
+    def _commit(self, result: StepResult) -> None:
+        """Wait for the step in flight and apply its results; its events go into `result`."""
+        step, handle = self._inflight
+        self._inflight = None
+        done = self.scheduler.commit(step, handle.result())
+        for seq, token, top in done.sampled:
+            result.events.append(TokenEvent(seq.request_id, token, seq.logprobs[-1],
+                                            seq.finish_reason, top))
             if seq.finish_reason is not None:
                 del self.requests[seq.request_id]
-        return StepResult(events, admitted, _prompt_pieces(out))
+        result.prompt_logprobs.extend(_prompt_pieces(done.prompt))
 
     def stats(self) -> EngineStats:
         s, a = self.scheduler, self.scheduler.allocator
@@ -147,10 +172,16 @@ class LLMEngine:
         return seqs
 
 
-def _prompt_pieces(out: StepSample) -> list[TokenLogprobs]:
-    """The step's scored prompt tokens, one piece per request."""
+def _reads_token_values(step: ScheduledStep) -> bool:
+    """Whether launching `step` reads sampled token values on the host (penalties count them),
+    so that it cannot be launched before the step in flight is committed."""
+    return any(s.params.has_penalties for s in step.sampled)
+
+
+def _prompt_pieces(prompt) -> list[TokenLogprobs]:
+    """Scored prompt tokens (Committed.prompt), one piece per request."""
     pieces = []
-    for seq, start, logprobs, top in out.prompt:
+    for seq, start, logprobs, top in prompt:
         pieces.append(TokenLogprobs(
             seq.request_id, start, int32s(seq.token_ids[start : start + len(logprobs)]),
             float32s(logprobs), int32s(i for ids, _ in top for i in ids),

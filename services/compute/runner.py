@@ -9,13 +9,14 @@ import torch
 from kernels import apply_penalties, set_backend, to_device, token_stats
 from kernels.kv_quant import KV_GROUP
 from services.compute.batch import build_batch
+from services.compute.inflight import InFlight, PromptRows, TopRows, to_host
 from services.compute.kv.kv_cache import KVCache
 from services.compute.model import quantization
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
 from services.compute.sampling_batch import SamplingBatch
-from services.compute.scheduling.scheduler import ScheduledStep, StepSample, Top
 from services.compute.scheduling.sequence import Sequence
+from services.compute.scheduling.step import ScheduledStep
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 
@@ -73,25 +74,30 @@ class ModelRunner:
             budget = config.kv_cache_gib * 2**30
         return max(int(budget // per_token), 1)
 
+    @property
+    def asynchronous(self) -> bool:
+        """Whether `launch` returns before the device has run the step (a GPU's stream)."""
+        return self.device.type == "cuda"
+
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep) -> StepSample:
-        """Apply KV moves, run the merged forward, sample one token per step.sampled."""
+    def launch(self, step: ScheduledStep, prev: InFlight | None = None) -> InFlight:
+        """Queue one step: KV moves, the merged forward, one sampled token per step.sampled.
+        `prev`: the step before, if its results are not committed yet (its sampled ids feed
+        this step's inputs on the device). The host does not wait for the device here."""
         for src, dst, n in step.moves:
             self.kv.move(src, dst, n)
         sampled = step.sampled
-        batch = build_batch(step, self.device)
+        batch = build_batch(step, self.device, prev)
         logits = self.model.forward(batch, self.kv)  # [S + R, vocab]
-        out = StepSample()
+        out = InFlight(step)
         if batch.prompt_spans:
-            out.prompt = _prompt_logprobs(logits[len(sampled):], batch.prompt_spans)
-        if not sampled:
-            return out
-        logits = logits[: len(sampled)]
-        _suppress_stop_tokens(logits, sampled)
-        out.top = _top_logprobs(logits, [s.params.top_logprobs for s in sampled])
-        tokens, logprobs = self._sample(logits, sampled)
-        out.tokens, out.logprobs = tokens.tolist(), logprobs.tolist()  # one device->host sync
-        return out
+            out.prompt = _prompt_rows(logits[len(sampled):], batch.prompt_spans)
+        if sampled:
+            logits = logits[: len(sampled)]
+            _suppress_stop_tokens(logits, sampled)
+            out.top = _top_rows(logits, [s.params.top_logprobs for s in sampled])
+            out.tokens, out.logprobs = self._sample(logits, sampled)
+        return out.seal()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Sample one token per row of `logits` [S, vocab] for `seqs`; no host sync."""
@@ -136,35 +142,26 @@ def _suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             logits[row, list(s.stop_ids)] = float("-inf")
 
 
-def _top_k(logprobs: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
-    """The k most likely tokens of each row of `logprobs` [R, vocab], best first, on the host."""
+def _top_k(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, values) [R, k] of the k most likely tokens of each row of `logprobs` [R, vocab],
+    best first, copied to the host without waiting."""
     values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-    return ids.tolist(), values.tolist()
+    return to_host(ids), to_host(values)
 
 
-def _top_logprobs(logits: torch.Tensor, ks: list[int]) -> list[Top | None]:
-    """Per row of `logits` [S, vocab]: its ks[i] most likely tokens, or None where ks[i] is 0."""
+def _top_rows(logits: torch.Tensor, ks: list[int]) -> TopRows | None:
+    """The ks[i] most likely tokens of the rows i of `logits` [S, vocab] where ks[i] > 0."""
     rows = [i for i, k in enumerate(ks) if k]
-    out: list[Top | None] = [None] * len(ks)
-    if rows:
-        ids, values = _top_k(logits[rows].float().log_softmax(-1), max(ks))
-        for j, i in enumerate(rows):
-            out[i] = (ids[j][: ks[i]], values[j][: ks[i]])
-    return out
+    if not rows:
+        return None
+    ids, values = _top_k(logits[rows].float().log_softmax(-1), max(ks))
+    return TopRows(rows, [ks[i] for i in rows], ids, values)
 
 
-def _prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]):
-    """logits [R, vocab]: the rows before the prompt tokens of `spans` (see ForwardBatch).
-    Per span: (seq, its first scored position, the scored tokens' logprobs, their top k)."""
+def _prompt_rows(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> PromptRows:
+    """logits [R, vocab]: the rows before the prompt tokens of `spans` (see ForwardBatch)."""
     targets = [t for seq, start, n in spans for t in seq.token_ids[start : start + n]]
     logprobs = logits.float().log_softmax(-1)  # [R, vocab]
-    index = torch.tensor(targets, dtype=torch.int64, device=logits.device)[:, None]
-    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    index = to_device(torch.tensor(targets, dtype=torch.int64)[:, None], logits.device)
     ids, values = _top_k(logprobs, max(seq.params.prompt_logprobs for seq, _, _ in spans))
-    out, row = [], 0
-    for seq, start, n in spans:
-        k = seq.params.prompt_logprobs
-        top = [(ids[r][:k], values[r][:k]) for r in range(row, row + n)]
-        out.append((seq, start, chosen[row : row + n], top))
-        row += n
-    return out
+    return PromptRows(spans, to_host(logprobs.gather(1, index)[:, 0]), ids, values)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import sample
+from kernels import sample, to_device
 from services.compute.scheduling.sequence import Sequence
 
 
@@ -30,9 +30,10 @@ class SamplingBatch:
         """Two host->device copies, whatever the batch size."""
         ps = [s.params for s in seqs]
         floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps],
-                               [p.min_p for p in ps]], dtype=torch.float32).to(device)
+                               [p.min_p for p in ps]], dtype=torch.float32)
         ints = torch.tensor([[p.top_k for p in ps], [s.seed for s in seqs],
-                             [s.num_output for s in seqs]], dtype=torch.int64).to(device)
+                             [s.num_output for s in seqs]], dtype=torch.int64)
+        floats, ints = to_device(floats, device), to_device(ints, device)
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2],
             top_k=ints[0], seeds=ints[1], steps=ints[2],

@@ -26,7 +26,8 @@ from services.compute.kv.compaction import Compactor
 from services.compute.kv.paged_allocator import PagedAllocator
 from services.compute.scheduling.admission import FuturePeak
 from services.compute.scheduling.kv_policy import KVPolicy, make_policy
-from services.compute.scheduling.sequence import SeqStatus, Sequence
+from services.compute.scheduling.sequence import UNSAMPLED, SeqStatus, Sequence
+from services.compute.scheduling.step import Committed, ScheduledStep, StepSample
 
 BATCHING = ("merged", "static")
 ADMISSION = ("auto", "peak", "fit")
@@ -76,41 +77,6 @@ class SchedulerConfig:
 
 
 @dataclass
-class ScheduledStep:
-    """What one forward runs. Moves (src, dst, n) are KV copies to apply, in order, before it."""
-
-    decodes: list[Sequence] = field(default_factory=list)  # one token each
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, chunk length)
-    moves: list[tuple[int, int, int]] = field(default_factory=list)
-    # sequences whose next token this step samples: all decodes, then chunks ending their prompt
-    sampled: list[Sequence] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)  # taken from the queue this step
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
-
-
-Top = tuple[list[int], list[float]]  # the k most likely tokens at a position, and their logprobs
-
-
-@dataclass
-class StepSample:
-    """What a step produced, on the host. tokens/logprobs/top follow step.sampled; top[i] is
-    None unless that request asked for top logprobs. prompt: per batch.prompt_spans span, its
-    first scored prompt position, the scored tokens' logprobs and their top k."""
-
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[Top | None] = field(default_factory=list)
-    prompt: list[tuple[Sequence, int, list[float], list[Top]]] = field(default_factory=list)
-
-    def tops(self) -> list[Top | None]:
-        """`top` aligned with `tokens` (a runner that computes none leaves `top` empty)."""
-        return self.top or [None] * len(self.tokens)
-
-
-@dataclass
 class SchedulerStats:
     moves: int = 0
     grows_in_place: int = 0
@@ -152,7 +118,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):  # preemption victims come after i (admitted later)
             seq = self.running[i]
-            if seq.pending == 1 and self._make_room(seq, step):
+            if seq.pending == 1 and not seq.at_limit and self._make_room(seq, step):
                 step.decodes.append(seq)
             i += 1
         budget = self.config.max_batched_tokens - len(step.decodes)
@@ -189,22 +155,46 @@ class Scheduler:
                 step.prefills.append((seq, n))
                 budget -= n
 
-    def update(self, step: ScheduledStep, out: StepSample) -> list[Sequence]:
-        """Apply a finished forward: advance caches, append sampled tokens (and the logprobs
-        asked for), retire finished."""
+    def advance(self, step: ScheduledStep) -> None:
+        """Account for a launched step before its results are back: its K/V count as cached and
+        each sampled request gets an UNSAMPLED token, so the next step can be scheduled while
+        this one runs. A request whose sampled token is its last by length is not scheduled
+        again (Sequence.at_limit)."""
         for seq in step.decodes:
             seq.num_cached += 1
         for seq, n in step.prefills:
             seq.num_cached += n
-        for seq, _, logprobs, top in out.prompt:
-            seq.prompt_logprobs += logprobs
-            seq.prompt_top += top
-        for seq, tok, lp, top in zip(step.sampled, out.tokens, out.logprobs, out.tops(),
-                                     strict=True):
-            seq.append(tok, lp, top)
+        for seq in step.sampled:
+            if seq.status is SeqStatus.FINISHED:  # since it was scheduled: nothing to sample
+                step.token_index.append(-1)
+                continue
+            seq.token_ids.append(UNSAMPLED)
+            step.token_index.append(len(seq.token_ids) - 1)
+
+    def commit(self, step: ScheduledStep, out: StepSample) -> Committed:
+        """Apply an advanced step's results, in step order: fill in the sampled tokens (and the
+        logprobs asked for), retire the requests they finish. Requests finished or aborted
+        since the step was scheduled are skipped (their extra token is dropped)."""
+        done = Committed()
+        for entry in out.prompt:
+            if entry[0].status is not SeqStatus.FINISHED:
+                entry[0].prompt_logprobs += entry[2]
+                entry[0].prompt_top += entry[3]
+                done.prompt.append(entry)
+        for seq, index, tok, lp, top in zip(step.sampled, step.token_index, out.tokens,
+                                            out.logprobs, out.tops(), strict=True):
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            seq.fill(index, tok, lp, top)
+            done.sampled.append((seq, tok, top))
             if seq.finish_reason is not None:
                 self._retire(seq)
-        return step.sampled
+        return done
+
+    def update(self, step: ScheduledStep, out: StepSample) -> Committed:
+        """advance + commit: a step run to completion before the next is scheduled."""
+        self.advance(step)
+        return self.commit(step, out)
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         if seq.status is SeqStatus.WAITING:
@@ -215,7 +205,10 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def _retire(self, seq: Sequence) -> None:
-        self._release(seq)
+        if seq.status is SeqStatus.RUNNING:
+            self._release(seq)
+        elif seq.status is SeqStatus.WAITING:  # preempted while its last step was in flight
+            self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
     def _release(self, seq: Sequence) -> None:

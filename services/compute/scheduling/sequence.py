@@ -8,6 +8,8 @@ from enum import Enum
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 
+UNSAMPLED = -1  # a token_ids entry whose step is in flight: its value is still on the device
+
 
 class SeqStatus(Enum):
     WAITING = "waiting"
@@ -18,8 +20,11 @@ class SeqStatus(Enum):
 @dataclass(eq=False)
 class Sequence:
     """Invariants: token_ids = prompt + generated; token_ids[:num_cached] have K/V in the slots
-    [kv_start, kv_start + num_cached) and num_cached <= kv_reserved while RUNNING; the tokens
-    token_ids[num_cached:] are pending (fed to the model in a later step)."""
+    [kv_start, kv_start + num_cached) (or will have, once the steps in flight ran) and
+    num_cached <= kv_reserved while RUNNING; the tokens token_ids[num_cached:] are pending (fed
+    to the model in a later step). A generated token is UNSAMPLED from the step that samples it
+    being scheduled until that step's result is committed (`fill`): at most the last one or two
+    (the step in flight and the one being built)."""
 
     request_id: str
     token_ids: list[int]
@@ -70,17 +75,33 @@ class Sequence:
     def pending(self) -> int:
         return len(self.token_ids) - self.num_cached
 
+    @property
+    def at_limit(self) -> bool:
+        """Whether the token last scheduled is its last by length: no further step may run it."""
+        return self.num_output >= self.params.max_tokens or self.num_tokens >= self.max_len
+
     def append(self, token: int, logprob: float,
                top: tuple[list[int], list[float]] | None = None) -> None:
-        self.token_ids.append(token)
+        self.token_ids.append(UNSAMPLED)
+        self.fill(len(self.token_ids) - 1, token, logprob, top)
+
+    def fill(self, index: int, token: int, logprob: float,
+             top: tuple[list[int], list[float]] | None = None) -> None:
+        """Commit the sampled value of token_ids[index] (the oldest UNSAMPLED one). If it
+        finishes the request, the tokens scheduled after it are dropped."""
+        self.token_ids[index] = token
         self.logprobs.append(logprob)
         if top is not None:
             self.top.append(top)
-        self.finish_reason = self._finish_reason(token)
+        self.finish_reason = self._finish_reason(token, index + 1)
+        if self.finish_reason is not None:
+            del self.token_ids[index + 1 :]
 
-    def _finish_reason(self, token: int) -> str | None:
-        if token in self.stop_ids and self.num_output > self.params.min_tokens:
+    def _finish_reason(self, token: int, length: int) -> str | None:
+        """Why a request whose token_ids[length - 1] is `token` ends there, if it does."""
+        num_output = length - self.num_prompt
+        if token in self.stop_ids and num_output > self.params.min_tokens:
             return "stop"
-        if self.num_output >= self.params.max_tokens or self.num_tokens >= self.max_len:
+        if num_output >= self.params.max_tokens or length >= self.max_len:
             return "length"
         return None

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import time
 
-from services.compute.scheduling.scheduler import ScheduledStep, StepSample
+from services.compute.inflight import Done
+from services.compute.scheduling.step import ScheduledStep, StepSample
 from services.compute.sim.cost import CostModel, kv_dtype_bytes
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
@@ -82,9 +83,11 @@ class SimRunner:
             [(n, s.num_cached) for s, n in step.prefills],
             len(step.sampled), sum(n for _, _, n in step.moves))
 
-    def execute(self, step: ScheduledStep) -> StepSample:
+    asynchronous = False  # a step's modelled time has passed when launch returns
+
+    def launch(self, step: ScheduledStep, prev=None) -> Done:
         """Token ids for step.sampled (logprobs 0, none of the extras), after the modelled time
-        has passed."""
+        has passed. They depend on no token's value: `prev`'s are not needed."""
         dt = self.step_time(step)
         self.busy_s += dt
         self.steps += 1
@@ -101,7 +104,7 @@ class SimRunner:
             while tok in never or tok in s.stop_ids:
                 tok = (tok + 1) % vocab
             out.append(tok)
-        return StepSample(out, [0.0] * len(out))
+        return Done(StepSample(out, [0.0] * len(out)))
 
     def _sleep(self, dt: float) -> None:
         """Sleep the step's modelled time, less the host time the loop already spent since the

@@ -1,0 +1,106 @@
+"""A launched step's results: on the device while the step runs, on the host after `result()`.
+
+On a GPU, `launch` queues the forward and the sampling and returns at once; the results are
+copied into pinned host memory behind them (non-blocking) and `result()` waits for that copy,
+the one point per step where the host waits for the device. The next step may be scheduled and
+launched before: its inputs read the sampled ids where they are (`tokens`, on the device).
+On a CPU everything has run by the time `launch` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.compute.scheduling.sequence import Sequence
+from services.compute.scheduling.step import ScheduledStep, StepSample, Top
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy on the host, without waiting for it on a GPU (pinned memory)."""
+    return t.to("cpu", non_blocking=True) if t.is_cuda else t
+
+
+@dataclass
+class TopRows:
+    """The k most likely tokens of some rows: row rows[j] keeps ks[j] of ids/values[j]."""
+
+    rows: list[int]
+    ks: list[int]
+    ids: torch.Tensor  # [len(rows), max k] int64, host
+    values: torch.Tensor  # [len(rows), max k] float32, host
+
+
+@dataclass
+class PromptRows:
+    """Scored prompt tokens, span by span (ForwardBatch.prompt_spans): chosen [R] logprobs
+    of the prompt tokens, ids/values [R, max k] their rows' k most likely tokens (host)."""
+
+    spans: list[tuple[Sequence, int, int]]
+    chosen: torch.Tensor
+    ids: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class InFlight:
+    step: ScheduledStep
+    tokens: torch.Tensor | None = None  # [S] int64 on the device, S = len(step.sampled)
+    host_tokens: torch.Tensor | None = None  # their copy on the host
+    logprobs: torch.Tensor | None = None  # [S] float32, host
+    top: TopRows | None = None
+    prompt: PromptRows | None = None
+    ready: torch.cuda.Event | None = None  # recorded after the host copies were queued
+
+    def seal(self) -> InFlight:
+        """Queue the host copies and mark their end (call once every result is launched)."""
+        if self.tokens is not None:
+            self.host_tokens, self.logprobs = to_host(self.tokens), to_host(self.logprobs)
+        if self.tokens is not None and self.tokens.is_cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        return self
+
+    def result(self) -> StepSample:
+        """The step's results on the host (waits for the device)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        out = StepSample()
+        if self.prompt is not None:
+            out.prompt = _prompt_entries(self.prompt)
+        if self.host_tokens is not None:
+            out.tokens, out.logprobs = self.host_tokens.tolist(), self.logprobs.tolist()
+            out.top = _tops(self.top, len(out.tokens))
+        return out
+
+
+def _tops(top: TopRows | None, n: int) -> list[Top | None]:
+    out: list[Top | None] = [None] * n
+    if top is not None:
+        ids, values = top.ids.tolist(), top.values.tolist()
+        for j, (row, k) in enumerate(zip(top.rows, top.ks, strict=True)):
+            out[row] = (ids[j][:k], values[j][:k])
+    return out
+
+
+def _prompt_entries(p: PromptRows) -> list[tuple[Sequence, int, list[float], list[Top]]]:
+    """Per span: (seq, its first scored position, the scored tokens' logprobs, their top k)."""
+    chosen, ids, values = p.chosen.tolist(), p.ids.tolist(), p.values.tolist()
+    out, row = [], 0
+    for seq, start, n in p.spans:
+        k = seq.params.prompt_logprobs
+        top = [(ids[r][:k], values[r][:k]) for r in range(row, row + n)]
+        out.append((seq, start, chosen[row : row + n], top))
+        row += n
+    return out
+
+
+class Done:
+    """A step whose results are on the host already (the simulator's)."""
+
+    def __init__(self, sample: StepSample):
+        self.sample = sample
+
+    def result(self) -> StepSample:
+        return self.sample
