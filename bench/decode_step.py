@@ -10,7 +10,7 @@ it times `LlamaModel.forward` (median of CUDA-event timed reps, after warm-up)
 with the Triton kernels (the PyTorch reference paths sync with the host: not capturable).
 Bound = (weight bytes + KV bytes read) / bandwidth, the bandwidth measured in the same run as a
 1 GiB device-to-device copy ((bytes read + written) / time); "% of bound" = bound / time.
-Target: >= 70% of the bound at batch 64 (PASS/MISS, graph replay and eager).
+Target: >= 80% of the bound at batch 64 (PASS/MISS, graph replay and eager).
 
     python -m bench.decode_step [--quick] [--batches 1,64,256] [--context 1024]
 
@@ -53,7 +53,7 @@ FULL = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_la
             num_heads=32, num_kv_heads=8, head_dim=128)
 QUICK = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=16)
-TARGET_PCT, TARGET_BATCH = 70.0, 64
+TARGET_PCT, TARGET_BATCH = 80.0, 64  # the GPU-path issue: >= 80% of the HBM bound
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -9,7 +9,7 @@ on contiguous [B, H, 1, D] queries and [B, Hkv, ctx, D] K/V (enable_gqa); prefil
 SDPA causal on the flash backend (lower-right causal mask for chunks with a prefix). "speed" =
 baseline time / Triton time (> 1: Triton faster). Shapes: 32 heads, 8 KV heads, head_dim 128,
 hidden 4096, intermediate 14336, vocab 128256. Targets, printed PASS/MISS: decode attention
->= 70% of peak at batch 64, context 4096; fused add+RMSNorm >= 70% of peak at T=4096; prefill
+>= 85% of peak at batch 64, context 4096; fused add+RMSNorm >= 70% of peak at T=4096; prefill
 attention at 2k tokens within 1.3x of SDPA flash; INT8 KV decode attention (the baseline: the
 same kernel on the 16-bit cache) >= 1.7x its speed at batch 64, context 4096.
 
@@ -62,7 +62,7 @@ FULL = dict(heads=(32, 8, 128), hidden=4096, inter=14336, vocab=128256, copy_mib
 QUICK = dict(heads=(4, 2, 16), hidden=256, inter=512, vocab=1000, copy_mib=16,
              decode=[(2, 64), (1, 64), (3, 64)], prefill=[(1, 64, 0), (2, 16, 48)],
              norm=[16, 4], tokens=16, sample=8)
-DECODE_PCT, NORM_PCT, PREFILL_RATIO = 70.0, 70.0, 1.3
+DECODE_PCT, NORM_PCT, PREFILL_RATIO = 85.0, 70.0, 1.3  # decode: the GPU-path issue
 INT8_SPEEDUP = 1.7  # INT8 KV decode attention against the 16-bit kernel (issue "quantization")
 
 

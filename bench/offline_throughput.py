@@ -1,4 +1,5 @@
-"""Offline throughput: the engine vs Hugging Face `generate` with static batches, on CPU.
+"""Offline throughput: the engine vs Hugging Face `generate` with static batches (on CPU, or on
+a GPU with --device cuda, e.g. a Llama-3-8B-shaped model: --shape llama3-8b --dtype bfloat16).
 
 Requests take the prompt and output token counts of the ShareGPT samples (demo tokenizer),
 clipped to the model's context (prompt <= context / 2, prompt + output <= context); prompt ids
@@ -8,6 +9,8 @@ its longest request; only each request's own tokens count. Also times scheduler 
 batch building per step with all requests running in decode (no model).
 
     python -m bench.offline_throughput [--quick] [--baseline-requests N] [--data FILE]
+    python -m bench.offline_throughput --device cuda --shape llama3-8b --dtype bfloat16 \
+        --context 2048 --hf-cache static       # the GPU suite's run (bench/gpu_suite.sh)
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -36,6 +39,7 @@ from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
 from services.compute.backend import build_engine  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
+from services.compute.inflight import InFlight  # noqa: E402
 from services.compute.kv.allocator import KVAllocator  # noqa: E402
 from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from services.compute.scheduling.sequence import Sequence  # noqa: E402
@@ -47,6 +51,8 @@ from shared.sampling import SamplingParams  # noqa: E402
 
 MODEL = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, intermediate_size=1408)
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, intermediate_size=14336, rope_theta=500000.0)
 QUICK_MODEL = dict(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=256)
 HF_BATCH = 32
@@ -70,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch threads (default: all cores; 1 is steadier on a shared machine)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument("--shape", default="small", choices=["small", "llama3-8b"],
+                   help="the random model: small (~50M parameters) or Llama-3-8B's")
+    p.add_argument("--hf-cache", default="dynamic", choices=["dynamic", "static"],
+                   help="transformers' KV cache in generate (static: its compile-friendly one)")
     p.add_argument("--quick", action="store_true", help="tiny model and workload (smoke run)")
     args = p.parse_args(argv)
     if args.quick:
@@ -97,14 +109,21 @@ def clip(items: list[ds.WorkItem], context: int) -> tuple[list[int], list[int]]:
     return plens, olens
 
 
+def model_spec(args: argparse.Namespace) -> dict:
+    return QUICK_MODEL if args.quick else LLAMA3_8B if args.shape == "llama3-8b" else MODEL
+
+
 def build_model(path: Path, args: argparse.Namespace) -> int:
-    spec = QUICK_MODEL if args.quick else MODEL
-    cfg = transformers.LlamaConfig(**spec, max_position_embeddings=args.context, bos_token_id=1,
-                                   eos_token_id=2, tie_word_embeddings=False, dtype="float32")
+    cfg = transformers.LlamaConfig(**model_spec(args), max_position_embeddings=args.context,
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                                   dtype=args.dtype)
     torch.manual_seed(args.seed)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.device(args.device):  # initialised where it runs: 8B parameters in seconds
+        model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, args.dtype)).eval()
     model.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    return n
 
 
 class StepTimer:
@@ -112,9 +131,15 @@ class StepTimer:
 
     def __init__(self):
         self.total: dict[str, float] = defaultdict(float)
+        self.wrapped: list[tuple[object, str, object]] = []
+
+    def restore(self) -> None:
+        for obj, name, fn in reversed(self.wrapped):
+            setattr(obj, name, fn)
 
     def wrap(self, obj: object, name: str, key: str) -> None:
         fn = getattr(obj, name)
+        self.wrapped.append((obj, name, obj.__dict__[name] if isinstance(obj, type) else fn))
 
         def timed(*a, **kw):
             t = time.perf_counter()
@@ -129,14 +154,19 @@ class StepTimer:
 def run_engine(model_dir: Path, prompts: list[list[int]], olens: list[int], capacity: int,
                args: argparse.Namespace) -> dict:
     engine = build_engine(EngineConfig(
-        model=str(model_dir), device="cpu", dtype="float32", kv_cache_tokens=capacity,
+        model=str(model_dir), device=args.device, dtype=args.dtype,
+        kv_cache_tokens=0 if args.device == "cuda" else capacity,  # CUDA: profiled
         max_batched_tokens=args.max_batched_tokens, max_running=args.max_running))
+    log(f"engine: {engine.runner.summary}")
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     timer = StepTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(engine.scheduler, "update", "update")
-    timer.wrap(engine.runner, "execute", "execute")
+    timer.wrap(engine.scheduler, "commit", "update")
+    timer.wrap(engine.runner, "launch", "execute")
     timer.wrap(engine.runner.model, "forward", "forward")
+    if engine.runner.graphs is not None:
+        timer.wrap(engine.runner.graphs, "run", "forward")
+    timer.wrap(InFlight, "result", "wait")  # the host waiting for the device
     t0, c0 = time.perf_counter(), time.process_time()
     seqs = []
     for ids, n in zip(prompts, olens, strict=True):
@@ -154,23 +184,26 @@ def run_engine(model_dir: Path, prompts: list[list[int]], olens: list[int], capa
     log(f"engine: done in {elapsed:.1f} s")
     assert [s.num_output for s in seqs] == olens, "engine output lengths differ from the workload"
     st = engine.stats()
-    ms = {k: 1000 * v / steps for k, v in timer.total.items()}
+    ms = defaultdict(float, {k: 1000 * v / steps for k, v in timer.total.items()})
+    timer.restore()
     return dict(seconds=elapsed, cpu_seconds=cpu, tokens=sum(olens), steps=steps, load=load,
                 moves=st.moves, grows_in_place=st.grows_in_place, preemptions=st.preemptions,
                 ms_schedule=ms["schedule"], ms_update=ms["update"], ms_forward=ms["forward"],
-                ms_execute_other=ms["execute"] - ms["forward"])
+                ms_execute_other=ms["execute"] - ms["forward"], ms_wait=ms["wait"],
+                summary=engine.runner.summary)
 
 
-def run_hf(model_dir: Path, prompts: list[list[int]], olens: list[int]) -> dict:
+def run_hf(model_dir: Path, prompts: list[list[int]], olens: list[int], args) -> dict:
     transformers.logging.set_verbosity_error()
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, args.dtype)).to(args.device)
     model.eval()
     model.generation_config.eos_token_id = None  # else None below means "the model's EOS"
-    _hf_batch(model, [prompts[0][:8]], 4)  # warm-up
+    _hf_batch(model, [prompts[0][:8]], 4, args.hf_cache)  # warm-up
     t0, c0, padded = time.perf_counter(), time.process_time(), 0
     for i in range(0, len(prompts), HF_BATCH):
         longest = max(olens[i : i + HF_BATCH])
-        _hf_batch(model, prompts[i : i + HF_BATCH], longest)
+        _hf_batch(model, prompts[i : i + HF_BATCH], longest, args.hf_cache)
         padded += longest * len(prompts[i : i + HF_BATCH])
         log(f"HF: batch {i // HF_BATCH + 1} done ({time.perf_counter() - t0:.1f} s)")
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -179,15 +212,17 @@ def run_hf(model_dir: Path, prompts: list[list[int]], olens: list[int]) -> dict:
 
 
 @torch.inference_mode()
-def _hf_batch(model, prompts: list[list[int]], new_tokens: int) -> None:
+def _hf_batch(model, prompts: list[list[int]], new_tokens: int, cache: str = "dynamic") -> None:
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.int64)
     mask = torch.zeros(len(prompts), width, dtype=torch.int64)
     for row, p in enumerate(prompts):  # left padding
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
-    gen = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0,
-                                        max_new_tokens=new_tokens)
+    gen = transformers.GenerationConfig(
+        do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=new_tokens,
+        cache_implementation="static" if cache == "static" else None)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
     assert out.shape[1] == width + new_tokens, "HF generate stopped early"
 
@@ -235,10 +270,14 @@ def report(args, params: int, source: str, eng: dict, hf: dict, ovh: dict) -> di
     eng_tps, hf_tps = eng["tokens"] / eng["seconds"], hf["tokens"] / hf["seconds"]
     eng_cpu, hf_cpu = eng["tokens"] / eng["cpu_seconds"], hf["tokens"] / hf["cpu_seconds"]
     ratio, subset = eng_tps / hf_tps, args.baseline_requests < args.num_requests
+    host_ms = eng["ms_schedule"] + eng["ms_execute_other"] + eng["ms_update"]
+    host_share = host_ms / (1000 * eng["seconds"] / eng["steps"])
     print(f"engine: {eng['tokens']} output tokens in {eng['seconds']:.1f} s = {eng_tps:.1f} tok/s "
           f"({eng_cpu:.1f} per CPU-second; {eng['steps']} steps; per step ms: schedule "
           f"{eng['ms_schedule']:.2f}, forward {eng['ms_forward']:.1f}, moves+batch+sample "
-          f"{eng['ms_execute_other']:.2f}, update {eng['ms_update']:.2f}; KV moves {eng['moves']}, "
+          f"{eng['ms_execute_other']:.2f}, commit {eng['ms_update']:.2f}, waiting for the device "
+          f"{eng['ms_wait']:.2f}; host work outside the forward {host_share:.1%} of a step; "
+          f"KV moves {eng['moves']}, "
           f"grows in place {eng['grows_in_place']}, preemptions {eng['preemptions']})")
     which = (f"first {args.baseline_requests} of {args.num_requests} requests, tok/s of that "
              f"subset stands in for all" if subset else f"all {args.num_requests} requests")
@@ -257,7 +296,10 @@ def report(args, params: int, source: str, eng: dict, hf: dict, ovh: dict) -> di
         sched_ms_per_step_mean=round(ovh["mean"], 4), sched_ms_p99=round(ovh["p99"], 4),
         sched_cpu_ms_mean=round(ovh["cpu_mean"], 4), sched_cpu_ms_p99=round(ovh["cpu_p99"], 4),
         num_requests=args.num_requests, hf_requests=args.baseline_requests,
-        hf_extrapolated=subset, model_params=params, device="cpu", cpu_cores=os.cpu_count(),
+        hf_extrapolated=subset, model_params=params, device=args.device, dtype=args.dtype,
+        hf_cache=args.hf_cache, host_ms_per_step=round(host_ms, 3),
+        host_share_of_step=round(host_share, 4), wait_ms_per_step=round(eng["ms_wait"], 3),
+        cpu_cores=os.cpu_count(),
         torch_threads=torch.get_num_threads(), context=args.context,
         max_batched_tokens=args.max_batched_tokens, output_tokens=eng["tokens"],
         engine_s=round(eng["seconds"], 1), hf_s=round(hf["seconds"], 1),
@@ -278,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     args.baseline_requests = min(args.baseline_requests, len(items))
     plens, olens = clip(items, args.context)
     rng = random.Random(args.seed)
-    vocab = (QUICK_MODEL if args.quick else MODEL)["vocab_size"]
+    vocab = model_spec(args)["vocab_size"]
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in plens]
     print(f"workload: {len(items)} requests from {source}, clipped to context {args.context}: "
           f"{sum(plens)} prompt tokens, {sum(olens)} output tokens "
@@ -286,15 +328,15 @@ def main(argv: list[str] | None = None) -> None:
     capacity = len(prompts) * args.context  # every request at full context: no preemption
     with tempfile.TemporaryDirectory(prefix="pipellm-bench-") as tmp:
         params = build_model(Path(tmp), args)
-        print(f"model: random Llama, {params / 1e6:.1f}M parameters, float32, "
-              f"{'quick' if args.quick else MODEL}")
+        print(f"model: random Llama, {params / 1e6:.1f}M parameters, {args.dtype} on "
+              f"{args.device}, {model_spec(args)}")
         ovh = measure_overhead(prompts, args.context, capacity, args)
         log("engine: start")
         eng = run_engine(Path(tmp), prompts, olens, capacity, args)
         gc.collect()
         nb = args.baseline_requests
         log(f"HF: start, {nb} requests")
-        hf = run_hf(Path(tmp), prompts[:nb], olens[:nb])
+        hf = run_hf(Path(tmp), prompts[:nb], olens[:nb], args)
     print(json.dumps(report(args, params, source, eng, hf, ovh)))
 
 

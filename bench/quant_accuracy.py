@@ -14,7 +14,7 @@
     python -m bench.quant_accuracy --quick              # a smoke run
 
 The file is already 4-bit, so "float" is the float copy made from its blocks; "int4-gguf"
-serves those blocks as they are; "int4-g32"/"int4-g128" are our own float -> INT4 quantization
+serves those blocks as they are; "int4-g32"/"int4-g64" are our own float -> INT4 quantization
 of the same float weights (the GGUF expanded to an HF directory, as bench/vs_vllm.py does).
 FP8 runs on the CPU through PyTorch's unaccelerated kernel (slow; the accuracy is the point).
 The last line is JSON.
@@ -48,7 +48,7 @@ MODES = {  # name -> EngineConfig fields ("model": "hf" loads the expanded float
     "int4-gguf": {"quantization": "int4"},
     "int4-gguf+int8-kv": {"quantization": "int4", **_INT8_KV},
     "int4-g32": {**_OURS, "int4_group_size": 32},
-    "int4-g128": {**_OURS, "int4_group_size": 128},
+    "int4-g64": {**_OURS, "int4_group_size": 64},  # 576 = 9 x 64 (SmolLM2: not 128)
     "fp8": {"quantization": "fp8"},
     "fp8+int8-kv": {"quantization": "fp8", **_INT8_KV},
 }

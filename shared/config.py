@@ -92,6 +92,8 @@ class EngineConfig:
                                 group=SCHEDULING)
     batching: str = setting("merged", "merged (dynamic, merged steps) or static (a baseline)",
                             group=SCHEDULING)
+    enforce_eager: bool = setting(False, "CUDA: run every step eagerly (no CUDA graphs of "
+                                  "decode steps)", group=MODEL)
     overlap_schedule: str = setting("auto", "schedule and launch step N+1 while the device runs "
                                     "step N: on, off, or auto (on where steps run "
                                     "asynchronously: CUDA)", group=SCHEDULING)

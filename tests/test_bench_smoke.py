@@ -133,3 +133,32 @@ def test_server_that_exits_early_raises_with_its_log(tmp_path):
     with pytest.raises(servers.ServerError, match="no model here"), servers.running(srv, 30):
         pass
     assert srv.proc is None
+
+
+def test_gpu_report_fits_the_simulator_to_decode_timings(tmp_path, capsys):
+    """The GPU suite's report on step files shaped like bench/decode_step.py's JSON, made from a
+    known cost model: the fit recovers it; missing steps read as not measured."""
+    from bench import gpu_report
+    from services.compute.sim.cost import CostModel
+
+    truth = CostModel("h100", "llama-3-8b", eff_bw=0.8, overhead_s=0.5e-3)
+    for name, ctx in (("decode1k", 1024), ("decode4k", 4096)):
+        batches = {str(b): {"graph_ms": 1e3 * truth.decode(b, ctx).time_s, "graph_pct_bound": 81.0}
+                   for b in (1, 16, 64, 256)}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"context": ctx, "batches": batches}))
+    (tmp_path / "device.txt").write_text("NVIDIA H100 80GB HBM3, 81559 MiB, 580.1")
+    gpu_report.main([str(tmp_path)])
+    out = last_json(capsys.readouterr().out)
+    assert out["fit"]["eff_bw"] == pytest.approx(0.8, rel=1e-3)
+    assert out["fit"]["overhead_ms"] == pytest.approx(0.5, rel=1e-2)
+    assert out["verdicts"] == {"decode_graph_pct_bound": "met", "offline_ratio": "not measured",
+                               "host_share_of_step": "not measured"}
+
+
+def test_gpu_suite_script_parses():
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_suite.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and "wheels" in usage.stdout

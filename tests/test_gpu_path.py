@@ -1,0 +1,89 @@
+"""The GPU serving path: CUDA graphs of decode steps against eager steps, the KV cache sized by
+--gpu-memory-utilization after a profiled step, the overlap schedule with real asynchronous
+steps. All but the profiling batch need a CUDA device (marked `gpu`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.compute.backend import build_engine
+from services.compute.batch import build_batch
+from services.compute.kv.kv_cache import KVCache
+from services.compute.kv.sizing import profile_batch
+from shared.config import EngineConfig
+from shared.model_config import ModelConfig
+from shared.sampling import SamplingParams
+from tests.test_overlap import PROMPTS, _params, _run
+
+
+def _config(model_dir, device="cuda", **kw) -> EngineConfig:
+    base = dict(model=str(model_dir), device=device, dtype="float32", max_batched_tokens=64,
+                max_running=16, kv_cache_tokens=4096)
+    return EngineConfig(**{**base, **kw})
+
+
+def test_the_profiling_step_runs_the_largest_chunk(demo_model_dir):
+    """What the GPU sizing runs, on the CPU: one chunk, logits for the last rows."""
+    engine = build_engine(_config(demo_model_dir, "cpu"))
+    cfg = ModelConfig.from_path(demo_model_dir)
+    kv = KVCache(cfg.num_layers, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    logits = engine.runner.model.forward(profile_batch(64, 16, torch.device("cpu")), kv)
+    assert logits.shape == (16, cfg.vocab_size) and torch.isfinite(logits).all()
+    assert kv.k[:, :64].abs().sum() > 0 and kv.nbytes() == 64 * KVCache.bytes_per_token(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_give_the_eager_tokens(demo_model_dir):
+    prompts = [[1] + [(5 * i + j) % 700 + 3 for j in range(3 + 7 * i)] for i in range(11)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=4, ignore_eos=True)
+    out = {}
+    for eager in (True, False):
+        engine = build_engine(_config(demo_model_dir, enforce_eager=eager))
+        assert (engine.runner.graphs is None) == eager
+        out[eager] = [[s.output_ids for s in engine.generate(prompts, p)]
+                      for p in (greedy, sampled)]
+    assert out[False] == out[True]
+
+
+@pytest.mark.gpu
+def test_a_graph_replay_matches_the_eager_forward_with_padding(demo_model_dir):
+    engine = build_engine(_config(demo_model_dir, overlap_schedule="off"))
+    graphs = engine.runner.graphs
+    assert 3 not in graphs.sizes  # 3 rows replay the graph of 4, one row padded
+    for i in range(3):
+        engine.add_request([1, 9, 8, 7 + i], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # the prefills (eager), committed
+    step = engine.scheduler.schedule()
+    assert len(step.decodes) == 3 and not step.prefills
+    batch = build_batch(step, engine.runner.device)
+    torch.testing.assert_close(graphs.run(batch).clone(),
+                               engine.runner.model.forward(batch, engine.runner.kv),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_kv_cache_fills_what_gpu_memory_utilization_leaves(demo_model_dir):
+    engine = build_engine(_config(demo_model_dir, kv_cache_tokens=0,
+                                  gpu_memory_utilization=0.3))
+    total = torch.cuda.get_device_properties(0).total_memory
+    kv = engine.runner.kv.nbytes()
+    assert 0.1 * total < kv < 0.3 * total
+    assert torch.cuda.memory_allocated() < 0.3 * total
+    assert "KV cache" in engine.runner.summary["gpu_memory"]
+
+
+@pytest.mark.gpu
+def test_overlap_on_cuda_gives_the_plain_streams(demo_model_dir):
+    params = _params([504, 800])
+    plain = build_engine(_config(demo_model_dir, overlap_schedule="off", kv_cache_tokens=150,
+                                 max_batched_tokens=24, max_running=8, kv_min_grow=4,
+                                 default_predicted_len=4))
+    overlapped = build_engine(_config(demo_model_dir, kv_cache_tokens=150,
+                                      max_batched_tokens=24, max_running=8, kv_min_grow=4,
+                                      default_predicted_len=4))
+    assert overlapped.overlap  # auto: on for CUDA
+    assert _run(overlapped, params) == _run(plain, params)
+    assert len(PROMPTS) == len(params)
