@@ -49,6 +49,8 @@ from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 from kernels import dispatch  # noqa: E402
 from kernels.activation import silu_mul, silu_mul_ref  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.decode_attention_paged import decode_attention_paged  # noqa: E402
+from kernels.int4_gemm import dequantize_int4, int4_gemm_triton, quantize_int4  # noqa: E402
 from kernels.kv_quant import quantize_kv  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref  # noqa: E402
@@ -64,6 +66,8 @@ QUICK = dict(heads=(4, 2, 16), hidden=256, inter=512, vocab=1000, copy_mib=16,
              norm=[16, 4], tokens=16, sample=8)
 DECODE_PCT, NORM_PCT, PREFILL_RATIO = 85.0, 70.0, 1.3  # decode: the GPU-path issue
 INT8_SPEEDUP = 1.7  # INT8 KV decode attention against the 16-bit kernel (issue "quantization")
+PAGE = 16  # vLLM's default block size, for the paged decode attention baseline
+W4A16_SPEEDUP = 3.0  # INT4 weight-only GEMM against the bf16 GEMM at batch 1 (same issue)
 
 
 def timeit(fn, cuda: bool) -> float:
@@ -147,6 +151,42 @@ def case_decode_int8(s: dict, batch: int, ctx: int) -> dict:
                                      k_scale=ks, v_scale=vs),
         base=lambda: decode_attention(q, k, v, starts, lens, scale, max_seq_len=ctx),
         check=max_err)
+
+
+def case_decode_paged(s: dict, batch: int, ctx: int, page: int = PAGE) -> dict:
+    """Our contiguous segments against the same kernel reading a block table (vLLM's paged
+    layout, pages handed out shuffled): speed = paged time / contiguous time, the cost the
+    simulator's paged baseline is given (--sim-paged-attn-slowdown)."""
+    (H, HKV, D), dt, dev = s["heads"], s["dtype"], s["device"]
+    q = torch.randn(batch, H, D, dtype=dt, device=dev)
+    k = torch.randn(batch * ctx, HKV, D, dtype=dt, device=dev)
+    v = torch.randn_like(k)
+    starts = torch.arange(batch, dtype=torch.int32, device=dev) * ctx
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    pages = batch * ctx // page
+    perm = torch.randperm(pages, device=dev)  # page j of the paged cache holds segment page
+    kp, vp = (torch.empty_like(t).view(pages, page, HKV, D) for t in (k, v))
+    kp[perm], vp[perm] = k.view(pages, page, HKV, D), v.view(pages, page, HKV, D)
+    table = perm.view(batch, ctx // page).to(torch.int32)  # [B, pages per sequence]
+    kp, vp, scale = kp.view_as(k), vp.view_as(v), D**-0.5
+    return dict(
+        name=f"decode_attn_vs_paged{page}_b{batch}_ctx{ctx}", unit="GB/s",
+        work=(2 * k.numel() + 2 * q.numel()) * q.element_size(),
+        tri=lambda: decode_attention(q, k, v, starts, lens, scale, max_seq_len=ctx),
+        base=lambda: decode_attention_paged(q, kp, vp, table, lens, scale, page, ctx),
+        check=max_err)
+
+
+def case_w4a16(s: dict, rows: int, n: int, k: int, group: int = 128) -> dict:
+    """INT4 weight-only GEMM (groups of 128, dequantized in registers) against the bf16 GEMM."""
+    dt, dev = s["dtype"], s["device"]
+    x = torch.randn(rows, k, dtype=dt, device=dev)
+    w = torch.randn(n, k, dtype=dt, device=dev) * 0.02
+    w4 = quantize_int4(w, group).to(dev, dt)
+    wq = dequantize_int4(w4).to(dt)  # the same weights, dequantized once
+    return dict(
+        name=f"w4a16_gemm_m{rows}_{n}x{k}", unit="GB/s", work=n * k // 2 + rows * (n + k) * 2,
+        tri=lambda: int4_gemm_triton(x, w4), base=lambda: F.linear(x, wq), check=max_err)
 
 
 def case_prefill(s: dict, n_seqs: int, q_len: int, prefix: int) -> dict:
@@ -235,6 +275,9 @@ def builders(s: dict) -> list:
     p = functools.partial
     return [*(p(case_decode, s, b, c) for b, c in s["decode"]),
             p(case_decode_int8, s, *s["decode"][0]),
+            p(case_decode_paged, s, *s["decode"][0]),
+            *(p(case_w4a16, s, m, n, s["hidden"]) for m in (1, 16)
+              for n in (s["hidden"], s["inter"])),
             *(p(case_prefill, s, *args) for args in s["prefill"]),
             *(p(case_norm, s, t) for t in s["norm"]),
             p(case_rope, s, s["tokens"]), p(case_silu, s, s["tokens"]),
@@ -251,7 +294,10 @@ def targets(s: dict, res: dict) -> dict:
     ratio = pre["ms"] / pre["baseline_ms"] if pre.get("ms") else float("inf")
     ok = lambda good: "PASS" if good else "MISS"
     int8 = res.get(f"decode_attn_int8_b{b}_ctx{c}", {}).get("speedup", 0.0)
-    return {f"decode_attn_int8_b{b}_ctx{c}_speedup_vs_16bit>={INT8_SPEEDUP:g}":
+    w4 = {f"w4a16_gemm_m1_{n}x{s['hidden']}_speedup_vs_bf16>={W4A16_SPEEDUP:g}":
+          (v, ok(v >= W4A16_SPEEDUP)) for n in (s["hidden"], s["inter"])
+          for v in [res.get(f"w4a16_gemm_m1_{n}x{s['hidden']}", {}).get("speedup", 0.0)]}
+    return {**w4, f"decode_attn_int8_b{b}_ctx{c}_speedup_vs_16bit>={INT8_SPEEDUP:g}":
                 (int8, ok(int8 >= INT8_SPEEDUP)),
             f"decode_attn_b{b}_ctx{c}_pct_peak>={DECODE_PCT:g}": (dec, ok(dec >= DECODE_PCT)),
             f"add_rms_norm_t{s['norm'][0]}_pct_peak>={NORM_PCT:g}": (norm, ok(norm >= NORM_PCT)),
@@ -290,9 +336,13 @@ def main(argv: list[str] | None = None) -> None:
     tg = targets(s, res)
     for name, (value, verdict) in tg.items():
         print(f"target {name}: {value} {verdict}")
+    b, c = s["decode"][0]
+    paged = res.get(f"decode_attn_vs_paged{PAGE}_b{b}_ctx{c}", {}).get("speedup")
+    print(f"paged attention slowdown (block table, page {PAGE}): {paged}")
     print(json.dumps(dict(device=device, torch=torch.__version__, triton=triton.__version__,
                           quick=args.quick, timings_meaningful=cuda, peak_gbs=round(peak, 1),
-                          kernels=res, targets={k: v[1] for k, v in tg.items()})))
+                          paged_attn_slowdown=paged, kernels=res,
+                          targets={k: v[1] for k, v in tg.items()})))
 
 
 if __name__ == "__main__":
