@@ -110,6 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bisect", type=int, default=5, help="bisection steps after doubling")
     p.add_argument("--pipeline-requests", type=int, default=200,
                    help="requests of the real-time pipelined-vs-inline run (0: skip it)")
+    p.add_argument("--paged-attn-slowdown", type=float, default=1.0,
+                   help="the paged rows' attention KV-read cost against contiguous segments "
+                        "(bench/kernels.py's paged_attn_slowdown on the GPU modelled)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="one model, one workload, 200 requests")
     args = p.parse_args(argv)
@@ -227,7 +230,8 @@ def qps_at_slo(config: EngineConfig, wl: Workload, variant: Variant, bisect: int
 
 def measure(args, model: str, workload: str) -> list[dict]:
     base = with_settings(EngineConfig(), backend="sim", sim_clock="virtual", sim_gpu=args.gpu,
-                         sim_model=model, max_running=args.max_running,
+                         sim_model=model, sim_paged_attn_slowdown=args.paged_attn_slowdown,
+                         max_running=args.max_running,
                          max_batched_tokens=args.max_batched_tokens)
     wl = Workload(workload, args.requests, model_spec(model).context, args.seed)
     rows, configs = [], [with_settings(base, **v.overrides) for v in VARIANTS]

@@ -88,6 +88,10 @@ def markdown(r: dict, figs: dict, fitted: dict | None) -> str:
         lines.append(f"- simulator fit (llama-3-8b): eff_bw {fitted['eff_bw']}, overhead "
                      f"{fitted['overhead_ms']} ms (max error {fitted['max_rel_err']:.1%}): "
                      f"--sim-eff-bw / --sim-overhead-ms")
+    paged = (r.get("kernels") or {}).get("paged_attn_slowdown")
+    if paged:
+        lines.append(f"- paged decode attention (block table) / contiguous: {paged}x: "
+                     f"bench/ablation.py --paged-attn-slowdown {paged}")
     serve = (r.get("serve") or {}).get("runs")
     if serve:
         for name, row in serve.items():

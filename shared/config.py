@@ -34,12 +34,18 @@ class SimConfig:
     eff_flops: float = setting(0.6, "fraction of peak tensor FLOP/s reached", group=SIMULATOR)
     overhead_ms: float = setting(1.0, "per-step time outside the roofline (launches, host)",
                                  group=SIMULATOR)
+    paged_attn_slowdown: float = setting(
+        1.0, "--kv-policy paged: attention KV reads cost this many times the contiguous "
+        "kernel's (a block-table lookup per page; bench/kernels.py measures it on a GPU)",
+        group=SIMULATOR)
     clock: str = setting("real", "real (sleep each step's modelled time) or virtual (advance a "
                          "clock)", group=SIMULATOR)
 
     def __post_init__(self):
         if self.clock not in ("real", "virtual"):
             raise ValueError(f"--sim-clock must be real or virtual, not {self.clock!r}")
+        if self.paged_attn_slowdown <= 0:
+            raise ValueError("--sim-paged-attn-slowdown must be > 0")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from services.compute.backend import build_engine
 from services.compute.sim import hardware
 from services.compute.sim.cost import CostModel, fit_decode, kv_dtype_bytes
 from services.compute.sim.hardware import GiB
-from services.compute.sim.runner import token_id
+from services.compute.sim.runner import cost_model, token_id
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.settings import with_settings
@@ -83,6 +83,20 @@ def test_kv_reads_efficiencies_and_overhead():
     assert w8 == m.linear_params + 2 * (m.small_params + m.lm_head_params + 4096)
     # MHA Llama-2-7B: 4x the KV per token of GQA Llama-3-8B
     assert ideal(model="llama-2-7b").kv_bytes_per_token == 4 * KV_L3
+
+
+def test_paged_policy_pays_the_block_table_on_attention_reads_only():
+    """--sim-paged-attn-slowdown scales what attention reads, not what a step writes, and
+    only under --kv-policy paged."""
+    plain = ideal().decode(64, 2048)
+    paged = ideal(kv_read_factor=1.1).decode(64, 2048)
+    assert paged.kv_bytes == pytest.approx(1.1 * 64 * 2048 * KV_L3 + 64 * KV_L3)
+    assert paged.weight_bytes == plain.weight_bytes
+    base = with_settings(EngineConfig(), backend="sim", sim_paged_attn_slowdown=1.25)
+    assert cost_model(with_settings(base, kv_policy="paged")).kv_read_factor == 1.25
+    assert cost_model(base).kv_read_factor == 1.0
+    with pytest.raises(ValueError, match="paged-attn-slowdown"):
+        with_settings(base, sim_paged_attn_slowdown=0)
 
 
 def test_prefill_is_compute_bound_with_causal_attention_flops():

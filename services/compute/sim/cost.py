@@ -21,6 +21,9 @@ Bytes (HBM traffic):
 - bytes per token of KV = 2 (K and V) x layers x kv_heads x head_dim x kv_dtype_bytes
   (bf16 2; int8 1.25: the value and an fp16 scale per 8, as the real INT8 cache stores them,
   kernels/kv_quant.py; fp8 1, a per-tensor scale).
+- A paged KV cache (the simulator's vLLM-like baseline) reads K/V through a block table:
+  `kv_read_factor` multiplies the attention reads' bytes by the paged kernel's measured
+  slowdown against the contiguous one (bench/kernels.py, --sim-paged-attn-slowdown).
 - Not counted: activations (a few T x hidden tensors per layer, small next to the weights at
   decode batch sizes; absorbed by eff_bw), logits, sampling.
 
@@ -88,7 +91,7 @@ class CostModel:
     def __init__(self, gpu_spec: GpuSpec | str, model_spec: ModelSpec | str,
                  kv_dtype_bytes: float = 2, eff_bw: float = DEFAULT_EFF_BW,
                  eff_flops: float = DEFAULT_EFF_FLOPS, overhead_s: float = DEFAULT_OVERHEAD_S,
-                 weight_dtype: str = "bf16"):
+                 weight_dtype: str = "bf16", kv_read_factor: float = 1.0):
         self.gpu = gpu(gpu_spec) if isinstance(gpu_spec, str) else gpu_spec
         self.model = model(model_spec) if isinstance(model_spec, str) else model_spec
         if not (0 < eff_bw <= 1 and 0 < eff_flops <= 1):
@@ -98,7 +101,10 @@ class CostModel:
         if weight_dtype not in WEIGHT_DTYPE_BYTES:
             raise ValueError(f"unknown weight dtype {weight_dtype!r}; choices: "
                              f"{', '.join(WEIGHT_DTYPE_BYTES)}")
+        if kv_read_factor <= 0:
+            raise ValueError("kv_read_factor must be > 0")
         self.kv_dtype_bytes, self.weight_dtype = kv_dtype_bytes, weight_dtype
+        self.kv_read_factor = kv_read_factor
         self.eff_bw, self.eff_flops, self.overhead_s = eff_bw, eff_flops, overhead_s
         m, wb = self.model, WEIGHT_DTYPE_BYTES[weight_dtype]
         self.kv_bytes_per_token = m.kv_elems_per_token * kv_dtype_bytes
@@ -141,7 +147,7 @@ class CostModel:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         weights = (self.body_bytes + (self.head_bytes if sampled else 0)
                    + tokens * m.hidden * 2) if tokens else 0.0
-        kv = (kv_read + tokens + 2 * moved) * self.kv_bytes_per_token
+        kv = (kv_read * self.kv_read_factor + tokens + 2 * moved) * self.kv_bytes_per_token
         linear = 2 * m.linear_params * tokens
         other = 2 * m.lm_head_params * sampled + self._pair_flops * pairs
         compute_s = linear / self._linear_flops + other / self._bf16_flops

@@ -49,9 +49,11 @@ def token_id(seed: int, index: int, vocab: int) -> int:
 
 
 def cost_model(config: EngineConfig) -> CostModel:
+    paged = config.kv_policy == "paged"  # the kernels read pages through a block table
     return CostModel(config.sim.gpu, config.sim.model, kv_dtype_bytes(config.sim.kv_dtype),
                      config.sim.eff_bw, config.sim.eff_flops, config.sim.overhead_ms / 1e3,
-                     config.sim.weight_dtype)
+                     config.sim.weight_dtype,
+                     kv_read_factor=config.sim.paged_attn_slowdown if paged else 1.0)
 
 
 class SimRunner:
