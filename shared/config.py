@@ -93,6 +93,15 @@ class EngineConfig:
                                       "this quantile in memory", group=SCHEDULING)
     kv_reserve_horizon: int = setting(64, "predicted: reserve at most this many output slots "
                                       "ahead; 0: the whole quantile", group=SCHEDULING)
+    hidden_length: bool = setting(True, "after prefill, predict each request's output length "
+                                  "from the model's own hidden state, learned online from "
+                                  "finished requests (in Redis when served)", group=SCHEDULING)
+    length_refine_every: int = setting(32, "hidden-state length prediction: predict the remaining "
+                                       "length again every this many generated tokens; 0: after "
+                                       "prefill only", group=SCHEDULING)
+    length_probe_dim: int = setting(64, "hidden-state length prediction: the hidden state's "
+                                    "random projection to this many features",
+                                    group=SCHEDULING)
     kv_admission: str = setting("auto", "peak (the future KV peak must fit), fit (the "
                                 "reservation must) or auto (peak with --kv-policy predicted)",
                                 group=SCHEDULING)
@@ -135,6 +144,8 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", "w8a8", "int4", "fp8"):
             raise ValueError("--quantization must be auto, none, w8a8, int4 or fp8, not "
                              f"{self.quantization!r}")
+        if self.length_refine_every < 0 or self.length_probe_dim < 1:
+            raise ValueError("--length-refine-every must be >= 0 and --length-probe-dim >= 1")
         if self.int4_group_size not in (32, 64, 128):
             raise ValueError(f"--int4-group-size must be 32, 64 or 128: {self.int4_group_size}")
         if self.default_predicted_len < 1:

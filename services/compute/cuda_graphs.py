@@ -22,7 +22,7 @@ GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 1025, 32))
 
 
 class DecodeGraphs:
-    """Graphs of `model.forward` for decode batches up to `max_batch` rows (GPU only)."""
+    """Graphs of `model.forward_hidden` for decode batches up to `max_batch` rows (GPU only)."""
 
     def __init__(self, model, kv, max_batch: int, max_seq_len: int, pad_slot: int):
         self.model, self.kv, self.pad_slot = model, kv, pad_slot
@@ -37,7 +37,8 @@ class DecodeGraphs:
         self.starts = torch.full((n,), pad_slot, dtype=torch.int32, device=dev)
         self.lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # [b, vocab] float32, written by replays
+        # the outputs replays write: logits [b, vocab] float32, hidden states [b, hidden]
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._capture()
 
     def _batch(self, b: int) -> ForwardBatch:
@@ -64,7 +65,7 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[b] = self.model.forward(batch, self.kv)
+                self.outputs[b] = self.model.forward_hidden(batch, self.kv)
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
@@ -75,9 +76,9 @@ class DecodeGraphs:
         n = batch.num_decodes
         return 0 < n == batch.input_ids.shape[0] <= self.sizes[-1] and not batch.prompt_spans
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Replay the smallest graph that holds `batch`; -> logits [n, vocab] (a view of the
-        graph's output: valid until the next replay)."""
+    def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the smallest graph that holds `batch`; -> (logits [n, vocab], hidden
+        [n, hidden]), views of the graph's outputs: valid until the next replay."""
         n = batch.num_decodes
         b = next(s for s in self.sizes if s >= n)
         for static, value in ((self.ids, batch.input_ids), (self.positions, batch.positions),
@@ -91,4 +92,5 @@ class DecodeGraphs:
             self.starts[n:b].fill_(self.pad_slot)
             self.lens[n:b].fill_(1)
         self.graphs[b].replay()
-        return self.logits[b][:n]
+        logits, hidden = self.outputs[b]
+        return logits[:n], hidden[:n]

@@ -15,6 +15,8 @@ import itertools
 import secrets
 from dataclasses import dataclass, field
 
+from services.compute.length.refiner import LengthRefiner, RefinerConfig
+from services.compute.length.store import MemoryStore
 from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig
 from services.compute.scheduling.sequence import SeqStatus, Sequence
 from services.compute.scheduling.step import ScheduledStep, Top
@@ -56,9 +58,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner):
+    def __init__(self, config: EngineConfig, runner, length_store=None):
         """`runner`: a ModelRunner or SimRunner (services/compute/backend.py makes the one
-        --backend names), holding the model's config, the context length and the KV slots."""
+        --backend names), holding the model's config, the context length and the KV slots.
+        `length_store`: where the hidden-state length head's statistics live (a RedisStore
+        when served; None: this process's memory). No head without the runner's probe."""
         self.config = config
         self.runner = runner
         self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
@@ -69,6 +73,9 @@ class LLMEngine:
         mode = config.overlap_schedule
         self.overlap = mode == "on" or (mode == "auto" and runner.asynchronous)
         self._inflight = None  # (ScheduledStep, its runner handle): launched, not committed
+        self.lengths = LengthRefiner(length_store or MemoryStore(), RefinerConfig(
+            every=config.length_refine_every)) if getattr(runner, "probe", None) is not None \
+            else None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
@@ -115,6 +122,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
+        if self.lengths is not None:
+            self.lengths.forget(request_id)
         if seq is None or seq.status is SeqStatus.FINISHED:
             return False
         self.scheduler.abort(seq)
@@ -126,6 +135,8 @@ class LLMEngine:
     def step(self) -> StepResult:
         """Schedule and launch one merged step; return the tokens committed meanwhile: this
         step's, or with the overlap schedule the step's before it."""
+        if self.lengths is not None:
+            self.lengths.tick()
         step = self.scheduler.schedule()
         result = StepResult([], [s.request_id for s in step.admitted])
         if self._inflight and (not step.num_tokens or _reads_token_values(step)):
@@ -145,13 +156,25 @@ class LLMEngine:
         """Wait for the step in flight and apply its results; its events go into `result`."""
         step, handle = self._inflight
         self._inflight = None
-        done = self.scheduler.commit(step, handle.result())
+        sample = handle.result()
+        if self.lengths is not None and sample.probes is not None:
+            self._observe_lengths(step, sample.probes)
+        done = self.scheduler.commit(step, sample)
         for seq, token, top in done.sampled:
             result.events.append(TokenEvent(seq.request_id, token, seq.logprobs[-1],
                                             seq.finish_reason, top))
             if seq.finish_reason is not None:
                 del self.requests[seq.request_id]
+                if self.lengths is not None:
+                    self.lengths.finished(seq)
         result.prompt_logprobs.extend(_prompt_pieces(done.prompt))
+
+    def _observe_lengths(self, step: ScheduledStep, probes) -> None:
+        """Hand the length refiner the checkpoints among the step's sampled rows."""
+        for seq, index, probe in zip(step.sampled, step.token_index, probes, strict=True):
+            generated = index - seq.num_prompt  # output tokens before the one sampled here
+            if seq.status is not SeqStatus.FINISHED and self.lengths.is_checkpoint(generated):
+                self.lengths.observe(seq, generated, probe)
 
     def stats(self) -> EngineStats:
         s, a = self.scheduler, self.scheduler.allocator

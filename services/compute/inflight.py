@@ -51,12 +51,15 @@ class InFlight:
     logprobs: torch.Tensor | None = None  # [S] float32, host
     top: TopRows | None = None
     prompt: PromptRows | None = None
+    probes: torch.Tensor | None = None  # [S, r] float32: the length head's features
     ready: torch.cuda.Event | None = None  # recorded after the host copies were queued
 
     def seal(self) -> InFlight:
         """Queue the host copies and mark their end (call once every result is launched)."""
         if self.tokens is not None:
             self.host_tokens, self.logprobs = to_host(self.tokens), to_host(self.logprobs)
+        if self.probes is not None:
+            self.probes = to_host(self.probes)
         if self.tokens is not None and self.tokens.is_cuda:
             self.ready = torch.cuda.Event()
             self.ready.record()
@@ -72,6 +75,8 @@ class InFlight:
         if self.host_tokens is not None:
             out.tokens, out.logprobs = self.host_tokens.tolist(), self.logprobs.tolist()
             out.top = _tops(self.top, len(out.tokens))
+        if self.probes is not None:
+            out.probes = self.probes.numpy()
         return out
 
 

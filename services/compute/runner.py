@@ -13,6 +13,7 @@ from services.compute.cuda_graphs import DecodeGraphs
 from services.compute.inflight import InFlight, PromptRows, TopRows, to_host
 from services.compute.kv.kv_cache import KVCache
 from services.compute.kv.sizing import gpu_kv_budget
+from services.compute.length.head import probe_matrix
 from services.compute.model import quantization
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
@@ -55,6 +56,10 @@ class ModelRunner:
         self.kv_bytes_per_token = per_token
         kv_shape = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                         head_dim=model_config.head_dim, dtype=self.dtype, int8=self.int8_kv)
+        # [hidden, r]: projects the hidden state of each sampled row for the length head
+        self.probe = torch.from_numpy(probe_matrix(
+            model_config.hidden_size, config.length_probe_dim)).to(self.device) \
+            if config.hidden_length else None
         self.summary = {}  # what start-up reports (published with the engine stats)
         self.capacity = self._kv_capacity(config, per_token, kv_shape)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and \
@@ -98,10 +103,12 @@ class ModelRunner:
         sampled = step.sampled
         batch = build_batch(step, self.device, prev)
         if self.graphs is not None and self.graphs.fits(batch):
-            logits = self.graphs.run(batch)  # [S, vocab]
+            logits, hidden = self.graphs.run(batch)  # [S, vocab], [S, hidden]
         else:
-            logits = self.model.forward(batch, self.kv)  # [S + R, vocab]
+            logits, hidden = self.model.forward_hidden(batch, self.kv)  # [S + R, ...]
         out = InFlight(step)
+        if sampled and self.probe is not None:  # the length head's features, [S, r]
+            out.probes = hidden[: len(sampled)].float() @ self.probe
         if batch.prompt_spans:
             out.prompt = _prompt_rows(logits[len(sampled):], batch.prompt_spans)
         if sampled:

@@ -14,6 +14,7 @@ import zmq
 
 from services.compute.backend import build_engine
 from services.compute.engine import LLMEngine
+from services.compute.length.store import RedisStore, length_head_key
 from shared import state
 from shared.codec import float32s, int32s
 from shared.config import EngineConfig, ServiceConfig
@@ -128,5 +129,7 @@ def _output(events, routes: list[Route], errors: list[list[str]]) -> StepOutput:
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
-    engine = build_engine(engine_cfg)
+    store = RedisStore(state.fast_client(svc.redis_url), length_head_key(engine_cfg)) \
+        if svc.length_predictor else None  # else each compute process learns alone
+    engine = build_engine(engine_cfg, length_store=store)
     ComputeService(engine, svc, redis.Redis.from_url(svc.redis_url)).run()

@@ -79,6 +79,11 @@ class LlamaModel:
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Run one merged step, writing this step's K/V into `kv`. Returns [S, vocab] float32."""
+        return self.forward_hidden(batch, kv)[0]
+
+    def forward_hidden(self, batch: ForwardBatch, kv: KVCache,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, and the final-normed hidden states the logits came from: [S, hidden]."""
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         residual = None  # the residual stream; h is what gets added to it next
         act = silu_mul_int8 if self.int8_act else silu_mul
@@ -89,7 +94,7 @@ class LlamaModel:
             h = layer.down(act(layer.gate_up(x)))
         rows = batch.logits_indices
         last, _ = self._norm(h[rows], residual[rows], self.norm)  # [S, hidden]
-        return self.lm_head(last).float()
+        return self.lm_head(last).float(), last
 
     def weight_bytes(self) -> int:
         """Bytes the weights take as served (embedding, norms, projections, LM head)."""

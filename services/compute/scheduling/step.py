@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.compute.scheduling.sequence import Sequence
 
@@ -39,6 +40,7 @@ class StepSample:
     logprobs: list[float] = field(default_factory=list)
     top: list[Top | None] = field(default_factory=list)
     prompt: list[tuple[Sequence, int, list[float], list[Top]]] = field(default_factory=list)
+    probes: Any = None  # numpy [S, r]: the length head's features of the sampled rows, or None
 
     def tops(self) -> list[Top | None]:
         """`top` aligned with `tokens` (a runner that computes none leaves `top` empty)."""

@@ -1,0 +1,1 @@
+"""Hidden-state output-length prediction: the head, its shared statistics, the engine hook."""

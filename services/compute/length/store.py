@@ -1,0 +1,89 @@
+"""Where the length head's statistics live: in Redis (shared by every replica, kept across
+restarts) or in memory (an engine run in-process without Redis).
+
+Redis layout, under `<prefix>:<model>:<version>` (the version names the probe and feature
+layout, so a different configuration never mixes its statistics with these): `...:base`, the
+compacted `HeadStats` blob, and `...:deltas`, a list of blobs not yet folded in. A writer
+`RPUSH`es its delta (atomic: no count is ever lost, whatever the number of writers); a reader
+sums base and deltas, and folds them into base once there are `compact_at` of them, in a
+WATCH/MULTI transaction over both keys, retried if any other writer touched them meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from services.compute.length.head import HeadStats
+from shared.config import EngineConfig
+from shared.length_predictor import model_key
+
+log = logging.getLogger(__name__)
+
+
+def length_head_key(config: EngineConfig) -> str:
+    """The Redis key prefix of a model's head statistics: every replica serving the same model
+    with the same probe shares it (the probe's seed is fixed, so its dimension names it)."""
+    return f"pipellm:lenhead:v1:{model_key(config.model)}:r{config.length_probe_dim}"
+
+
+class MemoryStore:
+    """The statistics in this process only."""
+
+    def __init__(self):
+        self.stats: HeadStats | None = None
+
+    def add(self, delta: HeadStats) -> None:
+        if self.stats is None:
+            self.stats = HeadStats(delta.gram.copy(), delta.cross.copy(), delta.requests)
+        else:
+            self.stats += delta
+
+    def load(self) -> HeadStats | None:
+        return self.stats
+
+
+class RedisStore:
+    """The statistics in Redis (a redis-py client with bytes replies). Errors propagate; the
+    refiner treats a failed call as no update."""
+
+    def __init__(self, client: redis.Redis, key: str, compact_at: int = 32):
+        self.client, self.compact_at = client, compact_at
+        self.base_key, self.deltas_key = f"{key}:base", f"{key}:deltas"
+
+    def add(self, delta: HeadStats) -> None:
+        self.client.rpush(self.deltas_key, delta.to_bytes())
+
+    def load(self) -> HeadStats | None:
+        with self.client.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(self.base_key, self.deltas_key)
+                    base, deltas = pipe.get(self.base_key), pipe.lrange(self.deltas_key, 0, -1)
+                    total = _sum([base, *deltas] if base else deltas)
+                    if total is not None and len(deltas) >= self.compact_at:
+                        pipe.multi()
+                        pipe.set(self.base_key, total.to_bytes())
+                        pipe.ltrim(self.deltas_key, len(deltas), -1)
+                        pipe.execute()
+                    return total
+                except redis.WatchError:
+                    continue
+
+    def clear(self) -> None:
+        self.client.delete(self.base_key, self.deltas_key)
+
+
+def _sum(blobs: list[bytes]) -> HeadStats | None:
+    total = None
+    for blob in blobs:
+        stats = HeadStats.from_bytes(blob)
+        if total is None:
+            total = stats
+        elif stats.dim == total.dim:
+            total += stats
+        else:
+            log.warning("length head stats of dimension %d ignored (expected %d)", stats.dim,
+                        total.dim)
+    return total

@@ -1,0 +1,206 @@
+"""The hidden-state length head: its fit, its statistics in a real Redis (concurrent writers,
+restarts), and the engine learning a planted relation through a model's hidden states and
+handing the newest prediction to the scheduler."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+
+import numpy as np
+import pytest
+import redis
+
+from services.compute.backend import build_engine
+from services.compute.length.head import (
+    THRESHOLDS,
+    HeadStats,
+    features,
+    remaining_quantiles,
+    targets,
+)
+from services.compute.length.refiner import RefinerConfig
+from services.compute.length.store import MemoryStore, RedisStore
+from services.compute.scheduling.admission import FuturePeak
+from shared.config import EngineConfig
+from shared.length_dist import LEVELS
+from shared.redis_server import EmbeddedRedis
+from shared.sampling import SamplingParams
+
+
+def planted_stats(rng: np.random.Generator, n: int, d: int = 8) -> tuple[HeadStats, list]:
+    """Requests whose feature 0 is +-1 (noise elsewhere): +1 runs ~10 tokens, -1 ~300."""
+    stats, rows = HeadStats.zeros(d + 3), []
+    for _ in range(n):
+        mark = rng.choice([-1.0, 1.0])
+        proj = rng.normal(size=d)
+        proj[0] = mark
+        total = int(rng.integers(6, 14) if mark > 0 else rng.integers(200, 400))
+        x = np.stack([features(proj, 40, 1024, g) for g in (0, 32) if g < total])
+        y = np.stack([targets(total - g) for g in (0, 32) if g < total])
+        stats.add(x, y)
+        rows.append((proj, total))
+    return stats, rows
+
+
+def test_remaining_quantiles_follow_the_survival_curve():
+    s = np.exp(-THRESHOLDS / 200.0)  # exponential, mean 200: median 139, p90 461
+    q = dict(zip(LEVELS, remaining_quantiles(s), strict=True))
+    assert abs(q[0.5] - 139) <= 4 and abs(q[0.9] - 461) <= 12
+    assert remaining_quantiles(np.zeros_like(THRESHOLDS))[0] == 1  # all done after one token
+    assert remaining_quantiles(np.ones_like(THRESHOLDS))[-1] > THRESHOLDS[-1]  # never ends
+
+
+def test_planted_relation_is_learned_and_stats_are_order_free():
+    rng = np.random.default_rng(0)
+    stats, rows = planted_stats(rng, 400)
+    head = stats.solve(0.1)
+    short, long = np.zeros(8), np.zeros(8)
+    short[0], long[0] = 1.0, -1.0
+    p_short = head.predict(features(short, 40, 1024, 0), 0, 1024)
+    p_long = head.predict(features(long, 40, 1024, 0), 0, 1024)
+    assert p_short.median <= 16 and 150 <= p_long.median <= 450
+    # refined: 32 tokens into a long request, the total stays in range and above 32
+    p_later = head.predict(features(long, 40, 1024, 32), 32, 1024)
+    assert 150 <= p_later.median <= 450 and p_later.values[0] > 32
+    # capped by max_tokens
+    assert head.predict(features(long, 40, 100, 0), 0, 100).values[-1] <= 100
+    # additive: halves summed in either order == the whole; the blob round-trips
+    a, b = HeadStats.zeros(11), HeadStats.zeros(11)
+    for i, (proj, total) in enumerate(rows):
+        (a if i % 2 else b).add(features(proj, 40, 1024, 0)[None], targets(total)[None])
+    ab, ba = HeadStats.from_bytes(a.to_bytes()), HeadStats.from_bytes(b.to_bytes())
+    ab += b
+    ba += a
+    np.testing.assert_allclose(ab.gram, ba.gram)
+    assert ab.requests == ba.requests == 400 and ab.rows == 400
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with EmbeddedRedis() as r:
+        yield r.url
+
+
+def _writer(url: str, key: str, seed: int, n: int) -> None:
+    store = RedisStore(redis.Redis.from_url(url), key, compact_at=3)
+    for delta in _deltas(seed, n):
+        store.add(delta)
+        store.load()  # compacts concurrently with the other writers
+
+
+def _deltas(seed: int, n: int) -> list[HeadStats]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        s = HeadStats.zeros(4)
+        s.add(rng.normal(size=(2, 4)), (rng.random((2, len(THRESHOLDS))) > 0.5) * 1.0)
+        out.append(s)
+    return out
+
+
+def test_concurrent_writers_lose_nothing(redis_url):
+    key = "test:lenhead:concurrent"
+    RedisStore(redis.Redis.from_url(redis_url), key).clear()
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(redis_url, key, w, 30)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    total = RedisStore(redis.Redis.from_url(redis_url), key).load()
+    expect = HeadStats.zeros(4)
+    for w in range(4):
+        for d in _deltas(w, 30):
+            expect += d
+    assert total.requests == 120
+    np.testing.assert_allclose(total.gram, expect.gram)
+    np.testing.assert_allclose(total.cross, expect.cross)
+
+
+def test_restart_keeps_the_head(tmp_path):
+    stats, _ = planted_stats(np.random.default_rng(1), 50)
+    with EmbeddedRedis(data_dir=str(tmp_path), persist=True) as server:
+        store = RedisStore(redis.Redis.from_url(server.url), "test:lenhead:restart", compact_at=1)
+        store.add(stats)
+        store.load()  # folded into base
+        store.add(stats)
+        redis.Redis.from_url(server.url).save()
+        port = server.port
+    with EmbeddedRedis(port=port, data_dir=str(tmp_path), persist=True) as server:
+        again = RedisStore(redis.Redis.from_url(server.url), "test:lenhead:restart").load()
+    assert again.requests == 100
+    np.testing.assert_allclose(again.gram, 2 * stats.gram)
+
+
+# -- through the engine: a tiny model whose last prompt token is the marker -----------------
+
+MAX_TOKENS, MARK_SHORT, MARK_LONG = 96, 7, 8
+
+
+def marked(rng: random.Random, short: bool) -> tuple[list[int], SamplingParams]:
+    """Short requests stop at any token >= 500 (about 2 tokens); long ones run to max_tokens.
+    The same max_tokens and prompt length: only the hidden state tells them apart."""
+    prompt = [rng.randrange(10, 500) for _ in range(12)] + [MARK_SHORT if short else MARK_LONG]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=rng.randrange(1 << 30),
+                            ignore_eos=True,
+                            stop_token_ids=list(range(500, 1000)) if short else [])
+    return prompt, params
+
+
+def engine_with_head(model: str, **kw):
+    engine = build_engine(EngineConfig(model=model, kv_cache_tokens=4096, max_running=16,
+                                       default_predicted_len=50, kv_reserve_horizon=0, **kw))
+    engine.lengths.config = RefinerConfig(every=32, min_requests=16, push_s=0, refresh_s=0)
+    return engine
+
+
+def test_engine_learns_a_marker_from_hidden_states(demo_model_dir):
+    engine, rng = engine_with_head(str(demo_model_dir)), random.Random(0)
+    reqs = [marked(rng, i % 2 == 0) for i in range(96)]
+    seqs = engine.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+    assert {s.finish_reason for s in seqs[1::2]} == {"length"}
+    assert max(s.num_output for s in seqs[0::2]) < 30
+    engine.lengths.tick()
+    assert engine.lengths.head is not None and engine.lengths.learned == 96
+    # new requests: after their prefill step the scheduler holds the head's prediction
+    short_p, long_p = marked(rng, True), marked(rng, False)
+    rs, rl = engine.add_request(*short_p), engine.add_request(*long_p)
+    s, lo = engine.requests[rs], engine.requests[rl]
+    assert s.predicted_length.median == lo.predicted_length.median == 50  # the prior
+    while s.num_output == 0 or lo.num_output == 0:
+        engine.step()
+    assert s.predicted_length.median < 20 < 60 < lo.predicted_length.median
+    # future-peak admission reads the new predictions (remaining, tokens now)
+    peak = FuturePeak([s, lo], engine.config.kv_peak_quantile, capacity=4096)
+    remaining = dict(zip(("short", "long"), (peak._item(s)[0], peak._item(lo)[0]), strict=True))
+    assert remaining["short"] < 25 and remaining["long"] > 40
+    before = lo.predicted_length
+    while lo.num_output <= 33 and lo.finish_reason is None:  # refined at 32 generated
+        engine.step()
+    assert lo.predicted_length != before and lo.predicted_length.values[0] > 32
+
+
+def test_hidden_length_changes_no_token(demo_model_dir):
+    rng = random.Random(5)
+    reqs = [marked(rng, i % 3 == 0) for i in range(24)]
+    outs = []
+    for on in (True, False):
+        engine = build_engine(EngineConfig(model=str(demo_model_dir), kv_cache_tokens=700,
+                                           max_running=8, hidden_length=on))
+        if on:
+            engine.lengths.config = RefinerConfig(every=8, min_requests=4, push_s=0,
+                                                  refresh_s=0)
+        seqs = engine.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+        outs.append([s.output_ids for s in seqs])
+        assert (engine.lengths is not None) == on
+    assert outs[0] == outs[1]
+
+
+def test_memory_store_accumulates():
+    store = MemoryStore()
+    stats, _ = planted_stats(np.random.default_rng(2), 10)
+    store.add(stats)
+    store.add(stats)
+    assert store.load().requests == 20 and stats.requests == 10
