@@ -1,36 +1,42 @@
-"""SmolLM2-135M-Instruct's own output lengths on the 1024 ShareGPT samples: the lengths the
-hidden-state length predictor is judged on (bench/length_predictor.py).
+"""SmolLM2-135M-Instruct's own output lengths on the 1024 ShareGPT samples, with the hidden
+states the server saw while generating them: the data the hidden-state length predictor is
+judged on (bench/length_predictor.py --lengths smollm2).
 
 Each sample's first question goes through the model's chat template and the engine
 in-process (the default model and settings, --quantization auto), twice: greedy, and sampled at
-temperature 0.7 with seed 1000 + the sample's index; max_tokens 1024. Written:
+temperature 0.7 with seed 1000 + the sample's index; max_tokens 1024. The engine's length hook
+is a recorder: at every checkpoint (the last prompt token, then every 32 generated tokens) it
+keeps the full final-normed hidden state (the probe is the identity), so no second pass over
+the texts is needed. The work goes in chunks of 128 samples, both settings per chunk, each
+saved as it completes: a rerun resumes after the last complete chunk. Written:
 
-- bench/data/smollm2_lengths.jsonl (committed): a first line with the command, model and
-  settings, then per (setting, sample) `index`, `setting`, `prompt_tokens`, `output_tokens`,
-  `finish_reason`; no texts;
-- the output token ids, under --cache (not committed: the length bench replays them through
-  the model to get the hidden states the server would have seen while generating).
+- bench/data/smollm2_lengths.jsonl (committed): a first line with the command, model,
+  settings and how many samples are complete, then per (setting, sample) `index`, `setting`,
+  `prompt_tokens`, `output_tokens`, `finish_reason`; no texts;
+- under --cache (not committed): per chunk and setting, the output ids and the hidden states.
 
-    python -m bench.length_data                 # ~1 h on 2 cores
-    python -m bench.length_data --limit 16      # a smoke run (to --out elsewhere)
+    python -m bench.length_data                 # ~15 min a chunk on 2 cores, 8 chunks
+    python -m bench.length_data --chunks 2      # the first 256 samples only
 
-The last line is JSON: per setting, requests, output tokens, mean length, share that hit the
-limit, tok/s.
+The last line is JSON: per setting, samples done, output tokens, mean length, share that hit
+the limit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
 from services.compute.backend import build_engine
 from shared import default_model
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig
+from shared.model_config import ModelConfig
 from shared.sampling import SamplingParams
 from shared.tokenizer import encode, load_tokenizer
 
@@ -39,6 +45,7 @@ CACHE = Path("~/.cache/pipellm/length_data").expanduser()
 MAX_TOKENS = 1024
 SETTINGS = {"greedy": dict(temperature=0.0), "t0.7": dict(temperature=0.7)}
 SEED_BASE = 1000
+NUM_SAMPLES, CHUNK, EVERY = 1024, 128, 32
 
 
 def chat_prompts(model: str, limit: int | None) -> list[list[int]]:
@@ -49,7 +56,7 @@ def chat_prompts(model: str, limit: int | None) -> list[list[int]]:
                    add_special_tokens=False) for q, _ in pairs]
 
 
-def params(setting: str, index: int) -> SamplingParams:
+def sample_params(setting: str, index: int) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, seed=SEED_BASE + index, **SETTINGS[setting])
 
 
@@ -62,45 +69,121 @@ def load(path: Path = DATA) -> tuple[dict, dict[str, list[dict]]]:
     return lines[0], {s: sorted(v, key=lambda r: r["index"]) for s, v in rows.items()}
 
 
-def output_ids(setting: str, cache: Path = CACHE) -> list[list[int]] | None:
-    """The cached output token ids of a setting (index order), or None if not generated here."""
-    path = cache / f"{setting}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+class Recorder:
+    """The engine's length hook (LengthRefiner's interface), recording instead of predicting:
+    request id -> [(generated, hidden state)] at every checkpoint."""
+
+    def __init__(self, every: int):
+        self.every, self.points = every, {}
+
+    def is_checkpoint(self, generated: int) -> bool:
+        return generated % self.every == 0
+
+    def observe(self, seq, generated: int, probe) -> None:
+        self.points.setdefault(seq.request_id, []).append((generated, probe.copy()))
+
+    def finished(self, seq) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+    def tick(self) -> None: ...
+
+
+def recording_engine(model: str, max_running: int):
+    """The default engine with a Recorder as its length hook and an identity probe."""
+    import torch
+
+    hidden = ModelConfig.from_path(model).hidden_size
+    engine = build_engine(EngineConfig(model=model, max_running=max_running, kv_cache_gib=4.0,
+                                       length_probe_dim=hidden))
+    engine.runner.probe = torch.eye(hidden, device=engine.runner.device)
+    engine.lengths = Recorder(EVERY)
+    return engine
+
+
+def run_chunk(engine, prompts: list[list[int]], first: int, setting: str, path: Path) -> None:
+    """Generate samples first.. (len(prompts)) in `setting`; save ids, rows, hidden states."""
+    engine.lengths.points.clear()
+    params = [sample_params(setting, first + i) for i in range(len(prompts))]
+    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    seqs = [engine.requests[r] for r in rids]
+    while engine.has_work():
+        engine.step()
+    rows, hidden, offsets = [], [], [0]
+    for i, (rid, s) in enumerate(zip(rids, seqs, strict=True)):
+        points = sorted(engine.lengths.points.pop(rid, []), key=lambda p: p[0])
+        hidden += [h.astype(np.float16) for _, h in points]
+        offsets.append(offsets[-1] + len(points))
+        rows.append({"index": first + i, "setting": setting, "prompt_tokens": len(prompts[i]),
+                     "output_tokens": s.num_output, "finish_reason": s.finish_reason})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, hidden=np.stack(hidden), offsets=np.array(offsets),
+             rows=np.array(json.dumps(rows)),
+             ids=np.array(json.dumps([s.output_ids for s in seqs])))
+    tmp.rename(path)
+
+
+def chunk_path(cache: Path, setting: str, chunk: int) -> Path:
+    return cache / setting / f"chunk{chunk:03d}.npz"
+
+
+def read_chunks(setting: str, cache: Path = CACHE) -> list[dict]:
+    """The complete chunks of a setting in order, each {rows, ids, hidden, offsets}."""
+    out = []
+    for c in range(NUM_SAMPLES // CHUNK):
+        path = chunk_path(cache, setting, c)
+        if not path.is_file():
+            break
+        with np.load(path) as z:
+            out.append({"rows": json.loads(str(z["rows"])), "ids": json.loads(str(z["ids"])),
+                        "hidden": z["hidden"], "offsets": z["offsets"]})
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--limit", type=int, default=None, help="first N samples only")
+    p.add_argument("--chunks", type=int, default=NUM_SAMPLES // CHUNK,
+                   help=f"chunks of {CHUNK} samples to have done")
     p.add_argument("--out", type=Path, default=DATA, help="the lengths file")
-    p.add_argument("--cache", type=Path, default=CACHE, help="where output ids go")
-    p.add_argument("--max-running", type=int, default=128, help="engine batch")
+    p.add_argument("--cache", type=Path, default=CACHE, help="where ids and hidden states go")
+    p.add_argument("--max-running", type=int, default=CHUNK, help="engine batch")
     args = p.parse_args(argv)
     model = default_model.resolve()
-    prompts = chat_prompts(model, args.limit)
-    engine = build_engine(EngineConfig(model=model, max_running=args.max_running, kv_cache_gib=4.0))
-    header = {"command": "python -m bench.length_data" + "".join(f" {a}" for a in sys.argv[1:]),
-              "model": Path(model).name, "max_tokens": MAX_TOKENS, "seed": f"{SEED_BASE} + index",
-              "settings": SETTINGS, "engine": engine.runner.summary.get("dtype")}
-    rows, summary = [], {}
-    args.cache.mkdir(parents=True, exist_ok=True)
-    for setting in SETTINGS:
-        start = time.perf_counter()
-        seqs = engine.generate(prompts, [params(setting, i) for i in range(len(prompts))])
-        seconds = time.perf_counter() - start
-        lens = [s.num_output for s in seqs]
-        rows += [{"index": i, "setting": setting, "prompt_tokens": len(prompts[i]),
-                  "output_tokens": s.num_output, "finish_reason": s.finish_reason}
-                 for i, s in enumerate(seqs)]
-        (args.cache / f"{setting}.json").write_text(json.dumps([s.output_ids for s in seqs]))
-        summary[setting] = {"requests": len(seqs), "output_tokens": sum(lens),
-                            "mean": round(sum(lens) / len(lens), 1),
-                            "at_limit": round(sum(n >= MAX_TOKENS for n in lens) / len(lens), 3),
-                            "tok_s": round(sum(lens) / seconds, 1)}
-        print(f"{setting}: {summary[setting]}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(r) + "\n" for r in [header, *rows]))
+    prompts = chat_prompts(model, NUM_SAMPLES)
+    engine = None
+    for c in range(args.chunks):
+        for setting in SETTINGS:
+            path = chunk_path(args.cache, setting, c)
+            if path.is_file():
+                continue
+            engine = engine or recording_engine(model, args.max_running)
+            start = time.perf_counter()
+            run_chunk(engine, prompts[c * CHUNK : (c + 1) * CHUNK], c * CHUNK, setting, path)
+            print(f"chunk {c} {setting}: {time.perf_counter() - start:.0f} s", flush=True)
+    summary = write_lengths(args.out, model, args.cache)
     print(json.dumps(summary))
     return 0
+
+
+def write_lengths(out: Path, model: str, cache: Path) -> dict:
+    """The lengths file from the chunks complete in both settings."""
+    chunks = {s: read_chunks(s, cache) for s in SETTINGS}
+    done = min(len(c) for c in chunks.values())
+    rows = [r for s in SETTINGS for c in chunks[s][:done] for r in c["rows"]]
+    header = {"command": "python -m bench.length_data", "model": Path(model).name,
+              "max_tokens": MAX_TOKENS, "seed": f"{SEED_BASE} + index", "settings": SETTINGS,
+              "samples": done * CHUNK, "of": NUM_SAMPLES}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in [header, *rows]))
+    summary = {}
+    for s in SETTINGS:
+        lens = [r["output_tokens"] for r in rows if r["setting"] == s]
+        summary[s] = {"samples": len(lens), "output_tokens": sum(lens),
+                      "mean": round(sum(lens) / max(len(lens), 1), 1),
+                      "at_limit": round(sum(n >= MAX_TOKENS for n in lens) / max(len(lens), 1),
+                                        3)}
+    return summary
 
 
 if __name__ == "__main__":

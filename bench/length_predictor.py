@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/length_predictor
 
 import redis  # noqa: E402
 
+from bench import length_data, length_hidden  # noqa: E402
 from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
@@ -53,6 +54,7 @@ from shared.tokenizer import encode, load_tokenizer  # noqa: E402
 
 MODEL = "demo"
 SWEEP = (0.5, 0.75, 0.9, 0.95, 0.99)
+EVERY = length_data.EVERY
 FINE = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.875, 0.9, 0.925, 0.95, 0.97, 0.99, 0.995)
 
 
@@ -66,6 +68,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=0,
                    help="also cap max_tokens at context - prompt (prompts >= context dropped)")
     p.add_argument("--default-len", type=int, default=128)
+    p.add_argument("--lengths", choices=("chatgpt-demo", "smollm2"), default="chatgpt-demo",
+                   help="chatgpt-demo: the ChatGPT answers in demo-tokenizer tokens (text "
+                        "predictor only); smollm2: SmolLM2's own lengths (bench/length_data.py) "
+                        "and the ChatGPT answers in SmolLM2 tokens, with the hidden-state rows")
+    p.add_argument("--shuffles", type=int, default=3, help="smollm2: shuffled orders besides "
+                                                            "the arrival order")
+    p.add_argument("--probe-dim", type=int, default=64, help="smollm2: hidden-state features")
+    p.add_argument("--l2", type=float, default=0.1, help="smollm2: the head's ridge penalty")
     return p.parse_args(argv)
 
 
@@ -142,6 +152,13 @@ def score(reqs: list[dict], reserved: list[int], point: list[int]) -> dict:
 
 
 def at_level(reqs: list[dict], which: str, q: float) -> dict:
+    if which in ("hidden", "refined"):  # bench/length_hidden.py's predictions
+        got = [length_hidden.reservations(r["item"], r["hidden"], r["global"], q, EVERY)
+               for r in reqs]
+        k = 0 if which == "hidden" else 1
+        s = score(reqs, [g[k] for g in got], [r["true"] for r in reqs])
+        s["mae"] = round(statistics.fmean(g[2 + k] for g in got), 1)
+        return s
     res = [min(r[which].quantile(q), r["max_tokens"]) for r in reqs]
     return score(reqs, res, [r[which].median for r in reqs])
 
@@ -156,26 +173,55 @@ def matched(reqs: list[dict], which: str, target: float) -> float | None:
     return None
 
 
+def evaluate(reqs: list[dict], learned: tuple[str, ...] = ()) -> dict:
+    """Every method at p90, the quantile sweep, and reserved/used at global_p90's outgrow rate.
+    `learned`: the hidden-state rows present ("hidden", "refined")."""
+    keys = {"predictor": "dist", **{k: k for k in learned}}
+    methods = {
+        "max_tokens": score(reqs, [r["max_tokens"] for r in reqs],
+                            [r["max_tokens"] for r in reqs]),
+        "global_p90": at_level(reqs, "global", 0.9),
+        **{name: at_level(reqs, key, 0.9) for name, key in keys.items()},
+        "oracle": score(reqs, [r["true"] for r in reqs], [r["true"] for r in reqs]),
+    }
+    sweep = {f"p{round(q * 100)}": {"global": at_level(reqs, "global", q),
+                                    **{n: at_level(reqs, k, q) for n, k in keys.items()}}
+             for q in SWEEP}
+    target = methods["global_p90"]["outgrow_rate"]
+    match = {"outgrow_rate": target, "global": methods["global_p90"]["reserved_over_used"],
+             **{n: matched(reqs, k, target) for n, k in keys.items()}}
+    return dict(methods=methods, quantile_sweep=sweep, matched_outgrow=match)
+
+
+def print_tables(ev: dict) -> None:
+    print(f"\n{'method':12s} {'mae':>8s} {'outgrow':>8s} {'reserved/used':>14s}")
+    for name, m in ev["methods"].items():
+        print(f"{name:12s} {m['mae']:8.1f} {m['outgrow_rate']:8.3f} "
+              f"{m['reserved_over_used']:14.3f}")
+    print("  (mae: of the median; global_p90 = the running global median; refined: the mean "
+          "over a request's checkpoints)")
+    names = list(next(iter(ev["quantile_sweep"].values())))
+    print("\nreserve at quantile level: outgrow / reserved-over-used")
+    print(f"{'level':8s}" + "".join(f"{n:>22s}" for n in names))
+    for lv, row in ev["quantile_sweep"].items():
+        print(f"{lv:8s}" + "".join(f"{row[n]['outgrow_rate']:12.3f}"
+                                   f"{row[n]['reserved_over_used']:10.3f}" for n in names))
+    m = ev["matched_outgrow"]
+    print(f"at global_p90's outgrow rate {m['outgrow_rate']:.3f}: reserved/used " + ", ".join(
+        f"{k} {v}" for k, v in m.items() if k != "outgrow_rate"))
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.lengths == "smollm2":
+        return main_smollm2(args)
     t_start = time.perf_counter()
     reqs, source = load_requests(args)
     log(f"{len(reqs)} requests from {source}")
     with EmbeddedRedis() as server:
         client = redis.Redis.from_url(server.url)
         timing = run_online(reqs, client, args.default_len)
-    methods = {
-        "max_tokens": score(reqs, [r["max_tokens"] for r in reqs],
-                            [r["max_tokens"] for r in reqs]),
-        "global_p90": at_level(reqs, "global", 0.9),
-        "predictor": at_level(reqs, "dist", 0.9),
-        "oracle": score(reqs, [r["true"] for r in reqs], [r["true"] for r in reqs]),
-    }
-    sweep = {f"p{round(q * 100)}": {"global": at_level(reqs, "global", q),
-                                    "predictor": at_level(reqs, "dist", q)} for q in SWEEP}
-    target = methods["global_p90"]["outgrow_rate"]
-    match = {"outgrow_rate": target, "global": methods["global_p90"]["reserved_over_used"],
-             "predictor": matched(reqs, "dist", target)}
+    ev = evaluate(reqs)
     trues = sorted(r["true"] for r in reqs)
     print(f"machine: {machine()}")
     print(f"workload: {len(reqs)} requests from {source}, "
@@ -183,31 +229,89 @@ def main(argv: list[str] | None = None) -> dict:
           f"max_tokens {args.max_tokens}" + (f", context {args.context}" if args.context else "")
           + f"; true output p50 {trues[len(trues) // 2]}, p90 {trues[int(0.9 * len(trues))]}, "
           f"mean {statistics.fmean(trues):.0f} (demo tokenizer)")
-    print(f"\n{'method':12s} {'mae':>8s} {'outgrow':>8s} {'reserved/used':>14s}")
-    for name, m in methods.items():
-        print(f"{name:12s} {m['mae']:8.1f} {m['outgrow_rate']:8.3f} "
-              f"{m['reserved_over_used']:14.3f}")
-    print("  (mae: predictor = its median, global_p90 = the running global median)")
-    print(f"\nreserve at quantile level{'':5s}{'global':>22s}{'predictor':>24s}")
-    print(f"{'level':8s}{'':20s}{'outgrow':>10s}{'res/used':>10s}{'':6s}{'outgrow':>10s}"
-          f"{'res/used':>10s}")
-    for lv, s in sweep.items():
-        g, p = s["global"], s["predictor"]
-        print(f"{lv:8s}{'':20s}{g['outgrow_rate']:10.3f}{g['reserved_over_used']:10.3f}{'':6s}"
-              f"{p['outgrow_rate']:10.3f}{p['reserved_over_used']:10.3f}")
-    print(f"at global_p90's outgrow rate {target:.3f}: reserved/used global "
-          f"{match['global']:.3f}, predictor {match['predictor']}")
+    print_tables(ev)
     nf = [r["n_features"] for r in reqs]
     print(f"\nlatency vs embedded redis-server (us/call, mean / p99): length_features "
           f"{timing['features_us']['mean']} / {timing['features_us']['p99']}, predict "
           f"{timing['predict_us']['mean']} / {timing['predict_us']['p99']}, update "
           f"{timing['update_us']['mean']} / {timing['update_us']['p99']}; features per request "
           f"mean {statistics.fmean(nf):.1f}, max {max(nf)}; redis keys {timing['keys']}")
-    out = dict(methods=methods, quantile_sweep=sweep, matched_outgrow=match,
-               latency_us={k: timing[k] for k in ("features_us", "predict_us", "update_us")},
+    out = dict(**ev, latency_us={k: timing[k] for k in ("features_us", "predict_us", "update_us")},
                requests=len(reqs), source=source, seed=args.seed, max_tokens=args.max_tokens,
                context=args.context, seconds=round(time.perf_counter() - t_start, 1))
     print(json.dumps(out))
+    return out
+
+
+def smollm2_sets(args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Length set -> requests (file order): SmolLM2's own lengths per setting, and the same
+    samples' ChatGPT answers, in SmolLM2 tokens."""
+    from shared import default_model
+
+    model = default_model.resolve()
+    pairs = ds.sharegpt_pairs(args.data)
+    prompts = length_data.chat_prompts(model, None)
+    sets = {f"smollm2-{s}": length_hidden.smollm2_items(s, args.limit)
+            for s in length_data.SETTINGS}
+    if not all(sets.values()):
+        raise SystemExit("no SmolLM2 lengths here: run python -m bench.length_data")
+    n = min(len(v) for v in sets.values())
+    sets = {k: v[:n] for k, v in sets.items()}
+    sets["chatgpt-smollm2"] = length_hidden.chatgpt_items(list(range(n)))
+    return {name: [dict(text=pairs[it.index][0], ids=prompts[it.index], prompt=it.prompt,
+                        max_tokens=it.max_tokens, true=it.true, item=it) for it in items]
+            for name, items in sets.items()}
+
+
+def main_smollm2(args: argparse.Namespace) -> dict:
+    t_start = time.perf_counter()
+    sets, out = smollm2_sets(args), {}
+    print(f"machine: {machine()}")
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        for name, base in sets.items():
+            learned = ("hidden",) if name.startswith("chatgpt") else ("hidden", "refined")
+            runs = []
+            for seed in [None, *range(args.shuffles)]:
+                reqs = list(base)
+                if seed is not None:
+                    random.Random(seed).shuffle(reqs)
+                reqs = [dict(r) for r in reqs]
+                run_online(reqs, client, args.default_len)
+                hid = length_hidden.run_online([r["item"] for r in reqs], args.probe_dim, EVERY,
+                                               args.l2)
+                for r, (_, dists) in zip(reqs, hid["predictions"], strict=True):
+                    r["hidden"] = dists
+                runs.append(evaluate(reqs, learned))
+            trues = sorted(r["true"] for r in base)
+            print(f"\n== {name}: {len(base)} requests, max_tokens {base[0]['max_tokens']}; true "
+                  f"p50 {trues[len(trues) // 2]}, p90 {trues[int(0.9 * len(trues))]}, mean "
+                  f"{statistics.fmean(trues):.0f}; arrival order")
+            print_tables(runs[0])
+            out[name] = dict(**runs[0], shuffled=_means(runs[1:]))
+            print(f"mean over {args.shuffles} shuffled orders: {json.dumps(out[name]['shuffled'])}")
+    first = out["smollm2-t0.7"]
+    result = dict(**{k: first[k] for k in ("methods", "quantile_sweep", "matched_outgrow")},
+                  sets=out, requests=len(sets["smollm2-t0.7"]), source="smollm2-t0.7",
+                  seed=None, max_tokens=length_data.MAX_TOKENS, context=0,
+                  probe_dim=args.probe_dim, l2=args.l2,
+                  seconds=round(time.perf_counter() - t_start, 1))
+    print(json.dumps(result))
+    return result
+
+
+def _means(runs: list[dict]) -> dict:
+    """Per method: mean MAE and mean reserved/used at global_p90's outgrow rate over runs."""
+    if not runs:
+        return {}
+    names = [n for n in runs[0]["methods"] if n not in ("max_tokens", "oracle")]
+    out = {}
+    for n in names:
+        key = "global" if n == "global_p90" else n
+        matched_vals = [r["matched_outgrow"].get(key) for r in runs]
+        out[n] = {"mae": round(statistics.fmean(r["methods"][n]["mae"] for r in runs), 1),
+                  "matched": round(statistics.fmean(matched_vals), 4)
+                  if None not in matched_vals else None}
     return out
 
 

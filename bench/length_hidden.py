@@ -1,0 +1,136 @@
+"""Hidden-state length prediction on real lengths: the rows bench/length_predictor.py adds.
+
+Length sets (both in SmolLM2 tokens, the first 1024 ShareGPT samples, their first question in
+the chat template): SmolLM2-135M-Instruct's own outputs (bench/data/smollm2_lengths.jsonl, made
+by bench/length_data.py, greedy and t=0.7, with the final-normed hidden states it recorded
+while generating: the last prompt token, then every 32 generated tokens) and the samples'
+ChatGPT answers (the prompt's hidden state only, computed here once and cached).
+
+Online, in arrival order (or shuffled): each request is predicted, then learned, exactly as
+the engine's refiner does (services/compute/length): features, HeadStats, ridge solve.
+- `hidden`: the prediction after prefill; reserve its quantile, point = its median.
+- `refined`: the newest prediction at each checkpoint: the reservation grows (never shrinks)
+  to generated + the remaining length's quantile; outgrown if the true length passes the last
+  reservation; point error = the mean over the request's checkpoints of |median - true|.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bench import length_data
+from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
+from services.compute.length.head import HeadStats, features, probe_matrix, targets
+from shared.length_dist import LengthDist
+from shared.tokenizer import encode, load_tokenizer
+
+MIN_REQUESTS = 16
+
+
+@dataclass
+class Item:
+    prompt: int  # tokens
+    max_tokens: int
+    true: int  # output tokens
+    hidden: np.ndarray  # [checkpoints, hidden] float32: at generated = 0, every, 2 every, ...
+    index: int  # the sample's
+
+
+def prompt_hidden(runner, prompt: list[int]) -> np.ndarray:
+    """[1, hidden] the final-normed hidden state of the last prompt token (one prefill)."""
+    from services.compute.kv.sizing import profile_batch
+
+    batch = profile_batch(len(prompt), 1, runner.device)
+    batch.input_ids.copy_(torch.tensor(prompt))
+    with torch.inference_mode():
+        _, hidden = runner.model.forward_hidden(batch, runner.kv)
+    return hidden.float().cpu().numpy()
+
+
+def smollm2_items(setting: str, limit: int | None, cache: Path = length_data.CACHE,
+                  ) -> list[Item]:
+    """SmolLM2's own outputs (bench/length_data.py's complete chunks) with the hidden states
+    recorded while generating them."""
+    items = []
+    for chunk in length_data.read_chunks(setting, cache):
+        off = chunk["offsets"]
+        items += [Item(r["prompt_tokens"], length_data.MAX_TOKENS, r["output_tokens"],
+                       chunk["hidden"][off[i] : off[i + 1]].astype(np.float32), r["index"])
+                  for i, r in enumerate(chunk["rows"])]
+    return items[:limit]
+
+
+def chatgpt_items(indices: list[int], cache: Path = length_data.CACHE) -> list[Item]:
+    """The same samples' ChatGPT answers (SmolLM2 tokens, capped at max_tokens), with the
+    prompt's hidden state only: no refinement (that would need the answers teacher-forced)."""
+    from services.compute.backend import build_engine
+    from shared import default_model
+    from shared.config import EngineConfig
+
+    path = cache / "chatgpt_prompt_hidden.npz"
+    model = default_model.resolve()
+    prompts = length_data.chat_prompts(model, max(indices) + 1)
+    answers = chatgpt_answers(model, len(prompts))
+    have = np.load(path)["hidden"] if path.is_file() else np.zeros((0, 1), np.float16)
+    if len(have) < len(prompts):
+        runner = build_engine(EngineConfig(model=model, kv_cache_tokens=16384,
+                                           hidden_length=False)).runner
+        new = [prompt_hidden(runner, p)[0] for p in prompts[len(have):]]
+        have = np.concatenate([have, np.stack(new).astype(np.float16)]) if len(have) else \
+            np.stack(new).astype(np.float16)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, hidden=have)
+    return [Item(len(prompts[i]), length_data.MAX_TOKENS, len(answers[i]),
+                 have[i : i + 1].astype(np.float32), i) for i in indices]
+
+
+def chatgpt_answers(model: str, n: int) -> list[list[int]]:
+    """The samples' ChatGPT answers in the model's tokens, capped at MAX_TOKENS."""
+    tok = load_tokenizer(model)
+    pairs = sharegpt_pairs(default_data_dir() / SHAREGPT_FILE, n)
+    return [encode(tok, a, add_special_tokens=False)[: length_data.MAX_TOKENS] or [0]
+            for _, a in pairs]
+
+
+def run_online(items: list[Item], dim: int, every: int, l2: float, seed: int | None = None,
+               ) -> dict:
+    """Predict-then-learn; per request, for each quantile level: hidden and refined
+    (reserved, point error)."""
+    order = list(range(len(items)))
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    hidden_size = items[0].hidden.shape[1]
+    probe = probe_matrix(hidden_size, dim) if dim < hidden_size else None
+    stats, head = HeadStats.zeros((dim if probe is not None else hidden_size) + 3), None
+    out = []
+    for n, i in enumerate(order):
+        it = items[i]
+        proj = it.hidden @ probe if probe is not None else it.hidden.astype(np.float64)
+        xs = [features(p, it.prompt, it.max_tokens, k * every) for k, p in enumerate(proj)]
+        dists = [head.predict(x, k * every, it.max_tokens) for k, x in enumerate(xs)] \
+            if head is not None else None
+        out.append((i, dists))
+        y = np.stack([targets(it.true - k * every) for k in range(len(xs))])
+        stats.add(np.stack(xs), y)
+        if n + 1 >= MIN_REQUESTS:
+            head = stats.solve(l2)
+    return {"order": order, "predictions": out}
+
+
+def reservations(item: Item, dists: list[LengthDist] | None, fallback: LengthDist, q: float,
+                 every: int) -> tuple[int, int, float, float]:
+    """(hidden reserved, refined reserved, hidden point error, refined mean point error)."""
+    if dists is None:
+        dists = [fallback]
+    first = min(dists[0].quantile(q), item.max_tokens)
+    res = first
+    errs = []
+    for k, d in enumerate(dists):
+        res = max(res, min(d.quantile(q), item.max_tokens)) if k else res
+        errs.append(abs(d.median - item.true))
+    return first, res, abs(dists[0].median - item.true), float(np.mean(errs))
