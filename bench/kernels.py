@@ -51,7 +51,7 @@ from kernels.activation import silu_mul, silu_mul_ref  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
 from kernels.decode_attention_paged import decode_attention_paged  # noqa: E402
 from kernels.int4_gemm import dequantize_int4, int4_gemm_triton, quantize_int4  # noqa: E402
-from kernels.kv_quant import quantize_kv  # noqa: E402
+from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref  # noqa: E402
 from kernels.rope import rope_kv_write, rope_kv_write_ref  # noqa: E402
@@ -68,6 +68,12 @@ DECODE_PCT, NORM_PCT, PREFILL_RATIO = 85.0, 70.0, 1.3  # decode: the GPU-path is
 INT8_SPEEDUP = 1.7  # INT8 KV decode attention against the 16-bit kernel (issue "quantization")
 PAGE = 16  # vLLM's default block size, for the paged decode attention baseline
 W4A16_SPEEDUP = 3.0  # INT4 weight-only GEMM against the bf16 GEMM at batch 1 (same issue)
+
+
+def fp8_ok(device) -> bool:
+    """Whether FP8 KV runs here (CUDA compute capability 8.9+, or the interpreter on CPU)."""
+    dev = torch.device(device)
+    return dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 9)
 
 
 def timeit(fn, cuda: bool) -> float:
@@ -149,6 +155,24 @@ def case_decode_int8(s: dict, batch: int, ctx: int) -> dict:
         work=2 * (kq.numel() + ks.numel() * ks.element_size()) + 2 * q.numel() * q.element_size(),
         tri=lambda: decode_attention(q, kq, vq, starts, lens, scale, max_seq_len=ctx,
                                      k_scale=ks, v_scale=vs),
+        base=lambda: decode_attention(q, k, v, starts, lens, scale, max_seq_len=ctx),
+        check=max_err)
+
+
+def case_decode_fp8(s: dict, batch: int, ctx: int) -> dict:
+    """FP8 KV (e4m3, scale 1) against the same kernel on the 16-bit cache."""
+    (H, HKV, D), dt, dev = s["heads"], s["dtype"], s["device"]
+    q = torch.randn(batch, H, D, dtype=dt, device=dev)
+    k = torch.randn(batch * ctx, HKV, D, dtype=dt, device=dev)
+    v = torch.randn_like(k)
+    k8, v8 = to_fp8(k), to_fp8(v)
+    starts = torch.arange(batch, dtype=torch.int32, device=dev) * ctx
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    scale = D**-0.5
+    return dict(
+        name=f"decode_attn_fp8_b{batch}_ctx{ctx}", unit="GB/s",
+        work=2 * k8.numel() + 2 * q.numel() * q.element_size(),
+        tri=lambda: decode_attention(q, k8, v8, starts, lens, scale, max_seq_len=ctx),
         base=lambda: decode_attention(q, k, v, starts, lens, scale, max_seq_len=ctx),
         check=max_err)
 
@@ -275,6 +299,7 @@ def builders(s: dict) -> list:
     p = functools.partial
     return [*(p(case_decode, s, b, c) for b, c in s["decode"]),
             p(case_decode_int8, s, *s["decode"][0]),
+            *([p(case_decode_fp8, s, *s["decode"][0])] if fp8_ok(s["device"]) else []),
             p(case_decode_paged, s, *s["decode"][0]),
             *(p(case_w4a16, s, m, n, s["hidden"]) for m in (1, 16)
               for n in (s["hidden"], s["inter"])),

@@ -43,6 +43,7 @@ _OURS = {"quantization": "int4", "model": "hf"}  # quantized by pipellm from the
 MODES = {  # name -> EngineConfig fields ("model": "hf" loads the expanded float directory)
     "float": {"quantization": "none"},
     "int8-kv": {"quantization": "none", **_INT8_KV},
+    "fp8-kv": {"quantization": "none", "kv_cache_dtype": "fp8"},
     "w8a8": {"quantization": "w8a8"},
     "w8a8+int8-kv": {"quantization": "w8a8", **_INT8_KV},
     "int4-gguf": {"quantization": "int4"},

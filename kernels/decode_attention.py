@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import cpu_extension, use_triton
-from kernels.kv_quant import KV_GROUP, kv_rows
+from kernels.kv_quant import FP8, KV_GROUP, kv_rows
 
 _BLOCK_N = 64  # KV rows per inner-loop chunk
 _MIN_SPLIT_TOKENS = 256  # a split covers at least this many tokens of the longest sequence
@@ -80,6 +80,7 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr,
     KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,  # int8 K/V, one scale per KV_GROUP values
     PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,  # the paged baseline (bench only)
+    KV_FP8: tl.constexpr = False,  # e4m3 K/V (kernels/kv_quant.py)
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -119,6 +120,9 @@ def _decode_split_kernel(
             v_sc = tl.load(vs_ptr + s_ptrs, mask=t_mask[:, None], other=0.0).to(tl.float32)
             k = (k.to(tl.float32) * k_sc).to(q.dtype)
             v = (v.to(tl.float32) * v_sc).to(q.dtype)
+        if KV_FP8:  # e4m3 values, scale 1
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
         s = _qk(q, k, USE_DOT, UPCAST_DOT) * qk_scale  # [BLOCK_H, BLOCK_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every chunk has a valid token
@@ -238,6 +242,7 @@ def _decode_attention_triton(
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N, USE_DOT=use_dot,
         UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16, DIRECT=num_splits == 1,
         KV_INT8=int8, KV_GROUP=KV_GROUP, PAGED=block_table is not None, PAGE=page_size,
+        KV_FP8=k_cache.dtype == FP8,
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
@@ -298,11 +303,12 @@ def decode_attention(
     Triton (flash-decoding) where `kernels.dispatch.use_triton(q)`, else the C++ CPU kernel
     (kernels/cpu/decode_attention.cpp) where it builds, else the PyTorch reference. With
     k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): every path reads them,
-    dequantizing in registers (Triton, C++) or one sequence's rows (the reference).
+    dequantizing in registers (Triton, C++) or one sequence's rows (the reference). FP8 caches
+    (float8_e4m3fn, scale 1) convert in registers (Triton) or in the reference (off Triton).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if not use_triton(q) and (ext := cpu_extension(q)) is not None:
+    if not use_triton(q) and k_cache.dtype != FP8 and (ext := cpu_extension(q)) is not None:
         return ext.decode_attention(q, k_cache, v_cache, seq_starts, seq_lens, scale, k_scale,
                                     v_scale)
     if not use_triton(q):

@@ -7,6 +7,10 @@ Layout, per layer: values int8 [capacity, n_kv_heads, head_dim], scales fp16
 quantizes the rows it writes; the attention kernels dequantize the rows they read (one
 sequence's at a time: never a dequantized copy of the cache).
 
+FP8 KV cache (`--kv-cache-dtype fp8`): e4m3 values, one byte each, with a per-tensor scale of
+1 (vLLM's default without calibrated scales): written saturated at +-448 (a plain cast would
+turn larger values into NaN), read by converting to the query's dtype.
+
 These are the PyTorch reference functions (they run on any device).
 """
 
@@ -15,6 +19,13 @@ from __future__ import annotations
 import torch
 
 KV_GROUP = 8
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x as e4m3, saturated at +-FP8_MAX."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +50,6 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def kv_rows(cache: torch.Tensor, scale: torch.Tensor | None, start: int, n: int) -> torch.Tensor:
     """Rows [start, start + n) of one layer's K or V cache, as float32 [n, Hkv, D] (dequantized
-    when `scale` is given)."""
+    when `scale` is given; FP8 rows convert as they are)."""
     rows = cache[start : start + n]
     return rows.float() if scale is None else dequantize_kv(rows, scale[start : start + n])

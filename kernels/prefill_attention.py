@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import cpu_fast_path, use_triton
-from kernels.kv_quant import KV_GROUP, kv_rows
+from kernels.kv_quant import FP8, KV_GROUP, kv_rows
 
 _LOG2E = 1.4426950408889634
 
@@ -41,6 +41,7 @@ def _attn_blocks(
     acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, lo, hi, stride_kt, stride_vt,
     stride_st, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     PRECISION: tl.constexpr, KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online-softmax update over keys [lo, hi) of one sequence (MASKED: also mask causally).
 
@@ -72,6 +73,9 @@ def _attn_blocks(
         if KV_INT8:
             k = (k.to(tl.float32) * k_sc.to(tl.float32)).to(q.dtype)
             v = (v.to(tl.float32) * v_sc.to(tl.float32)).to(q.dtype)
+        if KV_FP8:  # e4m3 values, scale 1
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
         if MASKED:
             causal = offs_n[None, :] <= pos_m[:, None]  # [BM, BN]
@@ -92,6 +96,7 @@ def _prefill_attention_kernel(
     stride_st, stride_sh,  # KV_INT8: the scales' [capacity, Hkv, D / KV_GROUP] strides
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Grid (cdiv(max_q_len, BLOCK_M), S, n_heads): one BLOCK_M query tile of one seq and head."""
     seq = tl.program_id(1)
@@ -128,10 +133,12 @@ def _prefill_attention_kernel(
     acc, l_i, m_i = _attn_blocks(  # blocks entirely below the diagonal: no mask
         acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, 0, full_end, stride_kt,
         stride_vt, stride_st, qk_scale, HEAD_DIM, BLOCK_N, False, PRECISION, KV_INT8, KV_GROUP,
+        KV_FP8,
     )
     acc, l_i, m_i = _attn_blocks(  # blocks the tile's diagonal crosses: causal mask
         acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, full_end, hi, stride_kt,
         stride_vt, stride_st, qk_scale, HEAD_DIM, BLOCK_N, True, PRECISION, KV_INT8, KV_GROUP,
+        KV_FP8,
     )
 
     out = acc / l_i[:, None]  # [BM, D]
@@ -193,7 +200,8 @@ def _prefill_attention_triton(
         scales[0].stride(0), scales[0].stride(1),
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",  # tl.dot default for 16-bit
-        KV_INT8=int8, KV_GROUP=KV_GROUP, num_warps=warps, num_stages=stages,
+        KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=k_cache.dtype == FP8, num_warps=warps,
+        num_stages=stages,
     )
     return out
 
@@ -270,12 +278,13 @@ def prefill_attention(
     (ctx_lens include the new tokens). Returns [T, H, D] in q's dtype; scale defaults to D**-0.5.
     max_q_len: optional host-side max of the q lengths (sizes the grid without a device sync).
     With k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): Triton dequantizes in
-    registers; off Triton the GEMM path dequantizes one sequence's rows at a time.
+    registers; off Triton the GEMM path dequantizes one sequence's rows at a time. FP8 caches
+    (float8_e4m3fn, scale 1) convert likewise.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not use_triton(q):
-        if k_scale is not None or cpu_fast_path(q):
+        if k_scale is not None or k_cache.dtype == FP8 or cpu_fast_path(q):
             return _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
                                           scale, k_scale, v_scale)
         return prefill_attention_reference(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import use_triton
-from kernels.kv_quant import KV_GROUP, quantize_kv
+from kernels.kv_quant import FP8, KV_GROUP, quantize_kv, to_fp8
 
 
 @triton.jit
@@ -91,7 +91,7 @@ def _store_int8_half(dst, stride_h, s_dst, s_stride_h, heads, h_ok, d, mask, x, 
 def _rope_kv_block(k_row, sk_h, v_row, sv_h, ko_row, kc_row, skc_h, vc_row, svc_h, ks_row,
                    vs_row, ss_h, hb, HKV, d, d_ok, c, s, HALF: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, KV_INT8: tl.constexpr,
-                   KV_GROUP: tl.constexpr):
+                   KV_GROUP: tl.constexpr, KV_FP8: tl.constexpr):
     """Rotate k heads of block hb of one token into k_rot and its cache slot; copy v there
     (KV_INT8: quantized, with their scales at ks_row, vs_row)."""
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
@@ -110,9 +110,26 @@ def _rope_kv_block(k_row, sk_h, v_row, sv_h, ko_row, kc_row, skc_h, vc_row, svc_
                                              (vc_row + HALF, svc_h, vs_row, v2, half_groups)):
             _store_int8_half(dst, stride, s_dst, ss_h, heads, h_ok, d, mask, x, first,
                              HALF, BLOCK_H, BLOCK_D, KV_GROUP)
+    elif KV_FP8:
+        _store_halves(kc_row, skc_h, heads, d, mask, _fp8(o1), _fp8(o2), HALF)
+        _store_halves(vc_row, svc_h, heads, d, mask, _fp8(v1), _fp8(v2), HALF)
     else:
         _store_halves(kc_row, skc_h, heads, d, mask, o1, o2, HALF)
         _store_halves(vc_row, svc_h, heads, d, mask, v1, v2, HALF)
+
+
+@triton.jit
+def _fp8(x):
+    """x as e4m3, saturated at +-448 (kernels/kv_quant.py's to_fp8). Rounded in fp32 first
+    (to nearest, 3 mantissa bits; below e4m3's smallest normal 2**-6 to multiples of 2**-9),
+    so the cast itself is exact: Triton's interpreter drops the carry when its own rounding
+    reaches the next power of two (7.8 -> 4.0)."""
+    xf = x.to(tl.float32)
+    bits = xf.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # round off 20 of 23 bits
+    r = bits.to(tl.float32, bitcast=True)
+    r = tl.where(tl.abs(xf) < 0.015625, tl.floor(xf * 512.0 + 0.5) / 512.0, r)
+    return tl.minimum(tl.maximum(r, -448.0), 448.0).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -127,7 +144,7 @@ def _rope_kv_kernel(
     skc_t, skc_h, svc_t, svc_h, s_cos, ss_t, ss_h,
     H, HKV,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,
+    KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # grid (T, cdiv(H, BLOCK_HQ) + cdiv(HKV, BLOCK_HKV)): first the q head blocks, then k/v.
     t = tl.program_id(0).to(tl.int64)
@@ -147,7 +164,7 @@ def _rope_kv_kernel(
                        ko_ptr + t * HKV * 2 * HALF, kc_ptr + slot * skc_t, skc_h,
                        vc_ptr + slot * svc_t, svc_h, ks_ptr + slot * ss_t, vs_ptr + slot * ss_t,
                        ss_h, hb - n_qb, HKV, d, d_ok, c, s, HALF, BLOCK_HKV, BLOCK_D, KV_INT8,
-                       KV_GROUP)
+                       KV_GROUP, KV_FP8)
 
 
 def _check(q, k, v, cos, k_cache, v_cache) -> None:
@@ -159,8 +176,9 @@ def _check(q, k, v, cos, k_cache, v_cache) -> None:
     if cos.shape[-1] != D // 2 or not caches_ok:
         raise ValueError("cos/sin must be [max_pos, D // 2] and caches [capacity, Hkv, D]")
     if not (q.dtype == k.dtype == v.dtype) or k_cache.dtype != v_cache.dtype or (
-            k_cache.dtype not in (q.dtype, torch.int8)):
-        raise ValueError("q, k, v and the caches must share a dtype (or the caches be int8)")
+            k_cache.dtype not in (q.dtype, torch.int8, FP8)):
+        raise ValueError("q, k, v and the caches must share a dtype (or the caches be int8 or "
+                         "fp8)")
     if any(t.stride(-1) != 1 for t in (q, k, v, cos, k_cache, v_cache)):
         raise ValueError("the last dim of q, k, v, cos/sin and the caches must be contiguous")
 
@@ -194,7 +212,7 @@ def rope_kv_write_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots, 
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         cos.stride(0), scales[0].stride(0), scales[0].stride(1), H, hkv,
         HALF=D // 2, BLOCK_D=block_d, BLOCK_HQ=bhq, BLOCK_HKV=bhkv, KV_INT8=int8,
-        KV_GROUP=KV_GROUP, num_warps=4,
+        KV_GROUP=KV_GROUP, KV_FP8=k_cache.dtype == FP8, num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: the reference's exact fp32 roundings
     )
     return q_rot, k_rot
@@ -220,6 +238,8 @@ def rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots, k_s
         if scales is not None:
             rows, row_scales = quantize_kv(rows)
             scales.index_copy_(0, slots, row_scales)
+        elif cache.dtype == FP8:  # written as bytes: index_copy_ has no fp8 on a CPU
+            rows, cache = to_fp8(rows).view(torch.uint8), cache.view(torch.uint8)
         cache.index_copy_(0, slots, rows)
     return q_rot, k_rot
 
@@ -241,7 +261,7 @@ def rope_kv_write(
 
     q, k, v may be strided views (last dim contiguous); the outputs are new contiguous tensors.
     With scales, the caches are INT8 (kernels/kv_quant.py) and the rows are quantized as they
-    are written (in the Triton kernel, fused).
+    are written (in the Triton kernel, fused); FP8 caches (float8_e4m3fn) get them saturated.
     """
     fn = rope_kv_write_triton if use_triton(q) else rope_kv_write_ref
     return fn(q, k, v, positions, cos, sin, k_cache, v_cache, slots, k_scale, v_scale)

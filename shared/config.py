@@ -112,9 +112,10 @@ class EngineConfig:
     overlap_schedule: str = setting("auto", "schedule and launch step N+1 while the device runs "
                                     "step N: on, off, or auto (on where steps run "
                                     "asynchronously: CUDA)", group=SCHEDULING)
-    kv_cache_dtype: str = setting("auto", "KV cache elements: auto (the model's dtype) or int8 "
-                                  "(groups of 8 with an fp16 scale: 1.25 bytes a value)",
-                                  group=QUANTIZATION)
+    kv_cache_dtype: str = setting("auto", "KV cache elements: auto (the model's dtype), int8 "
+                                  "(groups of 8 with an fp16 scale: 1.25 bytes a value) or fp8 "
+                                  "(e4m3, scale 1: one byte; GPUs of compute capability 8.9+, "
+                                  "or CPU)", group=QUANTIZATION)
     quantization: str = setting("auto", "weights: none, w8a8 (INT8 weights and activations), "
                                 "int4 (INT4 weight-only; a GGUF file's Q4 blocks as they are), "
                                 "fp8 (e4m3; GPUs of compute capability 8.9+, or CPU); auto: int4 "
@@ -135,9 +136,9 @@ class EngineConfig:
             raise ValueError(f"--kernels must be auto, triton or reference, not {self.kernels!r}")
         if self.backend not in ("torch", "sim"):
             raise ValueError(f"--backend must be torch or sim, not {self.backend!r}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"--kv-cache-dtype must be auto or int8, not {self.kv_cache_dtype!r}"
-                             " (fp8 is not implemented yet)")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f"--kv-cache-dtype must be auto, int8 or fp8, not "
+                             f"{self.kv_cache_dtype!r}")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise ValueError(f"--overlap-schedule must be auto, on or off, not "
                              f"{self.overlap_schedule!r}")

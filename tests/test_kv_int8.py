@@ -79,15 +79,15 @@ def test_rope_kv_write_quantizes_the_rows_it_writes():
 
 
 def test_moves_carry_the_scales_and_capacity_counts_them():
-    kv = KVCache(2, 50, 2, 16, torch.float32, torch.device("cpu"), int8=True)
+    kv = KVCache(2, 50, 2, 16, torch.float32, torch.device("cpu"), kv_dtype="int8")
     kv.k.random_(-127, 127)
     kv.k_scale.uniform_()
     before = kv.k[:, 10:20].clone(), kv.k_scale[:, 10:20].clone()
     kv.move(10, 15, 10)  # overlapping ranges
     assert torch.equal(kv.k[:, 15:25], before[0]) and torch.equal(kv.k_scale[:, 15:25], before[1])
-    assert KVCache.bytes_per_token(2, 2, 16, torch.float32, int8=True) == 2 * 2 * 2 * (16 + 4)
+    assert KVCache.bytes_per_token(2, 2, 16, torch.float32, kv_dtype="int8") == 2 * 2 * 2 * (16 + 4)
     ratio = (KVCache.bytes_per_token(30, 3, 64, torch.bfloat16)
-             / KVCache.bytes_per_token(30, 3, 64, torch.bfloat16, int8=True))
+             / KVCache.bytes_per_token(30, 3, 64, torch.bfloat16, kv_dtype="int8"))
     assert ratio == pytest.approx(1.6)  # against a 16-bit cache
 
 

@@ -48,14 +48,13 @@ class ModelRunner:
                                keep_int4=self.quant.keeps_gguf_blocks)
         self.model = LlamaModel(model_config, weights, self.device, max_model_len, self.quant)
         del weights
-        self.int8_kv = config.kv_cache_dtype == "int8"
-        if self.int8_kv and model_config.head_dim % KV_GROUP:
-            raise ValueError(f"--kv-cache-dtype int8 needs head_dim a multiple of {KV_GROUP}")
+        kv_dtype = config.kv_cache_dtype
+        _check_kv_dtype(kv_dtype, model_config.head_dim, self.device)
         per_token = KVCache.bytes_per_token(model_config.num_layers, model_config.num_kv_heads,
-                                            model_config.head_dim, self.dtype, self.int8_kv)
+                                            model_config.head_dim, self.dtype, kv_dtype)
         self.kv_bytes_per_token = per_token
         kv_shape = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                        head_dim=model_config.head_dim, dtype=self.dtype, int8=self.int8_kv)
+                        head_dim=model_config.head_dim, dtype=self.dtype, kv_dtype=kv_dtype)
         # [hidden, r]: projects the hidden state of each sampled row for the length head
         self.probe = torch.from_numpy(probe_matrix(
             model_config.hidden_size, config.length_probe_dim)).to(self.device) \
@@ -69,13 +68,13 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv, config.max_running, max_model_len,
                                    pad_slot=self.capacity) if use_graphs else None
         self.summary |= {"device": str(self.device), "dtype": str(self.dtype).removeprefix(
-            "torch."), "kv_dtype": "int8" if self.int8_kv else "auto",
+            "torch."), "kv_dtype": kv_dtype,
             "quantization": self.quant.name,
             "weights_gib": round(self.model.weight_bytes() / 2**30, 3),
             "kv_gib": round(self.capacity * per_token / 2**30, 3),
             "cuda_graphs": self.graphs.sizes[-1] if self.graphs else 0}
         log.info("KV cache: %d slots on %s (%s)", self.capacity, self.device,
-                 "int8" if self.int8_kv else self.dtype)
+                 self.kv.k.dtype)
 
     def _kv_capacity(self, config: EngineConfig, per_token: int, kv_shape: dict) -> int:
         if config.kv_cache_tokens > 0:
@@ -141,6 +140,17 @@ class ModelRunner:
                             [p.repetition_penalty for p in ps]], dtype=torch.float32)
         pen = to_device(pen, self.device)
         return apply_penalties(logits, prompt_mask, output_counts, pen[0], pen[1], pen[2])
+
+
+def _check_kv_dtype(kv_dtype: str, head_dim: int, device: torch.device) -> None:
+    """ValueError (a start-up message) where --kv-cache-dtype cannot run."""
+    if kv_dtype == "int8" and head_dim % KV_GROUP:
+        raise ValueError(f"--kv-cache-dtype int8 needs head_dim a multiple of {KV_GROUP}")
+    if kv_dtype == "fp8" and device.type == "cuda" and \
+            torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"--kv-cache-dtype fp8 needs FP8 conversions (compute capability 8.9+: "
+                         f"Ada, Hopper); {torch.cuda.get_device_name(device)} has "
+                         f"{torch.cuda.get_device_capability(device)}: use int8")
 
 
 def _add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -1,18 +1,22 @@
 """The KV cache tensors: per layer K and V of shape [capacity, n_kv_heads, head_dim], in the
-model's dtype, or INT8 with fp16 scales per group of KV_GROUP values (kernels/kv_quant.py)."""
+model's dtype, INT8 with fp16 scales per group of KV_GROUP values, or FP8 e4m3 with scale 1
+(kernels/kv_quant.py). `kv_dtype` is --kv-cache-dtype: auto (the model's), int8 or fp8."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.kv_quant import KV_GROUP
+from kernels.kv_quant import FP8, KV_GROUP
+
+KV_DTYPES = ("auto", "int8", "fp8")
 
 
 class KVCache:
     def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, int8: bool = False):
+                 dtype: torch.dtype, device: torch.device, kv_dtype: str = "auto"):
         shape = (num_layers, capacity, num_kv_heads, head_dim)
-        store = torch.int8 if int8 else dtype
+        int8 = kv_dtype == "int8"
+        store = {"int8": torch.int8, "fp8": FP8}.get(kv_dtype, dtype)
         self.k = torch.zeros(shape, dtype=store, device=device)  # [L, capacity, Hkv, D]
         self.v = torch.zeros(shape, dtype=store, device=device)
         self.k_scale = self.v_scale = None  # INT8: [L, capacity, Hkv, D / KV_GROUP] fp16
@@ -23,9 +27,10 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype, int8: bool = False) -> int:
+                        dtype: torch.dtype, kv_dtype: str = "auto") -> int:
         """K and V of one token in every layer (INT8: the values and their scales)."""
-        per_head = head_dim + 2 * (head_dim // KV_GROUP) if int8 else head_dim * dtype.itemsize
+        per_head = {"int8": head_dim + 2 * (head_dim // KV_GROUP),
+                    "fp8": head_dim}.get(kv_dtype, head_dim * dtype.itemsize)
         return 2 * num_layers * num_kv_heads * per_head
 
     def nbytes(self) -> int:
