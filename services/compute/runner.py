@@ -14,7 +14,7 @@ from services.compute.inflight import InFlight, PromptRows, TopRows, to_host
 from services.compute.kv.kv_cache import KVCache
 from services.compute.kv.sizing import gpu_kv_budget
 from services.compute.length.head import probe_matrix
-from services.compute.model import quantization
+from services.compute.model import quantization, smoothing
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
 from services.compute.sampling_batch import SamplingBatch
@@ -46,6 +46,8 @@ class ModelRunner:
                                           self.dtype, config.int4_group_size)
         weights = load_weights(config.model, self.dtype, self.device,
                                keep_int4=self.quant.keeps_gguf_blocks)
+        if self.quant.int8_activations:  # W8A8: SmoothQuant, calibrated at load
+            smoothing.smooth(model_config, weights, self.device)
         self.model = LlamaModel(model_config, weights, self.device, max_model_len, self.quant)
         del weights
         kv_dtype = config.kv_cache_dtype
