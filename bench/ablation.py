@@ -16,6 +16,13 @@ order; `predicted` reserves its median but at most 64 tokens ahead (the default
 --kv-reserve-horizon; "whole-length segments" reserves the whole median) and regrows outgrown
 segments to the conditional p90, again at most 64 ahead.
 
+The `smollm2` workload (SmolLM2's own t=0.7 lengths, bench/length_data.py) adds two rows that
+replay the predictions bench/length_predictor.py --lengths smollm2 recorded per request: the
+text predictor's at arrival, then the hidden-state head's after prefill, and (refined) every 32
+generated tokens, applied when the engine's refiner would apply them. They were recorded online
+in file order; the replay shuffles the requests, so a request may be served with a head that
+had learned from requests arriving after it here (a small advantage the live engine lacks).
+
 The last row, pipelined vs inline detokenization, is a real-time run through the real services
 (bench/pipeline_overlap.py with `--sim-model`): real processes and sockets, simulated GPU steps.
 
@@ -45,7 +52,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import length_data  # noqa: E402
 from bench.common import log, machine  # noqa: E402
+from bench.length_predictor import PREDICTIONS  # noqa: E402
 from bench.virtual import (  # noqa: E402
     azure_trace,
     simulate,
@@ -56,6 +65,7 @@ from loadgen.datasets import (  # noqa: E402
     SHAREGPT_FILE,
     default_data_dir,
     load_sharegpt,
+    sharegpt_pairs,
     synthetic,
 )
 from services.compute.sim.hardware import model as model_spec  # noqa: E402
@@ -77,8 +87,9 @@ PAGED_PEAK = "merged, paged 16-token blocks, predicted admission (learned)"
 class Variant:
     name: str
     overrides: dict
-    predict: str = "none"  # none | oracle | predictor
+    predict: str = "none"  # none | oracle | predictor | hidden | refined
     talk: str = ""  # the talk's claim for this row
+    workloads: tuple[str, ...] = ()  # only these (empty: all)
 
 
 VARIANTS = (
@@ -93,6 +104,10 @@ VARIANTS = (
             "+200% QPS over max-length reservation"),
     Variant("merged, predicted KV (learned), whole-length segments",
             {"kv_policy": "predicted", "kv_reserve_horizon": 0}, "predictor"),
+    Variant("merged, predicted KV (hidden state, after prefill)", {"kv_policy": "predicted"},
+            "hidden", workloads=("smollm2",)),
+    Variant("merged, predicted KV (hidden state, refined every 32 tokens)",
+            {"kv_policy": "predicted"}, "refined", workloads=("smollm2",)),
     Variant("merged, predicted KV (learned), INT8 KV",
             {"kv_policy": "predicted", "sim_kv_dtype": "int8"}, "predictor",
             "2x requests, +50% throughput over FP16 KV"),
@@ -102,7 +117,10 @@ VARIANTS = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama-2-7b,llama-3-8b")
-    p.add_argument("--workloads", default="sharegpt,azure")
+    p.add_argument("--workloads", default="sharegpt,azure",
+                   help="of sharegpt, azure and smollm2 (SmolLM2's own lengths with the "
+                        "hidden-state predictions recorded by bench/length_predictor.py "
+                        "--lengths smollm2, replayed: the hidden-state rows)")
     p.add_argument("--gpu", default="h100")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--max-running", type=int, default=1024)
@@ -127,7 +145,9 @@ class Workload:
 
     def __init__(self, name: str, n: int, context: int, seed: int):
         self.name, self.seed = name, seed
-        if name == "azure":
+        if name == "smollm2":
+            self._smollm2(n, context)
+        elif name == "azure":
             trace = [w for w in azure_trace(default_data_dir() / "azure_llm_trace_conv_2023.csv",
                                             n * 2) if w[1] + w[2] <= context][:n]
             self.native_qps = (len(trace) - 1) / (trace[-1][0] - trace[0][0])
@@ -143,8 +163,25 @@ class Workload:
             picked = [pool[i % len(pool)] for i in range(n)]
             self.items = [(0.0, w.prompt_len, w.output_len) for w in picked]
             self.texts = [w.prompt or "" for w in picked]
-        self.max_tokens = [context - p for _, p, _ in self.items]  # no max_tokens sent
+        if name != "smollm2":
+            self.max_tokens = [context - p for _, p, _ in self.items]  # no max_tokens sent
         self._features: dict[str, list[list[int]]] = {}
+
+    def _smollm2(self, n: int, context: int) -> None:
+        """SmolLM2's own t=0.7 answers to the ShareGPT questions (bench/length_data.py), with the
+        predictions bench/length_predictor.py --lengths smollm2 recorded for each, in shuffled
+        order; max_tokens as generated (1024)."""
+        recorded = json.loads(PREDICTIONS.read_text())
+        preds = recorded["predictions"]
+        rows = [r for r in length_data.load()[1]["t0.7"] if str(r["index"]) in preds]
+        rows = [r for r in rows if r["prompt_tokens"] + r["output_tokens"] <= context]
+        random.Random(self.seed).shuffle(rows)
+        picked = [rows[i % len(rows)] for i in range(n)]
+        questions = [q for q, _ in sharegpt_pairs(default_data_dir() / SHAREGPT_FILE)]
+        self.items = [(0.0, r["prompt_tokens"], r["output_tokens"]) for r in picked]
+        self.texts = [questions[r["index"]] for r in picked]
+        self.max_tokens = [recorded["max_tokens"]] * len(picked)
+        self.recorded = [preds[str(r["index"])] for r in picked]
 
     def features(self, model: str) -> list[list[int]]:
         """Each request's length features (computed once per model, reused by every run)."""
@@ -184,10 +221,38 @@ class OnlineLengths:
     def learn(self, index: int, output_len: int) -> None:
         self.predictor.update(self.features[index], output_len)
 
+    def refine(self, index: int, generated: int) -> None:
+        return None
+
+
+class Replayed:
+    """Predictions recorded per request (bench/length_predictor.py --lengths smollm2): the text
+    predictor's at arrival, then the hidden-state head's after prefill (generated 0) and, with
+    `refined`, at every later checkpoint, as the engine's refiner applies them."""
+
+    def __init__(self, wl: Workload, refined: bool):
+        self.recorded, self.refined = wl.recorded, refined
+
+    def predict(self, index: int) -> LengthDist:
+        return LengthDist(tuple(self.recorded[index]["prior"]))
+
+    def learn(self, index: int, output_len: int) -> None:
+        pass
+
+    def refine(self, index: int, generated: int) -> LengthDist | None:
+        if generated and not self.refined:
+            return None
+        for g, values in self.recorded[index]["checkpoints"]:
+            if g == generated:
+                return LengthDist(tuple(values))
+        return None
+
 
 def run(config: EngineConfig, wl: Workload, variant: Variant, qps: float) -> dict:
     stats: dict = {}
-    online = OnlineLengths(wl, config.sim.model) if variant.predict == "predictor" else None
+    online = OnlineLengths(wl, config.sim.model) if variant.predict == "predictor" else \
+        Replayed(wl, variant.predict == "refined") if variant.predict in ("hidden", "refined") \
+        else None
     summary = summarize(simulate(config, wl.at(qps, variant.predict), wl.seed, stats,
                                  predictor=online))
     return summary | {"qps": qps, "kv_capacity": stats["capacity"], "moves": stats["moves"]}
@@ -234,9 +299,10 @@ def measure(args, model: str, workload: str) -> list[dict]:
                          max_running=args.max_running,
                          max_batched_tokens=args.max_batched_tokens)
     wl = Workload(workload, args.requests, model_spec(model).context, args.seed)
-    rows, configs = [], [with_settings(base, **v.overrides) for v in VARIANTS]
+    variants = [v for v in VARIANTS if not v.workloads or workload in v.workloads]
+    rows, configs = [], [with_settings(base, **v.overrides) for v in variants]
     paged_qps = None  # paged's QPS at SLO (MAX_QPS if it absorbed the burst)
-    for v, config in zip(VARIANTS, configs, strict=True):
+    for v, config in zip(variants, configs, strict=True):
         t0 = time.perf_counter()
         at = qps_at_slo(config, wl, v, args.bisect)
         paged_qps = (at or {}).get("qps") if v.name == PAGED else paged_qps
@@ -244,7 +310,7 @@ def measure(args, model: str, workload: str) -> list[dict]:
         rows.append(row(v, model, workload, at, offline))
         log(f"{model} {workload} {v.name}: {rows[-1]['qps_at_slo']} req/s at SLO "
             f"({time.perf_counter() - t0:.0f} s)")
-    for v, config, r in zip(VARIANTS, configs, rows, strict=True):  # all at paged's rate
+    for v, config, r in zip(variants, configs, rows, strict=True):  # all at paged's rate
         at = run(config, wl, v, paged_qps) if paged_qps else {}
         r["preemptions_at_paged_qps"] = at.get("preemptions")
         r["meets_slo_at_paged_qps"] = meets_slo(at) if at else None
@@ -297,6 +363,11 @@ COMPARISONS = (  # (row, baseline row, what the talk claims)
     (PAGED_PEAK, PAGED, "-"),
     ("merged, predicted KV (learned), INT8 KV", "merged, predicted KV (learned predictor)",
      "1.5x tput"),
+    ("merged, predicted KV (hidden state, after prefill)",
+     "merged, predicted KV (learned predictor)", "-"),
+    ("merged, predicted KV (hidden state, refined every 32 tokens)",
+     "merged, predicted KV (learned predictor)", "-"),
+    ("merged, predicted KV (hidden state, refined every 32 tokens)", PAGED, "-"),
 )
 
 

@@ -55,6 +55,8 @@ from shared.tokenizer import encode, load_tokenizer  # noqa: E402
 MODEL = "demo"
 SWEEP = (0.5, 0.75, 0.9, 0.95, 0.99)
 EVERY = length_data.EVERY
+REPLAYED = "smollm2-t0.7"  # whose per-request predictions bench/ablation.py replays
+PREDICTIONS = ROOT / "bench" / "data" / "smollm2_t0.7_predictions.json"
 FINE = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.875, 0.9, 0.925, 0.95, 0.97, 0.99, 0.995)
 
 
@@ -283,6 +285,8 @@ def main_smollm2(args: argparse.Namespace) -> dict:
                 for r, (_, dists) in zip(reqs, hid["predictions"], strict=True):
                     r["hidden"] = dists
                 runs.append(evaluate(reqs, learned))
+                if seed is None and name == REPLAYED:
+                    save_predictions(reqs, PREDICTIONS)
             trues = sorted(r["true"] for r in base)
             print(f"\n== {name}: {len(base)} requests, max_tokens {base[0]['max_tokens']}; true "
                   f"p50 {trues[len(trues) // 2]}, p90 {trues[int(0.9 * len(trues))]}, mean "
@@ -298,6 +302,20 @@ def main_smollm2(args: argparse.Namespace) -> dict:
                   seconds=round(time.perf_counter() - t_start, 1))
     print(json.dumps(result))
     return result
+
+
+def save_predictions(reqs: list[dict], path: Path) -> None:
+    """Each request's predictions in the arrival-order run, for bench/ablation.py to replay:
+    sample index -> {"prior": the text predictor's quantiles at arrival, "checkpoints":
+    [[generated, the hidden-state head's quantiles of the total length], ...]} (none until the
+    head has learned enough)."""
+    out = {}
+    for r in reqs:
+        dists = r["hidden"] or []
+        out[r["item"].index] = {"prior": list(r["dist"].values), "checkpoints": [
+            [k * EVERY, list(d.values)] for k, d in enumerate(dists)]}
+    path.write_text(json.dumps({"every": EVERY, "max_tokens": length_data.MAX_TOKENS,
+                                "predictions": out}, separators=(",", ":")))
 
 
 def _means(runs: list[dict]) -> dict:

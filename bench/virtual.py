@@ -85,6 +85,10 @@ class OnlinePredictor(Protocol):
 
     def learn(self, index: int, output_len: int) -> None: ...
 
+    def refine(self, index: int, generated: int) -> LengthDist | None:
+        """A new prediction once the request's token after `generated` ones is out (the
+        engine's hidden-state checkpoints), or None to keep the one it has."""
+
 
 def simulate(config: EngineConfig, workload: Sequence[WorkItem], seed: int = 0,
              engine_stats: dict | None = None, max_tokens: int | None = None,
@@ -134,6 +138,10 @@ def simulate(config: EngineConfig, workload: Sequence[WorkItem], seed: int = 0,
                 if predictor is not None:
                     predictor.learn(rec.index, rec.generated)
                 engine.runner.eos_at.pop(e.request_id, None)
+            elif predictor is not None and \
+                    (dist := predictor.refine(rec.index, rec.generated - 1)) is not None:
+                seq = engine.requests[e.request_id]
+                seq.predicted_length, seq.peak_total = dist, 0
         if now == before and not result.events:  # nothing could run: wait for an arrival
             if nxt == len(order):
                 raise RuntimeError("the engine has work but cannot schedule any of it")

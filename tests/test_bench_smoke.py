@@ -23,7 +23,8 @@ def last_json(out: str) -> dict:
 def test_ablation_quick(capsys):
     ablation.main(["--quick", "--workloads", "sharegpt"])
     rows = last_json(capsys.readouterr().out)["rows"]
-    assert [r["name"] for r in rows] == [v.name for v in ablation.VARIANTS]
+    assert [r["name"] for r in rows] == [v.name for v in ablation.VARIANTS
+                                         if not v.workloads]  # the smollm2 rows need its data
     assert all(ROW_KEYS <= set(r) and r["simulated"] is True for r in rows)
     assert all(isinstance(r["preemptions_at_paged_qps"], int) for r in rows)
     by = {r["name"]: r for r in rows}

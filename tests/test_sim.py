@@ -19,6 +19,7 @@ from services.compute.sim.cost import CostModel, fit_decode, kv_dtype_bytes
 from services.compute.sim.hardware import GiB
 from services.compute.sim.runner import cost_model, token_id
 from shared.config import EngineConfig
+from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 from shared.settings import with_settings
 from tests.stack import Stack
@@ -333,9 +334,45 @@ def test_online_predictor_hook_is_asked_at_arrival_and_taught_at_finish():
         def learn(self, index, output_len):
             self.taught[index] = output_len
 
+        def refine(self, index, generated):
+            return None
+
     hook = Oracle()
     online = simulate(sim_config(**common), wl, predictor=hook, max_tokens=400)
     items = simulate(sim_config(**common), [(*w, w[2]) for w in wl], max_tokens=400)
     assert [r.token_times for r in online] == [r.token_times for r in items]
     assert hook.asked == sorted(range(len(wl)), key=lambda i: wl[i][0])
     assert hook.taught == {i: w[2] for i, w in enumerate(wl)}
+
+
+def test_refined_predictions_replace_the_prior_at_their_checkpoints():
+    """A prior of 1 token, refined to the true length after the first token: the segments
+    stop regrowing one step at a time (the hidden-state head's replay in bench/ablation.py)."""
+    wl = workload(40, 40.0, out=120)
+    common = dict(sim_gpu="a100", sim_model="llama-2-7b", kv_cache_tokens=20000,
+                  kv_reserve_horizon=0, kv_min_grow=1)
+
+    class Refined:
+        def __init__(self, refine):
+            self.on, self.calls = refine, []
+
+        def predict(self, index):
+            return 1
+
+        def learn(self, index, output_len):
+            pass
+
+        def refine(self, index, generated):
+            self.calls.append((index, generated))
+            return LengthDist.point(wl[index][2]) if self.on and generated == 0 else None
+
+    stats = {}
+    for on in (False, True):
+        hook = Refined(on)
+        stats[on] = {}
+        recs = simulate(sim_config(**common), wl, predictor=hook, max_tokens=400,
+                        engine_stats=stats[on])
+        assert all(r.generated == wl[r.index][2] for r in recs)
+        assert sorted(g for i, g in hook.calls if i == 0) == list(range(wl[0][2] - 1))
+    grows = {on: s["grows_in_place"] + s["moves"] for on, s in stats.items()}
+    assert grows[True] < grows[False] / 4
