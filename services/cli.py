@@ -89,7 +89,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"two models given: {model} and --model {args.model}")
     model = model or args.model
     config = config_from_args(EngineConfig, args, model=model or default_model.resolve())
-    from services.compute.scheduling.scheduler import SchedulerConfig
+    from services.compute.scheduling.config import SchedulerConfig
 
     SchedulerConfig.of(config)  # a bad combination of scheduler flags fails here, not in compute
     if config.backend == "sim":  # a bad --sim-* value fails here, not in a restarting child

@@ -105,6 +105,10 @@ class EngineConfig:
     kv_admission: str = setting("auto", "peak (the future KV peak must fit), fit (the "
                                 "reservation must) or auto (peak with --kv-policy predicted)",
                                 group=SCHEDULING)
+    enable_prefix_caching: bool = setting(False, "keep finished requests' KV cached (evicted "
+                                          "least recently used when memory is needed); a "
+                                          "prompt starting with a cached prefix copies its KV "
+                                          "instead of recomputing it", group=SCHEDULING)
     batching: str = setting("merged", "merged (dynamic, merged steps) or static (a baseline)",
                             group=SCHEDULING)
     enforce_eager: bool = setting(False, "CUDA: run every step eagerly (no CUDA graphs of "

@@ -70,6 +70,7 @@ class Route:
     length_features: list[int] = field(default_factory=list)  # the predictor learns at finish
     prompt_ids: array | None = None  # int32, the whole prompt: only with prompt logprobs
     resume: Resume | None = None  # a resumed choice: the detokenizer replays its outputs
+    cached_tokens: int = 0  # set by compute at admission: prompt tokens a prefix cache hit gave
 
 
 @message
@@ -151,6 +152,7 @@ class Delta:
     error: str | None = None
     error_status: int = 0  # HTTP status for errors (400: bad request, 503: service)
     started_at: float = 0.0  # on a choice's first delta: wall clock when compute admitted it
+    cached_tokens: int = 0  # on a choice's first delta: its prompt tokens from the prefix cache
     top_ids: array = field(default_factory=lambda: array("i"))  # [len(token_ids) * k]
     top_logprobs: array = field(default_factory=lambda: array("f"))
     prompt_ids: array | None = None  # on the first delta, with prompt logprobs: the prompt

@@ -56,7 +56,8 @@ def test_completion_greedy_equals_engine_with_aiohttp_and_openai(stack, client, 
         "ignore_eos": True})
     assert status == 200, body
     assert body["choices"][0]["text"] == expected
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12,
                                   temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "length"

@@ -9,7 +9,8 @@ import pytest
 
 from services.compute.backend import build_engine
 from services.compute.kv.allocator import KVAllocator
-from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig
+from services.compute.scheduling.config import SchedulerConfig
+from services.compute.scheduling.scheduler import Scheduler
 from services.compute.scheduling.sequence import UNSAMPLED, SeqStatus, Sequence
 from services.compute.scheduling.step import StepSample
 from shared.config import EngineConfig

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from services.compute.kv.allocator import KVAllocator
-from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig
+from services.compute.scheduling.config import SchedulerConfig
+from services.compute.scheduling.scheduler import Scheduler
 from services.compute.scheduling.sequence import SeqStatus, Sequence
 from services.compute.scheduling.step import StepSample
 from shared.length_dist import LengthDist

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from services.compute.length.refiner import LengthRefiner, RefinerConfig
 from services.compute.length.store import MemoryStore
-from services.compute.scheduling.scheduler import Scheduler, SchedulerConfig
+from services.compute.scheduling.config import SchedulerConfig
+from services.compute.scheduling.scheduler import Scheduler
 from services.compute.scheduling.sequence import SeqStatus, Sequence
 from services.compute.scheduling.step import ScheduledStep, Top
 from shared.codec import float32s, int32s
@@ -42,6 +43,7 @@ class TokenEvent:
 class StepResult:
     events: list[TokenEvent]  # one per request that got a token, in batch order
     admitted: list[str]  # request ids taken from the queue (first time or after preemption)
+    cached_tokens: list[int] = field(default_factory=list)  # per admitted: from the prefix cache
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # scored prompt pieces
 
 
@@ -55,6 +57,10 @@ class EngineStats:
     moves: int
     grows_in_place: int
     preemptions: int
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of them, copied from it
+    prefix_cached: int = 0  # slots the cache's entries hold
+    prefix_evictions: int = 0
 
 
 class LLMEngine:
@@ -138,7 +144,8 @@ class LLMEngine:
         if self.lengths is not None:
             self.lengths.tick()
         step = self.scheduler.schedule()
-        result = StepResult([], [s.request_id for s in step.admitted])
+        result = StepResult([], [s.request_id for s in step.admitted],
+                            [s.cached_tokens for s in step.admitted])
         if self._inflight and (not step.num_tokens or _reads_token_values(step)):
             self._commit(result)
         if step.num_tokens:
@@ -177,12 +184,15 @@ class LLMEngine:
                 self.lengths.observe(seq, generated, probe)
 
     def stats(self) -> EngineStats:
-        s, a = self.scheduler, self.scheduler.allocator
+        s, a, cache = self.scheduler, self.scheduler.allocator, self.scheduler.prefix_cache
+        prefix = {} if cache is None else dict(
+            prefix_queries=cache.stats.query_tokens, prefix_hits=cache.stats.hit_tokens,
+            prefix_cached=cache.slots, prefix_evictions=cache.stats.evictions)
         return EngineStats(
-            capacity=a.capacity, reserved=a.reserved, used=s.used_slots(),
-            running=len(s.running), waiting=len(s.waiting), moves=s.stats.moves,
-            grows_in_place=s.stats.grows_in_place, preemptions=s.stats.preemptions,
-        )
+            capacity=a.capacity, reserved=a.reserved - (cache.slots if cache else 0),
+            used=s.used_slots(), running=len(s.running), waiting=len(s.waiting),
+            moves=s.stats.moves, grows_in_place=s.stats.grows_in_place,
+            preemptions=s.stats.preemptions, **prefix)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  ) -> list[Sequence]:

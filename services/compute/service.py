@@ -8,6 +8,7 @@ StepOutput. Only token ids, logprobs and finish reasons leave this process.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import redis
 import zmq
@@ -91,7 +92,9 @@ class ComputeService:
     def step(self) -> StepOutput:
         result = self.engine.step()
         # a route goes with every admission (a preempted request's again: harmless)
-        routes = [self.routes[r] for r in result.admitted if r in self.routes]
+        routes = [replace(self.routes[r], cached_tokens=n)
+                  for r, n in zip(result.admitted, result.cached_tokens, strict=True)
+                  if r in self.routes]
         for e in result.events:
             if e.finish_reason is not None:
                 self.routes.pop(e.request_id, None)

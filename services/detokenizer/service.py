@@ -125,7 +125,7 @@ class Detokenizer:
         if top is not None:
             delta.top_ids, delta.top_logprobs = top.top_ids, top.top_logprobs
         if first:
-            delta.started_at = s.started_at
+            delta.started_at, delta.cached_tokens = s.started_at, s.route.cached_tokens
             if s.route.prompt_ids is not None:  # prompt logprobs asked for
                 delta.prompt_ids = s.route.prompt_ids
                 delta.prompt_logprobs = s.prompt_logprobs or _no_logprobs(rid)

@@ -33,6 +33,7 @@ class ChoiceState:
     finish_reason: str | None = None
     cum_logprob: float = 0.0  # of its generated tokens (best_of ranks choices by it)
     num_prompt: int = 0
+    cached_tokens: int = 0  # of the prompt's, from the prefix cache
     last: float = 0.0  # monotonic time of the last delta, for inter-token latency
     sent_role: bool = False
 

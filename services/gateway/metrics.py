@@ -14,6 +14,9 @@ _GAUGES = {"running": "requests in the running batch", "waiting": "requests wait
            "used": "KV slots holding tokens"}
 _COUNTERS = {"moves": "KV segments moved to grow", "preemptions": "requests preempted",
              "grows_in_place": "KV segments grown in place"}
+_PREFIX_COUNTERS = {"queries": "prompt tokens looked up in the prefix cache",
+                    "hits": "prompt tokens whose KV the prefix cache gave",
+                    "evictions": "prefix cache entries evicted"}
 
 
 class Metrics:
@@ -55,6 +58,26 @@ class _EngineCollector:
         usage.add_metric([], float(stats.get("reserved", 0) or 0) / cap if cap else 0.0)
         yield usage
         for name, doc in _COUNTERS.items():
-            c = CounterMetricFamily(f"pipellm_kv_{name}", doc)
-            c.add_metric([], float(stats.get(name, 0) or 0))
-            yield c
+            yield _counter(f"pipellm_kv_{name}", doc, stats.get(name))
+        yield from _prefix_cache(stats)
+
+
+def _counter(name: str, doc: str, value) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], float(value or 0))
+    return c
+
+
+def _prefix_cache(stats: dict[str, str]):
+    """The prefix cache's counters (tokens, as vLLM's), its hit rate and the tokens it holds."""
+    for name, doc in _PREFIX_COUNTERS.items():
+        yield _counter(f"pipellm_prefix_cache_{name}", doc, stats.get(f"prefix_{name}"))
+    queries = float(stats.get("prefix_queries", 0) or 0)
+    rate = GaugeMetricFamily("pipellm_prefix_cache_hit_rate", "prefix cache hits / queries, "
+                             "in prompt tokens, since start")
+    rate.add_metric([], float(stats.get("prefix_hits", 0) or 0) / queries if queries else 0.0)
+    yield rate
+    cached = GaugeMetricFamily("pipellm_prefix_cache_cached_tokens",
+                               "KV slots the prefix cache holds (free for admission)")
+    cached.add_metric([], float(stats.get("prefix_cached", 0) or 0))
+    yield cached

@@ -44,6 +44,7 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, served from the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -52,7 +53,8 @@ class Usage:
     def to_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens}
+                "total_tokens": self.total_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 def new_id(kind: str) -> str:

@@ -42,6 +42,7 @@ async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
         c.cum_logprob += sum(delta.logprobs)
         c.logprobs.extend(entries)
         c.num_prompt = delta.num_prompt
+        c.cached_tokens = max(c.cached_tokens, delta.cached_tokens)
         if delta.finish_reason is not None:
             c.finish_reason = delta.finish_reason
             open_choices -= 1
@@ -86,7 +87,8 @@ def _observe(gw, inflight: Inflight, c: ChoiceState, delta: Delta) -> None:
 
 
 def _usage(choices: list[ChoiceState]) -> responses.Usage:
-    return responses.Usage(choices[0].num_prompt, sum(len(c.token_ids) for c in choices))
+    return responses.Usage(choices[0].num_prompt, sum(len(c.token_ids) for c in choices),
+                           choices[0].cached_tokens)
 
 
 def echo_text(tokenizer, req: GenerationRequest) -> str:

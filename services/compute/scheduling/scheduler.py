@@ -14,66 +14,25 @@ its predicted length (LightLLM's past-future estimate, with learned lengths); `a
 for the predicted policy and `fit` for the others (vLLM's greedy admission).
 `batching="static"` is the static-batching baseline: admit only into an empty batch, then run it
 until every request in it has finished.
+With `prefix_caching`, finished segments stay cached (`PrefixCache`): an admitted request whose
+prompt starts with a cached prefix gets that prefix's K/V copied into its segment (a step move)
+and prefills only the rest; entries are evicted, least recently used first, before anything
+is compacted or preempted for their slots.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.compute.kv.allocator import KVAllocator
 from services.compute.kv.compaction import Compactor
 from services.compute.kv.paged_allocator import PagedAllocator
+from services.compute.kv.prefix_cache import PrefixCache
 from services.compute.scheduling.admission import FuturePeak
-from services.compute.scheduling.kv_policy import KVPolicy, make_policy
+from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.sequence import UNSAMPLED, SeqStatus, Sequence
 from services.compute.scheduling.step import Committed, ScheduledStep, StepSample
-
-BATCHING = ("merged", "static")
-ADMISSION = ("auto", "peak", "fit")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_batched_tokens: int = 512  # tokens per step (decodes + prefill chunks)
-    max_running: int = 256
-    kv_policy: str = "predicted"  # see the module docstring
-    kv_min_grow: int = 16  # a segment that runs out grows by at least this many slots
-    batching: str = "merged"
-    reserve_quantile: float = 0.5
-    grow_quantile: float = 0.9
-    peak_quantile: float = 0.9
-    reserve_horizon: int = 64  # predicted: reserve at most this many output slots ahead (0: all)
-    admission: str = "auto"  # peak | fit | auto (peak for predicted, fit otherwise)
-    policy: KVPolicy = field(init=False, repr=False, compare=False)  # built from the above
-
-    def __post_init__(self):
-        object.__setattr__(self, "policy", make_policy(
-            self.kv_policy, reserve_quantile=self.reserve_quantile,
-            grow_quantile=self.grow_quantile, horizon=self.reserve_horizon,
-            min_grow=self.kv_min_grow))
-        if self.admission not in ADMISSION:
-            raise ValueError(f"--kv-admission must be one of {ADMISSION}, not {self.admission!r}")
-        if self.batching not in BATCHING:
-            raise ValueError(f"--batching must be one of {BATCHING}, not {self.batching!r}")
-        if not 1 <= self.max_running <= self.max_batched_tokens:
-            raise ValueError("need 1 <= max_running <= max_batched_tokens")
-        for q in (self.reserve_quantile, self.grow_quantile, self.peak_quantile):
-            if not 0 < q <= 1:
-                raise ValueError("quantiles must be in (0, 1]")
-
-    @classmethod
-    def of(cls, config) -> SchedulerConfig:
-        """The scheduler's part of an EngineConfig (ValueError if inconsistent)."""
-        return cls(config.max_batched_tokens, config.max_running, config.kv_policy,
-                   config.kv_min_grow, config.batching, config.kv_reserve_quantile,
-                   config.kv_grow_quantile, config.kv_peak_quantile, config.kv_reserve_horizon,
-                   config.kv_admission)
-
-    @property
-    def peak_admission(self) -> bool:
-        return self.admission == "peak" or (self.admission == "auto" and
-                                            self.policy.peak_admission)
 
 
 @dataclass
@@ -95,6 +54,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.stats = SchedulerStats()
         self.compactor = Compactor(allocator, self.stats) if self.policy.compacts else None
+        self.prefix_cache = PrefixCache(allocator) if config.prefix_caching else None
         self._admitted = 0
 
     def add(self, seq: Sequence) -> None:
@@ -205,7 +165,10 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def _retire(self, seq: Sequence) -> None:
-        if seq.status is SeqStatus.RUNNING:
+        if seq.status is SeqStatus.RUNNING and self.prefix_cache is not None:
+            self.running.remove(seq)
+            self.prefix_cache.keep(seq)
+        elif seq.status is SeqStatus.RUNNING:
             self._release(seq)
         elif seq.status is SeqStatus.WAITING:  # preempted while its last step was in flight
             self.waiting.remove(seq)
@@ -218,21 +181,54 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
         size = self.policy.reservation(seq)
-        a = self.allocator
-        if not self.policy.can_admit(a, size):
+        if not self.policy.can_admit(self.allocator, size):
             return False
-        start = a.allocate(size)
-        if start is None and self.compactor is not None and \
-                a.free_slots >= size and self.compactor.make_hole(self.running, size, step.moves):
-            start = a.allocate(size)
+        entry, hit = self._lookup(seq)
+        start = self._allocate(size, step.moves, spare=entry)
         if start is None:
             return False
         seq.kv_start, seq.kv_reserved = start, size
+        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+            self.prefix_cache.admitted(seq, entry, hit)
+        if hit:  # the prefix's K/V copied in before the step runs
+            step.moves.append((entry.kv_start, start, hit))
+            seq.num_cached = hit
+            if seq.admit_order < 0:
+                seq.cached_tokens = min(hit, seq.num_prompt)
         seq.status = SeqStatus.RUNNING
         seq.admit_order = self._admitted
         self._admitted += 1
         self.running.append(seq)
         return True
+
+    def _lookup(self, seq: Sequence) -> tuple[Sequence | None, int]:
+        """The cached entry to copy seq's prefix from and its length (none for prompt logprobs:
+        they are computed in prefill)."""
+        if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
+            return None, 0
+        return self.prefix_cache.lookup(seq)
+
+    def _allocate(self, size: int, moves: list, spare: Sequence | None) -> int | None:
+        """A new segment of `size`: in free space, after evicting cached entries (least
+        recently used first, never `spare`) until enough slots are free, by compaction when
+        they are split, evicting more as long as that fails."""
+        a = self.allocator
+        while True:
+            if a.free_slots >= size:
+                start = a.allocate(size)
+                if start is None and self.compactor is not None and \
+                        self.compactor.make_hole(self._segments(), size, moves):
+                    start = a.allocate(size)
+                if start is not None:
+                    return start
+            if self.prefix_cache is None or not self.prefix_cache.evict_lru(spare):
+                return None
+
+    def _segments(self) -> list[Sequence]:
+        """Whose segments the allocator holds: the running requests and the cached entries."""
+        if self.prefix_cache is None:
+            return self.running
+        return self.running + self.prefix_cache.entries()
 
     def _make_room(self, seq: Sequence, step: ScheduledStep) -> bool:
         """Ensure seq's segment holds its pending token. False if seq itself had to be preempted."""
@@ -246,14 +242,28 @@ class Scheduler:
                 if start is not None:
                     self._relocated(seq, start, size, step)
                     return True
+            if self._evict_for(seq):
+                continue
             if self.compactor is not None and \
                     self.allocator.free_slots >= need - seq.kv_reserved and \
-                    self.compactor.make_room_after(self.running, seq, need, step.moves):
+                    self.compactor.make_room_after(self._segments(), seq, need, step.moves):
                 continue  # seq now grows in place
             victim = self.policy.victim(self.running, seq, need, self.allocator)
             self._preempt(victim)
             if victim is seq:
                 return False
+
+    def _evict_for(self, seq: Sequence) -> bool:
+        """Evict a cached entry so that seq may grow: the one right after its segment, else
+        the least recently used. False if none is cached."""
+        cache = self.prefix_cache
+        if cache is None:
+            return False
+        after = cache.entry_at(seq.kv_start + seq.kv_reserved)
+        if after is not None:
+            cache.evict(after)
+            return True
+        return cache.evict_lru()
 
     def _relocated(self, seq: Sequence, start: int, size: int, step: ScheduledStep) -> None:
         if start == seq.kv_start:

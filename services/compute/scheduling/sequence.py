@@ -38,6 +38,7 @@ class Sequence:
     kv_start: int = -1
     kv_reserved: int = 0
     admit_order: int = -1
+    cached_tokens: int = 0  # prompt tokens whose K/V a prefix cache hit gave at first admission
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     peak_total: int = 0  # the scheduler's cached output-length bound for admission (0: unset)

@@ -1,0 +1,100 @@
+"""Prefix caching on contiguous segments: finished requests' KV kept while memory allows.
+Pure logic (no KV, no device): the scheduler copies a hit's K/V as a step move.
+
+A finished request's segment is not freed but shrunk to the tokens whose K/V it holds and kept
+as a cache entry, indexed by those tokens (`PrefixIndex`). A new request whose prompt starts
+with an entry's tokens gets a segment of its own and a copy of the common prefix's K/V (a device
+copy costs ~1/50 of recomputing the tokens), so its prefill starts after the prefix. Entries
+are unreferenced: they count as free for admission, and the scheduler evicts them, least
+recently used first, whenever it needs their slots.
+
+Why copy rather than share: a sequence reading a shared read-only prefix range plus its own
+segment needs two ranges per sequence in every attention kernel, and reference counts that pin
+entries (they could then neither move nor be evicted while any reader runs). A copy keeps one
+contiguous range per sequence, keeps every entry movable and evictable at any step, and costs
+one memory-bound copy of the prefix per hit, far less than its prefill.
+
+Entries are the finished `Sequence` objects themselves: `kv_start`, `kv_reserved` (= their
+token count) and `num_cached` describe their segment like a running request's, so the
+compactor moves them like any segment. Invariant: an entry's slots
+[kv_start, kv_start + num_cached) hold the K/V of index.tokens[entry] (once the steps in flight
+have run: every later copy is ordered after them on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.compute.kv.allocator import KVAllocator
+from services.compute.kv.prefix_index import PrefixIndex
+from services.compute.scheduling.sequence import Sequence
+
+
+@dataclass
+class PrefixStats:
+    queries: int = 0  # admissions that looked the prompt up
+    query_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # of them, served from the cache
+    evictions: int = 0
+
+
+class PrefixCache:
+    def __init__(self, allocator: KVAllocator):
+        self.allocator = allocator
+        self.index = PrefixIndex()
+        self.stats = PrefixStats()
+        self.slots = 0  # slots held by entries (sum of their kv_reserved)
+
+    def entries(self) -> list[Sequence]:
+        """The cached segments, least recently used first."""
+        return list(self.index.tokens)
+
+    def keep(self, seq: Sequence) -> None:
+        """Cache the finished seq's segment (it is no longer running): shrunk to its K/V, and
+        replacing the entries it contains (a conversation's earlier turns)."""
+        n = min(seq.num_cached, seq.num_tokens)
+        tokens = seq.token_ids[:n]
+        entry, common = self.index.match(tokens) if n else (None, 0)
+        if n == 0 or common == n:  # nothing new: an entry already holds all of it
+            self.allocator.free(seq.kv_start)
+            return
+        while entry is not None and common == len(self.index.tokens[entry]):
+            self.evict(entry)  # holds a prefix of seq's tokens: seq holds it all
+            entry, common = self.index.match(tokens)
+        self.allocator.resize(seq.kv_start, n)  # shrinks in place
+        seq.kv_reserved = seq.num_cached = n
+        self.index.insert(seq, tokens)
+        self.slots += n
+
+    def lookup(self, seq: Sequence) -> tuple[Sequence | None, int]:
+        """(the entry holding the longest prefix of seq's tokens, that length), at most all but
+        seq's last token (the step must compute its logits); (None, 0) on a miss."""
+        entry, n = self.index.match(seq.token_ids[: seq.num_tokens - 1])
+        return (entry, n) if n else (None, 0)
+
+    def admitted(self, seq: Sequence, entry: Sequence | None, n: int) -> None:
+        """Count seq's lookup, admitted with n tokens copied from `entry` (which is now the most
+        recently used)."""
+        self.stats.queries += 1
+        self.stats.query_tokens += seq.num_tokens
+        if entry is not None:
+            self.index.touch(entry)
+            self.stats.hit_tokens += n
+
+    def evict(self, entry: Sequence) -> None:
+        self.index.remove(entry)
+        self.allocator.free(entry.kv_start)
+        self.slots -= entry.kv_reserved
+        self.stats.evictions += 1
+
+    def evict_lru(self, spare: Sequence | None = None) -> bool:
+        """Evict the least recently used entry other than `spare`; False if there is none."""
+        for entry in self.index.tokens:
+            if entry is not spare:
+                self.evict(entry)
+                return True
+        return False
+
+    def entry_at(self, start: int) -> Sequence | None:
+        """The entry whose segment starts at `start`, if any."""
+        return next((e for e in self.index.tokens if e.kv_start == start), None)

@@ -1,0 +1,163 @@
+"""Prefix caching in the scheduler, as pure logic: which K/V copies a hit schedules, what stays
+cached, what is evicted and when. (Token-exact outputs: tests/test_engine_prefix.py.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.compute.kv.allocator import KVAllocator
+from services.compute.scheduling.config import SchedulerConfig
+from services.compute.scheduling.scheduler import Scheduler
+from services.compute.scheduling.sequence import SeqStatus, Sequence
+from services.compute.scheduling.step import StepSample
+from shared.length_dist import LengthDist
+from shared.sampling import SamplingParams
+
+
+def seq(rid: str, prompt: list[int], max_tokens: int = 4, predicted: int = 4, **kw) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+    return Sequence(rid, list(prompt), params, seed=0, max_len=len(prompt) + max_tokens,
+                    predicted_length=LengthDist.point(predicted), stop_ids=frozenset())
+
+
+def make(capacity=1000, budget=64, policy="predicted", caching=True) -> Scheduler:
+    return Scheduler(SchedulerConfig(budget, 8, policy, 2, prefix_caching=caching),
+                     KVAllocator(capacity))
+
+
+def run(s: Scheduler, token: int = 900) -> list:
+    """Steps until idle; the moves of every step."""
+    moves = []
+    while s.has_work():
+        step = s.schedule()
+        moves += step.moves
+        n = len(step.sampled)
+        s.update(step, StepSample([token] * n, [0.0] * n))
+        s.allocator.check()
+        assert s.allocator.reserved == sum(x.kv_reserved for x in s._segments())
+    return moves
+
+
+def test_a_finished_request_stays_cached_and_a_longer_prompt_copies_its_prefix():
+    s = make()
+    a = seq("a", range(1, 21))
+    s.add(a)
+    run(s)
+    cache = s.prefix_cache
+    assert cache.entries() == [a] and a.kv_reserved == a.num_cached == 23  # 20 + 3 with K/V
+    assert cache.slots == 23 and s.allocator.reserved == 23
+    b = seq("b", [*a.token_ids, 50, 51])  # a's whole conversation, then a new question
+    s.add(b)
+    step = s.schedule()
+    assert step.moves == [(a.kv_start, b.kv_start, 23)] and step.prefills == [(b, 3)]
+    assert b.num_cached == 23 and b.cached_tokens == 23
+    s.update(step, StepSample([5], [0.0]))
+    run(s)
+    assert cache.entries() == [b]  # b holds all of a's tokens: a is gone
+    assert cache.stats.hit_tokens == 23 and cache.stats.query_tokens == 20 + 26
+
+
+def test_a_hit_never_covers_the_last_prompt_token_and_identical_prompts_are_cached_once():
+    s = make()
+    a = seq("a", range(1, 11), max_tokens=1)
+    s.add(a)
+    run(s)
+    b = seq("b", range(1, 11), max_tokens=1)
+    s.add(b)
+    step = s.schedule()
+    assert step.moves == [(a.kv_start, b.kv_start, 9)] and step.prefills == [(b, 1)]
+    s.update(step, StepSample([5], [0.0]))
+    assert s.prefix_cache.entries() == [a]  # b's K/V (10 tokens) is a's: b was freed
+    assert s.allocator.reserved == 10
+
+
+def test_prompt_logprobs_requests_do_not_use_the_cache():
+    s = make()
+    s.add(seq("a", range(1, 11)))
+    run(s)
+    b = seq("b", range(1, 11), prompt_logprobs=0)
+    s.add(b)
+    step = s.schedule()
+    assert step.moves == [] and step.prefills == [(b, 10)]
+
+
+def test_cached_entries_count_as_free_and_are_evicted_lru_for_admission():
+    s = make(capacity=70)
+    x, y = seq("x", range(100, 120)), seq("y", range(200, 220))
+    for r in (x, y, seq("x again", range(100, 120))):  # a hit: x is used more recently than y
+        s.add(r)
+        run(s)
+    assert s.prefix_cache.entries() == [y, x] and s.allocator.reserved == 46
+    s.add(seq("z", range(300, 330)))  # needs 34 slots: 24 are free, y holds 23 more
+    step = s.schedule()
+    assert s.prefix_cache.entries() == [x] and s.prefix_cache.stats.evictions == 1
+    assert step.admitted[0].kv_start == y.kv_start and step.admitted[0].kv_reserved == 34
+
+
+def test_a_growing_request_evicts_cached_entries_to_get_their_slots():
+    s = make(capacity=40)
+    a = seq("a", range(1, 11), max_tokens=30, predicted=2)  # will need the whole cache
+    s.add(a)
+    s.update(s.schedule(), StepSample([5], [0.0]))
+    b = seq("b", range(50, 60), max_tokens=1)  # finishes at once, cached right after a
+    s.add(b)
+    run(s)
+    assert a.num_output == 30 and s.stats.preemptions == 0
+    assert s.prefix_cache.stats.evictions == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_keep_the_allocator_and_the_index_consistent(seed):
+    """Conversations, shared system prompts and unrelated prompts, in a cache small enough to
+    evict, compact and preempt: every hit copies the K/V of exactly the tokens it skips."""
+    rng = random.Random(seed)
+    s = make(capacity=300, budget=48)
+    system = [rng.randrange(1000) for _ in range(30)]
+    history: list[list[int]] = []
+    owner: dict[int, tuple[str, int]] = {}  # slot -> (request, position) whose K/V it holds
+    for i in range(60):
+        kind = rng.random()
+        if kind < 0.4 and history:
+            prompt = rng.choice(history) + [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
+        elif kind < 0.7:
+            prompt = system + [rng.randrange(1000) for _ in range(rng.randint(1, 20))]
+        else:
+            prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 40))]
+        r = seq(f"r{i}", prompt, max_tokens=rng.randint(1, 30), predicted=rng.randint(1, 30))
+        s.add(r)
+        for _ in range(rng.randint(0, 4)):
+            if not s.has_work():
+                break
+            step = s.schedule()
+            _check_copies(step, owner)
+            n = len(step.sampled)
+            s.update(step, StepSample([rng.randrange(1000) for _ in range(n)], [0.0] * n))
+            s.allocator.check()
+        if r.status is SeqStatus.FINISHED:
+            history.append(r.token_ids)
+    while s.has_work():
+        step = s.schedule()
+        _check_copies(step, owner)
+        n = len(step.sampled)
+        s.update(step, StepSample([rng.randrange(1000) for _ in range(n)], [0.0] * n))
+    s.allocator.check()
+    for e in s.prefix_cache.entries():
+        assert s.prefix_cache.index.tokens[e] == tuple(e.token_ids[: e.num_cached])
+
+
+def _check_copies(step, owner: dict) -> None:
+    """Track which token each slot's K/V is of (by value), through the step's moves and
+    writes; a sequence's cached slots must hold its own tokens in order."""
+    for a, b, n in step.moves:
+        vals = [owner.get(a + i) for i in range(n)]
+        for i, v in enumerate(vals):
+            owner[b + i] = v
+    for seq, n in [(d, 1) for d in step.decodes] + step.prefills:
+        first = seq.num_cached
+        for p in range(first):
+            assert owner.get(seq.kv_start + p) == seq.token_ids[p] or \
+                seq.token_ids[p] == -1, (seq.request_id, p)
+        for p in range(first, first + n):
+            owner[seq.kv_start + p] = seq.token_ids[p]
