@@ -35,7 +35,10 @@ def parser() -> argparse.ArgumentParser:
     a("--label", default=None, help="result name prefix (default openai / openai-chat)")
     a("--tokenizer", default=None, help="tokenizer.json (or its directory) to count ShareGPT "
       "lengths with (default: 4 characters per token)")
-    a("--dataset-name", choices=workload.DATASETS, default="random")
+    a("--dataset-name", choices=workload.DATASETS, default="random", help="prefix-heavy: "
+      "sharegpt-multiturn (4-turn conversations, each prompt the last one + its answer + a "
+      "new question) and shared-prefix (a 1k-token system text before every question); see "
+      "loadgen.prefix_datasets")
     a("--dataset-path", default=None, help="default: the file in ../shared/data")
     a("--num-prompts", type=int, default=1000)
     a("--random-input-len", type=int, default=1024)

@@ -26,11 +26,12 @@ from loadgen.datasets import (
     random_items,
     sample_sharegpt,
 )
+from loadgen.prefix_datasets import PREFIX_DATASETS, multiturn_items, shared_prefix_items
 from loadgen.prompts import PromptModel, fill_prompts, local_model
 from loadgen.runner import prompt_model
 
 MODES = ("poisson", "trace", "burst", "throughput")
-DATASETS = ("random", "sharegpt", "azure")
+DATASETS = ("random", "sharegpt", "azure", *PREFIX_DATASETS)
 
 
 def mode_of(args: argparse.Namespace) -> str:
@@ -53,12 +54,16 @@ def load_items(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[Wo
             raise ValueError("the random dataset takes no --dataset-path")
         return random_items(n, args.random_input_len, args.random_output_len,
                             args.random_range_ratio, args.seed)
-    default = SHAREGPT_FILE if name == "sharegpt" else AZURE_FILE
+    default = AZURE_FILE if name == "azure" else SHAREGPT_FILE
     path = Path(args.dataset_path or default_data_dir() / default)
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: give --dataset-path")
     if name == "sharegpt":
         return sample_sharegpt(path, n, args.seed, tokenizer)
+    if name == "sharegpt-multiturn":
+        return multiturn_items(path, n, args.seed, tokenizer)
+    if name == "shared-prefix":
+        return shared_prefix_items(path, n, args.seed, tokenizer)
     items = load_azure_trace(path, limit=n)
     if len(items) < n:
         print(f"warning: the trace has only {len(items)} requests", file=sys.stderr)

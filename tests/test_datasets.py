@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadgen.datasets import WorkItem, default_data_dir, load_sharegpt, synthetic
+from loadgen.datasets import (
+    CHARS_PER_TOKEN,
+    SHAREGPT_FILE,
+    WorkItem,
+    default_data_dir,
+    load_sharegpt,
+    synthetic,
+)
+from loadgen.prefix_datasets import multiturn_items, shared_prefix_items
 from tests.hf_models import demo_tokenizer
 
 
@@ -55,3 +63,27 @@ def test_load_sharegpt_with_tokenizer_and_limit(tmp_path: Path):
 def test_default_data_dir_is_beside_the_repo():
     repo = Path(__file__).resolve().parents[1]
     assert default_data_dir() == repo.parent / "shared" / "data"
+
+
+def test_multiturn_prompts_extend_the_previous_turn():
+    path = default_data_dir() / SHAREGPT_FILE
+    items = multiturn_items(path, 10, seed=3, turns=4)
+    chats = 3  # ceil(10 / 4), turn by turn across them
+    assert len(items) == 10
+    for k in range(1, 3):
+        for c in range(chats):
+            if k * chats + c < 10:
+                prev, cur = items[(k - 1) * chats + c], items[k * chats + c]
+                assert cur.prompt.startswith(prev.prompt) and cur.prompt_len > prev.prompt_len
+    assert items[0].prompt.startswith("User: ") and items[0].prompt.endswith("\nAssistant:")
+    assert multiturn_items(path, 10, seed=3, turns=4) == items
+    assert all(w.prompt_len <= 4 * 165 + 3 * 165 and w.output_len <= 165 for w in items)
+
+
+def test_shared_prefix_prompts_share_a_system_text_of_the_asked_length():
+    path = default_data_dir() / SHAREGPT_FILE
+    items = shared_prefix_items(path, 6, system_tokens=1000)
+    system = items[0].prompt.split("\n\nUser: ")[0]
+    assert 950 <= len(system) / CHARS_PER_TOKEN <= 1000
+    assert all(w.prompt.startswith(system + "\n\nUser: ") for w in items)
+    assert len({w.prompt for w in items}) == 6

@@ -161,3 +161,28 @@ def _check_copies(step, owner: dict) -> None:
                 seq.token_ids[p] == -1, (seq.request_id, p)
         for p in range(first, first + n):
             owner[seq.kv_start + p] = seq.token_ids[p]
+
+
+def test_a_running_request_shares_its_prompt_once_prefilled():
+    """A burst with a shared system prompt: the second request copies it from the first while
+    the first still runs; preempting or finishing the first takes it out of the index."""
+    s = make(budget=32)
+    system = list(range(1, 41))
+    a, b = seq("a", [*system, 41], max_tokens=20), seq("b", [*system, 42], max_tokens=20)
+    s.add(a)
+    s.add(b)
+    first = s.schedule()  # a's first chunk (32 tokens): b waits for the budget
+    s.update(first, StepSample([], []))
+    assert s.prefix_cache.shared == set()
+    second = s.schedule()  # a's last 9 tokens; b admitted, nothing to copy yet
+    s.update(second, StepSample([5], [0.0]))
+    assert not second.moves and s.prefix_cache.shared == {a}
+    assert s.prefix_cache.entries() == []
+    s.abort(b)
+    c = seq("c", [*system, 43], max_tokens=20)
+    s.add(c)
+    step = s.schedule()
+    assert (a.kv_start, c.kv_start, 40) in step.moves and (c, 1) in step.prefills
+    s.update(step, StepSample([5, 5], [0.0, 0.0]))
+    s.abort(a)
+    assert s.prefix_cache.shared == {c} and s.prefix_cache.slots == 0

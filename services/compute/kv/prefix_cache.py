@@ -6,7 +6,11 @@ as a cache entry, indexed by those tokens (`PrefixIndex`). A new request whose p
 with an entry's tokens gets a segment of its own and a copy of the common prefix's K/V (a device
 copy costs ~1/50 of recomputing the tokens), so its prefill starts after the prefix. Entries
 are unreferenced: they count as free for admission, and the scheduler evicts them, least
-recently used first, whenever it needs their slots.
+recently used first, whenever it needs their slots. Running requests are indexed too, by their
+prompt, once it is prefilled (`share`): requests arriving together with a common prefix (a
+shared system prompt under a burst) copy it from the first one while it still runs. Those are
+never evicted here; they leave the index when they finish (to come back as an entry), are
+preempted or aborted (`unshare`).
 
 Why copy rather than share: a sequence reading a shared read-only prefix range plus its own
 segment needs two ranges per sequence in every attention kernel, and reference counts that pin
@@ -16,9 +20,9 @@ one memory-bound copy of the prefix per hit, far less than its prefill.
 
 Entries are the finished `Sequence` objects themselves: `kv_start`, `kv_reserved` (= their
 token count) and `num_cached` describe their segment like a running request's, so the
-compactor moves them like any segment. Invariant: an entry's slots
-[kv_start, kv_start + num_cached) hold the K/V of index.tokens[entry] (once the steps in flight
-have run: every later copy is ordered after them on the device).
+compactor moves them like any segment. Invariant: the slots [kv_start, kv_start + len(tokens))
+of every indexed sequence hold the K/V of index.tokens[it] (once the steps in flight have run:
+every later copy is ordered after them on the device).
 """
 
 from __future__ import annotations
@@ -44,10 +48,24 @@ class PrefixCache:
         self.index = PrefixIndex()
         self.stats = PrefixStats()
         self.slots = 0  # slots held by entries (sum of their kv_reserved)
+        self.shared: set[Sequence] = set()  # running requests in the index (not entries)
 
     def entries(self) -> list[Sequence]:
         """The cached segments, least recently used first."""
-        return list(self.index.tokens)
+        return [e for e in self.index.tokens if e not in self.shared]
+
+    def share(self, seq: Sequence) -> None:
+        """Index the running seq by its prompt, whose K/V its segment now holds (or will, once
+        the step in flight has run)."""
+        if seq not in self.shared:
+            self.shared.add(seq)
+            self.index.insert(seq, seq.token_ids[: seq.num_prompt])
+
+    def unshare(self, seq: Sequence) -> None:
+        """seq stops running: out of the index (its segment is freed or kept as an entry)."""
+        if seq in self.shared:
+            self.shared.discard(seq)
+            self.index.remove(seq)
 
     def keep(self, seq: Sequence) -> None:
         """Cache the finished seq's segment (it is no longer running): shrunk to its K/V, and
@@ -58,7 +76,8 @@ class PrefixCache:
         if n == 0 or common == n:  # nothing new: an entry already holds all of it
             self.allocator.free(seq.kv_start)
             return
-        while entry is not None and common == len(self.index.tokens[entry]):
+        while entry is not None and entry not in self.shared and \
+                common == len(self.index.tokens[entry]):
             self.evict(entry)  # holds a prefix of seq's tokens: seq holds it all
             entry, common = self.index.match(tokens)
         self.allocator.resize(seq.kv_start, n)  # shrinks in place
@@ -90,11 +109,11 @@ class PrefixCache:
     def evict_lru(self, spare: Sequence | None = None) -> bool:
         """Evict the least recently used entry other than `spare`; False if there is none."""
         for entry in self.index.tokens:
-            if entry is not spare:
+            if entry is not spare and entry not in self.shared:
                 self.evict(entry)
                 return True
         return False
 
     def entry_at(self, start: int) -> Sequence | None:
         """The entry whose segment starts at `start`, if any."""
-        return next((e for e in self.index.tokens if e.kv_start == start), None)
+        return next((e for e in self.entries() if e.kv_start == start), None)

@@ -124,6 +124,8 @@ class Scheduler:
             seq.num_cached += 1
         for seq, n in step.prefills:
             seq.num_cached += n
+            if self.prefix_cache is not None and seq.num_cached >= seq.num_prompt:
+                self.prefix_cache.share(seq)  # its prompt's K/V may serve others now
         for seq in step.sampled:
             if seq.status is SeqStatus.FINISHED:  # since it was scheduled: nothing to sample
                 step.token_index.append(-1)
@@ -167,6 +169,7 @@ class Scheduler:
     def _retire(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING and self.prefix_cache is not None:
             self.running.remove(seq)
+            self.prefix_cache.unshare(seq)
             self.prefix_cache.keep(seq)
         elif seq.status is SeqStatus.RUNNING:
             self._release(seq)
@@ -177,6 +180,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Take seq out of the running batch and free its KV segment."""
         self.running.remove(seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.unshare(seq)
         self.allocator.free(seq.kv_start)
 
     def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
