@@ -40,7 +40,10 @@ from shared.length_dist import LengthDist
 from shared.sampling import InvalidParams, SamplingParams
 from shared.settings import add_config_args, config_from_args, with_settings
 
-WorkItem = tuple  # (arrival_s, prompt_len, output_len[, predicted_len[, max_tokens]])
+# (arrival_s, prompt_len, output_len[, predicted_len[, max_tokens[, prompt token ids]]]);
+# without ids a prompt is prompt_len copies of token 1 (no two prompts differ: prefix caching
+# needs the ids)
+WorkItem = tuple
 
 
 @dataclass
@@ -112,7 +115,7 @@ def simulate(config: EngineConfig, workload: Sequence[WorkItem], seed: int = 0,
         while nxt < len(order) and records[order[nxt]].arrival <= clock.now:
             item = workload[order[nxt]]
             if predictor is not None:
-                item = (*item[:3], predictor.predict(order[nxt]), *item[4:5])
+                item = (*item[:3], predictor.predict(order[nxt]), *item[4:])
             _add(engine, records[order[nxt]], item, rng, live, max_tokens)
             nxt += 1
         if not engine.has_work():
@@ -160,7 +163,8 @@ def _add(engine, rec: RequestRecord, item: WorkItem, rng: random.Random,
     rid = str(rec.index)
     try:
         params = SamplingParams(max_tokens=rec.max_tokens, seed=rng.getrandbits(63))
-        engine.add_request([1] * rec.prompt_len, params, rid,
+        ids = list(item[5]) if len(item) > 5 and item[5] else [1] * rec.prompt_len
+        engine.add_request(ids, params, rid,
                            predicted if isinstance(predicted, LengthDist | None) else
                            int(predicted))
     except InvalidParams:

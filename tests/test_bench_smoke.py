@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import ablation, length_predictor, servers, vs_vllm
+from bench import ablation, length_predictor, prefix_cache, prefix_sim, servers, vs_vllm
 
 ROW_KEYS = {"name", "model", "workload", "qps_at_slo", "output_throughput", "p99_ttft_ms",
             "p99_tpot_ms", "preemptions"}
@@ -35,6 +35,27 @@ def test_ablation_quick(capsys):
     int8, fp16 = by["merged, predicted KV (learned), INT8 KV"], \
         by["merged, predicted KV (learned predictor)"]
     assert int8["kv_capacity"] == pytest.approx(1.6 * fp16["kv_capacity"], rel=1e-4)
+
+
+def test_prefix_sim_quick(capsys):
+    """The prefix-heavy workloads serve more requests at the SLO with the cache; prompts that
+    share nothing (the Azure control) lose nothing to it."""
+    prefix_sim.main(["--quick", "--requests", "80", "--bisect", "1"])
+    out = last_json(capsys.readouterr().out)
+    assert out["qps_ratio"]["shared-prefix"] > 1.2 and out["qps_ratio"]["multiturn"] > 1.0
+    assert out["qps_ratio"]["azure"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_prefix_cache_bench_workloads_and_summary():
+    args = prefix_cache.parse_args(["--request-rate", "2", "--quick"])
+    assert list(prefix_cache.workloads(args)) == [
+        "shared-prefix@2", "shared-prefix@inf", "sharegpt-multiturn@2", "sharegpt-multiturn@inf"]
+    rows = [dict(server=s, workload="w", rep=r, ok=True, median_ttft_ms=t, request_throughput=q,
+                 output_throughput=1.0, failed=0)
+            for s, t, q in (("pipellm", 900.0, 1.0), ("pipellm+cache", 300.0, 2.0))
+            for r in range(3)]
+    gain = prefix_cache.summarize(rows, ["pipellm", "pipellm+cache"])["w"]["pipellm cache gain"]
+    assert gain == {"ttft_x_lower": 3.0, "qps_x": 2.0}
 
 
 def test_length_predictor_bench_small(capsys):

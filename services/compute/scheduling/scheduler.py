@@ -167,34 +167,38 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
 
     def _retire(self, seq: Sequence) -> None:
-        if seq.status is SeqStatus.RUNNING and self.prefix_cache is not None:
-            self.running.remove(seq)
-            self.prefix_cache.unshare(seq)
-            self.prefix_cache.keep(seq)
-        elif seq.status is SeqStatus.RUNNING:
-            self._release(seq)
+        if seq.status is SeqStatus.RUNNING:
+            self._release(seq, keep=True)
         elif seq.status is SeqStatus.WAITING:  # preempted while its last step was in flight
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
-    def _release(self, seq: Sequence) -> None:
-        """Take seq out of the running batch and free its KV segment."""
+    def _release(self, seq: Sequence, keep: bool = False) -> None:
+        """Take seq out of the running batch and free its KV segment, or with `keep` and a
+        prefix cache keep it cached (a finished request's)."""
         self.running.remove(seq)
-        if self.prefix_cache is not None:
-            self.prefix_cache.unshare(seq)
-        self.allocator.free(seq.kv_start)
+        if self.prefix_cache is None:
+            self.allocator.free(seq.kv_start)
+            return
+        self.prefix_cache.unshare(seq)
+        if keep:
+            self.prefix_cache.keep(seq)
+        else:
+            self.allocator.free(seq.kv_start)
 
     def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
         size = self.policy.reservation(seq)
         if not self.policy.can_admit(self.allocator, size):
             return False
-        entry, hit = self._lookup(seq)
+        # requests asking for prompt logprobs bypass the cache: those are computed in prefill
+        cache = self.prefix_cache if seq.params.prompt_logprobs is None else None
+        entry, hit = cache.lookup(seq) if cache is not None else (None, 0)
         start = self._allocate(size, step.moves, spare=entry)
         if start is None:
             return False
         seq.kv_start, seq.kv_reserved = start, size
-        if self.prefix_cache is not None and seq.params.prompt_logprobs is None:
-            self.prefix_cache.admitted(seq, entry, hit)
+        if cache is not None:
+            cache.admitted(seq, entry, hit)
         if hit:  # the prefix's K/V copied in before the step runs
             step.moves.append((entry.kv_start, start, hit))
             seq.num_cached = hit
@@ -205,13 +209,6 @@ class Scheduler:
         self._admitted += 1
         self.running.append(seq)
         return True
-
-    def _lookup(self, seq: Sequence) -> tuple[Sequence | None, int]:
-        """The cached entry to copy seq's prefix from and its length (none for prompt logprobs:
-        they are computed in prefill)."""
-        if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
-            return None, 0
-        return self.prefix_cache.lookup(seq)
 
     def _allocate(self, size: int, moves: list, spare: Sequence | None) -> int | None:
         """A new segment of `size`: in free space, after evicting cached entries (least
