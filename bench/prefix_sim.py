@@ -15,7 +15,7 @@ ids so that prefixes can match (each distinct text piece a run of seeded random 
 
 Predicted lengths are the true ones (oracle) in every row, so the rows differ only by the cache.
 
-    python -m bench.prefix_sim [--quick] [--model llama-2-7b] [--requests 1000]
+    python -m bench.prefix_sim [--quick] [--models llama-3-8b,llama-2-7b] [--requests 1000]
 
 The last line printed is JSON with each row's QPS at the SLO and the ratios with / without.
 """
@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 
 from bench.ablation import Variant, qps_at_slo  # noqa: E402
 from bench.common import log, machine  # noqa: E402
-from bench.virtual import azure_trace, sharegpt_lengths, with_arrivals  # noqa: E402
+from bench.virtual import azure_trace, sharegpt_lengths, simulate, with_arrivals  # noqa: E402
 from loadgen.datasets import AZURE_FILE, default_data_dir  # noqa: E402
 from services.compute.sim.hardware import model as model_spec  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
@@ -88,7 +88,7 @@ class PrefixWorkload:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-2-7b")
+    p.add_argument("--models", default="llama-3-8b,llama-2-7b")
     p.add_argument("--gpu", default="h100")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--requests", type=int, default=1000)
@@ -101,39 +101,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def measure(args, model: str) -> list[dict]:
+    """Each workload's QPS at the SLO on `model`, without and with the cache."""
     base = with_settings(EngineConfig(), backend="sim", sim_clock="virtual", sim_gpu=args.gpu,
-                         sim_model=args.model)
-    context = model_spec(args.model).context
-    print(f"machine: {machine()}; simulated {args.gpu}, {args.model}, {args.requests} "
-          f"requests; SLO p99 TTFT 3 s, p99 TPOT 50 ms; oracle lengths in every row")
+                         sim_model=model)
     rows = []
     for name in args.workloads.split(","):
-        wl = PrefixWorkload(name, args.requests, context, args.seed)
+        wl = PrefixWorkload(name, args.requests, model_spec(model).context, args.seed)
         for caching in (False, True):
             t0 = time.perf_counter()
             v = Variant(f"prefix caching {'on' if caching else 'off'}", {}, "oracle")
             at = qps_at_slo(with_settings(base, enable_prefix_caching=caching), wl, v,
                             args.bisect) or {}
-            rows.append(dict(workload=name, caching=caching, qps_at_slo=at.get("qps"),
-                             ttft_ms_p50=at.get("ttft_ms_p50"),
+            rows.append(dict(model=model, workload=name, caching=caching,
+                             qps_at_slo=at.get("qps"), ttft_ms_p50=at.get("ttft_ms_p50"),
                              output_tok_s=at.get("output_tok_s")))
-            log(f"{name} cache {'on' if caching else 'off'}: {at.get('qps')} req/s at SLO "
-                f"({time.perf_counter() - t0:.0f} s)")
-    print(f"\n{'workload':<15} {'cache':<6} {'QPS at SLO':>11} {'p50 TTFT ms':>12}")
-    ratios = {}
+            log(f"{model} {name} cache {'on' if caching else 'off'}: {at.get('qps')} req/s "
+                f"at SLO ({time.perf_counter() - t0:.0f} s)")
+        stats: dict = {}  # the cached run's counters at its QPS at the SLO
+        simulate(with_settings(base, enable_prefix_caching=True),
+                 wl.at(rows[-1]["qps_at_slo"] or 1.0, "oracle"), wl.seed, stats)
+        rows[-1]["prefix_hit_rate"] = round(stats["prefix_hits"] / stats["prefix_queries"], 4)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(f"machine: {machine()}; simulated {args.gpu}, {args.requests} requests; SLO p99 "
+          f"TTFT 3 s, p99 TPOT 50 ms; oracle lengths in every row")
+    rows = [r for model in args.models.split(",") for r in measure(args, model)]
+    print(f"\n{'model':<11} {'workload':<14} {'cache':<6} {'QPS at SLO':>11} {'p50 TTFT ms':>12}"
+          f" {'hit rate':>9}")
     for r in rows:
         qps = "-" if r["qps_at_slo"] is None else f"{r['qps_at_slo']:.2f}"
         ttft = "-" if r["ttft_ms_p50"] is None else f"{r['ttft_ms_p50']:.0f}"
-        print(f"{r['workload']:<15} {'on' if r['caching'] else 'off':<6} {qps:>11} {ttft:>12}")
-    for name in args.workloads.split(","):
-        off, on = (next(r["qps_at_slo"] for r in rows if r["workload"] == name
-                        and r["caching"] is c) for c in (False, True))
-        ratios[name] = round(on / off, 3) if on and off else None
-        print(f"{name}: QPS at SLO with / without the cache: {ratios[name]}")
-    print(json.dumps(dict(rows=rows, qps_ratio=ratios, model=args.model, gpu=args.gpu,
-                          requests=args.requests, machine=machine())))
+        hit = f"{r['prefix_hit_rate']:.1%}" if "prefix_hit_rate" in r else ""
+        print(f"{r['model']:<11} {r['workload']:<14} {'on' if r['caching'] else 'off':<6} "
+              f"{qps:>11} {ttft:>12} {hit:>9}")
+    ratios: dict = {}
+    for r in rows:
+        if r["caching"]:
+            off = next(o for o in rows if o["model"] == r["model"] and
+                       o["workload"] == r["workload"] and not o["caching"])["qps_at_slo"]
+            ratio = round(r["qps_at_slo"] / off, 3) if r["qps_at_slo"] and off else None
+            ratios.setdefault(r["model"], {})[r["workload"]] = ratio
+            print(f"{r['model']} {r['workload']}: QPS at SLO with / without the cache: {ratio}")
+    print(json.dumps(dict(rows=rows, qps_ratio=ratios, gpu=args.gpu, requests=args.requests,
+                          machine=machine())))
 
 
 if __name__ == "__main__":
