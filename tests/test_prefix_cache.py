@@ -186,3 +186,22 @@ def test_a_running_request_shares_its_prompt_once_prefilled():
     s.update(step, StepSample([5, 5], [0.0, 0.0]))
     s.abort(a)
     assert s.prefix_cache.shared == {c} and s.prefix_cache.slots == 0
+
+
+def test_split_free_space_is_joined_by_evicting_an_older_entry_beside_it_not_by_moves():
+    from services.compute.kv.prefix_cache import PrefixCache
+
+    a = KVAllocator(100)
+    cache = PrefixCache(a)
+    e = []
+    for i in range(4):  # entries at [0, 20), [20, 40), [40, 60), [60, 80); LRU order 0..3
+        e.append(seq(f"e{i}", range(100 * i + 1, 100 * i + 21)))
+        e[i].kv_start, e[i].num_cached = a.allocate(20), 20
+        cache.keep(e[i])
+    cache.evict(e[0])  # free: [0, 20) and [80, 100): 40 slots, split
+    assert a.allocate(30) is None
+    # the older half is e1, e2; only e1 borders free space, and it is spared; e3 (newest) is
+    # beside [80, 100) but too recent
+    assert not cache.evict_beside_free(spare=e[1])
+    assert cache.evict_beside_free()
+    assert cache.entries() == [e[2], e[3]] and a.allocate(30) == 0

@@ -114,6 +114,22 @@ class PrefixCache:
                 return True
         return False
 
+    def evict_beside_free(self, spare: Sequence | None = None) -> bool:
+        """Evict the entry, among the older half (least recently used first, never `spare`),
+        whose slots with the free blocks on both sides make the largest free block: space made
+        contiguous without copying anything. False if no such entry borders free space."""
+        free = dict(self.allocator.free_blocks())  # start -> size
+        ends = {s + n: n for s, n in free.items()}
+        older = self.entries()
+        best, most = None, 0
+        for e in older[: (len(older) + 1) // 2]:
+            around = ends.get(e.kv_start, 0) + free.get(e.kv_start + e.kv_reserved, 0)
+            if around and e is not spare and around + e.kv_reserved > most:
+                best, most = e, around + e.kv_reserved
+        if best is not None:
+            self.evict(best)
+        return best is not None
+
     def entry_at(self, start: int) -> Sequence | None:
         """The entry whose segment starts at `start`, if any."""
         return next((e for e in self.entries() if e.kv_start == start), None)

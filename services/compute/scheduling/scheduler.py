@@ -212,18 +212,21 @@ class Scheduler:
 
     def _allocate(self, size: int, moves: list, spare: Sequence | None) -> int | None:
         """A new segment of `size`: in free space, after evicting cached entries (least
-        recently used first, never `spare`) until enough slots are free, by compaction when
-        they are split, evicting more as long as that fails."""
-        a = self.allocator
+        recently used first, never `spare`) until enough slots are free; when they are split,
+        by evicting older entries that join free blocks, then by compaction; evicting more as
+        long as that fails."""
+        a, cache = self.allocator, self.prefix_cache
         while True:
             if a.free_slots >= size:
                 start = a.allocate(size)
+                while start is None and cache is not None and cache.evict_beside_free(spare):
+                    start = a.allocate(size)
                 if start is None and self.compactor is not None and \
                         self.compactor.make_hole(self._segments(), size, moves):
                     start = a.allocate(size)
                 if start is not None:
                     return start
-            if self.prefix_cache is None or not self.prefix_cache.evict_lru(spare):
+            if cache is None or not cache.evict_lru(spare):
                 return None
 
     def _segments(self) -> list[Sequence]:
