@@ -95,6 +95,7 @@ def recording_engine(model: str, max_running: int):
 
     hidden = ModelConfig.from_path(model).hidden_size
     engine = build_engine(EngineConfig(model=model, max_running=max_running, kv_cache_gib=4.0,
+                                       hidden_length=True,
                                        length_probe_dim=hidden))
     engine.runner.probe = torch.eye(hidden, device=engine.runner.device)
     engine.lengths = Recorder(EVERY)

@@ -7,7 +7,8 @@ while generating: the last prompt token, then every 32 generated tokens) and the
 ChatGPT answers (the prompt's hidden state only, computed here once and cached).
 
 Online, in arrival order (or shuffled): each request is predicted, then learned, exactly as
-the engine's refiner does (services/compute/length): features, HeadStats, ridge solve.
+the engine's refiner does (services/compute/length): features, HeadStats per stage, ridge
+solve.
 - `hidden`: the prediction after prefill; reserve its quantile, point = its median.
 - `refined`: the newest prediction at each checkpoint: the reservation grows (never shrinks)
   to generated + the remaining length's quantile; outgrown if the true length passes the last
@@ -25,7 +26,15 @@ import torch
 
 from bench import length_data
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
-from services.compute.length.head import HeadStats, features, probe_matrix, targets
+from services.compute.length.head import (
+    STAGES,
+    HeadStats,
+    features,
+    learns_from,
+    probe_matrix,
+    stage_of,
+    targets,
+)
 from shared.length_dist import LengthDist
 from shared.tokenizer import encode, load_tokenizer
 
@@ -106,19 +115,25 @@ def run_online(items: list[Item], dim: int, every: int, l2: float, seed: int | N
         random.Random(seed).shuffle(order)
     hidden_size = items[0].hidden.shape[1]
     probe = probe_matrix(hidden_size, dim) if dim < hidden_size else None
-    stats, head = HeadStats.zeros((dim if probe is not None else hidden_size) + 3), None
+    d = (dim if probe is not None else hidden_size) + 3
+    stats, heads = {s: HeadStats.zeros(d) for s in STAGES}, {}
     out = []
-    for n, i in enumerate(order):
+    for i in order:
         it = items[i]
         proj = it.hidden @ probe if probe is not None else it.hidden.astype(np.float64)
         xs = [features(p, it.prompt, it.max_tokens, k * every) for k, p in enumerate(proj)]
-        dists = [head.predict(x, k * every, it.max_tokens) for k, x in enumerate(xs)] \
-            if head is not None else None
-        out.append((i, dists))
-        y = np.stack([targets(it.true - k * every) for k in range(len(xs))])
-        stats.add(np.stack(xs), y)
-        if n + 1 >= MIN_REQUESTS:
-            head = stats.solve(l2)
+        dists, last = [], None
+        for k, x in enumerate(xs):  # a stage without a head yet keeps the last prediction
+            head = heads.get(stage_of(k * every))
+            last = head.predict(x, k * every, it.max_tokens) if head is not None else last
+            dists.append(last)
+        out.append((i, dists if dists[0] is not None else None))
+        for stage in STAGES:  # as the refiner learns: each checkpoint's row to its heads
+            ks = [k for k in range(len(xs)) if learns_from(stage, k * every)]
+            if ks:
+                stats[stage].add(np.stack([xs[k] for k in ks]),
+                                 np.stack([targets(it.true - k * every) for k in ks]))
+        heads = {s: st.solve(l2) for s, st in stats.items() if st.requests >= MIN_REQUESTS}
     return {"order": order, "predictions": out}
 
 

@@ -47,13 +47,14 @@ def main(argv=None) -> dict:
     p.add_argument("--every", type=int, default=1, help="checkpoint interval (served: 32)")
     args = p.parse_args(argv)
     model = args.model or default_model.resolve()
-    engine = build_engine(EngineConfig(model=model, max_running=args.batch, kv_cache_gib=1.0))
+    engine = build_engine(EngineConfig(model=model, max_running=args.batch, kv_cache_gib=1.0,
+                                       hidden_length=True))
     lengths = engine.lengths
     lengths.config = RefinerConfig(every=args.every, min_requests=4, push_s=0, refresh_s=0)
     warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     engine.generate([[1, 2, 3, 4 + i] for i in range(8)], warm)  # the head learns
     lengths.tick()
-    assert lengths.head is not None
+    assert set(lengths.heads) == {"prefill", "refine"}
     hook: list[float] = []
     engine._observe_lengths = timed(engine._observe_lengths, hook)
     lengths.tick = timed(lengths.tick, hook)

@@ -93,9 +93,11 @@ class EngineConfig:
                                       "this quantile in memory", group=SCHEDULING)
     kv_reserve_horizon: int = setting(64, "predicted: reserve at most this many output slots "
                                       "ahead; 0: the whole quantile", group=SCHEDULING)
-    hidden_length: bool = setting(True, "after prefill, predict each request's output length "
+    hidden_length: bool = setting(False, "after prefill, predict each request's output length "
                                   "from the model's own hidden state, learned online from "
-                                  "finished requests (in Redis when served)", group=SCHEDULING)
+                                  "finished requests (in Redis when served); off by default: "
+                                  "in the ablation it costs QPS so far (docs/benchmarks.md)",
+                                  group=SCHEDULING)
     length_refine_every: int = setting(32, "hidden-state length prediction: predict the remaining "
                                        "length again every this many generated tokens; 0: after "
                                        "prefill only", group=SCHEDULING)

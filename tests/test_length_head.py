@@ -151,6 +151,7 @@ def marked(rng: random.Random, short: bool) -> tuple[list[int], SamplingParams]:
 
 def engine_with_head(model: str, **kw):
     engine = build_engine(EngineConfig(model=model, kv_cache_tokens=4096, max_running=16,
+                                       hidden_length=True,
                                        default_predicted_len=50, kv_reserve_horizon=0, **kw))
     engine.lengths.config = RefinerConfig(every=32, min_requests=16, push_s=0, refresh_s=0)
     return engine
@@ -163,7 +164,7 @@ def test_engine_learns_a_marker_from_hidden_states(demo_model_dir):
     assert {s.finish_reason for s in seqs[1::2]} == {"length"}
     assert max(s.num_output for s in seqs[0::2]) < 30
     engine.lengths.tick()
-    assert engine.lengths.head is not None and engine.lengths.learned == 96
+    assert set(engine.lengths.heads) == {"prefill", "refine"} and engine.lengths.learned == 96
     # new requests: after their prefill step the scheduler holds the head's prediction
     short_p, long_p = marked(rng, True), marked(rng, False)
     rs, rl = engine.add_request(*short_p), engine.add_request(*long_p)
@@ -204,3 +205,36 @@ def test_memory_store_accumulates():
     store.add(stats)
     store.add(stats)
     assert store.load().requests == 20 and stats.requests == 10
+
+
+def test_each_stage_learns_from_its_own_checkpoints_and_predicts_at_them():
+    """The prefill head learns one row per request; the refining head every checkpoint."""
+    from services.compute.length.refiner import LengthRefiner
+    from services.compute.length.store import memory_stores
+    from services.compute.scheduling.sequence import Sequence
+
+    refiner = LengthRefiner(memory_stores(), RefinerConfig(every=32, min_requests=4, push_s=0,
+                                                           refresh_s=0))
+    rng = np.random.default_rng(3)
+    for i in range(8):
+        s = Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True),
+                     seed=0, max_len=103, predicted_length=None, stop_ids=frozenset())
+        for g in range(100):
+            if refiner.is_checkpoint(g):
+                refiner.observe(s, g, rng.normal(size=8))
+            s.append(5, 0.0)
+        assert s.finish_reason == "length"
+        refiner.finished(s)
+    refiner.tick()
+    prefill, refine = (refiner.stores[k].load() for k in ("prefill", "refine"))
+    assert prefill.requests == refine.requests == 8
+    assert prefill.rows == 8 and refine.rows == 8 * 4  # generated 0, 32, 64, 96
+    assert set(refiner.heads) == {"prefill", "refine"}
+    s = Sequence("new", [1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True), seed=0,
+                 max_len=103, predicted_length=None, stop_ids=frozenset())
+    refiner.observe(s, 0, rng.normal(size=8))
+    assert s.predicted_length.median > 90  # every request so far ran to max_tokens
+    for _ in range(64):
+        s.append(5, 0.0)
+    refiner.observe(s, 64, rng.normal(size=8))
+    assert 64 < s.predicted_length.values[0] and s.predicted_length.values[-1] <= 100

@@ -46,8 +46,8 @@ def make_runner(config: EngineConfig):
     return ModelRunner(config, mc, context)
 
 
-def build_engine(config: EngineConfig, length_store=None):
-    """An LLMEngine on the runner of `config.backend` (`length_store`: see LLMEngine)."""
+def build_engine(config: EngineConfig, length_stores=None):
+    """An LLMEngine on the runner of `config.backend` (`length_stores`: see LLMEngine)."""
     from services.compute.engine import LLMEngine
 
-    return LLMEngine(config, make_runner(config), length_store)
+    return LLMEngine(config, make_runner(config), length_stores)

@@ -16,7 +16,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from services.compute.length.refiner import LengthRefiner, RefinerConfig
-from services.compute.length.store import MemoryStore
+from services.compute.length.store import memory_stores
 from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
 from services.compute.scheduling.sequence import SeqStatus, Sequence
@@ -64,11 +64,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, runner, length_store=None):
+    def __init__(self, config: EngineConfig, runner, length_stores=None):
         """`runner`: a ModelRunner or SimRunner (services/compute/backend.py makes the one
         --backend names), holding the model's config, the context length and the KV slots.
-        `length_store`: where the hidden-state length head's statistics live (a RedisStore
-        when served; None: this process's memory). No head without the runner's probe."""
+        `length_stores`: where the hidden-state length heads' statistics live (stage ->
+        RedisStore when served; None: this process's memory). No head without the runner's probe."""
         self.config = config
         self.runner = runner
         self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
@@ -79,7 +79,7 @@ class LLMEngine:
         mode = config.overlap_schedule
         self.overlap = mode == "on" or (mode == "auto" and runner.asynchronous)
         self._inflight = None  # (ScheduledStep, its runner handle): launched, not committed
-        self.lengths = LengthRefiner(length_store or MemoryStore(), RefinerConfig(
+        self.lengths = LengthRefiner(length_stores or memory_stores(), RefinerConfig(
             every=config.length_refine_every)) if getattr(runner, "probe", None) is not None \
             else None
 

@@ -15,7 +15,7 @@ import zmq
 
 from services.compute.backend import build_engine
 from services.compute.engine import LLMEngine
-from services.compute.length.store import RedisStore, length_head_key
+from services.compute.length.store import redis_stores
 from shared import state
 from shared.codec import float32s, int32s
 from shared.config import EngineConfig, ServiceConfig
@@ -132,7 +132,7 @@ def _output(events, routes: list[Route], errors: list[list[str]]) -> StepOutput:
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
-    store = RedisStore(state.fast_client(svc.redis_url), length_head_key(engine_cfg)) \
+    stores = redis_stores(state.fast_client(svc.redis_url), engine_cfg) \
         if svc.length_predictor else None  # else each compute process learns alone
-    engine = build_engine(engine_cfg, length_store=store)
+    engine = build_engine(engine_cfg, length_stores=stores)
     ComputeService(engine, svc, redis.Redis.from_url(svc.redis_url)).run()

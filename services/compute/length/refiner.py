@@ -3,15 +3,17 @@
 The runner hands out, with every sampled token, the probe-projected hidden state of the row
 that sampled it (`StepSample.probes`). At a checkpoint (generated == 0: the last prompt token,
 right after prefill; then every `--length-refine-every` generated tokens) the refiner
-- replaces the request's `predicted_length` by the head's prediction (once the head has learned
-  from `min_requests` finished requests; until then the text predictor's prior stays), so the
-  scheduler's growth, future-peak admission and victim choice use the newest one;
+- replaces the request's `predicted_length` by the prediction of the checkpoint's stage's head
+  (once that head has learned from `min_requests` finished requests; until then the previous
+  prediction stays: the text predictor's prior after prefill), so the scheduler's growth,
+  future-peak admission and victim choice use the newest one;
 - keeps the checkpoint's features, and when the request finishes ("stop" or "length": an
   aborted request's length is unknown) adds one row per checkpoint, its target the remaining
-  length then, to a local delta of the head's statistics.
-`tick` (once per engine step) pushes the delta to the store every `push_s` seconds and reloads
-and re-solves the head every `refresh_s` seconds when the store has news. A store error costs
-that update (logged), never a request.
+  length then, to a local delta of the statistics of each head that learns from it
+  (`learns_from`).
+`tick` (once per engine step) pushes the deltas to their stores every `push_s` seconds and
+reloads and re-solves each head every `refresh_s` seconds when its store has news. A store
+error costs that update (logged), never a request.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.compute.length.head import HeadStats, LengthHead, features, targets
+from services.compute.length.head import (
+    STAGES,
+    HeadStats,
+    LengthHead,
+    features,
+    learns_from,
+    stage_of,
+    targets,
+)
 from services.compute.scheduling.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -41,13 +51,14 @@ class RefinerConfig:
 
 
 class LengthRefiner:
-    def __init__(self, store, config: RefinerConfig = RefinerConfig(),
+    def __init__(self, stores: dict, config: RefinerConfig = RefinerConfig(),
                  clock: Callable[[], float] = time.monotonic):
-        self.store, self.config, self.clock = store, config, clock
-        self.head: LengthHead | None = None
+        """`stores`: stage -> where that head's statistics live (store.py), for every stage."""
+        self.stores, self.config, self.clock = stores, config, clock
+        self.heads: dict[str, LengthHead] = {}
         self.checkpoints: dict[str, list[tuple[int, np.ndarray]]] = {}
-        self.pending: HeadStats | None = None
-        self.seen_requests = -1  # the store's request count when the head was solved
+        self.pending: dict[str, HeadStats] = {}
+        self.seen_requests = dict.fromkeys(STAGES, -1)  # store's count when the head was solved
         self.pushed = self.refreshed = -math.inf
         self.predictions = self.learned = 0
 
@@ -59,8 +70,9 @@ class LengthRefiner:
         """A checkpoint of `seq` with `generated` output tokens before it; probe [r]."""
         x = features(probe, seq.num_prompt, seq.params.max_tokens, generated)
         self.checkpoints.setdefault(seq.request_id, []).append((generated, x))
-        if self.head is not None:
-            seq.predicted_length = self.head.predict(x, generated, seq.max_len - seq.num_prompt)
+        head = self.heads.get(stage_of(generated))
+        if head is not None:
+            seq.predicted_length = head.predict(x, generated, seq.max_len - seq.num_prompt)
             seq.peak_total = 0  # admission's cached bound came from the old prediction
             self.predictions += 1
 
@@ -69,11 +81,12 @@ class LengthRefiner:
         points = self.checkpoints.pop(seq.request_id, None)
         if not points or seq.finish_reason not in LEARNED:
             return
-        x = np.stack([p for _, p in points])
-        y = np.stack([targets(seq.num_output - g) for g, _ in points])
-        if self.pending is None:
-            self.pending = HeadStats.zeros(x.shape[1])
-        self.pending.add(x, y)
+        for stage in STAGES:
+            rows = [(g, x) for g, x in points if learns_from(stage, g)]
+            if rows:
+                x = np.stack([x for _, x in rows])
+                y = np.stack([targets(seq.num_output - g) for g, _ in rows])
+                self.pending.setdefault(stage, HeadStats.zeros(x.shape[1])).add(x, y)
         self.learned += 1
 
     def forget(self, request_id: str) -> None:
@@ -82,17 +95,19 @@ class LengthRefiner:
     def tick(self) -> None:
         """Push what was learned, refresh the head: each at most every push_s / refresh_s."""
         now = self.clock()
-        if self.pending is not None and now - self.pushed >= self.config.push_s:
+        if self.pending and now - self.pushed >= self.config.push_s:
             self.pushed = now
-            delta, self.pending = self.pending, None
-            self._guard("push", self.store.add, delta)
+            deltas, self.pending = self.pending, {}
+            for stage, delta in deltas.items():
+                self._guard("push", self.stores[stage].add, delta)
         if now - self.refreshed >= self.config.refresh_s:
             self.refreshed = now
-            stats = self._guard("load", self.store.load)
-            if stats is not None and stats.requests != self.seen_requests and \
-                    stats.requests >= self.config.min_requests:
-                self.seen_requests = stats.requests
-                self.head = stats.solve(self.config.l2)
+            for stage in STAGES:
+                stats = self._guard("load", self.stores[stage].load)
+                if stats is not None and stats.requests != self.seen_requests[stage] and \
+                        stats.requests >= self.config.min_requests:
+                    self.seen_requests[stage] = stats.requests
+                    self.heads[stage] = stats.solve(self.config.l2)
 
     def _guard(self, what: str, fn, *args):
         try:

@@ -1,8 +1,10 @@
 """Where the length head's statistics live: in Redis (shared by every replica, kept across
 restarts) or in memory (an engine run in-process without Redis).
 
-Redis layout, under `<prefix>:<model>:<version>` (the version names the probe and feature
-layout, so a different configuration never mixes its statistics with these): `...:base`, the
+Each head (stage) has its own store. Redis layout, under
+`pipellm:lenhead:v2:<model>:r<probe dim>:<stage>` (v2: the heads split by stage; the probe's
+dimension names the feature layout, so a different configuration never mixes its statistics
+with these): `...:base`, the
 compacted `HeadStats` blob, and `...:deltas`, a list of blobs not yet folded in. A writer
 `RPUSH`es its delta (atomic: no count is ever lost, whatever the number of writers); a reader
 sums base and deltas, and folds them into base once there are `compact_at` of them, in a
@@ -15,17 +17,18 @@ import logging
 
 import redis
 
-from services.compute.length.head import HeadStats
+from services.compute.length.head import STAGES, HeadStats
 from shared.config import EngineConfig
 from shared.length_predictor import model_key
 
 log = logging.getLogger(__name__)
 
 
-def length_head_key(config: EngineConfig) -> str:
-    """The Redis key prefix of a model's head statistics: every replica serving the same model
-    with the same probe shares it (the probe's seed is fixed, so its dimension names it)."""
-    return f"pipellm:lenhead:v1:{model_key(config.model)}:r{config.length_probe_dim}"
+def length_head_key(config: EngineConfig, stage: str) -> str:
+    """The Redis key prefix of a model's head statistics for one stage: every replica serving
+    the same model with the same probe shares it (the probe's seed is fixed, so its dimension
+    names it)."""
+    return f"pipellm:lenhead:v2:{model_key(config.model)}:r{config.length_probe_dim}:{stage}"
 
 
 class MemoryStore:
@@ -73,6 +76,16 @@ class RedisStore:
 
     def clear(self) -> None:
         self.client.delete(self.base_key, self.deltas_key)
+
+
+def redis_stores(client: redis.Redis, config: EngineConfig) -> dict[str, RedisStore]:
+    """Stage -> its store in Redis."""
+    return {stage: RedisStore(client, length_head_key(config, stage)) for stage in STAGES}
+
+
+def memory_stores() -> dict[str, MemoryStore]:
+    """Stage -> its store in this process."""
+    return {stage: MemoryStore() for stage in STAGES}
 
 
 def _sum(blobs: list[bytes]) -> HeadStats | None:
