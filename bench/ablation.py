@@ -131,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paged-attn-slowdown", type=float, default=1.0,
                    help="the paged rows' attention KV-read cost against contiguous segments "
                         "(bench/kernels.py's paged_attn_slowdown on the GPU modelled)")
+    p.add_argument("--kv-peak-quantile", type=float, default=None,
+                   help="every predicted row's admission peak quantile (default: the engine's, "
+                        "--kv-peak-quantile)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="one model, one workload, 200 requests")
     args = p.parse_args(argv)
@@ -298,6 +301,8 @@ def measure(args, model: str, workload: str) -> list[dict]:
                          sim_model=model, sim_paged_attn_slowdown=args.paged_attn_slowdown,
                          max_running=args.max_running,
                          max_batched_tokens=args.max_batched_tokens)
+    if args.kv_peak_quantile is not None:
+        base = with_settings(base, kv_peak_quantile=args.kv_peak_quantile)
     wl = Workload(workload, args.requests, model_spec(model).context, args.seed)
     variants = [v for v in VARIANTS if not v.workloads or workload in v.workloads]
     rows, configs = [], [with_settings(base, **v.overrides) for v in variants]
