@@ -11,11 +11,11 @@ whose quantiles are the prediction (linear probability model: one solve, no iter
 There are two heads, one per stage (`STAGES`): "prefill" predicts right after prefill and
 learns from that checkpoint only (one row per request); "refine" predicts at every later
 checkpoint and learns from all of them, the one after prefill included. Pooled in one head, a
-long request's many refining rows would outweigh the one prefill row of every request, and the
-prediction after prefill would lean towards the lengths of long requests. Measured on SmolLM2's
-256 t=0.7 lengths (bench/length_predictor.py --lengths smollm2, 4 orders), MAE against the
-global median's: after prefill +5..+18% pooled, -2..-9% split; refined -28..-34% when the
-refining head also learns from the prefill rows, -20..-27% without them.
+long request's many refining rows would outweigh the one prefill row of every request. MAE
+against the global median's on SmolLM2's 256 lengths (bench/length_predictor.py --lengths
+smollm2, 4 orders), one head -> split: at t=0.7, after prefill +1..+7% -> -2..-9%, refined
+-18..-25% -> -28..-34% (-20..-27% if the refining head skipped the prefill rows); greedy,
+after prefill +4..+5% -> +12..+22% (worse), refined -1..+1% -> -10..-16%.
 
 Fitting needs only additive sufficient statistics of the rows seen, `HeadStats` (Xa^T Xa and
 Xa^T Y with Xa = [X, 1], and the number of requests), so any number of writers add their

@@ -82,9 +82,9 @@ class LengthRefiner:
         if not points or seq.finish_reason not in LEARNED:
             return
         for stage in STAGES:
-            rows = [(g, x) for g, x in points if learns_from(stage, g)]
+            rows = [(g, f) for g, f in points if learns_from(stage, g)]
             if rows:
-                x = np.stack([x for _, x in rows])
+                x = np.stack([f for _, f in rows])
                 y = np.stack([targets(seq.num_output - g) for g, _ in rows])
                 self.pending.setdefault(stage, HeadStats.zeros(x.shape[1])).add(x, y)
         self.learned += 1
