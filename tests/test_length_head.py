@@ -238,3 +238,36 @@ def test_each_stage_learns_from_its_own_checkpoints_and_predicts_at_them():
         s.append(5, 0.0)
     refiner.observe(s, 64, rng.normal(size=8))
     assert 64 < s.predicted_length.values[0] and s.predicted_length.values[-1] <= 100
+
+
+def test_replicas_share_both_heads_through_redis(redis_url):
+    """One replica learns; another, with its own refiner on the same Redis keys, solves the
+    same two heads."""
+    from services.compute.length.refiner import LengthRefiner
+    from services.compute.length.store import redis_stores
+    from services.compute.scheduling.sequence import Sequence
+
+    config = EngineConfig(model="replicas-share-test", length_probe_dim=8)
+    client = redis.Redis.from_url(redis_url)
+    stores = redis_stores(client, config)
+    assert len({s.base_key for s in stores.values()}) == 2
+    for s in stores.values():
+        s.clear()
+    fast = RefinerConfig(every=32, min_requests=4, push_s=0, refresh_s=0)
+    writer, reader = LengthRefiner(stores, fast), LengthRefiner(redis_stores(client, config), fast)
+    rng = np.random.default_rng(4)
+    for i in range(6):
+        s = Sequence(f"r{i}", [1, 2], SamplingParams(max_tokens=70, ignore_eos=True), seed=0,
+                     max_len=72, predicted_length=None, stop_ids=frozenset())
+        for g in range(70):
+            if writer.is_checkpoint(g):
+                writer.observe(s, g, rng.normal(size=8))
+            s.append(5, 0.0)
+        writer.finished(s)
+    writer.tick()
+    reader.tick()
+    assert set(reader.heads) == {"prefill", "refine"}
+    x = rng.normal(size=(1, 8 + 3))
+    for stage in ("prefill", "refine"):
+        np.testing.assert_allclose(reader.heads[stage].survival(x[0]),
+                                   writer.heads[stage].survival(x[0]))
