@@ -191,7 +191,10 @@ def evaluate(reqs: list[dict], learned: tuple[str, ...] = ()) -> dict:
              for q in SWEEP}
     target = methods["global_p90"]["outgrow_rate"]
     match = {"outgrow_rate": target, "global": methods["global_p90"]["reserved_over_used"],
-             **{n: matched(reqs, k, target) for n, k in keys.items()}}
+             **{n: matched(reqs, k, target) for n, k in keys.items()},
+             # the other way round: global's reserved/used at each method's p90 outgrow rate
+             "global_at": {n: matched(reqs, "global", methods[n]["outgrow_rate"])
+                           for n in keys}}
     return dict(methods=methods, quantile_sweep=sweep, matched_outgrow=match)
 
 
@@ -210,7 +213,10 @@ def print_tables(ev: dict) -> None:
                                    f"{row[n]['reserved_over_used']:10.3f}" for n in names))
     m = ev["matched_outgrow"]
     print(f"at global_p90's outgrow rate {m['outgrow_rate']:.3f}: reserved/used " + ", ".join(
-        f"{k} {v}" for k, v in m.items() if k != "outgrow_rate"))
+        f"{k} {v}" for k, v in m.items() if k not in ("outgrow_rate", "global_at")))
+    print("global's reserved/used at each method's own p90 outgrow rate: " + ", ".join(
+        f"{k} {v} (vs {ev['methods'][k]['reserved_over_used']})"
+        for k, v in m["global_at"].items()))
 
 
 def main(argv: list[str] | None = None) -> dict:
