@@ -6,9 +6,8 @@ by bench/length_data.py, greedy and t=0.7, with the final-normed hidden states i
 while generating: the last prompt token, then every 32 generated tokens) and the samples'
 ChatGPT answers (the prompt's hidden state only, computed here once and cached).
 
-Online, in arrival order (or shuffled): each request is predicted, then learned, exactly as
-the engine's refiner does (services/compute/length): features, HeadStats per stage, ridge
-solve.
+Online, in arrival order (or shuffled): each request is predicted, then learned, by the
+engine's own refiner (services/compute/length/refiner.py) on in-memory stores.
 - `hidden`: the prediction after prefill; reserve its quantile, point = its median.
 - `refined`: the newest prediction at each checkpoint: the reservation grows (never shrinks)
   to generated + the remaining length's quantile; outgrown if the true length passes the last
@@ -26,16 +25,12 @@ import torch
 
 from bench import length_data
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
-from services.compute.length.head import (
-    STAGES,
-    HeadStats,
-    features,
-    learns_from,
-    probe_matrix,
-    stage_of,
-    targets,
-)
+from services.compute.length.head import probe_matrix
+from services.compute.length.refiner import LengthRefiner, RefinerConfig
+from services.compute.length.store import memory_stores
+from services.compute.scheduling.sequence import Sequence
 from shared.length_dist import LengthDist
+from shared.sampling import SamplingParams
 from shared.tokenizer import encode, load_tokenizer
 
 MIN_REQUESTS = 16
@@ -108,32 +103,32 @@ def chatgpt_answers(model: str, n: int) -> list[list[int]]:
 
 def run_online(items: list[Item], dim: int, every: int, l2: float, seed: int | None = None,
                ) -> dict:
-    """Predict-then-learn; per request, for each quantile level: hidden and refined
-    (reserved, point error)."""
+    """Predict-then-learn through the engine's own LengthRefiner (memory stores, solving after
+    every request): per request, the prediction in force at each checkpoint (None until the
+    head after prefill has learned MIN_REQUESTS requests)."""
     order = list(range(len(items)))
     if seed is not None:
         random.Random(seed).shuffle(order)
     hidden_size = items[0].hidden.shape[1]
     probe = probe_matrix(hidden_size, dim) if dim < hidden_size else None
-    d = (dim if probe is not None else hidden_size) + 3
-    stats, heads = {s: HeadStats.zeros(d) for s in STAGES}, {}
+    refiner = LengthRefiner(memory_stores(), RefinerConfig(
+        every=every, min_requests=MIN_REQUESTS, l2=l2, push_s=0, refresh_s=0))
     out = []
     for i in order:
         it = items[i]
         proj = it.hidden @ probe if probe is not None else it.hidden.astype(np.float64)
-        xs = [features(p, it.prompt, it.max_tokens, k * every) for k, p in enumerate(proj)]
-        dists, last = [], None
-        for k, x in enumerate(xs):  # a stage without a head yet keeps the last prediction
-            head = heads.get(stage_of(k * every))
-            last = head.predict(x, k * every, it.max_tokens) if head is not None else last
-            dists.append(last)
+        seq = Sequence(str(i), [0] * it.prompt, SamplingParams(max_tokens=it.max_tokens),
+                       seed=0, max_len=it.prompt + it.max_tokens, predicted_length=None,
+                       stop_ids=frozenset())
+        dists = []
+        for k, p in enumerate(proj):  # a stage without a head yet keeps the last prediction
+            refiner.observe(seq, k * every, p)
+            dists.append(seq.predicted_length)
         out.append((i, dists if dists[0] is not None else None))
-        for stage in STAGES:  # as the refiner learns: each checkpoint's row to its heads
-            ks = [k for k in range(len(xs)) if learns_from(stage, k * every)]
-            if ks:
-                stats[stage].add(np.stack([xs[k] for k in ks]),
-                                 np.stack([targets(it.true - k * every) for k in ks]))
-        heads = {s: st.solve(l2) for s, st in stats.items() if st.requests >= MIN_REQUESTS}
+        seq.token_ids += [0] * it.true
+        seq.finish_reason = "length" if it.true >= it.max_tokens else "stop"
+        refiner.finished(seq)
+        refiner.tick()
     return {"order": order, "predictions": out}
 
 
