@@ -79,6 +79,33 @@ def _row(server: str, workload: str, rep: int, tps: float, ok: bool = True) -> d
     return row
 
 
+def test_length_hidden_replays_the_refiner_on_recorded_states():
+    """bench/length_hidden.run_online on recorded-like states with a planted marker: the
+    head after prefill (from its 16th request on) tells short answers from long ones."""
+    import numpy as np
+
+    from bench import length_hidden
+
+    rng = np.random.default_rng(0)
+    items = []
+    for i in range(64):
+        short = i % 2 == 0
+        true = int(rng.integers(5, 15)) if short else int(rng.integers(250, 400))
+        h = 0.3 * rng.normal(size=(len(range(0, true, 32)), 16)).astype(np.float32)
+        h[:, 0] = 1.0 if short else -1.0
+        items.append(length_hidden.Item(40, 1024, true, h, i))
+    out = length_hidden.run_online(items, 16, 32, 0.1)  # 16: no projection
+    preds = dict(out["predictions"])
+    assert all(preds[i] is None for i in out["order"][:16])
+    late = out["order"][40:]
+    short = [preds[i][0].median for i in late if items[i].true < 20]
+    long = [preds[i][0].median for i in late if items[i].true > 200]
+    # (19 features from 40 requests: one odd prediction may overfit the noise)
+    assert sum(x < 60 for x in short) >= len(short) - 1 and sum(x > 150 for x in long) >= \
+        len(long) - 1
+    assert all(len(preds[i]) == len(items[i].hidden) for i in late)
+
+
 def test_vs_vllm_summary_medians_and_ratios():
     rows = [_row("pipellm", "random_inf", r, t) for r, t in enumerate([100, 300, 200])]
     rows += [_row("vllm", "random_inf", r, t) for r, t in enumerate([50, 400, 100])]
