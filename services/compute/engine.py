@@ -68,7 +68,8 @@ class LLMEngine:
         """`runner`: a ModelRunner or SimRunner (services/compute/backend.py makes the one
         --backend names), holding the model's config, the context length and the KV slots.
         `length_stores`: where the hidden-state length heads' statistics live (stage ->
-        RedisStore when served; None: this process's memory). No head without the runner's probe."""
+        RedisStore when served; None: this process's memory). No head without the runner's
+        probe (`--hidden-length`)."""
         self.config = config
         self.runner = runner
         self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
