@@ -5,10 +5,10 @@ Each head (stage) has its own store. Redis layout, under
 `pipellm:lenhead:v2:<model>:r<probe dim>:<stage>` (v2: the heads split by stage; the probe's
 dimension names the feature layout, so a different configuration never mixes its statistics
 with these): `...:base`, the compacted `HeadStats` blob, and `...:deltas`, a list of blobs
-not yet folded in. A writer
-`RPUSH`es its delta (atomic: no count is ever lost, whatever the number of writers); a reader
-sums base and deltas, and folds them into base once there are `compact_at` of them, in a
-WATCH/MULTI transaction over both keys, retried if any other writer touched them meanwhile.
+not yet folded in. A writer `RPUSH`es its delta (atomic: no count is ever lost, whatever the
+number of writers); a reader sums base and deltas, and folds them into base once there are
+`compact_at` of them, in a WATCH/MULTI transaction over both keys, retried if any other
+writer touched them meanwhile.
 """
 
 from __future__ import annotations
