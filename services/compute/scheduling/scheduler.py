@@ -177,14 +177,12 @@ class Scheduler:
         """Take seq out of the running batch and free its KV segment, or with `keep` and a
         prefix cache keep it cached (a finished request's)."""
         self.running.remove(seq)
-        if self.prefix_cache is None:
-            self.allocator.free(seq.kv_start)
-            return
-        self.prefix_cache.unshare(seq)
-        if keep:
-            self.prefix_cache.keep(seq)
-        else:
-            self.allocator.free(seq.kv_start)
+        if self.prefix_cache is not None:
+            self.prefix_cache.unshare(seq)
+            if keep:
+                self.prefix_cache.keep(seq)  # shrinks the segment in place
+                return
+        self.allocator.free(seq.kv_start)
 
     def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
         size = self.policy.reservation(seq)
