@@ -207,31 +207,40 @@ def test_memory_store_accumulates():
     assert store.load().requests == 20 and stats.requests == 10
 
 
+def _request(rid: str, prompt_len: int, max_tokens: int):
+    from services.compute.scheduling.sequence import Sequence
+
+    return Sequence(rid, [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    seed=0, max_len=prompt_len + max_tokens, predicted_length=None,
+                    stop_ids=frozenset())
+
+
+def _run_to_limit(refiner, seq, rng: np.random.Generator, dim: int = 8) -> None:
+    """Generate seq to max_tokens, a random probe at each checkpoint; then it finishes."""
+    for g in range(seq.params.max_tokens):
+        if refiner.is_checkpoint(g):
+            refiner.observe(seq, g, rng.normal(size=dim))
+        seq.append(5, 0.0)
+    assert seq.finish_reason == "length"
+    refiner.finished(seq)
+
+
 def test_each_stage_learns_from_its_own_checkpoints_and_predicts_at_them():
     """The prefill head learns one row per request; the refining head every checkpoint."""
     from services.compute.length.refiner import LengthRefiner
     from services.compute.length.store import memory_stores
-    from services.compute.scheduling.sequence import Sequence
 
     refiner = LengthRefiner(memory_stores(), RefinerConfig(every=32, min_requests=4, push_s=0,
                                                            refresh_s=0))
     rng = np.random.default_rng(3)
     for i in range(8):
-        s = Sequence(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True),
-                     seed=0, max_len=103, predicted_length=None, stop_ids=frozenset())
-        for g in range(100):
-            if refiner.is_checkpoint(g):
-                refiner.observe(s, g, rng.normal(size=8))
-            s.append(5, 0.0)
-        assert s.finish_reason == "length"
-        refiner.finished(s)
+        _run_to_limit(refiner, _request(f"r{i}", 3, 100), rng)
     refiner.tick()
     prefill, refine = (refiner.stores[k].load() for k in ("prefill", "refine"))
     assert prefill.requests == refine.requests == 8
     assert prefill.rows == 8 and refine.rows == 8 * 4  # generated 0, 32, 64, 96
     assert set(refiner.heads) == {"prefill", "refine"}
-    s = Sequence("new", [1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True), seed=0,
-                 max_len=103, predicted_length=None, stop_ids=frozenset())
+    s = _request("new", 3, 100)
     refiner.observe(s, 0, rng.normal(size=8))
     assert s.predicted_length.median > 90  # every request so far ran to max_tokens
     for _ in range(64):
@@ -245,7 +254,6 @@ def test_replicas_share_both_heads_through_redis(redis_url):
     same two heads."""
     from services.compute.length.refiner import LengthRefiner
     from services.compute.length.store import redis_stores
-    from services.compute.scheduling.sequence import Sequence
 
     config = EngineConfig(model="replicas-share-test", length_probe_dim=8)
     client = redis.Redis.from_url(redis_url)
@@ -257,17 +265,11 @@ def test_replicas_share_both_heads_through_redis(redis_url):
     writer, reader = LengthRefiner(stores, fast), LengthRefiner(redis_stores(client, config), fast)
     rng = np.random.default_rng(4)
     for i in range(6):
-        s = Sequence(f"r{i}", [1, 2], SamplingParams(max_tokens=70, ignore_eos=True), seed=0,
-                     max_len=72, predicted_length=None, stop_ids=frozenset())
-        for g in range(70):
-            if writer.is_checkpoint(g):
-                writer.observe(s, g, rng.normal(size=8))
-            s.append(5, 0.0)
-        writer.finished(s)
+        _run_to_limit(writer, _request(f"r{i}", 2, 70), rng)
     writer.tick()
     reader.tick()
     assert set(reader.heads) == {"prefill", "refine"}
-    x = rng.normal(size=(1, 8 + 3))
+    x = rng.normal(size=8 + 3)
     for stage in ("prefill", "refine"):
-        np.testing.assert_allclose(reader.heads[stage].survival(x[0]),
-                                   writer.heads[stage].survival(x[0]))
+        np.testing.assert_allclose(reader.heads[stage].survival(x),
+                                   writer.heads[stage].survival(x))
