@@ -134,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-peak-quantile", type=float, default=None,
                    help="every predicted row's admission peak quantile (default: the engine's, "
                         "--kv-peak-quantile)")
+    p.add_argument("--kv-admission", default=None,
+                   help="the predicted-KV rows' admission (default: the engine's, "
+                        "--kv-admission)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="one model, one workload, 200 requests")
     args = p.parse_args(argv)
@@ -305,7 +308,8 @@ def measure(args, model: str, workload: str) -> list[dict]:
         base = with_settings(base, kv_peak_quantile=args.kv_peak_quantile)
     wl = Workload(workload, args.requests, model_spec(model).context, args.seed)
     variants = [v for v in VARIANTS if not v.workloads or workload in v.workloads]
-    rows, configs = [], [with_settings(base, **v.overrides) for v in variants]
+    rows, configs = [], [with_settings(base, **v.overrides, **admission(args, v))
+                         for v in variants]
     paged_qps = None  # paged's QPS at SLO (MAX_QPS if it absorbed the burst)
     for v, config in zip(variants, configs, strict=True):
         t0 = time.perf_counter()
@@ -320,6 +324,13 @@ def measure(args, model: str, workload: str) -> list[dict]:
         r["preemptions_at_paged_qps"] = at.get("preemptions")
         r["meets_slo_at_paged_qps"] = meets_slo(at) if at else None
     return rows
+
+
+def admission(args, v: Variant) -> dict:
+    """--kv-admission's override for a predicted-KV row."""
+    if args.kv_admission is None or v.overrides.get("kv_policy") != "predicted":
+        return {}
+    return {"kv_admission": args.kv_admission}
 
 
 def row(v: Variant, model: str, workload: str, at: dict | None, offline: dict) -> dict:

@@ -104,9 +104,10 @@ class EngineConfig:
     length_probe_dim: int = setting(64, "hidden-state length prediction: the hidden state's "
                                     "random projection to this many features",
                                     group=SCHEDULING)
-    kv_admission: str = setting("auto", "peak (the future KV peak must fit), fit (the "
-                                "reservation must) or auto (peak with --kv-policy predicted)",
-                                group=SCHEDULING)
+    kv_admission: str = setting("auto", "peak (the future KV peak, each request at its "
+                                "--kv-peak-quantile, must fit), aggregate (that quantile of the "
+                                "total future KV demand must fit), fit (the reservation must) "
+                                "or auto (peak with --kv-policy predicted)", group=SCHEDULING)
     enable_prefix_caching: bool = setting(False, "keep finished requests' KV cached (evicted "
                                           "least recently used when memory is needed); a "
                                           "prompt starting with a cached prefix copies its KV "

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.compute.kv.allocator import KVAllocator
+from services.compute.scheduling.admission import AggregatePeak, FuturePeak
 from services.compute.scheduling.kv_policy import KVPolicy, make_policy
 
 BATCHING = ("merged", "static")
-ADMISSION = ("auto", "peak", "fit")
+PEAK_CHECKS = {"peak": FuturePeak, "aggregate": AggregatePeak}
+AUTO_PEAK = "peak"  # what auto admission means under a policy that plans the future peak
+ADMISSION = ("auto", "peak", "aggregate", "fit")
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,7 @@ class SchedulerConfig:
     grow_quantile: float = 0.9
     peak_quantile: float = 0.9
     reserve_horizon: int = 64  # predicted: reserve at most this many output slots ahead (0: all)
-    admission: str = "auto"  # peak | fit | auto (peak for predicted, fit otherwise)
+    admission: str = "auto"  # peak | aggregate | fit | auto (AUTO_PEAK for predicted, else fit)
     prefix_caching: bool = False
     policy: KVPolicy = field(init=False, repr=False, compare=False)  # built from the above
 
@@ -53,6 +56,9 @@ class SchedulerConfig:
                    config.kv_admission, config.enable_prefix_caching)
 
     @property
-    def peak_admission(self) -> bool:
-        return self.admission == "peak" or (self.admission == "auto" and
-                                            self.policy.peak_admission)
+    def peak_check(self) -> type[FuturePeak] | type[AggregatePeak] | None:
+        """The future-peak estimator admission consults (None: admit whatever fits now)."""
+        admission = self.admission
+        if admission == "auto":
+            admission = AUTO_PEAK if self.policy.peak_admission else "fit"
+        return PEAK_CHECKS.get(admission)

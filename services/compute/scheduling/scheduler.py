@@ -8,10 +8,12 @@ the running limit and free KV allow. A prompt larger than the budget is prefille
 KV policies (how much a request's segment holds, how it grows, whom to preempt) are objects in
 `kv_policy.py`: `predicted` (segments sized by the predicted output length, moved to close holes
 rather than preempting), `max` (prompt + max_tokens) and `paged` (the vLLM baseline, blocks).
-Admission (`admission`): `fit` admits whenever the reservation fits; `peak` also requires the
-future KV peak to fit, with every running request's remaining length at the `peak_quantile` of
-its predicted length (LightLLM's past-future estimate, with learned lengths); `auto` is `peak`
-for the predicted policy and `fit` for the others (vLLM's greedy admission).
+Admission (`admission`, estimators in `admission.py`): `fit` admits whenever the reservation
+fits; `peak` also requires the future KV peak to fit, with every running request's remaining
+length at the `peak_quantile` of its predicted length (LightLLM's past-future estimate, with
+learned lengths); `aggregate` requires the `peak_quantile` of the total future demand, over the
+requests' whole distributions, to fit; `auto` is `AUTO_PEAK` for the predicted policy and `fit`
+for the others (vLLM's greedy admission).
 `batching="static"` is the static-batching baseline: admit only into an empty batch, then run it
 until every request in it has finished.
 With `prefix_caching`, finished segments stay cached (`PrefixCache`): an admitted request whose
@@ -29,7 +31,6 @@ from services.compute.kv.allocator import KVAllocator
 from services.compute.kv.compaction import Compactor
 from services.compute.kv.paged_allocator import PagedAllocator
 from services.compute.kv.prefix_cache import PrefixCache
-from services.compute.scheduling.admission import FuturePeak
 from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.sequence import UNSAMPLED, SeqStatus, Sequence
 from services.compute.scheduling.step import Committed, ScheduledStep, StepSample
@@ -98,9 +99,9 @@ class Scheduler:
         static = self.config.batching == "static"
         if static and self.running:
             return
-        peak = None
-        if self.config.peak_admission and self.waiting:
-            peak = FuturePeak(self.running, self.config.peak_quantile, self.allocator.capacity)
+        peak, check = None, self.config.peak_check
+        if check is not None and self.waiting:
+            peak = check(self.running, self.config.peak_quantile, self.allocator.capacity)
         while self.waiting and (budget > 0 or static) and \
                 len(self.running) < self.config.max_running:
             seq = self.waiting[0]
