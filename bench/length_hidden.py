@@ -12,6 +12,8 @@ engine's own refiner (services/compute/length/refiner.py) on in-memory stores.
 - `refined`: the newest prediction at each checkpoint: the reservation grows (never shrinks)
   to generated + the remaining length's quantile; outgrown if the true length passes the last
   reservation; point error = the mean over the request's checkpoints of |median - true|.
+- `global_refined`, its baseline: the same checkpoints with the global distribution conditioned
+  on the tokens generated (as the scheduler regrows segments under the text prior).
 """
 
 from __future__ import annotations
@@ -130,6 +132,16 @@ def run_online(items: list[Item], dim: int, every: int, l2: float, seed: int | N
         refiner.finished(seq)
         refiner.tick()
     return {"order": order, "predictions": out}
+
+
+def conditioned(item: Item, dist: LengthDist, q: float, every: int) -> tuple[int, float]:
+    """(reserved, mean point error) of `dist` conditioned on the output so far at each of the
+    item's checkpoints: `refined`'s protocol without the hidden states."""
+    res = max(min(dist.conditional_quantile(k * every, q), item.max_tokens)
+              for k in range(len(item.hidden)))
+    errs = [abs(dist.conditional_quantile(k * every, 0.5) - item.true)
+            for k in range(len(item.hidden))]
+    return res, float(np.mean(errs))
 
 
 def reservations(item: Item, dists: list[LengthDist] | None, fallback: LengthDist, q: float,

@@ -53,11 +53,12 @@ from shared.redis_server import EmbeddedRedis  # noqa: E402
 from shared.tokenizer import encode, load_tokenizer  # noqa: E402
 
 MODEL = "demo"
-SWEEP = (0.5, 0.75, 0.9, 0.95, 0.99)
+SWEEP = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
 EVERY = length_data.EVERY
 REPLAYED = "smollm2-t0.7"  # whose per-request predictions bench/ablation.py replays
 PREDICTIONS = ROOT / "bench" / "data" / "smollm2_t0.7_predictions.json"
-FINE = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.875, 0.9, 0.925, 0.95, 0.97, 0.99, 0.995)
+FINE = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.875, 0.9, 0.925, 0.95, 0.97, 0.99,
+        0.995)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -161,6 +162,11 @@ def at_level(reqs: list[dict], which: str, q: float) -> dict:
         s = score(reqs, [g[k] for g in got], [r["true"] for r in reqs])
         s["mae"] = round(statistics.fmean(g[2 + k] for g in got), 1)
         return s
+    if which == "global_refined":
+        got = [length_hidden.conditioned(r["item"], r["global"], q, EVERY) for r in reqs]
+        s = score(reqs, [g[0] for g in got], [r["true"] for r in reqs])
+        s["mae"] = round(statistics.fmean(g[1] for g in got), 1)
+        return s
     res = [min(r[which].quantile(q), r["max_tokens"]) for r in reqs]
     return score(reqs, res, [r[which].median for r in reqs])
 
@@ -175,9 +181,17 @@ def matched(reqs: list[dict], which: str, target: float) -> float | None:
     return None
 
 
+def at_most(reqs: list[dict], which: str, target: float) -> dict | None:
+    """The least reserved_over_used of `which` over levels whose outgrow rate is <= `target`:
+    what it reserves without outgrowing more often than the baseline."""
+    pts = [dict(level=q, **at_level(reqs, which, q)) for q in FINE]
+    ok = [p for p in pts if p["outgrow_rate"] <= target]
+    return min(ok, key=lambda p: p["reserved_over_used"], default=None)
+
+
 def evaluate(reqs: list[dict], learned: tuple[str, ...] = ()) -> dict:
     """Every method at p90, the quantile sweep, and reserved/used at global_p90's outgrow rate.
-    `learned`: the hidden-state rows present ("hidden", "refined")."""
+    `learned`: the hidden-state rows present ("hidden", "refined", "global_refined")."""
     keys = {"predictor": "dist", **{k: k for k in learned}}
     methods = {
         "max_tokens": score(reqs, [r["max_tokens"] for r in reqs],
@@ -195,7 +209,9 @@ def evaluate(reqs: list[dict], learned: tuple[str, ...] = ()) -> dict:
              # the other way round: global's reserved/used at each method's p90 outgrow rate
              "global_at": {n: matched(reqs, "global", methods[n]["outgrow_rate"])
                            for n in keys}}
-    return dict(methods=methods, quantile_sweep=sweep, matched_outgrow=match)
+    most = {n: at_most(reqs, k, target) for n, k in keys.items()}
+    return dict(methods=methods, quantile_sweep=sweep, matched_outgrow=match,
+                at_most_outgrow=most)
 
 
 def print_tables(ev: dict) -> None:
@@ -217,6 +233,9 @@ def print_tables(ev: dict) -> None:
     print("global's reserved/used at each method's own p90 outgrow rate: " + ", ".join(
         f"{k} {v} (vs {ev['methods'][k]['reserved_over_used']})"
         for k, v in m["global_at"].items()))
+    print(f"the least reserved/used outgrowing at most {m['outgrow_rate']:.3f}: " + ", ".join(
+        f"{k} {v['reserved_over_used']} (level {v['level']}, outgrow {v['outgrow_rate']})"
+        if v else f"{k} -" for k, v in ev["at_most_outgrow"].items()))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -278,7 +297,8 @@ def main_smollm2(args: argparse.Namespace) -> dict:
     with EmbeddedRedis() as server:
         client = redis.Redis.from_url(server.url)
         for name, base in sets.items():
-            learned = ("hidden",) if name.startswith("chatgpt") else ("hidden", "refined")
+            learned = ("hidden",) if name.startswith("chatgpt") else \
+                ("hidden", "refined", "global_refined")
             runs = []
             for seed in [None, *range(args.shuffles)]:
                 reqs = list(base)
@@ -301,7 +321,8 @@ def main_smollm2(args: argparse.Namespace) -> dict:
             out[name] = dict(**runs[0], shuffled=_means(runs[1:]))
             print(f"mean over {args.shuffles} shuffled orders: {json.dumps(out[name]['shuffled'])}")
     first = out["smollm2-t0.7"]
-    result = dict(**{k: first[k] for k in ("methods", "quantile_sweep", "matched_outgrow")},
+    result = dict(**{k: first[k] for k in ("methods", "quantile_sweep", "matched_outgrow",
+                                                 "at_most_outgrow")},
                   sets=out, requests=len(sets["smollm2-t0.7"]), source="smollm2-t0.7",
                   seed=None, max_tokens=length_data.MAX_TOKENS, context=0,
                   probe_dim=args.probe_dim, l2=args.l2,
@@ -333,9 +354,11 @@ def _means(runs: list[dict]) -> dict:
     for n in names:
         key = "global" if n == "global_p90" else n
         matched_vals = [r["matched_outgrow"].get(key) for r in runs]
+        most = [(r["at_most_outgrow"].get(n) or {}).get("reserved_over_used") for r in runs]
         out[n] = {"mae": round(statistics.fmean(r["methods"][n]["mae"] for r in runs), 1),
                   "matched": round(statistics.fmean(matched_vals), 4)
-                  if None not in matched_vals else None}
+                  if None not in matched_vals else None,
+                  "at_most": round(statistics.fmean(most), 4) if None not in most else None}
     return out
 
 
