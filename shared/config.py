@@ -107,7 +107,7 @@ class EngineConfig:
     kv_admission: str = setting("auto", "peak (the future KV peak, each request at its "
                                 "--kv-peak-quantile, must fit), aggregate (that quantile of the "
                                 "total future KV demand must fit), fit (the reservation must) "
-                                "or auto (peak with --kv-policy predicted)", group=SCHEDULING)
+                                "or auto (aggregate with --kv-policy predicted)", group=SCHEDULING)
     enable_prefix_caching: bool = setting(False, "keep finished requests' KV cached (evicted "
                                           "least recently used when memory is needed); a "
                                           "prompt starting with a cached prefix copies its KV "

@@ -103,3 +103,6 @@ def test_scheduler_admits_between_the_summed_peak_and_the_reservations():
     assert peak < aggregate < fit  # 204 < 231 < 341 (fit: the reservations fill the cache)
     with pytest.raises(ValueError, match="admission"):
         SchedulerConfig(admission="sum")
+    # auto: the aggregate under the predicted policy, whatever fits under the others
+    assert SchedulerConfig().peak_check is AggregatePeak
+    assert SchedulerConfig(kv_policy="paged").peak_check is None

@@ -27,9 +27,11 @@ def seq(rid: str, prompt_len: int, max_tokens: int = 100, predicted_length=None)
                     predicted_length=predicted_length or LengthDist.point(4), stop_ids=frozenset())
 
 
-def make(policy="predicted", capacity=1000, budget=64, max_running=16, batching="merged"):
+def make(policy="predicted", capacity=1000, budget=64, max_running=16, batching="merged",
+         admission="auto"):
     alloc = PagedAllocator(capacity) if policy == "paged" else KVAllocator(capacity)
-    return Scheduler(SchedulerConfig(budget, max_running, policy, 2, batching), alloc)
+    return Scheduler(SchedulerConfig(budget, max_running, policy, 2, batching,
+                                     admission=admission), alloc)
 
 
 def run_step(s: Scheduler):
@@ -136,7 +138,7 @@ def test_paged_memory_with_peak_admission():
 
 def test_admission_keeps_the_future_peak_in_memory():
     # each: 10 prompt tokens, 20 reserved; by p90 it may hold 50; two peak at 100 together
-    s = make("predicted", capacity=100)
+    s = make("predicted", capacity=100, admission="peak")
     a, b, c = (seq(x, 10, max_tokens=60, predicted_length=WIDE) for x in "abc")
     for x in (a, b, c):
         s.add(x)

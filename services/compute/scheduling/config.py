@@ -10,7 +10,7 @@ from services.compute.scheduling.kv_policy import KVPolicy, make_policy
 
 BATCHING = ("merged", "static")
 PEAK_CHECKS = {"peak": FuturePeak, "aggregate": AggregatePeak}
-AUTO_PEAK = "peak"  # what auto admission means under a policy that plans the future peak
+AUTO_PEAK = "aggregate"  # what auto admission means under a policy that plans the future peak
 ADMISSION = ("auto", "peak", "aggregate", "fit")
 
 
