@@ -79,8 +79,9 @@ class Recorder:
     def is_checkpoint(self, generated: int) -> bool:
         return generated % self.every == 0
 
-    def observe(self, seq, generated: int, probe) -> None:
-        self.points.setdefault(seq.request_id, []).append((generated, probe.copy()))
+    def observe(self, checkpoints) -> None:
+        for seq, generated, probe in checkpoints:
+            self.points.setdefault(seq.request_id, []).append((generated, probe.copy()))
 
     def finished(self, seq) -> None: ...
 

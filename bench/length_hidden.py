@@ -124,7 +124,7 @@ def run_online(items: list[Item], dim: int, every: int, l2: float, seed: int | N
                        stop_ids=frozenset())
         dists = []
         for k, p in enumerate(proj):  # a stage without a head yet keeps the last prediction
-            refiner.observe(seq, k * every, p)
+            refiner.observe([(seq, k * every, p)])
             dists.append(seq.predicted_length)
         out.append((i, dists if dists[0] is not None else None))
         seq.token_ids += [0] * it.true

@@ -4,6 +4,7 @@ handing the newest prediction to the scheduler."""
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import random
 
@@ -24,6 +25,7 @@ from services.compute.length.store import MemoryStore, RedisStore
 from services.compute.scheduling.admission import FuturePeak
 from shared.config import EngineConfig
 from shared.length_dist import LEVELS
+from shared.length_predictor import EDGES
 from shared.redis_server import EmbeddedRedis
 from shared.sampling import SamplingParams
 
@@ -49,6 +51,35 @@ def test_remaining_quantiles_follow_the_survival_curve():
     assert abs(q[0.5] - 139) <= 4 and abs(q[0.9] - 461) <= 12
     assert remaining_quantiles(np.zeros_like(THRESHOLDS))[0] == 1  # all done after one token
     assert remaining_quantiles(np.ones_like(THRESHOLDS))[-1] > THRESHOLDS[-1]  # never ends
+
+
+def _quantile_reference(s: np.ndarray) -> list[int]:
+    """One survival curve's quantiles, a level at a time (what remaining_quantiles vectorizes)."""
+    surv, grid = np.concatenate([[1.0], s]), np.concatenate([[1.0], THRESHOLDS])
+    out, last = [], 1
+    for q in LEVELS:
+        below = np.flatnonzero(surv <= 1.0 - q)
+        if below.size:
+            j = int(below[0])
+            frac = (surv[j - 1] - (1.0 - q)) / (surv[j - 1] - surv[j])
+            value = math.ceil(grid[j - 1] * (grid[j] / grid[j - 1]) ** frac - 1e-9)
+        else:
+            value = EDGES[-1]
+        last = max(last, value)
+        out.append(last)
+    return out
+
+
+def test_batched_quantiles_and_predictions_match_one_at_a_time():
+    rng = np.random.default_rng(7)
+    s = np.minimum.accumulate(np.clip(rng.random((200, len(THRESHOLDS))) * 1.4 - 0.2, 0, 1),
+                              axis=-1)
+    s[:20] = np.sort(rng.choice([0.0, 0.5, 1.0], (20, len(THRESHOLDS))))[:, ::-1]  # flat runs
+    assert remaining_quantiles(s).tolist() == [_quantile_reference(row) for row in s]
+    head = planted_stats(rng, 200)[0].solve(0.1)
+    g, cap = rng.integers(0, 300, 50), rng.integers(300, 1024, 50)
+    x = features(rng.normal(size=(50, 8)), rng.integers(1, 99, 50), cap, g)
+    assert head.predict_rows(x, g, cap) == [head.predict(*a) for a in zip(x, g, cap, strict=True)]
 
 
 def test_planted_relation_is_learned_and_stats_are_order_free():
@@ -219,7 +250,7 @@ def _run_to_limit(refiner, seq, rng: np.random.Generator, dim: int = 8) -> None:
     """Generate seq to max_tokens, a random probe at each checkpoint; then it finishes."""
     for g in range(seq.params.max_tokens):
         if refiner.is_checkpoint(g):
-            refiner.observe(seq, g, rng.normal(size=dim))
+            refiner.observe([(seq, g, rng.normal(size=dim))])
         seq.append(5, 0.0)
     assert seq.finish_reason == "length"
     refiner.finished(seq)
@@ -241,11 +272,11 @@ def test_each_stage_learns_from_its_own_checkpoints_and_predicts_at_them():
     assert prefill.rows == 8 and refine.rows == 8 * 4  # generated 0, 32, 64, 96
     assert set(refiner.heads) == {"prefill", "refine"}
     s = _request("new", 3, 100)
-    refiner.observe(s, 0, rng.normal(size=8))
+    refiner.observe([(s, 0, rng.normal(size=8))])
     assert s.predicted_length.median > 90  # every request so far ran to max_tokens
     for _ in range(64):
         s.append(5, 0.0)
-    refiner.observe(s, 64, rng.normal(size=8))
+    refiner.observe([(s, 64, rng.normal(size=8))])
     assert 64 < s.predicted_length.values[0] and s.predicted_length.values[-1] <= 100
 
 

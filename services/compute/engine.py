@@ -179,10 +179,12 @@ class LLMEngine:
 
     def _observe_lengths(self, step: ScheduledStep, probes) -> None:
         """Hand the length refiner the checkpoints among the step's sampled rows."""
+        checkpoints = []
         for seq, index, probe in zip(step.sampled, step.token_index, probes, strict=True):
             generated = index - seq.num_prompt  # output tokens before the one sampled here
             if seq.status is not SeqStatus.FINISHED and self.lengths.is_checkpoint(generated):
-                self.lengths.observe(seq, generated, probe)
+                checkpoints.append((seq, generated, probe))
+        self.lengths.observe(checkpoints)
 
     def stats(self) -> EngineStats:
         s, a, cache = self.scheduler, self.scheduler.allocator, self.scheduler.prefix_cache

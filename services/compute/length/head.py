@@ -57,11 +57,13 @@ def probe_matrix(hidden: int, dim: int, seed: int = 0) -> np.ndarray:
     return (rng.standard_normal((hidden, dim)) / math.sqrt(hidden)).astype(np.float32)
 
 
-def features(projected: np.ndarray, prompt_len: int, max_tokens: int,
-             generated: int) -> np.ndarray:
-    """[r + N_SCALARS] float64 features of one checkpoint; `projected` [r]."""
-    scalars = np.log1p([prompt_len, max_tokens, generated])
-    return np.concatenate([np.asarray(projected, dtype=np.float64), scalars])
+def features(projected: np.ndarray, prompt_len, max_tokens, generated) -> np.ndarray:
+    """[..., r + N_SCALARS] float64 features of checkpoints: `projected` [..., r]; the
+    others scalars or [...]."""
+    x = np.asarray(projected, dtype=np.float64)
+    scalars = np.log1p(np.stack(np.broadcast_arrays(prompt_len, max_tokens, generated),
+                                axis=-1).astype(np.float64))
+    return np.concatenate([x, np.broadcast_to(scalars, x.shape[:-1] + (N_SCALARS,))], axis=-1)
 
 
 def targets(remaining: int) -> np.ndarray:
@@ -139,34 +141,40 @@ class LengthHead:
     bias: np.ndarray  # [J]
 
     def survival(self, x: np.ndarray) -> np.ndarray:
-        """[J] non-increasing survival estimates in [0, 1] of the remaining length."""
+        """[..., J] non-increasing survival estimates in [0, 1] of the remaining length;
+        x [..., d]."""
         s = np.clip(x @ self.weight + self.bias, 0.0, 1.0)
-        return np.minimum.accumulate(s)
+        return np.minimum.accumulate(s, axis=-1)
+
+    def predict_rows(self, x: np.ndarray, generated, max_tokens) -> list[LengthDist]:
+        """Per row of x [n, d]: the total output-length distribution, generated [n] + the
+        remaining length's quantiles, each in (generated, max_tokens [n]]."""
+        g = np.asarray(generated, dtype=np.int64)[:, None]
+        cap = np.maximum(np.asarray(max_tokens, dtype=np.int64)[:, None], g + 1)
+        total = np.minimum(g + remaining_quantiles(self.survival(x)), cap)
+        return [LengthDist(tuple(row)) for row in total.tolist()]
 
     def predict(self, x: np.ndarray, generated: int, max_tokens: int) -> LengthDist:
-        """The total output-length distribution: generated + the remaining length's
-        quantiles, each in (generated, max_tokens]."""
-        rem = remaining_quantiles(self.survival(x))
-        cap = max(int(max_tokens), generated + 1)
-        return LengthDist(tuple(min(generated + r, cap) for r in rem))
+        """`predict_rows` of one checkpoint's features x [d]."""
+        return self.predict_rows(x[None], [generated], [max_tokens])[0]
 
 
-def remaining_quantiles(s: np.ndarray) -> list[int]:
-    """Quantiles at LEVELS of a remaining length (>= 1) whose survival P(remaining > t) is s [J]
-    at t = THRESHOLDS: the smallest length whose survival is <= 1 - level, log-linear between
-    thresholds; past the last threshold, EDGES[-1]."""
-    surv = np.concatenate([[1.0], s])  # at lengths grid: P(remaining > 0) = 1
-    grid = np.concatenate([[1.0], THRESHOLDS])
-    out, last = [], 1
-    for q in LEVELS:
-        below = np.flatnonzero(surv <= 1.0 - q)
-        if not below.size:
-            value = EDGES[-1]
-        else:  # surv[j - 1] > 1 - q >= surv[j]: between grid[j - 1] and grid[j]
-            j = int(below[0])
-            lo, hi, s0, s1 = grid[j - 1], grid[j], surv[j - 1], surv[j]
-            frac = (s0 - (1.0 - q)) / (s0 - s1)
-            value = math.ceil(lo * (hi / lo) ** frac - 1e-9)
-        last = max(last, int(value))
-        out.append(last)
-    return out
+GRID = np.concatenate([[1.0], THRESHOLDS])  # [J + 1]: lengths where the survival is known
+LEVEL_SURVIVAL = 1.0 - np.array(LEVELS)  # [L]: a level's quantile is where S falls to this
+
+
+def remaining_quantiles(s: np.ndarray) -> np.ndarray:
+    """[..., L] int quantiles at LEVELS of a remaining length (>= 1) whose survival
+    P(remaining > t) is s [..., J] (non-increasing) at t = THRESHOLDS: the smallest length
+    whose survival is <= 1 - level, log-linear between thresholds; past the last threshold,
+    EDGES[-1]; made non-decreasing across levels."""
+    surv = np.concatenate([np.ones(s.shape[:-1] + (1,)), s], axis=-1)  # P(remaining > 1) = 1
+    # j: the first grid point at or below the level's survival, >= 1 (surv[0] = 1 > it);
+    # j == J + 1: the survival never falls that low
+    j = (surv[..., None, :] > LEVEL_SURVIVAL[:, None]).sum(axis=-1)  # [..., L]
+    beyond, j = j > J, np.minimum(j, J)
+    s0, s1 = np.take_along_axis(surv, j - 1, -1), np.take_along_axis(surv, j, -1)
+    frac = (s0 - LEVEL_SURVIVAL) / np.where(beyond, 1.0, s0 - s1)  # s0 > level >= s1
+    lo, hi = GRID[j - 1], GRID[j]
+    value = np.where(beyond, EDGES[-1], np.ceil(lo * (hi / lo) ** frac - 1e-9))
+    return np.maximum.accumulate(np.maximum(value, 1), axis=-1).astype(np.int64)

@@ -1,8 +1,10 @@
 """The engine's hook for hidden-state length prediction (`--hidden-length`).
 
 The runner hands out, with every sampled token, the probe-projected hidden state of the row
-that sampled it (`StepSample.probes`). At a checkpoint (generated == 0: the last prompt token,
-right after prefill; then every `--length-refine-every` generated tokens) the refiner
+that sampled it (`StepSample.probes`); the engine hands over a step's checkpoints in one call,
+so each head predicts them all in one matrix product. At a checkpoint (generated == 0: the
+last prompt token, right after prefill; then every `--length-refine-every` generated tokens)
+the refiner
 - replaces the request's `predicted_length` by the prediction of the checkpoint's stage's head
   (once that head has learned from `min_requests` finished requests; until then the previous
   prediction stays: the text predictor's prior after prefill), so the scheduler's growth,
@@ -66,15 +68,26 @@ class LengthRefiner:
         every = self.config.every
         return generated == 0 or (every > 0 and generated % every == 0)
 
-    def observe(self, seq: Sequence, generated: int, probe: np.ndarray) -> None:
-        """A checkpoint of `seq` with `generated` output tokens before it; probe [r]."""
-        x = features(probe, seq.num_prompt, seq.params.max_tokens, generated)
-        self.checkpoints.setdefault(seq.request_id, []).append((generated, x))
-        head = self.heads.get(stage_of(generated))
-        if head is not None:
-            seq.predicted_length = head.predict(x, generated, seq.max_len - seq.num_prompt)
-            seq.peak_total = 0  # admission's cached bound came from the old prediction
-            self.predictions += 1
+    def observe(self, checkpoints: list[tuple[Sequence, int, np.ndarray]]) -> None:
+        """A step's checkpoints: (seq, output tokens generated before it, probe [r]) each."""
+        if not checkpoints:
+            return
+        seqs, generated, probes = zip(*checkpoints, strict=True)
+        x = features(np.stack(probes), [s.num_prompt for s in seqs],
+                     [s.params.max_tokens for s in seqs], generated)  # [n, d]
+        for seq, g, row in zip(seqs, generated, x, strict=True):
+            self.checkpoints.setdefault(seq.request_id, []).append((g, row))
+        for stage in STAGES:
+            head = self.heads.get(stage)
+            rows = [i for i, g in enumerate(generated) if stage_of(g) == stage]
+            if head is None or not rows:
+                continue
+            dists = head.predict_rows(x[rows], [generated[i] for i in rows],
+                                      [seqs[i].max_len - seqs[i].num_prompt for i in rows])
+            for i, dist in zip(rows, dists, strict=True):
+                seqs[i].predicted_length = dist
+                seqs[i].peak_total = 0  # admission's cached bound came from the old prediction
+            self.predictions += len(rows)
 
     def finished(self, seq: Sequence) -> None:
         """`seq` is done: learn from its checkpoints if its length is known."""
