@@ -96,7 +96,7 @@ class EngineConfig:
     hidden_length: bool = setting(False, "after prefill, predict each request's output length "
                                   "from the model's own hidden state, learned online from "
                                   "finished requests (in Redis when served); off by default: "
-                                  "in the ablation it costs QPS so far (docs/benchmarks.md)",
+                                  "in the ablation it gains no QPS so far (docs/benchmarks.md)",
                                   group=SCHEDULING)
     length_refine_every: int = setting(32, "hidden-state length prediction: predict the remaining "
                                        "length again every this many generated tokens; 0: after "

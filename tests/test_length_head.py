@@ -22,7 +22,7 @@ from services.compute.length.head import (
 )
 from services.compute.length.refiner import RefinerConfig
 from services.compute.length.store import MemoryStore, RedisStore
-from services.compute.scheduling.admission import FuturePeak
+from services.compute.scheduling.admission import AggregatePeak, FuturePeak
 from shared.config import EngineConfig
 from shared.length_dist import LEVELS
 from shared.length_predictor import EDGES
@@ -204,10 +204,11 @@ def test_engine_learns_a_marker_from_hidden_states(demo_model_dir):
     while s.num_output == 0 or lo.num_output == 0:
         engine.step()
     assert s.predicted_length.median < 20 < 60 < lo.predicted_length.median
-    # future-peak admission reads the new predictions (remaining, tokens now)
-    peak = FuturePeak([s, lo], engine.config.kv_peak_quantile, capacity=4096)
-    remaining = dict(zip(("short", "long"), (peak._item(s)[0], peak._item(lo)[0]), strict=True))
-    assert remaining["short"] < 25 and remaining["long"] > 40
+    # both future-peak estimators read the new predictions: the slots each will add
+    for check in (FuturePeak, AggregatePeak):
+        short, long = (check([x], engine.config.kv_peak_quantile, 4096).peak() - x.num_tokens
+                       for x in (s, lo))
+        assert short < 25 and long > 40
     before = lo.predicted_length
     while lo.num_output <= 33 and lo.finish_reason is None:  # refined at 32 generated
         engine.step()
