@@ -15,7 +15,7 @@ saved as it completes: a rerun resumes after the last complete chunk. Written:
   `prompt_tokens`, `output_tokens`, `finish_reason`; no texts;
 - under --cache (not committed): per chunk and setting, the output ids and the hidden states.
 
-    python -m bench.length_data                 # ~15 min a chunk on 2 cores, 8 chunks
+    python -m bench.length_data                 # 6-8 min a chunk (both settings) on 2 cores
     python -m bench.length_data --chunks 2      # the first 256 samples only
 
 The last line is JSON: per setting, samples done, output tokens, mean length, share that hit
