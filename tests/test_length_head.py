@@ -24,7 +24,7 @@ from services.compute.length.refiner import RefinerConfig
 from services.compute.length.store import MemoryStore, RedisStore
 from services.compute.scheduling.admission import AggregatePeak, FuturePeak
 from shared.config import EngineConfig
-from shared.length_dist import LEVELS
+from shared.length_dist import LEVELS, LengthDist
 from shared.length_predictor import EDGES
 from shared.redis_server import EmbeddedRedis
 from shared.sampling import SamplingParams
@@ -79,7 +79,9 @@ def test_batched_quantiles_and_predictions_match_one_at_a_time():
     head = planted_stats(rng, 200)[0].solve(0.1)
     g, cap = rng.integers(0, 300, 50), rng.integers(300, 1024, 50)
     x = features(rng.normal(size=(50, 8)), rng.integers(1, 99, 50), cap, g)
-    assert head.predict_rows(x, g, cap) == [head.predict(*a) for a in zip(x, g, cap, strict=True)]
+    expected = [LengthDist(tuple(min(gi + r, ci) for r in _quantile_reference(head.survival(xi))))
+                for xi, gi, ci in zip(x, g.tolist(), cap.tolist(), strict=True)]
+    assert head.predict_rows(x, g, cap) == expected
 
 
 def test_planted_relation_is_learned_and_stats_are_order_free():
