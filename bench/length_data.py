@@ -76,9 +76,6 @@ class Recorder:
     def __init__(self, every: int):
         self.every, self.points = every, {}
 
-    def is_checkpoint(self, generated: int) -> bool:
-        return generated % self.every == 0
-
     def observe(self, checkpoints) -> None:
         for seq, generated, probe in checkpoints:
             self.points.setdefault(seq.request_id, []).append((generated, probe.copy()))
@@ -91,13 +88,13 @@ class Recorder:
 
 
 def recording_engine(model: str, max_running: int):
-    """The default engine with a Recorder as its length hook and an identity probe."""
+    """The default engine with a Recorder as its length hook and an identity probe (the
+    runner probes every EVERY generated tokens)."""
     import torch
 
     hidden = ModelConfig.from_path(model).hidden_size
     engine = build_engine(EngineConfig(model=model, max_running=max_running, kv_cache_gib=4.0,
-                                       hidden_length=True,
-                                       length_probe_dim=hidden))
+                                       hidden_length=True, length_refine_every=EVERY))
     engine.runner.probe = torch.eye(hidden, device=engine.runner.device)
     engine.lengths = Recorder(EVERY)
     return engine

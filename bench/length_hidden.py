@@ -27,7 +27,7 @@ import torch
 
 from bench import length_data
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
-from services.compute.length.head import probe_matrix
+from services.compute.length.head import probe_dims, probe_matrix
 from services.compute.length.refiner import LengthRefiner, RefinerConfig
 from services.compute.length.store import memory_stores
 from services.compute.scheduling.sequence import Sequence
@@ -103,22 +103,23 @@ def chatgpt_answers(model: str, n: int) -> list[list[int]]:
             for _, a in pairs]
 
 
-def run_online(items: list[Item], dim: int, every: int, l2: float, seed: int | None = None,
-               ) -> dict:
+def run_online(items: list[Item], dim: int, refine_dim: int, every: int, l2: float,
+               seed: int | None = None) -> dict:
     """Predict-then-learn through the engine's own LengthRefiner (memory stores, solving after
-    every request): per request, the prediction in force at each checkpoint (None until the
-    head after prefill has learned MIN_REQUESTS requests)."""
+    every request; probe widths as --length-probe-dim and --length-refine-probe-dim): per
+    request, the prediction in force at each checkpoint (None until the head after prefill has
+    learned MIN_REQUESTS requests)."""
     order = list(range(len(items)))
     if seed is not None:
         random.Random(seed).shuffle(order)
-    hidden_size = items[0].hidden.shape[1]
-    probe = probe_matrix(hidden_size, dim) if dim < hidden_size else None
-    refiner = LengthRefiner(memory_stores(), RefinerConfig(
-        every=every, min_requests=MIN_REQUESTS, l2=l2, push_s=0, refresh_s=0))
+    dims = probe_dims(items[0].hidden.shape[1], dim, refine_dim)
+    probe = probe_matrix(items[0].hidden.shape[1], dims)
+    refiner = LengthRefiner(memory_stores(), dims, RefinerConfig(
+        every=every, min_requests=MIN_REQUESTS, l2=l2, push_s=0, refresh_s=0, background=False))
     out = []
     for i in order:
         it = items[i]
-        proj = it.hidden @ probe if probe is not None else it.hidden.astype(np.float64)
+        proj = it.hidden @ probe
         seq = Sequence(str(i), [0] * it.prompt, SamplingParams(max_tokens=it.max_tokens),
                        seed=0, max_len=it.prompt + it.max_tokens, predicted_length=None,
                        stop_ids=frozenset())

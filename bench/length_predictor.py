@@ -77,7 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "and the ChatGPT answers in SmolLM2 tokens, with the hidden-state rows")
     p.add_argument("--shuffles", type=int, default=3, help="smollm2: shuffled orders besides "
                                                             "the arrival order")
-    p.add_argument("--probe-dim", type=int, default=64, help="smollm2: hidden-state features")
+    p.add_argument("--probe-dim", type=int, default=64,
+                   help="smollm2: the head after prefill's features (--length-probe-dim)")
+    p.add_argument("--refine-probe-dim", type=int, default=0,
+                   help="smollm2: the refining head's (--length-refine-probe-dim)")
     p.add_argument("--l2", type=float, default=0.1, help="smollm2: the head's ridge penalty")
     return p.parse_args(argv)
 
@@ -306,8 +309,8 @@ def main_smollm2(args: argparse.Namespace) -> dict:
                     random.Random(seed).shuffle(reqs)
                 reqs = [dict(r) for r in reqs]
                 run_online(reqs, client, args.default_len)
-                hid = length_hidden.run_online([r["item"] for r in reqs], args.probe_dim, EVERY,
-                                               args.l2)
+                hid = length_hidden.run_online([r["item"] for r in reqs], args.probe_dim,
+                                               args.refine_probe_dim, EVERY, args.l2)
                 for r, (_, dists) in zip(reqs, hid["predictions"], strict=True):
                     r["hidden"] = dists
                 runs.append(evaluate(reqs, learned))
@@ -325,7 +328,7 @@ def main_smollm2(args: argparse.Namespace) -> dict:
                                                  "at_most_outgrow")},
                   sets=out, requests=len(sets["smollm2-t0.7"]), source="smollm2-t0.7",
                   seed=None, max_tokens=length_data.MAX_TOKENS, context=0,
-                  probe_dim=args.probe_dim, l2=args.l2,
+                  probe_dim=args.probe_dim, refine_probe_dim=args.refine_probe_dim, l2=args.l2,
                   seconds=round(time.perf_counter() - t_start, 1))
     print(json.dumps(result))
     return result

@@ -17,11 +17,21 @@ from services.compute.length.head import (
     THRESHOLDS,
     HeadStats,
     features,
+    is_checkpoint,
+    probe_dims,
+    probe_matrix,
     remaining_quantiles,
+    split_probe,
     targets,
 )
-from services.compute.length.refiner import RefinerConfig
-from services.compute.length.store import MemoryStore, RedisStore
+from services.compute.length.refiner import LengthRefiner, RefinerConfig, learned_stats
+from services.compute.length.store import (
+    MemoryStore,
+    RedisStore,
+    length_head_key,
+    memory_stores,
+    redis_stores,
+)
 from services.compute.scheduling.admission import AggregatePeak, FuturePeak
 from shared.config import EngineConfig
 from shared.length_dist import LEVELS, LengthDist
@@ -142,7 +152,9 @@ def test_concurrent_writers_lose_nothing(redis_url):
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    total = RedisStore(redis.Redis.from_url(redis_url), key).load()
+    reader = RedisStore(redis.Redis.from_url(redis_url), key)
+    total = reader.load()
+    assert reader.load() is total  # nobody pushed since: not read again
     expect = HeadStats.zeros(4)
     for w in range(4):
         for d in _deltas(w, 30):
@@ -187,7 +199,7 @@ def engine_with_head(model: str, **kw):
                                        hidden_length=True,
                                        default_predicted_len=50, kv_reserve_horizon=0, **kw))
     engine.lengths.config = RefinerConfig(every=32, min_requests=16, push_s=0, refresh_s=0)
-    return engine
+    return engine  # syncs in the background: flush() before reading what it learned
 
 
 def test_engine_learns_a_marker_from_hidden_states(demo_model_dir):
@@ -196,7 +208,7 @@ def test_engine_learns_a_marker_from_hidden_states(demo_model_dir):
     seqs = engine.generate([p for p, _ in reqs], [sp for _, sp in reqs])
     assert {s.finish_reason for s in seqs[1::2]} == {"length"}
     assert max(s.num_output for s in seqs[0::2]) < 30
-    engine.lengths.tick()
+    engine.lengths.flush()
     assert set(engine.lengths.heads) == {"prefill", "refine"} and engine.lengths.learned == 96
     # new requests: after their prefill step the scheduler holds the head's prediction
     short_p, long_p = marked(rng, True), marked(rng, False)
@@ -217,20 +229,35 @@ def test_engine_learns_a_marker_from_hidden_states(demo_model_dir):
     assert lo.predicted_length != before and lo.predicted_length.values[0] > 32
 
 
-def test_hidden_length_changes_no_token(demo_model_dir):
+def _recording(observe, seen: list):
+    def wrapper(checkpoints):
+        seen.extend((s.request_id, g, p.shape) for s, g, p in checkpoints)
+        return observe(checkpoints)
+    return wrapper
+
+
+def test_hidden_length_changes_no_token_and_probes_only_checkpoints(demo_model_dir):
     rng = random.Random(5)
     reqs = [marked(rng, i % 3 == 0) for i in range(24)]
     outs = []
     for on in (True, False):
         engine = build_engine(EngineConfig(model=str(demo_model_dir), kv_cache_tokens=700,
-                                           max_running=8, hidden_length=on))
+                                           max_running=8, hidden_length=on,
+                                           length_refine_every=8))
         if on:
             engine.lengths.config = RefinerConfig(every=8, min_requests=4, push_s=0,
-                                                  refresh_s=0)
+                                                  refresh_s=0, background=False)
+            seen, dims = [], engine.runner.probe_dims
+            assert dims == (64, engine.model_config.hidden_size)  # narrow: the raw state
+            engine.lengths.observe = _recording(engine.lengths.observe, seen)
         seqs = engine.generate([p for p, _ in reqs], [sp for _, sp in reqs])
         outs.append([s.output_ids for s in seqs])
         assert (engine.lengths is not None) == on
     assert outs[0] == outs[1]
+    # the runner probed exactly each request's checkpoints before its last token, once each
+    expected = sorted((s.request_id, g, (sum(dims),)) for s in seqs
+                      for g in range(0, s.num_output, 8))
+    assert sorted(seen) == expected
 
 
 def test_memory_store_accumulates():
@@ -249,7 +276,7 @@ def _request(rid: str, prompt_len: int, max_tokens: int):
                     stop_ids=frozenset())
 
 
-def _run_to_limit(refiner, seq, rng: np.random.Generator, dim: int = 8) -> None:
+def _run_to_limit(refiner, seq, rng: np.random.Generator, dim: int = 16) -> None:
     """Generate seq to max_tokens, a random probe at each checkpoint; then it finishes."""
     for g in range(seq.params.max_tokens):
         if refiner.is_checkpoint(g):
@@ -261,11 +288,8 @@ def _run_to_limit(refiner, seq, rng: np.random.Generator, dim: int = 8) -> None:
 
 def test_each_stage_learns_from_its_own_checkpoints_and_predicts_at_them():
     """The prefill head learns one row per request; the refining head every checkpoint."""
-    from services.compute.length.refiner import LengthRefiner
-    from services.compute.length.store import memory_stores
-
-    refiner = LengthRefiner(memory_stores(), RefinerConfig(every=32, min_requests=4, push_s=0,
-                                                           refresh_s=0))
+    refiner = LengthRefiner(memory_stores(), (8, 8), RefinerConfig(
+        every=32, min_requests=4, push_s=0, refresh_s=0, background=False))
     rng = np.random.default_rng(3)
     for i in range(8):
         _run_to_limit(refiner, _request(f"r{i}", 3, 100), rng)
@@ -275,35 +299,94 @@ def test_each_stage_learns_from_its_own_checkpoints_and_predicts_at_them():
     assert prefill.rows == 8 and refine.rows == 8 * 4  # generated 0, 32, 64, 96
     assert set(refiner.heads) == {"prefill", "refine"}
     s = _request("new", 3, 100)
-    refiner.observe([(s, 0, rng.normal(size=8))])
+    refiner.observe([(s, 0, rng.normal(size=16))])
     assert s.predicted_length.median > 90  # every request so far ran to max_tokens
     for _ in range(64):
         s.append(5, 0.0)
-    refiner.observe([(s, 64, rng.normal(size=8))])
+    refiner.observe([(s, 64, rng.normal(size=16))])
     assert 64 < s.predicted_length.values[0] and s.predicted_length.values[-1] <= 100
 
 
 def test_replicas_share_both_heads_through_redis(redis_url):
     """One replica learns; another, with its own refiner on the same Redis keys, solves the
     same two heads."""
-    from services.compute.length.refiner import LengthRefiner
-    from services.compute.length.store import redis_stores
-
-    config = EngineConfig(model="replicas-share-test", length_probe_dim=8)
-    client = redis.Redis.from_url(redis_url)
-    stores = redis_stores(client, config)
+    client, dims = redis.Redis.from_url(redis_url), (8, 8)
+    stores = redis_stores(client, "replicas-share-test", dims)
     assert len({s.base_key for s in stores.values()}) == 2
     for s in stores.values():
         s.clear()
     fast = RefinerConfig(every=32, min_requests=4, push_s=0, refresh_s=0)
-    writer, reader = LengthRefiner(stores, fast), LengthRefiner(redis_stores(client, config), fast)
+    writer = LengthRefiner(stores, dims, fast)
+    reader = LengthRefiner(redis_stores(client, "replicas-share-test", dims), dims, fast)
     rng = np.random.default_rng(4)
     for i in range(6):
         _run_to_limit(writer, _request(f"r{i}", 2, 70), rng)
-    writer.tick()
-    reader.tick()
+    writer.flush()
+    reader.flush()
     assert set(reader.heads) == {"prefill", "refine"}
     x = rng.normal(size=8 + 3)
     for stage in ("prefill", "refine"):
         np.testing.assert_allclose(reader.heads[stage].survival(x),
                                    writer.heads[stage].survival(x))
+
+
+def test_probe_dims_matrix_and_split():
+    assert probe_dims(576, 64) == (64, 576) and probe_dims(4096, 64) == (64, 512)
+    assert probe_dims(576, 32, 128) == (32, 128)
+    m = probe_matrix(6, (3, 6))  # a projection, then the hidden state itself
+    assert m.shape == (6, 9)
+    np.testing.assert_array_equal(m[:, 3:], np.eye(6))
+    assert np.abs(m[:, :3]).min() > 0 and np.array_equal(m, probe_matrix(6, (3, 6)))
+    h = np.random.default_rng(0).normal(size=(5, 6)).astype(np.float32)
+    parts = split_probe(h @ m, (3, 6))
+    assert parts["prefill"].shape == (5, 3)
+    np.testing.assert_allclose(parts["refine"], h, rtol=1e-6)
+    assert [g for g in range(100) if is_checkpoint(g, 32)] == [0, 32, 64, 96]
+    assert [g for g in range(100) if is_checkpoint(g, 0)] == [0]
+    # each stage's width names its Redis keys: a new configuration starts afresh
+    keys = {length_head_key("m", s, d) for s in ("prefill", "refine") for d in (64, 576)}
+    assert len(keys) == 4
+
+
+def _finish(refiner, seq, rng, dim: int) -> list:
+    """Run `seq` to its limit through `refiner`; the (generated, probe) checkpoints it saw."""
+    points = []
+    for g in range(seq.params.max_tokens):
+        if refiner.is_checkpoint(g):
+            points.append((g, rng.normal(size=dim)))
+            refiner.observe([(seq, *points[-1])])
+        seq.append(5, 0.0)
+    refiner.finished(seq)
+    return points
+
+
+def test_batched_learning_matches_row_by_row_and_the_worker_matches_inline():
+    """learned_stats adds all rows in one product: the same statistics as adding each
+    request's rows on its own; the background sync solves the same heads as an inline one."""
+    dims, rng = (4, 8), np.random.default_rng(9)
+    refiners = [LengthRefiner(memory_stores(), dims, RefinerConfig(
+        every=16, min_requests=4, push_s=0, refresh_s=0, background=bg)) for bg in (True, False)]
+    by_hand = {"prefill": HeadStats.zeros(4 + 3), "refine": HeadStats.zeros(8 + 3)}
+    for i in range(12):
+        points = None
+        for refiner in refiners:
+            seq = _request(f"r{i}", 3 + i, 20 + 7 * i)
+            got = _finish(refiner, seq, np.random.default_rng(i), 12)
+            points = points or got
+            refiner.tick()
+        for stage, stats in by_hand.items():
+            rows = [(g, split_probe(p, dims)[stage]) for g, p in points
+                    if stage == "refine" or g == 0]
+            stats.add(np.stack([features(x, 3 + i, 20 + 7 * i, g) for g, x in rows]),
+                      targets(np.array([20 + 7 * i - g for g, _ in rows])))
+    for refiner in refiners:
+        refiner.flush()
+        assert refiner.learned == 12 and not refiner.queue
+        for stage, stats in by_hand.items():
+            got = refiner.stores[stage].load()
+            assert got.requests == 12 and got.rows == stats.rows
+            np.testing.assert_allclose(got.gram, stats.gram)
+            np.testing.assert_allclose(got.cross, stats.cross)
+    x = features(rng.normal(size=8), 5, 60, 16)
+    np.testing.assert_allclose(*(r.heads["refine"].survival(x) for r in refiners))
+    assert learned_stats([], "refine", dims) is None

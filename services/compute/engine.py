@@ -67,9 +67,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, runner, length_stores=None):
         """`runner`: a ModelRunner or SimRunner (services/compute/backend.py makes the one
         --backend names), holding the model's config, the context length and the KV slots.
-        `length_stores`: where the hidden-state length heads' statistics live (stage ->
-        RedisStore when served; None: this process's memory). No head without the runner's
-        probe (`--hidden-length`)."""
+        `length_stores(dims)`: where the hidden-state length heads' statistics live (stage ->
+        RedisStore when served, store.redis_stores; None: this process's memory), given each
+        stage's probe width. No head without the runner's probe (`--hidden-length`)."""
         self.config = config
         self.runner = runner
         self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
@@ -80,9 +80,11 @@ class LLMEngine:
         mode = config.overlap_schedule
         self.overlap = mode == "on" or (mode == "auto" and runner.asynchronous)
         self._inflight = None  # (ScheduledStep, its runner handle): launched, not committed
-        self.lengths = LengthRefiner(length_stores or memory_stores(), RefinerConfig(
-            every=config.length_refine_every)) if getattr(runner, "probe", None) is not None \
-            else None
+        self.lengths = None
+        if getattr(runner, "probe", None) is not None:
+            dims = runner.probe_dims
+            self.lengths = LengthRefiner((length_stores or memory_stores)(dims), dims,
+                                         RefinerConfig(every=config.length_refine_every))
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
@@ -166,7 +168,7 @@ class LLMEngine:
         self._inflight = None
         sample = handle.result()
         if self.lengths is not None and sample.probes is not None:
-            self._observe_lengths(step, sample.probes)
+            self._observe_lengths(step, sample)
         done = self.scheduler.commit(step, sample)
         for seq, token, top in done.sampled:
             result.events.append(TokenEvent(seq.request_id, token, seq.logprobs[-1],
@@ -177,12 +179,13 @@ class LLMEngine:
                     self.lengths.finished(seq)
         result.prompt_logprobs.extend(_prompt_pieces(done.prompt))
 
-    def _observe_lengths(self, step: ScheduledStep, probes) -> None:
-        """Hand the length refiner the checkpoints among the step's sampled rows."""
+    def _observe_lengths(self, step: ScheduledStep, sample) -> None:
+        """Hand the length refiner the checkpoint rows the runner probed (StepSample)."""
         checkpoints = []
-        for seq, index, probe in zip(step.sampled, step.token_index, probes, strict=True):
-            generated = index - seq.num_prompt  # output tokens before the one sampled here
-            if seq.status is not SeqStatus.FINISHED and self.lengths.is_checkpoint(generated):
+        for row, probe in zip(sample.probe_rows, sample.probes, strict=True):
+            seq = step.sampled[row]
+            generated = step.token_index[row] - seq.num_prompt  # output before this token
+            if seq.status is not SeqStatus.FINISHED:
                 checkpoints.append((seq, generated, probe))
         self.lengths.observe(checkpoints)
 

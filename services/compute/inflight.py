@@ -51,7 +51,8 @@ class InFlight:
     logprobs: torch.Tensor | None = None  # [S] float32, host
     top: TopRows | None = None
     prompt: PromptRows | None = None
-    probes: torch.Tensor | None = None  # [S, r] float32: the length head's features
+    probes: torch.Tensor | None = None  # [C, r] float32: the length heads' probes
+    probe_rows: list[int] | None = None  # [C]: their rows in step.sampled
     ready: torch.cuda.Event | None = None  # recorded after the host copies were queued
 
     def seal(self) -> InFlight:
@@ -76,7 +77,7 @@ class InFlight:
             out.tokens, out.logprobs = self.host_tokens.tolist(), self.logprobs.tolist()
             out.top = _tops(self.top, len(out.tokens))
         if self.probes is not None:
-            out.probes = self.probes.numpy()
+            out.probes, out.probe_rows = self.probes.numpy(), self.probe_rows
         return out
 
 

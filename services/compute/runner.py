@@ -13,7 +13,7 @@ from services.compute.cuda_graphs import DecodeGraphs
 from services.compute.inflight import InFlight, PromptRows, TopRows, to_host
 from services.compute.kv.kv_cache import KVCache
 from services.compute.kv.sizing import gpu_kv_budget
-from services.compute.length.head import probe_matrix
+from services.compute.length.head import is_checkpoint, probe_dims, probe_matrix
 from services.compute.model import quantization, smoothing
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
@@ -57,10 +57,13 @@ class ModelRunner:
         self.kv_bytes_per_token = per_token
         kv_shape = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                         head_dim=model_config.head_dim, dtype=self.dtype, kv_dtype=kv_dtype)
-        # [hidden, r]: projects the hidden state of each sampled row for the length head
+        # [hidden, sum(dims)]: the length heads' probes of a checkpoint row's hidden state
+        self.probe_dims = probe_dims(model_config.hidden_size, config.length_probe_dim,
+                                     config.length_refine_probe_dim)
         self.probe = torch.from_numpy(probe_matrix(
-            model_config.hidden_size, config.length_probe_dim)).to(self.device) \
+            model_config.hidden_size, self.probe_dims)).to(self.device) \
             if config.hidden_length else None
+        self.probe_every = config.length_refine_every
         self.summary = {}  # what start-up reports (published with the engine stats)
         self.capacity = self._kv_capacity(config, per_token, kv_shape)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and \
@@ -108,8 +111,8 @@ class ModelRunner:
         else:
             logits, hidden = self.model.forward_hidden(batch, self.kv)  # [S + R, ...]
         out = InFlight(step)
-        if sampled and self.probe is not None:  # the length head's features, [S, r]
-            out.probes = hidden[: len(sampled)].float() @ self.probe
+        if sampled and self.probe is not None:
+            self._probe(out, hidden, step)
         if batch.prompt_spans:
             out.prompt = _prompt_rows(logits[len(sampled):], batch.prompt_spans)
         if sampled:
@@ -118,6 +121,15 @@ class ModelRunner:
             out.top = _top_rows(logits, [s.params.top_logprobs for s in sampled])
             out.tokens, out.logprobs = self._sample(logits, sampled)
         return out.seal()
+
+    def _probe(self, out: InFlight, hidden: torch.Tensor, step: ScheduledStep) -> None:
+        """The probes [C, sum(dims)] of the sampled rows that are length checkpoints (launched
+        before Scheduler.advance: a row's token goes at index len(seq.token_ids))."""
+        rows = [i for i, seq in enumerate(step.sampled)
+                if is_checkpoint(len(seq.token_ids) - seq.num_prompt, self.probe_every)]
+        if rows:
+            out.probe_rows = rows
+            out.probes = hidden[rows].float() @ self.probe
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]):
         """Sample one token per row of `logits` [S, vocab] for `seqs`; no host sync."""

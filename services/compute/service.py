@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 
 import redis
 import zmq
@@ -132,7 +133,7 @@ def _output(events, routes: list[Route], errors: list[list[str]]) -> StepOutput:
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
-    stores = redis_stores(state.fast_client(svc.redis_url), engine_cfg) \
+    stores = partial(redis_stores, state.fast_client(svc.redis_url), engine_cfg.model) \
         if svc.length_predictor else None  # else each compute process learns alone
     engine = build_engine(engine_cfg, length_stores=stores)
     ComputeService(engine, svc, redis.Redis.from_url(svc.redis_url)).run()

@@ -1,21 +1,22 @@
 """The engine's hook for hidden-state length prediction (`--hidden-length`).
 
-The runner hands out, with every sampled token, the probe-projected hidden state of the row
-that sampled it (`StepSample.probes`); the engine hands over a step's checkpoints in one call,
-so each head predicts them all in one matrix product. At a checkpoint (generated == 0: the
-last prompt token, right after prefill; then every `--length-refine-every` generated tokens)
-the refiner
+The runner hands out, at every checkpoint (generated == 0: the last prompt token, right after
+prefill; then every `--length-refine-every` generated tokens), the probe of the row's hidden
+state: each stage's probe side by side (head.probe_matrix); the engine hands over a step's
+checkpoints in one call, so each head predicts them all in one matrix product. The refiner
 - replaces the request's `predicted_length` by the prediction of the checkpoint's stage's head
   (once that head has learned from `min_requests` finished requests; until then the previous
   prediction stays: the text predictor's prior after prefill), so the scheduler's growth,
   future-peak admission and victim choice use the newest one;
-- keeps the checkpoint's features, and when the request finishes ("stop" or "length": an
-  aborted request's length is unknown) adds one row per checkpoint, its target the remaining
-  length then, to a local delta of the statistics of each head that learns from it
-  (`learns_from`).
-`tick` (once per engine step) pushes the deltas to their stores every `push_s` seconds and
-reloads and re-solves each head every `refresh_s` seconds when its store has news. A store
-error costs that update (logged), never a request.
+- keeps the checkpoint's probe, and when the request finishes ("stop" or "length": an aborted
+  request's length is unknown) queues it to be learned: one row per checkpoint, its target
+  the remaining length then, for each head that learns from it (`learns_from`).
+`tick` (once per engine step) hands the queue to a worker thread every `push_s` seconds, which
+adds it up into statistics, pushes them to the stores, and every `refresh_s` seconds reloads
+and re-solves each head whose store has news: the statistics of the raw hidden state are a
+few MB and cost ~0.5 ms a finished request, kept off the step path. One sync job at a time;
+the step thread only swaps the queue and reads the solved heads. A store error costs that
+update (logged), never a request.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +35,9 @@ from services.compute.length.head import (
     HeadStats,
     LengthHead,
     features,
+    is_checkpoint,
     learns_from,
+    split_probe,
     stage_of,
     targets,
 )
@@ -50,39 +54,54 @@ class RefinerConfig:
     l2: float = 0.1  # ridge penalty on standardized features (bench/length_predictor.py)
     push_s: float = 1.0
     refresh_s: float = 2.0
+    background: bool = True  # sync in a worker thread (False: inside tick, as tests want)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished request to learn from: its probes [r] at (generated, probe) checkpoints."""
+
+    prompt: int
+    max_tokens: int
+    output: int
+    points: list[tuple[int, np.ndarray]]
 
 
 class LengthRefiner:
-    def __init__(self, stores: dict, config: RefinerConfig = RefinerConfig(),
+    def __init__(self, stores: dict, dims: tuple[int, int], config: RefinerConfig = RefinerConfig(),
                  clock: Callable[[], float] = time.monotonic):
-        """`stores`: stage -> where that head's statistics live (store.py), for every stage."""
-        self.stores, self.config, self.clock = stores, config, clock
-        self.heads: dict[str, LengthHead] = {}
+        """`stores`: stage -> where that head's statistics live (store.py), for every stage;
+        `dims`: each stage's probe width (head.probe_dims)."""
+        self.stores, self.dims, self.config, self.clock = stores, dims, config, clock
+        self.heads: dict[str, LengthHead] = {}  # replaced whole by the worker
         self.checkpoints: dict[str, list[tuple[int, np.ndarray]]] = {}
-        self.pending: dict[str, HeadStats] = {}
+        self.queue: list[Finished] = []
         self.seen_requests = dict.fromkeys(STAGES, -1)  # store's count when the head was solved
         self.pushed = self.refreshed = -math.inf
         self.predictions = self.learned = 0
+        self._worker: ThreadPoolExecutor | None = None
+        self._job: Future | None = None
 
     def is_checkpoint(self, generated: int) -> bool:
-        every = self.config.every
-        return generated == 0 or (every > 0 and generated % every == 0)
+        return is_checkpoint(generated, self.config.every)
 
     def observe(self, checkpoints: list[tuple[Sequence, int, np.ndarray]]) -> None:
-        """A step's checkpoints: (seq, output tokens generated before it, probe [r]) each."""
+        """A step's checkpoints: (seq, output tokens generated before it, probe [sum(dims)])."""
         if not checkpoints:
             return
         seqs, generated, probes = zip(*checkpoints, strict=True)
-        x = features(np.stack(probes), [s.num_prompt for s in seqs],
-                     [s.params.max_tokens for s in seqs], generated)  # [n, d]
-        for seq, g, row in zip(seqs, generated, x, strict=True):
-            self.checkpoints.setdefault(seq.request_id, []).append((g, row))
+        for seq, g, probe in zip(seqs, generated, probes, strict=True):
+            self.checkpoints.setdefault(seq.request_id, []).append((g, probe))
+        heads, by_stage = self.heads, split_probe(np.stack(probes), self.dims)
         for stage in STAGES:
-            head = self.heads.get(stage)
+            head = heads.get(stage)
             rows = [i for i, g in enumerate(generated) if stage_of(g) == stage]
             if head is None or not rows:
                 continue
-            dists = head.predict_rows(x[rows], [generated[i] for i in rows],
+            x = features(by_stage[stage][rows], [seqs[i].num_prompt for i in rows],
+                         [seqs[i].params.max_tokens for i in rows],
+                         [generated[i] for i in rows])  # [n, r + N_SCALARS]
+            dists = head.predict_rows(x, [generated[i] for i in rows],
                                       [seqs[i].max_len - seqs[i].num_prompt for i in rows])
             for i, dist in zip(rows, dists, strict=True):
                 seqs[i].predicted_length = dist
@@ -90,37 +109,65 @@ class LengthRefiner:
             self.predictions += len(rows)
 
     def finished(self, seq: Sequence) -> None:
-        """`seq` is done: learn from its checkpoints if its length is known."""
+        """`seq` is done: queue its checkpoints to be learned if its length is known."""
         points = self.checkpoints.pop(seq.request_id, None)
-        if not points or seq.finish_reason not in LEARNED:
-            return
-        for stage in STAGES:
-            rows = [(g, f) for g, f in points if learns_from(stage, g)]
-            if rows:
-                x = np.stack([f for _, f in rows])
-                y = np.stack([targets(seq.num_output - g) for g, _ in rows])
-                self.pending.setdefault(stage, HeadStats.zeros(x.shape[1])).add(x, y)
-        self.learned += 1
+        if points and seq.finish_reason in LEARNED:
+            self.queue.append(Finished(seq.num_prompt, seq.params.max_tokens, seq.num_output,
+                                       points))
+            self.learned += 1
 
     def forget(self, request_id: str) -> None:
         self.checkpoints.pop(request_id, None)
 
     def tick(self) -> None:
-        """Push what was learned, refresh the head: each at most every push_s / refresh_s."""
-        now = self.clock()
-        if self.pending and now - self.pushed >= self.config.push_s:
-            self.pushed = now
-            deltas, self.pending = self.pending, {}
-            for stage, delta in deltas.items():
+        """Push what was learned, refresh the heads: each at most every push_s / refresh_s,
+        in the worker unless `background` is off; never while a sync is still running."""
+        if self._job is not None:
+            if not self._job.done():
+                return
+            if self._job.exception() is not None:
+                log.warning("hidden-state length head: sync failed (%s)", self._job.exception())
+            self._job = None
+        now, cfg = self.clock(), self.config
+        push = bool(self.queue) and now - self.pushed >= cfg.push_s
+        refresh = now - self.refreshed >= cfg.refresh_s
+        if not (push or refresh):
+            return
+        batch, self.queue = (self.queue, []) if push else ([], self.queue)
+        self.pushed = now if push else self.pushed
+        self.refreshed = now if refresh else self.refreshed
+        if not cfg.background:
+            return self._sync(batch, refresh)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="length-head")
+        self._job = self._worker.submit(self._sync, batch, refresh)
+
+    def flush(self) -> None:
+        """Push and refresh now, whatever the intervals, and wait until that is done."""
+        self._wait()  # for the sync in flight
+        self.pushed = self.refreshed = -math.inf
+        self.tick()
+        self._wait()
+
+    def _wait(self) -> None:
+        if self._job is not None:
+            self._job.exception()  # returns once the job is done
+
+    def _sync(self, batch: list[Finished], refresh: bool) -> None:
+        for stage in STAGES:
+            delta = learned_stats(batch, stage, self.dims)
+            if delta is not None:
                 self._guard("push", self.stores[stage].add, delta)
-        if now - self.refreshed >= self.config.refresh_s:
-            self.refreshed = now
-            for stage in STAGES:
-                stats = self._guard("load", self.stores[stage].load)
-                if stats is not None and stats.requests != self.seen_requests[stage] and \
-                        stats.requests >= self.config.min_requests:
-                    self.seen_requests[stage] = stats.requests
-                    self.heads[stage] = stats.solve(self.config.l2)
+        if not refresh:
+            return
+        heads = dict(self.heads)
+        for stage in STAGES:
+            stats = self._guard("load", self.stores[stage].load)
+            if stats is not None and stats.requests != self.seen_requests[stage] and \
+                    stats.requests >= self.config.min_requests:
+                self.seen_requests[stage] = stats.requests
+                heads[stage] = stats.solve(self.config.l2)
+        self.heads = heads
 
     def _guard(self, what: str, fn, *args):
         try:
@@ -128,3 +175,21 @@ class LengthRefiner:
         except Exception as e:  # noqa: BLE001 - a store failure never fails a request
             log.warning("hidden-state length head: %s failed (%s)", what, e)
             return None
+
+
+def learned_stats(batch: list[Finished], stage: str, dims: tuple[int, int]) -> HeadStats | None:
+    """The statistics `stage`'s head learns from finished requests (None: no rows), all rows in
+    one product."""
+    xs, ys = [], []
+    for r in batch:
+        points = [(g, p) for g, p in r.points if learns_from(stage, g)]
+        if points:
+            g = np.array([g for g, _ in points])
+            probes = split_probe(np.stack([p for _, p in points]), dims)[stage]
+            xs.append(features(probes, r.prompt, r.max_tokens, g))
+            ys.append(targets(r.output - g))
+    if not xs:
+        return None
+    stats = HeadStats.zeros(xs[0].shape[1])
+    stats.add(np.concatenate(xs), np.concatenate(ys), requests=len(xs))
+    return stats

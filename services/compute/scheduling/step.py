@@ -40,7 +40,8 @@ class StepSample:
     logprobs: list[float] = field(default_factory=list)
     top: list[Top | None] = field(default_factory=list)
     prompt: list[tuple[Sequence, int, list[float], list[Top]]] = field(default_factory=list)
-    probes: Any = None  # numpy [S, r]: the length head's features of the sampled rows, or None
+    probes: Any = None  # numpy [C, r]: the length heads' probes at checkpoint rows, or None
+    probe_rows: list[int] | None = None  # [C]: their rows in the step's sampled
 
     def tops(self) -> list[Top | None]:
         """`top` aligned with `tokens` (a runner that computes none leaves `top` empty)."""
