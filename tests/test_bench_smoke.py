@@ -215,3 +215,17 @@ def test_gpu_suite_script_parses():
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and "wheels" in usage.stdout
+
+
+def test_length_step_cost_runs_both_engines(demo_model_dir, capsys):
+    """bench/length_step_cost.py on the tiny model: both engines step, requests finish and
+    are learned during the timed steps, and the hook predicts at its checkpoints."""
+    import json
+
+    from bench import length_step_cost
+
+    out = length_step_cost.main(["--model", str(demo_model_dir), "--batch", "4", "--steps",
+                                 "40", "--rounds", "2", "--every", "8"])
+    assert out["finished"] > 0 and out["predictions"] > 0 and out["worker"] is True
+    assert out["step_ms_off"] > 0 and out["hook_ms"] > 0  # syncs: once a second, maybe none
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out

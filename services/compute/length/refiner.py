@@ -11,11 +11,11 @@ checkpoints in one call, so each head predicts them all in one matrix product. T
 - keeps the checkpoint's probe, and when the request finishes ("stop" or "length": an aborted
   request's length is unknown) queues it to be learned: one row per checkpoint, its target
   the remaining length then, for each head that learns from it (`learns_from`).
-`tick` (once per engine step) hands the queue to a worker thread every `push_s` seconds, which
-adds it up into statistics, pushes them to the stores, and every `refresh_s` seconds reloads
-and re-solves each head whose store has news: the statistics of the raw hidden state are a
-few MB and cost ~0.5 ms a finished request, kept off the step path. One sync job at a time;
-the step thread only swaps the queue and reads the solved heads. A store error costs that
+`tick` (once per engine step) syncs every `push_s` seconds: adds the queue up into statistics
+and pushes them to the stores, and every `refresh_s` seconds reloads and re-solves each head
+whose store has news (the refining head's statistics over a raw 576-d hidden state are 2.7 MB;
+a solve takes ~5 ms). With `background`, a worker thread does it off the step path, one sync
+at a time; the step thread only swaps the queue and reads the solved heads. A store error costs that
 update (logged), never a request.
 """
 
@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from services.compute.length.head import (
     STAGES,
@@ -54,7 +55,7 @@ class RefinerConfig:
     l2: float = 0.1  # ridge penalty on standardized features (bench/length_predictor.py)
     push_s: float = 1.0
     refresh_s: float = 2.0
-    background: bool = True  # sync in a worker thread (False: inside tick, as tests want)
+    background: bool = True  # sync in a worker thread, else inside tick (deterministic)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class LengthRefiner:
         self.predictions = self.learned = 0
         self._worker: ThreadPoolExecutor | None = None
         self._job: Future | None = None
+        # numpy's BLAS on one thread, for the whole process: the heads' products are small,
+        # and its idle threads spin, taking cores from the model's (on 2 CPU cores: +10% step
+        # time, bench/length_step_cost.py); torch's own threads are not affected
+        threadpool_limits(1, user_api="blas")
 
     def is_checkpoint(self, generated: int) -> bool:
         return is_checkpoint(generated, self.config.every)
