@@ -15,8 +15,8 @@ checkpoints in one call, so each head predicts them all in one matrix product. T
 and pushes them to the stores, and every `refresh_s` seconds reloads and re-solves each head
 whose store has news (the refining head's statistics over a raw 576-d hidden state are 2.7 MB;
 a solve takes ~5 ms). With `background`, a worker thread does it off the step path, one sync
-at a time; the step thread only swaps the queue and reads the solved heads. A store error costs that
-update (logged), never a request.
+at a time; the step thread only swaps the queue and reads the solved heads. A store error
+costs that update (logged), never a request.
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ class LengthRefiner:
         if not checkpoints:
             return
         seqs, generated, probes = zip(*checkpoints, strict=True)
-        for seq, g, probe in zip(seqs, generated, probes, strict=True):
-            self.checkpoints.setdefault(seq.request_id, []).append((g, probe))
+        for seq, g, probe in zip(seqs, generated, probes, strict=True):  # a copy: not a view
+            self.checkpoints.setdefault(seq.request_id, []).append((g, probe.copy()))
         heads, by_stage = self.heads, split_probe(np.stack(probes), self.dims)
         for stage in STAGES:
             head = heads.get(stage)
