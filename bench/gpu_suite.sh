@@ -5,7 +5,8 @@
 #   bash bench/gpu_suite.sh wheels     # HERE (with the package index): the wheels the device
 #                                      # image lacks, into .whl/ (git-ignored: the device tool's
 #                                      # run carries it, carry=[".whl"])
-#   bash bench/gpu_suite.sh STEP...    # THERE: tests kernels decode offline serve report, or all
+#   bash bench/gpu_suite.sh STEP...    # THERE: tests kernels decode offline serve lengths
+#                                      # report, or all
 #
 # Each step writes STEP.json (its benchmark's last JSON line) and STEP.log into $OUT (the device
 # tool's output folder) or out/gpu/; `report` fits the simulator's decode efficiency to the
@@ -68,14 +69,20 @@ EOF
         --max-batched-tokens 4096 --max-running 256 --hf-cache static ;;
     serve)   # ~6 min: pipellm up (every service) + pipellm-bench
       run serve python3 -m bench.gpu_serve ;;
+    lengths) # ~5 min: the hidden-state length hook's cost per step, Llama-3-8B-shaped, batch 256
+      python3 -c "import pathlib, bench.gpu_serve as g; g.build_model(pathlib.Path('/tmp/l3'), 2048)"
+      for every in 32 1; do
+        run "lengths$every" python3 -m bench.length_step_cost --model /tmp/l3 --batch 256 \
+          --kv-cache-gib 8 --every "$every"
+      done ;;
     report)  python3 -m bench.gpu_report "$OUT_DIR" ;;
-    all)     for s in tests kernels decode offline serve report; do step "$s"; done ;;
-    *)       echo "unknown step $1 (wheels tests kernels decode offline serve report all)"
+    all)     for s in tests kernels decode offline serve lengths report; do step "$s"; done ;;
+    *)       echo "unknown step $1 (wheels tests kernels decode offline serve lengths report all)"
              exit 2 ;;
   esac
 }
 
-[ $# -ge 1 ] || { sed -n '2,13p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,14p' "$0"; exit 2; }
 if [ "$1" = wheels ]; then wheels; exit; fi
 install
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \

@@ -75,8 +75,9 @@ def with_hook(model: str, args) -> tuple:
     """The engine with the hook, its heads learned; its hook's parts timed into (on the step
     path, syncs) lists."""
     engine = build_engine(EngineConfig(
-        model=model, max_running=args.batch, kv_cache_gib=1.0, hidden_length=True,
-        length_refine_every=args.every, length_refine_probe_dim=args.refine_probe_dim))
+        model=model, max_running=args.batch, kv_cache_gib=args.kv_cache_gib,
+        hidden_length=True, length_refine_every=args.every,
+        length_refine_probe_dim=args.refine_probe_dim))
     lengths, runner = engine.lengths, engine.runner
     lengths.config = replace(lengths.config, min_requests=4,
                              background={"auto": lengths.config.background, "on": True,
@@ -99,6 +100,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="", help="default: SmolLM2")
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="each engine's")
     p.add_argument("--steps", type=int, default=32, help="decode steps a round")
     p.add_argument("--rounds", type=int, default=3, help="turns each engine takes")
     p.add_argument("--every", type=int, default=32, help="checkpoint interval (served: 32)")
@@ -109,7 +111,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     model = args.model or default_model.resolve()
     on, hook, sync = with_hook(model, args)
-    off = build_engine(EngineConfig(model=model, max_running=args.batch, kv_cache_gib=1.0))
+    off = build_engine(EngineConfig(model=model, max_running=args.batch,
+                                    kv_cache_gib=args.kv_cache_gib))
     streams = {"off": Stream(off, args.batch), "on": Stream(on, args.batch)}
     for stream in streams.values():
         stream.run(4)  # prefill and warm-up
