@@ -390,3 +390,36 @@ def test_batched_learning_matches_row_by_row_and_the_worker_matches_inline():
     x = features(rng.normal(size=8), 5, 60, 16)
     np.testing.assert_allclose(*(r.heads["refine"].survival(x) for r in refiners))
     assert learned_stats([], "refine", dims) is None
+
+
+def test_served_stack_learns_both_heads_into_redis(demo_model_dir):
+    """`pipellm up --hidden-length`: compute probes, learns in its worker and pushes both
+    heads' statistics to Redis, under keys named by each stage's probe width."""
+    import time
+
+    from services.compute.length.store import length_head_key
+    from shared.model_config import ModelConfig
+    from tests.stack import Stack
+
+    stack = Stack(demo_model_dir, "--served-model-name", "demo", "--hidden-length",
+                  "--length-refine-every", "8").start()
+    try:
+        for i in range(6):
+            status, body = stack.post("/v1/completions", {
+                "model": "demo", "prompt": f"count to {i}", "max_tokens": 20 + i,
+                "temperature": 0, "ignore_eos": True})
+            assert status == 200, body
+        hidden = ModelConfig.from_path(str(demo_model_dir)).hidden_size
+        stores = {stage: RedisStore(redis.Redis.from_url(stack.redis.url),
+                                    length_head_key(str(demo_model_dir), stage, dim))
+                  for stage, dim in (("prefill", 64), ("refine", hidden))}
+        deadline = time.monotonic() + 20  # pushed within a second or so of finishing
+        while time.monotonic() < deadline and any(
+                (s.load() or HeadStats.zeros(1)).requests < 6 for s in stores.values()):
+            time.sleep(0.2)
+        prefill, refine = (stores[k].load() for k in ("prefill", "refine"))
+    finally:
+        stack.stop()
+    assert prefill.requests == refine.requests == 6
+    assert prefill.dim == 64 + 3 and refine.dim == hidden + 3
+    assert prefill.rows == 6 and refine.rows == sum(len(range(0, 20 + i, 8)) for i in range(6))

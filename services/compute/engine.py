@@ -141,11 +141,16 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
+    def tick(self) -> None:
+        """The work between steps that no request waits for (the length heads' syncs): every
+        step does it, and an idle server between polls."""
+        if self.lengths is not None:
+            self.lengths.tick()
+
     def step(self) -> StepResult:
         """Schedule and launch one merged step; return the tokens committed meanwhile: this
         step's, or with the overlap schedule the step's before it."""
-        if self.lengths is not None:
-            self.lengths.tick()
+        self.tick()
         step = self.scheduler.schedule()
         result = StepResult([], [s.request_id for s in step.admitted],
                             [s.cached_tokens for s in step.admitted])

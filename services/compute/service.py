@@ -46,9 +46,10 @@ class ComputeService:
     def run(self, stop=lambda: False) -> None:
         while not stop():
             self.poll(timeout_ms=0 if self.engine.has_work() else 50)
-            out = self.step() if self.engine.has_work() else None
-            if out is not None:
-                self.outbox.send(out)
+            if self.engine.has_work():
+                self.outbox.send(self.step())
+            else:
+                self.engine.tick()  # what the last requests taught still reaches Redis
             self.beat()
 
     def poll(self, timeout_ms: int) -> None:
