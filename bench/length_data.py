@@ -73,8 +73,8 @@ class Recorder:
     """The engine's length hook (LengthRefiner's interface), recording instead of predicting:
     request id -> [(generated, hidden state)] at every checkpoint."""
 
-    def __init__(self, every: int):
-        self.every, self.points = every, {}
+    def __init__(self):
+        self.points = {}
 
     def observe(self, checkpoints) -> None:
         for seq, generated, probe in checkpoints:
@@ -90,13 +90,11 @@ class Recorder:
 def recording_engine(model: str, max_running: int):
     """The default engine with a Recorder as its length hook and an identity probe (the
     runner probes every EVERY generated tokens)."""
-    import torch
-
     hidden = ModelConfig.from_path(model).hidden_size
     engine = build_engine(EngineConfig(model=model, max_running=max_running, kv_cache_gib=4.0,
-                                       hidden_length=True, length_refine_every=EVERY))
-    engine.runner.probe = torch.eye(hidden, device=engine.runner.device)
-    engine.lengths = Recorder(EVERY)
+                                       hidden_length=True, length_probe_dim=hidden,
+                                       length_refine_every=EVERY))
+    engine.lengths = Recorder()
     return engine
 
 

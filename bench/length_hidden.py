@@ -27,7 +27,7 @@ import torch
 
 from bench import length_data
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
-from services.compute.length.head import probe_dims, probe_matrix
+from services.compute.length.head import probe_dim, probe_matrix
 from services.compute.length.refiner import LengthRefiner, RefinerConfig
 from services.compute.length.store import memory_stores
 from services.compute.scheduling.sequence import Sequence
@@ -103,18 +103,18 @@ def chatgpt_answers(model: str, n: int) -> list[list[int]]:
             for _, a in pairs]
 
 
-def run_online(items: list[Item], dim: int, refine_dim: int, every: int, l2: float,
+def run_online(items: list[Item], dim: int, every: int, l2: tuple[float, float],
                seed: int | None = None) -> dict:
     """Predict-then-learn through the engine's own LengthRefiner (memory stores, solving after
-    every request; probe widths as --length-probe-dim and --length-refine-probe-dim): per
-    request, the prediction in force at each checkpoint (None until the head after prefill has
-    learned MIN_REQUESTS requests)."""
+    every request; `dim` as --length-probe-dim, `l2` per stage): per request, the prediction in
+    force at each checkpoint (None until the head after prefill has learned MIN_REQUESTS
+    requests)."""
     order = list(range(len(items)))
     if seed is not None:
         random.Random(seed).shuffle(order)
-    dims = probe_dims(items[0].hidden.shape[1], dim, refine_dim)
-    probe = probe_matrix(items[0].hidden.shape[1], dims)
-    refiner = LengthRefiner(memory_stores(), dims, RefinerConfig(
+    hidden = items[0].hidden.shape[1]
+    probe = probe_matrix(hidden, probe_dim(hidden, dim))
+    refiner = LengthRefiner(memory_stores(), RefinerConfig(
         every=every, min_requests=MIN_REQUESTS, l2=l2, push_s=0, refresh_s=0, background=False))
     out = []
     for i in order:

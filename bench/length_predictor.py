@@ -46,6 +46,7 @@ import redis  # noqa: E402
 from bench import length_data, length_hidden  # noqa: E402
 from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
+from services.compute.length.refiner import RefinerConfig  # noqa: E402
 from shared.demo_model import ensure_demo_model  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402
 from shared.length_predictor import LengthPredictor, length_features  # noqa: E402
@@ -77,11 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "and the ChatGPT answers in SmolLM2 tokens, with the hidden-state rows")
     p.add_argument("--shuffles", type=int, default=3, help="smollm2: shuffled orders besides "
                                                             "the arrival order")
-    p.add_argument("--probe-dim", type=int, default=64,
-                   help="smollm2: the head after prefill's features (--length-probe-dim)")
-    p.add_argument("--refine-probe-dim", type=int, default=0,
-                   help="smollm2: the refining head's (--length-refine-probe-dim)")
-    p.add_argument("--l2", type=float, default=0.1, help="smollm2: the head's ridge penalty")
+    p.add_argument("--probe-dim", type=int, default=0,
+                   help="smollm2: the heads' features (--length-probe-dim; 0: the default)")
+    p.add_argument("--l2", type=float, nargs=2, default=RefinerConfig.l2,
+                   metavar=("PREFILL", "REFINE"), help="smollm2: the heads' ridge penalties")
     return p.parse_args(argv)
 
 
@@ -309,8 +309,8 @@ def main_smollm2(args: argparse.Namespace) -> dict:
                     random.Random(seed).shuffle(reqs)
                 reqs = [dict(r) for r in reqs]
                 run_online(reqs, client, args.default_len)
-                hid = length_hidden.run_online([r["item"] for r in reqs], args.probe_dim,
-                                               args.refine_probe_dim, EVERY, args.l2)
+                hid = length_hidden.run_online([r["item"] for r in reqs], args.probe_dim, EVERY,
+                                               tuple(args.l2))
                 for r, (_, dists) in zip(reqs, hid["predictions"], strict=True):
                     r["hidden"] = dists
                 runs.append(evaluate(reqs, learned))
@@ -328,7 +328,7 @@ def main_smollm2(args: argparse.Namespace) -> dict:
                                                  "at_most_outgrow")},
                   sets=out, requests=len(sets["smollm2-t0.7"]), source="smollm2-t0.7",
                   seed=None, max_tokens=length_data.MAX_TOKENS, context=0,
-                  probe_dim=args.probe_dim, refine_probe_dim=args.refine_probe_dim, l2=args.l2,
+                  probe_dim=args.probe_dim, l2=list(args.l2),
                   seconds=round(time.perf_counter() - t_start, 1))
     print(json.dumps(result))
     return result

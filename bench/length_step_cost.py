@@ -76,8 +76,7 @@ def with_hook(model: str, args) -> tuple:
     path, syncs) lists."""
     engine = build_engine(EngineConfig(
         model=model, max_running=args.batch, kv_cache_gib=args.kv_cache_gib,
-        hidden_length=True, length_refine_every=args.every,
-        length_refine_probe_dim=args.refine_probe_dim))
+        hidden_length=True, length_refine_every=args.every, length_probe_dim=args.probe_dim))
     lengths, runner = engine.lengths, engine.runner
     lengths.config = replace(lengths.config, min_requests=4,
                              background={"auto": lengths.config.background, "on": True,
@@ -106,8 +105,8 @@ def main(argv=None) -> dict:
     p.add_argument("--every", type=int, default=32, help="checkpoint interval (served: 32)")
     p.add_argument("--worker", choices=("auto", "on", "off"), default="auto",
                    help="sync in a worker thread (auto: the engine's choice, on)")
-    p.add_argument("--refine-probe-dim", type=int, default=0,
-                   help="--length-refine-probe-dim (0: the default)")
+    p.add_argument("--probe-dim", type=int, default=0,
+                   help="--length-probe-dim (0: the default)")
     args = p.parse_args(argv)
     model = args.model or default_model.resolve()
     on, hook, sync = with_hook(model, args)
@@ -129,7 +128,7 @@ def main(argv=None) -> dict:
     slowdown = step_ms["on"] / step_ms["off"] - 1
     background = on.lengths.config.background
     out = {"machine": machine(), "model": model, "batch": args.batch, "every": args.every,
-           "worker": background, "probe_dims": list(on.runner.probe_dims), "steps": n,
+           "worker": background, "probe_dim": on.runner.probe_dim, "steps": n,
            "finished": on.lengths.learned - learned,
            "step_ms_off": round(step_ms["off"], 3), "step_ms_on": round(step_ms["on"], 3),
            "rounds_ms": {k: [round(1e3 * x / args.steps, 2) for x in v]
@@ -138,8 +137,8 @@ def main(argv=None) -> dict:
            "sync_ms": round(sync_ms, 4), "predictions": on.lengths.predictions,
            "hook_share": round(hook_ms / step_ms["on"], 5)}
     where = "in its worker thread (wall time)" if background else "inside tick, included above"
-    print(f"decode step at batch {args.batch}, checkpoint every {args.every} tokens, probes "
-          f"{on.runner.probe_dims}, {out['finished']} requests finished in {n} steps: "
+    print(f"decode step at batch {args.batch}, checkpoint every {args.every} tokens, probe "
+          f"{on.runner.probe_dim}, {out['finished']} requests finished in {n} steps: "
           f"{step_ms['off']:.2f} ms without the hook, {step_ms['on']:.2f} ms with it "
           f"({100 * slowdown:+.2f}%; rounds {out['rounds_ms']}). The hook's own work on the "
           f"step path: {hook_ms:.3f} ms a step ({100 * out['hook_share']:.2f}%); its syncs "

@@ -101,13 +101,10 @@ class EngineConfig:
     length_refine_every: int = setting(32, "hidden-state length prediction: predict the remaining "
                                        "length again every this many generated tokens; 0: after "
                                        "prefill only", group=SCHEDULING)
-    length_probe_dim: int = setting(64, "hidden-state length prediction after prefill: the "
-                                    "hidden state's random projection to this many features",
-                                    group=SCHEDULING)
-    length_refine_probe_dim: int = setting(0, "hidden-state length prediction while generating: "
-                                           "the same, for the refining head; the model's hidden "
-                                           "size: the hidden state itself; 0: that up to 1024 "
-                                           "wide, else 512", group=SCHEDULING)
+    length_probe_dim: int = setting(0, "hidden-state length prediction: the heads' features, the "
+                                    "hidden state's random projection to this many; the "
+                                    "model's hidden size: the hidden state itself; 0: that up "
+                                    "to 1024 wide, else 512", group=SCHEDULING)
     kv_admission: str = setting("auto", "peak (the future KV peak, each request at its "
                                 "--kv-peak-quantile, must fit), aggregate (that quantile of the "
                                 "total future KV demand must fit), fit (the reservation must) "
@@ -156,10 +153,8 @@ class EngineConfig:
         if self.quantization not in ("auto", "none", "w8a8", "int4", "fp8"):
             raise ValueError("--quantization must be auto, none, w8a8, int4 or fp8, not "
                              f"{self.quantization!r}")
-        if self.length_refine_every < 0 or self.length_probe_dim < 1 or \
-                self.length_refine_probe_dim < 0:
-            raise ValueError("--length-refine-every and --length-refine-probe-dim must be >= 0, "
-                             "--length-probe-dim >= 1")
+        if self.length_refine_every < 0 or self.length_probe_dim < 0:
+            raise ValueError("--length-refine-every and --length-probe-dim must be >= 0")
         if self.int4_group_size not in (32, 64, 128):
             raise ValueError(f"--int4-group-size must be 32, 64 or 128: {self.int4_group_size}")
         if self.default_predicted_len < 1:

@@ -94,7 +94,7 @@ def test_length_hidden_replays_the_refiner_on_recorded_states():
         h = 0.3 * rng.normal(size=(len(range(0, true, 32)), 16)).astype(np.float32)
         h[:, 0] = 1.0 if short else -1.0
         items.append(length_hidden.Item(40, 1024, true, h, i))
-    out = length_hidden.run_online(items, 16, 16, 32, 0.1)  # 16: no projection
+    out = length_hidden.run_online(items, 16, 32, (1.0, 0.1))  # 16: no projection
     preds = dict(out["predictions"])
     assert all(preds[i] is None for i in out["order"][:16])
     late = out["order"][40:]

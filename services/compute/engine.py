@@ -67,9 +67,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, runner, length_stores=None):
         """`runner`: a ModelRunner or SimRunner (services/compute/backend.py makes the one
         --backend names), holding the model's config, the context length and the KV slots.
-        `length_stores(dims)`: where the hidden-state length heads' statistics live (stage ->
-        RedisStore when served, store.redis_stores; None: this process's memory), given each
-        stage's probe width. No head without the runner's probe (`--hidden-length`)."""
+        `length_stores(dim)`: where the hidden-state length heads' statistics live (stage ->
+        RedisStore when served, store.redis_stores; None: this process's memory), given the
+        probe's width. No head without the runner's probe (`--hidden-length`)."""
         self.config = config
         self.runner = runner
         self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
@@ -80,11 +80,10 @@ class LLMEngine:
         mode = config.overlap_schedule
         self.overlap = mode == "on" or (mode == "auto" and runner.asynchronous)
         self._inflight = None  # (ScheduledStep, its runner handle): launched, not committed
-        self.lengths = None
-        if getattr(runner, "probe", None) is not None:
-            dims = runner.probe_dims
-            self.lengths = LengthRefiner((length_stores or memory_stores)(dims), dims,
-                                         RefinerConfig(every=config.length_refine_every))
+        self.lengths = LengthRefiner(
+            (length_stores or memory_stores)(runner.probe_dim),
+            RefinerConfig(every=config.length_refine_every)) \
+            if getattr(runner, "probe", None) is not None else None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,

@@ -13,7 +13,7 @@ from services.compute.cuda_graphs import DecodeGraphs
 from services.compute.inflight import InFlight, PromptRows, TopRows, to_host
 from services.compute.kv.kv_cache import KVCache
 from services.compute.kv.sizing import gpu_kv_budget
-from services.compute.length.head import is_checkpoint, probe_dims, probe_matrix
+from services.compute.length.head import is_checkpoint, probe_dim, probe_matrix
 from services.compute.model import quantization, smoothing
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
@@ -57,11 +57,10 @@ class ModelRunner:
         self.kv_bytes_per_token = per_token
         kv_shape = dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                         head_dim=model_config.head_dim, dtype=self.dtype, kv_dtype=kv_dtype)
-        # [hidden, sum(dims)]: the length heads' probes of a checkpoint row's hidden state
-        self.probe_dims = probe_dims(model_config.hidden_size, config.length_probe_dim,
-                                     config.length_refine_probe_dim)
+        # [hidden, r]: the length heads' probe of a checkpoint row's hidden state
+        self.probe_dim = probe_dim(model_config.hidden_size, config.length_probe_dim)
         self.probe = torch.from_numpy(probe_matrix(
-            model_config.hidden_size, self.probe_dims)).to(self.device) \
+            model_config.hidden_size, self.probe_dim)).to(self.device) \
             if config.hidden_length else None
         self.probe_every = config.length_refine_every
         self.summary = {}  # what start-up reports (published with the engine stats)
@@ -123,7 +122,7 @@ class ModelRunner:
         return out.seal()
 
     def _probe(self, out: InFlight, hidden: torch.Tensor, step: ScheduledStep) -> None:
-        """The probes [C, sum(dims)] of the sampled rows that are length checkpoints (launched
+        """The probes [C, r] of the sampled rows that are length checkpoints (launched
         before Scheduler.advance: a row's token goes at index len(seq.token_ids))."""
         rows = [i for i, seq in enumerate(step.sampled)
                 if is_checkpoint(len(seq.token_ids) - seq.num_prompt, self.probe_every)]

@@ -1,13 +1,13 @@
 """The hidden-state length head: remaining output length from the model's own hidden state.
 
 A request's features at a checkpoint (after prefill: the last prompt token's hidden state; then
-every k generated tokens: the newest token's) are its stage's probe of the hidden state (r
-values: a fixed random Gaussian projection, the same seed on every replica, or the hidden state
-itself) plus log prompt length, log max_tokens and log tokens generated so far. The targets are
-survival indicators of the *remaining* length: y_j = 1[remaining > EDGES[j]] for the length
-predictor's log-spaced bucket edges. A linear map fitted by ridge regression gives survival
-estimates S_j, made monotone, whose quantiles are the prediction (linear probability model: one
-solve, no iterations).
+every k generated tokens: the newest token's) are the probe of the hidden state (r values: the
+hidden state itself, or for a wide model a fixed random Gaussian projection, the same seed on
+every replica) plus log prompt length, log max_tokens and log tokens generated so far. The
+targets are survival indicators of the *remaining* length: y_j = 1[remaining > EDGES[j]] for the
+length predictor's log-spaced bucket edges. A linear map fitted by ridge regression gives
+survival estimates S_j, made monotone, whose quantiles are the prediction (linear probability
+model: one solve, no iterations).
 
 There are two heads, one per stage (`STAGES`): "prefill" predicts right after prefill and
 learns from that checkpoint only (one row per request); "refine" predicts at every later
@@ -22,7 +22,8 @@ Fitting needs only additive sufficient statistics of the rows seen, `HeadStats` 
 Xa^T Y with Xa = [X, 1], and the number of requests), so any number of writers add their
 finished requests in any order and the result is the same; the stats live in Redis
 (`store.py`), each replica solves them itself. Ridge acts on standardized features, with the
-intercept unpenalized.
+intercept unpenalized; each head has its own penalty (the head after prefill, with one row per
+request, needs more: RefinerConfig.l2).
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ THRESHOLDS = np.array(EDGES[:-1], dtype=np.float64)  # y_j = 1[remaining > THRES
 J = len(THRESHOLDS)
 N_SCALARS = 3  # log prompt length, log max_tokens, log generated
 STAGES = ("prefill", "refine")
-# the refining head's probe by default: the hidden state itself up to this width, else a
-# projection to WIDE_REFINE_DIM. On SmolLM2's greedy lengths (576 wide) its refined MAE against
-# the global median's: a 64-d projection -17.8%, 512-d -23.9%, the hidden state -26.7%
-# (docs/benchmarks.md); ridge standardizes each raw dimension, which a random rotation mixes.
-RAW_UP_TO, WIDE_REFINE_DIM = 1024, 512
+# the probe by default: the hidden state itself up to this width, else a projection to
+# WIDE_PROBE_DIM. On SmolLM2's greedy lengths (576 wide) the refined MAE against the global
+# median's: a 64-d projection -17.8%, 512-d -23.9%, the hidden state -26.7% (docs/benchmarks.md);
+# ridge standardizes each raw dimension, which a random rotation mixes.
+RAW_UP_TO, WIDE_PROBE_DIM = 1024, 512
 
 
 def stage_of(generated: int) -> str:
@@ -62,31 +63,19 @@ def is_checkpoint(generated: int, every: int) -> bool:
     return generated == 0 or (every > 0 and generated % every == 0)
 
 
-def probe_dims(hidden: int, prefill_dim: int, refine_dim: int = 0) -> tuple[int, int]:
-    """(prefill, refine) probe widths of a model `hidden` wide; refine_dim 0: the default
-    (RAW_UP_TO). A width equal to `hidden` is the hidden state itself."""
-    if refine_dim == 0:
-        refine_dim = hidden if hidden <= RAW_UP_TO else WIDE_REFINE_DIM
-    return prefill_dim, refine_dim
+def probe_dim(hidden: int, setting: int = 0) -> int:
+    """The probe's width for a model `hidden` wide (`--length-probe-dim`; 0: the default,
+    RAW_UP_TO). A width equal to `hidden` is the hidden state itself."""
+    return setting or (hidden if hidden <= RAW_UP_TO else WIDE_PROBE_DIM)
 
 
-def probe_matrix(hidden: int, dims: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """[hidden, sum(dims)] float32: each stage's probe side by side, so one product computes
-    them all. Per stage: the identity if its width is `hidden`, else a fixed random projection
+def probe_matrix(hidden: int, dim: int, seed: int = 0) -> np.ndarray:
+    """[hidden, dim] float32: the identity if dim == hidden, else a fixed random projection
     (scaled so that a unit-RMS hidden state projects to unit-RMS features)."""
-    blocks = []
-    for k, dim in enumerate(dims):
-        rng = np.random.default_rng(seed + k)
-        blocks.append(np.eye(hidden) if dim == hidden else
-                      rng.standard_normal((hidden, dim)) / math.sqrt(hidden))
-    return np.concatenate(blocks, axis=1).astype(np.float32)
-
-
-def split_probe(probe: np.ndarray, dims: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """Stage -> its columns of a probe [..., sum(dims)]."""
-    ends = np.cumsum(dims)
-    return {stage: probe[..., end - dim : end]
-            for stage, dim, end in zip(STAGES, dims, ends, strict=True)}
+    if dim == hidden:
+        return np.eye(hidden, dtype=np.float32)
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((hidden, dim)) / math.sqrt(hidden)).astype(np.float32)
 
 
 def features(projected: np.ndarray, prompt_len, max_tokens, generated) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 The runner hands out, at every checkpoint (generated == 0: the last prompt token, right after
 prefill; then every `--length-refine-every` generated tokens), the probe of the row's hidden
-state: each stage's probe side by side (head.probe_matrix); the engine hands over a step's
-checkpoints in one call, so each head predicts them all in one matrix product. The refiner
+state (head.probe_matrix); the engine hands over a step's checkpoints in one call, so each
+head predicts them all in one matrix product. The refiner
 - replaces the request's `predicted_length` by the prediction of the checkpoint's stage's head
   (once that head has learned from `min_requests` finished requests; until then the previous
   prediction stays: the text predictor's prior after prefill), so the scheduler's growth,
@@ -38,7 +38,6 @@ from services.compute.length.head import (
     features,
     is_checkpoint,
     learns_from,
-    split_probe,
     stage_of,
     targets,
 )
@@ -52,7 +51,12 @@ LEARNED = ("stop", "length")
 class RefinerConfig:
     every: int = 32  # checkpoints at generated = 0, every, 2 x every, ... (0: only at 0)
     min_requests: int = 16  # the head predicts once it has learned this many requests
-    l2: float = 0.1  # ridge penalty on standardized features (bench/length_predictor.py)
+    # ridge penalty on standardized features, per stage (prefill, refine): the head after
+    # prefill has one row per request, the refining one ~20x more. On SmolLM2's lengths, MAE
+    # after prefill against the global median's, greedy / t=0.7, prefill l2 0.1: +2% / -5% (a
+    # replay), 1: -9.5% / -13.4%, 3: -9.2% / -15.6% (bench/length_predictor.py); refined
+    # greedy -27.6% at 1, -25.1% at 3
+    l2: tuple[float, float] = (1.0, 0.1)
     push_s: float = 1.0
     refresh_s: float = 2.0
     background: bool = True  # sync in a worker thread, else inside tick (deterministic)
@@ -69,11 +73,10 @@ class Finished:
 
 
 class LengthRefiner:
-    def __init__(self, stores: dict, dims: tuple[int, int], config: RefinerConfig = RefinerConfig(),
+    def __init__(self, stores: dict, config: RefinerConfig = RefinerConfig(),
                  clock: Callable[[], float] = time.monotonic):
-        """`stores`: stage -> where that head's statistics live (store.py), for every stage;
-        `dims`: each stage's probe width (head.probe_dims)."""
-        self.stores, self.dims, self.config, self.clock = stores, dims, config, clock
+        """`stores`: stage -> where that head's statistics live (store.py), for every stage."""
+        self.stores, self.config, self.clock = stores, config, clock
         self.heads: dict[str, LengthHead] = {}  # replaced whole by the worker
         self.checkpoints: dict[str, list[tuple[int, np.ndarray]]] = {}
         self.queue: list[Finished] = []
@@ -91,19 +94,19 @@ class LengthRefiner:
         return is_checkpoint(generated, self.config.every)
 
     def observe(self, checkpoints: list[tuple[Sequence, int, np.ndarray]]) -> None:
-        """A step's checkpoints: (seq, output tokens generated before it, probe [sum(dims)])."""
+        """A step's checkpoints: (seq, output tokens generated before it, probe [r])."""
         if not checkpoints:
             return
         seqs, generated, probes = zip(*checkpoints, strict=True)
         for seq, g, probe in zip(seqs, generated, probes, strict=True):  # a copy: not a view
             self.checkpoints.setdefault(seq.request_id, []).append((g, probe.copy()))
-        heads, by_stage = self.heads, split_probe(np.stack(probes), self.dims)
+        heads, probes = self.heads, np.stack(probes)  # [n, r]
         for stage in STAGES:
             head = heads.get(stage)
             rows = [i for i, g in enumerate(generated) if stage_of(g) == stage]
             if head is None or not rows:
                 continue
-            x = features(by_stage[stage][rows], [seqs[i].num_prompt for i in rows],
+            x = features(probes[rows], [seqs[i].num_prompt for i in rows],
                          [seqs[i].params.max_tokens for i in rows],
                          [generated[i] for i in rows])  # [n, r + N_SCALARS]
             dists = head.predict_rows(x, [generated[i] for i in rows],
@@ -160,18 +163,18 @@ class LengthRefiner:
 
     def _sync(self, batch: list[Finished], refresh: bool) -> None:
         for stage in STAGES:
-            delta = learned_stats(batch, stage, self.dims)
+            delta = learned_stats(batch, stage)
             if delta is not None:
                 self._guard("push", self.stores[stage].add, delta)
         if not refresh:
             return
         heads = dict(self.heads)
-        for stage in STAGES:
+        for stage, l2 in zip(STAGES, self.config.l2, strict=True):
             stats = self._guard("load", self.stores[stage].load)
             if stats is not None and stats.requests != self.seen_requests[stage] and \
                     stats.requests >= self.config.min_requests:
                 self.seen_requests[stage] = stats.requests
-                heads[stage] = stats.solve(self.config.l2)
+                heads[stage] = stats.solve(l2)
         self.heads = heads
 
     def _guard(self, what: str, fn, *args):
@@ -182,7 +185,7 @@ class LengthRefiner:
             return None
 
 
-def learned_stats(batch: list[Finished], stage: str, dims: tuple[int, int]) -> HeadStats | None:
+def learned_stats(batch: list[Finished], stage: str) -> HeadStats | None:
     """The statistics `stage`'s head learns from finished requests (None: no rows), all rows in
     one product."""
     xs, ys = [], []
@@ -190,8 +193,7 @@ def learned_stats(batch: list[Finished], stage: str, dims: tuple[int, int]) -> H
         points = [(g, p) for g, p in r.points if learns_from(stage, g)]
         if points:
             g = np.array([g for g, _ in points])
-            probes = split_probe(np.stack([p for _, p in points]), dims)[stage]
-            xs.append(features(probes, r.prompt, r.max_tokens, g))
+            xs.append(features(np.stack([p for _, p in points]), r.prompt, r.max_tokens, g))
             ys.append(targets(r.output - g))
     if not xs:
         return None

@@ -2,8 +2,9 @@
 restarts) or in memory (an engine run in-process without Redis).
 
 Each head (stage) has its own store. Redis layout, under
-`pipellm:lenhead:v3:<model>:<stage>:r<probe width>` (v3: each stage its own probe; the width
-names the feature layout, so a different configuration never mixes its statistics with these):
+`pipellm:lenhead:v3:<model>:<stage>:r<probe width>` (v3: the raw hidden state by default; the
+width names the feature layout, so a different configuration never mixes its statistics with
+these):
 `...:base`, the compacted `HeadStats` blob, and `...:deltas`, a list of blobs not yet folded in.
 A writer `RPUSH`es its delta (atomic: no count is ever lost, whatever the number of writers); a
 reader sums base and deltas, and folds them into base once there are `compact_at` of them, in a
@@ -93,15 +94,13 @@ class RedisStore:
         self.loaded = None
 
 
-def redis_stores(client: redis.Redis, model: str, dims: tuple[int, int],
-                 ) -> dict[str, RedisStore]:
-    """Stage -> its store in Redis, given each stage's probe width."""
-    return {stage: RedisStore(client, length_head_key(model, stage, dim))
-            for stage, dim in zip(STAGES, dims, strict=True)}
+def redis_stores(client: redis.Redis, model: str, dim: int) -> dict[str, RedisStore]:
+    """Stage -> its store in Redis, given the probe's width."""
+    return {stage: RedisStore(client, length_head_key(model, stage, dim)) for stage in STAGES}
 
 
-def memory_stores(dims: tuple[int, int] | None = None) -> dict[str, MemoryStore]:
-    """Stage -> its store in this process (`dims` as redis_stores', unused)."""
+def memory_stores(dim: int | None = None) -> dict[str, MemoryStore]:
+    """Stage -> its store in this process (`dim` as redis_stores', unused)."""
     return {stage: MemoryStore() for stage in STAGES}
 
 
