@@ -145,7 +145,8 @@ class LengthRefiner:
         self.pushed = now if push else self.pushed
         self.refreshed = now if refresh else self.refreshed
         if not cfg.background:
-            return self._sync(batch, refresh)
+            self._sync(batch, refresh)
+            return
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="length-head")
         self._job = self._worker.submit(self._sync, batch, refresh)

@@ -4,11 +4,11 @@ restarts) or in memory (an engine run in-process without Redis).
 Each head (stage) has its own store. Redis layout, under
 `pipellm:lenhead:v3:<model>:<stage>:r<probe width>` (v3: the raw hidden state by default; the
 width names the feature layout, so a different configuration never mixes its statistics with
-these):
-`...:base`, the compacted `HeadStats` blob, and `...:deltas`, a list of blobs not yet folded in.
-A writer `RPUSH`es its delta (atomic: no count is ever lost, whatever the number of writers); a
-reader sums base and deltas, and folds them into base once there are `compact_at` of them, in a
-WATCH/MULTI transaction over both keys, retried if any other writer touched them meanwhile.
+these): `...:base`, the compacted `HeadStats` blob, and `...:deltas`, a list of blobs not yet
+folded in. A writer `RPUSH`es its delta (atomic: no count is ever lost, whatever the number of
+writers); a reader sums base and deltas, and folds them into base once there are `compact_at` of
+them, in a WATCH/MULTI transaction over both keys, retried if any other writer touched them
+meanwhile.
 Every push also increments `...:version`; a reader that finds it unchanged since its last load
 reuses what it loaded (the refining head's statistics over the raw hidden state are ~2.7 MB).
 """
