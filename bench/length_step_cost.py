@@ -66,7 +66,7 @@ class Stream:
         lengths = self.engine.lengths
         if lengths is not None:  # the worker's job in flight is this engine's time
             t = time.perf_counter()
-            lengths._wait()
+            lengths.wait()
             total += time.perf_counter() - t
         return total
 

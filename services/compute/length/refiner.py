@@ -153,12 +153,13 @@ class LengthRefiner:
 
     def flush(self) -> None:
         """Push and refresh now, whatever the intervals, and wait until that is done."""
-        self._wait()  # for the sync in flight
+        self.wait()
         self.pushed = self.refreshed = -math.inf
         self.tick()
-        self._wait()
+        self.wait()
 
-    def _wait(self) -> None:
+    def wait(self) -> None:
+        """Wait for the sync in flight, if any."""
         if self._job is not None:
             self._job.exception()  # returns once the job is done
 
