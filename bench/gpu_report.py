@@ -14,12 +14,15 @@ from pathlib import Path
 
 from services.compute.sim.cost import CostModel, fit_decode
 
-STEPS = ("tests", "kernels", "decode1k", "decode4k", "offline", "serve")
+STEPS = ("tests", "kernels", "decode1k", "decode4k", "offline", "serve", "lengths")
 TARGETS = {  # name -> (figure, threshold, what)
     "decode_graph_pct_bound": (80.0, "decode step, batch 64, ctx 1024, CUDA graph: % of bound"),
     "offline_ratio": (3.0, "offline ShareGPT throughput / transformers generate"),
     "host_share_of_step": (0.10, "host work outside the forward, share of a step (at most)"),
+    "length_hook_share": (0.01, "hidden-state length hook on the step path, batch 256, share "
+                                "of a step (at most)"),
 }
+AT_MOST = ("host_share_of_step", "length_hook_share")
 
 
 def load(folder: Path) -> dict:
@@ -61,14 +64,15 @@ def figures(r: dict) -> dict:
     d1k = ((r.get("decode1k") or {}).get("batches") or {}).get("64", {})
     off = r.get("offline") or {}
     return {"decode_graph_pct_bound": d1k.get("graph_pct_bound"),
-            "offline_ratio": off.get("ratio"), "host_share_of_step": off.get("host_share_of_step")}
+            "offline_ratio": off.get("ratio"), "host_share_of_step": off.get("host_share_of_step"),
+            "length_hook_share": (r.get("lengths") or {}).get("hook_share")}
 
 
 def verdict(name: str, value) -> str:
     threshold, _ = TARGETS[name]
     if value is None:
         return "not measured"
-    ok = value <= threshold if name == "host_share_of_step" else value >= threshold
+    ok = value <= threshold if name in AT_MOST else value >= threshold
     return "met" if ok else "NOT met"
 
 
@@ -92,6 +96,11 @@ def markdown(r: dict, figs: dict, fitted: dict | None) -> str:
     if paged:
         lines.append(f"- paged decode attention (block table) / contiguous: {paged}x: "
                      f"bench/ablation.py --paged-attn-slowdown {paged}")
+    lengths = r.get("lengths")
+    if lengths:
+        lines.append(f"- hidden-state length hook (bench/length_step_cost.py): step "
+                     f"{lengths.get('step_ms_off')} ms without, {lengths.get('step_ms_on')} ms "
+                     f"with it ({lengths.get('slowdown')} slowdown)")
     serve = (r.get("serve") or {}).get("runs")
     if serve:
         for name, row in serve.items():

@@ -200,12 +200,17 @@ def test_gpu_report_fits_the_simulator_to_decode_timings(tmp_path, capsys):
                    for b in (1, 16, 64, 256)}
         (tmp_path / f"{name}.json").write_text(json.dumps({"context": ctx, "batches": batches}))
     (tmp_path / "device.txt").write_text("NVIDIA H100 80GB HBM3, 81559 MiB, 580.1")
+    (tmp_path / "lengths.json").write_text(json.dumps(
+        {"step_ms_off": 10.0, "step_ms_on": 10.2, "slowdown": 0.02, "hook_share": 0.012}))
     gpu_report.main([str(tmp_path)])
-    out = last_json(capsys.readouterr().out)
+    text = capsys.readouterr().out
+    out = last_json(text)
     assert out["fit"]["eff_bw"] == pytest.approx(0.8, rel=1e-3)
     assert out["fit"]["overhead_ms"] == pytest.approx(0.5, rel=1e-2)
     assert out["verdicts"] == {"decode_graph_pct_bound": "met", "offline_ratio": "not measured",
-                               "host_share_of_step": "not measured"}
+                               "host_share_of_step": "not measured",
+                               "length_hook_share": "NOT met"}  # 1.2% > 1%
+    assert "10.2 ms with it" in text
 
 
 def test_gpu_suite_script_parses():
