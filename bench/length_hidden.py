@@ -115,7 +115,7 @@ def run_online(items: list[Item], dim: int, every: int, l2: tuple[float, float],
     hidden = items[0].hidden.shape[1]
     probe = probe_matrix(hidden, probe_dim(hidden, dim))
     refiner = LengthRefiner(memory_stores(), RefinerConfig(
-        every=every, min_requests=MIN_REQUESTS, l2=l2, push_s=0, refresh_s=0, background=False))
+        min_requests=MIN_REQUESTS, l2=l2, push_s=0, refresh_s=0, background=False))
     out = []
     for i in order:
         it = items[i]

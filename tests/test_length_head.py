@@ -199,7 +199,7 @@ def engine_with_head(model: str, **kw):
     engine = build_engine(EngineConfig(model=model, kv_cache_tokens=4096, max_running=16,
                                        hidden_length=True,
                                        default_predicted_len=50, kv_reserve_horizon=0, **kw))
-    engine.lengths.config = RefinerConfig(every=32, min_requests=16, push_s=0, refresh_s=0,
+    engine.lengths.config = RefinerConfig(min_requests=16, push_s=0, refresh_s=0,
                                           l2=(0.1, 0.1))
     return engine  # syncs in the background: flush() before reading what it learned
 
@@ -247,7 +247,7 @@ def test_hidden_length_changes_no_token_and_probes_only_checkpoints(demo_model_d
                                            max_running=8, hidden_length=on,
                                            length_refine_every=8))
         if on:
-            engine.lengths.config = RefinerConfig(every=8, min_requests=4, push_s=0,
+            engine.lengths.config = RefinerConfig(min_requests=4, push_s=0,
                                                   refresh_s=0, background=False)
             seen, dim = [], engine.runner.probe_dim
             assert dim == engine.model_config.hidden_size  # narrow: the raw state
@@ -278,20 +278,25 @@ def _request(rid: str, prompt_len: int, max_tokens: int):
                     stop_ids=frozenset())
 
 
-def _run_to_limit(refiner, seq, rng: np.random.Generator, dim: int = 8) -> None:
-    """Generate seq to max_tokens, a random probe at each checkpoint; then it finishes."""
+def _run_to_limit(refiner, seq, rng: np.random.Generator, dim: int = 8,
+                  every: int = 32) -> list:
+    """Generate seq to max_tokens, a random probe at each checkpoint; then it finishes.
+    Returns the (generated, probe) checkpoints."""
+    points = []
     for g in range(seq.params.max_tokens):
-        if refiner.is_checkpoint(g):
-            refiner.observe([(seq, g, rng.normal(size=dim))])
+        if is_checkpoint(g, every):
+            points.append((g, rng.normal(size=dim)))
+            refiner.observe([(seq, *points[-1])])
         seq.append(5, 0.0)
     assert seq.finish_reason == "length"
     refiner.finished(seq)
+    return points
 
 
 def test_each_stage_learns_from_its_own_checkpoints_and_predicts_at_them():
     """The prefill head learns one row per request; the refining head every checkpoint."""
     refiner = LengthRefiner(memory_stores(), RefinerConfig(
-        every=32, min_requests=4, push_s=0, refresh_s=0, background=False))
+        min_requests=4, push_s=0, refresh_s=0, background=False))
     rng = np.random.default_rng(3)
     for i in range(8):
         _run_to_limit(refiner, _request(f"r{i}", 3, 100), rng)
@@ -317,7 +322,7 @@ def test_replicas_share_both_heads_through_redis(redis_url):
     assert len({s.base_key for s in stores.values()}) == 2
     for s in stores.values():
         s.clear()
-    fast = RefinerConfig(every=32, min_requests=4, push_s=0, refresh_s=0)
+    fast = RefinerConfig(min_requests=4, push_s=0, refresh_s=0)
     writer = LengthRefiner(stores, fast)
     reader = LengthRefiner(redis_stores(client, "replicas-share-test", 8), fast)
     rng = np.random.default_rng(4)
@@ -344,30 +349,18 @@ def test_probe_width_and_matrix():
     assert len(keys) == 4
 
 
-def _finish(refiner, seq, rng, dim: int) -> list:
-    """Run `seq` to its limit through `refiner`; the (generated, probe) checkpoints it saw."""
-    points = []
-    for g in range(seq.params.max_tokens):
-        if refiner.is_checkpoint(g):
-            points.append((g, rng.normal(size=dim)))
-            refiner.observe([(seq, *points[-1])])
-        seq.append(5, 0.0)
-    refiner.finished(seq)
-    return points
-
-
 def test_batched_learning_matches_row_by_row_and_the_worker_matches_inline():
     """learned_stats adds all rows in one product: the same statistics as adding each
     request's rows on its own; the background sync solves the same heads as an inline one."""
     rng = np.random.default_rng(9)
     refiners = [LengthRefiner(memory_stores(), RefinerConfig(
-        every=16, min_requests=4, push_s=0, refresh_s=0, background=bg)) for bg in (True, False)]
+        min_requests=4, push_s=0, refresh_s=0, background=bg)) for bg in (True, False)]
     by_hand = {"prefill": HeadStats.zeros(12 + 3), "refine": HeadStats.zeros(12 + 3)}
     for i in range(12):
         points = None
         for refiner in refiners:
             seq = _request(f"r{i}", 3 + i, 20 + 7 * i)
-            got = _finish(refiner, seq, np.random.default_rng(i), 12)
+            got = _run_to_limit(refiner, seq, np.random.default_rng(i), dim=12, every=16)
             points = points or got
             refiner.tick()
         for stage, stats in by_hand.items():

@@ -15,7 +15,7 @@ import itertools
 import secrets
 from dataclasses import dataclass, field
 
-from services.compute.length.refiner import LengthRefiner, RefinerConfig
+from services.compute.length.refiner import LengthRefiner
 from services.compute.length.store import memory_stores
 from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
@@ -80,9 +80,8 @@ class LLMEngine:
         mode = config.overlap_schedule
         self.overlap = mode == "on" or (mode == "auto" and runner.asynchronous)
         self._inflight = None  # (ScheduledStep, its runner handle): launched, not committed
-        self.lengths = LengthRefiner(
-            (length_stores or memory_stores)(runner.probe_dim),
-            RefinerConfig(every=config.length_refine_every)) \
+        # the runner decides which rows are checkpoints (--length-refine-every)
+        self.lengths = LengthRefiner((length_stores or memory_stores)(runner.probe_dim)) \
             if getattr(runner, "probe", None) is not None else None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,

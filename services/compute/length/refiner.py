@@ -36,7 +36,6 @@ from services.compute.length.head import (
     HeadStats,
     LengthHead,
     features,
-    is_checkpoint,
     learns_from,
     stage_of,
     targets,
@@ -49,7 +48,6 @@ LEARNED = ("stop", "length")
 
 @dataclass(frozen=True)
 class RefinerConfig:
-    every: int = 32  # checkpoints at generated = 0, every, 2 x every, ... (0: only at 0)
     min_requests: int = 16  # the head predicts once it has learned this many requests
     # ridge penalty on standardized features, per stage (prefill, refine): the head after
     # prefill has one row per request, the refining one ~20x more. On SmolLM2's lengths, MAE
@@ -89,9 +87,6 @@ class LengthRefiner:
         # and its idle threads spin, taking cores from the model's (on 2 CPU cores: +10% step
         # time, bench/length_step_cost.py); torch's own threads are not affected
         threadpool_limits(1, user_api="blas")
-
-    def is_checkpoint(self, generated: int) -> bool:
-        return is_checkpoint(generated, self.config.every)
 
     def observe(self, checkpoints: list[tuple[Sequence, int, np.ndarray]]) -> None:
         """A step's checkpoints: (seq, output tokens generated before it, probe [r])."""
