@@ -40,11 +40,11 @@ if "--quick" in sys.argv[1:] and not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from kernels import dispatch  # noqa: E402
-from services.compute.batch import ForwardBatch, build_batch  # noqa: E402
+from services.compute.core.batch import ForwardBatch, build_batch  # noqa: E402
+from services.compute.core.sequence import SeqStatus, Sequence  # noqa: E402
+from services.compute.core.step import ScheduledStep  # noqa: E402
 from services.compute.kv.kv_cache import KVCache  # noqa: E402
 from services.compute.model.llama import LlamaModel  # noqa: E402
-from services.compute.scheduling.sequence import SeqStatus, Sequence  # noqa: E402
-from services.compute.scheduling.step import ScheduledStep  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402
 from shared.model_config import ModelConfig  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402

@@ -27,10 +27,10 @@ import torch
 
 from bench import length_data
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
+from services.compute.core.sequence import Sequence
 from services.compute.length.head import probe_dim, probe_matrix
 from services.compute.length.refiner import LengthRefiner, RefinerConfig
 from services.compute.length.store import memory_stores
-from services.compute.scheduling.sequence import Sequence
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 from shared.tokenizer import encode, load_tokenizer

@@ -39,12 +39,12 @@ from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
 from services.compute.backend import build_engine  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
+from services.compute.core.sequence import Sequence  # noqa: E402
+from services.compute.core.step import StepSample  # noqa: E402
 from services.compute.inflight import InFlight  # noqa: E402
 from services.compute.kv.allocator import KVAllocator  # noqa: E402
 from services.compute.scheduling.config import SchedulerConfig  # noqa: E402
 from services.compute.scheduling.scheduler import Scheduler  # noqa: E402
-from services.compute.scheduling.sequence import Sequence  # noqa: E402
-from services.compute.scheduling.step import StepSample  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
 from shared.demo_model import build_demo_tokenizer  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
+from services.compute.core.sequence import Sequence
 from services.compute.kv.allocator import KVAllocator
 from services.compute.scheduling.admission import AggregatePeak, FuturePeak
 from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
-from services.compute.scheduling.sequence import Sequence
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 

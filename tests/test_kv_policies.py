@@ -7,13 +7,13 @@ import random
 
 import pytest
 
+from services.compute.core.sequence import SeqStatus, Sequence
+from services.compute.core.step import StepSample
 from services.compute.kv import compaction
 from services.compute.kv.allocator import KVAllocator
 from services.compute.kv.paged_allocator import PagedAllocator
 from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
-from services.compute.scheduling.sequence import SeqStatus, Sequence
-from services.compute.scheduling.step import StepSample
 from shared.config import EngineConfig
 from shared.length_dist import LEVELS, LengthDist
 from shared.sampling import SamplingParams

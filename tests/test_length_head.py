@@ -271,7 +271,7 @@ def test_memory_store_accumulates():
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int):
-    from services.compute.scheduling.sequence import Sequence
+    from services.compute.core.sequence import Sequence
 
     return Sequence(rid, [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                     seed=0, max_len=prompt_len + max_tokens, predicted_length=None,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from services.compute.backend import build_engine
+from services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
+from services.compute.core.step import StepSample
 from services.compute.kv.allocator import KVAllocator
 from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
-from services.compute.scheduling.sequence import UNSAMPLED, SeqStatus, Sequence
-from services.compute.scheduling.step import StepSample
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from services.compute.core.sequence import SeqStatus, Sequence
+from services.compute.core.step import StepSample
 from services.compute.kv.allocator import KVAllocator
 from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
-from services.compute.scheduling.sequence import SeqStatus, Sequence
-from services.compute.scheduling.step import StepSample
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from services.compute.batch import ForwardBatch
+from services.compute.core.batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 1025, 32))

@@ -15,12 +15,12 @@ import itertools
 import secrets
 from dataclasses import dataclass, field
 
+from services.compute.core.sequence import SeqStatus, Sequence
+from services.compute.core.step import ScheduledStep, Top
 from services.compute.length.refiner import LengthRefiner
 from services.compute.length.store import memory_stores
 from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
-from services.compute.scheduling.sequence import SeqStatus, Sequence
-from services.compute.scheduling.step import ScheduledStep, Top
 from shared.codec import float32s, int32s
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.compute.scheduling.sequence import Sequence
-from services.compute.scheduling.step import ScheduledStep, StepSample, Top
+from services.compute.core.sequence import Sequence
+from services.compute.core.step import ScheduledStep, StepSample, Top
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

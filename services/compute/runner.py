@@ -9,6 +9,8 @@ import torch
 from kernels import apply_penalties, set_backend, to_device, token_stats
 from kernels.kv_quant import KV_GROUP
 from services.compute.batch import build_batch
+from services.compute.core.sequence import Sequence
+from services.compute.core.step import ScheduledStep
 from services.compute.cuda_graphs import DecodeGraphs
 from services.compute.inflight import InFlight, PromptRows, TopRows, to_host
 from services.compute.kv.kv_cache import KVCache
@@ -18,8 +20,6 @@ from services.compute.model import quantization, smoothing
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
 from services.compute.sampling_batch import SamplingBatch
-from services.compute.scheduling.sequence import Sequence
-from services.compute.scheduling.step import ScheduledStep
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import sample, to_device
-from services.compute.scheduling.sequence import Sequence
+from services.compute.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

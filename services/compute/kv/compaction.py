@@ -10,8 +10,8 @@ moved sequences' `kv_start` is updated; segments holding no KV yet move without 
 
 from __future__ import annotations
 
+from services.compute.core.sequence import Sequence
 from services.compute.kv.allocator import KVAllocator
-from services.compute.scheduling.sequence import Sequence
 
 # Most of the cache one gather may shift: to admit a request (larger gathers pack segments
 # tight, and their regrowth then costs more moves than the gather saved), and to let a running

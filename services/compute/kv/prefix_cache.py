@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.compute.core.sequence import Sequence
 from services.compute.kv.allocator import KVAllocator
 from services.compute.kv.prefix_index import PrefixIndex
-from services.compute.scheduling.sequence import Sequence
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.compute.batch import ForwardBatch
+from services.compute.core.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
 
 log = logging.getLogger(__name__)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from services.compute.core.sequence import Sequence
 from services.compute.length.head import (
     STAGES,
     HeadStats,
@@ -40,7 +41,6 @@ from services.compute.length.head import (
     stage_of,
     targets,
 )
-from services.compute.scheduling.sequence import Sequence
 
 log = logging.getLogger(__name__)
 LEARNED = ("stop", "length")

@@ -23,7 +23,7 @@ from kernels import (
     silu_mul_int8,
 )
 from kernels.int4_gemm import Int4Weight, quantize_int4
-from services.compute.batch import ForwardBatch
+from services.compute.core.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
 from services.compute.model.linear import Linear
 from services.compute.model.quantization import Quantization

@@ -1,2 +1,2 @@
-"""What runs each step: a request's state (`sequence.py`), the merged-step scheduler and its
-admission rule. Pure logic: no torch, sockets or Redis."""
+"""What runs each step: the merged-step scheduler, its admission rule and KV policies. Pure
+logic: no torch, sockets or Redis. The request state it moves lives in `core/`."""

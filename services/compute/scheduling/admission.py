@@ -6,7 +6,7 @@ from statistics import NormalDist
 
 import numpy as np
 
-from services.compute.scheduling.sequence import Sequence
+from services.compute.core.sequence import Sequence
 from shared.length_dist import LEVELS, TAIL_FACTOR
 
 

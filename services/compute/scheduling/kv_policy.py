@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.compute.core.sequence import Sequence
 from services.compute.kv.allocator import KVAllocator
 from services.compute.kv.compaction import segment_at
 from services.compute.kv.paged_allocator import PagedAllocator
-from services.compute.scheduling.sequence import Sequence
 
 PAGED_WATERMARK = 0.01  # vLLM's default share of blocks kept free at admission
 

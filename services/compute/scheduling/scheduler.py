@@ -27,13 +27,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
+from services.compute.core.step import Committed, ScheduledStep, StepSample
 from services.compute.kv.allocator import KVAllocator
 from services.compute.kv.compaction import Compactor
 from services.compute.kv.paged_allocator import PagedAllocator
 from services.compute.kv.prefix_cache import PrefixCache
 from services.compute.scheduling.config import SchedulerConfig
-from services.compute.scheduling.sequence import UNSAMPLED, SeqStatus, Sequence
-from services.compute.scheduling.step import Committed, ScheduledStep, StepSample
 
 
 @dataclass

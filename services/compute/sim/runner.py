@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import time
 
+from services.compute.core.step import ScheduledStep, StepSample
 from services.compute.inflight import Done
-from services.compute.scheduling.step import ScheduledStep, StepSample
 from services.compute.sim.cost import CostModel, kv_dtype_bytes
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig

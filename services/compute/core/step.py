@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.compute.scheduling.sequence import Sequence
+from services.compute.core.sequence import Sequence
 
 
 @dataclass
