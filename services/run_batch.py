@@ -5,9 +5,9 @@ Each input line is `{"custom_id", "method": "POST", "url": "/v1/completions" or
 "/v1/chat/completions", "body": {...}}`; each output line, in input order, is `{"id",
 "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`. A line that
 cannot be served gets its 4xx and OpenAI error body there; the others run, all at once through
-the engine's scheduler. The parts are the server's: the gateway's request parsing and response
-shapes, the tokenizer's prompt preparation, the detokenizer's incremental decoding and stop
-strings; so an answer is what the server gives for the same request and seed.
+the engine's scheduler. The parts are the server's: the gateway's request parsing, choice
+bookkeeping and response shapes, the tokenizer's prompt preparation, compute's step message and
+the detokenizer itself; so an answer is what the server gives for the same request and seed.
 """
 
 from __future__ import annotations
@@ -17,30 +17,22 @@ import secrets
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from services.detokenizer.incremental import IncrementalDetokenizer
-from services.detokenizer.stop import StopMatcher
+from services.compute.service import step_output
+from services.detokenizer.service import Detokenizer
 from services.gateway import protocol, responses
 from services.gateway.errors import APIError
 from services.gateway.inflight import ChoiceState
-from services.gateway.stream import final_answer
+from services.gateway.stream import final_answer, logprob_entries
 from services.tokenizer.service import PromptError, Tokenizer
-from shared.messages import GenerateRequest
+from shared.generation_config import GenerationDefaults
+from shared.messages import Delta, GenerateRequest, Route
 from shared.sampling import InvalidParams
 from shared.tokenizer import decode
 
 URLS = {"/v1/completions": protocol.parse_completion,
         "/v1/chat/completions": protocol.parse_chat}
-
-
-@dataclass
-class Choice:
-    """One generated choice: what it produced, as the gateway keeps it, and its decoders."""
-
-    state: ChoiceState
-    detok: IncrementalDetokenizer
-    stop: StopMatcher
 
 
 @dataclass
@@ -51,13 +43,22 @@ class Item:
     request_id: str
     req: protocol.GenerationRequest | None = None
     error: APIError | None = None
-    choices: dict[str, Choice] = field(default_factory=dict)  # choice id, in index order
+    choices: dict[str, ChoiceState] = field(default_factory=dict)  # choice id, in index order
 
 
 class BatchRunner:
-    def __init__(self, engine, tokenizer: Tokenizer, model_name: str):
+    """The server's pipeline in one process: each engine step becomes the StepOutput compute
+    would send, the detokenizer's own logic turns it into Deltas (text, stop strings, the
+    held-back remainder at a finish), and each choice takes them in as the gateway does."""
+
+    def __init__(self, engine, tokenizer: Tokenizer, model_name: str,
+                 defaults: GenerationDefaults | None = None):
+        """`defaults`: the model's sampling defaults, applied as the gateway applies them."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.live: dict[str, tuple[Item, Choice]] = {}  # engine request id -> its choice
+        self.defaults = defaults or GenerationDefaults()
+        self.detokenizer = Detokenizer(tokenizer.tok, ttl_s=0)
+        self.routes: dict[str, Route] = {}  # engine request id -> its route, until it finishes
+        self.live: dict[str, tuple[Item, ChoiceState]] = {}  # engine request id -> its choice
 
     def parse(self, line: str) -> Item:
         """An input line as an Item; an unusable one carries its error."""
@@ -70,7 +71,7 @@ class BatchRunner:
             parse = URLS.get(obj.get("url"))
             if parse is None or obj.get("method", "POST") != "POST":
                 raise APIError(400, f"url must be POST {' or '.join(URLS)}", param="url")
-            item.req = parse(obj.get("body"), self.model_name)
+            item.req = parse(obj.get("body"), self.model_name, defaults=self.defaults)
             if item.req.params.prompt_logprobs is not None:
                 raise APIError(400, "prompt logprobs (echo with logprobs) are not supported by "
                                "run-batch", param="echo")
@@ -94,41 +95,35 @@ class BatchRunner:
             for rid in item.choices:
                 self.engine.abort(rid)
                 self.live.pop(rid, None)
+                self.routes.pop(rid, None)
 
     def _add(self, item: Item, g: GenerateRequest) -> None:
         self.engine.add_request(list(g.prompt_ids), g.params, g.request_id)
-        state = ChoiceState(len(item.choices), num_prompt=g.route.num_prompt)
-        c = Choice(state, IncrementalDetokenizer(self.tokenizer.tok, list(g.route.prompt_tail)),
-                   StopMatcher(g.route.stop))
-        item.choices[g.request_id] = c
-        self.live[g.request_id] = (item, c)
+        choice = ChoiceState(len(item.choices))
+        item.choices[g.request_id] = choice
+        self.live[g.request_id] = (item, choice)
+        self.routes[g.request_id] = g.route
 
     def run(self, on_step) -> None:
         """Step the engine until every choice finished; `on_step(tokens)` after each step."""
         while self.live:
             result = self.engine.step()
-            for e in result.events:
-                self._token(e)
+            routes = [replace(self.routes[r], cached_tokens=n)
+                      for r, n in zip(result.admitted, result.cached_tokens, strict=True)]
+            out = self.detokenizer.handle(step_output(result.events, routes, []))
+            for stop in out.stops:  # a stop string matched: the engine stops that choice
+                self.engine.abort(stop.request_id)
+            for deltas in out.deltas.values():
+                for delta in deltas:
+                    self._take(delta)
             on_step(len(result.events))
 
-    def _token(self, e) -> None:
-        item, c = self.live[e.request_id]
-        s = c.state
-        s.token_ids.append(e.token_id)
-        s.cum_logprob += e.logprob
-        if item.req.logprobs:
-            text = self._token_text
-            top = [(text(i), v) for i, v in zip(*e.top, strict=True)] if e.top else []
-            s.logprobs.append(responses.TokenLogprob(text(e.token_id), e.logprob, top))
-        out, stopped = c.stop.feed(c.detok.add([e.token_id]))
-        s.text.append(out)
-        if stopped or e.finish_reason is not None:
-            if stopped:
-                self.engine.abort(e.request_id)
-            else:
-                s.text.append(c.stop.flush())
-            s.finish_reason = "stop" if stopped else e.finish_reason
-            del self.live[e.request_id]
+    def _take(self, delta: Delta) -> None:
+        item, choice = self.live[delta.request_id]
+        choice.add(delta, logprob_entries(self._token_text, item.req, delta))
+        if delta.finish_reason is not None:
+            del self.live[delta.request_id]
+            del self.routes[delta.request_id]
 
     def _token_text(self, token_id: int) -> str:
         return decode(self.tokenizer.tok, [token_id], skip_special_tokens=False)
@@ -145,14 +140,15 @@ class BatchRunner:
 
     def _body(self, item: Item) -> dict:
         """The answer the gateway gives (services/gateway/stream.final_answer)."""
-        states = [c.state for c in item.choices.values()]
         return final_answer(self.tokenizer.tok, item.req, responses.new_id(item.req.kind),
-                            states)
+                            list(item.choices.values()))
 
 
-def run_batch(engine, tokenizer: Tokenizer, model_name: str, src, dst, progress=sys.stderr):
-    """Run the batch file `src` (lines) into `dst`; returns (requests, failed, tokens, s)."""
-    runner = BatchRunner(engine, tokenizer, model_name)
+def run_batch(engine, tokenizer: Tokenizer, model_name: str, src, dst, progress=sys.stderr,
+              defaults: GenerationDefaults | None = None):
+    """Run the batch file `src` (lines) into `dst`; returns (requests, failed, tokens, s).
+    `defaults`: the model's sampling defaults (--generation-config)."""
+    runner = BatchRunner(engine, tokenizer, model_name, defaults)
     items = [runner.parse(line) for line in src if line.strip()]
     start = time.monotonic()
     for item in items:

@@ -132,3 +132,24 @@ def test_echo_of_a_token_id_prompt_is_its_text(results, demo_model_dir):
     text = out[9]["response"]["body"]["choices"][0]["text"]
     prompt = tok.decode([1, 200, 300], skip_special_tokens=False)
     assert text.startswith(prompt) and len(text) > len(prompt)
+
+
+def test_text_held_back_at_the_end_of_an_output_is_flushed(engine, demo_model_dir):
+    """An output whose last token is half a character: the detokenizer holds its bytes back
+    until the finish, then flushes them (as U+FFFD), as the server's detokenizer does; a copy
+    of its per-token loop that forgets flush() loses them."""
+    import io
+
+    from services.run_batch import run_batch
+    from services.tokenizer.service import Tokenizer
+
+    tokenizer = Tokenizer(EngineConfig(model=str(demo_model_dir)))
+    half = tokenizer.tok.token_to_id("\u00e2")  # byte-level BPE: the byte 0xE2 alone
+    assert tokenizer.tok.decode([half]) == "\ufffd"
+    body = {"prompt": "The quick brown fox", "max_tokens": 1, "temperature": 0,
+            "logit_bias": {str(half): 100}, "logprobs": 0}
+    dst = io.StringIO()
+    run_batch(engine, tokenizer, MODEL, [line("half", body)], dst, progress=None)
+    choice = json.loads(dst.getvalue())["response"]["body"]["choices"][0]
+    assert choice["logprobs"]["tokens"] == ["\ufffd"]  # the forced token was generated
+    assert choice["text"] == "\ufffd" and choice["finish_reason"] == "length"

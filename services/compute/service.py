@@ -63,7 +63,7 @@ class ComputeService:
                 if isinstance(msg, GenerateRequest):
                     self._add(msg, errors)
         if errors or aborted:
-            out = _output([], [], errors)
+            out = step_output([], [], errors)
             out.aborted = aborted
             self.outbox.send(out)
 
@@ -100,7 +100,7 @@ class ComputeService:
         for e in result.events:
             if e.finish_reason is not None:
                 self.routes.pop(e.request_id, None)
-        out = _output(result.events, routes, [])
+        out = step_output(result.events, routes, [])
         out.prompt_logprobs = result.prompt_logprobs
         return out
 
@@ -121,7 +121,7 @@ class ComputeService:
             pass  # the heartbeat thread reports the outage
 
 
-def _output(events, routes: list[Route], errors: list[list[str]]) -> StepOutput:
+def step_output(events, routes: list[Route], errors: list[list[str]]) -> StepOutput:
     return StepOutput(
         routes=routes, request_ids=[e.request_id for e in events],
         token_ids=int32s(e.token_id for e in events),

@@ -37,6 +37,17 @@ class ChoiceState:
     last: float = 0.0  # monotonic time of the last delta, for inter-token latency
     sent_role: bool = False
 
+    def add(self, delta: Delta, entries: list[TokenLogprob]) -> None:
+        """Take in the choice's next delta (`entries`: its logprob entries, if asked for)."""
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.cum_logprob += sum(delta.logprobs)
+        self.logprobs.extend(entries)
+        self.num_prompt = delta.num_prompt
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
     @property
     def id_suffix(self) -> str:
         return state.choice_id("", self.index, self.attempt)

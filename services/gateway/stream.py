@@ -36,38 +36,32 @@ async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
             delta.text, delta.token_ids, delta.logprobs = "", array("i"), array("f")
             delta.top_ids, delta.top_logprobs = array("i"), array("f")
             delta.finish_reason = delta.finish_reason and "length"
-        entries = _entries(gw, req, delta)
-        c.text.append(delta.text)
-        c.token_ids.extend(delta.token_ids)
-        c.cum_logprob += sum(delta.logprobs)
-        c.logprobs.extend(entries)
-        c.num_prompt = delta.num_prompt
-        c.cached_tokens = max(c.cached_tokens, delta.cached_tokens)
+        entries = logprob_entries(gw.token_text, req, delta)
+        c.add(delta, entries)
         if delta.finish_reason is not None:
-            c.finish_reason = delta.finish_reason
             open_choices -= 1
         yield c, delta, entries
     gw.metrics.requests.labels("finished").inc()
     gw.metrics.e2e.observe(time.monotonic() - inflight.start)
 
 
-def _entries(gw, req: GenerationRequest, delta: Delta) -> list[responses.TokenLogprob]:
+def logprob_entries(token_text, req: GenerationRequest, delta: Delta,
+                    ) -> list[responses.TokenLogprob]:
     """The delta's logprob entries: the prompt's (when echoed with logprobs, on the first
-    delta), then its generated tokens' (when asked for)."""
+    delta), then its generated tokens' (when asked for). `token_text(id)`: a token's string."""
     out = []
     p = delta.prompt_logprobs
     if p is not None and delta.prompt_ids is not None:
-        out.append(responses.TokenLogprob(gw.token_text(delta.prompt_ids[0]), None))
-        out += _rows(gw, p.token_ids, p.logprobs, p.top_ids, p.top_logprobs, p.k)
+        out.append(responses.TokenLogprob(token_text(delta.prompt_ids[0]), None))
+        out += _rows(token_text, p.token_ids, p.logprobs, p.top_ids, p.top_logprobs, p.k)
     if req.logprobs:
-        out += _rows(gw, delta.token_ids, delta.logprobs, delta.top_ids, delta.top_logprobs,
-                     req.top_logprobs)
+        out += _rows(token_text, delta.token_ids, delta.logprobs, delta.top_ids,
+                     delta.top_logprobs, req.top_logprobs)
     return out
 
 
-def _rows(gw, ids, logprobs, top_ids, top_logprobs, k: int) -> list[responses.TokenLogprob]:
+def _rows(text, ids, logprobs, top_ids, top_logprobs, k: int) -> list[responses.TokenLogprob]:
     """TokenLogprobs of tokens `ids` [n] with their k alternatives ([n * k], row-major)."""
-    text = gw.token_text
     return [responses.TokenLogprob(text(t), lp, [
         (text(top_ids[j]), top_logprobs[j]) for j in range(i * k, (i + 1) * k)])
         for i, (t, lp) in enumerate(zip(ids, logprobs, strict=True))]
