@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
       "sharegpt-multiturn (4-turn conversations, each prompt the last one + its answer + a "
       "new question) and shared-prefix (a 1k-token system text before every question); see "
       "loadgen.prefix_datasets")
-    a("--dataset-path", default=None, help="default: the file in ../shared/data")
+    a("--dataset-path", default=None, help="default: the file in data/")
     a("--num-prompts", type=int, default=1000)
     a("--random-input-len", type=int, default=1024)
     a("--random-output-len", type=int, default=128)

@@ -37,8 +37,8 @@ class WorkItem:
 
 
 def default_data_dir() -> Path:
-    """`<repo root>/../shared/data`, where every checkout finds the shared request data."""
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    """`<repo root>/data`, the request data the repository carries (see its README.md)."""
+    return Path(__file__).resolve().parents[1] / "data"
 
 
 def load_sharegpt(path: str | Path, tokenizer: Tokenizer | None = None,

@@ -60,9 +60,9 @@ def test_load_sharegpt_with_tokenizer_and_limit(tmp_path: Path):
     assert items[0].output_len == len(tok.encode(a, add_special_tokens=False).ids)
 
 
-def test_default_data_dir_is_beside_the_repo():
+def test_default_data_dir_is_in_the_repo():
     repo = Path(__file__).resolve().parents[1]
-    assert default_data_dir() == repo.parent / "shared" / "data"
+    assert default_data_dir() == repo / "data"
 
 
 def test_multiturn_prompts_extend_the_previous_turn():

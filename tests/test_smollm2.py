@@ -23,7 +23,7 @@ from shared.sampling import SamplingParams
 from shared.tokenizer import load_tokenizer
 from tests.stack import Stack
 
-SHAREGPT = Path(__file__).resolve().parents[2] / "shared/data/sharegpt_samples_1024.json"
+SHAREGPT = Path(__file__).resolve().parents[1] / "data/sharegpt_samples_1024.json"
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "How do I reverse a list in Python?", "Give me three tips for sleeping better."]
 COMPLETIONS = ["The quick brown fox", "def fibonacci(n):", "Once upon a time, in a small village,",
