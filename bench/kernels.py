@@ -46,16 +46,16 @@ from torch.backends.cuda import SDPAParams, can_use_flash_attention  # noqa: E40
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
+from bench.paged_attention import decode_attention_paged  # noqa: E402
 from kernels import dispatch  # noqa: E402
 from kernels.activation import silu_mul, silu_mul_ref  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
-from kernels.decode_attention_paged import decode_attention_paged  # noqa: E402
 from kernels.int4_gemm import dequantize_int4, int4_gemm_triton, quantize_int4  # noqa: E402
 from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref  # noqa: E402
 from kernels.rope import rope_kv_write, rope_kv_write_ref  # noqa: E402
-from kernels.sampling import sample, sample_reference  # noqa: E402
+from kernels.sampling import SamplingBatch, sample, sample_reference  # noqa: E402
 from services.compute.model.rope import RotaryEmbedding  # noqa: E402
 
 FULL = dict(heads=(32, 8, 128), hidden=4096, inter=14336, vocab=128256, copy_mib=1024,
@@ -272,10 +272,11 @@ def case_sample(s: dict, B: int) -> dict:
     rows = torch.arange(B, device=dev)
     top_k = torch.where(rows % 2 == 0, 50, 0)
     top_p = torch.where(rows % 3 == 0, 1.0, 0.9).float()
-    args = (logits, torch.full((B,), 0.8, device=dev), top_k, top_p, torch.zeros(B, device=dev),
-            rows * 7919 + 1, torch.zeros_like(rows))
+    batch = SamplingBatch(temperature=torch.full((B,), 0.8, device=dev), top_p=top_p,
+                          min_p=torch.zeros(B, device=dev), top_k=top_k, seeds=rows * 7919 + 1,
+                          steps=torch.zeros_like(rows))
     return dict(name=f"sample_b{B}", unit="GB/s", work=logits.numel() * 4,
-                tri=lambda: sample(*args), base=lambda: sample_reference(*args),
+                tri=lambda: sample(logits, batch), base=lambda: sample_reference(logits, batch),
                 check=lambda a, b: f"ids equal {int((a[0] == b[0]).sum())}/{B}")
 
 

@@ -35,7 +35,7 @@ from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
 from services.compute.backend import build_engine
 from shared import default_model
 from shared.chat_template import load_chat_template
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.model_config import ModelConfig
 from shared.sampling import SamplingParams
 from shared.tokenizer import encode, load_tokenizer
@@ -91,9 +91,10 @@ def recording_engine(model: str, max_running: int):
     """The default engine with a Recorder as its length hook and an identity probe (the
     runner probes every EVERY generated tokens)."""
     hidden = ModelConfig.from_path(model).hidden_size
-    engine = build_engine(EngineConfig(model=model, max_running=max_running, kv_cache_gib=4.0,
-                                       hidden_length=True, length_probe_dim=hidden,
-                                       length_refine_every=EVERY))
+    engine = build_engine(EngineConfig(model=model,
+                                       scheduler=SchedulerConfig(max_running=max_running),
+                                       kv_cache_gib=4.0, hidden_length=True,
+                                       length_probe_dim=hidden, length_refine_every=EVERY))
     engine.lengths = Recorder()
     return engine
 

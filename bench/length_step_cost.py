@@ -29,7 +29,7 @@ from dataclasses import replace
 from bench.common import machine
 from services.compute.backend import build_engine
 from shared import default_model
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
 
 
@@ -75,7 +75,8 @@ def with_hook(model: str, args) -> tuple:
     """The engine with the hook, its heads learned; its hook's parts timed into (on the step
     path, syncs) lists."""
     engine = build_engine(EngineConfig(
-        model=model, max_running=args.batch, kv_cache_gib=args.kv_cache_gib,
+        model=model, scheduler=SchedulerConfig(max_running=args.batch),
+        kv_cache_gib=args.kv_cache_gib,
         hidden_length=True, length_refine_every=args.every, length_probe_dim=args.probe_dim))
     lengths, runner = engine.lengths, engine.runner
     lengths.config = replace(lengths.config, min_requests=4,
@@ -110,7 +111,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     model = args.model or default_model.resolve()
     on, hook, sync = with_hook(model, args)
-    off = build_engine(EngineConfig(model=model, max_running=args.batch,
+    off = build_engine(EngineConfig(model=model, scheduler=SchedulerConfig(max_running=args.batch),
                                     kv_cache_gib=args.kv_cache_gib))
     streams = {"off": Stream(off, args.batch), "on": Stream(on, args.batch)}
     for stream in streams.values():

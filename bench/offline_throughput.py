@@ -43,9 +43,8 @@ from services.compute.core.sequence import Sequence  # noqa: E402
 from services.compute.core.step import StepSample  # noqa: E402
 from services.compute.inflight import InFlight  # noqa: E402
 from services.compute.kv.allocator import KVAllocator  # noqa: E402
-from services.compute.scheduling.config import SchedulerConfig  # noqa: E402
 from services.compute.scheduling.scheduler import Scheduler  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
+from shared.config import EngineConfig, SchedulerConfig  # noqa: E402
 from shared.demo_model import build_demo_tokenizer  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
@@ -157,7 +156,8 @@ def run_engine(model_dir: Path, prompts: list[list[int]], olens: list[int], capa
     engine = build_engine(EngineConfig(
         model=str(model_dir), device=args.device, dtype=args.dtype,
         kv_cache_tokens=0 if args.device == "cuda" else capacity,  # CUDA: profiled
-        max_batched_tokens=args.max_batched_tokens, max_running=args.max_running))
+        scheduler=SchedulerConfig(max_batched_tokens=args.max_batched_tokens,
+                                  max_running=args.max_running)))
     log(f"engine: {engine.runner.summary}")
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     timer = StepTimer()
@@ -231,8 +231,9 @@ def _hf_batch(model, prompts: list[list[int]], new_tokens: int, cache: str = "dy
 def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
                      args: argparse.Namespace) -> dict:
     """schedule + build_batch + update per decode step, all requests running, fake tokens."""
-    cfg = EngineConfig(max_batched_tokens=args.max_batched_tokens, max_running=args.max_running)
-    sched = Scheduler(SchedulerConfig.of(cfg), KVAllocator(capacity))
+    cfg = EngineConfig(scheduler=SchedulerConfig(max_batched_tokens=args.max_batched_tokens,
+                                                 max_running=args.max_running))
+    sched = Scheduler(cfg.scheduler, KVAllocator(capacity))
     for i, ids in enumerate(prompts[: args.max_running]):  # as LLMEngine.add_request does
         params = SamplingParams(max_tokens=context - len(ids), temperature=0, ignore_eos=True)
         sched.add(Sequence(f"r{i}", list(ids), params, seed=i, max_len=context,
@@ -245,7 +246,7 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
         step = sched.schedule()
         build_batch(step, device)
         n = len(step.sampled)
-        sched.update(step, StepSample(zeros[:n], lps[:n]))
+        sched.update(step, StepSample.of(step, zeros[:n], lps[:n]))
 
     while sched.waiting or any(s.pending > 1 for s in sched.running):  # prefill
         fake_step()

@@ -1,6 +1,6 @@
 """Pipeline overlap: one process with inline detokenization vs the pipelined services.
 
-The same offline workload (ShareGPT prompts from `<repo>/../shared/data/`, real prompt text,
+The same offline workload (ShareGPT prompts from `<repo>/data/`, real prompt text,
 max_tokens = the real answer's token count clipped to --max-output, prompt clipped so that prompt
 + output fits the context; greedy, ignore_eos; all requests submitted at once, same order) runs
   (a) inline: one process tokenizes, adds everything to an LLMEngine and loops `engine.step()`,
@@ -147,7 +147,7 @@ def run_inline(args, work: list[tuple[str, int]]) -> dict:
     t_tokenize, counts, texts = time.perf_counter() - t0, [0] * len(work), [""] * len(work)
     while engine.has_work():
         t1 = time.perf_counter()
-        events = engine.step().events
+        events = engine.step().outputs
         t2 = time.perf_counter()
         detokenize(events, streams, counts, texts)
         t_detok += time.perf_counter() - t2
@@ -165,7 +165,7 @@ def detokenize(events, streams: dict, counts: list[int], texts: list[str]) -> No
     for e in events:
         detok, stops, out = streams[e.request_id]
         counts[int(e.request_id)] += 1
-        piece = detok.add([e.token_id])
+        piece = detok.add(e.token_ids)
         if e.finish_reason is not None:
             piece += detok.flush()
         emitted, matched = stops.feed(piece)

@@ -33,7 +33,7 @@ from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
 from services.compute.backend import build_engine
 from shared import default_model
 from shared.chat_template import load_chat_template
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.gguf.reader import is_gguf
 from shared.sampling import SamplingParams
 from shared.tokenizer import encode, load_tokenizer
@@ -91,7 +91,9 @@ def workload(args, model: str) -> tuple[list[list[int]], list[list[int]]]:
 def measure(args, models: dict[str, str], mode: dict, texts, prompts) -> dict:
     mode = {**mode, "model": models[mode.get("model", "gguf")]}
     engine = build_engine(EngineConfig(device="cpu", dtype="float32", kv_cache_gib=args.kv_gib,
-                                       threads=args.threads, max_batched_tokens=2048, **mode))
+                                       threads=args.threads,
+                                       scheduler=SchedulerConfig(max_batched_tokens=2048),
+                                       **mode))
     scored = engine.generate(texts, SamplingParams(max_tokens=1, temperature=0,
                                                    prompt_logprobs=0))
     logprobs = [lp for s in scored for lp in s.prompt_logprobs]

@@ -130,7 +130,7 @@ def simulate(config: EngineConfig, workload: Sequence[WorkItem], seed: int = 0,
             rec.admissions += 1
             if rec.admitted is None:
                 rec.admitted = before
-        for e in result.events:
+        for e in result.outputs:
             rec = live[e.request_id]
             if rec.first_token is None:
                 rec.first_token = now
@@ -145,7 +145,7 @@ def simulate(config: EngineConfig, workload: Sequence[WorkItem], seed: int = 0,
                     (dist := predictor.refine(rec.index, rec.generated - 1)) is not None:
                 seq = engine.requests[e.request_id]
                 seq.predicted_length, seq.peak_total = dist, 0
-        if now == before and not result.events:  # nothing could run: wait for an arrival
+        if now == before and not result.outputs:  # nothing could run: wait for an arrival
             if nxt == len(order):
                 raise RuntimeError("the engine has work but cannot schedule any of it")
             clock.now = max(clock.now, records[order[nxt]].arrival)
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(_line(summary), flush=True)
     print(json.dumps({"gpu": config.sim.gpu, "model": config.sim.model,
-                      "kv_policy": config.kv_policy, "workload": args.workload,
+                      "kv_policy": config.scheduler.kv_policy, "workload": args.workload,
                       "predict": args.predict, "results": [_rounded(r) for r in rows]}))
     return 0
 

@@ -43,7 +43,7 @@ def run_engine(model_dir: Path, prompts: list[list[int]], output_len: int,
     tokens = sum(s.num_output for s in seqs)
     assert tokens == output_len * len(prompts), "the engine stopped a request early"
     return dict(seconds=seconds, tokens=tokens,
-                max_batched_tokens=engine.config.max_batched_tokens)
+                max_batched_tokens=engine.config.scheduler.max_batched_tokens)
 
 
 def compare(model_dir: Path, num_prompts: int, input_len: int, output_len: int,

@@ -12,7 +12,8 @@ kernel, launcher, PyTorch reference. The functions exported here choose per call
                                                k_scale=, v_scale= for INT8 caches
     rms_norm_int8(x, residual, w, eps) / silu_mul_int8(gate_up)   W8A8: per-token INT8 rows
     int8_gemm.int8_gemm / int4_gemm.int4_gemm   the W8A8 and W4A16 GEMMs (model/linear/)
-    sample(logits, temperature, top_k, top_p, min_p, seeds, steps)   token ids and logprobs
+    sample(logits, batch[, raw_logits])       token ids and logprobs; batch: a SamplingBatch
+                                              (per-row temperature, top-k/p, min-p, seed, step)
     apply_penalties(...), token_stats(...)
 """
 
@@ -24,8 +25,9 @@ from kernels.kv_quant import dequantize_kv, quantize_kv
 from kernels.prefill_attention import prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_int8
 from kernels.rope import rope_kv_write
-from kernels.sampling import apply_penalties, sample, to_device, token_stats
+from kernels.sampling import SamplingBatch, apply_penalties, sample, to_device, token_stats
 
-__all__ = ["add_rms_norm", "apply_penalties", "backend", "decode_attention", "dequantize_kv",
-           "prefill_attention", "quantize_kv", "rms_norm", "rms_norm_int8", "rope_kv_write",
-           "sample", "set_backend", "silu_mul", "silu_mul_int8", "to_device", "token_stats"]
+__all__ = ["SamplingBatch", "add_rms_norm", "apply_penalties", "backend", "decode_attention",
+           "dequantize_kv", "prefill_attention", "quantize_kv", "rms_norm", "rms_norm_int8",
+           "rope_kv_write", "sample", "set_backend", "silu_mul", "silu_mul_int8", "to_device",
+           "token_stats"]

@@ -1,6 +1,6 @@
 """W8A8 GEMM: INT8 activations x INT8 weights accumulated in INT32, both scales applied in the
 epilogue. Triton kernel, launcher, PyTorch reference, and the CPU path (`torch._int_mm`, which
-oneDNN runs with VNNI: 2-4x the fp32 GEMM on the SmolLM2 shapes of this project's CPU).
+oneDNN runs with VNNI).
 
     out[m, n] = (sum_k xq[m, k] * wq[n, k]) * x_scale[m] * w_scale[n] (+ bias[n])
 

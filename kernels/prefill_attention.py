@@ -19,8 +19,8 @@ registers after the load.
 
 On a CPU, `_prefill_attention_cpu`: per sequence and KV head, the group of query heads that
 share it as one plain GEMM against K (no K/V copy for GQA), an additive causal mask, softmax and
-one GEMM with V; about 2x the masked SDPA of the reference on the CPU (whose GQA/mask path falls
-back to batched small matmuls).
+one GEMM with V: faster on the CPU than the masked SDPA of the reference (whose GQA/mask path
+falls back to batched small matmuls; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ enable_fp_fusion=False so the GPU compiler fuses no multiply-add (x * x rounds b
 
 The only difference from the reference is the order of the fp32 sum of squares (Triton's tree
 reduction vs torch's vectorized one): the variance can differ by an ulp, which moves that row's
-outputs by a few float32 ulp (<= 4 measured), and in fp16/bf16 flips the odd element by one
+outputs by a few float32 ulp, and in fp16/bf16 flips the odd element by one
 ulp. Everything else is bit-identical: on inputs whose sum of squares is exact in any order the
 kernel matches the reference bit-for-bit (tested in fp32 and fp16).
 """

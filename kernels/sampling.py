@@ -1,7 +1,8 @@
 """Batched token sampling: the PyTorch reference.
 
-One call samples one token for every row of a batch of logits, each row with its own
-temperature, top-k, top-p, min-p, seed and step (vLLM semantics):
+One call, `sample(logits, batch, raw_logits=None)`, samples one token for every row of a batch
+of logits, each row with its own temperature, top-k, top-p, min-p, seed and step (a
+`SamplingBatch`, vLLM semantics):
 
     1. temperature == 0: greedy, argmax of the raw logits; every other parameter is ignored.
     2. x = logits / temperature.
@@ -22,9 +23,9 @@ function of (seeds[b], steps[b], v), computed with int64 tensor ops whose values
 below 2^49, so a row's token depends only on its own (seed, step, logits, params): not on the
 batch, its position in it, or the device. Nothing here syncs with the host, so the same code
 runs on CUDA tensors; the caller, who knows the parameters on the host, opts into the fast
-paths (`all_greedy`, `need_sort=False`). `sample_reference` is also the specification of the
-Triton kernel (`kernels.sampling_triton`, uint32 arithmetic there), which `sample` runs when
-`dispatch.use_triton(logits)`.
+paths (the batch's flags `all_greedy`, `need_sort=False`). `sample_reference` is also the
+specification of the Triton kernel (`kernels.sampling_triton`, uint32 arithmetic there), which
+`sample` runs when `dispatch.use_triton(logits)`.
 
 Penalties (`apply_penalties`, vLLM / OpenAI semantics) run before `sample`, on the logits the
 caller then passes to it; `token_stats` builds their per-row token statistics on the device.
@@ -32,12 +33,31 @@ caller then passes to it; `token_stats` builds their per-row token statistics on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import use_triton
 
 _M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """One step's sampling arguments, row b for row b of the logits. Tensors are [B] on the
+    logits' device; the flags are host-side knowledge that lets an implementation skip work
+    (they must not change the result)."""
+
+    temperature: torch.Tensor  # float32, 0: greedy (every other parameter ignored)
+    top_p: torch.Tensor  # float32 in (0, 1], 1: off
+    min_p: torch.Tensor  # float32 in [0, 1], 0: off
+    top_k: torch.Tensor  # int64, <= 0: off
+    seeds: torch.Tensor  # int64 in [0, 2^63)
+    steps: torch.Tensor  # int64, tokens generated so far: where in its noise stream a row is
+    all_greedy: bool = False  # every temperature is 0: pure argmax
+    need_sort: bool = True  # some sampled row uses top-k or top-p (False skips the filters)
+    need_logprobs: bool = True  # False: logprobs may come back as zeros
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -102,57 +122,46 @@ def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
 
 
 def sample_reference(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-    *,
-    all_greedy: bool = False,
-    need_sort: bool = True,
-    raw_logits: torch.Tensor | None = None,
-    need_logprobs: bool = True,
+    logits: torch.Tensor, batch: SamplingBatch, raw_logits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; returns (token_ids [B] int64, logprobs [B] float32).
 
-    logits [B, V] any float dtype (computed in float32); temperature [B] float32 (0 => greedy);
-    top_k [B] int64 (<= 0 => disabled); top_p [B] float32 in (0, 1] (1 => disabled);
-    min_p [B] float32 in [0, 1] (0 => disabled); seeds [B] int64 in [0, 2^63); steps [B] int64
-    (tokens generated so far). All on logits.device. logprobs is log_softmax(logits) at the
-    chosen token (the raw distribution, before temperature and filters), as vLLM returns.
+    logits [B, V] any float dtype (computed in float32); `batch` holds the per-row parameters,
+    on logits.device. logprobs is log_softmax(logits) at the chosen token (the raw
+    distribution, before temperature and filters), as vLLM returns.
 
     Fast paths, for the caller to choose from host-side knowledge (they must not change the
-    result): all_greedy=True when every temperature is 0 (pure argmax); need_sort=False when no
-    row uses top-k or top-p (skips the sort).
+    result): batch.all_greedy when every temperature is 0 (pure argmax); batch.need_sort=False
+    when no row uses top-k or top-p (skips the sort).
 
     raw_logits [B, V] (optional): when `logits` were modified before sampling (penalties), the
     unmodified model logits; tokens are chosen from `logits`, logprobs come from `raw_logits`.
 
-    need_logprobs=False: nobody asked for logprobs; they may come back as zeros (this reference
-    then skips the log-sum-exp over the vocabulary; the Triton kernel fuses it into its pass).
+    batch.need_logprobs=False: nobody asked for logprobs; they may come back as zeros (this
+    reference then skips the log-sum-exp over the vocabulary; the Triton kernel fuses it into
+    its pass).
     """
     chooser = logits.float()  # [B, V]
     raw = chooser if raw_logits is None else raw_logits.float()  # [B, V]
 
     def logprobs(ids: torch.Tensor) -> torch.Tensor:  # [B]
-        if not need_logprobs:
+        if not batch.need_logprobs:
             return torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
         return raw.gather(1, ids[:, None])[:, 0] - raw.logsumexp(dim=-1)
 
     greedy_ids = chooser.argmax(dim=-1)  # [B]
-    if all_greedy:
+    if batch.all_greedy:
         return greedy_ids, logprobs(greedy_ids)
 
+    temperature = batch.temperature
     greedy = temperature <= 0  # [B]
     x = chooser / torch.where(greedy, 1.0, temperature)[:, None]  # [B, V]
-    if need_sort:
-        x = _top_k_top_p(x, top_k, top_p)  # [B, V]
+    if batch.need_sort:
+        x = _top_k_top_p(x, batch.top_k, batch.top_p)  # [B, V]
     probs = x.softmax(dim=-1)  # [B, V]
     pmax = probs.max(dim=-1, keepdim=True).values  # [B, 1]
-    probs = probs.masked_fill(probs < min_p[:, None] * pmax, 0.0)  # [B, V]
-    noise = -torch.log(uniform_noise(seeds, steps, x.shape[-1]))  # [B, V] Exp(1), > 0
+    probs = probs.masked_fill(probs < batch.min_p[:, None] * pmax, 0.0)  # [B, V]
+    noise = -torch.log(uniform_noise(batch.seeds, batch.steps, x.shape[-1]))  # [B, V] Exp(1)
     sampled_ids = (probs / noise).argmax(dim=-1)  # [B]
 
     ids = torch.where(greedy, greedy_ids, sampled_ids)  # [B]
@@ -160,29 +169,15 @@ def sample_reference(
 
 
 def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-    *,
-    all_greedy: bool = False,
-    need_sort: bool = True,
-    raw_logits: torch.Tensor | None = None,
-    need_logprobs: bool = True,
+    logits: torch.Tensor, batch: SamplingBatch, raw_logits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_reference`'s contract; runs the Triton kernel when `use_triton(logits)` (which
     always computes logprobs: they cost nothing extra there)."""
-    args = (logits, temperature, top_k, top_p, min_p, seeds, steps)
-    kw = dict(all_greedy=all_greedy, need_sort=need_sort, raw_logits=raw_logits)
     if use_triton(logits):
         from kernels.sampling_triton import sample_triton  # triton: imported on demand
 
-        return sample_triton(*args, **kw)
-    return sample_reference(*args, **kw, need_logprobs=need_logprobs)
-
+        return sample_triton(logits, batch, raw_logits)
+    return sample_reference(logits, batch, raw_logits)
 
 
 def apply_penalties(

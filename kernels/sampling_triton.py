@@ -9,7 +9,7 @@ One program per row of logits [B, V]; the row is streamed in BLOCK-wide chunks, 
   3. top-p: binary search of the smallest t >= kth whose mass strictly above it, on the
      top-k-renormalized distribution, is < top_p: the reference's `ahead < top_p` test for the
      first rank of t's tie group (<= 32 passes, snapping too; ties at the cut-off are kept,
-     as there). Measured: 12-21 passes per search on N(0, 1..3) rows of 1k-152k tokens;
+     as there);
   4. race: p = exp(x - max) / Z over the kept tokens, min-p cut against max p = 1 / Z, u from
      the same counter hash as `uniform_noise` (uint32 arithmetic, bit-identical), token = first
      argmax of p / -log(u); logprob = raw[token] - logsumexp(raw).
@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from kernels.sampling import SamplingBatch
 
 _NEG_INF_KEY = tl.constexpr(-2139095041)  # _okey(-inf): below the key of every other float32
 _MAX_BLOCK = 2048
@@ -267,19 +269,10 @@ def uniform_noise_triton(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: i
 
 
 def sample_triton(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-    *,
-    all_greedy: bool = False,
-    need_sort: bool = True,
-    raw_logits: torch.Tensor | None = None,
+    logits: torch.Tensor, batch: SamplingBatch, raw_logits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sampling.sample_reference`'s contract (see there) -> (ids [B] int64, logprobs [B] f32)."""
+    """`sampling.sample_reference`'s contract (see there) -> (ids [B] int64, logprobs [B] f32).
+    Logprobs are always computed (batch.need_logprobs is not read): they are fused into pass 1."""
     rows, vocab = logits.shape
     ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
     lps = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -289,11 +282,12 @@ def sample_triton(
     block = _block(vocab)
     raw = chooser if raw_logits is None else _rows(raw_logits)  # [B, V]
     params = [t.to(dtype).contiguous() for t, dtype in (
-        (temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float32),
-        (min_p, torch.float32), (seeds, torch.int64), (steps, torch.int64))]  # 6 x [B]
+        (batch.temperature, torch.float32), (batch.top_k, torch.int64),
+        (batch.top_p, torch.float32), (batch.min_p, torch.float32), (batch.seeds, torch.int64),
+        (batch.steps, torch.int64))]  # 6 x [B]
     _sample_kernel[(rows,)](
         chooser, raw, *params, ids, lps, vocab, chooser.stride(0), raw.stride(0),
-        HAS_RAW=raw_logits is not None, ALL_GREEDY=all_greedy, NEED_SORT=need_sort,
+        HAS_RAW=raw_logits is not None, ALL_GREEDY=batch.all_greedy, NEED_SORT=batch.need_sort,
         PRECISE=logits.is_cuda, BLOCK=block, num_warps=max(1, min(8, block // 256)),
     )
     return ids, lps

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
             engine, svc = _configs(args)
             _check_model(engine)
-            return up(engine, svc)
+            return up(engine, svc)  # its banner says which sampling defaults apply
         return _generate(args)
     except (ModelLoadError, TokenizerLoadError, ValueError, OSError) as e:
         print(f"pipellm: error: {e}", file=sys.stderr)
@@ -89,9 +89,9 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         raise ValueError(f"two models given: {model} and --model {args.model}")
     model = model or args.model
     config = config_from_args(EngineConfig, args, model=model or default_model.resolve())
-    from services.compute.scheduling.config import SchedulerConfig
+    from shared.generation_config import GenerationDefaults
 
-    SchedulerConfig.of(config)  # a bad combination of scheduler flags fails here, not in compute
+    GenerationDefaults.of(config)  # a bad --generation-config or override fails here
     if config.backend == "sim":  # a bad --sim-* value fails here, not in a restarting child
         from services.compute.sim import check_config
 
@@ -115,6 +115,15 @@ def _check_model(config: EngineConfig) -> None:
         check_gguf(config.model)
 
 
+def _log_generation_defaults(config: EngineConfig):
+    """Say which sampling defaults requests get, and from where (as vLLM does); returns them."""
+    from shared.generation_config import GenerationDefaults
+
+    defaults = GenerationDefaults.of(config)
+    logging.getLogger("pipellm").info(defaults.describe())
+    return defaults
+
+
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServiceConfig]:
     return _engine_config(args), config_from_args(ServiceConfig, args)
 
@@ -136,10 +145,12 @@ def _run_batch(args: argparse.Namespace) -> int:
     config = _engine_config(args)
     with open(args.input_file, encoding="utf-8") as src:  # before loading: a typo fails fast
         lines = src.readlines()
+    defaults = _log_generation_defaults(config)
     engine, tokenizer = build_engine(config), Tokenizer(config)
     name = args.served_model_name or served_name(config.model)
     with open(args.output_file, "w", encoding="utf-8") as dst:
-        n, failed, tokens, seconds = run_batch(engine, tokenizer, name, lines, dst)
+        n, failed, tokens, seconds = run_batch(engine, tokenizer, name, lines, dst,
+                                               defaults=defaults)
     print(f"run-batch: {n} requests ({failed} failed), {tokens} output tokens in "
           f"{seconds:.1f} s: {tokens / max(seconds, 1e-9):.1f} tok/s")
     return 0

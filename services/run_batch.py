@@ -19,7 +19,6 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from services.compute.service import step_output
 from services.detokenizer.service import Detokenizer
 from services.gateway import protocol, responses
 from services.gateway.errors import APIError
@@ -27,7 +26,7 @@ from services.gateway.inflight import ChoiceState
 from services.gateway.stream import final_answer, logprob_entries
 from services.tokenizer.service import PromptError, Tokenizer
 from shared.generation_config import GenerationDefaults
-from shared.messages import Delta, GenerateRequest, Route
+from shared.messages import Delta, GenerateRequest, Route, StepOutput
 from shared.sampling import InvalidParams
 from shared.tokenizer import decode
 
@@ -110,13 +109,13 @@ class BatchRunner:
             result = self.engine.step()
             routes = [replace(self.routes[r], cached_tokens=n)
                       for r, n in zip(result.admitted, result.cached_tokens, strict=True)]
-            out = self.detokenizer.handle(step_output(result.events, routes, []))
+            out = self.detokenizer.handle(StepOutput(routes, result.outputs, result.prompt))
             for stop in out.stops:  # a stop string matched: the engine stops that choice
                 self.engine.abort(stop.request_id)
             for deltas in out.deltas.values():
                 for delta in deltas:
                     self._take(delta)
-            on_step(len(result.events))
+            on_step(len(result.outputs))
 
     def _take(self, delta: Delta) -> None:
         item, choice = self.live[delta.request_id]

@@ -2,7 +2,11 @@
 # Create .venv and install pipellm into it. Usage: bash services/setup.sh [test]
 # torch comes first, pinned to 2.13.0 (the CPU build on this project's machines) so that pip
 # never resolves a multi-GB CUDA build as a dependency of something else. Then the default model
-# (SmolLM2-135M-Instruct, shared/default_model.py) is fetched once into ~/.cache/pipellm.
+# (SmolLM2-135M-Instruct, shared/default_model.py) is fetched once into ~/.cache/pipellm, and
+# the C++ CPU kernels (kernels/cpu) are compiled once into torch's extension cache
+# ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), so that the server's first start loads
+# them instead of compiling them (~50 s). A failed build does not fail setup: the server then
+# runs the PyTorch reference kernels.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="compute${1:+,$1}"  # compute: the model's packages (torch, Triton); every service else
@@ -11,3 +15,5 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" torch==2.13.0
 "${pip[@]}" -e ".[$extras]"
 .venv/bin/python -m shared.default_model
+.venv/bin/python -m kernels.cpu || echo "setup: the C++ CPU kernels did not build; the server" \
+    "runs the PyTorch reference kernels instead (slower on a CPU)"

@@ -30,6 +30,7 @@ import redis
 
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
+from shared.generation_config import GenerationDefaults
 from shared.model_config import served_name
 from shared.redis_server import EmbeddedRedis
 from shared.settings import env_for
@@ -97,9 +98,9 @@ class Supervisor:
         self.svc = svc
         env = {**os.environ, **env_for(engine), **env_for(svc)}
         cmd = [sys.executable, "-m", "services.cli", "service"]
-        services = ["compute", "detokenizer"] + ["tokenizer"] * svc.tokenizer_workers
+        services = ["compute", "detokenizer"] + ["tokenizer"] * svc.tokenizers
         services.append("gateway")
-        names = services[:2] + [f"tokenizer-{i}" for i in range(svc.tokenizer_workers)]
+        names = services[:2] + [f"tokenizer-{i}" for i in range(svc.tokenizers)]
         self.children = [Child(name, cmd + [service], env)
                          for name, service in zip(names + ["gateway"], services, strict=True)]
         self.redis = redis
@@ -180,7 +181,8 @@ def check_ports(svc: ServiceConfig) -> None:
 
 def banner(engine: EngineConfig, svc: ServiceConfig) -> str:
     """What a user needs once the server is up: the URL, the model and how it runs, the KV
-    cache (compute's figures, from the stats it publishes in Redis)."""
+    cache, what compute built and warmed at start-up (compute's figures, from the stats it
+    publishes in Redis)."""
     stats, client = {}, redis.Redis.from_url(svc.redis_url)
     for _ in range(20):  # compute publishes them every --heartbeat-s
         try:
@@ -197,6 +199,9 @@ def banner(engine: EngineConfig, svc: ServiceConfig) -> str:
              + _weights(stats),
              f"  KV cache: {stats.get('capacity', '?')} tokens, {stats.get('kv_gib', '?')} GiB"
              + (" (int8)" if stats.get("kv_dtype") == "int8" else "")]
+    if stats.get("startup"):  # what compute compiled and warmed before it reported ready
+        lines.append(f"  compute: {stats['startup']}")
+    lines.append(f"  {GenerationDefaults.of(engine).describe()}")  # --generation-config
     return "\n".join(lines)
 
 

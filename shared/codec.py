@@ -18,6 +18,7 @@ import msgpack
 
 _INT32, _FLOAT32 = 1, 2
 _REGISTRY: dict[str, type] = {}
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a registered class's init fields, looked up once
 _LITTLE = sys.byteorder == "little"
 
 
@@ -71,10 +72,15 @@ def _default(obj: Any) -> Any:
             obj = array(obj.typecode, obj)
             obj.byteswap()
         return msgpack.ExtType(code, obj.tobytes())
-    if dataclasses.is_dataclass(obj) and type(obj).__name__ in _REGISTRY:
-        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.init}
-        return {"_t": type(obj).__name__, **fields}
-    raise TypeError(f"{type(obj).__name__} is not a registered message")
+    names = _FIELDS.get(type(obj))
+    if names is None and dataclasses.is_dataclass(obj) and type(obj).__name__ in _REGISTRY:
+        names = _FIELDS[type(obj)] = tuple(f.name for f in dataclasses.fields(obj) if f.init)
+    if names is None:
+        raise TypeError(f"{type(obj).__name__} is not a registered message")
+    out = {"_t": type(obj).__name__}
+    for name in names:
+        out[name] = getattr(obj, name)
+    return out
 
 
 def _ext_hook(code: int, data: bytes) -> array:

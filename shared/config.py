@@ -7,10 +7,12 @@ name works too. This is the only place that declares them.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 from dataclasses import dataclass
 
+from shared.generation_config import parse_override
 from shared.settings import setting
 
 MODEL, SCHEDULING, QUANTIZATION, SERVER, WIRING, SIMULATOR = (
@@ -48,6 +50,92 @@ class SimConfig:
             raise ValueError("--sim-paged-attn-slowdown must be > 0")
 
 
+class KVPolicyName(enum.StrEnum):
+    """--kv-policy: how a request's KV segment is sized (services/compute/scheduling/
+    kv_policy.py)."""
+
+    PREDICTED = "predicted"
+    MAX = "max"
+    PAGED = "paged"
+
+
+class Batching(enum.StrEnum):
+    """--batching: merged (dynamic) steps, or the static-batching baseline."""
+
+    MERGED = "merged"
+    STATIC = "static"
+
+
+class Admission(enum.StrEnum):
+    """--kv-admission: what must fit for a waiting request to be admitted
+    (services/compute/scheduling/admission.py)."""
+
+    AUTO = "auto"
+    PEAK = "peak"
+    AGGREGATE = "aggregate"
+    FIT = "fit"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's settings (services/compute/scheduling/scheduler.py says what they
+    mean). `EngineConfig.scheduler`, flat: the flags keep their names (`--max-running`)."""
+
+    max_batched_tokens: int = setting(512, "tokens per merged prefill+decode step",
+                                      group=SCHEDULING, alias="max-num-batched-tokens")
+    max_running: int = setting(256, "requests in the running batch", group=SCHEDULING,
+                               alias="max-num-seqs")
+    kv_policy: KVPolicyName = setting(KVPolicyName.PREDICTED, "KV segment per request sized "
+                                      "by: predicted (its predicted output length), max "
+                                      "(max_tokens) or paged (sim only)", group=SCHEDULING)
+    kv_min_grow: int = setting(16, "minimum growth of a KV segment that ran out",
+                               group=SCHEDULING)
+    kv_reserve_quantile: float = setting(0.5, "predicted: a new segment holds this quantile of "
+                                         "the output length", group=SCHEDULING)
+    kv_grow_quantile: float = setting(0.9, "predicted: an outgrown segment regrows to this "
+                                      "quantile, given the output so far", group=SCHEDULING)
+    kv_peak_quantile: float = setting(0.9, "predicted: admission keeps the future KV peak at "
+                                      "this quantile in memory", group=SCHEDULING)
+    kv_reserve_horizon: int = setting(64, "predicted: reserve at most this many output slots "
+                                      "ahead; 0: the whole quantile", group=SCHEDULING)
+    kv_admission: Admission = setting(Admission.AUTO, "peak (the future KV peak, each request "
+                                      "at its --kv-peak-quantile, must fit), aggregate (that "
+                                      "quantile of the total future KV demand must fit), fit "
+                                      "(the reservation must) or auto (aggregate with "
+                                      "--kv-policy predicted)", group=SCHEDULING)
+    enable_prefix_caching: bool = setting(False, "keep finished requests' KV cached (evicted "
+                                          "least recently used when memory is needed); a "
+                                          "prompt starting with a cached prefix copies its KV "
+                                          "instead of recomputing it", group=SCHEDULING)
+    batching: Batching = setting(Batching.MERGED, "merged (dynamic, merged steps) or static "
+                                 "(a baseline)", group=SCHEDULING)
+
+    def __post_init__(self):
+        # the one place the choices are checked; a value is the enum or its text, equal to
+        # each other (str-valued enums): compare with ==, never `is`
+        for name, choices in (("kv_policy", KVPolicyName), ("kv_admission", Admission),
+                              ("batching", Batching)):
+            _choice(name, choices, getattr(self, name))
+        if self.enable_prefix_caching and self.kv_policy == KVPolicyName.PAGED:
+            raise ValueError(f"--enable-prefix-caching needs contiguous segments; the "
+                             f"{self.kv_policy} KV policy has none")
+        if not 1 <= self.max_running <= self.max_batched_tokens:
+            raise ValueError("need 1 <= max_running <= max_batched_tokens")
+        for q in (self.kv_reserve_quantile, self.kv_grow_quantile, self.kv_peak_quantile):
+            if not 0 < q <= 1:
+                raise ValueError("quantiles must be in (0, 1]")
+
+
+def _choice(name: str, choices: type[enum.StrEnum], value) -> enum.StrEnum:
+    """`value` (text or a member) as a member of `choices`; else ValueError naming the flag."""
+    try:
+        return choices(value)
+    except ValueError:
+        allowed = tuple(c.value for c in choices)
+        raise ValueError(f"--{name.replace('_', '-')} must be one of {allowed}, not "
+                         f"{value!r}") from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The model and how compute runs it."""
@@ -63,36 +151,30 @@ class EngineConfig:
                                  group=MODEL)
     chat_template: str = setting("", "Jinja chat template, a file or the template itself; "
                                  "empty: the model's own", group=MODEL)
+    generation_config: str = setting(
+        "auto", "sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens as max_tokens) for requests that leave them unset: auto (the model's "
+        "generation_config.json; a GGUF file's general.sampling.* metadata; for the default "
+        "model, its model card's recommendation), vllm (none: the API's own) or a directory "
+        "holding a generation_config.json", group=MODEL)
+    override_generation_config: str | None = setting(
+        None, "JSON object overriding or adding to those defaults, e.g. '{\"temperature\": "
+        "0.5}'; its max_new_tokens (as that of a --generation-config directory) also caps "
+        "every request's max_tokens", group=MODEL)
     kernels: str = setting("auto", "auto (Triton on CUDA, the CPU kernels on CPU), triton or "
                            "reference (PyTorch)", group=MODEL)
     threads: int = setting(0, "torch CPU threads in compute; 0: one per core", group=MODEL)
     backend: str = setting("torch", "torch (run the model) or sim (a modelled GPU, no weights)",
                            group=MODEL)
-    max_batched_tokens: int = setting(512, "tokens per merged prefill+decode step",
-                                      group=SCHEDULING, alias="max-num-batched-tokens")
-    max_running: int = setting(256, "requests in the running batch", group=SCHEDULING,
-                               alias="max-num-seqs")
+    scheduler: SchedulerConfig = setting(default_factory=SchedulerConfig, flat=True)
     kv_cache_tokens: int = setting(0, "KV cache slots (tokens); 0: sized from memory",
                                    group=SCHEDULING)
     kv_cache_gib: float = setting(1.0, "CPU: KV cache size when --kv-cache-tokens is 0",
                                   group=SCHEDULING)
     gpu_memory_utilization: float = setting(0.9, "CUDA: fraction of GPU memory for weights + "
                                             "KV cache", group=SCHEDULING)
-    kv_policy: str = setting("predicted", "KV segment per request sized by: predicted (its "
-                             "predicted output length), max (max_tokens) or paged (sim only)",
-                             group=SCHEDULING)
     default_predicted_len: int = setting(128, "predicted output length until the predictor "
                                          "knows better", group=SCHEDULING)
-    kv_min_grow: int = setting(16, "minimum growth of a KV segment that ran out",
-                               group=SCHEDULING)
-    kv_reserve_quantile: float = setting(0.5, "predicted: a new segment holds this quantile of "
-                                         "the output length", group=SCHEDULING)
-    kv_grow_quantile: float = setting(0.9, "predicted: an outgrown segment regrows to this "
-                                      "quantile, given the output so far", group=SCHEDULING)
-    kv_peak_quantile: float = setting(0.9, "predicted: admission keeps the future KV peak at "
-                                      "this quantile in memory", group=SCHEDULING)
-    kv_reserve_horizon: int = setting(64, "predicted: reserve at most this many output slots "
-                                      "ahead; 0: the whole quantile", group=SCHEDULING)
     hidden_length: bool = setting(False, "after prefill, predict each request's output length "
                                   "from the model's own hidden state, learned online from "
                                   "finished requests (in Redis when served); off by default: "
@@ -105,16 +187,6 @@ class EngineConfig:
                                     "hidden state's random projection to this many; the "
                                     "model's hidden size: the hidden state itself; 0: that up "
                                     "to 1024 wide, else 512", group=SCHEDULING)
-    kv_admission: str = setting("auto", "peak (the future KV peak, each request at its "
-                                "--kv-peak-quantile, must fit), aggregate (that quantile of the "
-                                "total future KV demand must fit), fit (the reservation must) "
-                                "or auto (aggregate with --kv-policy predicted)", group=SCHEDULING)
-    enable_prefix_caching: bool = setting(False, "keep finished requests' KV cached (evicted "
-                                          "least recently used when memory is needed); a "
-                                          "prompt starting with a cached prefix copies its KV "
-                                          "instead of recomputing it", group=SCHEDULING)
-    batching: str = setting("merged", "merged (dynamic, merged steps) or static (a baseline)",
-                            group=SCHEDULING)
     enforce_eager: bool = setting(False, "CUDA: run every step eagerly (no CUDA graphs of "
                                   "decode steps)", group=MODEL)
     overlap_schedule: str = setting("auto", "schedule and launch step N+1 while the device runs "
@@ -133,9 +205,9 @@ class EngineConfig:
     sim: SimConfig = setting(default_factory=SimConfig)
 
     def __post_init__(self):
-        """The scheduler's settings (kv_policy, kv_admission, batching, the quantiles) are
-        checked once, by SchedulerConfig.of, which `pipellm` calls at start-up."""
-        if self.kv_policy == "paged" and self.backend != "sim":
+        """The scheduler's own settings are checked by SchedulerConfig; here what they must
+        agree on with the engine's."""
+        if self.scheduler.kv_policy == KVPolicyName.PAGED and self.backend != "sim":
             raise ValueError("--kv-policy paged is a baseline of the simulator (--backend sim): "
                              "the kernels read contiguous KV segments")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -159,6 +231,9 @@ class EngineConfig:
             raise ValueError(f"--int4-group-size must be 32, 64 or 128: {self.int4_group_size}")
         if self.default_predicted_len < 1:
             raise ValueError("--default-predicted-len must be at least 1")
+        if not self.generation_config:
+            raise ValueError("--generation-config must be auto, vllm or a directory")
+        parse_override(self.override_generation_config)  # a malformed one fails at start-up
 
 
 @dataclass(frozen=True)
@@ -212,13 +287,16 @@ class ServiceConfig:
         if self.max_prompt_bytes < 0:
             raise ValueError("--max-prompt-bytes must be 0 (automatic) or more")
         self.origins()  # a malformed --allowed-origins fails at start-up
-        if self.tokenizer_workers == 0:  # resolved once: children inherit the number (env_for)
-            object.__setattr__(self, "tokenizer_workers", auto_tokenizer_workers())
 
     def prompt_bytes_limit(self, max_model_len: int) -> int:
         """The prompt size cap in bytes: --max-prompt-bytes, or when 0, 16 bytes per token of
         the context length but at least 64 KiB (tokens are rarely over 8 bytes of text)."""
         return self.max_prompt_bytes or max(16 * max_model_len, 64 * 1024)
+
+    @property
+    def tokenizers(self) -> int:
+        """Tokenizer processes to run: --tokenizer-workers, or by the machine's cores if 0."""
+        return self.tokenizer_workers or auto_tokenizer_workers()
 
     def origins(self) -> frozenset[str]:
         """--allowed-origins: comma-separated, or a JSON list as vLLM takes it; "*" for any."""

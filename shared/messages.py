@@ -97,43 +97,45 @@ class Abort:
 # --- compute -> detokenizer -----------------------------------------------------------------
 
 @message
-class TokenLogprobs:
-    """Logprobs at n consecutive positions of one request's tokens, from `start` (a prompt
-    position >= 1; 0 for the output token a step generated). Row i: the token there and its
-    logprob given the tokens before it, then the k most likely tokens at that position, best
-    first."""
+class Tokens:
+    """Consecutive tokens of one request and what compute computed about them: the one record
+    a token's result travels in, from the engine's step through the detokenizer to the gateway
+    (which turns it into OpenAI's shape).
+
+    Row i is token_ids[i], at position start + i of the request's tokens (prompt, then
+    output); its logprob given the tokens before it; then the k most likely tokens at that
+    position, best first (k = 0 unless the request asked for them). finish_reason: why the
+    request ends with the last row (output tokens only; None while it goes on)."""
 
     request_id: str
     start: int
     token_ids: array  # int32 [n]
     logprobs: array  # float32 [n]
-    top_ids: array  # int32 [n * k], row-major
-    top_logprobs: array  # float32 [n * k]
+    top_ids: array = field(default_factory=lambda: array("i"))  # int32 [n * k], row-major
+    top_logprobs: array = field(default_factory=lambda: array("f"))  # float32 [n * k]
+    finish_reason: str | None = None
 
     @property
     def k(self) -> int:
         return len(self.top_ids) // max(len(self.token_ids), 1)
 
-    def extend(self, other: TokenLogprobs) -> None:
-        """Append the piece that follows this one."""
+    def extend(self, other: Tokens) -> None:
+        """Append the record that follows this one (the same request's next positions)."""
         for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
             getattr(self, name).extend(getattr(other, name))
+        self.finish_reason = other.finish_reason
 
 
 @message
 class StepOutput:
-    """Everything one engine step produced, in columns: entry i is one token of request_ids[i]."""
+    """Everything one engine step produced."""
 
     routes: list[Route]  # requests admitted this step (their first output follows)
-    request_ids: list[str]
-    token_ids: array  # int32 [N]
-    logprobs: array  # float32 [N]
-    finish_reasons: list[str | None]
+    outputs: list[Tokens] = field(default_factory=list)  # one per request that got a token
+    prompt: list[Tokens] = field(default_factory=list)  # scored prompt pieces, by chunk
     errors: list[list[str]] = field(default_factory=list)  # [request_id, reply_to, message]
     aborted: list[str] = field(default_factory=list)  # requests ended by an Abort
     step_time: float = 0.0  # wall clock when the step finished
-    top_logprobs: list[TokenLogprobs] = field(default_factory=list)  # output tokens' top-k
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # pieces, by chunk
 
 
 # --- detokenizer / tokenizer -> gateway -----------------------------------------------------
@@ -144,8 +146,7 @@ class Delta:
 
     request_id: str
     text: str = ""
-    token_ids: array = field(default_factory=lambda: array("i"))
-    logprobs: array = field(default_factory=lambda: array("f"))
+    tokens: Tokens | None = None  # the output tokens this delta adds, as compute sent them
     finish_reason: str | None = None
     num_prompt: int = 0
     num_output: int = 0
@@ -153,10 +154,16 @@ class Delta:
     error_status: int = 0  # HTTP status for errors (400: bad request, 503: service)
     started_at: float = 0.0  # on a choice's first delta: wall clock when compute admitted it
     cached_tokens: int = 0  # on a choice's first delta: its prompt tokens from the prefix cache
-    top_ids: array = field(default_factory=lambda: array("i"))  # [len(token_ids) * k]
-    top_logprobs: array = field(default_factory=lambda: array("f"))
     prompt_ids: array | None = None  # on the first delta, with prompt logprobs: the prompt
-    prompt_logprobs: TokenLogprobs | None = None  # and its tokens' logprobs, from position 1
+    prompt: Tokens | None = None  # and its tokens' logprobs, from position 1
+
+    @property
+    def token_ids(self) -> array:
+        return self.tokens.token_ids if self.tokens is not None else array("i")
+
+    @property
+    def logprobs(self) -> array:
+        return self.tokens.logprobs if self.tokens is not None else array("f")
 
 
 @message

@@ -2,7 +2,10 @@
 
 Every field `foo_bar` of a config class is the flag `--foo-bar` and the env var
 `PIPELLM_FOO_BAR`; precedence: flag > env var > default. A field holding another config class
-(`EngineConfig.sim`) contributes its fields under its name (`--sim-gpu`, `PIPELLM_SIM_GPU`).
+(`EngineConfig.sim`) contributes its fields under its name (`--sim-gpu`, `PIPELLM_SIM_GPU`),
+or, made with `setting(flat=True)` (`EngineConfig.scheduler`), under their own names: the class
+then only groups them in code (`--max-running`, `config.scheduler.max_running`). A field typed
+as a str-valued `enum.Enum` is a text flag; its config class parses the text.
 Fields made with `setting(...)` carry a help text, a group for `--help`, and optionally the
 name vLLM gives the same thing (`--max-num-seqs` for `--max-running`).
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import os
 import types
 import typing
@@ -20,11 +24,13 @@ _METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
 def setting(default=dataclasses.MISSING, help: str = "", *, group: str = "", alias: str = "",
-            default_factory=dataclasses.MISSING):
+            default_factory=dataclasses.MISSING, flat: bool = False):
     """A config field: its default, the one-line help of its flag, its --help group, and
-    `alias`, the flag vLLM users know it by (without the dashes)."""
+    `alias`, the flag vLLM users know it by (without the dashes). `flat`, for a field holding
+    a config class: its settings keep their own names, not prefixed with the field's."""
     return dataclasses.field(default=default, default_factory=default_factory,
-                             metadata={"help": help, "group": group, "alias": alias})
+                             metadata={"help": help, "group": group, "alias": alias,
+                                       "flat": flat})
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -32,6 +38,8 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
     for dest, f, typ in _leaf_fields(cls):
         env = os.environ.get(_env_name(dest))
         default = f.default if env is None else _parse(typ, env)
+        if isinstance(default, enum.Enum):
+            default = default.value
         flags = ["--" + dest.replace("_", "-")]
         if f.metadata.get("alias"):
             flags.append("--" + f.metadata["alias"])
@@ -66,7 +74,7 @@ def settings(config, prefix: str = "") -> dict:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
-            out.update(settings(value, f"{prefix}{f.name}_"))
+            out.update(settings(value, _nested_prefix(f, prefix)))
         else:
             out[prefix + f.name] = value
     return out
@@ -80,28 +88,37 @@ def env_for(config) -> dict[str, str]:
 
 def _leaf_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, type]]:
     """(destination, field, type) of each setting of `cls`; a field holding a config class
-    contributes its own settings, named with its name as a prefix."""
+    contributes its own settings, named with its name as a prefix (unless it is flat)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         typ = _base_type(hints[f.name])
         if dataclasses.is_dataclass(typ):
-            yield from _leaf_fields(typ, f"{prefix}{f.name}_")
+            yield from _leaf_fields(typ, _nested_prefix(f, prefix))
         else:
             yield prefix + f.name, f, typ
 
 
-def _build(cls: type, values: dict, prefix: str = ""):
-    if not prefix and (unknown := values.keys() - {d for d, _, _ in _leaf_fields(cls)}):
+def _build(cls: type, values: dict):
+    if unknown := values.keys() - {d for d, _, _ in _leaf_fields(cls)}:
         raise TypeError(f"{cls.__name__} has no setting {', '.join(sorted(unknown))}")
+    return _construct(cls, values, "")
+
+
+def _construct(cls: type, values: dict, prefix: str):
     kwargs = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         typ = _base_type(hints[f.name])
         if dataclasses.is_dataclass(typ):
-            kwargs[f.name] = _build(typ, values, f"{prefix}{f.name}_")
+            kwargs[f.name] = _construct(typ, values, _nested_prefix(f, prefix))
         elif prefix + f.name in values:
             kwargs[f.name] = values[prefix + f.name]
     return cls(**kwargs)
+
+
+def _nested_prefix(f: dataclasses.Field, prefix: str) -> str:
+    """The prefix of the settings of the config class in field `f`."""
+    return prefix if f.metadata.get("flat") else f"{prefix}{f.name}_"
 
 
 def _group(parser: argparse.ArgumentParser, title: str):
@@ -116,8 +133,12 @@ def _env_name(dest: str) -> str:
 
 
 def _base_type(hint) -> type:
+    """The type a flag parses: X of `X | None`; str for a str-valued enum (its config class
+    turns the text into the enum, with a message naming the choices)."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if isinstance(hint, type) and issubclass(hint, enum.Enum) and issubclass(hint, str):
+        return str
     return hint
 
 

@@ -56,6 +56,15 @@ class Stack:
     def logs(self) -> str:
         return Path(self.run_dir, "up.log").read_text(errors="replace")[-5000:]
 
+    def wait_for_log(self, text: str, timeout_s: float = 30) -> str:
+        """The logs once they contain `text` (the banner comes a little after /health)."""
+        deadline = time.monotonic() + timeout_s
+        while text not in (logs := self.logs()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not in the logs:\n{logs}")
+            time.sleep(0.1)
+        return logs
+
     def pid(self, name: str) -> int:
         return int(Path(self.run_dir, f"{name}.pid").read_text())
 

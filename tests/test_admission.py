@@ -10,9 +10,10 @@ import pytest
 
 from services.compute.core.sequence import Sequence
 from services.compute.kv.allocator import KVAllocator
-from services.compute.scheduling.admission import AggregatePeak, FuturePeak
-from services.compute.scheduling.config import SchedulerConfig
+from services.compute.scheduling.admission import AggregatePeak, FuturePeak, peak_check
+from services.compute.scheduling.kv_policy import make_policy
 from services.compute.scheduling.scheduler import Scheduler
+from shared.config import Admission, SchedulerConfig
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 
@@ -92,7 +93,7 @@ def test_aggregate_quantile_matches_monte_carlo_and_sits_far_below_the_sum():
 def test_scheduler_admits_between_the_summed_peak_and_the_reservations():
     def admitted(admission: str) -> int:
         rng = random.Random(2)
-        s = Scheduler(SchedulerConfig(10**6, 1024, "predicted", 16, admission=admission),
+        s = Scheduler(SchedulerConfig(10**6, 1024, "predicted", 16, kv_admission=admission),
                       KVAllocator(75_000))
         for x in running(rng, 400, lambda r: wide(r, 200, 600)):
             x.token_ids = x.token_ids[: x.num_prompt]  # waiting: nothing generated yet
@@ -102,7 +103,10 @@ def test_scheduler_admits_between_the_summed_peak_and_the_reservations():
     peak, aggregate, fit = admitted("peak"), admitted("aggregate"), admitted("fit")
     assert peak < aggregate < fit  # 204 < 231 < 341 (fit: the reservations fill the cache)
     with pytest.raises(ValueError, match="admission"):
-        SchedulerConfig(admission="sum")
+        SchedulerConfig(kv_admission="sum")
     # auto: the aggregate under the predicted policy, whatever fits under the others
-    assert SchedulerConfig().peak_check is AggregatePeak
-    assert SchedulerConfig(kv_policy="paged").peak_check is None
+    for policy, check in (("predicted", AggregatePeak), ("max", None), ("paged", None)):
+        config = SchedulerConfig(kv_policy=policy)
+        assert peak_check(config.kv_admission, make_policy(config).peak_admission) is check
+    assert peak_check(Admission.PEAK, False) is FuturePeak
+    assert peak_check(Admission.FIT, True) is None

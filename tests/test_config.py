@@ -39,7 +39,7 @@ def test_env_for_reproduces_a_config_in_a_child(monkeypatch):
 
 def test_with_settings_names_settings_as_flags_and_refuses_unknown_ones():
     c = with_settings(EngineConfig(), sim_kv_dtype="int8", kv_policy="max")
-    assert c.sim.kv_dtype == "int8" and c.kv_policy == "max" and c.sim.gpu == "h100"
+    assert c.sim.kv_dtype == "int8" and c.scheduler.kv_policy == "max" and c.sim.gpu == "h100"
     assert settings(c)["sim_kv_dtype"] == "int8"
     with pytest.raises(TypeError, match="no setting sim_gpus"):
         with_settings(c, sim_gpus="a100")

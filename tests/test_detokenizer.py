@@ -249,29 +249,26 @@ def test_prompt_logprob_pieces_join_onto_the_first_delta() -> None:
     from array import array
 
     from services.detokenizer.service import Detokenizer
-    from shared.messages import Route, StepOutput, TokenLogprobs
+    from shared.messages import Route, StepOutput, Tokens
 
     def piece(start, ids):
         n = len(ids)
-        return TokenLogprobs("r:0", start, array("i", ids), array("f", [-1.0] * n),
-                             array("i", range(2 * n)), array("f", [-0.5] * (2 * n)))
+        return Tokens("r:0", start, array("i", ids), array("f", [-1.0] * n),
+                      array("i", range(2 * n)), array("f", [-0.5] * (2 * n)))
 
     detok = Detokenizer(TOKENIZERS["byte_bpe"], ttl_s=60)
     route = Route("r:0", "gw", num_prompt=5, prompt_tail=array("i", [1, 2, 3, 4, 5]),
                   prompt_ids=array("i", [1, 2, 3, 4, 5]))
-    step = dict(request_ids=[], token_ids=array("i"), logprobs=array("f"), finish_reasons=[])
-    assert not detok.handle(StepOutput([route], **step, prompt_logprobs=[piece(1, [2, 3])])).deltas
-    top = TokenLogprobs("r:0", 0, array("i", [9]), array("f", [-0.1]), array("i", [9, 8]),
-                        array("f", [-0.125, -3.0]))
-    res = detok.handle(StepOutput(
-        [], ["r:0"], array("i", [9]), array("f", [-0.1]), [None],
-        prompt_logprobs=[piece(3, [4, 5])], top_logprobs=[top]))
+    assert not detok.handle(StepOutput([route], prompt=[piece(1, [2, 3])])).deltas
+    top = Tokens("r:0", 5, array("i", [9]), array("f", [-0.1]), array("i", [9, 8]),
+                 array("f", [-0.125, -3.0]))
+    res = detok.handle(StepOutput([], [top], prompt=[piece(3, [4, 5])]))
     (first,) = res.deltas["gw"]
     assert list(first.prompt_ids) == [1, 2, 3, 4, 5]
-    p = first.prompt_logprobs
+    p = first.prompt
     assert (p.start, list(p.token_ids), p.k, len(p.top_ids)) == (1, [2, 3, 4, 5], 2, 8)
-    assert list(first.top_ids) == [9, 8] and list(first.top_logprobs) == [-0.125, -3.0]
-    (second,) = detok.handle(StepOutput([], ["r:0"], array("i", [7]), array("f", [-0.2]),
-                                        ["length"])).deltas["gw"]
-    assert second.prompt_ids is None and second.prompt_logprobs is None
-    assert len(second.top_ids) == 0
+    assert first.tokens is top  # the record compute sent, passed on as it is
+    last = Tokens("r:0", 6, array("i", [7]), array("f", [-0.2]), finish_reason="length")
+    (second,) = detok.handle(StepOutput([], [last])).deltas["gw"]
+    assert second.prompt_ids is None and second.prompt is None
+    assert second.finish_reason == "length" and len(second.tokens.top_ids) == 0

@@ -62,7 +62,7 @@ def test_vllm_flag_names_and_serve_model(demo_model_dir):
         "--max-model-len", "100", "--gpu-memory-utilization", "0.5", "--dtype", "float32",
         "--served-model-name", "m", "--seed", "3", "--host", "0.0.0.0", "--port", "9"])
     engine, svc = cli._configs(args)
-    assert (engine.model, engine.max_running, engine.max_batched_tokens) == (
+    assert (engine.model, engine.scheduler.max_running, engine.scheduler.max_batched_tokens) == (
         str(demo_model_dir), 7, 96)
     assert (engine.max_model_len, engine.gpu_memory_utilization, engine.dtype) == (
         100, 0.5, "float32")

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from services.compute.backend import build_engine
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.sampling import InvalidParams, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir):
-    return build_engine(EngineConfig(model=str(demo_model_dir), device="cpu", max_batched_tokens=64,
-                                  max_running=16, kv_cache_tokens=4096))
+    return build_engine(EngineConfig(model=str(demo_model_dir), device="cpu", kv_cache_tokens=4096,
+                                     scheduler=SchedulerConfig(max_batched_tokens=64,
+                                                               max_running=16)))
 
 
 PROMPTS = [[1, 5, 9, 200], [1, 77], [1, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 400]]
@@ -97,7 +98,9 @@ def test_abort_frees_kv(engine):
 def test_cuda_reference_path_matches_cpu(demo_model_dir, engine):
     sp = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
     cuda = build_engine(EngineConfig(model=str(demo_model_dir), device="cuda", dtype="float32",
-                                  max_batched_tokens=64, max_running=16, kv_cache_tokens=4096))
+                                     scheduler=SchedulerConfig(max_batched_tokens=64,
+                                                               max_running=16),
+                                     kv_cache_tokens=4096))
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     assert run(cuda, PROMPTS, greedy) == run(engine, PROMPTS, greedy)
     assert run(cuda, PROMPTS, sp) == run(engine, PROMPTS, sp)
@@ -109,8 +112,9 @@ def test_seeded_output_survives_moves_and_preemption(demo_model_dir, engine):
           for i in range(8)]
     roomy = run(engine, prompts, sp)
     tight = build_engine(EngineConfig(
-        model=str(demo_model_dir), device="cpu", max_batched_tokens=32, max_running=8,
-        kv_cache_tokens=160, default_predicted_len=2, kv_min_grow=2))
+        model=str(demo_model_dir), device="cpu",
+        scheduler=SchedulerConfig(max_batched_tokens=32, max_running=8, kv_min_grow=2),
+        kv_cache_tokens=160, default_predicted_len=2))
     assert run(tight, prompts, sp) == roomy
     stats = tight.stats()
     assert stats.moves > 0 and stats.preemptions > 0

@@ -10,8 +10,9 @@ import openai
 import pytest
 
 from services.compute.backend import build_engine
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
+from shared.settings import with_settings
 from tests.stack import Stack
 
 SYSTEM = [1] + [(13 * j) % 700 + 5 for j in range(40)]  # a shared system prompt
@@ -20,7 +21,7 @@ SYSTEM = [1] + [(13 * j) % 700 + 5 for j in range(40)]  # a shared system prompt
 def engine(model_dir, caching: bool, **kw):
     base = dict(model=str(model_dir), device="cpu", max_batched_tokens=64, max_running=8,
                 kv_cache_tokens=4096, enable_prefix_caching=caching)
-    return build_engine(EngineConfig(**base | kw))
+    return build_engine(with_settings(EngineConfig(), **base | kw))
 
 
 def params(i: int, greedy: bool) -> SamplingParams:
@@ -86,7 +87,8 @@ def test_usage_counts_the_cached_prompt_tokens(demo_model_dir):
 
 def test_paged_policy_refuses_prefix_caching():
     with pytest.raises(ValueError, match="prefix-caching"):
-        build_engine(EngineConfig(backend="sim", kv_policy="paged", enable_prefix_caching=True))
+        build_engine(EngineConfig(backend="sim", scheduler=SchedulerConfig(
+            kv_policy="paged", enable_prefix_caching=True)))
 
 
 def test_served_with_the_cache_usage_and_metrics_report_it(demo_model_dir):

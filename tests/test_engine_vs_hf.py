@@ -14,8 +14,9 @@ import torch
 
 from services.compute.backend import build_engine
 from services.compute.engine import LLMEngine
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
+from shared.settings import with_settings
 
 NUM_PROMPTS = 16
 MAX_NEW = 24
@@ -53,7 +54,8 @@ def run_staggered(engine: LLMEngine, prompts, params, arrive_every: int = 2):
 
 
 def engine_greedy(model_dir, prompts, **cfg) -> tuple[list[list[int]], LLMEngine]:
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **cfg)
+    config = with_settings(EngineConfig(), model=str(model_dir), device="cpu", dtype="float32",
+                           **cfg)
     engine = build_engine(config)
     outputs: dict[str, list[int]] = {}
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -61,8 +63,8 @@ def engine_greedy(model_dir, prompts, **cfg) -> tuple[list[list[int]], LLMEngine
 
     def step():
         result = orig_step()
-        for ev in result.events:
-            outputs.setdefault(ev.request_id, []).append(ev.token_id)
+        for ev in result.outputs:
+            outputs.setdefault(ev.request_id, []).extend(ev.token_ids)
         return result
 
     engine.step = step
@@ -128,7 +130,8 @@ def test_architecture_variants_match_hf(name, tmp_path):
     prompts = make_prompts(model.config.vocab_size, seed=1)[::4]  # lengths 1, 64, 90, 3
     expected = hf_greedy(model, prompts, 12)
     config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
-                          max_batched_tokens=40, max_running=8, kv_cache_tokens=2048)
+                          scheduler=SchedulerConfig(max_batched_tokens=40, max_running=8),
+                          kv_cache_tokens=2048)
     seqs = build_engine(config).generate(prompts, SamplingParams(max_tokens=12, temperature=0,
                                                               ignore_eos=True))
     assert [s.output_ids for s in seqs] == expected
@@ -146,8 +149,8 @@ def test_triton_kernels_give_the_reference_tokens(tmp_path):
     try:
         for backend in ("reference", "triton"):
             config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
-                                  max_batched_tokens=16, max_running=4, kv_cache_tokens=256,
-                                  kernels=backend)
+                                  scheduler=SchedulerConfig(max_batched_tokens=16, max_running=4),
+                                  kv_cache_tokens=256, kernels=backend)
             seqs = build_engine(config).generate(prompts, params)
             outputs[backend] = [s.output_ids for s in seqs]
     finally:

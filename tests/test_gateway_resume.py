@@ -18,10 +18,13 @@ from services.gateway.protocol import parse_completion
 from services.gateway.stream import stream
 from shared import state
 from shared.demo_model import build_demo_tokenizer
-from shared.messages import Delta, DeltaBatch, Resume, Route, StepOutput, TokenizeRequest
+from shared.messages import Delta, DeltaBatch, Resume, Route, StepOutput, TokenizeRequest, Tokens
 from shared.redis_server import free_port
 from shared.sampling import SamplingParams
 
+
+def _tokens(rid: str, ids: list[int]) -> Tokens:
+    return Tokens(rid, 0, array("i", ids), array("f", [0.0] * len(ids)))
 
 def registered(n: int = 2, max_tokens: int = 10):
     reg = Registry()
@@ -33,8 +36,9 @@ def registered(n: int = 2, max_tokens: int = 10):
 
 def test_resume_continues_each_unfinished_choice_under_a_new_attempt():
     reg, req = registered()
-    reg.dispatch(DeltaBatch([Delta("cmpl-1:0", "ab", array("i", [5, 6])),
-                             Delta("cmpl-1:1", "x", array("i", [7]), finish_reason="stop")]))
+    reg.dispatch(DeltaBatch([Delta("cmpl-1:0", "ab", _tokens("cmpl-1:0", [5, 6])),
+                             Delta("cmpl-1:1", "x", _tokens("cmpl-1:1", [7]),
+                                   finish_reason="stop")]))
     for _ in range(2):
         d = req.deltas.get_nowait()
         c = req.choices[state.choice_of(d.request_id)[0]]
@@ -85,7 +89,8 @@ def test_detokenizer_replay_continues_the_text_exactly(stop):
         texts, finish = [], None
         for i, t in enumerate(tokens):
             fin = "length" if i == len(tokens) - 1 else None
-            out = detok.handle(StepOutput([], ["r:0"], array("i", [t]), array("f", [0]), [fin]))
+            out = detok.handle(StepOutput([], [Tokens("r:0", i, array("i", [t]),
+                                                      array("f", [0]), finish_reason=fin)]))
             for d in out.deltas.get("gw", []):
                 texts.append(d.text)
                 finish = d.finish_reason or finish
@@ -94,13 +99,13 @@ def test_detokenizer_replay_continues_the_text_exactly(stop):
         return texts, finish
 
     whole = Detokenizer(tok, 60)
-    whole.handle(StepOutput([route()], [], array("i"), array("f"), []))
+    whole.handle(StepOutput([route()]))
     texts, finish = run(whole, ids)
     for cut in range(1, len(texts)):
         sent = "".join(texts[:cut])
         fresh = Detokenizer(tok, 60)
         resume = Resume(0, 1, array("i", ids[:cut]), len(sent))
-        fresh.handle(StepOutput([route(resume)], [], array("i"), array("f"), []))
+        fresh.handle(StepOutput([route(resume)]))
         rest, rest_finish = run(fresh, ids[cut:])
         assert sent + "".join(rest) == "".join(texts) and rest_finish == finish, cut
 
@@ -122,7 +127,7 @@ def test_a_stream_that_cannot_resume_ends_with_an_error_event_the_client_raises(
 
     async def handler(request):
         inflight = reg.add("cmpl-1", 1)
-        inflight.deltas.put_nowait(Delta("cmpl-1:0", "Hello", array("i", [5]), array("f", [0])))
+        inflight.deltas.put_nowait(Delta("cmpl-1:0", "Hello", _tokens("cmpl-1:0", [5])))
         inflight.fail("the compute service is down; please retry")
         return await stream(gw, request, req, inflight)
 

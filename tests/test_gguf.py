@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES
 from services.compute.backend import build_engine
 from services.compute.model.gguf_weights import hf_name, load_gguf_weights
 from shared.chat_template import load_chat_template
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.gguf.reader import GGUFError, GGUFFile
 from shared.model_config import ModelConfig, ModelLoadError
 from shared.sampling import SamplingParams
@@ -85,8 +85,8 @@ def test_engine_on_gguf_generates_what_it_does_on_the_hf_directory(tmp_path, tin
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     outs = []
     for model_path in (hf_dir, path):
-        config = EngineConfig(model=str(model_path), kv_cache_tokens=512, max_batched_tokens=32,
-                              max_running=8)
+        config = EngineConfig(model=str(model_path), kv_cache_tokens=512,
+                              scheduler=SchedulerConfig(max_batched_tokens=32, max_running=8))
         outs.append([s.output_ids for s in build_engine(config).generate(prompts, params)])
     assert outs[0] == outs[1]
     with torch.no_grad():

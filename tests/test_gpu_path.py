@@ -14,13 +14,14 @@ from services.compute.kv.sizing import profile_batch
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from shared.sampling import SamplingParams
+from shared.settings import with_settings
 from tests.test_overlap import PROMPTS, _params, _run
 
 
 def _config(model_dir, device="cuda", **kw) -> EngineConfig:
     base = dict(model=str(model_dir), device=device, dtype="float32", max_batched_tokens=64,
                 max_running=16, kv_cache_tokens=4096)
-    return EngineConfig(**{**base, **kw})
+    return with_settings(EngineConfig(), **{**base, **kw})
 
 
 def test_the_profiling_step_runs_the_largest_chunk(demo_model_dir):

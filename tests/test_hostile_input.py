@@ -224,9 +224,9 @@ def test_tokenizer_workers_default_by_cores(cores, workers):
     assert auto_tokenizer_workers(cores) == workers
 
 
-def test_tokenizer_workers_resolved_once_and_flag_kept():
-    assert ServiceConfig().tokenizer_workers == auto_tokenizer_workers() >= 1
-    assert ServiceConfig(tokenizer_workers=3).tokenizer_workers == 3
+def test_tokenizer_workers_by_cores_unless_the_flag_says():
+    assert ServiceConfig().tokenizers == auto_tokenizer_workers() >= 1
+    assert ServiceConfig(tokenizer_workers=3).tokenizers == 3
     with pytest.raises(ValueError, match="tokenizer-workers"):
         ServiceConfig(tokenizer_workers=-1)
 

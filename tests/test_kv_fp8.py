@@ -19,6 +19,7 @@ from services.compute.backend import build_engine
 from services.compute.kv.kv_cache import KVCache
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
+from shared.settings import with_settings
 
 
 def test_to_fp8_saturates_and_rounds_to_three_mantissa_bits():
@@ -97,8 +98,9 @@ def test_fp8_moves_and_capacity():
 @pytest.fixture(scope="module")
 def engines(demo_model_dir):
     def make(kv_cache_dtype, **kw):
-        return build_engine(EngineConfig(model=str(demo_model_dir), device="cpu",
-                                         dtype="float32", kv_cache_dtype=kv_cache_dtype, **kw))
+        return build_engine(with_settings(EngineConfig(), model=str(demo_model_dir),
+                                          device="cpu", dtype="float32",
+                                          kv_cache_dtype=kv_cache_dtype, **kw))
     return make
 
 

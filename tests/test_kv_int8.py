@@ -14,6 +14,7 @@ from services.compute.backend import build_engine
 from services.compute.kv.kv_cache import KVCache
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
+from shared.settings import with_settings
 
 
 def test_quantize_round_trip_error_is_half_a_step():
@@ -94,8 +95,9 @@ def test_moves_carry_the_scales_and_capacity_counts_them():
 @pytest.fixture(scope="module")
 def engines(demo_model_dir):
     def make(kv_cache_dtype, **kw):
-        return build_engine(EngineConfig(model=str(demo_model_dir), device="cpu",
-                                         dtype="float32", kv_cache_dtype=kv_cache_dtype, **kw))
+        return build_engine(with_settings(EngineConfig(), model=str(demo_model_dir),
+                                          device="cpu", dtype="float32",
+                                          kv_cache_dtype=kv_cache_dtype, **kw))
     return make
 
 

@@ -12,11 +12,11 @@ from services.compute.core.step import StepSample
 from services.compute.kv import compaction
 from services.compute.kv.allocator import KVAllocator
 from services.compute.kv.paged_allocator import PagedAllocator
-from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
-from shared.config import EngineConfig
+from shared.config import Admission, EngineConfig, SchedulerConfig
 from shared.length_dist import LEVELS, LengthDist
 from shared.sampling import SamplingParams
+from shared.settings import with_settings
 
 WIDE = LengthDist((4, 6, 10, 20, 40, 50, 60))  # median 10, p90 40
 
@@ -30,13 +30,13 @@ def seq(rid: str, prompt_len: int, max_tokens: int = 100, predicted_length=None)
 def make(policy="predicted", capacity=1000, budget=64, max_running=16, batching="merged",
          admission="auto"):
     alloc = PagedAllocator(capacity) if policy == "paged" else KVAllocator(capacity)
-    return Scheduler(SchedulerConfig(budget, max_running, policy, 2, batching,
-                                     admission=admission), alloc)
+    return Scheduler(SchedulerConfig(budget, max_running, policy, 2, batching=batching,
+                                     kv_admission=admission), alloc)
 
 
 def run_step(s: Scheduler):
     step = s.schedule()
-    s.update(step, StepSample([7] * len(step.sampled), [0.0] * len(step.sampled)))
+    s.update(step, StepSample.of(step, [7] * len(step.sampled)))
     s.allocator.check()
     return step
 
@@ -83,8 +83,8 @@ def test_paged_admission_keeps_a_watermark():
 
 def test_paged_policy_needs_the_simulator():
     with pytest.raises(ValueError, match="paged"):
-        EngineConfig(kv_policy="paged")
-    EngineConfig(kv_policy="paged", backend="sim")
+        EngineConfig(scheduler=SchedulerConfig(kv_policy="paged"))
+    EngineConfig(scheduler=SchedulerConfig(kv_policy="paged"), backend="sim")
     with pytest.raises(ValueError, match="PagedAllocator"):
         Scheduler(SchedulerConfig(kv_policy="paged"), KVAllocator(10))
 
@@ -121,7 +121,7 @@ def test_reserves_a_quantile_and_regrows_to_the_conditional_quantile():
 
 def test_paged_memory_with_peak_admission():
     def admitted(admission: str) -> list[str]:
-        config = SchedulerConfig(64, 16, "paged", 2, admission=admission)
+        config = SchedulerConfig(64, 16, "paged", 2, kv_admission=admission)
         s = Scheduler(config, PagedAllocator(16 * 7))  # 112 slots; each may peak at 50
         for x in "abc":
             s.add(seq(x, 10, max_tokens=60, predicted_length=WIDE))
@@ -130,10 +130,15 @@ def test_paged_memory_with_peak_admission():
 
     assert admitted("fit") == admitted("auto") == ["a", "b", "c"]  # vLLM: whatever fits now
     assert admitted("peak") == ["a", "b"]
-    with pytest.raises(ValueError, match="admission"):
-        SchedulerConfig(admission="greedy")
-    with pytest.raises(ValueError, match="--kv-admission"):  # checked once, by the scheduler
-        SchedulerConfig.of(EngineConfig(kv_admission="greedy"))
+    with pytest.raises(ValueError, match=r"--kv-admission must be one of \('auto', 'peak', "
+                       r"'aggregate', 'fit'\), not 'greedy'"):
+        SchedulerConfig(kv_admission="greedy")
+    with pytest.raises(ValueError, match="--kv-admission"):  # checked as the config is built
+        with_settings(EngineConfig(), kv_admission="greedy")
+    with pytest.raises(ValueError, match=r"--batching must be one of \('merged', 'static'\)"):
+        SchedulerConfig(batching="dynamic")
+    assert SchedulerConfig(kv_admission="peak").kv_admission == Admission.PEAK  # text or enum
+    assert SchedulerConfig(kv_admission=Admission.PEAK) == SchedulerConfig(kv_admission="peak")
 
 
 def test_admission_keeps_the_future_peak_in_memory():
@@ -310,7 +315,7 @@ def test_random_runs_keep_every_cached_token_where_its_segment_says(seed, monkey
         for x, k in step.prefills:
             for p in range(x.num_cached, x.num_cached + k):
                 cache[x.kv_start + p] = (x.request_id, p)
-        s.update(step, StepSample([7] * len(step.sampled), [0.0] * len(step.sampled)))
+        s.update(step, StepSample.of(step, [7] * len(step.sampled)))
         s.allocator.check()
         for x in s.running:
             assert x.num_cached <= x.kv_reserved

@@ -32,7 +32,7 @@ from services.compute.length.store import (
     redis_stores,
 )
 from services.compute.scheduling.admission import AggregatePeak, FuturePeak
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.length_dist import LEVELS, LengthDist
 from shared.length_predictor import EDGES
 from shared.redis_server import EmbeddedRedis
@@ -196,9 +196,10 @@ def marked(rng: random.Random, short: bool) -> tuple[list[int], SamplingParams]:
 def engine_with_head(model: str, **kw):
     """The heads' penalty light (the defaults are tuned on 1024 real requests; 96 teach the
     marker here)."""
-    engine = build_engine(EngineConfig(model=model, kv_cache_tokens=4096, max_running=16,
-                                       hidden_length=True,
-                                       default_predicted_len=50, kv_reserve_horizon=0, **kw))
+    engine = build_engine(EngineConfig(model=model, kv_cache_tokens=4096,
+                                       scheduler=SchedulerConfig(max_running=16,
+                                                                 kv_reserve_horizon=0),
+                                       hidden_length=True, default_predicted_len=50, **kw))
     engine.lengths.config = RefinerConfig(min_requests=16, push_s=0, refresh_s=0,
                                           l2=(0.1, 0.1))
     return engine  # syncs in the background: flush() before reading what it learned
@@ -222,8 +223,8 @@ def test_engine_learns_a_marker_from_hidden_states(demo_model_dir):
     assert s.predicted_length.median < 20 < 60 < lo.predicted_length.median
     # both future-peak estimators read the new predictions: the slots each will add
     for check in (FuturePeak, AggregatePeak):
-        short, long = (check([x], engine.config.kv_peak_quantile, 4096).peak() - x.num_tokens
-                       for x in (s, lo))
+        q = engine.config.scheduler.kv_peak_quantile
+        short, long = (check([x], q, 4096).peak() - x.num_tokens for x in (s, lo))
         assert short < 25 and long > 40
     before = lo.predicted_length
     while lo.num_output <= 33 and lo.finish_reason is None:  # refined at 32 generated
@@ -244,8 +245,8 @@ def test_hidden_length_changes_no_token_and_probes_only_checkpoints(demo_model_d
     outs = []
     for on in (True, False):
         engine = build_engine(EngineConfig(model=str(demo_model_dir), kv_cache_tokens=700,
-                                           max_running=8, hidden_length=on,
-                                           length_refine_every=8))
+                                           scheduler=SchedulerConfig(max_running=8),
+                                           hidden_length=on, length_refine_every=8))
         if on:
             engine.lengths.config = RefinerConfig(min_requests=4, push_s=0,
                                                   refresh_s=0, background=False)

@@ -11,8 +11,9 @@ import torch
 
 from services.compute.backend import build_engine
 from services.compute.engine import LLMEngine
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
+from shared.settings import with_settings
 from tests.test_engine_vs_hf import make_prompts, run_staggered
 
 K = 5
@@ -34,18 +35,19 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
 
 
-def check_top(top: list[tuple[list[int], list[float]]], ref: torch.Tensor) -> None:
-    """top: per row, K (ids, logprobs); ref [rows, vocab]: HF's logprobs. The values are HF's
-    K best, and each id has the value given (near-ties may come in either order)."""
-    ids = torch.tensor([i for i, _ in top])
-    values = torch.tensor([v for _, v in top])
+def check_top(records, ref: torch.Tensor) -> None:
+    """records: Tokens with K alternatives per row; ref [rows, vocab]: HF's logprobs. The
+    values are HF's K best, and each id has the value given (near-ties in either order)."""
+    ids = torch.tensor([i for r in records for i in r.top_ids]).view(-1, K)
+    values = torch.tensor([v for r in records for v in r.top_logprobs]).view(-1, K)
     assert torch.allclose(values, ref.topk(K).values, atol=1e-4)
     assert torch.allclose(ref.gather(1, ids), values, atol=1e-4)
 
 
 def run(engine: LLMEngine, prompts, params):
-    """run_staggered, keeping each request's Sequence and its prompt-logprob pieces."""
-    seqs, pieces = {}, {}
+    """run_staggered, keeping each request's Sequence, its prompt-logprob pieces and its
+    output records."""
+    seqs, pieces, outputs = {}, {}, {}
     add, step = engine.add_request, engine.step
 
     def keep(prompt, p):
@@ -55,13 +57,16 @@ def run(engine: LLMEngine, prompts, params):
 
     def collect():
         result = step()
-        for piece in result.prompt_logprobs:
+        for piece in result.prompt:
             pieces.setdefault(piece.request_id, []).append(piece)
+        for record in result.outputs:
+            outputs.setdefault(record.request_id, []).append(record)
         return result
 
     engine.add_request, engine.step = keep, collect
     rids = run_staggered(engine, prompts, params)
-    return [seqs[r] for r in rids], [pieces.get(r, []) for r in rids]
+    return ([seqs[r] for r in rids], [pieces.get(r, []) for r in rids],
+            [outputs.get(r, []) for r in rids])
 
 
 @pytest.mark.parametrize("cfg", [
@@ -73,12 +78,13 @@ def test_prompt_and_top_logprobs_match_hf(hf, cfg):
     prompts = make_prompts(model.config.vocab_size)
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=True,
                             top_logprobs=K, prompt_logprobs=K)
-    engine = build_engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
-                                    max_batched_tokens=48, max_running=16, **cfg))
-    seqs, pieces = run(engine, prompts, params)
+    engine = build_engine(with_settings(EngineConfig(), model=str(path), device="cpu",
+                                        dtype="float32", max_batched_tokens=48, max_running=16,
+                                        **cfg))
+    seqs, pieces, outputs = run(engine, prompts, params)
     if "default_predicted_len" in cfg:
         assert engine.stats().preemptions > 0
-    for seq, got_pieces, prompt in zip(seqs, pieces, prompts, strict=True):
+    for seq, got_pieces, records, prompt in zip(seqs, pieces, outputs, prompts, strict=True):
         ref = hf_logprobs(model, seq.token_ids)  # prompt + generated
         P = len(prompt)
         # each prompt position 1..P-1 scored once, in order, across chunk-sized pieces
@@ -88,7 +94,7 @@ def test_prompt_and_top_logprobs_match_hf(hf, cfg):
         if P > 1:
             want = ref[torch.arange(P - 1), torch.tensor(prompt[1:])]
             assert torch.allclose(torch.tensor(seq.prompt_logprobs), want, atol=1e-4)
-            check_top(seq.prompt_top, ref[: P - 1])
+            check_top(got_pieces, ref[: P - 1])
             assert [t for p in got_pieces for t in p.token_ids] == prompt[1:]
             assert all(p.k == K for p in got_pieces)
         # generated tokens: greedy = HF's argmax, logprobs and top k from the same rows
@@ -96,7 +102,10 @@ def test_prompt_and_top_logprobs_match_hf(hf, cfg):
         rows = ref[P - 1 : P - 1 + len(out)]
         assert out == rows.argmax(-1).tolist()
         assert torch.allclose(torch.tensor(seq.logprobs), rows.max(-1).values, atol=1e-4)
-        check_top(seq.top, rows)
+        assert [t for r in records for t in r.token_ids] == out
+        assert [r.start for r in records] == list(range(P, P + len(out)))
+        assert [r.finish_reason for r in records] == [None] * (len(out) - 1) + ["length"]
+        check_top(records, rows)
 
 
 def test_logprob_requests_leave_the_others_unchanged(hf):
@@ -107,14 +116,29 @@ def test_logprob_requests_leave_the_others_unchanged(hf):
     plain = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
     asking = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=True,
                             top_logprobs=2, prompt_logprobs=0)
-    config = EngineConfig(model=str(path), device="cpu", dtype="float32", max_batched_tokens=48,
-                          max_running=16, kv_cache_tokens=4096)
+    config = EngineConfig(model=str(path), device="cpu", dtype="float32",
+                          scheduler=SchedulerConfig(max_batched_tokens=48, max_running=16),
+                          kv_cache_tokens=4096)
     alone = build_engine(config).generate(prompts, plain)
-    mixed = build_engine(config).generate(prompts, [plain, asking] * 4)
+    engine = build_engine(config)
+    outputs, pieces, step = {}, {}, engine.step
+
+    def collect():
+        result = step()
+        for record in result.outputs:
+            outputs.setdefault(record.request_id, []).append(record)
+        for piece in result.prompt:
+            pieces.setdefault(piece.request_id, []).append(piece)
+        return result
+
+    engine.step = collect
+    mixed = engine.generate(prompts, [plain, asking] * 4)
     assert [s.output_ids for s in mixed] == [s.output_ids for s in alone]
     for s in mixed[0::2]:
-        assert s.prompt_logprobs == [] and s.top == [] and s.prompt_top == []
+        assert s.prompt_logprobs == [] and s.request_id not in pieces
+        assert all(len(r.top_ids) == 0 for r in outputs[s.request_id])
     for s in mixed[1::2]:
         assert len(s.prompt_logprobs) == s.num_prompt - 1
-        assert all(ids == [] for ids, _ in s.prompt_top)  # k = 0: the token's own logprob only
-        assert len(s.top) == MAX_NEW and all(len(ids) == 2 for ids, _ in s.top)
+        assert all(p.k == 0 for p in pieces[s.request_id])  # k = 0: the token's own only
+        assert len(outputs[s.request_id]) == MAX_NEW
+        assert all(len(r.top_ids) == 2 for r in outputs[s.request_id])

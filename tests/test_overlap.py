@@ -11,9 +11,8 @@ from services.compute.backend import build_engine
 from services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
 from services.compute.core.step import StepSample
 from services.compute.kv.allocator import KVAllocator
-from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 
@@ -38,9 +37,11 @@ def _params(stop_ids: list[int]) -> list[SamplingParams]:
 
 
 def _engine(model_dir, overlap: str, tokens: int = 4096):
-    return build_engine(EngineConfig(model=str(model_dir), device="cpu", max_batched_tokens=24,
-                                     max_running=8, kv_cache_tokens=tokens, kv_min_grow=4,
-                                     default_predicted_len=4, overlap_schedule=overlap))
+    return build_engine(EngineConfig(model=str(model_dir), device="cpu",
+                                     scheduler=SchedulerConfig(max_batched_tokens=24,
+                                                               max_running=8, kv_min_grow=4),
+                                     kv_cache_tokens=tokens, default_predicted_len=4,
+                                     overlap_schedule=overlap))
 
 
 def _run(engine, params, abort_at: dict[int, int] | None = None) -> dict:
@@ -56,12 +57,13 @@ def _run(engine, params, abort_at: dict[int, int] | None = None) -> dict:
             if at == step:
                 engine.abort(rids[i])
         result = engine.step()
-        for e in result.events:
+        for e in result.outputs:
             assert not streams[e.request_id]["events"] or \
                 streams[e.request_id]["events"][-1][2] is None, "an event after the finish"
             streams[e.request_id]["events"].append(
-                (e.token_id, e.logprob if asked[e.request_id] else None, e.finish_reason, e.top))
-        for piece in result.prompt_logprobs:
+                (e.token_ids[0], e.logprobs[0] if asked[e.request_id] else None,
+                 e.finish_reason, (list(e.top_ids), list(e.top_logprobs))))
+        for piece in result.prompt:
             streams[piece.request_id]["prompt"].append((piece.start, list(piece.logprobs)))
         step += 1
     assert engine.stats().reserved == 0 and not engine.requests
@@ -141,14 +143,14 @@ def test_scheduler_runs_ahead_of_the_tokens_and_drops_what_a_stop_made_moot():
     assert b.at_limit  # b's second token is its last: no third step for it
     third = s.schedule()
     assert third.decodes == [a]
-    s.commit(first, StepSample([7, 8], [0.0, 0.0]))
+    s.commit(first, StepSample.of(first, [7, 8]))
     assert a.token_ids[5:] == [7, UNSAMPLED] and b.token_ids[3:] == [8, UNSAMPLED]
     s.advance(third)
-    done = s.commit(second, StepSample([99, 4], [0.0, 0.0]))  # a stops, b reaches max_tokens
-    assert [(x.request_id, x.finish_reason) for x, _, _ in done.sampled] == [("a", "stop"),
-                                                                       ("b", "length")]
+    done = s.commit(second, StepSample.of(second, [99, 4]))  # a stops, b reaches max_tokens
+    assert [(t.request_id, t.start, t.finish_reason) for t in done.outputs] == [
+        ("a", 6, "stop"), ("b", 4, "length")]  # (the tokens' places in token_ids)
     assert a.output_ids == [7, 99] and b.output_ids == [8, 4]  # a's third token is dropped
-    assert s.commit(third, StepSample([5], [0.0])).sampled == []
+    assert s.commit(third, StepSample.of(third, [5])).outputs == []
     assert not s.has_work() and s.allocator.reserved == 0
 
 
@@ -161,7 +163,7 @@ def test_a_request_preempted_with_a_step_in_flight_gets_its_token_then_resumes()
     s.advance(step)
     s._preempt(a)  # as the next schedule() would under memory pressure
     assert a.status is SeqStatus.WAITING and a.token_ids[-1] == UNSAMPLED
-    s.commit(step, StepSample([9], [0.0]))
+    s.commit(step, StepSample.of(step, [9]))
     assert a.token_ids == [1, 2, 3, 4, 9] and a.status is SeqStatus.WAITING
     again = s.schedule()
     assert again.prefills == [(a, 5)]  # recomputes prompt + the token, then samples the next
@@ -174,7 +176,7 @@ def test_a_request_finished_while_preempted_leaves_the_queue():
     step = s.schedule()
     s.advance(step)
     s._preempt(a)
-    s.commit(step, StepSample([9], [0.0]))
+    s.commit(step, StepSample.of(step, [9]))
     assert a.finish_reason == "stop" and a.status is SeqStatus.FINISHED
     assert not s.waiting and not s.has_work()
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from kernels.sampling import apply_penalties, sample, token_stats
+from kernels.sampling import SamplingBatch, apply_penalties, sample, token_stats
 from services.compute.backend import build_engine
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.sampling import InvalidParams, SamplingParams
 
 F32, I64 = torch.float32, torch.int64
@@ -118,14 +118,15 @@ def test_sample_chooses_from_penalized_but_reports_raw_logprobs():
     penalized = raw.clone()
     penalized[0, 0] = -5.0  # row 0: the raw favourite is penalized away
     b = raw.shape[0]
-    args = (torch.zeros(b), torch.zeros(b, dtype=I64), torch.ones(b), torch.zeros(b),
-            torch.zeros(b, dtype=I64), torch.zeros(b, dtype=I64))
+    zeros = torch.zeros(b, dtype=I64)
+    params = dict(temperature=torch.zeros(b), top_p=torch.ones(b), min_p=torch.zeros(b),
+                  top_k=zeros, seeds=zeros, steps=zeros)
     for all_greedy in (True, False):
-        ids, lps = sample(penalized, *args, all_greedy=all_greedy, raw_logits=raw)
+        ids, lps = sample(penalized, SamplingBatch(**params, all_greedy=all_greedy), raw)
         assert ids.tolist() == [1, 1]
         want = raw.log_softmax(-1).gather(1, ids[:, None])[:, 0]
         torch.testing.assert_close(lps, want)
-    ids, lps = sample(penalized, *args)  # without raw_logits: as before, from the given logits
+    ids, lps = sample(penalized, SamplingBatch(**params))  # without raw_logits: from `penalized`
     torch.testing.assert_close(lps, penalized.log_softmax(-1).gather(1, ids[:, None])[:, 0])
 
 
@@ -138,7 +139,9 @@ OTHER = [1, 5, 9, 200, 41]
 @pytest.fixture(scope="module")
 def engine(demo_model_dir):
     return build_engine(EngineConfig(model=str(demo_model_dir), device="cpu", dtype="float32",
-                                  max_batched_tokens=64, max_running=8, kv_cache_tokens=4096))
+                                     scheduler=SchedulerConfig(max_batched_tokens=64,
+                                                               max_running=8),
+                                     kv_cache_tokens=4096))
 
 
 def greedy(**kw) -> SamplingParams:

@@ -10,8 +10,8 @@ import pytest
 from services.compute.core.sequence import SeqStatus, Sequence
 from services.compute.core.step import StepSample
 from services.compute.kv.allocator import KVAllocator
-from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
+from shared.config import SchedulerConfig
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 
@@ -23,7 +23,7 @@ def seq(rid: str, prompt: list[int], max_tokens: int = 4, predicted: int = 4, **
 
 
 def make(capacity=1000, budget=64, policy="predicted", caching=True) -> Scheduler:
-    return Scheduler(SchedulerConfig(budget, 8, policy, 2, prefix_caching=caching),
+    return Scheduler(SchedulerConfig(budget, 8, policy, 2, enable_prefix_caching=caching),
                      KVAllocator(capacity))
 
 
@@ -34,7 +34,7 @@ def run(s: Scheduler, token: int = 900) -> list:
         step = s.schedule()
         moves += step.moves
         n = len(step.sampled)
-        s.update(step, StepSample([token] * n, [0.0] * n))
+        s.update(step, StepSample.of(step, [token] * n))
         s.allocator.check()
         assert s.allocator.reserved == sum(x.kv_reserved for x in s._segments())
     return moves
@@ -53,7 +53,7 @@ def test_a_finished_request_stays_cached_and_a_longer_prompt_copies_its_prefix()
     step = s.schedule()
     assert step.moves == [(a.kv_start, b.kv_start, 23)] and step.prefills == [(b, 3)]
     assert b.num_cached == 23 and b.cached_tokens == 23
-    s.update(step, StepSample([5], [0.0]))
+    s.update(step, StepSample.of(step, [5]))
     run(s)
     assert cache.entries() == [b]  # b holds all of a's tokens: a is gone
     assert cache.stats.hit_tokens == 23 and cache.stats.query_tokens == 20 + 26
@@ -68,7 +68,7 @@ def test_a_hit_never_covers_the_last_prompt_token_and_identical_prompts_are_cach
     s.add(b)
     step = s.schedule()
     assert step.moves == [(a.kv_start, b.kv_start, 9)] and step.prefills == [(b, 1)]
-    s.update(step, StepSample([5], [0.0]))
+    s.update(step, StepSample.of(step, [5]))
     assert s.prefix_cache.entries() == [a]  # b's K/V (10 tokens) is a's: b was freed
     assert s.allocator.reserved == 10
 
@@ -100,7 +100,8 @@ def test_a_growing_request_evicts_cached_entries_to_get_their_slots():
     s = make(capacity=40)
     a = seq("a", range(1, 11), max_tokens=30, predicted=2)  # will need the whole cache
     s.add(a)
-    s.update(s.schedule(), StepSample([5], [0.0]))
+    step = s.schedule()
+    s.update(step, StepSample.of(step, [5]))
     b = seq("b", range(50, 60), max_tokens=1)  # finishes at once, cached right after a
     s.add(b)
     run(s)
@@ -133,7 +134,7 @@ def test_random_workloads_keep_the_allocator_and_the_index_consistent(seed):
             step = s.schedule()
             _check_copies(step, owner)
             n = len(step.sampled)
-            s.update(step, StepSample([rng.randrange(1000) for _ in range(n)], [0.0] * n))
+            s.update(step, StepSample.of(step, [rng.randrange(1000) for _ in range(n)]))
             s.allocator.check()
         if r.status is SeqStatus.FINISHED:
             history.append(r.token_ids)
@@ -141,7 +142,7 @@ def test_random_workloads_keep_the_allocator_and_the_index_consistent(seed):
         step = s.schedule()
         _check_copies(step, owner)
         n = len(step.sampled)
-        s.update(step, StepSample([rng.randrange(1000) for _ in range(n)], [0.0] * n))
+        s.update(step, StepSample.of(step, [rng.randrange(1000) for _ in range(n)]))
     s.allocator.check()
     for e in s.prefix_cache.entries():
         assert s.prefix_cache.index.tokens[e] == tuple(e.token_ids[: e.num_cached])
@@ -172,10 +173,10 @@ def test_a_running_request_shares_its_prompt_once_prefilled():
     s.add(a)
     s.add(b)
     first = s.schedule()  # a's first chunk (32 tokens): b waits for the budget
-    s.update(first, StepSample([], []))
+    s.update(first, StepSample.of(first, []))
     assert s.prefix_cache.shared == set()
     second = s.schedule()  # a's last 9 tokens; b admitted, nothing to copy yet
-    s.update(second, StepSample([5], [0.0]))
+    s.update(second, StepSample.of(second, [5]))
     assert not second.moves and s.prefix_cache.shared == {a}
     assert s.prefix_cache.entries() == []
     s.abort(b)
@@ -183,7 +184,7 @@ def test_a_running_request_shares_its_prompt_once_prefilled():
     s.add(c)
     step = s.schedule()
     assert (a.kv_start, c.kv_start, 40) in step.moves and (c, 1) in step.prefills
-    s.update(step, StepSample([5, 5], [0.0, 0.0]))
+    s.update(step, StepSample.of(step, [5, 5]))
     s.abort(a)
     assert s.prefix_cache.shared == {c} and s.prefix_cache.slots == 0
 

@@ -36,6 +36,7 @@ from services.gateway.responses import (
     sse,
     usage_chunk,
 )
+from shared.generation_config import GenerationDefaults
 from shared.sampling import SamplingParams
 
 M = "demo"
@@ -279,12 +280,14 @@ def test_prompt_shapes(prompt, text, ids):
 def test_defaults_and_nulls(kind):
     nulls = {k: None for k in SAMPLING} | {"model": None, "max_tokens": None, "logprobs": None}
     for body in ({k: v for k, v in BASE[kind].items() if k != "model"}, {**BASE[kind], **nulls}):
-        req = PARSE[kind](body, M, default_max_tokens=123)
+        req = PARSE[kind](body, M, defaults=GenerationDefaults(max_tokens=123))
         assert req.model == M and req.params == SamplingParams(max_tokens=123)
         assert not req.max_tokens_given and req.stop == () and req.n == 1
         assert not (req.stream or req.include_usage or req.logprobs) and req.user is None
         assert req.add_generation_prompt == (kind == "chat")
-    assert PARSE[kind](BASE[kind], M).params.max_tokens == 16
+    # without a model default: completions 16, chat up to the context (the tokenizer lowers it)
+    assert PARSE[kind](BASE[kind], M).params.max_tokens == (16 if kind == "completion"
+                                                            else 2**31 - 1)
 
 
 def test_logprobs_echo_and_max_tokens_zero():

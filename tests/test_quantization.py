@@ -16,7 +16,7 @@ from services.compute.model.linear import Int4Linear, Linear, W8A8Linear
 from services.compute.model.quantization import resolve
 from shared import default_model
 from shared.chat_template import load_chat_template
-from shared.config import EngineConfig
+from shared.config import EngineConfig, SchedulerConfig
 from shared.sampling import SamplingParams
 from shared.tokenizer import load_tokenizer
 from tests.gguf_files import Q, write_gguf
@@ -90,8 +90,9 @@ def test_weight_bytes_of_each_format():
 
 def _engine(model, **fields):
     return build_engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
-                                     kv_cache_tokens=512, max_batched_tokens=64, max_running=4,
-                                     **fields))
+                                     kv_cache_tokens=512,
+                                     scheduler=SchedulerConfig(max_batched_tokens=64,
+                                                               max_running=4), **fields))
 
 
 def _perplexity(engine) -> float:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling import _bits_to_uniform, sample, uniform_noise
+from kernels.sampling import SamplingBatch, _bits_to_uniform, sample, uniform_noise
 
 F32, I64 = torch.float32, torch.int64
 M32 = 0xFFFFFFFF
@@ -66,7 +66,7 @@ def repeated_steps(logits, n_steps, **kw):
     p = params(b, **kw)
     rep = {name: t.repeat_interleave(n_steps) for name, t in p.items()}
     rep["steps"] = rep["steps"] + torch.arange(n_steps).repeat(b)
-    ids, _ = sample(logits.repeat_interleave(n_steps, dim=0), **rep)
+    ids, _ = sample(logits.repeat_interleave(n_steps, dim=0), SamplingBatch(**rep))
     return ids.view(b, n_steps)
 
 
@@ -78,11 +78,11 @@ def test_temperature_zero_is_argmax_and_ignores_filters(dtype):
     logits = rand_logits(16, 500, seed=1, dtype=dtype)
     kw = dict(temperature=0.0, top_k=list(range(1, 17)), top_p=0.3, min_p=0.5,
               seed=list(range(16)), step=7)
-    ids, logprobs = sample(logits, **params(16, **kw))
+    ids, logprobs = sample(logits, SamplingBatch(**params(16, **kw)))
     expect = logits.float().argmax(dim=-1)
     assert ids.dtype == I64 and logprobs.dtype == F32
     assert torch.equal(ids, expect)
-    fast_ids, fast_lp = sample(logits, **params(16, **kw), all_greedy=True)
+    fast_ids, fast_lp = sample(logits, SamplingBatch(**params(16, **kw), all_greedy=True))
     assert torch.equal(fast_ids, expect)
     torch.testing.assert_close(fast_lp, logprobs)
 
@@ -93,7 +93,7 @@ def test_logprobs_are_raw_log_softmax_at_chosen_ids(dtype):
     logits = rand_logits(b, 300, seed=2, dtype=dtype)
     kw = dict(temperature=[0.0, 0.5, 1.0, 2.0] * 6, top_k=[0, 5] * 12, top_p=[1.0, 0.9, 0.7] * 8,
               min_p=[0.0] * 12 + [0.1] * 12, seed=list(range(100, 124)), step=3)
-    ids, logprobs = sample(logits, **params(b, **kw))
+    ids, logprobs = sample(logits, SamplingBatch(**params(b, **kw)))
     expect = torch.log_softmax(logits.float(), dim=-1).gather(1, ids[:, None])[:, 0]
     torch.testing.assert_close(logprobs, expect, rtol=1e-5, atol=1e-5)
     assert (ids != logits.float().argmax(-1)).any()  # some rows really sampled
@@ -105,14 +105,14 @@ def test_mixed_greedy_and_sampled_rows():
     temps = [0.0 if i % 3 == 0 else 1.5 for i in range(b)]
     kw = dict(temperature=temps, top_k=[0, 50] * 16, top_p=[1.0, 0.95] * 16, min_p=0.01,
               seed=list(range(b)), step=11)
-    ids, _ = sample(logits, **params(b, **kw))
+    ids, _ = sample(logits, SamplingBatch(**params(b, **kw)))
     greedy = torch.tensor(temps) == 0
     argmax = logits.argmax(-1)
     assert torch.equal(ids[greedy], argmax[greedy])
     assert (ids[~greedy] != argmax[~greedy]).sum() >= 15
     for i in range(b):  # every row as if sampled alone
         alone = {name: t[i : i + 1] for name, t in params(b, **kw).items()}
-        assert sample(logits[i : i + 1], **alone)[0].item() == ids[i].item()
+        assert sample(logits[i : i + 1], SamplingBatch(**alone))[0].item() == ids[i].item()
 
 
 # ---------------------------------------------------------------- filters
@@ -183,11 +183,11 @@ def test_degenerate_filters():
     argmax = logits.argmax(-1)
     base = dict(temperature=1.3, seed=list(range(b)), step=5)
     for kw in [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)]:
-        assert torch.equal(sample(logits, **params(b, **base, **kw))[0], argmax), kw
-    off = sample(logits, **params(b, **base))[0]
-    assert torch.equal(sample(logits, **params(b, **base, top_k=200))[0], off)
-    assert torch.equal(sample(logits, **params(b, **base, top_k=10**6))[0], off)
-    assert torch.equal(sample(logits, **params(b, **base, top_k=-1))[0], off)
+        assert torch.equal(sample(logits, SamplingBatch(**params(b, **base, **kw)))[0], argmax), kw
+    off = sample(logits, SamplingBatch(**params(b, **base)))[0]
+    assert torch.equal(sample(logits, SamplingBatch(**params(b, **base, top_k=200)))[0], off)
+    assert torch.equal(sample(logits, SamplingBatch(**params(b, **base, top_k=10**6)))[0], off)
+    assert torch.equal(sample(logits, SamplingBatch(**params(b, **base, top_k=-1)))[0], off)
     assert not torch.equal(off, argmax)
 
 
@@ -196,8 +196,8 @@ def test_need_sort_false_fast_path_gives_same_result():
     logits = rand_logits(b, 300, seed=9)
     kw = dict(temperature=[0.0, 0.5, 1.0, 1.5] * 8, min_p=[0.0, 0.05] * 16,
               seed=list(range(b)), step=list(range(b)))
-    full = sample(logits, **params(b, **kw))
-    fast = sample(logits, **params(b, **kw), need_sort=False)
+    full = sample(logits, SamplingBatch(**params(b, **kw)))
+    fast = sample(logits, SamplingBatch(**params(b, **kw), need_sort=False))
     assert torch.equal(full[0], fast[0])
     torch.testing.assert_close(full[1], fast[1])
 
@@ -209,7 +209,7 @@ def test_masked_logits_never_sampled():
     ids = repeated_steps(logits, 200, temperature=[0.0, 1.0, 3.0, 1.0] * 2, top_k=[0, 0, 0, 80] * 2,
                          top_p=[1.0, 1.0, 1.0, 0.99] * 2, seed=5)
     assert (ids % 2 == 1).all()
-    lp = sample(logits, **params(b, temperature=2.0, seed=1))[1]
+    lp = sample(logits, SamplingBatch(**params(b, temperature=2.0, seed=1)))[1]
     assert torch.isfinite(lp).all()
 
 
@@ -223,30 +223,30 @@ def test_same_seed_and_step_reproduce_and_rows_are_independent():
               top_p=[1.0, 0.9, 1.0, 0.8] * 3, min_p=[0.0, 0.02, 0.1] * 4,
               seed=[3, 2**62 + 5, 17, 2**40] * 3, step=list(range(0, 36, 3)))
     p = params(b, **kw)
-    ids, lp = sample(logits, **p)
-    again = sample(logits.clone(), **{k: t.clone() for k, t in p.items()})
+    ids, lp = sample(logits, SamplingBatch(**p))
+    again = sample(logits.clone(), SamplingBatch(**{k: t.clone() for k, t in p.items()}))
     assert torch.equal(ids, again[0]) and torch.equal(lp, again[1])
 
     perm = torch.randperm(b, generator=torch.Generator().manual_seed(0))
-    shuffled = sample(logits[perm], **{k: t[perm] for k, t in p.items()})
+    shuffled = sample(logits[perm], SamplingBatch(**{k: t[perm] for k, t in p.items()}))
     assert torch.equal(shuffled[0], ids[perm])
     torch.testing.assert_close(shuffled[1], lp[perm], rtol=0, atol=1e-6)
     for i in range(b):
-        alone = sample(logits[i : i + 1], **{k: t[i : i + 1] for k, t in p.items()})
+        alone = sample(logits[i : i + 1], SamplingBatch(**{k: t[i : i + 1] for k, t in p.items()}))
         assert alone[0].item() == ids[i].item(), i
 
     other = rand_logits(b, v, seed=12)  # other rows' logits change: row 0 keeps its token
     mixed = torch.cat([logits[:1], other[1:]])
-    assert sample(mixed, **p)[0][0] == ids[0]
+    assert sample(mixed, SamplingBatch(**p))[0][0] == ids[0]
 
 
 def test_different_seeds_and_steps_give_different_samples():
     n, v = 300, 1000
     row = rand_logits(1, v, seed=13, scale=0.01)  # nearly uniform
-    by_seed, _ = sample(row.expand(n, v), **params(n, seed=list(range(n)), step=4))
-    by_step, _ = sample(row.expand(n, v), **params(n, seed=42, step=list(range(n))))
+    by_seed, _ = sample(row.expand(n, v), SamplingBatch(**params(n, seed=list(range(n)), step=4)))
+    by_step, _ = sample(row.expand(n, v), SamplingBatch(**params(n, seed=42, step=list(range(n)))))
     high = torch.tensor([5 + (j << 32) for j in range(n)])  # only the seed's high bits differ
-    by_high, _ = sample(row.expand(n, v), **params(n, seed=high, step=4))
+    by_high, _ = sample(row.expand(n, v), SamplingBatch(**params(n, seed=high, step=4)))
     for ids in (by_seed, by_step, by_high):
         assert len(set(ids.tolist())) > 200  # ~259 expected for 300 draws out of 1000
     assert (by_seed != by_step).float().mean() > 0.9
@@ -274,8 +274,9 @@ def test_empirical_distribution_matches_softmax(temperature, top_k, top_p, min_p
     probs = torch.tensor([q.get(i, 0.0) for i in range(v)], dtype=torch.float64)
     span = list(range(n))
     kw = dict(seed=span, step=17) if vary == "seed" else dict(seed=1234, step=span)
-    ids, _ = sample(row.expand(n, v), **params(n, temperature=temperature, top_k=top_k,
-                                               top_p=top_p, min_p=min_p, **kw))
+    batch = SamplingBatch(**params(n, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   min_p=min_p, **kw))
+    ids, _ = sample(row.expand(n, v), batch)
     counts = torch.bincount(ids, minlength=v).double()
     assert counts[probs == 0].sum() == 0
     kept = probs > 0
@@ -351,6 +352,6 @@ def test_logprobs_can_be_skipped_without_changing_tokens():
     logits = torch.randn(6, 50) * 3
     for kw in ({"all_greedy": True}, {}):
         p = params(6, temperature=[0.0, 0.7, 1.0, 1.3, 0.0, 0.9], seed=list(range(6)))
-        ids, lps = sample(logits, **p, **kw)
-        ids2, lps2 = sample(logits, **p, **kw, need_logprobs=False)
+        ids, lps = sample(logits, SamplingBatch(**p, **kw))
+        ids2, lps2 = sample(logits, SamplingBatch(**p, **kw, need_logprobs=False))
         assert torch.equal(ids, ids2) and torch.all(lps < 0) and torch.all(lps2 == 0)

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import dispatch, sampling_triton
-from kernels.sampling import sample, sample_reference, uniform_noise
+from kernels.sampling import SamplingBatch, sample, sample_reference, uniform_noise
 from kernels.sampling_triton import sample_triton, uniform_noise_triton
 
 F32, I64 = torch.float32, torch.int64
@@ -89,9 +89,12 @@ def make_params(logits: torch.Tensor, rows: list[tuple], seed: int, clear: bool 
                 steps=torch.randint(0, 2**41, (n,), generator=g))
 
 
-def assert_same(logits: torch.Tensor, p: dict[str, torch.Tensor], **kw) -> torch.Tensor:
-    ids, lps = sample_triton(logits, **p, **kw)
-    ref_ids, ref_lps = sample_reference(logits, **p, **kw)
+def assert_same(logits: torch.Tensor, p: dict[str, torch.Tensor], raw_logits=None, **flags
+                ) -> torch.Tensor:
+    """Triton == reference on one SamplingBatch of p's tensors and the given flags."""
+    batch = SamplingBatch(**p, **flags)
+    ids, lps = sample_triton(logits, batch, raw_logits)
+    ref_ids, ref_lps = sample_reference(logits, batch, raw_logits)
     assert ids.dtype == I64 and lps.dtype == F32
     assert ids.tolist() == ref_ids.tolist(), p
     torch.testing.assert_close(lps, ref_lps, rtol=1e-5, atol=1e-5)
@@ -160,9 +163,9 @@ def test_fast_paths_and_raw_logits(dtype):
 def test_sample_dispatches_to_triton(monkeypatch):
     calls = []
 
-    def spy(*args, **kw):
+    def spy(*args):
         calls.append(1)
-        return sample_triton(*args, **kw)
+        return sample_triton(*args)
 
     monkeypatch.setattr(sampling_triton, "sample_triton", spy)
     logits = tricky_logits(4, 100, seed=4)
@@ -170,11 +173,11 @@ def test_sample_dispatches_to_triton(monkeypatch):
     old = dispatch.backend()
     try:
         dispatch.set_backend("triton")
-        ids, lps = sample(logits, **p)
+        ids, lps = sample(logits, SamplingBatch(**p))
     finally:
         dispatch.set_backend(old)
     assert calls == [1]
-    ref = sample(logits, **p)  # CPU tensors, "auto": the reference
+    ref = sample(logits, SamplingBatch(**p))  # CPU tensors, "auto": the reference
     assert calls == [1] and ids.tolist() == ref[0].tolist()
     torch.testing.assert_close(lps, ref[1], rtol=1e-5, atol=1e-5)
 
@@ -212,14 +215,14 @@ def test_matches_reference_on_cuda(vocab, dtype):
     p = {k: t.cuda() for k, t in make_params(logits, rows, seed=5, clear=False).items()}
     noise = uniform_noise_triton(p["seeds"], p["steps"], vocab)
     assert torch.equal(noise, uniform_noise(p["seeds"], p["steps"], vocab))
-    ids, lps = sample_triton(logits, **p)
-    ref_ids, ref_lps = sample_reference(logits, **p)
+    ids, lps = sample_triton(logits, SamplingBatch(**p))
+    ref_ids, ref_lps = sample_reference(logits, SamplingBatch(**p))
     same = ids == ref_ids
     greedy = p["temperature"] == 0
     assert same[greedy].all() and same.float().mean() >= 0.95, (ids, ref_ids)
     torch.testing.assert_close(lps[same], ref_lps[same], rtol=1e-4, atol=1e-4)
     many = {k: t.repeat_interleave(16) for k, t in p.items()}
     many["steps"] += torch.arange(16, device="cuda").repeat(b)
-    agree = sample_triton(logits.repeat_interleave(16, 0), **many)[0]
-    agree = agree == sample_reference(logits.repeat_interleave(16, 0), **many)[0]
+    agree = sample_triton(logits.repeat_interleave(16, 0), SamplingBatch(**many))[0]
+    agree = agree == sample_reference(logits.repeat_interleave(16, 0), SamplingBatch(**many))[0]
     assert agree.float().mean() >= 0.98 and math.isfinite(float(lps.sum()))

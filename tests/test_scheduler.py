@@ -7,8 +7,8 @@ import pytest
 from services.compute.core.sequence import SeqStatus, Sequence
 from services.compute.core.step import StepSample
 from services.compute.kv.allocator import KVAllocator
-from services.compute.scheduling.config import SchedulerConfig
 from services.compute.scheduling.scheduler import Scheduler
+from shared.config import SchedulerConfig
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 
@@ -27,7 +27,7 @@ def make(capacity=1000, budget=16, max_running=8, policy="predicted", min_grow=2
 def run_step(s: Scheduler, token: int = 7):
     step = s.schedule()
     n = len(step.sampled)
-    s.update(step, StepSample([token] * n, [0.0] * n))
+    s.update(step, StepSample.of(step, [token] * n))
     s.allocator.check()
     return step
 
@@ -174,16 +174,18 @@ def test_kv_policies_are_objects_named_once():
     from services.compute.kv.paged_allocator import PagedAllocator
     from services.compute.scheduling.kv_policy import MaxLength, Paged, Predicted, make_policy
 
-    assert isinstance(SchedulerConfig(kv_policy="paged").policy, Paged)
-    assert SchedulerConfig(kv_policy="max").policy == MaxLength()
-    assert SchedulerConfig(reserve_horizon=8).policy == Predicted(0.5, 0.9, 8, 16)
-    with pytest.raises(ValueError, match="--kv-policy must be one of"):
-        make_policy("lru")
+    assert isinstance(make_policy(SchedulerConfig(kv_policy="paged")), Paged)
+    assert make_policy(SchedulerConfig(kv_policy="max")) == MaxLength()
+    assert make_policy(SchedulerConfig(kv_reserve_horizon=8)) == Predicted(0.5, 0.9, 8, 16)
+    with pytest.raises(ValueError, match=r"--kv-policy must be one of \('predicted', 'max', "
+                       r"'paged'\), not 'lru'"):
+        SchedulerConfig(kv_policy="lru")
     with pytest.raises(ValueError, match="needs a PagedAllocator"):
         Scheduler(SchedulerConfig(kv_policy="paged"), KVAllocator(64))
     # the horizon caps what a long predicted output reserves at admission
     a = seq("a", 10, max_tokens=500, predicted=300)
-    assert Predicted(horizon=8).reservation(a) == 18 and Predicted(horizon=0).reservation(a) == 310
+    assert Predicted(0.5, 0.9, 8, 16).reservation(a) == 18
+    assert Predicted(0.5, 0.9, 0, 16).reservation(a) == 310
     # paged keeps 1% of the blocks free at admission
     paged = PagedAllocator(1600)
     assert Paged().can_admit(paged, 1584) and not Paged().can_admit(paged, 1585)

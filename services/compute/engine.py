@@ -16,35 +16,23 @@ import secrets
 from dataclasses import dataclass, field
 
 from services.compute.core.sequence import SeqStatus, Sequence
-from services.compute.core.step import ScheduledStep, Top
+from services.compute.core.step import ScheduledStep
 from services.compute.length.refiner import LengthRefiner
 from services.compute.length.store import memory_stores
-from services.compute.scheduling.config import SchedulerConfig
+from services.compute.scheduling.kv_policy import make_policy
 from services.compute.scheduling.scheduler import Scheduler
-from shared.codec import float32s, int32s
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
-from shared.messages import TokenLogprobs
+from shared.messages import Tokens
 from shared.sampling import InvalidParams, SamplingParams
 
 
 @dataclass(frozen=True)
-class TokenEvent:
-    """One generated token of one request, as produced by a step."""
-
-    request_id: str
-    token_id: int
-    logprob: float
-    finish_reason: str | None  # "stop" | "length" | None
-    top: Top | None = None  # with params.top_logprobs: the k most likely tokens here
-
-
-@dataclass(frozen=True)
 class StepResult:
-    events: list[TokenEvent]  # one per request that got a token, in batch order
+    outputs: list[Tokens]  # one per request that got a token, in batch order
     admitted: list[str]  # request ids taken from the queue (first time or after preemption)
     cached_tokens: list[int] = field(default_factory=list)  # per admitted: from the prefix cache
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # scored prompt pieces
+    prompt: list[Tokens] = field(default_factory=list)  # scored prompt pieces
 
 
 @dataclass(frozen=True)
@@ -73,8 +61,8 @@ class LLMEngine:
         self.config = config
         self.runner = runner
         self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
-        sched = SchedulerConfig.of(config)
-        self.scheduler = Scheduler(sched, sched.policy.allocator(self.runner.capacity))
+        allocator = make_policy(config.scheduler).allocator(self.runner.capacity)
+        self.scheduler = Scheduler(config.scheduler, allocator)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         mode = config.overlap_schedule
@@ -166,21 +154,20 @@ class LLMEngine:
         return result
 
     def _commit(self, result: StepResult) -> None:
-        """Wait for the step in flight and apply its results; its events go into `result`."""
+        """Wait for the step in flight and apply its results; its records go into `result`."""
         step, handle = self._inflight
         self._inflight = None
         sample = handle.result()
         if self.lengths is not None and sample.probes is not None:
             self._observe_lengths(step, sample)
         done = self.scheduler.commit(step, sample)
-        for seq, token, top in done.sampled:
-            result.events.append(TokenEvent(seq.request_id, token, seq.logprobs[-1],
-                                            seq.finish_reason, top))
-            if seq.finish_reason is not None:
-                del self.requests[seq.request_id]
+        for record in done.outputs:
+            if record.finish_reason is not None:
+                seq = self.requests.pop(record.request_id)
                 if self.lengths is not None:
                     self.lengths.finished(seq)
-        result.prompt_logprobs.extend(_prompt_pieces(done.prompt))
+        result.outputs.extend(done.outputs)
+        result.prompt.extend(done.prompt)
 
     def _observe_lengths(self, step: ScheduledStep, sample) -> None:
         """Hand the length refiner the checkpoint rows the runner probed (StepSample)."""
@@ -218,14 +205,3 @@ def _reads_token_values(step: ScheduledStep) -> bool:
     """Whether launching `step` reads sampled token values on the host (penalties count them),
     so that it cannot be launched before the step in flight is committed."""
     return any(s.params.has_penalties for s in step.sampled)
-
-
-def _prompt_pieces(prompt) -> list[TokenLogprobs]:
-    """Scored prompt tokens (Committed.prompt), one piece per request."""
-    pieces = []
-    for seq, start, logprobs, top in prompt:
-        pieces.append(TokenLogprobs(
-            seq.request_id, start, int32s(seq.token_ids[start : start + len(logprobs)]),
-            float32s(logprobs), int32s(i for ids, _ in top for i in ids),
-            float32s(v for _, values in top for v in values)))
-    return pieces

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from services.compute.core.sequence import Sequence
-from services.compute.core.step import ScheduledStep, StepSample, Top
+from services.compute.core.step import ScheduledStep, StepSample
+from shared.codec import float32s, int32s
+from shared.messages import Tokens
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -67,37 +69,43 @@ class InFlight:
         return self
 
     def result(self) -> StepSample:
-        """The step's results on the host (waits for the device)."""
+        """The step's results on the host, as records (waits for the device)."""
         if self.ready is not None:
             self.ready.synchronize()
         out = StepSample()
         if self.prompt is not None:
-            out.prompt = _prompt_entries(self.prompt)
+            out.prompt = _prompt_records(self.prompt)
         if self.host_tokens is not None:
-            out.tokens, out.logprobs = self.host_tokens.tolist(), self.logprobs.tolist()
-            out.top = _tops(self.top, len(out.tokens))
+            out.outputs = _output_records(self.step, self.host_tokens.tolist(),
+                                          self.logprobs.tolist(), self.top)
         if self.probes is not None:
             out.probes, out.probe_rows = self.probes.numpy(), self.probe_rows
         return out
 
 
-def _tops(top: TopRows | None, n: int) -> list[Top | None]:
-    out: list[Top | None] = [None] * n
+def _output_records(step: ScheduledStep, tokens: list[int], logprobs: list[float],
+                    top: TopRows | None) -> list[Tokens]:
+    """One record per sampled row: its token, logprob and the top rows it asked for."""
+    out = [Tokens(seq.request_id, -1, int32s([t]), float32s([lp]))
+           for seq, t, lp in zip(step.sampled, tokens, logprobs, strict=True)]
     if top is not None:
         ids, values = top.ids.tolist(), top.values.tolist()
         for j, (row, k) in enumerate(zip(top.rows, top.ks, strict=True)):
-            out[row] = (ids[j][:k], values[j][:k])
+            out[row].top_ids, out[row].top_logprobs = int32s(ids[j][:k]), float32s(values[j][:k])
     return out
 
 
-def _prompt_entries(p: PromptRows) -> list[tuple[Sequence, int, list[float], list[Top]]]:
-    """Per span: (seq, its first scored position, the scored tokens' logprobs, their top k)."""
+def _prompt_records(p: PromptRows) -> list[Tokens]:
+    """One record per span: the scored prompt tokens from its first scored position, their
+    logprobs and their rows' top k."""
     chosen, ids, values = p.chosen.tolist(), p.ids.tolist(), p.values.tolist()
     out, row = [], 0
     for seq, start, n in p.spans:
         k = seq.params.prompt_logprobs
-        top = [(ids[r][:k], values[r][:k]) for r in range(row, row + n)]
-        out.append((seq, start, chosen[row : row + n], top))
+        out.append(Tokens(seq.request_id, start, int32s(seq.token_ids[start : start + n]),
+                          float32s(chosen[row : row + n]),
+                          int32s(i for r in range(row, row + n) for i in ids[r][:k]),
+                          float32s(v for r in range(row, row + n) for v in values[r][:k])))
         row += n
     return out
 

@@ -17,11 +17,11 @@ import zmq
 from services.compute.backend import build_engine
 from services.compute.engine import LLMEngine
 from services.compute.length.store import redis_stores
+from services.compute.warmup import warm_up
 from shared import state
-from shared.codec import float32s, int32s
 from shared.config import EngineConfig, ServiceConfig
 from shared.length_dist import LengthDist
-from shared.messages import Abort, GenerateRequest, Route, StepOutput, TokenLogprobs
+from shared.messages import Abort, GenerateRequest, Route, StepOutput
 from shared.sampling import InvalidParams
 from shared.transport import Receiver, Sender
 
@@ -29,8 +29,11 @@ _EARLY_ABORT_TTL_S = 60.0
 
 
 class ComputeService:
-    def __init__(self, engine: LLMEngine, svc: ServiceConfig, redis_client: redis.Redis):
+    def __init__(self, engine: LLMEngine, svc: ServiceConfig, redis_client: redis.Redis,
+                 startup: str = ""):
+        """`startup`: what start-up compiled and warmed (warmup.warm_up), for the banner."""
         self.engine, self.svc, self.redis = engine, svc, redis_client
+        self.startup = startup
         ctx = zmq.Context.instance()
         self.inbox = Receiver(ctx, svc.addr("compute"), bind=True)
         self.control = Receiver(ctx, svc.addr("control"), bind=True)
@@ -63,9 +66,8 @@ class ComputeService:
                 if isinstance(msg, GenerateRequest):
                     self._add(msg, errors)
         if errors or aborted:
-            out = step_output([], [], errors)
-            out.aborted = aborted
-            self.outbox.send(out)
+            self.outbox.send(StepOutput([], errors=errors, aborted=aborted,
+                                        step_time=time.time()))
 
     def _add(self, req: GenerateRequest, errors: list[list[str]]) -> None:
         rid = req.request_id
@@ -97,12 +99,10 @@ class ComputeService:
         routes = [replace(self.routes[r], cached_tokens=n)
                   for r, n in zip(result.admitted, result.cached_tokens, strict=True)
                   if r in self.routes]
-        for e in result.events:
-            if e.finish_reason is not None:
-                self.routes.pop(e.request_id, None)
-        out = step_output(result.events, routes, [])
-        out.prompt_logprobs = result.prompt_logprobs
-        return out
+        for t in result.outputs:
+            if t.finish_reason is not None:
+                self.routes.pop(t.request_id, None)
+        return StepOutput(routes, result.outputs, result.prompt, step_time=time.time())
 
     def beat(self) -> None:
         """Every heartbeat period: expire stale early aborts, publish engine stats."""
@@ -115,26 +115,16 @@ class ComputeService:
         try:
             pipe = self.redis.pipeline(transaction=False)
             state.set_stats(pipe, {**vars(self.engine.stats()), **self.engine.runner.summary,
-                                   "max_model_len": self.engine.max_model_len})
+                                   "max_model_len": self.engine.max_model_len,
+                                   "startup": self.startup})
             pipe.execute()
         except redis.RedisError:
             pass  # the heartbeat thread reports the outage
-
-
-def step_output(events, routes: list[Route], errors: list[list[str]]) -> StepOutput:
-    return StepOutput(
-        routes=routes, request_ids=[e.request_id for e in events],
-        token_ids=int32s(e.token_id for e in events),
-        logprobs=float32s(e.logprob for e in events),
-        finish_reasons=[e.finish_reason for e in events], errors=errors, step_time=time.time(),
-        top_logprobs=[TokenLogprobs(e.request_id, 0, int32s([e.token_id]),
-                                    float32s([e.logprob]), int32s(e.top[0]), float32s(e.top[1]))
-                      for e in events if e.top is not None],
-    )
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     stores = partial(redis_stores, state.fast_client(svc.redis_url), engine_cfg.model) \
         if svc.length_predictor else None  # else each compute process learns alone
     engine = build_engine(engine_cfg, length_stores=stores)
-    ComputeService(engine, svc, redis.Redis.from_url(svc.redis_url)).run()
+    startup = warm_up(engine)  # before the heartbeat starts: /health is green only after it
+    ComputeService(engine, svc, redis.Redis.from_url(svc.redis_url), startup).run()

@@ -21,7 +21,7 @@ from services.detokenizer.stop import StopMatcher
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
 from shared.length_predictor import LengthPredictor, model_key
-from shared.messages import Abort, Delta, DeltaBatch, Route, StepOutput, TokenLogprobs
+from shared.messages import Abort, Delta, DeltaBatch, Route, StepOutput, Tokens
 from shared.tokenizer import load_tokenizer
 from shared.transport import Receiver, Sender, Senders
 
@@ -35,7 +35,7 @@ class Stream:
     stops: StopMatcher
     started_at: float
     num_output: int = 0
-    prompt_logprobs: TokenLogprobs | None = None  # pieces joined, until the first token
+    prompt: Tokens | None = None  # scored prompt pieces joined, until the first token
     skip: int = 0  # characters of text its client already has (a resumed choice), not re-sent
 
 
@@ -71,20 +71,18 @@ class Detokenizer:
                 self.streams[route.request_id] = self._open(route, now)
                 res.updates.append((state.api_id(route.request_id),
                                     {"status": "running", "started_at": now}, None))
-        for piece in out.prompt_logprobs:
+        for piece in out.prompt:
             stream = self.streams.get(piece.request_id)
             if stream is None:
                 continue
-            if stream.prompt_logprobs is None:
-                stream.prompt_logprobs = piece
+            if stream.prompt is None:
+                stream.prompt = piece
             else:
-                stream.prompt_logprobs.extend(piece)
-        tops = {t.request_id: t for t in out.top_logprobs}
-        for rid, tok, lp, fin in zip(out.request_ids, out.token_ids, out.logprobs,
-                                     out.finish_reasons, strict=True):
-            stream = self.streams.get(rid)
+                stream.prompt.extend(piece)
+        for tokens in out.outputs:
+            stream = self.streams.get(tokens.request_id)
             if stream is not None:
-                self._token(stream, tok, lp, fin, res, now, tops.get(rid))
+                self._tokens(stream, tokens, res, now)
         for rid, reply_to, message in out.errors:
             res.send(reply_to, Delta(rid, error=message, error_status=400))
             res.updates.append((state.api_id(rid), {"status": "failed", "error": message},
@@ -103,10 +101,11 @@ class Detokenizer:
             s.skip = max(r.sent_chars - len(emitted), 0)
         return s
 
-    def _token(self, s: Stream, tok: int, lp: float, fin: str | None, res: Outputs,
-               now: float, top: TokenLogprobs | None) -> None:
-        s.num_output += 1
-        text = s.detok.add([tok])
+    def _tokens(self, s: Stream, tokens: Tokens, res: Outputs, now: float) -> None:
+        """A request's next output tokens: their text, stop strings, the finish."""
+        fin = tokens.finish_reason
+        s.num_output += len(tokens.token_ids)
+        text = s.detok.add(tokens.token_ids)
         if fin is not None:
             text += s.detok.flush()
         emitted, matched = s.stops.feed(text)
@@ -119,16 +118,13 @@ class Detokenizer:
             cut = min(s.skip, len(emitted))
             emitted, s.skip = emitted[cut:], s.skip - cut
         rid = s.route.request_id
-        first = s.num_output == 1
-        delta = Delta(rid, emitted, array("i", [tok]), array("f", [lp]), fin,
-                      s.route.num_prompt, s.num_output)
-        if top is not None:
-            delta.top_ids, delta.top_logprobs = top.top_ids, top.top_logprobs
+        first = s.num_output == len(tokens.token_ids)
+        delta = Delta(rid, emitted, tokens, fin, s.route.num_prompt, s.num_output)
         if first:
             delta.started_at, delta.cached_tokens = s.started_at, s.route.cached_tokens
             if s.route.prompt_ids is not None:  # prompt logprobs asked for
                 delta.prompt_ids = s.route.prompt_ids
-                delta.prompt_logprobs = s.prompt_logprobs or _no_logprobs(rid)
+                delta.prompt = s.prompt or _no_logprobs(rid)
         res.send(s.route.reply_to, delta)
         if first:
             res.updates.append((state.api_id(rid), {"first_token_at": now}, None))
@@ -152,9 +148,9 @@ class Detokenizer:
             res.lengths.append((s.route.length_features, s.num_output))
 
 
-def _no_logprobs(rid: str) -> TokenLogprobs:
+def _no_logprobs(rid: str) -> Tokens:
     """A one-token prompt has no token to score."""
-    return TokenLogprobs(rid, 1, array("i"), array("f"), array("i"), array("f"))
+    return Tokens(rid, 1, array("i"), array("f"))
 
 
 def write_state(client: redis.Redis, res: Outputs) -> None:

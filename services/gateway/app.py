@@ -29,6 +29,7 @@ from services.gateway.validation import check_prompt_bytes, read_json_body
 from shared import state
 from shared.chat_template import ChatTemplate
 from shared.config import ServiceConfig
+from shared.generation_config import GenerationDefaults
 from shared.messages import Abort, TokenizeRequest
 from shared.transport import AsyncSender
 
@@ -42,10 +43,13 @@ class Gateway:
 
     def __init__(self, svc: ServiceConfig, model_name: str, max_model_len: int, tokenizer,
                  redis_client: aioredis.Redis, to_tokenizer: AsyncSender,
-                 to_control: AsyncSender, template: ChatTemplate | None = None):
+                 to_control: AsyncSender, template: ChatTemplate | None = None,
+                 defaults: GenerationDefaults | None = None):
         """`template`: the chat template /tokenize renders messages with (the tokenizers
-        render generation requests' own)."""
+        render generation requests' own). `defaults`: the model's sampling defaults, for
+        requests that leave fields unset (--generation-config)."""
         self.svc, self.model_name, self.max_model_len = svc, model_name, max_model_len
+        self.defaults = defaults or GenerationDefaults()
         self.tokenizer, self.template = tokenizer, template
         self.seeds = random.Random(svc.seed) if svc.seed is not None else None
         self.redis = redis_client
@@ -91,12 +95,14 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         with self.pending.hold():  # 429 past --max-pending, before anything is awaited
             body = await read_json_body(request)
-            return await self._generate(request, protocol.parse_completion(body, self.model_name))
+            return await self._generate(request, protocol.parse_completion(
+                body, self.model_name, defaults=self.defaults))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         with self.pending.hold():
             body = await read_json_body(request)
-            return await self._generate(request, protocol.parse_chat(body, self.model_name))
+            return await self._generate(request, protocol.parse_chat(
+                body, self.model_name, defaults=self.defaults))
 
     async def _generate(self, request: web.Request, req: protocol.GenerationRequest):
         check_prompt_bytes(req.prompt_text, req.messages,

@@ -11,10 +11,14 @@
   stop_token_ids, and for chat add_generation_prompt. logit_bias: {"<token id>": bias in
   [-100, 100]}. Completions' best_of >= n: best_of choices generated, the n with the highest
   cumulative logprob answered (not streamable). Chat messages: chat_messages.py.
-* max_tokens: the given value, else `default_max_tokens` (16 = OpenAI's and vLLM's completions
-  default, which completions keep); `max_tokens_given` tells which, so that for chat the
-  tokenizer replaces the default with `context_len - prompt_len` once the prompt is tokenized.
-  Checking prompt + max_tokens against the context length is the tokenizer's job. For chat,
+* Sampling fields a request leaves unset (temperature, top_p, top_k, min_p, repetition_penalty,
+  max_tokens) take the model's defaults (`GenerationDefaults`, resolved at start-up from
+  --generation-config), else the API's.
+* max_tokens: the given value, else the model's default, else 16 for completions (OpenAI's and
+  vLLM's default) and for chat the context: `max_tokens_given` tells which, so that for chat the
+  tokenizer lowers the default to `context_len - prompt_len` once the prompt is tokenized. A
+  server-wide cap (`GenerationDefaults.max_tokens_limit`) lowers any of them. Checking
+  prompt + max_tokens against the context length is the tokenizer's job. For chat,
   `max_completion_tokens` and `max_tokens` are synonyms; giving both with different values is a
   400. Completions accept max_tokens 0 (with echo: the prompt's logprobs only, what lm-eval's
   loglikelihood requests send).
@@ -47,6 +51,7 @@ from services.gateway.validation import (
     token_ids,
 )
 from shared.codec import int32s
+from shared.generation_config import GenerationDefaults
 from shared.messages import ChatMessage, TokenizeRequest
 from shared.sampling import MAX_LOGPROBS, InvalidParams, SamplingParams
 
@@ -54,6 +59,9 @@ MAX_N = 16
 MAX_COUNT = 2**31 - 1  # token counts fit int32 everywhere downstream
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_SEED = 2**63 - MAX_N  # choice i samples with seed + i, which must stay below 2^63
+COMPLETION_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's and vLLM's default)
+CHAT_MAX_TOKENS = MAX_COUNT  # chat without max_tokens: up to the context (the tokenizer lowers it)
+NO_DEFAULTS = GenerationDefaults()
 
 _COMMON_KEYS = frozenset({
     "model", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n", "seed",
@@ -95,7 +103,8 @@ class GenerationRequest:
     logprobs: bool  # return the chosen token's logprob (also params.logprobs)
     add_generation_prompt: bool  # chat (default True); False for completions
     user: str | None
-    max_tokens_given: bool = True  # False: params.max_tokens is the default_max_tokens argument
+    max_tokens_given: bool = True  # False: params.max_tokens is a default (for chat, an upper
+    # bound the tokenizer lowers to the context left after the prompt)
     top_logprobs: int = 0  # and the k most likely tokens at each position (params.top_logprobs)
     echo: bool = False  # completions: the prompt comes back before the completion (with
     # logprobs: its tokens' too, params.prompt_logprobs)
@@ -124,13 +133,14 @@ class GenerationRequest:
             prompt_ids=None if self.prompt_ids is None else int32s(self.prompt_ids),
             messages=messages, add_generation_prompt=self.add_generation_prompt,
             stop=list(self.stop), n=self.generated,
-            # chat without max_tokens: up to the context; completions keep 16 (OpenAI's default)
+            # chat without max_tokens: up to the context (at most the model's default);
+            # completions keep theirs (the model's default, else OpenAI's 16)
             max_tokens_auto=self.kind == "chat" and not self.max_tokens_given,
             arrival=arrival)
 
 
 def parse_completion(body: Any, model_name: str, *,
-                     default_max_tokens: int = 16) -> GenerationRequest:
+                     defaults: GenerationDefaults = NO_DEFAULTS) -> GenerationRequest:
     """Validate a `/v1/completions` body. `prompt` is a non-empty string, a list of one string,
     a non-empty list of token ids or a list of one such list; batches are a 400."""
     model = _check_body(body, model_name, COMPLETION_KEYS, _COMPLETION_NEUTRAL)
@@ -150,11 +160,13 @@ def parse_completion(body: Any, model_name: str, *,
                    prompt_logprobs=logprobs if echo else None, echo=echo,
                    discard_output=max_tokens == 0,
                    max_tokens=1 if max_tokens == 0 else max_tokens, max_param="max_tokens",
-                   default_max_tokens=default_max_tokens, add_generation_prompt=False,
+                   defaults=defaults, fallback_max_tokens=COMPLETION_MAX_TOKENS,
+                   add_generation_prompt=False,
                    best_of=best_of if best_of > n else 0)
 
 
-def parse_chat(body: Any, model_name: str, *, default_max_tokens: int = 16) -> GenerationRequest:
+def parse_chat(body: Any, model_name: str, *,
+               defaults: GenerationDefaults = NO_DEFAULTS) -> GenerationRequest:
     """Validate a `/v1/chat/completions` body. Messages have role system, user or assistant
     and content as a string or a list of text parts (joined with newlines)."""
     model = _check_body(body, model_name, CHAT_KEYS, _CHAT_NEUTRAL)
@@ -174,7 +186,7 @@ def parse_chat(body: Any, model_name: str, *, default_max_tokens: int = 16) -> G
         max_tokens, param = max_completion, "max_completion_tokens"
     return _finish(body, "chat", model, prompt_text=None, prompt_ids=None, messages=messages,
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
-                   max_param=param, default_max_tokens=default_max_tokens,
+                   max_param=param, defaults=defaults, fallback_max_tokens=CHAT_MAX_TOKENS,
                    add_generation_prompt=get_bool(body, "add_generation_prompt", True))
 
 
@@ -237,16 +249,22 @@ def _stream_fields(body: dict) -> tuple[bool, bool]:
 
 
 def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool, top_logprobs: int,
-                     prompt_logprobs: int | None, max_param: str) -> SamplingParams:
-    """SamplingParams from the sampling fields; range errors become 400s naming the field."""
+                     prompt_logprobs: int | None, max_param: str,
+                     defaults: GenerationDefaults) -> SamplingParams:
+    """SamplingParams from the sampling fields, the model's `defaults` where they are unset;
+    range errors become 400s naming the field."""
     stop_ids = body.get("stop_token_ids")
+    sampling = defaults.apply({
+        "temperature": get_number(body, "temperature", None),
+        "top_k": get_int(body, "top_k", None, hi=MAX_COUNT),
+        "top_p": get_number(body, "top_p", None),
+        "min_p": get_number(body, "min_p", None),
+        "repetition_penalty": get_number(body, "repetition_penalty", None),
+    })
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=get_number(body, "temperature", 1.0),
-            top_k=get_int(body, "top_k", 0, hi=MAX_COUNT),
-            top_p=get_number(body, "top_p", 1.0),
-            min_p=get_number(body, "min_p", 0.0),
+            **sampling,
             seed=get_int(body, "seed", hi=MAX_SEED),
             ignore_eos=get_bool(body, "ignore_eos", False),
             min_tokens=get_int(body, "min_tokens", 0, hi=MAX_COUNT),
@@ -256,7 +274,6 @@ def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool, top_logprob
             prompt_logprobs=prompt_logprobs,
             presence_penalty=get_number(body, "presence_penalty", 0.0),
             frequency_penalty=get_number(body, "frequency_penalty", 0.0),
-            repetition_penalty=get_number(body, "repetition_penalty", 1.0),
             logit_bias=_logit_bias(body.get("logit_bias")),
         )
     except InvalidParams as exc:
@@ -285,14 +302,15 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_param: str,
-            default_max_tokens: int, n: int, logprobs: bool, top_logprobs: int,
-            prompt_logprobs: int | None = None, **fields: Any) -> GenerationRequest:
+            defaults: GenerationDefaults, fallback_max_tokens: int, n: int, logprobs: bool,
+            top_logprobs: int, prompt_logprobs: int | None = None,
+            **fields: Any) -> GenerationRequest:
     """Validate the fields both endpoints share and build the request."""
     stream, include_usage = _stream_fields(body)
     params = _sampling_params(  # best_of ranks choices by their logprobs: compute sends them
         body, logprobs=logprobs or fields.get("best_of", 0) > 0, top_logprobs=top_logprobs,
-        prompt_logprobs=prompt_logprobs, max_param=max_param,
-        max_tokens=default_max_tokens if max_tokens is None else max_tokens)
+        prompt_logprobs=prompt_logprobs, max_param=max_param, defaults=defaults,
+        max_tokens=defaults.max_tokens_for(max_tokens, fallback_max_tokens))
     return GenerationRequest(
         kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
         include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,

@@ -14,6 +14,7 @@ from redis.backoff import ExponentialBackoff
 from services.gateway.app import Gateway
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, ServiceConfig
+from shared.generation_config import GenerationDefaults
 from shared.messages import DeltaBatch
 from shared.model_config import served_context, served_name
 from shared.tokenizer import load_tokenizer
@@ -30,7 +31,8 @@ def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncR
                  redis_client(svc),
                  AsyncSender(ctx, svc.addr("tokenizer"), bind=True),
                  AsyncSender(ctx, svc.addr("control")),
-                 load_chat_template(engine_cfg.model, engine_cfg.chat_template))
+                 load_chat_template(engine_cfg.model, engine_cfg.chat_template),
+                 GenerationDefaults.of(engine_cfg))
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
 
 

@@ -7,7 +7,6 @@ The stream's headers go out with the first delta, so an error that comes before 
 from __future__ import annotations
 
 import time
-from array import array
 
 from aiohttp import web
 
@@ -16,7 +15,7 @@ from services.gateway.errors import APIError
 from services.gateway.inflight import ChoiceState, Inflight
 from services.gateway.protocol import GenerationRequest
 from shared import state
-from shared.messages import Delta
+from shared.messages import Delta, Tokens
 
 
 async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
@@ -33,8 +32,7 @@ async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
         c = choices[state.choice_of(delta.request_id)[0]]
         _observe(gw, inflight, c, delta)
         if req.discard_output:  # the token, its logprob and alternatives
-            delta.text, delta.token_ids, delta.logprobs = "", array("i"), array("f")
-            delta.top_ids, delta.top_logprobs = array("i"), array("f")
+            delta.text, delta.tokens = "", None
             delta.finish_reason = delta.finish_reason and "length"
         entries = logprob_entries(gw.token_text, req, delta)
         c.add(delta, entries)
@@ -48,23 +46,23 @@ async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
 def logprob_entries(token_text, req: GenerationRequest, delta: Delta,
                     ) -> list[responses.TokenLogprob]:
     """The delta's logprob entries: the prompt's (when echoed with logprobs, on the first
-    delta), then its generated tokens' (when asked for). `token_text(id)`: a token's string."""
+    delta), then its generated tokens' (when asked for). `token_text(id)`: a token's string.
+    The one place compute's Tokens records turn into the shape OpenAI's answers take."""
     out = []
-    p = delta.prompt_logprobs
-    if p is not None and delta.prompt_ids is not None:
+    if delta.prompt is not None and delta.prompt_ids is not None:
         out.append(responses.TokenLogprob(token_text(delta.prompt_ids[0]), None))
-        out += _rows(token_text, p.token_ids, p.logprobs, p.top_ids, p.top_logprobs, p.k)
-    if req.logprobs:
-        out += _rows(token_text, delta.token_ids, delta.logprobs, delta.top_ids,
-                     delta.top_logprobs, req.top_logprobs)
+        out += _rows(token_text, delta.prompt)
+    if req.logprobs and delta.tokens is not None:
+        out += _rows(token_text, delta.tokens)
     return out
 
 
-def _rows(text, ids, logprobs, top_ids, top_logprobs, k: int) -> list[responses.TokenLogprob]:
-    """TokenLogprobs of tokens `ids` [n] with their k alternatives ([n * k], row-major)."""
-    return [responses.TokenLogprob(text(t), lp, [
-        (text(top_ids[j]), top_logprobs[j]) for j in range(i * k, (i + 1) * k)])
-        for i, (t, lp) in enumerate(zip(ids, logprobs, strict=True))]
+def _rows(text, t: Tokens) -> list[responses.TokenLogprob]:
+    """One entry per token of `t`, with its k alternatives."""
+    k = t.k
+    return [responses.TokenLogprob(text(tok), lp, [
+        (text(t.top_ids[j]), t.top_logprobs[j]) for j in range(i * k, (i + 1) * k)])
+        for i, (tok, lp) in enumerate(zip(t.token_ids, t.logprobs, strict=True))]
 
 
 def _observe(gw, inflight: Inflight, c: ChoiceState, delta: Delta) -> None:

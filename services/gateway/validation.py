@@ -75,7 +75,7 @@ def get_int(body: dict, key: str, default: int | None = None, *,
     return value
 
 
-def get_number(body: dict, key: str, default: float) -> float:
+def get_number(body: dict, key: str, default: float | None) -> float | None:
     """body[key] as a finite float (JSON integer or number), or `default` when absent."""
     value = body.get(key)
     if value is None:

@@ -83,8 +83,11 @@ class Tokenizer:
             raise PromptError("the prompt is empty after tokenization")
         params = req.params
         room = self.max_model_len - len(ids)
-        if req.max_tokens_auto and room > 0:  # min_tokens beyond the room: the check below
-            params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
+        if req.max_tokens_auto:  # up to the context, at most the default max_tokens the
+            # gateway set (the model's, or 2^31 - 1); min_tokens beyond the room, or no room
+            # left: the check below
+            auto = max(min(room, params.max_tokens), params.min_tokens, 1)
+            params = dataclasses.replace(params, max_tokens=auto)
         if room < params.max_tokens:
             raise PromptError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "

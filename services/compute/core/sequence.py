@@ -43,11 +43,8 @@ class Sequence:
     finish_reason: str | None = None
     peak_total: int = 0  # the scheduler's cached output-length bound for admission (0: unset)
     logprobs: list[float] = field(default_factory=list)  # of the tokens this engine generated
-    # with params.top_logprobs: [(ids, logprobs)] of the k most likely tokens, per output token
-    top: list[tuple[list[int], list[float]]] = field(default_factory=list)
-    # with params.prompt_logprobs: of token_ids[1 : 1 + len(prompt_logprobs)] (and their top k)
+    # with params.prompt_logprobs: of token_ids[1 : 1 + len(prompt_logprobs)]
     prompt_logprobs: list[float] = field(default_factory=list)
-    prompt_top: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
     def __post_init__(self):
         if self.num_prompt < 0:
@@ -81,19 +78,15 @@ class Sequence:
         """Whether the token last scheduled is its last by length: no further step may run it."""
         return self.num_output >= self.params.max_tokens or self.num_tokens >= self.max_len
 
-    def append(self, token: int, logprob: float,
-               top: tuple[list[int], list[float]] | None = None) -> None:
+    def append(self, token: int, logprob: float) -> None:
         self.token_ids.append(UNSAMPLED)
-        self.fill(len(self.token_ids) - 1, token, logprob, top)
+        self.fill(len(self.token_ids) - 1, token, logprob)
 
-    def fill(self, index: int, token: int, logprob: float,
-             top: tuple[list[int], list[float]] | None = None) -> None:
+    def fill(self, index: int, token: int, logprob: float) -> None:
         """Commit the sampled value of token_ids[index] (the oldest UNSAMPLED one). If it
         finishes the request, the tokens scheduled after it are dropped."""
         self.token_ids[index] = token
         self.logprobs.append(logprob)
-        if top is not None:
-            self.top.append(top)
         self.finish_reason = self._finish_reason(token, index + 1)
         if self.finish_reason is not None:
             del self.token_ids[index + 1 :]

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.compute.core.sequence import Sequence
+from shared.codec import float32s, int32s
+from shared.messages import Tokens
 
 
 @dataclass
@@ -27,32 +29,23 @@ class ScheduledStep:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
 
-Top = tuple[list[int], list[float]]  # the k most likely tokens at a position, and their logprobs
-
-
 @dataclass
 class StepSample:
-    """What a step produced, on the host. tokens/logprobs/top follow step.sampled; top[i] is
-    None unless that request asked for top logprobs. prompt: per batch.prompt_spans span, its
-    first scored prompt position, the scored tokens' logprobs and their top k."""
+    """What a step produced, on the host, as the records its tokens travel in to the gateway
+    (shared.messages.Tokens). outputs[i] is step.sampled[i]'s new token: the runner fills in
+    the token, its logprob and the top rows the request asked for; the scheduler's commit fills
+    in its place (`start`) and `finish_reason`. prompt: the scored prompt pieces, one record per
+    ForwardBatch.prompt_spans span."""
 
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[Top | None] = field(default_factory=list)
-    prompt: list[tuple[Sequence, int, list[float], list[Top]]] = field(default_factory=list)
+    outputs: list[Tokens] = field(default_factory=list)
+    prompt: list[Tokens] = field(default_factory=list)
     probes: Any = None  # numpy [C, r]: the length heads' probes at checkpoint rows, or None
     probe_rows: list[int] | None = None  # [C]: their rows in the step's sampled
 
-    def tops(self) -> list[Top | None]:
-        """`top` aligned with `tokens` (a runner that computes none leaves `top` empty)."""
-        return self.top or [None] * len(self.tokens)
-
-
-@dataclass
-class Committed:
-    """The part of a StepSample the scheduler applied: requests that finished or were aborted
-    while the step was in flight are left out. `sampled`: (request, its token, the token's top
-    logprobs) per request that got one; `prompt` is StepSample.prompt's."""
-
-    sampled: list[tuple[Sequence, int, Top | None]] = field(default_factory=list)
-    prompt: list[tuple[Sequence, int, list[float], list[Top]]] = field(default_factory=list)
+    @classmethod
+    def of(cls, step: ScheduledStep, tokens: list[int],
+           logprobs: list[float] | None = None) -> StepSample:
+        """Records of `tokens` [S] for step.sampled's rows (logprobs 0 unless given)."""
+        logprobs = logprobs if logprobs is not None else [0.0] * len(tokens)
+        return cls([Tokens(seq.request_id, -1, int32s([t]), float32s([lp]))
+                    for seq, t, lp in zip(step.sampled, tokens, logprobs, strict=True)])

@@ -1,9 +1,9 @@
 """Closing split free space of the contiguous KV allocator by moving segments. Pure logic.
 
 When free slots are enough but not contiguous where they are needed (for a new request's
-segment, or for a running segment to grow), segments move: a KV copy of a segment costs
-~1/50 of recomputing its tokens, and preempting requests whose slots are not adjacent would
-free space nobody can use. Every move is appended to the caller's `moves` as
+segment, or for a running segment to grow), segments move: a KV copy of a segment costs a small
+fraction of recomputing its tokens (docs/benchmarks.md), and preempting requests whose slots are
+not adjacent would free space nobody can use. Every move is appended to the caller's `moves` as
 `(src, dst, num_cached)` in copy order (an overlap-safe copy in that order is correct) and the
 moved sequences' `kv_start` is updated; segments holding no KV yet move without a copy.
 """

@@ -4,8 +4,8 @@ Pure logic (no KV, no device): the scheduler copies a hit's K/V as a step move.
 A finished request's segment is not freed but shrunk to the tokens whose K/V it holds and kept
 as a cache entry, indexed by those tokens (`PrefixIndex`). A new request whose prompt starts
 with an entry's tokens gets a segment of its own and a copy of the common prefix's K/V (a device
-copy costs ~1/50 of recomputing the tokens), so its prefill starts after the prefix. Entries
-are unreferenced: they count as free for admission, and the scheduler evicts them, least
+copy costs a small fraction of recomputing the tokens), so its prefill starts after the prefix.
+Entries are unreferenced: they count as free for admission, and the scheduler evicts them, least
 recently used first, whenever it needs their slots. Running requests are indexed too, by their
 prompt, once it is prefilled (`share`): requests arriving together with a common prefix (a
 shared system prompt under a burst) copy it from the first one while it still runs. Those are

@@ -12,11 +12,8 @@ model: one solve, no iterations).
 There are two heads, one per stage (`STAGES`): "prefill" predicts right after prefill and
 learns from that checkpoint only (one row per request); "refine" predicts at every later
 checkpoint and learns from all of them, the one after prefill included. Pooled in one head, a
-long request's many refining rows would outweigh the one prefill row of every request. MAE
-against the global median's on SmolLM2's 256 lengths (bench/length_predictor.py --lengths
-smollm2, 4 orders), one head -> split: at t=0.7, after prefill +1..+7% -> -2..-9%, refined
--18..-25% -> -28..-34% (-20..-27% if the refining head skipped the prefill rows); greedy,
-after prefill +4..+5% -> +12..+22% (worse), refined -1..+1% -> -10..-16%.
+long request's many refining rows would outweigh the one prefill row of every request
+(bench/length_predictor.py --lengths smollm2; docs/benchmarks.md has one head against two).
 
 Fitting needs only additive sufficient statistics of the rows seen, `HeadStats` (Xa^T Xa and
 Xa^T Y with Xa = [X, 1], and the number of requests), so any number of writers add their
@@ -41,9 +38,9 @@ J = len(THRESHOLDS)
 N_SCALARS = 3  # log prompt length, log max_tokens, log generated
 STAGES = ("prefill", "refine")
 # the probe by default: the hidden state itself up to this width, else a projection to
-# WIDE_PROBE_DIM. On SmolLM2's greedy lengths (576 wide) the refined MAE against the global
-# median's: a 64-d projection -17.8%, 512-d -23.9%, the hidden state -26.7% (docs/benchmarks.md);
-# ridge standardizes each raw dimension, which a random rotation mixes.
+# WIDE_PROBE_DIM. On SmolLM2 (576 wide) the hidden state itself predicts best, then a 512-d
+# projection, then a 64-d one (docs/benchmarks.md): ridge standardizes each raw dimension,
+# which a random rotation mixes.
 RAW_UP_TO, WIDE_PROBE_DIM = 1024, 512
 
 

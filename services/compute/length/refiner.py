@@ -13,10 +13,10 @@ head predicts them all in one matrix product. The refiner
   the remaining length then, for each head that learns from it (`learns_from`).
 `tick` (once per engine step) syncs every `push_s` seconds: adds the queue up into statistics
 and pushes them to the stores, and every `refresh_s` seconds reloads and re-solves each head
-whose store has news (the refining head's statistics over a raw 576-d hidden state are 2.7 MB;
-a solve takes ~5 ms). With `background`, a worker thread does it off the step path, one sync
-at a time; the step thread only swaps the queue and reads the solved heads. A store error
-costs that update (logged), never a request.
+whose store has news (the refining head's statistics over a raw 576-d hidden state are 2.7 MB).
+With `background`, a worker thread does it off the step path, one sync at a time; the step
+thread only swaps the queue and reads the solved heads. A store error costs that update
+(logged), never a request.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ LEARNED = ("stop", "length")
 class RefinerConfig:
     min_requests: int = 16  # the head predicts once it has learned this many requests
     # ridge penalty on standardized features, per stage (prefill, refine): the head after
-    # prefill has one row per request, the refining one ~20x more. On SmolLM2's lengths, MAE
-    # after prefill against the global median's, greedy / t=0.7, prefill l2 0.1: +2% / -5% (a
-    # replay), 1: -9.5% / -13.4%, 3: -9.2% / -15.6% (bench/length_predictor.py); refined
-    # greedy -27.6% at 1, -25.1% at 3
+    # prefill has one row per request, the refining one many more, so it needs the heavier
+    # penalty; on SmolLM2's lengths 1.0 there is the best trade-off (a heavier one helps the
+    # head after prefill but costs the refined predictions: bench/length_predictor.py,
+    # docs/benchmarks.md)
     l2: tuple[float, float] = (1.0, 0.1)
     push_s: float = 1.0
     refresh_s: float = 2.0
@@ -84,8 +84,8 @@ class LengthRefiner:
         self._worker: ThreadPoolExecutor | None = None
         self._job: Future | None = None
         # numpy's BLAS on one thread, for the whole process: the heads' products are small,
-        # and its idle threads spin, taking cores from the model's (on 2 CPU cores: +10% step
-        # time, bench/length_step_cost.py); torch's own threads are not affected
+        # and its idle threads spin, taking cores from the model's (bench/length_step_cost.py,
+        # docs/benchmarks.md); torch's own threads are not affected
         threadpool_limits(1, user_api="blas")
 
     def observe(self, checkpoints: list[tuple[Sequence, int, np.ndarray]]) -> None:

@@ -7,7 +7,10 @@ from statistics import NormalDist
 import numpy as np
 
 from services.compute.core.sequence import Sequence
+from shared.config import Admission
 from shared.length_dist import LEVELS, TAIL_FACTOR
+
+AUTO_PEAK = Admission.AGGREGATE  # what auto means under a policy that plans the future peak
 
 
 class FuturePeak:
@@ -82,6 +85,16 @@ class AggregatePeak:
 
     def peak(self) -> float:
         return _peak(self.points, self.z)
+
+
+def peak_check(admission: Admission, peak_admission: bool) -> type[FuturePeak] | \
+        type[AggregatePeak] | None:
+    """The future-peak estimator --kv-admission consults (None: admit whatever fits now);
+    `peak_admission`: whether the KV policy plans the future peak (auto is AUTO_PEAK then,
+    else fit)."""
+    if admission == Admission.AUTO:
+        admission = AUTO_PEAK if peak_admission else Admission.FIT
+    return {Admission.PEAK: FuturePeak, Admission.AGGREGATE: AggregatePeak}.get(admission)
 
 
 _LEVELS = np.array([0.0, *LEVELS, 1.0])  # the CDF's levels at its knots

@@ -1,11 +1,13 @@
 """KV policies: how much of the cache a request's segment holds, and what happens when it runs out.
 
 A policy is an object behind the small `KVPolicy` protocol; the scheduler asks it and never
-switches on its name. `make_policy(config)` is the one place a `--kv-policy` string is read.
+switches on its name. `make_policy(config)` builds the one `--kv-policy` names, with its
+settings from the SchedulerConfig.
 
 - `Predicted`: prompt + the `reserve_quantile` of the predicted output length, at most
   `horizon` tokens ahead; a segment that runs out regrows to the `grow_quantile` of the length
-  given what it has generated (again at most the horizon ahead, at least `min_grow` more).
+  given what it has generated (again at most the horizon ahead, at least `min_grow` more):
+  --kv-reserve-quantile, --kv-grow-quantile, --kv-reserve-horizon and --kv-min-grow.
   Free space split into holes is closed by moving segments (a `Compactor`), and a victim is
   chosen among those whose slots seq can actually use.
 - `MaxLength`: prompt + max_tokens, never grows (what static-batching servers reserve).
@@ -17,18 +19,19 @@ switches on its name. `make_policy(config)` is the one place a `--kv-policy` str
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from services.compute.core.sequence import Sequence
 from services.compute.kv.allocator import KVAllocator
 from services.compute.kv.compaction import segment_at
 from services.compute.kv.paged_allocator import PagedAllocator
+from shared.config import KVPolicyName, SchedulerConfig
 
 PAGED_WATERMARK = 0.01  # vLLM's default share of blocks kept free at admission
 
 
 class KVPolicy(Protocol):
-    name: str
+    name: KVPolicyName
     compacts: bool  # moves segments to close holes (the scheduler then runs a Compactor)
     peak_admission: bool  # what admission "auto" means under this policy
 
@@ -51,13 +54,13 @@ class KVPolicy(Protocol):
 
 @dataclass(frozen=True)
 class Predicted:
-    reserve_quantile: float = 0.5
-    grow_quantile: float = 0.9
-    horizon: int = 64  # reserve at most this many output slots ahead (0: all)
-    min_grow: int = 16
-    name: str = "predicted"
-    compacts: bool = True
-    peak_admission: bool = True
+    reserve_quantile: float
+    grow_quantile: float
+    horizon: int  # reserve at most this many output slots ahead (0: all)
+    min_grow: int
+    name: ClassVar[KVPolicyName] = KVPolicyName.PREDICTED
+    compacts: ClassVar[bool] = True
+    peak_admission: ClassVar[bool] = True
 
     def allocator(self, capacity: int) -> KVAllocator:
         return KVAllocator(capacity)
@@ -95,9 +98,9 @@ class Predicted:
 
 @dataclass(frozen=True)
 class MaxLength:
-    name: str = "max"
-    compacts: bool = False
-    peak_admission: bool = False
+    name: ClassVar[KVPolicyName] = KVPolicyName.MAX
+    compacts: ClassVar[bool] = False
+    peak_admission: ClassVar[bool] = False
 
     def allocator(self, capacity: int) -> KVAllocator:
         return KVAllocator(capacity)
@@ -117,9 +120,9 @@ class MaxLength:
 
 @dataclass(frozen=True)
 class Paged:
-    name: str = "paged"
-    compacts: bool = False
-    peak_admission: bool = False
+    name: ClassVar[KVPolicyName] = KVPolicyName.PAGED
+    compacts: ClassVar[bool] = False
+    peak_admission: ClassVar[bool] = False
 
     def allocator(self, capacity: int) -> PagedAllocator:
         return PagedAllocator(capacity)
@@ -138,16 +141,14 @@ class Paged:
         return running[-1]  # the most recently admitted: any block will do
 
 
-KV_POLICIES = ("predicted", "max", "paged")
-
-
-def make_policy(name: str, **predicted) -> KVPolicy:
-    """The policy named `name` (ValueError naming the choices otherwise); `predicted`: the
-    `Predicted` policy's settings (the others have none)."""
-    if name == "predicted":
-        return Predicted(**predicted)
-    if name == "max":
-        return MaxLength()
-    if name == "paged":
-        return Paged()
-    raise ValueError(f"--kv-policy must be one of {KV_POLICIES}, not {name!r}")
+def make_policy(config: SchedulerConfig) -> KVPolicy:
+    """The policy config.kv_policy names, with its settings from `config` (only `Predicted`
+    has any)."""
+    match config.kv_policy:
+        case KVPolicyName.PREDICTED:
+            return Predicted(config.kv_reserve_quantile, config.kv_grow_quantile,
+                             config.kv_reserve_horizon, config.kv_min_grow)
+        case KVPolicyName.MAX:
+            return MaxLength()
+        case KVPolicyName.PAGED:
+            return Paged()

@@ -8,18 +8,18 @@ the running limit and free KV allow. A prompt larger than the budget is prefille
 KV policies (how much a request's segment holds, how it grows, whom to preempt) are objects in
 `kv_policy.py`: `predicted` (segments sized by the predicted output length, moved to close holes
 rather than preempting), `max` (prompt + max_tokens) and `paged` (the vLLM baseline, blocks).
-Admission (`admission`, estimators in `admission.py`): `fit` admits whenever the reservation
-fits; `peak` also requires the future KV peak to fit, with every running request's remaining
-length at the `peak_quantile` of its predicted length (LightLLM's past-future estimate, with
-learned lengths); `aggregate` requires the `peak_quantile` of the total future demand, over the
-requests' whole distributions, to fit; `auto` is `AUTO_PEAK` for the predicted policy and `fit`
-for the others (vLLM's greedy admission).
-`batching="static"` is the static-batching baseline: admit only into an empty batch, then run it
+Admission (`kv_admission`, estimators in `admission.py`): `fit` admits whenever the
+reservation fits; `peak` also requires the future KV peak to fit, with every running request's
+remaining length at the `kv_peak_quantile` of its predicted length (LightLLM's past-future
+estimate, with learned lengths); `aggregate` requires the `kv_peak_quantile` of the total future
+demand, over the requests' whole distributions, to fit; `auto` is `AUTO_PEAK` for the predicted
+policy and `fit` for the others (vLLM's greedy admission).
+`batching=static` is the static-batching baseline: admit only into an empty batch, then run it
 until every request in it has finished.
-With `prefix_caching`, finished segments stay cached (`PrefixCache`): an admitted request whose
-prompt starts with a cached prefix gets that prefix's K/V copied into its segment (a step move)
-and prefills only the rest; entries are evicted, least recently used first, before anything
-is compacted or preempted for their slots.
+With `enable_prefix_caching`, finished segments stay cached (`PrefixCache`): an admitted request
+whose prompt starts with a cached prefix gets that prefix's K/V copied into its segment (a step
+move) and prefills only the rest; entries are evicted, least recently used first, before
+anything is compacted or preempted for their slots.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
-from services.compute.core.step import Committed, ScheduledStep, StepSample
+from services.compute.core.step import ScheduledStep, StepSample
 from services.compute.kv.allocator import KVAllocator
 from services.compute.kv.compaction import Compactor
 from services.compute.kv.paged_allocator import PagedAllocator
 from services.compute.kv.prefix_cache import PrefixCache
-from services.compute.scheduling.config import SchedulerConfig
+from services.compute.scheduling.admission import peak_check
+from services.compute.scheduling.kv_policy import make_policy
+from shared.config import Batching, SchedulerConfig
 
 
 @dataclass
@@ -45,8 +47,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: KVAllocator | PagedAllocator):
-        """`allocator`: of the kind config.policy.allocator() makes."""
-        self.config, self.policy = config, config.policy
+        """`allocator`: of the kind the config's KV policy (make_policy) makes."""
+        self.config, self.policy = config, make_policy(config)
         if type(allocator) is not type(self.policy.allocator(1)):
             raise ValueError(f"the {self.policy.name} policy needs a "
                              f"{type(self.policy.allocator(1)).__name__}")
@@ -55,7 +57,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.stats = SchedulerStats()
         self.compactor = Compactor(allocator, self.stats) if self.policy.compacts else None
-        self.prefix_cache = PrefixCache(allocator) if config.prefix_caching else None
+        self.prefix_cache = PrefixCache(allocator) if config.enable_prefix_caching else None
+        self.peak_check = peak_check(config.kv_admission, self.policy.peak_admission)
         self._admitted = 0
 
     def add(self, seq: Sequence) -> None:
@@ -96,12 +99,12 @@ class Scheduler:
         """FCFS admission into `step`: nobody overtakes the head of the queue. Static batching
         admits only into an empty batch, all that fit at once (their prompts then prefill in
         chunks over the next steps)."""
-        static = self.config.batching == "static"
+        static = self.config.batching == Batching.STATIC
         if static and self.running:
             return
-        peak, check = None, self.config.peak_check
+        peak, check = None, self.peak_check
         if check is not None and self.waiting:
-            peak = check(self.running, self.config.peak_quantile, self.allocator.capacity)
+            peak = check(self.running, self.config.kv_peak_quantile, self.allocator.capacity)
         while self.waiting and (budget > 0 or static) and \
                 len(self.running) < self.config.max_running:
             seq = self.waiting[0]
@@ -134,27 +137,29 @@ class Scheduler:
             seq.token_ids.append(UNSAMPLED)
             step.token_index.append(len(seq.token_ids) - 1)
 
-    def commit(self, step: ScheduledStep, out: StepSample) -> Committed:
-        """Apply an advanced step's results, in step order: fill in the sampled tokens (and the
-        logprobs asked for), retire the requests they finish. Requests finished or aborted
-        since the step was scheduled are skipped (their extra token is dropped)."""
-        done = Committed()
-        for entry in out.prompt:
-            if entry[0].status is not SeqStatus.FINISHED:
-                entry[0].prompt_logprobs += entry[2]
-                entry[0].prompt_top += entry[3]
-                done.prompt.append(entry)
-        for seq, index, tok, lp, top in zip(step.sampled, step.token_index, out.tokens,
-                                            out.logprobs, out.tops(), strict=True):
+    def commit(self, step: ScheduledStep, out: StepSample) -> StepSample:
+        """Apply an advanced step's results, in step order: fill in the sampled tokens (and
+        the prompt logprobs asked for), retire the requests they finish. Returns the records
+        applied, each output's place and finish filled in; requests finished or aborted since
+        the step was scheduled are left out (their extra token is dropped)."""
+        done = StepSample()
+        prefilled = {seq.request_id: seq for seq, _ in step.prefills}
+        for piece in out.prompt:
+            seq = prefilled[piece.request_id]
+            if seq.status is not SeqStatus.FINISHED:
+                seq.prompt_logprobs += piece.logprobs
+                done.prompt.append(piece)
+        for seq, index, record in zip(step.sampled, step.token_index, out.outputs, strict=True):
             if seq.status is SeqStatus.FINISHED:
                 continue
-            seq.fill(index, tok, lp, top)
-            done.sampled.append((seq, tok, top))
+            seq.fill(index, record.token_ids[0], record.logprobs[0])
+            record.start, record.finish_reason = index, seq.finish_reason
+            done.outputs.append(record)
             if seq.finish_reason is not None:
                 self._retire(seq)
         return done
 
-    def update(self, step: ScheduledStep, out: StepSample) -> Committed:
+    def update(self, step: ScheduledStep, out: StepSample) -> StepSample:
         """advance + commit: a step run to completion before the next is scheduled."""
         self.advance(step)
         return self.commit(step, out)

@@ -23,7 +23,7 @@ import time
 from services.compute.core.step import ScheduledStep, StepSample
 from services.compute.inflight import Done
 from services.compute.sim.cost import CostModel, kv_dtype_bytes
-from shared.config import EngineConfig
+from shared.config import EngineConfig, KVPolicyName
 from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ def token_id(seed: int, index: int, vocab: int) -> int:
 
 
 def cost_model(config: EngineConfig) -> CostModel:
-    paged = config.kv_policy == "paged"  # the kernels read pages through a block table
+    # the kernels read pages through a block table
+    paged = config.scheduler.kv_policy == KVPolicyName.PAGED
     return CostModel(config.sim.gpu, config.sim.model, kv_dtype_bytes(config.sim.kv_dtype),
                      config.sim.eff_bw, config.sim.eff_flops, config.sim.overhead_ms / 1e3,
                      config.sim.weight_dtype,
@@ -106,7 +107,7 @@ class SimRunner:
             while tok in never or tok in s.stop_ids:
                 tok = (tok + 1) % vocab
             out.append(tok)
-        return Done(StepSample(out, [0.0] * len(out)))
+        return Done(StepSample.of(step, out))
 
     def _sleep(self, dt: float) -> None:
         """Sleep the step's modelled time, less the host time the loop already spent since the

@@ -1,9 +1,9 @@
 """Float linear layers: a weight prepared once for the device's fastest GEMM.
 
 On a CPU, `F.linear` goes to MKL's sgemm, which is slow for the shapes serving has: a decode
-step's few rows (M = 2..16 runs 2-3x slower than M = 1) and the wide LM head. oneDNN with the
-weight reordered once into its blocked layout (what PyTorch's inductor does for frozen CPU
-models) runs those 1.5-2.5x faster on the same cores. On CUDA, with `--kernels reference`, or
+step's few rows and the wide LM head. oneDNN with the weight reordered once into its blocked
+layout (what PyTorch's inductor does for frozen CPU models) runs those faster on the same
+cores (docs/benchmarks.md, "Figures moved out of the code"). On CUDA, with `--kernels reference`, or
 where oneDNN cannot take the weight (float16; bfloat16 without AVX512-BF16 or AVX-NE-CONVERT),
 `F.linear` on the plain weight.
 """

@@ -1,18 +1,18 @@
-"""The paged decode attention baseline (bench/kernels.py): the Triton kernel with a block table
-(interpreter on CPU) vs its reference, and the reference vs the contiguous one on the same
-tokens."""
+"""The paged decode attention baseline (bench/paged_attention.py, which bench/kernels.py
+measures): the Triton kernel with a block table (interpreter on CPU) vs its reference, and the
+reference vs the contiguous one on the same tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention_reference
-from kernels.decode_attention_paged import (
+from bench.paged_attention import (
     decode_attention_paged,
     decode_attention_paged_reference,
     paged_slots,
 )
+from kernels.decode_attention import decode_attention_reference
 
 
 def make_paged(lens, page, n_kv_heads=2, n_heads=8, head_dim=32, seed=0):

@@ -1,5 +1,6 @@
 """Decode attention over a paged KV cache (vLLM's layout): the baseline pipellm's contiguous
-segments are measured against (bench/kernels.py), not a serving path.
+segments are measured against (bench/kernels.py), not a serving path, hence here and not in
+`kernels`.
 
 Sequence b's token t sits in slot block_table[b, t // page_size] * page_size + t % page_size
 of the [capacity, n_kv_heads, head_dim] cache: the same flash-decoding kernel as

@@ -1,0 +1,13 @@
+"""`python -m kernels.cpu`: build the C++ CPU kernels into the extension cache now (what
+services/setup.sh runs), so that the server's first start loads them instead of compiling.
+Exits 0 even when the build fails: the server then runs the PyTorch reference."""
+
+from __future__ import annotations
+
+from kernels.cpu import build, extension
+
+if __name__ == "__main__":
+    print(build())
+    module = extension()
+    print(f"  {module.__file__}" if module is not None else
+          "  the server still works, with the PyTorch reference kernels (slower on a CPU)")

@@ -1,0 +1,122 @@
+"""Sampling: a step's logits -> its sampled tokens, their logprobs and the top rows asked for.
+
+The forward pass of a step returns logits [S + R, vocab]: row i < S is the next-token row of
+step.sampled[i]; the R rows after them score prompt tokens, span by span
+(ForwardBatch.prompt_spans, in order). `ModelRunner.launch` calls, in this order:
+
+    prompt_rows(logits[S:], spans)          -> PromptRows: each scored token's logprob and its
+                                               row's prompt_logprobs most likely tokens
+    suppress_stop_tokens(logits[:S], seqs)  min_tokens: a row's stop ids to -inf, IN PLACE, so
+                                               what follows sees it
+    top_rows(logits[:S], ks)                -> TopRows | None: the top_logprobs of the rows
+                                               that ask for them (ks[i] > 0)
+    sample(logits[:S], seqs, device)        -> (token ids [S] int64, logprobs [S] float32),
+                                               both on the device
+
+Invariants:
+- Nothing here waits for the device: host->device copies are non-blocking, results stay on
+  the device (`sample`) or are copied to pinned host memory without waiting (`to_host`).
+- Logprobs (chosen, top and prompt) are those of the model's own distribution: log_softmax
+  of its logits (sampled rows: after min_tokens masking), never of penalized or biased ones.
+- Penalties and logit_bias are computed out of place, in float32, and change only the rows
+  that ask for them; a step where no row asks does none of that work. A row's token depends
+  only on its own logits, params, seed and step, not on the batch (kernels.sampling).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import SamplingBatch, apply_penalties, to_device, token_stats
+from kernels import sample as sample_kernel
+from services.compute.core.sequence import Sequence
+from services.compute.inflight import PromptRows, TopRows, to_host
+
+
+def sampling_batch(seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+    """Row i samples for seqs[i]: its params, seed and step (tokens generated so far) as [S]
+    tensors on `device` (two host->device copies, whatever S), and the host flags."""
+    ps = [s.params for s in seqs]
+    floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps],
+                           [p.min_p for p in ps]], dtype=torch.float32)
+    ints = torch.tensor([[p.top_k for p in ps], [s.seed for s in seqs],
+                         [s.num_output for s in seqs]], dtype=torch.int64)
+    floats, ints = to_device(floats, device), to_device(ints, device)
+    return SamplingBatch(
+        temperature=floats[0], top_p=floats[1], min_p=floats[2],
+        top_k=ints[0], seeds=ints[1], steps=ints[2],
+        all_greedy=all(p.temperature == 0 for p in ps),
+        need_sort=any(p.top_k > 0 or p.top_p < 1 for p in ps if p.temperature > 0),
+        need_logprobs=any(p.logprobs or p.top_logprobs for p in ps),
+    )
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of `logits` [S, vocab] for `seqs` -> (ids [S] int64, logprobs [S]
+    float32) on the device; penalties and logit_bias first where a row asks. No host sync."""
+    raw = None
+    if any(s.params.shapes_logits for s in seqs):  # else no such work at all
+        raw = logits  # logprobs stay those of the model's own distribution
+        logits = logits.float()
+        if any(s.params.has_penalties for s in seqs):
+            logits = _penalize(logits, seqs, device)
+        logits = _add_logit_bias(logits, seqs)
+    return sample_kernel(logits, sampling_batch(seqs, device), raw)
+
+
+def _penalize(logits: torch.Tensor, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+    """Presence/frequency/repetition penalties on the rows whose params ask for them; the
+    other rows get neutral values and no token statistics, so they are left bit-identical."""
+    on = [s.params.has_penalties for s in seqs]
+    prompts = [s.token_ids[: s.num_prompt] if o else [] for s, o in zip(seqs, on, strict=True)]
+    outputs = [s.output_ids if o else [] for s, o in zip(seqs, on, strict=True)]
+    prompt_mask, output_counts = token_stats(prompts, outputs, logits.shape[-1], device)
+    ps = [s.params for s in seqs]
+    pen = torch.tensor([[p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
+                        [p.repetition_penalty for p in ps]], dtype=torch.float32)
+    pen = to_device(pen, device)
+    return apply_penalties(logits, prompt_mask, output_counts, pen[0], pen[1], pen[2])
+
+
+def _add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [S, vocab] float, plus each row's logit_bias (one scatter for the whole step)."""
+    cells = [(row, t, b) for row, s in enumerate(seqs) for t, b in s.params.logit_bias]
+    if not cells:
+        return logits
+    rows, ids, biases = zip(*cells, strict=True)
+    index = torch.tensor([rows, ids], dtype=torch.int64).to(logits.device, non_blocking=True)
+    values = torch.tensor(biases, dtype=logits.dtype).to(logits.device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), values, accumulate=True)
+
+
+def suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """min_tokens: a request may not stop before it has generated that many tokens."""
+    for row, s in enumerate(seqs):
+        if s.num_output < s.params.min_tokens and s.stop_ids:
+            logits[row, list(s.stop_ids)] = float("-inf")
+
+
+def _top_k(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, values) [R, k] of the k most likely tokens of each row of `logprobs` [R, vocab],
+    best first, copied to the host without waiting."""
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    return to_host(ids), to_host(values)
+
+
+def top_rows(logits: torch.Tensor, ks: list[int]) -> TopRows | None:
+    """The ks[i] most likely tokens of the rows i of `logits` [S, vocab] where ks[i] > 0."""
+    rows = [i for i, k in enumerate(ks) if k]
+    if not rows:
+        return None
+    ids, values = _top_k(logits[rows].float().log_softmax(-1), max(ks))
+    return TopRows(rows, [ks[i] for i in rows], ids, values)
+
+
+def prompt_rows(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> PromptRows:
+    """logits [R, vocab]: the rows before the prompt tokens of `spans` (see ForwardBatch)."""
+    targets = [t for seq, start, n in spans for t in seq.token_ids[start : start + n]]
+    logprobs = logits.float().log_softmax(-1)  # [R, vocab]
+    index = to_device(torch.tensor(targets, dtype=torch.int64)[:, None], logits.device)
+    ids, values = _top_k(logprobs, max(seq.params.prompt_logprobs for seq, _, _ in spans))
+    return PromptRows(spans, to_host(logprobs.gather(1, index)[:, 0]), ids, values)

@@ -1,0 +1,60 @@
+"""Compute's import picture: every arrow points down a floor (or stays in its room).
+
+Floors, lowest first: `core/` (the types every room uses), then `kv/`, then `model/` and
+`length/`, then `scheduling/` and the step's device-side helpers, then the runners, the engine,
+and the process and backend wiring on top. A module may import its own room or lower floors.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "services" / "compute"
+FLOORS = {
+    "core": 0,
+    "kv": 1,
+    "model": 2, "length": 2,
+    "scheduling": 3, "inflight": 3,
+    "batch": 4, "cuda_graphs": 4, "sampling": 4,
+    "runner": 5, "sim": 5,
+    "engine": 6,
+    "backend": 7, "warmup": 7,
+    "service": 8,
+}
+
+
+def _room(module: str) -> str:
+    """services.compute.<room>[.rest] -> room."""
+    return module.split(".")[2]
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and \
+                node.module.startswith("services.compute."):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("services.compute."))
+    return out
+
+
+def test_every_compute_module_has_a_floor():
+    rooms = {p.stem if p.parent == ROOT else p.relative_to(ROOT).parts[0]
+             for p in ROOT.rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT}
+    assert rooms <= set(FLOORS), f"give these a floor: {sorted(rooms - set(FLOORS))}"
+
+
+def test_no_import_runs_back_up():
+    upward = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel == Path("__init__.py"):
+            continue
+        room = rel.parts[0].removesuffix(".py")
+        for target in _imports(path):
+            other = _room(target)
+            if other != room and FLOORS[other] >= FLOORS[room]:
+                upward.append(f"{rel} -> {target}")
+    assert not upward, "imports that run up or sideways:\n" + "\n".join(sorted(upward))
