@@ -73,26 +73,24 @@ class InFlight:
         if self.ready is not None:
             self.ready.synchronize()
         out = StepSample()
+        if self.host_tokens is not None:
+            out = StepSample.of(self.step, self.host_tokens.tolist(), self.logprobs.tolist())
+            _add_top_rows(out.outputs, self.top)
         if self.prompt is not None:
             out.prompt = _prompt_records(self.prompt)
-        if self.host_tokens is not None:
-            out.outputs = _output_records(self.step, self.host_tokens.tolist(),
-                                          self.logprobs.tolist(), self.top)
         if self.probes is not None:
             out.probes, out.probe_rows = self.probes.numpy(), self.probe_rows
         return out
 
 
-def _output_records(step: ScheduledStep, tokens: list[int], logprobs: list[float],
-                    top: TopRows | None) -> list[Tokens]:
-    """One record per sampled row: its token, logprob and the top rows it asked for."""
-    out = [Tokens(seq.request_id, -1, int32s([t]), float32s([lp]))
-           for seq, t, lp in zip(step.sampled, tokens, logprobs, strict=True)]
-    if top is not None:
-        ids, values = top.ids.tolist(), top.values.tolist()
-        for j, (row, k) in enumerate(zip(top.rows, top.ks, strict=True)):
-            out[row].top_ids, out[row].top_logprobs = int32s(ids[j][:k]), float32s(values[j][:k])
-    return out
+def _add_top_rows(records: list[Tokens], top: TopRows | None) -> None:
+    """Give the records of the rows that asked for top logprobs their k alternatives."""
+    if top is None:
+        return
+    ids, values = top.ids.tolist(), top.values.tolist()
+    for j, (row, k) in enumerate(zip(top.rows, top.ks, strict=True)):
+        records[row].top_ids, records[row].top_logprobs = int32s(ids[j][:k]), \
+            float32s(values[j][:k])
 
 
 def _prompt_records(p: PromptRows) -> list[Tokens]:
