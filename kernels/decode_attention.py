@@ -72,14 +72,12 @@ def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, starts_ptr, lens_ptr,  # q [B, H, D]; k, v [capacity, Hkv, D]; [B] x2
     out_ptr, part_o_ptr, part_lse_ptr,  # out [B, H, D]; part_o [B, H, S, D]; part_lse [B, H, S]
     ks_ptr, vs_ptr,  # KV_INT8: fp16 scales [capacity, Hkv, D / KV_GROUP] (K's and V's layout)
-    table_ptr, stride_tb,  # PAGED: block table [B, max pages] int32 (page p = slots p*PAGE..)
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
     stride_st, stride_sh,  # KV_INT8: the scales' row and head strides
     qk_scale,  # softmax scale * log2(e): scores live in the exp2 domain
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr,
     KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,  # int8 K/V, one scale per KV_GROUP values
-    PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1,  # the paged baseline (bench only)
     KV_FP8: tl.constexpr = False,  # e4m3 K/V (kernels/kv_quant.py)
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -107,11 +105,7 @@ def _decode_split_kernel(
     for t0 in range(lo, hi, BLOCK_N):
         t = t0 + offs_n  # [BLOCK_N] token positions
         t_mask = t < hi
-        if PAGED:  # token t sits in its page's slots: table[b, t // PAGE] * PAGE + t % PAGE
-            page = tl.load(table_ptr + b * stride_tb + t // PAGE, mask=t_mask, other=0)
-            rows = page.to(tl.int64) * PAGE + t % PAGE
-        else:
-            rows = start + t  # [BLOCK_N] int64 cache slots
+        rows = start + t  # [BLOCK_N] int64 cache slots
         k = tl.load(k_base + rows[:, None] * stride_kt, mask=t_mask[:, None], other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vt, mask=t_mask[:, None], other=0.0)
         if KV_INT8:  # dequantize in registers: int8 x its group's fp16 scale, in q's dtype
@@ -210,8 +204,6 @@ def _decode_attention_triton(
     num_splits: int | None = None,  # None: `_num_splits` heuristic
     k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
     v_scale: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,  # paged: [B, max pages] int32 (seq_starts unused)
-    page_size: int = 1,
 ) -> torch.Tensor:  # [B, H, D], q.dtype
     _check_inputs(q, k_cache, v_cache, seq_starts, seq_lens)
     int8 = k_scale is not None
@@ -235,14 +227,12 @@ def _decode_attention_triton(
     scales = (k_scale, v_scale) if int8 else (out, out)  # placeholders without INT8
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_starts, seq_lens, out, part_o, part_lse, *scales,
-        *((block_table, block_table.stride(0)) if block_table is not None else (seq_starts, 0)),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         scales[0].stride(0), scales[0].stride(1), scale * math.log2(math.e),
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N, USE_DOT=use_dot,
         UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16, DIRECT=num_splits == 1,
-        KV_INT8=int8, KV_GROUP=KV_GROUP, PAGED=block_table is not None, PAGE=page_size,
-        KV_FP8=k_cache.dtype == FP8,
+        KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=k_cache.dtype == FP8,
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:

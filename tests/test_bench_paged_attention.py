@@ -42,6 +42,17 @@ def test_paged_kernel_matches_its_reference(lens, page):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [2, 4])
+def test_paged_kernel_splits_match_its_reference(splits):
+    """Forced splits: partials + the production combine kernel (some splits of the short
+    sequences are empty)."""
+    q, k, v, table, seq_lens = make_paged([200, 5, 70], 16)
+    scale = q.shape[-1] ** -0.5
+    ref = decode_attention_paged_reference(q, k, v, table, seq_lens, scale, 16)
+    got = decode_attention_paged(q, k, v, table, seq_lens, scale, 16, 200, num_splits=splits)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_paged_reference_is_contiguous_attention_over_the_gathered_tokens():
     q, k, v, table, seq_lens = make_paged([20, 9], 4)
     slots = paged_slots(table, seq_lens, 4)
