@@ -1,16 +1,29 @@
 """The simulator-side benchmarks run end to end on small inputs and end with their JSON line;
-bench/vs_vllm.py's parts that need neither vLLM nor the SmolLM2 GGUF."""
+bench/vs_vllm.py's and bench/vs_peers.py's parts that need neither a peer server nor the
+SmolLM2 GGUF."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from bench import ablation, length_predictor, prefix_cache, prefix_sim, servers, vs_vllm
+from bench import (
+    ablation,
+    length_predictor,
+    llamacpp,
+    peers_report,
+    prefix_cache,
+    prefix_sim,
+    servers,
+    vllm_cpu,
+    vs_peers,
+    vs_vllm,
+)
 
 ROW_KEYS = {"name", "model", "workload", "qps_at_slo", "output_throughput", "p99_ttft_ms",
             "p99_tpot_ms", "preemptions"}
@@ -155,6 +168,132 @@ def test_vs_vllm_thread_notes_read_the_vllm_log(tmp_path):
     notes = vs_vllm.thread_notes(args)
     assert "cores [0] with 1 torch thread" in notes["vllm"]
     assert "--threads 1" in notes["pipellm"]
+
+
+def _peers_args(tmp_path, *flags: str):
+    args = vs_peers.parse_args(["--results-dir", str(tmp_path), *flags])
+    args.gguf, args.hf_dir = tmp_path / "m.gguf", tmp_path / "hf"
+    args.vllm_bin, args.llamacpp_bin = "/v/bin/vllm", "/l/llama-server"
+    return args
+
+
+def test_vs_peers_args():
+    args = vs_peers.parse_args([])
+    assert args.servers == ["pipellm", "pipellm-bf16", "vllm-bf16", "llamacpp"]
+    assert (args.rounds, args.workloads, args.llamacpp_slots) == (3, ["sg", "r2", "b1"], 16)
+    assert args.vllm_bin.endswith("peers/vllm-venv/bin/vllm") and not args.install_vllm
+    quick = vs_peers.parse_args(["--quick", "--servers", "pipellm-fp32, vllm-fp32-auto"])
+    assert (quick.rounds, quick.sharegpt_prompts, quick.num_prompts, quick.b1_prompts) == \
+        (1, 16, 16, 4)
+    assert quick.servers == ["pipellm-fp32", "vllm-fp32-auto"]
+    with pytest.raises(SystemExit):
+        vs_peers.parse_args(["--servers", "pipellm,ollama"])
+    with pytest.raises(SystemExit):
+        vs_peers.parse_args(["--rounds", "0"])
+
+
+def test_vs_peers_server_commands(tmp_path):
+    args = _peers_args(tmp_path)
+    log = tmp_path / "x.log"
+    pl = vs_peers.make_server(args, "pipellm", 8001, log)
+    assert pl.argv[1:] == ["up", "--model", str(tmp_path / "m.gguf"), "--port", "8001"]
+    assert pl.ready_url == "http://127.0.0.1:8001/health"
+    bf = vs_peers.make_server(args, "pipellm-bf16", 8001, log)
+    assert bf.argv[1:] == ["up", "--model", str(tmp_path / "hf"), "--port", "8001",
+                           "--dtype", "bfloat16"]
+    vl = vs_peers.make_server(args, "vllm-bf16", 8002, log)
+    assert vl.argv == ["/v/bin/vllm", "serve", str(tmp_path / "hf"), "--host", "127.0.0.1",
+                       "--port", "8002", "--dtype", "bfloat16", "--max-model-len", "2048"]
+    assert vl.ready_url.endswith("/v1/models")
+    assert vl.env == {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+                      "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}"}
+    auto = vs_peers.make_server(args, "vllm-fp32-auto", 8002, log)
+    assert "float32" in auto.argv and "VLLM_CPU_OMP_THREADS_BIND" not in auto.env
+    ll = vs_peers.make_server(args, "llamacpp", 8003, log)
+    assert ll.argv == ["/l/llama-server", "-m", str(tmp_path / "m.gguf"), "--host",
+                       "127.0.0.1", "--port", "8003", "-t", "2", "-np", "16", "-c", "32768"]
+    assert ll.ready_url.endswith("/health")
+    one = vs_peers.make_server(args, "llamacpp", 8003, log, slots=1)
+    assert one.argv[one.argv.index("-np") + 1] == "1"
+
+
+def test_vs_peers_launches_and_load(tmp_path):
+    args = _peers_args(tmp_path)
+    assert vs_peers.launches(args, "vllm-bf16") == [(None, ["sg", "r2", "b1"])]
+    assert vs_peers.launches(args, "llamacpp") == [(16, ["sg", "r2"]), (1, ["b1"])]
+    args.workloads = ["b1"]
+    assert vs_peers.launches(args, "llamacpp") == [(1, ["b1"])]
+    out = tmp_path / "r.json"
+    sg = vs_peers.bench_argv(args, "sg", 8002, 7, out)
+    assert sg[sg.index("--tokenizer") + 1] == str(tmp_path / "hf") and "--dataset-path" in sg
+    assert sg[sg.index("--num-prompts") + 1] == "64" and sg[sg.index("--seed") + 1] == "7"
+    b1 = vs_peers.bench_argv(args, "b1", 8002, 7, out)
+    assert b1[b1.index("--max-concurrency") + 1] == "1" and "--tokenizer" not in b1
+    assert b1[b1.index("--num-prompts") + 1] == "16" and "--ignore-eos" in b1
+    r2 = vs_peers.bench_argv(args, "r2", 8002, 7, out)
+    assert r2[r2.index("--request-rate") + 1] == "2"
+    warm = vs_peers.bench_argv(args, "warmup", 8002, 7, out, 8)
+    assert warm[warm.index("--request-rate") + 1] == "inf" and "--max-concurrency" not in warm
+
+
+def test_vs_peers_summary_and_targets(capsys):
+    def row(server, wl, rep, tps, ttft=100.0, tpot=10.0, ok=True):
+        return dict(server=server, workload=wl, rep=rep, ok=ok, output_throughput=tps,
+                    mean_ttft_ms=ttft, mean_tpot_ms=tpot, completed=16, failed=rep)
+
+    rows = [row("pipellm", "sg", r, t) for r, t in enumerate([300, 100, 200])]
+    rows += [row("vllm-bf16", "sg", r, t) for r, t in enumerate([150, 150, 100])]
+    rows += [row("llamacpp", "sg", 0, 50), row("llamacpp", "b1", 0, 0, ok=False)]
+    rows += [row("pipellm", "b1", 0, 10, ttft=140.0, tpot=9.0),
+             row("vllm-bf16", "b1", 0, 10, ttft=100.0, tpot=10.0)]
+    s = peers_report.summarize(rows)
+    assert list(s) == ["pipellm", "vllm-bf16", "llamacpp"]
+    assert s["pipellm"]["sg"]["output_throughput"] == 200
+    assert (s["pipellm"]["sg"]["runs_ok"], s["pipellm"]["sg"]["failed_requests"]) == (3, 3)
+    assert s["llamacpp"]["b1"] == dict(output_throughput=None, mean_ttft_ms=None,
+                                       mean_tpot_ms=None, runs_ok=0, runs=1, failed_requests=0)
+    checks = {(c["peer"], c["workload"], c["metric"]): c
+              for c in peers_report.check_targets(s, vs_peers.PIPELLM)}
+    assert len(checks) == len(peers_report.TARGETS)  # one pipellm row, both peers ran
+    sg = checks["vllm-bf16", "sg", "output_throughput"]
+    assert (sg["ratio"], sg["passed"], sg["target"]) == (1.333, True, ">= 1.2")
+    assert checks["vllm-bf16", "b1", "mean_ttft_ms"]["passed"] is False  # 1.4x
+    assert checks["vllm-bf16", "b1", "mean_tpot_ms"]["ratio"] == 0.9
+    assert checks["vllm-bf16", "r2", "mean_tpot_ms"]["passed"] is None  # r2 not run
+    assert checks["llamacpp", "sg", "output_throughput"]["ratio"] == 4.0
+    assert checks["llamacpp", "b1", "mean_tpot_ms"]["ratio"] is None  # its run failed
+    peers_report.print_report(s, list(checks.values()), {"pipellm": "pipellm up --port PORT"})
+    text = capsys.readouterr().out
+    assert "PASS" in text and "FAIL" in text and "n/a" in text
+    assert json.loads(json.dumps(s)) == s
+
+
+def test_llamacpp_finds_a_server_before_building(tmp_path, monkeypatch):
+    binary = tmp_path / "cache" / llamacpp.BINARY
+    monkeypatch.delenv(llamacpp.ENV_VAR, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert llamacpp.find_server(None, tmp_path / "cache") is None
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    assert llamacpp.ensure_server(None, tmp_path / "cache", build=False) == binary
+    mine = tmp_path / "mine"
+    mine.write_text("#!/bin/sh\n")
+    mine.chmod(0o755)
+    monkeypatch.setenv(llamacpp.ENV_VAR, str(mine))
+    assert llamacpp.find_server(None, tmp_path / "cache") == mine
+    with pytest.raises(FileNotFoundError):
+        llamacpp.find_server(str(tmp_path / "nothing"), tmp_path / "cache")
+    monkeypatch.delenv(llamacpp.ENV_VAR)
+    with pytest.raises(FileNotFoundError):
+        llamacpp.ensure_server(None, tmp_path / "none", build=False)
+
+
+def test_vllm_threads_note_reads_its_log(tmp_path):
+    log = tmp_path / "vllm-bf16-rep0.log"
+    assert vllm_cpu.threads_note(log) is None
+    log.write_text("x\tlocal_rank=0, core ids=[0, 1]\nReducing Torch threads from 2 to 2\n")
+    assert vllm_cpu.threads_note(log) == "model on cores [0, 1] with 2 torch thread(s)"
 
 
 def test_server_stops_its_whole_process_group(tmp_path):
