@@ -19,8 +19,7 @@ import torch
 import transformers
 
 from bench.common import log, machine
-from bench.servers import Server, free_port, running
-from bench.vs_vllm import run_bench
+from bench.servers import Server, free_port, run_bench, running
 from shared.demo_model import build_demo_tokenizer, ensure_demo_model
 
 SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,

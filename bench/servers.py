@@ -10,6 +10,7 @@ those blocks run when the benchmark itself is killed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -19,6 +20,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bench.common import log
 
 
 class ServerError(RuntimeError):
@@ -108,3 +111,19 @@ def free_port() -> int:
 def terminate_on_sigterm() -> None:
     """Make SIGTERM raise SystemExit, so `finally` blocks (server stops) run."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
+def run_bench(args, argv: list[str], out: Path) -> dict | None:
+    """One pipellm-bench run (`args.bench_timeout` s at most); its result JSON, or None (the
+    reason logged) if it failed."""
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.bench_timeout)
+    except subprocess.TimeoutExpired:
+        log(f"pipellm-bench timed out after {args.bench_timeout:.0f} s")
+        return None
+    out.with_suffix(".txt").write_text(proc.stdout + proc.stderr, encoding="utf-8")
+    if proc.returncode != 0 or not out.is_file():
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        log(f"pipellm-bench failed (exit {proc.returncode}): {tail}")
+        return None
+    return json.loads(out.read_text(encoding="utf-8"))

@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -168,21 +167,6 @@ def bench_argv(args: argparse.Namespace, workload: str, port: int, seed: int, ou
             "--result-dir", str(out.parent), "--result-filename", out.name]
 
 
-def run_bench(args: argparse.Namespace, argv: list[str], out: Path) -> dict | None:
-    """One pipellm-bench run; its result JSON, or None (the reason logged) if it failed."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.bench_timeout)
-    except subprocess.TimeoutExpired:
-        log(f"pipellm-bench timed out after {args.bench_timeout:.0f} s")
-        return None
-    out.with_suffix(".txt").write_text(proc.stdout + proc.stderr, encoding="utf-8")
-    if proc.returncode != 0 or not out.is_file():
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        log(f"pipellm-bench failed (exit {proc.returncode}): {tail}")
-        return None
-    return json.loads(out.read_text(encoding="utf-8"))
-
-
 def serve(args: argparse.Namespace, name: str, slots: int | None, wls: list[str],
           rep: int) -> list[dict]:
     """Start `name`, warm it, run `wls` against it once each, stop it; one row per run."""
@@ -197,7 +181,7 @@ def serve(args: argparse.Namespace, name: str, slots: int | None, wls: list[str]
             log(f"{tag} ready after {startup_s:.0f} s")
             if args.warmup_prompts > 0:
                 out = args.results_dir / f"warmup-{tag}-rep{rep}.json"
-                run_bench(args, bench_argv(args, "warmup", port, args.seed + 99, out,
+                servers.run_bench(args, bench_argv(args, "warmup", port, args.seed + 99, out,
                                            args.warmup_prompts), out)
             for wl in wls:
                 rows.append(measure(args, name, wl, port, rep, startup_s))
@@ -212,7 +196,7 @@ def measure(args: argparse.Namespace, name: str, wl: str, port: int, rep: int,
     seed = args.seed + 100 * rep + list(WORKLOADS).index(wl)  # the same for every server
     out = args.results_dir / f"{name}-{wl}-rep{rep}.json"
     t0 = time.monotonic()
-    res = run_bench(args, bench_argv(args, wl, port, seed, out), out)
+    res = servers.run_bench(args, bench_argv(args, wl, port, seed, out), out)
     row = dict(server=name, workload=wl, rep=rep, ok=bool(res and res["completed"]),
                startup_s=round(startup_s, 1), seconds=round(time.monotonic() - t0, 1))
     if res is not None:

@@ -31,7 +31,6 @@ import os
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,13 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/vs_vllm.py`
     sys.path.insert(0, str(ROOT))
 
 from bench.common import log, machine  # noqa: E402
-from bench.servers import Server, free_port, running, terminate_on_sigterm  # noqa: E402
+from bench.servers import (  # noqa: E402
+    Server,
+    free_port,
+    run_bench,
+    running,
+    terminate_on_sigterm,
+)
 from bench.smol_model import default_gguf, expand_gguf  # noqa: E402
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir  # noqa: E402
 
@@ -146,21 +151,6 @@ def warm(args: argparse.Namespace, port: int, hf_dir: Path) -> None:
     argv = bench_argv(args, "random_inf", port, args.seed + 99, hf_dir, out)
     argv[argv.index("--num-prompts") + 1] = str(args.warmup_prompts)
     run_bench(args, argv, out)
-
-
-def run_bench(args: argparse.Namespace, argv: list[str], out: Path) -> dict | None:
-    """One pipellm-bench run; its result JSON, or None (the reason logged) if it failed."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.bench_timeout)
-    except subprocess.TimeoutExpired:
-        log(f"pipellm-bench timed out after {args.bench_timeout:.0f} s")
-        return None
-    out.with_suffix(".txt").write_text(proc.stdout + proc.stderr, encoding="utf-8")
-    if proc.returncode != 0 or not out.is_file():
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        log(f"pipellm-bench failed (exit {proc.returncode}): {tail}")
-        return None
-    return json.loads(out.read_text(encoding="utf-8"))
 
 
 def serve_round(args: argparse.Namespace, name: str, hf_dir: Path, rep: int) -> list[dict]:
