@@ -44,26 +44,34 @@ def check_top(records, ref: torch.Tensor) -> None:
     assert torch.allclose(ref.gather(1, ids), values, atol=1e-4)
 
 
+def record_steps(engine: LLMEngine) -> tuple[dict, dict]:
+    """From now on, each request's output records and prompt-logprob pieces, by request id."""
+    outputs, pieces, step = {}, {}, engine.step
+
+    def recorded():
+        result = step()
+        for record in result.outputs:
+            outputs.setdefault(record.request_id, []).append(record)
+        for piece in result.prompt:
+            pieces.setdefault(piece.request_id, []).append(piece)
+        return result
+
+    engine.step = recorded
+    return outputs, pieces
+
+
 def run(engine: LLMEngine, prompts, params):
     """run_staggered, keeping each request's Sequence, its prompt-logprob pieces and its
     output records."""
-    seqs, pieces, outputs = {}, {}, {}
-    add, step = engine.add_request, engine.step
+    seqs, add = {}, engine.add_request
+    outputs, pieces = record_steps(engine)
 
     def keep(prompt, p):
         rid = add(prompt, p)
         seqs[rid] = engine.requests[rid]  # the engine forgets it once finished
         return rid
 
-    def collect():
-        result = step()
-        for piece in result.prompt:
-            pieces.setdefault(piece.request_id, []).append(piece)
-        for record in result.outputs:
-            outputs.setdefault(record.request_id, []).append(record)
-        return result
-
-    engine.add_request, engine.step = keep, collect
+    engine.add_request = keep
     rids = run_staggered(engine, prompts, params)
     return ([seqs[r] for r in rids], [pieces.get(r, []) for r in rids],
             [outputs.get(r, []) for r in rids])
@@ -121,17 +129,7 @@ def test_logprob_requests_leave_the_others_unchanged(hf):
                           kv_cache_tokens=4096)
     alone = build_engine(config).generate(prompts, plain)
     engine = build_engine(config)
-    outputs, pieces, step = {}, {}, engine.step
-
-    def collect():
-        result = step()
-        for record in result.outputs:
-            outputs.setdefault(record.request_id, []).append(record)
-        for piece in result.prompt:
-            pieces.setdefault(piece.request_id, []).append(piece)
-        return result
-
-    engine.step = collect
+    outputs, pieces = record_steps(engine)
     mixed = engine.generate(prompts, [plain, asking] * 4)
     assert [s.output_ids for s in mixed] == [s.output_ids for s in alone]
     for s in mixed[0::2]:
