@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import cpu_extension, use_triton
 
 
 @triton.jit
@@ -66,4 +66,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] (gate | up) -> silu(gate) * up [..., I], in gate_up's dtype."""
     if use_triton(gate_up):
         return silu_mul_triton(gate_up)
+    if (ext := cpu_extension(gate_up)) is not None:  # kernels/cpu/activation.cpp
+        return ext.silu_mul(gate_up)
     return silu_mul_ref(gate_up)

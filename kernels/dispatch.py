@@ -47,3 +47,10 @@ def cpu_extension(t: torch.Tensor):
     from kernels.cpu import extension
 
     return extension()
+
+
+def vnni_extension(t: torch.Tensor):
+    """`cpu_extension(t)` when it has the VNNI block GEMMs (built on a CPU with AVX512-VNNI),
+    else None."""
+    ext = cpu_extension(t)
+    return ext if ext is not None and ext.q4_gemm_available() else None

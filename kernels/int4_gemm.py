@@ -8,10 +8,15 @@ Layout (`Int4Weight`, GGUF Q4_1's block semantics, so Q4_0/Q4_1 blocks map onto 
     w[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G],   q in [0, 15]
 
 The Triton kernel reads the packed bytes and the group's scale and min per K block and
-dequantizes in registers: the weight is never materialized in float. The CPU path is PyTorch's
-int4 kernel (`_weight_int4pack_mm_for_cpu`, bfloat16 activations), whose dequantization is
-(q - 8) * scale + zero: the weight is repacked once at load (`pack_int4_cpu`) with
-zero = min + 8 * scale, scales and zeros rounded to bfloat16.
+dequantizes in registers: the weight is never materialized in float.
+
+On a CPU with AVX512-VNNI the path is W4A8 (`kernels/cpu/q4_gemm.cpp`, llama.cpp's Q4_1 x Q8_1
+scheme): the activations are quantized to INT8 per row and block of 32 on the fly, each block's
+dot product runs in INT32 (vpdpbusd), and the scales apply once per block; the weight is
+repacked once at load (`pack_int4_vnni`, scales and mins in fp16: a GGUF's own). Its reference
+is `int4_q8_gemm_ref`. Elsewhere on a CPU, PyTorch's int4 kernel (`_weight_int4pack_mm_for_cpu`,
+bfloat16 activations), whose dequantization is (q - 8) * scale + zero: repacked at load
+(`pack_int4_cpu`) with zero = min + 8 * scale, scales and zeros rounded to bfloat16.
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.dispatch import cpu_fast_path, use_triton
+from kernels.dispatch import cpu_fast_path, use_triton, vnni_extension
 
 GROUP_SIZES = (32, 64, 128)
 
@@ -182,15 +188,63 @@ def int4_gemm_cpu(x: torch.Tensor, w: Int4Cpu, bias=None) -> torch.Tensor:
     return out.view(*x.shape[:-1], w.out_features)
 
 
-def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu:
-    """The weight in the layout the call path wants, made once at load: repacked for the CPU
-    kernel on CPU (`--kernels auto`); as is for Triton and the reference."""
-    return pack_int4_cpu(w) if cpu_fast_path(w.packed) else w
+@dataclass
+class Int4Vnni:
+    """An Int4Weight repacked for the VNNI kernel (layout: kernels/cpu/q4_gemm.cpp)."""
+
+    qs: torch.Tensor  # uint8 [N / 16, K / 32, 4, 16, 4], N padded to a multiple of 16
+    scales: torch.Tensor  # fp16 [N / 16, K / 32, 16], one per block of 32
+    mins: torch.Tensor  # fp16 [N / 16, K / 32, 16]
+    out_features: int
 
 
-def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu,
+def pack_int4_vnni(w: Int4Weight) -> Int4Vnni:
+    q = unpack_nibbles(w.packed)  # [N, K]
+    n, k = q.shape
+    pad, nb = -n % 16, k // 32
+    q = F.pad(q, (0, 0, 0, pad))
+    tiles = q.shape[0] // 16
+    q = q.view(tiles, 16, nb, 32).transpose(1, 2)  # [tiles, nb, 16 rows, 32 k]
+    lo, hi = (half.reshape(tiles, nb, 16, 4, 4) for half in (q[..., :16], q[..., 16:]))
+    qs = (lo | (hi << 4)).transpose(2, 3).contiguous()  # byte: k = 4v + j low, 16 + 4v + j high
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, K / G] -> [tiles, nb, 16] fp16
+        t = F.pad(t.float().repeat_interleave(w.group_size // 32, 1), (0, 0, 0, pad))
+        return t.view(tiles, 16, nb).transpose(1, 2).contiguous().half()
+
+    return Int4Vnni(qs, per_block(w.scales), per_block(w.mins), n)
+
+
+def int4_q8_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
+    """PyTorch reference of the VNNI kernel: x rounded as it quantizes it (per row and block of
+    32, symmetric INT8), times the weight with fp16 scales and mins, in float32."""
+    xb = x.float().reshape(-1, x.shape[-1] // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.where(d > 0, (xb / d).round(), 0) * d).view(-1, x.shape[-1])
+    half = Int4Weight(w.packed, w.scales.half().float(), w.mins.half().float(), w.group_size)
+    out = xq @ dequantize_int4(half).t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu | Int4Vnni:
+    """The weight in the layout the call path wants, made once at load: on CPU (`--kernels
+    auto`) repacked for the VNNI kernel, or for PyTorch's without it; as is for Triton and the
+    reference."""
+    if not cpu_fast_path(w.packed):
+        return w
+    return pack_int4_vnni(w) if vnni_extension(w.packed) else pack_int4_cpu(w)
+
+
+def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu | Int4Vnni,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype; w from `prepare_int4`."""
+    if isinstance(w, Int4Vnni):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = vnni_extension(x).q4_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w.qs,
+                                      w.scales, w.mins, w.out_features, bias)
+        return out.view(*x.shape[:-1], w.out_features)
     if isinstance(w, Int4Cpu):
         return int4_gemm_cpu(x, w, bias)
     if use_triton(x):

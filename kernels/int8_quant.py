@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import cpu_extension, use_triton
 
 
 @dataclass
@@ -117,6 +117,8 @@ def quantize_int8(x: torch.Tensor) -> Int8Activation:
     """x [..., K] -> per-token INT8 rows [T, K] (T = x.numel() // K)."""
     if use_triton(x):
         return _launch(x, x.shape[-1], silu_mul=False)
+    if (ext := cpu_extension(x)) is not None:  # kernels/cpu/int8_quant.cpp
+        return Int8Activation(*ext.quantize_int8(x))
     return quantize_int8_ref(x.reshape(-1, x.shape[-1]))
 
 
@@ -126,4 +128,6 @@ def silu_mul_int8(gate_up: torch.Tensor) -> Int8Activation:
         raise ValueError(f"last dim {gate_up.shape[-1]} of gate_up is odd")
     if use_triton(gate_up):
         return _launch(gate_up, gate_up.shape[-1] // 2, silu_mul=True)
+    if (ext := cpu_extension(gate_up)) is not None:  # kernels/cpu/int8_quant.cpp
+        return Int8Activation(*ext.silu_mul_int8(gate_up))
     return silu_mul_int8_ref(gate_up)

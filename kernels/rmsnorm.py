@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import cpu_extension, use_triton
 from kernels.int8_quant import Int8Activation, quantize_int8_ref, quantize_row
 
 
@@ -138,10 +138,21 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return rms_norm_ref(h, weight, eps), h
 
 
+def _cpu(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None):
+    """The C++ CPU kernels (kernels/cpu/norm.cpp) when they take this call (a CPU tensor under
+    "auto", weight and residual of x's dtype, where the extension builds), else None."""
+    if weight.dtype != x.dtype or (residual is not None and (
+            residual.dtype != x.dtype or residual.shape != x.shape)):
+        return None
+    return cpu_extension(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N], weight [N] -> weight * rmsnorm(x) [..., N] (HF semantics)."""
     if use_triton(x):
         return rms_norm_triton(x, weight, eps)
+    if (ext := _cpu(x, weight)) is not None:
+        return ext.rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
@@ -154,6 +165,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """
     if use_triton(x):
         return add_rms_norm_triton(x, residual, weight, eps)
+    if (ext := _cpu(x, weight, residual)) is not None:
+        return ext.add_rms_norm(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -163,6 +176,9 @@ def rms_norm_int8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     a residual (quantize_int8(rms_norm(x)), None). Rows are [T, N] (x flattened)."""
     if use_triton(x):
         return _launch(x, residual, weight, eps, quant=True)
+    if (ext := _cpu(x, weight, residual)) is not None:  # one pass: add, norm, quantize
+        values, scales, res = ext.rms_norm_int8(x, residual, weight, eps)
+        return Int8Activation(values, scales), res
     if residual is None:
         normed, res = rms_norm_ref(x, weight, eps), None
     else:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import cpu_extension, use_triton
 from kernels.kv_quant import FP8, KV_GROUP, quantize_kv, to_fp8
 
 
@@ -262,6 +262,14 @@ def rope_kv_write(
     q, k, v may be strided views (last dim contiguous); the outputs are new contiguous tensors.
     With scales, the caches are INT8 (kernels/kv_quant.py) and the rows are quantized as they
     are written (in the Triton kernel, fused); FP8 caches (float8_e4m3fn) get them saturated.
+    Triton where `use_triton(q)`, else the C++ CPU kernel (kernels/cpu/rope.cpp; float and INT8
+    caches) where it builds, else the reference (and for FP8 caches off Triton).
     """
-    fn = rope_kv_write_triton if use_triton(q) else rope_kv_write_ref
-    return fn(q, k, v, positions, cos, sin, k_cache, v_cache, slots, k_scale, v_scale)
+    if use_triton(q):
+        return rope_kv_write_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots,
+                                    k_scale, v_scale)
+    if k_cache.dtype != FP8 and (ext := cpu_extension(q)) is not None:
+        return ext.rope_kv_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots, k_scale,
+                                 v_scale)
+    return rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots, k_scale,
+                             v_scale)

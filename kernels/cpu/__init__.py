@@ -1,14 +1,24 @@
 """C++ kernels for the CPU path, built with torch's extension loader (ninja + the machine's C++
-compiler, cached under $TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions; ~50 s the
-first time, then a load of ~0.1 s).
+compiler, cached under $TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions; ~1.5 min
+the first time on two cores, then a load of ~0.1 s).
 
 `services/setup.sh` builds them once (`python -m kernels.cpu`), and the compute service builds or
 loads them at start-up, before it reports ready (`build()`), so no request waits for a compiler.
 
-They do what a Python loop over sequences does slowly on a CPU (per-call dispatch overhead is
-most of a decode step there). Each has the same PyTorch reference as its Triton twin. Where the
-build fails (no compiler), `extension()` says so once in the log and returns None, and callers
-fall back to the reference.
+They do in one call what the PyTorch reference does in a Python loop over sequences or in
+dozens of tiny ops (per-op dispatch overhead is most of a decode step on a CPU). Each has the same
+PyTorch reference as its Triton twin. Where the build fails (no compiler), `extension()` says so
+once in the log and returns None, and callers fall back to the reference.
+
+One module, one source per concept (bindings.cpp declares and binds them all):
+
+    decode_attention.cpp  decode_attention(q, k_cache, v_cache, starts, lens, scale[, k_scale,
+                          v_scale])                          kernels/decode_attention.py
+    norm.cpp              rms_norm, add_rms_norm, rms_norm_int8     kernels/rmsnorm.py
+    activation.cpp        silu_mul                                  kernels/activation.py
+    int8_quant.cpp        quantize_int8, silu_mul_int8              kernels/int8_quant.py
+    rope.cpp              rope_kv_write (float and INT8 caches)     kernels/rope.py
+    common.h              the row kernels' shared helpers
 """
 
 from __future__ import annotations
@@ -20,7 +30,9 @@ import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).with_name("decode_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in (
+    "bindings.cpp", "decode_attention.cpp", "norm.cpp", "activation.cpp", "int8_quant.cpp",
+    "rope.cpp", "block_gemm.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 
@@ -41,7 +53,8 @@ def _build():
 
 
 def extension():
-    """The compiled module (functions: decode_attention), or None when it cannot be built."""
+    """The compiled module (functions: decode_attention, rms_norm, add_rms_norm, rms_norm_int8,
+    silu_mul, quantize_int8, silu_mul_int8, rope_kv_write), or None when it cannot be built."""
     with _lock:
         if "module" not in _state and "error" not in _state:
             started, wall = time.monotonic(), time.time()

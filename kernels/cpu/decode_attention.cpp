@@ -156,10 +156,3 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over contiguous KV segments",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("seq_starts"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none());
-}

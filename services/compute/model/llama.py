@@ -25,7 +25,6 @@ from kernels import (
 from kernels.int4_gemm import Int4Weight, quantize_int4
 from services.compute.core.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
-from services.compute.model.linear import Linear
 from services.compute.model.quantization import Quantization
 from services.compute.model.rope import RotaryEmbedding
 from services.compute.model.weights import require
@@ -55,8 +54,7 @@ class LlamaModel:
         head = weights.get("lm_head.weight")
         if head is None and not cfg.tie_word_embeddings:
             head = require(weights, "lm_head.weight")
-        self.lm_head = Linear(self.embed if head is None else head)  # [vocab, hidden]
-        self.lm_head_tied = head is None
+        self.lm_head = self.quant.head(self.embed if head is None else head)  # [vocab, hidden]
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                     cfg.rope_scaling, device)
@@ -102,7 +100,8 @@ class LlamaModel:
                           for f in ("qkv", "o", "gate_up", "down"))
         tensors = [self.embed, self.norm] + [t for layer in self.layers
                                              for t in (layer.ln_attn, layer.ln_mlp)]
-        head = 0 if self.lm_head_tied else self.lm_head.nbytes()
+        shared = getattr(self.lm_head, "weight", None) is self.embed  # tied and not repacked
+        head = 0 if shared else self.lm_head.nbytes()
         return projections + head + sum(t.numel() * t.element_size() for t in tensors)
 
     def _norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -129,19 +128,20 @@ class LlamaModel:
                              v.view(T, c.num_kv_heads, c.head_dim), batch.positions,
                              self.rope.cos, self.rope.sin, kv.k[i], kv.v[i], batch.slots,
                              k_scale, v_scale)
-        out = torch.empty_like(q)  # [T, H, D]
         nd = batch.num_decodes
+        parts = []  # [T, H, D]: the decode rows, then the prefill chunks'
         if nd:
-            out[:nd] = decode_attention(q[:nd], kv.k[i], kv.v[i], batch.decode_starts,
-                                        batch.decode_lens, self.scale,
-                                        max_seq_len=batch.max_decode_len, k_scale=k_scale,
-                                        v_scale=v_scale)
+            parts.append(decode_attention(q[:nd], kv.k[i], kv.v[i], batch.decode_starts,
+                                          batch.decode_lens, self.scale,
+                                          max_seq_len=batch.max_decode_len, k_scale=k_scale,
+                                          v_scale=v_scale))
         if T > nd:
-            out[nd:] = prefill_attention(q[nd:], kv.k[i], kv.v[i], batch.prefill_cu,
-                                         batch.prefill_starts, batch.prefill_lens, self.scale,
-                                         max_q_len=batch.max_chunk_len, k_scale=k_scale,
-                                         v_scale=v_scale)
-        return layer.o(out.view(T, -1))
+            parts.append(prefill_attention(q[nd:], kv.k[i], kv.v[i], batch.prefill_cu,
+                                           batch.prefill_starts, batch.prefill_lens, self.scale,
+                                           max_q_len=batch.max_chunk_len, k_scale=k_scale,
+                                           v_scale=v_scale))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return layer.o(out.reshape(T, -1))
 
 
 def _cat(weights: list) -> torch.Tensor | Int4Weight:

@@ -1,13 +1,16 @@
 """Quantization methods (`--quantization`): which linear layer each decoder projection becomes
 and whether the activations entering it come quantized from the fused norm and SiLU kernels.
 
-The embedding, the norms and the LM head stay in the model's dtype, as in vLLM's methods.
+The embedding and the norms stay in the model's dtype, and so does the LM head, as in vLLM's
+methods, but for int4 on a CPU with AVX512-VNNI: there the head is INT8 blocks of 32 (Q8_0, the
+format a 4-bit GGUF file stores its embedding in) times INT8 activations, as llama.cpp runs it.
 
     none  float weights (a GGUF file's quantized tensors dequantized at load)
     w8a8  per-channel INT8 weights, per-token INT8 activations (fused into add + RMSNorm and
           SiLU x mul), INT32 accumulation
-    int4  group-wise INT4 weight-only: a GGUF file's Q4_0/Q4_1 tensors served from their own
-          blocks, other weights quantized at load (groups of --int4-group-size)
+    int4  group-wise INT4 weights: a GGUF file's Q4_0/Q4_1 tensors served from their own
+          blocks, other weights quantized at load (groups of --int4-group-size); float
+          activations, or on a CPU with AVX512-VNNI INT8 ones per block of 32 (W4A8)
     fp8   e4m3 weights and per-token activations, torch._scaled_mm: GPUs of compute capability
           8.9+ (Ada, Hopper) in bfloat16, and CPUs (PyTorch's unaccelerated kernel)
     auto  int4 for a GGUF file whose projections are Q4_0/Q4_1, else none
@@ -19,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.dispatch import vnni_extension
 from kernels.int4_gemm import Int4Weight
-from services.compute.model.linear import Fp8Linear, Int4Linear, Linear, W8A8Linear
+from services.compute.model.linear import Fp8Linear, Int4Linear, Linear, Q8Linear, W8A8Linear
 from shared.gguf.reader import is_gguf, open_gguf
 
 METHODS = ("auto", "none", "w8a8", "int4", "fp8")
@@ -53,6 +57,13 @@ class Quantization:
         if self.name == "fp8":
             return Fp8Linear(weight, bias)
         return Linear(weight, bias)
+
+    def head(self, weight: torch.Tensor):
+        """The LM head [vocab, hidden]: Q8 blocks under int4 where the VNNI kernels run, else
+        float."""
+        if self.name == "int4" and weight.shape[1] % 32 == 0 and vnni_extension(weight):
+            return Q8Linear(weight)
+        return Linear(weight)
 
 
 def resolve(name: str, model: str, device: torch.device, dtype: torch.dtype,

@@ -3,6 +3,8 @@
     dense.Linear        float weight (oneDNN-packed on CPU)          --quantization none
     w8a8.W8A8Linear     INT8 weight per channel, INT8 activations     --quantization w8a8
     int4.Int4Linear     group-wise INT4 weight, float activations     --quantization int4
+                        (INT8 blocks of 32 on a CPU with VNNI)
+    q8.Q8Linear         INT8 blocks of 32, INT8 activations           the LM head under int4 (CPU)
     fp8.Fp8Linear       e4m3 weight per channel, e4m3 activations     --quantization fp8
 
 Each is called as `layer(x) -> [T, out]` in the model's dtype and reports `nbytes()`; which one
@@ -12,6 +14,7 @@ a projection gets is the quantization method's choice (`model/quantization.py`).
 from services.compute.model.linear.dense import Linear
 from services.compute.model.linear.fp8 import Fp8Linear
 from services.compute.model.linear.int4 import Int4Linear
+from services.compute.model.linear.q8 import Q8Linear
 from services.compute.model.linear.w8a8 import W8A8Linear
 
-__all__ = ["Fp8Linear", "Int4Linear", "Linear", "W8A8Linear"]
+__all__ = ["Fp8Linear", "Int4Linear", "Linear", "Q8Linear", "W8A8Linear"]

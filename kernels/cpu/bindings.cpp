@@ -1,0 +1,63 @@
+// The one Python module of the C++ CPU kernels (kernels/cpu/__init__.py builds it from all the
+// sources): each function is defined in the .cpp of its concept, declared and bound here.
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+using torch::Tensor;
+
+// decode_attention.cpp
+Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_starts,
+                        Tensor seq_lens, double scale, std::optional<Tensor> k_scale,
+                        std::optional<Tensor> v_scale);
+// norm.cpp
+Tensor rms_norm(Tensor x, Tensor w, double eps);
+std::tuple<Tensor, Tensor> add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps);
+std::tuple<Tensor, Tensor, std::optional<Tensor>> rms_norm_int8(
+    Tensor x, std::optional<Tensor> residual, Tensor w, double eps);
+// activation.cpp
+Tensor silu_mul(Tensor gate_up);
+// int8_quant.cpp
+std::tuple<Tensor, Tensor> quantize_int8(Tensor x);
+std::tuple<Tensor, Tensor> silu_mul_int8(Tensor gate_up);
+// rope.cpp
+std::tuple<Tensor, Tensor> rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor positions,
+                                         Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,
+                                         Tensor slots, std::optional<Tensor> k_scale,
+                                         std::optional<Tensor> v_scale);
+// block_gemm.cpp
+bool q4_gemm_available();
+Tensor q4_gemm(Tensor x, Tensor qs, Tensor d, Tensor m, int64_t n, std::optional<Tensor> bias);
+Tensor q8_gemm(Tensor x, Tensor qs, Tensor d, Tensor corr, int64_t n,
+               std::optional<Tensor> bias);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "decode attention over contiguous KV segments",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("seq_starts"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
+  m.def("rms_norm", &rms_norm, "w * rmsnorm(x) -> [..., N]", py::arg("x"), py::arg("w"),
+        py::arg("eps"));
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x)", py::arg("x"),
+        py::arg("residual"), py::arg("w"), py::arg("eps"));
+  m.def("rms_norm_int8", &rms_norm_int8,
+        "(int8 [T, N], scales [T], residual + x or None): quantize_int8(rms_norm(...))",
+        py::arg("x"), py::arg("residual"), py::arg("w"), py::arg("eps"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up: [..., 2I] -> [..., I]", py::arg("gate_up"));
+  m.def("quantize_int8", &quantize_int8, "per-token INT8: (int8 [T, K], scales [T])",
+        py::arg("x"));
+  m.def("silu_mul_int8", &silu_mul_int8, "quantize_int8(silu(gate) * up) as [T, I] rows",
+        py::arg("gate_up"));
+  m.def("rope_kv_write", &rope_kv_write,
+        "(q_rot, k_rot); writes k_rot and v at the caches' slots", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("slots"), py::arg("k_scale") = py::none(),
+        py::arg("v_scale") = py::none());
+  m.def("q4_gemm_available", &q4_gemm_available, "whether the VNNI block GEMMs were built");
+  m.def("q4_gemm", &q4_gemm, "INT4 blocks x INT8 activations: [M, K] -> [M, n]", py::arg("x"),
+        py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("q8_gemm", &q8_gemm, "INT8 blocks x INT8 activations: [M, K] -> [M, n]", py::arg("x"),
+        py::arg("qs"), py::arg("d"), py::arg("corr"), py::arg("n"),
+        py::arg("bias") = py::none());
+}

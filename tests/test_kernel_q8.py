@@ -1,0 +1,68 @@
+"""Q8 blocks (the LM head of a 4-bit GGUF model on CPU): the quantization round trip, the VNNI
+kernel against its PyTorch reference, and which head the int4 method builds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import dispatch
+from kernels.q8_gemm import (
+    Q8Vnni,
+    dequantize_q8,
+    prepare_q8,
+    q8_gemm,
+    q8_gemm_ref,
+    quantize_q8,
+)
+from services.compute.model.linear import Linear, Q8Linear
+from services.compute.model.quantization import Quantization
+
+VNNI = dispatch.vnni_extension(torch.empty(0)) is not None
+
+
+def _weight(n, k, seed=0):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def test_quantize_q8_round_trips_and_bounds_the_error():
+    w = _weight(40, 96)
+    q = quantize_q8(w)
+    assert q.values.dtype == torch.int8 and q.scales.shape == (40, 3)
+    assert int(q.values.abs().amax(-1).min()) == 127  # each row's largest block value
+    back = dequantize_q8(q)
+    step = q.scales.float().repeat_interleave(32, 1)
+    assert ((back - w).abs() <= step / 2 + 1e-6).all()
+    again = quantize_q8(back)  # a Q8_0 tensor's float copy gives its blocks back
+    assert torch.equal(again.values, q.values) and torch.equal(again.scales, q.scales)
+
+
+@pytest.mark.skipif(not VNNI, reason="the C++ kernels did not build with AVX512-VNNI")
+@pytest.mark.parametrize("M", [1, 2, 5, 9])
+@pytest.mark.parametrize("N, K", [(96, 256), (40, 96), (33, 64)])
+def test_q8_vnni_matches_its_reference(M, N, K):
+    w = quantize_q8(_weight(N, K, seed=M))
+    prepared = prepare_q8(w)
+    assert isinstance(prepared, Q8Vnni)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(3)) * 2
+    bias = torch.randn(N)
+    out = q8_gemm(x, prepared, bias)
+    torch.testing.assert_close(out, q8_gemm_ref(x, w, bias), rtol=1e-5, atol=1e-4)
+    float_out = x @ dequantize_q8(w).t() + bias  # INT8 activations cost little
+    assert (out - float_out).norm() / float_out.norm() < 0.01
+
+
+@pytest.mark.skipif(not VNNI, reason="the C++ kernels did not build with AVX512-VNNI")
+def test_q8_vnni_bf16():
+    w = quantize_q8(_weight(64, 128))
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = q8_gemm(x, prepare_q8(w))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), q8_gemm_ref(x, w).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_int4_head_is_q8_only_where_the_kernel_runs():
+    w = _weight(64, 96)
+    assert isinstance(Quantization("int4").head(w), Q8Linear if VNNI else Linear)
+    assert isinstance(Quantization("none").head(w), Linear)
+    assert isinstance(Quantization("int4").head(_weight(64, 100)), Linear)  # K % 32 != 0
