@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import cpu_fast_path, use_triton, vnni_extension
+from kernels.q8_gemm import round_activations
 
 GROUP_SIZES = (32, 64, 128)
 
@@ -218,11 +219,8 @@ def pack_int4_vnni(w: Int4Weight) -> Int4Vnni:
 def int4_q8_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
     """PyTorch reference of the VNNI kernel: x rounded as it quantizes it (per row and block of
     32, symmetric INT8), times the weight with fp16 scales and mins, in float32."""
-    xb = x.float().reshape(-1, x.shape[-1] // 32, 32)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.where(d > 0, (xb / d).round(), 0) * d).view(-1, x.shape[-1])
     half = Int4Weight(w.packed, w.scales.half().float(), w.mins.half().float(), w.group_size)
-    out = xq @ dequantize_int4(half).t()
+    out = round_activations(x) @ dequantize_int4(half).t()
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])

@@ -72,13 +72,18 @@ def pack_q8_vnni(w: Q8Weight) -> Q8Vnni:
     return Q8Vnni(qs, per_block(w.scales), per_block(sums), n)
 
 
-def q8_gemm_ref(x: torch.Tensor, w: Q8Weight, bias=None) -> torch.Tensor:
-    """PyTorch reference: x rounded as the kernel quantizes it (per row and block of 32,
-    symmetric INT8) times the dequantized weight, in float32, in x's dtype."""
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] -> float32 [T, K]: each row's blocks of 32 rounded to symmetric INT8 (scale
+    max|x| / 127) and back, as the VNNI kernels quantize their activations."""
     xb = x.float().reshape(-1, x.shape[-1] // BLOCK, BLOCK)
     d = xb.abs().amax(-1, keepdim=True) / 127
-    xq = (torch.where(d > 0, (xb / d).round(), 0) * d).view(-1, x.shape[-1])
-    out = xq @ dequantize_q8(w).t()
+    return (torch.where(d > 0, (xb / d).round(), 0) * d).view(-1, x.shape[-1])
+
+
+def q8_gemm_ref(x: torch.Tensor, w: Q8Weight, bias=None) -> torch.Tensor:
+    """PyTorch reference: x rounded as the kernel quantizes it times the dequantized weight,
+    in float32, in x's dtype."""
+    out = round_activations(x) @ dequantize_q8(w).t()
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
