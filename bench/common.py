@@ -1,12 +1,11 @@
-"""Helpers every benchmark script shares: progress lines and the machine it ran on."""
+"""Helpers every benchmark script shares: progress lines, build steps and the machine it ran on."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
-
-import torch
 
 
 def log(msg: str) -> None:
@@ -15,8 +14,18 @@ def log(msg: str) -> None:
           flush=True)
 
 
+def run_step(argv: list[str]) -> None:
+    """Run a build or install step, its output on stderr; RuntimeError naming the step if it
+    fails."""
+    proc = subprocess.run(argv, stdout=sys.stderr, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"exit {proc.returncode}: {' '.join(argv)}")
+
+
 def machine() -> str:
     """CPU model, core count, torch version and its thread count."""
+    import torch  # here: the peers' installers use this module without torch
+
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "

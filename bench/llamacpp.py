@@ -25,10 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from bench.common import run_step
 
 SDIST = "llama-cpp-python==0.3.36"
 CACHE_DIR = Path("~/.cache/pipellm/peers/llama.cpp").expanduser()
@@ -65,7 +66,7 @@ def fetch_source(cache_dir: Path) -> Path:
         return tree
     src.mkdir(parents=True, exist_ok=True)
     say(f"downloading the {SDIST} sdist (llama.cpp's source is in it)")
-    run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+    run_step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
          "-d", str(src), SDIST])
     archive = next(src.glob(f"{name}.tar.gz"), None)
     if archive is None:
@@ -86,9 +87,9 @@ def build_server(cache_dir: Path = CACHE_DIR, jobs: int = 2) -> Path:
     tree = fetch_source(cache_dir)
     build = cache_dir / "build"
     say(f"configuring: cmake -S {tree} -B {build} {' '.join(CMAKE_FLAGS)}")
-    run(["cmake", "-S", str(tree), "-B", str(build), *CMAKE_FLAGS])
+    run_step(["cmake", "-S", str(tree), "-B", str(build), *CMAKE_FLAGS])
     say(f"building llama-server with {jobs} jobs (about 7 minutes on 2 cores)")
-    run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"])
+    run_step(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"])
     binary = cache_dir / BINARY
     if not binary.is_file():
         raise RuntimeError(f"the build finished without {binary}")
@@ -115,13 +116,6 @@ def server_argv(binary: str | Path, gguf: str | Path, port: int, threads: int = 
     """`llama-server` on `gguf`: `threads` threads, `slots` parallel slots sharing `ctx`."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-t", str(threads), "-np", str(slots), "-c", str(ctx)]
-
-
-def run(argv: list[str]) -> None:
-    """Run a build step, its output on stderr; RuntimeError naming the step if it fails."""
-    proc = subprocess.run(argv, stdout=sys.stderr, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {' '.join(argv)}")
 
 
 def main(argv: list[str] | None = None) -> None:

