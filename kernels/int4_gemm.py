@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.cpu import extension
 from kernels.dispatch import cpu_fast_path, use_triton, vnni_extension
 from kernels.q8_gemm import round_activations
 
@@ -240,8 +241,8 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu | Int4Vnni,
     """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype; w from `prepare_int4`."""
     if isinstance(w, Int4Vnni):
         x2 = x.reshape(-1, x.shape[-1])
-        out = vnni_extension(x).q4_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w.qs,
-                                      w.scales, w.mins, w.out_features, bias)
+        out = extension().q4_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w.qs,
+                                  w.scales, w.mins, w.out_features, bias)
         return out.view(*x.shape[:-1], w.out_features)
     if isinstance(w, Int4Cpu):
         return int4_gemm_cpu(x, w, bias)

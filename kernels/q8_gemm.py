@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import extension
 from kernels.dispatch import vnni_extension
 
 BLOCK = 32
@@ -99,6 +100,6 @@ def q8_gemm(x: torch.Tensor, w: Q8Weight | Q8Vnni, bias=None) -> torch.Tensor:
     if not isinstance(w, Q8Vnni):
         return q8_gemm_ref(x, w, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    out = vnni_extension(x).q8_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w.qs, w.scales,
-                                  w.corr, w.out_features, bias)
+    out = extension().q8_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w.qs, w.scales,
+                              w.corr, w.out_features, bias)
     return out.view(*x.shape[:-1], w.out_features)
