@@ -40,7 +40,8 @@ if "--quick" in sys.argv[1:] and not torch.cuda.is_available():
 import triton  # noqa: E402
 
 from kernels import dispatch  # noqa: E402
-from services.compute.core.batch import ForwardBatch, build_batch  # noqa: E402
+from services.compute.batch import build_batch  # noqa: E402
+from services.compute.core.batch import ForwardBatch  # noqa: E402
 from services.compute.core.sequence import SeqStatus, Sequence  # noqa: E402
 from services.compute.core.step import ScheduledStep  # noqa: E402
 from services.compute.kv.kv_cache import KVCache  # noqa: E402
@@ -165,11 +166,12 @@ def nbytes(*tensors: torch.Tensor) -> int:
 
 
 def weight_bytes(model: LlamaModel, batch: int) -> int:
-    """Bytes of weights one step reads: every layer, final norm, LM head, `batch` embedding rows."""
-    layers = sum(nbytes(ly.qkv, ly.o, ly.gate_up, ly.down, ly.ln_attn, ly.ln_mlp)
-                 for ly in model.layers)
+    """Bytes of weights one step reads: all the model's as served but the embedding, of which
+    `batch` rows (the whole of it where the LM head is the embedding)."""
+    if getattr(model.lm_head, "weight", None) is model.embed:
+        return model.weight_bytes()
     embed_rows = batch * model.embed.shape[1] * model.embed.element_size()
-    return layers + nbytes(model.norm, model.lm_head) + embed_rows
+    return model.weight_bytes() - nbytes(model.embed) + embed_rows
 
 
 def run_batch(model, kv, cfg, batch: int, args, cuda: bool, bw: float) -> dict:

