@@ -97,7 +97,8 @@ class BatchRunner:
                 self.routes.pop(rid, None)
 
     def _add(self, item: Item, g: GenerateRequest) -> None:
-        self.engine.add_request(list(g.prompt_ids), g.params, g.request_id)
+        grammar = None if g.grammar is None else self.tokenizer.grammars.load(g.grammar)
+        self.engine.add_request(list(g.prompt_ids), g.params, g.request_id, grammar=grammar)
         choice = ChoiceState(len(item.choices))
         item.choices[g.request_id] = choice
         self.live[g.request_id] = (item, choice)

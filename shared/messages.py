@@ -14,6 +14,7 @@ from array import array
 from dataclasses import field
 
 from shared.codec import message, register
+from shared.grammar import CompiledSpec, GrammarSpec
 from shared.sampling import SamplingParams
 
 register(SamplingParams)
@@ -53,6 +54,7 @@ class TokenizeRequest:
     max_tokens_auto: bool = False  # no max_tokens given: generate up to the context length
     arrival: float = 0.0  # gateway wall clock (time.time())
     resume: list[Resume] = field(default_factory=list)  # not empty: only these choices, resumed
+    grammar: GrammarSpec | None = None  # structured output: the constraint, compiled here
 
 
 # --- tokenizer -> compute -------------------------------------------------------------------
@@ -82,6 +84,7 @@ class GenerateRequest:
     predicted_length: list[int] | None = None  # its quantiles at length_dist.LEVELS
     output_ids: array = field(default_factory=lambda: array("i"))  # int32: a resumed choice's
     # tokens so far (they follow the prompt and count as output)
+    grammar: CompiledSpec | None = None  # structured output: what its tokens must match
 
 
 # --- gateway / detokenizer -> compute control -----------------------------------------------
@@ -152,6 +155,7 @@ class Delta:
     num_output: int = 0
     error: str | None = None
     error_status: int = 0  # HTTP status for errors (400: bad request, 503: service)
+    error_param: str | None = None  # the request field a 400 is about
     started_at: float = 0.0  # on a choice's first delta: wall clock when compute admitted it
     cached_tokens: int = 0  # on a choice's first delta: its prompt tokens from the prefix cache
     prompt_ids: array | None = None  # on the first delta, with prompt logprobs: the prompt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,8 @@ from shared.sampling import SamplingParams
 from shared.tokenizer import decode, encode, load_tokenizer
 
 MODEL = "demo"
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["n"], "additionalProperties": False}
 
 
 def line(custom_id: str, body: dict, url: str = "/v1/completions") -> str:
@@ -61,6 +64,13 @@ def results(demo_model_dir, tmp_path_factory, stop):
                          "ignore_eos": True, "stop": [stop]}),
         line("echo-ids", {"prompt": [1, 200, 300], "echo": True, "max_tokens": 2,
                           "temperature": 0, "ignore_eos": True}),
+        line("json", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60,
+                      "temperature": 1.0, "seed": 1, "n": 3, "response_format": {
+                          "type": "json_schema", "json_schema": {"name": "j", "schema": SCHEMA}}},
+             url="/v1/chat/completions"),
+        line("regex", {"prompt": "x", "max_tokens": 20, "structured_outputs": {
+            "regex": "[0-9]{4}"}}),
+        line("bad-regex", {"prompt": "x", "structured_outputs": {"regex": "(["}}),
     ]
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
@@ -77,9 +87,9 @@ def test_one_output_line_per_input_line_in_order_and_a_closing_line(results):
     proc, out = results
     assert [o["custom_id"] for o in out] == [
         "greedy", "chat", None, "bad-url", "other-model", "too-long", "seeded", "best", "stopped",
-        "echo-ids"]
+        "echo-ids", "json", "regex", "bad-regex"]
     assert all(o["error"] is None and o["id"].startswith("batch_req_") for o in out)
-    assert proc.stdout.strip().startswith("run-batch: 10 requests (4 failed), ")
+    assert proc.stdout.strip().startswith("run-batch: 13 requests (5 failed), ")
     assert proc.stdout.strip().endswith("tok/s")
     assert "requests," in proc.stderr  # the progress bar
 
@@ -124,6 +134,19 @@ def test_seeds_best_of_and_stop_strings(results, stop):
     assert stopped["choices"][0]["text"] == full[: full.index(stop)]
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] < 12  # generation ended at the stop
+
+
+def test_structured_outputs(results):
+    """A batch line's response_format / structured_outputs hold as they do when served."""
+    _, out = results
+    choices = out[10]["response"]["body"]["choices"]
+    done = [json.loads(c["message"]["content"]) for c in choices if c["finish_reason"] == "stop"]
+    assert len(choices) == 3 and done and all(set(d) == {"n"} and 0 <= d["n"] <= 9 for d in done)
+    answer = out[11]["response"]["body"]["choices"][0]
+    assert answer["finish_reason"] == "stop" and re.fullmatch("[0-9]{4}", answer["text"])
+    error = out[12]["response"]
+    assert error["status_code"] == 400
+    assert error["body"]["error"]["param"] == "structured_outputs.regex"
 
 
 def test_echo_of_a_token_id_prompt_is_its_text(results, demo_model_dir):

@@ -21,6 +21,7 @@ from services.compute.length.refiner import LengthRefiner
 from services.compute.length.store import memory_stores
 from services.compute.scheduling.kv_policy import make_policy
 from services.compute.scheduling.scheduler import Scheduler
+from services.compute.structured import GrammarState
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
 from shared.messages import Tokens
@@ -75,10 +76,11 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
                     predicted_length: LengthDist | int | None = None,
-                    output_ids: list[int] = ()) -> str:
+                    output_ids: list[int] = (), grammar=None) -> str:
         """Queue a request. `predicted_length`: its output length (a distribution or a point; None:
         --default-predicted-len). `output_ids`: tokens it generated before (a request resumed
-        after a restart continues after them as if never interrupted). Raises InvalidParams
+        after a restart continues after them as if never interrupted). `grammar`: the
+        LoadedGrammar its output must match (shared.grammar), or None. Raises InvalidParams
         if this engine cannot serve it."""
         if not prompt_ids:
             raise InvalidParams("prompt", "prompt must contain at least one token")
@@ -107,6 +109,7 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             max_len=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
             predicted_length=predicted_length, stop_ids=frozenset(stop), num_prompt=len(prompt_ids),
+            grammar=None if grammar is None else GrammarState(grammar, list(output_ids)),
         )
         try:
             self.scheduler.add(seq)
@@ -202,6 +205,7 @@ class LLMEngine:
 
 
 def _reads_token_values(step: ScheduledStep) -> bool:
-    """Whether launching `step` reads sampled token values on the host (penalties count them),
-    so that it cannot be launched before the step in flight is committed."""
-    return any(s.params.has_penalties for s in step.sampled)
+    """Whether launching `step` reads sampled token values on the host (penalties count them,
+    a grammar's mask follows them), so that it cannot be launched before the step in flight is
+    committed."""
+    return any(s.params.has_penalties or s.grammar is not None for s in step.sampled)

@@ -11,7 +11,8 @@ step.sampled[i]; the R rows after them score prompt tokens, span by span
     top_rows(logits[:S], ks)                -> TopRows | None: the top_logprobs of the rows
                                                that ask for them (ks[i] > 0)
     sample(logits[:S], seqs, device)        -> (token ids [S] int64, logprobs [S] float32),
-                                               both on the device
+                                               both on the device; penalties, logit_bias and
+                                               the grammars' masks (structured.py) first
 
 Invariants:
 - Nothing here waits for the device: host->device copies are non-blocking, results stay on
@@ -31,6 +32,7 @@ from kernels import SamplingBatch, apply_penalties, to_device, token_stats
 from kernels import sample as sample_kernel
 from services.compute.core.sequence import Sequence
 from services.compute.inflight import PromptRows, TopRows, to_host
+from services.compute.structured import mask_logits
 
 
 def sampling_batch(seqs: list[Sequence], device: torch.device) -> SamplingBatch:
@@ -56,12 +58,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], device: torch.device
     """One token per row of `logits` [S, vocab] for `seqs` -> (ids [S] int64, logprobs [S]
     float32) on the device; penalties and logit_bias first where a row asks. No host sync."""
     raw = None
-    if any(s.params.shapes_logits for s in seqs):  # else no such work at all
+    grammar = any(s.grammar is not None for s in seqs)
+    if grammar or any(s.params.shapes_logits for s in seqs):  # else no such work at all
         raw = logits  # logprobs stay those of the model's own distribution
         logits = logits.float()
         if any(s.params.has_penalties for s in seqs):
             logits = _penalize(logits, seqs, device)
         logits = _add_logit_bias(logits, seqs)
+        if grammar:
+            logits = mask_logits(logits if logits is not raw else logits.clone(), seqs)
     return sample_kernel(logits, sampling_batch(seqs, device), raw)
 
 
@@ -91,9 +96,10 @@ def _add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """min_tokens: a request may not stop before it has generated that many tokens."""
+    """min_tokens: a request may not stop before it has generated that many tokens (unless
+    its grammar ends it: a grammar's end wins)."""
     for row, s in enumerate(seqs):
-        if s.num_output < s.params.min_tokens and s.stop_ids:
+        if s.num_output < s.params.min_tokens and s.stop_ids and s.grammar is None:
             logits[row, list(s.stop_ids)] = float("-inf")
 
 

@@ -20,6 +20,7 @@ from services.compute.length.store import redis_stores
 from services.compute.warmup import warm_up
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
+from shared.grammar import GrammarCompiler, model_compiler
 from shared.length_dist import LengthDist
 from shared.messages import Abort, GenerateRequest, Route, StepOutput
 from shared.sampling import InvalidParams
@@ -43,6 +44,7 @@ class ComputeService:
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.routes: dict[str, Route] = {}  # live requests
         self.early_aborts: dict[str, float] = {}  # aborts that overtook their request
+        self.grammars: GrammarCompiler | None = None
         state.Heartbeat(redis_client, "compute", svc.heartbeat_s)
         self._next_stats = 0.0
 
@@ -75,12 +77,19 @@ class ComputeService:
             return
         try:
             predicted = LengthDist(tuple(req.predicted_length)) if req.predicted_length else None
+            grammar = None if req.grammar is None else self._grammars().load(req.grammar)
             self.engine.add_request(list(req.prompt_ids), req.params, rid, predicted,
-                                    list(req.output_ids))
-        except (InvalidParams, ValueError) as e:
+                                    list(req.output_ids), grammar)
+        except (InvalidParams, ValueError, RuntimeError) as e:  # GrammarError is a ValueError
             errors.append([rid, req.route.reply_to, str(e)])
             return
         self.routes[rid] = req.route
+
+    def _grammars(self) -> GrammarCompiler:
+        """Loads the grammars the tokenizers compiled (built at the first one: the tokenizer)."""
+        if self.grammars is None:
+            self.grammars = model_compiler(self.engine.config.model)
+        return self.grammars
 
     def _control(self, msg, aborted: list[str]) -> None:
         if isinstance(msg, Abort):

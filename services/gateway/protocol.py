@@ -10,7 +10,8 @@
 * Supported vLLM extras: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
   stop_token_ids, and for chat add_generation_prompt. logit_bias: {"<token id>": bias in
   [-100, 100]}. Completions' best_of >= n: best_of choices generated, the n with the highest
-  cumulative logprob answered (not streamable). Chat messages: chat_messages.py.
+  cumulative logprob answered (not streamable). Chat messages: chat_messages.py. Structured
+  outputs (response_format, structured_outputs, guided_*): structured.py.
 * Sampling fields a request leaves unset (temperature, top_p, top_k, min_p, repetition_penalty,
   max_tokens) take the model's defaults (`GenerationDefaults`, resolved at start-up from
   --generation-config), else the API's.
@@ -35,6 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway import structured
 from services.gateway.chat_messages import parse_messages
 from services.gateway.errors import APIError, bad_request, not_found
 from services.gateway.validation import (
@@ -52,6 +54,7 @@ from services.gateway.validation import (
 )
 from shared.codec import int32s
 from shared.generation_config import GenerationDefaults
+from shared.grammar import GrammarSpec
 from shared.messages import ChatMessage, TokenizeRequest
 from shared.sampling import MAX_LOGPROBS, InvalidParams, SamplingParams
 
@@ -74,16 +77,17 @@ _COMMON_KEYS = frozenset({
 _COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",)}
 _CHAT_NEUTRAL: dict[str, tuple] = {
     "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "parallel_tool_calls": (), "response_format": ({"type": "text"},),
+    "function_call": ("none",), "parallel_tool_calls": (),
     "metadata": ({},), "store": (False,), "service_tier": ("auto", "default"),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "moderation": (), "prompt_cache_key": (),
     "prompt_cache_options": (), "prompt_cache_retention": (), "safety_identifier": (),
 }
-COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"}
+COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"} | structured.KEYS
                             | _COMPLETION_NEUTRAL.keys())
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs",
-                                      "add_generation_prompt"} | _CHAT_NEUTRAL.keys())
+                                      "add_generation_prompt"} | structured.CHAT_KEYS
+                      | _CHAT_NEUTRAL.keys())
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,7 @@ class GenerationRequest:
     # (it always does), the answer leaves it out
     best_of: int = 0  # completions: generate this many choices (> n), answer the n with the
     # highest cumulative logprob; 0: n
+    grammar: GrammarSpec | None = None  # structured output (gateway/structured.py)
 
     @property
     def generated(self) -> int:
@@ -136,7 +141,7 @@ class GenerationRequest:
             # chat without max_tokens: up to the context (at most the model's default);
             # completions keep theirs (the model's default, else OpenAI's 16)
             max_tokens_auto=self.kind == "chat" and not self.max_tokens_given,
-            arrival=arrival)
+            arrival=arrival, grammar=self.grammar)
 
 
 def parse_completion(body: Any, model_name: str, *,
@@ -314,4 +319,5 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
     return GenerationRequest(
         kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
         include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
-        user=get_str(body, "user"), max_tokens_given=max_tokens is not None, **fields)
+        user=get_str(body, "user"), max_tokens_given=max_tokens is not None,
+        grammar=structured.parse_grammar(body, chat=kind == "chat"), **fields)

@@ -28,7 +28,7 @@ async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
         delta: Delta = await inflight.deltas.get()
         if delta.error is not None:
             gw.metrics.requests.labels("failed").inc()
-            raise APIError(delta.error_status or 500, delta.error)
+            raise APIError(delta.error_status or 500, delta.error, param=delta.error_param)
         c = choices[state.choice_of(delta.request_id)[0]]
         _observe(gw, inflight, c, delta)
         if req.discard_output:  # the token, its logprob and alternatives

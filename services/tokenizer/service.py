@@ -24,6 +24,7 @@ from shared import state
 from shared.chat_template import ChatTemplateError, load_chat_template
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
+from shared.grammar import CompiledSpec, GrammarCompiler, GrammarError, GrammarSpec, model_compiler
 from shared.length_predictor import LengthPredictor, length_features, model_key
 from shared.messages import Delta, DeltaBatch, GenerateRequest, Resume, Route, TokenizeRequest
 from shared.model_config import ModelConfig, served_context
@@ -36,7 +37,11 @@ _PROMPT_TAIL = 10  # prompt tokens the detokenizer gets as decoding context (>= 
 
 
 class PromptError(ValueError):
-    pass
+    """A request this tokenizer cannot serve (a 400); `param` names the field, if one."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class Tokenizer:
@@ -44,11 +49,32 @@ class Tokenizer:
 
     def __init__(self, config: EngineConfig, predictor: LengthPredictor | None = None):
         self.max_model_len = served_context(config)
+        self.model_path = config.model
         self.vocab_size = ModelConfig.from_path(config.model).vocab_size
         self.tok = load_tokenizer(config.model)
         self.template = load_chat_template(config.model, config.chat_template)
         self.model = model_key(config.model)
         self.predictor = predictor
+        self.grammars: GrammarCompiler | None = None  # built at the first structured request
+        self.can_compile = True  # False where xgrammar cannot be imported (no torch)
+
+    def grammar(self, spec: GrammarSpec | None) -> CompiledSpec | None:
+        """The request's constraint compiled (cached by spec); PromptError when it cannot be.
+        Without xgrammar here, the spec goes to compute as it is, which compiles it."""
+        if spec is None:
+            return None
+        if self.grammars is None and self.can_compile:
+            try:
+                self.grammars = model_compiler(self.model_path)
+            except ImportError as e:
+                log.warning("no grammar compiler here (%s): compute compiles grammars", e)
+                self.can_compile = False
+        if self.grammars is None:
+            return CompiledSpec(spec.key, spec=spec)
+        try:
+            return self.grammars.compile(spec)
+        except GrammarError as e:
+            raise PromptError(str(e), e.param) from None
 
     def prompt(self, req: TokenizeRequest) -> tuple[str, list[int]]:
         """(prompt text, or "" when given as ids; prompt token ids)."""
@@ -94,6 +120,7 @@ class Tokenizer:
                 f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
                 f"prompt, {params.max_tokens} for the completion). Please reduce the length "
                 f"of the prompt or max_tokens.")
+        grammar = self.grammar(req.grammar)
         feats, quantiles = self.predict(text, ids, params.max_tokens)
         packed = int32s(ids)
         route = Route(request_id="", reply_to=req.reply_to, num_prompt=len(ids),
@@ -101,12 +128,13 @@ class Tokenizer:
                       length_features=feats,
                       prompt_ids=packed if params.prompt_logprobs is not None else None)
         resumes = req.resume or [Resume(i, 0, array("i"), 0) for i in range(req.n)]
-        return [self._choice(req.request_id, r, packed, params, route, quantiles)
+        return [self._choice(req.request_id, r, packed, params, route, quantiles, grammar)
                 for r in resumes]
 
     @staticmethod
     def _choice(api: str, r: Resume, prompt: array, params: SamplingParams, route: Route,
-                quantiles: list[int] | None) -> GenerateRequest:
+                quantiles: list[int] | None, grammar: CompiledSpec | None = None,
+                ) -> GenerateRequest:
         """Choice r.index of the request (seed + index: choices differ, resumes repeat)."""
         rid = state.choice_id(api, r.index, r.attempt)
         if params.seed is not None:
@@ -114,7 +142,7 @@ class Tokenizer:
         if r.output_ids:  # its first delta, the prompt's logprobs with it, was delivered
             params = dataclasses.replace(params, prompt_logprobs=None)
         route = dataclasses.replace(route, request_id=rid, resume=r if r.attempt else None)
-        return GenerateRequest(rid, prompt, params, route, quantiles, r.output_ids)
+        return GenerateRequest(rid, prompt, params, route, quantiles, r.output_ids, grammar)
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
@@ -135,7 +163,7 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
                 for gen in tokenizer.prepare(msg):
                     outbox.send(gen)
             except PromptError as e:
-                err = Delta(msg.request_id, error=str(e), error_status=400)
+                err = Delta(msg.request_id, error=str(e), error_status=400, error_param=e.param)
                 replies.send(msg.reply_to, DeltaBatch([err]))
             except Exception:  # a bug must cost one request, not the worker (and its queue)
                 log.exception("request %s failed in the tokenizer", msg.request_id)

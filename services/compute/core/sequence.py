@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
 
 UNSAMPLED = -1  # a token_ids entry whose step is in flight: its value is still on the device
+
+
+class GrammarLike(Protocol):
+    """What a sequence needs of its grammar (structured.GrammarState)."""
+
+    def accept(self, token: int) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
 
 
 class SeqStatus(Enum):
@@ -45,6 +55,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)  # of the tokens this engine generated
     # with params.prompt_logprobs: of token_ids[1 : 1 + len(prompt_logprobs)]
     prompt_logprobs: list[float] = field(default_factory=list)
+    grammar: GrammarLike | None = None  # structured output: its matcher (compute/structured.py)
 
     def __post_init__(self):
         if self.num_prompt < 0:
@@ -87,6 +98,8 @@ class Sequence:
         finishes the request, the tokens scheduled after it are dropped."""
         self.token_ids[index] = token
         self.logprobs.append(logprob)
+        if self.grammar is not None:
+            self.grammar.accept(token)
         self.finish_reason = self._finish_reason(token, index + 1)
         if self.finish_reason is not None:
             del self.token_ids[index + 1 :]
@@ -94,6 +107,8 @@ class Sequence:
     def _finish_reason(self, token: int, length: int) -> str | None:
         """Why a request whose token_ids[length - 1] is `token` ends there, if it does."""
         num_output = length - self.num_prompt
+        if self.grammar is not None and self.grammar.done:  # complete: it ends on EOS
+            return "stop"
         if token in self.stop_ids and num_output > self.params.min_tokens:
             return "stop"
         if num_output >= self.params.max_tokens or length >= self.max_len:

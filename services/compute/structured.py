@@ -1,0 +1,75 @@
+"""Constrained decoding in compute: one xgrammar matcher per sequence (choice), the step's
+token bitmask, and the token each sampled row commits.
+
+    GrammarState(compiled, replay)   a sequence's matcher; `replay`: tokens it already generated
+                                     (a request resumed after a crash continues its grammar)
+    mask_logits(logits, seqs)        -> logits [S, vocab] with every token the grammar of a row
+                                     forbids at -inf (rows without a grammar unchanged)
+
+A sequence's matcher advances in `Sequence.fill` (the host learns the token), and the next
+step's mask is filled from it; so a step with a grammar row waits for the step before it to be
+committed (the engine's `_reads_token_values`). Preemption and recompute keep a sequence's
+output tokens, hence its matcher. When the grammar is complete the matcher accepts only the
+model's EOS ids and then terminates: the sequence ends with finish_reason "stop", whatever
+ignore_eos says; max_tokens first ends it with "length".
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shared.grammar import LoadedGrammar
+
+log = logging.getLogger("pipellm.compute")
+
+
+class GrammarState:
+    """A sequence's position in its grammar (xgrammar GrammarMatcher) of a LoadedGrammar."""
+
+    def __init__(self, grammar: LoadedGrammar, replay: list[int] = ()):
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(grammar.compiled)
+        self.allowed = grammar.allowed  # int32 [ceil(vocab / 32)] or None
+        self.vocab_size = grammar.compiled.tokenizer_info.vocab_size
+        self.rejected = False
+        for token in replay:
+            self.accept(token)
+
+    def accept(self, token: int) -> None:
+        """Advance by the committed `token`; a token the grammar forbids (which the mask makes
+        impossible) ends the sequence rather than the process."""
+        if not self.rejected and not self.matcher.accept_token(token):
+            log.warning("token %d is not allowed by the request's grammar: ending it", token)
+            self.rejected = True
+
+    @property
+    def done(self) -> bool:
+        """Whether the output is complete (terminated) or cannot go on (rejected)."""
+        return self.rejected or self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of the step's bitmask [S, ceil(vocab / 32)]: the tokens allowed next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.allowed is not None:
+            bitmask[row] &= self.allowed
+
+
+def mask_logits(logits: torch.Tensor, seqs: list) -> torch.Tensor:
+    """logits [S, vocab] float with the grammar rows' forbidden tokens at -inf, in place (the
+    caller passes a copy where the model's logits must stay: logprobs). Tokens past the
+    grammar's vocabulary (padding rows of the LM head) are forbidden too."""
+    import xgrammar as xgr
+
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    vocab = seqs[rows[0]].grammar.vocab_size
+    bitmask = xgr.allocate_token_bitmask(len(seqs), vocab)  # int32 [S, ceil(vocab / 32)]
+    for i in rows:
+        seqs[i].grammar.fill(bitmask, i)
+    if logits.shape[-1] > vocab:
+        logits[rows, vocab:] = float("-inf")
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    vocab_size=vocab, indices=rows)
+    return logits

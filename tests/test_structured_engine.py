@@ -1,0 +1,201 @@
+"""Constrained decoding in the engine, on the demo model (random weights: left alone it writes
+noise, so every valid output below is the grammar's doing): regex, choice, JSON schema; the
+mask obeyed token by token; logprobs stay the model's; max_tokens, min_tokens and ignore_eos;
+preemption, a resumed request's replay, n choices with seeds; the compiler's cache and errors."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import regex as re
+import torch
+
+from services.compute.backend import build_engine
+from services.compute.structured import GrammarState, mask_logits
+from shared.config import EngineConfig, SchedulerConfig
+from shared.grammar import GrammarError, GrammarSpec, model_compiler
+from shared.sampling import SamplingParams
+from shared.tokenizer import decode, encode, load_tokenizer
+
+PROMPTS = ["The answer is", "Once upon a time", "JSON:", "a b c d"]
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}},
+    "required": ["name", "n", "tags"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def compiler(demo_model_dir):
+    return model_compiler(str(demo_model_dir))
+
+
+@pytest.fixture(scope="module")
+def tok(demo_model_dir):
+    return load_tokenizer(demo_model_dir)
+
+
+def _engine(model_dir, **kw):
+    sched = kw.pop("scheduler", SchedulerConfig())
+    return build_engine(EngineConfig(model=str(model_dir), scheduler=sched, **kw))
+
+
+def _run(engine, tok, compiler, spec: GrammarSpec, params: SamplingParams, prompts=PROMPTS,
+         output_ids=None):
+    grammar = compiler.load(compiler.compile(spec))
+    seqs = []
+    for i, p in enumerate(prompts):
+        rid = engine.add_request(encode(tok, p), params, grammar=grammar,
+                                 output_ids=output_ids[i] if output_ids else ())
+        seqs.append(engine.requests[rid])
+    while engine.has_work():
+        engine.step()
+    return [(decode(tok, s.output_ids), s.finish_reason, s) for s in seqs]
+
+
+SAMPLED = SamplingParams(max_tokens=120, temperature=1.0, seed=7)
+
+
+@pytest.mark.parametrize("pattern", [r"[0-9]{3}-[a-z]{2,4}", r"(yes|no), (red|blue)!"])
+def test_regex_outputs_match(demo_model_dir, tok, compiler, pattern):
+    out = _run(_engine(demo_model_dir), tok, compiler, GrammarSpec("regex", pattern), SAMPLED)
+    for text, finish, _ in out:
+        assert finish == "stop" and re.fullmatch(pattern, text), (text, finish)
+
+
+def test_choice_is_one_of_the_strings(demo_model_dir, tok, compiler):
+    choices = ["alpha", "beta gamma", "δ"]
+    out = _run(_engine(demo_model_dir), tok, compiler,
+               GrammarSpec("choice", json.dumps(choices)), SAMPLED)
+    assert all(text in choices and finish == "stop" for text, finish, _ in out), out
+
+
+@pytest.mark.parametrize("whitespace", ["any", "compact"])
+def test_json_schema_outputs_validate(demo_model_dir, tok, compiler, whitespace):
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA), whitespace)
+    out = _run(_engine(demo_model_dir), tok, compiler, spec,
+               SamplingParams(max_tokens=200, temperature=0.7, seed=1))
+    done = [text for text, finish, _ in out if finish == "stop"]
+    assert len(done) >= 3, out  # random weights may ramble in whitespace until max_tokens
+    for text in done:
+        jsonschema.validate(json.loads(text), SCHEMA)
+        if whitespace == "compact":  # xgrammar's separators then: ", " and ": "
+            assert text == json.dumps(json.loads(text), ensure_ascii=False), text
+
+
+def test_max_tokens_ends_with_length_and_a_valid_prefix(demo_model_dir, tok, compiler):
+    out = _run(_engine(demo_model_dir), tok, compiler, GrammarSpec("regex", "[ab]{50}"),
+               SamplingParams(max_tokens=5, temperature=1.0, seed=3))
+    for text, finish, seq in out:
+        assert finish == "length" and seq.num_output == 5 and set(text) <= {"a", "b"}
+
+
+def test_grammar_end_wins_over_ignore_eos_and_min_tokens(demo_model_dir, tok, compiler):
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=2, ignore_eos=True,
+                            min_tokens=30)
+    out = _run(_engine(demo_model_dir), tok, compiler, GrammarSpec("regex", "ok"), params)
+    assert all(text == "ok" and finish == "stop" for text, finish, _ in out), out
+
+
+def test_the_mask_is_obeyed_token_by_token(demo_model_dir, tok, compiler):
+    """A planted grammar: at every step the sampled token is one the matcher allowed, and
+    mask_logits leaves exactly those finite (rows without a grammar untouched)."""
+    grammar = compiler.load(compiler.compile(GrammarSpec("regex", "[xyz]{4}")))
+    state, vocab = GrammarState(grammar), compiler.info.vocab_size
+    free = type("Seq", (), {"grammar": None})()
+    logits = torch.randn(2, vocab)
+    for _ in range(4):
+        masked = mask_logits(logits.clone(), [type("Seq", (), {"grammar": state})(), free])
+        allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
+        assert allowed and all(set(decode(tok, [t])) <= set("xyz") for t in allowed)
+        assert torch.equal(masked[1], logits[1])
+        state.accept(int(masked[0].argmax()))
+    assert state.matcher.is_completed()
+
+
+def test_logprobs_stay_the_models(demo_model_dir, tok, compiler):
+    """The chosen tokens' logprobs are those of the unconstrained distribution: the same as
+    the free run's where the grammar happened to pick the free run's (greedy) token."""
+    engine = _engine(demo_model_dir)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=True)
+    free = engine.generate([encode(tok, PROMPTS[0])], params)[0]
+    first = decode(tok, free.output_ids[:1])
+    out = _run(engine, tok, compiler, GrammarSpec("regex", re.escape(first) + "[a-z]*"), params,
+               prompts=PROMPTS[:1])
+    seq = out[0][2]
+    assert seq.output_ids[0] == free.output_ids[0]
+    assert seq.logprobs[0] == pytest.approx(free.logprobs[0], abs=1e-5)
+
+
+def test_preemption_keeps_the_grammar(demo_model_dir, tok, compiler):
+    """A KV cache too small for every request at once: sequences are preempted and recomputed,
+    and their outputs still match (the matcher follows the kept output tokens)."""
+    engine = _engine(demo_model_dir, kv_cache_tokens=96, default_predicted_len=4,
+                     scheduler=SchedulerConfig(max_running=8, max_batched_tokens=32))
+    pattern = r"[a-z]{10,30}\."
+    out = _run(engine, tok, compiler, GrammarSpec("regex", pattern),
+               SamplingParams(max_tokens=40, temperature=1.0, seed=5), prompts=PROMPTS * 2)
+    assert engine.stats().preemptions > 0
+    assert all(finish == "stop" and re.fullmatch(pattern, text) for text, finish, _ in out), out
+
+
+def test_a_resumed_request_replays_its_tokens(demo_model_dir, tok, compiler):
+    """After a crash compute gets a choice's tokens so far: the grammar goes on from there, and
+    a seeded run ends exactly as the uninterrupted one."""
+    spec, params = GrammarSpec("json_schema", json.dumps(SCHEMA)), \
+        SamplingParams(max_tokens=60, temperature=0.8, seed=11)
+    whole = _run(_engine(demo_model_dir), tok, compiler, spec, params)
+    cut = [s.output_ids[:7] for _, _, s in whole]
+    resumed = _run(_engine(demo_model_dir), tok, compiler, spec, params, output_ids=cut)
+    assert [(t, f) for t, f, _ in resumed] == [(t, f) for t, f, _ in whole]
+
+
+def test_choices_with_seeds_repeat(demo_model_dir, tok, compiler):
+    spec = GrammarSpec("regex", "[a-f]{6}")
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in (1, 2, 1)]
+    engine = _engine(demo_model_dir)
+    grammar = compiler.load(compiler.compile(spec))
+    ids = encode(tok, PROMPTS[0])
+    seqs = [engine.requests[engine.add_request(ids, p, grammar=grammar)] for p in params]
+    while engine.has_work():
+        engine.step()
+    texts = [decode(tok, s.output_ids) for s in seqs]
+    assert texts[0] == texts[2] and all(re.fullmatch("[a-f]{6}", t) for t in texts)
+
+
+def test_compiler_caches_and_reports_errors(compiler):
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    assert compiler.compile(spec) is compiler.compile(spec)
+    assert GrammarSpec("json_schema", json.dumps(SCHEMA), param="other").key == spec.key
+    for bad in (GrammarSpec("regex", "(open", param="structured_outputs.regex"),
+                GrammarSpec("json_schema", '{"type": "nope"}'),
+                GrammarSpec("grammar", "root ::= missing")):
+        with pytest.raises(GrammarError) as e:
+            compiler.compile(bad)
+        assert e.value.param == bad.param and str(e.value).startswith(bad.param)
+        assert "/project/" not in str(e.value) and ".cc:" not in str(e.value)
+
+
+def test_an_uncompiled_spec_compiles_in_compute(compiler):
+    """The slim image's tokenizer has no xgrammar: it sends the spec, compute compiles it."""
+    from shared.grammar import CompiledSpec
+
+    spec = GrammarSpec("regex", "[q]{2}")
+    grammar = compiler.load(CompiledSpec(spec.key, spec=spec))
+    assert grammar.compiled.tokenizer_info.vocab_size == compiler.info.vocab_size
+    with pytest.raises(GrammarError):
+        bad = GrammarSpec("regex", "(")
+        compiler.load(CompiledSpec(bad.key, spec=bad))
+
+
+def test_json_grammars_never_allow_control_characters(compiler):
+    """xgrammar's JSON strings would take a raw control character (json.loads rejects it):
+    the JSON kinds' allowed row clears every token holding one but newline."""
+    loaded = compiler.load(compiler.compile(GrammarSpec("json_object")))
+    words = loaded.allowed.tolist()
+    for token, raw in enumerate(compiler.info.decoded_vocab):
+        bit = (words[token // 32] >> (token % 32)) & 1
+        assert bit == (not any(c < 0x20 and c != 0x0A for c in raw)), (token, raw)
+    assert compiler.load(compiler.compile(GrammarSpec("regex", "a"))).allowed is None

@@ -1,0 +1,93 @@
+"""The gateway's structured-output fields -> GrammarSpec, and their 400s (no services)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.errors import APIError
+from services.gateway.protocol import parse_chat, parse_completion
+from shared.grammar import GrammarSpec
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+def chat(**kw):
+    return parse_chat({**CHAT, **kw}, "m").grammar
+
+
+def completion(**kw):
+    return parse_completion({**COMPLETION, **kw}, "m").grammar
+
+
+@pytest.mark.parametrize("body, want", [
+    ({}, None),
+    ({"response_format": None}, None),
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                                 "strict": True}}},
+     GrammarSpec("json_schema", json.dumps(SCHEMA), param="response_format.json_schema.schema")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     GrammarSpec("json_object")),
+    ({"structured_outputs": {"json": SCHEMA}},
+     GrammarSpec("json_schema", json.dumps(SCHEMA), param="structured_outputs.json")),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA), "disable_any_whitespace": True}},
+     GrammarSpec("json_schema", json.dumps(SCHEMA), "compact", "structured_outputs.json")),
+    ({"structured_outputs": {"regex": "[0-9]+", "disable_fallback": True}},
+     GrammarSpec("regex", "[0-9]+", param="structured_outputs.regex")),
+    ({"structured_outputs": {"choice": ["a", "b"]}},
+     GrammarSpec("choice", '["a", "b"]', param="structured_outputs.choice")),
+    ({"structured_outputs": {"grammar": "root ::= \"x\""}},
+     GrammarSpec("grammar", 'root ::= "x"', param="structured_outputs.grammar")),
+    ({"structured_outputs": {"json_object": True}},
+     GrammarSpec("json_object", param="structured_outputs.json_object")),
+    ({"guided_regex": "a|b"}, GrammarSpec("regex", "a|b", param="guided_regex")),
+    ({"guided_choice": ["x"]}, GrammarSpec("choice", '["x"]', param="guided_choice")),
+    ({"guided_json": SCHEMA}, GrammarSpec("json_schema", json.dumps(SCHEMA),
+                                          param="guided_json")),
+])
+def test_chat_fields_give_the_spec(body, want):
+    assert chat(**body) == want
+
+
+def test_completions_take_structured_outputs_but_not_response_format():
+    assert completion(structured_outputs={"regex": "a"}).kind == "regex"
+    assert completion(guided_grammar="root ::= \"a\"").kind == "grammar"
+    with pytest.raises(APIError) as e:
+        completion(response_format={"type": "json_object"})
+    assert e.value.status == 400 and e.value.param == "response_format"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "{not json"}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"strict": "yes"}}}, "strict"),
+    ({"structured_outputs": []}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": 1}},
+     "disable_any_whitespace"),
+    ({"structured_outputs": {"grammar": "x" * (256 * 1024 + 1)}}, "structured_outputs.grammar"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs.regex"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+])
+def test_malformed_fields_are_400s_naming_them(body, param):
+    with pytest.raises(APIError) as e:
+        chat(**body)
+    assert e.value.status == 400 and e.value.param == param, (e.value.param, str(e.value))
