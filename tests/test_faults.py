@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -39,6 +40,13 @@ def stack(demo_model_dir):
 def body(i: int, stream: bool) -> dict:
     return {"model": MODEL, "prompt": f"Fault request {i} says", "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True, "stream": stream}
+
+
+GRAMMAR = "[a-z]+( [a-z]+)*"  # the demo model's noise, constrained: words of ASCII letters
+
+
+def grammar_body(i: int, stream: bool) -> dict:
+    return {**body(i, stream), "structured_outputs": {"regex": GRAMMAR}}
 
 
 async def read_stream(session, url: str, payload: dict, progress: dict, i: int) -> dict:
@@ -71,15 +79,16 @@ async def read_whole(session, url: str, payload: dict) -> dict:
         return {"text": c["text"], "finish": c["finish_reason"], "error": None, "done": True}
 
 
-async def run_round(stack: Stack, kill=None) -> tuple[list[dict], float]:
-    """All requests at once; `kill()` once every stream has output. (results, seconds)."""
+async def run_round(stack: Stack, kill=None, make=body) -> tuple[list[dict], float]:
+    """All requests (`make(i, stream)`) at once; `kill()` once every stream has output.
+    (results, seconds)."""
     url = stack.url + "/v1/completions"
     progress: dict[int, int] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=DEADLINE_S)) as s:
         t0 = time.monotonic()
-        tasks = [asyncio.create_task(read_stream(s, url, body(i, True), progress, i))
+        tasks = [asyncio.create_task(read_stream(s, url, make(i, True), progress, i))
                  for i in range(STREAMS)]
-        tasks += [asyncio.create_task(read_whole(s, url, body(STREAMS + i, False)))
+        tasks += [asyncio.create_task(read_whole(s, url, make(STREAMS + i, False)))
                   for i in range(BATCH)]
         if kill is not None:
             while len(progress) < STREAMS:
@@ -115,3 +124,16 @@ def test_kill_during_streams_loses_nothing(stack, uninterrupted, victim):
         time.sleep(0.2)
     code, answer = stack.post("/v1/completions", body(0, False))
     assert code == 200 and answer["choices"][0]["text"] == uninterrupted[0]
+
+
+def test_kill_compute_mid_grammar_resumes_the_grammar(stack):
+    """Constrained requests: compute's restart replays each choice's tokens into a fresh matcher,
+    so the text is the uninterrupted run's and still matches the grammar."""
+    want, _ = asyncio.run(run_round(stack, make=grammar_body))
+    assert all(r["error"] is None and r["finish"] == "length" for r in want), want
+    old = stack.pid("compute")
+    results, _ = asyncio.run(run_round(stack, lambda: os.kill(old, signal.SIGKILL),
+                                       grammar_body))
+    for r, w in zip(results, want, strict=True):
+        assert (r["error"], r["text"], r["finish"]) == (None, w["text"], "length")
+        assert re.fullmatch(GRAMMAR + " ?", r["text"]), r["text"]

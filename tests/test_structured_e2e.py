@@ -1,0 +1,122 @@
+"""Structured outputs through the real services on SmolLM2 (its GGUF, served by default), with
+the official openai client: every answer to the 22 schemas of data/json_schemas.json (nested
+objects, bounded arrays, enums, anyOf/oneOf, $ref recursion, patterns, formats) parses and
+validates; choice and regex always match; a seeded answer streams as it comes whole; bad
+constraints are 400s naming the field, and the server goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+import regex as re
+
+from shared import default_model
+from tests.stack import Stack
+
+SCHEMAS = json.loads((Path(__file__).resolve().parents[1] / "data/json_schemas.json").read_text())
+FORMATS = jsonschema.FormatChecker()
+MODEL = "smol"
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = Stack(default_model.fetch(), "--kv-cache-tokens", "8192", "--served-model-name", MODEL)
+    s.start(timeout_s=300)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0)
+
+
+def _schema_format(item: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": item["name"], "schema": item["schema"],
+                                                   "strict": True}}
+
+
+async def _answers(stack, temperature: float) -> list:
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0)
+    async with client:
+        return await asyncio.gather(*[client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": it["prompt"]}], max_tokens=300,
+            temperature=temperature, seed=i, response_format=_schema_format(it))
+            for i, it in enumerate(SCHEMAS)])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_every_schema_answer_validates(stack, temperature):
+    assert len(SCHEMAS) >= 20
+    for item, answer in zip(SCHEMAS, asyncio.run(_answers(stack, temperature)), strict=True):
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", (item["name"], choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), item["schema"],
+                            format_checker=FORMATS)
+
+
+def test_json_object_and_compact_json(client):
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a cat."}], max_tokens=200,
+        temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(answer.choices[0].message.content), dict)
+    text = client.completions.create(
+        model=MODEL, prompt="A JSON object:", max_tokens=200, temperature=0,
+        extra_body={"structured_outputs": {"json": SCHEMAS[0]["schema"],
+                                           "disable_any_whitespace": True}}).choices[0].text
+    assert text == json.dumps(json.loads(text), ensure_ascii=False)
+
+
+def test_choice_and_regex_always_match(client):
+    choices = ["positive", "negative", "neutral"]
+    for seed in range(4):
+        got = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "I love this! Sentiment?"}],
+            max_tokens=10, temperature=1.0, seed=seed, n=2,
+            extra_body={"structured_outputs": {"choice": choices}})
+        assert all(c.message.content in choices and c.finish_reason == "stop"
+                   for c in got.choices)
+        pattern = r"\d{3}-\d{3}-\d{4}"
+        text = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20,
+                                         temperature=1.0, seed=seed,
+                                         extra_body={"guided_regex": pattern}).choices[0].text
+        assert re.fullmatch(pattern, text), text
+
+
+def test_streamed_answer_is_the_whole_one(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": SCHEMAS[6]["prompt"]}],
+              max_tokens=200, temperature=0.8, seed=42, response_format=_schema_format(SCHEMAS[6]))
+    whole = client.chat.completions.create(**kw).choices[0]
+    parts, finish = [], None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert ("".join(parts), finish) == (whole.message.content, whole.finish_reason)
+    jsonschema.validate(json.loads(whole.message.content), SCHEMAS[6]["schema"])
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs.regex"),
+    ({"extra_body": {"structured_outputs": {"grammar": "root ::= missing"}}},
+     "structured_outputs.grammar"),
+    ({"extra_body": {"structured_outputs": {"grammar": "start: UNDEFINED"}}},
+     "structured_outputs.grammar"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+])
+def test_bad_constraints_are_400s_and_the_server_goes_on(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=5, **extra)
+    assert e.value.body["param"] == param and "Traceback" not in e.value.body["message"]
+    ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=3)
+    assert ok.choices[0].finish_reason in ("length", "stop")
