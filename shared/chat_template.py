@@ -21,6 +21,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -113,18 +114,25 @@ class ChatTemplate:
     def __post_init__(self):
         _compile(self.source)  # fail at load time, not on the first request
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template reads `tools` (else a request's tools would be dropped)."""
+        return "tools" in jinja2.meta.find_undeclared_variables(
+            _compile(self.source).environment.parse(self.source))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
         """The prompt text for `messages` ({"role", "content", ...} dicts), as transformers'
-        `apply_chat_template(messages, tokenize=False, add_generation_prompt=...)` renders it.
-        Raises ChatTemplateError when the messages are malformed or the template rejects them
-        (e.g. `raise_exception("...")` for an unsupported role)."""
+        `apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...)`
+        renders it. Raises ChatTemplateError when the messages are malformed or the template
+        rejects them (e.g. `raise_exception("...")` for an unsupported role)."""
         chat = _clean_messages(messages)
         variables = {**self.extra_tokens, "bos_token": self.bos_token,
                      "eos_token": self.eos_token}
         variables = {k: v for k, v in variables.items() if v is not None}
         try:
             return _compile(self.source).render(
-                messages=chat, tools=None, documents=None,
+                messages=chat, tools=tools, documents=None,
                 add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from None
@@ -178,10 +186,16 @@ def load_chat_template(model_dir: str | Path, override: str = "") -> ChatTemplat
     return ChatTemplate(source, tokens["bos_token"], tokens["eos_token"], extra)
 
 
+BUILT_IN = Path(__file__).with_name("templates")  # --chat-template NAME: BUILT_IN/NAME.jinja
+
+
 def _override_source(value: str) -> str:
-    """--chat-template's text: a file's contents, or the value itself when it reads as a
-    template (vLLM's rule: Jinja or a line break in it) rather than a path."""
+    """--chat-template's text: a file's contents, a built-in template's (its name: chatml_tools),
+    or the value itself when it reads as a template (vLLM's rule: Jinja or a line break in it)
+    rather than a path."""
     path = Path(value)
+    if value.isidentifier() and (BUILT_IN / f"{value}.jinja").is_file():
+        path = BUILT_IN / f"{value}.jinja"
     try:
         if path.is_file():
             return path.read_text(encoding="utf-8")

@@ -149,8 +149,9 @@ class EngineConfig:
                          "bfloat16 or float16", group=MODEL)
     max_model_len: int = setting(0, "context length (prompt + output tokens); 0: the model's",
                                  group=MODEL)
-    chat_template: str = setting("", "Jinja chat template, a file or the template itself; "
-                                 "empty: the model's own", group=MODEL)
+    chat_template: str = setting("", "Jinja chat template, a file, the template itself or a "
+                                 "built-in one's name (chatml_tools: ChatML with tools in the "
+                                 "Hermes format); empty: the model's own", group=MODEL)
     generation_config: str = setting(
         "auto", "sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
         "max_new_tokens as max_tokens) for requests that leave them unset: auto (the model's "
@@ -236,6 +237,9 @@ class EngineConfig:
         parse_override(self.override_generation_config)  # a malformed one fails at start-up
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # services/gateway/tool_parsers.py's
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """The HTTP server and the wiring of the four services. Empty addresses: ipc sockets
@@ -254,6 +258,12 @@ class ServiceConfig:
                                "(reproducible runs); unset: from the OS", group=SERVER)
     max_pending: int = setting(512, "requests in flight at the gateway before it answers 429",
                                group=SERVER)
+    enable_auto_tool_choice: bool = setting(False, "tool_choice \"auto\": the model decides "
+                                            "whether to call tools; its output is parsed by "
+                                            "--tool-call-parser", group=SERVER)
+    tool_call_parser: str = setting("", "how the model writes tool calls: hermes "
+                                    "(<tool_call>{...}</tool_call>) or llama3_json",
+                                    group=SERVER)
     max_body_bytes: int = setting(8 * 2**20, "largest request body, else 413", group=SERVER)
     max_prompt_bytes: int = setting(0, "largest prompt (UTF-8 bytes of the prompt, or of all "
                                     "chat messages), else 400; 0: 16 bytes per token of the "
@@ -282,6 +292,10 @@ class ServiceConfig:
     heartbeat_s: float = setting(0.5, "seconds between each service's heartbeats", group=WIRING)
 
     def __post_init__(self):
+        if self.tool_call_parser not in ("", *TOOL_CALL_PARSERS):
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.tokenizer_workers < 0:
             raise ValueError("--tokenizer-workers must be 0 (automatic) or more")
         if self.max_prompt_bytes < 0:

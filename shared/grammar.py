@@ -123,6 +123,22 @@ class _Lru:
             self.items.popitem(last=False)
 
 
+class BackgroundCompiler:
+    """The model's GrammarCompiler, built in a thread from start-up on (loading the tokenizer,
+    transformers and xgrammar takes ~2 s: no request should wait for that in a service's loop).
+    `get()` waits for it; raises ImportError where xgrammar cannot be imported (no torch)."""
+
+    def __init__(self, model: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
+        self._future = self._pool.submit(model_compiler, model)
+        self._pool.shutdown(wait=False)
+
+    def get(self) -> GrammarCompiler:
+        return self._future.result()
+
+
 def model_compiler(model: str) -> GrammarCompiler:
     """The compiler for the model at `model` (its tokenizer, logits width and EOS ids: the
     same on the tokenizer's side and compute's)."""

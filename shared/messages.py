@@ -21,9 +21,30 @@ register(SamplingParams)
 
 
 @message
+class ToolCallMsg:
+    """A tool call of an assistant message in the history (OpenAI's shape, flattened)."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as the client sent it
+
+
+@message
 class ChatMessage:
     role: str
     content: str
+    tool_calls: list[ToolCallMsg] = field(default_factory=list)  # assistant: the calls it made
+    tool_call_id: str | None = None  # role "tool": the call this message answers
+    name: str | None = None
+
+
+@message
+class ToolSpec:
+    """A function the model may call: what the chat template renders (`tools=`)."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'  # JSON schema, as JSON text
 
 
 # --- gateway -> tokenizer -------------------------------------------------------------------
@@ -55,6 +76,7 @@ class TokenizeRequest:
     arrival: float = 0.0  # gateway wall clock (time.time())
     resume: list[Resume] = field(default_factory=list)  # not empty: only these choices, resumed
     grammar: GrammarSpec | None = None  # structured output: the constraint, compiled here
+    tools: list[ToolSpec] | None = None  # chat: rendered by the chat template (tools=)
 
 
 # --- tokenizer -> compute -------------------------------------------------------------------

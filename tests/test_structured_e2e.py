@@ -120,3 +120,14 @@ def test_bad_constraints_are_400s_and_the_server_goes_on(client, extra, param):
     ok = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                         max_tokens=3)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_tools_need_a_template_that_renders_them_and_auto_its_flag(client):
+    """This stack: SmolLM2's own template (no tools in it), no --enable-auto-tool-choice."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for choice, param in (("required", "tools"), ("auto", "tool_choice"), (None, "tool_choice")):
+        kw = {} if choice is None else {"tool_choice": choice}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, max_tokens=5, tools=tools, **kw,
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert e.value.body["param"] == param, e.value.body

@@ -20,7 +20,7 @@ from services.compute.length.store import redis_stores
 from services.compute.warmup import warm_up
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
-from shared.grammar import GrammarCompiler, model_compiler
+from shared.grammar import BackgroundCompiler
 from shared.length_dist import LengthDist
 from shared.messages import Abort, GenerateRequest, Route, StepOutput
 from shared.sampling import InvalidParams
@@ -44,7 +44,7 @@ class ComputeService:
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.routes: dict[str, Route] = {}  # live requests
         self.early_aborts: dict[str, float] = {}  # aborts that overtook their request
-        self.grammars: GrammarCompiler | None = None
+        self.grammars = BackgroundCompiler(engine.config.model)
         state.Heartbeat(redis_client, "compute", svc.heartbeat_s)
         self._next_stats = 0.0
 
@@ -77,19 +77,13 @@ class ComputeService:
             return
         try:
             predicted = LengthDist(tuple(req.predicted_length)) if req.predicted_length else None
-            grammar = None if req.grammar is None else self._grammars().load(req.grammar)
+            grammar = None if req.grammar is None else self.grammars.get().load(req.grammar)
             self.engine.add_request(list(req.prompt_ids), req.params, rid, predicted,
                                     list(req.output_ids), grammar)
-        except (InvalidParams, ValueError, RuntimeError) as e:  # GrammarError is a ValueError
+        except (InvalidParams, ValueError, RuntimeError, ImportError) as e:  # GrammarError: 400
             errors.append([rid, req.route.reply_to, str(e)])
             return
         self.routes[rid] = req.route
-
-    def _grammars(self) -> GrammarCompiler:
-        """Loads the grammars the tokenizers compiled (built at the first one: the tokenizer)."""
-        if self.grammars is None:
-            self.grammars = model_compiler(self.engine.config.model)
-        return self.grammars
 
     def _control(self, msg, aborted: list[str]) -> None:
         if isinstance(msg, Abort):

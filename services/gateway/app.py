@@ -61,6 +61,7 @@ class Gateway:
                              self.metrics)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
+        self.tool_parser = svc.tool_call_parser if svc.enable_auto_tool_choice else ""
 
     def token_text(self, token_id: int) -> str:
         """One token as a string, as logprobs answers list it (cached)."""
@@ -102,7 +103,7 @@ class Gateway:
         with self.pending.hold():
             body = await read_json_body(request)
             return await self._generate(request, protocol.parse_chat(
-                body, self.model_name, defaults=self.defaults))
+                body, self.model_name, defaults=self.defaults, tool_parser=self.tool_parser))
 
     async def _generate(self, request: web.Request, req: protocol.GenerationRequest):
         check_prompt_bytes(req.prompt_text, req.messages,

@@ -1,6 +1,7 @@
-"""Chat messages of a request, validated: roles system, user, assistant; content a string or
-text parts; the OpenAI fields we do not implement accepted only with the values that ask for
-nothing (what clients echo back), anything else a 400 naming it."""
+"""Chat messages of a request, validated: roles system, user, assistant (with `tool_calls`, its
+content then optional) and tool (with `tool_call_id`); content a string or text parts; the
+OpenAI fields we do not implement accepted only with the values that ask for nothing (what
+clients echo back), anything else a 400 naming it."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from typing import Any
 from services.gateway.errors import bad_request
 from services.gateway.validation import json_type, same
 
-_ROLES = ("system", "user", "assistant")
-_OTHER_ROLES = ("developer", "tool", "function")  # OpenAI roles we do not implement
+_ROLES = ("system", "user", "assistant", "tool")
+_OTHER_ROLES = ("developer", "function")  # OpenAI roles we do not implement
 # Message fields we do not implement; null (or an empty list) is what clients echo back.
-_MESSAGE_NEUTRAL: dict[str, tuple] = {"tool_calls": ([],), "tool_call_id": (), "function_call": (),
-                                      "audio": (), "refusal": (), "annotations": ([],)}
+_MESSAGE_NEUTRAL: dict[str, tuple] = {"function_call": (), "audio": (), "refusal": (),
+                                      "annotations": ([],)}
 
 
 def parse_messages(messages: Any) -> tuple[dict, ...]:
@@ -31,7 +32,7 @@ def _parse_message(message: Any, where: str) -> dict:
     if not isinstance(message, dict):
         raise bad_request(f"{where} must be an object, got {json_type(message)}", where)
     for key, value in message.items():
-        if key in ("role", "content", "name"):
+        if key in ("role", "content", "name", "tool_calls", "tool_call_id"):
             continue
         if key not in _MESSAGE_NEUTRAL:
             raise bad_request(f"Unrecognized argument in {where}: {key}"[:300], f"{where}.{key}")
@@ -42,14 +43,48 @@ def _parse_message(message: Any, where: str) -> dict:
         raise bad_request(f"{where} is missing `role`", f"{where}.role")
     if role not in _ROLES:
         what = f"`{role}` messages are not supported" if role in _OTHER_ROLES else (
-            f"unknown role {str(role)[:50]!r}; expected one of system, user, assistant")
+            f"unknown role {str(role)[:50]!r}; expected one of system, user, assistant, tool")
         raise bad_request(what, f"{where}.role")
-    out = {"role": role, "content": _content(message.get("content"), f"{where}.content")}
+    calls = _tool_calls(message.get("tool_calls"), role, f"{where}.tool_calls")
+    content = message.get("content")
+    out = {"role": role, "content": "" if content is None and calls else
+           _content(content, f"{where}.content")}
+    if calls:
+        out["tool_calls"] = calls
+    call_id = message.get("tool_call_id")
+    if role == "tool":
+        if not isinstance(call_id, str):
+            raise bad_request(f"{where}.tool_call_id (a string) is required in tool messages",
+                              f"{where}.tool_call_id")
+        out["tool_call_id"] = call_id
+    elif call_id is not None:
+        raise bad_request("tool_call_id belongs to tool messages", f"{where}.tool_call_id")
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):
             raise bad_request(f"{where}.name must be a string", f"{where}.name")
         out["name"] = name
+    return out
+
+
+def _tool_calls(calls: Any, role: str, where: str) -> list[tuple[str, str, str]]:
+    """An assistant message's calls as (id, name, arguments JSON text)."""
+    if calls is None or calls == []:
+        return []
+    if role != "assistant":
+        raise bad_request("tool_calls belong to assistant messages", where)
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be an array", where)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(call.get("id"), str)
+                and call.get("type", "function") == "function"
+                and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+            raise bad_request(f"{where}[{i}] must be {{\"id\", \"type\": \"function\", "
+                              f"\"function\": {{\"name\", \"arguments\": string}}}}",
+                              f"{where}[{i}]")
+        out.append((call["id"], fn["name"], fn["arguments"]))
     return out
 
 

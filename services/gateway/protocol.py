@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway import structured
+from services.gateway import structured, tools
 from services.gateway.chat_messages import parse_messages
 from services.gateway.errors import APIError, bad_request, not_found
 from services.gateway.validation import (
@@ -55,7 +55,7 @@ from services.gateway.validation import (
 from shared.codec import int32s
 from shared.generation_config import GenerationDefaults
 from shared.grammar import GrammarSpec
-from shared.messages import ChatMessage, TokenizeRequest
+from shared.messages import ChatMessage, TokenizeRequest, ToolCallMsg
 from shared.sampling import MAX_LOGPROBS, InvalidParams, SamplingParams
 
 MAX_N = 16
@@ -76,8 +76,7 @@ _COMMON_KEYS = frozenset({
 # Known OpenAI fields we do not implement, with the values that ask for nothing (null is too).
 _COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",)}
 _CHAT_NEUTRAL: dict[str, tuple] = {
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "parallel_tool_calls": (),
+    "functions": ([],), "function_call": ("none",),
     "metadata": ({},), "store": (False,), "service_tier": ("auto", "default"),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "moderation": (), "prompt_cache_key": (),
@@ -87,7 +86,7 @@ COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"} | struc
                             | _COMPLETION_NEUTRAL.keys())
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs",
                                       "add_generation_prompt"} | structured.CHAT_KEYS
-                      | _CHAT_NEUTRAL.keys())
+                      | tools.KEYS | _CHAT_NEUTRAL.keys())
 
 
 @dataclass(frozen=True)
@@ -117,6 +116,7 @@ class GenerationRequest:
     best_of: int = 0  # completions: generate this many choices (> n), answer the n with the
     # highest cumulative logprob; 0: n
     grammar: GrammarSpec | None = None  # structured output (gateway/structured.py)
+    tools: tools.Tools | None = None  # chat: its tools and tool_choice (gateway/tools.py)
 
     @property
     def generated(self) -> int:
@@ -128,7 +128,9 @@ class GenerationRequest:
         """What goes to the tokenizers; `seed` is used when the request gave none."""
         messages = None
         if self.messages is not None:
-            messages = [ChatMessage(m["role"], m["content"]) for m in self.messages]
+            messages = [ChatMessage(m["role"], m["content"], [
+                ToolCallMsg(*c) for c in m.get("tool_calls", ())], m.get("tool_call_id"),
+                m.get("name")) for m in self.messages]
         params = self.params
         if params.seed is None:
             params = dataclasses.replace(params, seed=seed)
@@ -141,7 +143,8 @@ class GenerationRequest:
             # chat without max_tokens: up to the context (at most the model's default);
             # completions keep theirs (the model's default, else OpenAI's 16)
             max_tokens_auto=self.kind == "chat" and not self.max_tokens_given,
-            arrival=arrival, grammar=self.grammar)
+            arrival=arrival, grammar=self.grammar,
+            tools=None if self.tools is None else list(self.tools.specs))
 
 
 def parse_completion(body: Any, model_name: str, *,
@@ -170,10 +173,10 @@ def parse_completion(body: Any, model_name: str, *,
                    best_of=best_of if best_of > n else 0)
 
 
-def parse_chat(body: Any, model_name: str, *,
-               defaults: GenerationDefaults = NO_DEFAULTS) -> GenerationRequest:
-    """Validate a `/v1/chat/completions` body. Messages have role system, user or assistant
-    and content as a string or a list of text parts (joined with newlines)."""
+def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
+               tool_parser: str = "") -> GenerationRequest:
+    """Validate a `/v1/chat/completions` body. Messages: chat_messages.py. `tool_parser`:
+    --tool-call-parser when --enable-auto-tool-choice is on (tool_choice "auto" needs it)."""
     model = _check_body(body, model_name, CHAT_KEYS, _CHAT_NEUTRAL)
     messages = parse_messages(body.get("messages"))
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
@@ -192,7 +195,8 @@ def parse_chat(body: Any, model_name: str, *,
     return _finish(body, "chat", model, prompt_text=None, prompt_ids=None, messages=messages,
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, defaults=defaults, fallback_max_tokens=CHAT_MAX_TOKENS,
-                   add_generation_prompt=get_bool(body, "add_generation_prompt", True))
+                   add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+                   tools=tools.parse_tools(body, tool_parser))
 
 
 def _check_body(body: Any, model_name: str, allowed: frozenset[str],
@@ -316,8 +320,15 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         body, logprobs=logprobs or fields.get("best_of", 0) > 0, top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs, max_param=max_param, defaults=defaults,
         max_tokens=defaults.max_tokens_for(max_tokens, fallback_max_tokens))
+    grammar = structured.parse_grammar(body, chat=kind == "chat")
+    calls = fields.get("tools")
+    if calls is not None and calls.grammar() is not None:
+        if grammar is not None:
+            raise bad_request("tool_choice required or a named function cannot be combined "
+                              "with another output constraint", grammar.param)
+        grammar = calls.grammar()
     return GenerationRequest(
         kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
         include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
-        user=get_str(body, "user"), max_tokens_given=max_tokens is not None,
-        grammar=structured.parse_grammar(body, chat=kind == "chat"), **fields)
+        user=get_str(body, "user"), max_tokens_given=max_tokens is not None, grammar=grammar,
+        **fields)

@@ -33,9 +33,10 @@ class Choice:
     logprobs when requested (with echo, the prompt's first)."""
 
     index: int
-    text: str
+    text: str | None  # chat with tool calls: the content besides them, or None
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list | None = None  # chat: tool_parsers.ToolCall (id, name, arguments)
 
 
 @dataclass
@@ -124,11 +125,24 @@ def chat_response(req_id: str, model: str, created: int, choices: list[Choice],
                   usage: Usage) -> dict:
     """A non-streamed `/v1/chat/completions` response ("object": "chat.completion")."""
     out = _envelope("chat", False, req_id, model, created, [
-        {"index": c.index, "message": {"role": "assistant", "content": c.text},
-         "logprobs": _choice_logprobs(c, "chat"), "finish_reason": c.finish_reason}
-        for c in choices])
+        {"index": c.index, "message": _message(c), "logprobs": _choice_logprobs(c, "chat"),
+         "finish_reason": c.finish_reason} for c in choices])
     out["usage"] = usage.to_dict()
     return out
+
+
+def _message(c: Choice) -> dict:
+    out = {"role": "assistant", "content": c.text}
+    if c.tool_calls:
+        out["tool_calls"] = [tool_call(call) for call in c.tool_calls]
+    return out
+
+
+def tool_call(call, index: int | None = None) -> dict:
+    """OpenAI's tool call object (in a stream's delta, with its index)."""
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
 
 
 def completion_chunk(req_id: str, model: str, created: int, index: int, text: str,
@@ -146,15 +160,19 @@ def completion_chunk(req_id: str, model: str, created: int, index: int, text: st
 
 def chat_chunk(req_id: str, model: str, created: int, index: int, delta_content: str | None,
                role: str | None, finish_reason: str | None, logprobs_entry: dict | None, *,
-               include_usage: bool = False) -> dict:
+               include_usage: bool = False, tool_calls: list[dict] | None = None) -> dict:
     """One streamed chat chunk. The first chunk of each choice should pass role="assistant"
     (and delta_content=""); None fields are left out of `delta`. `logprobs_entry` comes from
-    `chat_logprobs`. With `include_usage` the chunk carries "usage": null."""
+    `chat_logprobs`; `tool_calls`: the calls' deltas (a call's first: index, id, type and
+    name; later ones: index and an arguments fragment). With `include_usage` the chunk
+    carries "usage": null."""
     delta: dict = {}
     if role is not None:
         delta["role"] = role
     if delta_content is not None:
         delta["content"] = delta_content
+    if tool_calls:
+        delta["tool_calls"] = tool_calls
     out = _envelope("chat", True, req_id, model, created, [
         {"index": index, "delta": delta, "logprobs": logprobs_entry,
          "finish_reason": finish_reason}])

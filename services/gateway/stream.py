@@ -14,6 +14,7 @@ from services.gateway import responses
 from services.gateway.errors import APIError
 from services.gateway.inflight import ChoiceState, Inflight
 from services.gateway.protocol import GenerationRequest
+from services.gateway.tool_parsers import CallArgs, CallStart, Content, ToolCall
 from shared import state
 from shared.messages import Delta, Tokens
 
@@ -103,6 +104,10 @@ def final_answer(tokenizer, req: GenerationRequest, request_id: str,
     out = [responses.Choice(i, echo + "".join(c.text), c.finish_reason,
                             c.logprobs if req.logprobs else None)
            for i, c in enumerate(answered)]
+    if req.tools is not None and req.tools.mode != "none":
+        for choice in out:
+            choice.text, choice.tool_calls = req.tools.shaper().whole(choice.text)
+            choice.finish_reason = _finish(choice.finish_reason, bool(choice.tool_calls))
     build = responses.chat_response if req.kind == "chat" else responses.completion_response
     return build(request_id, req.model, int(time.time()), out, _usage(choices))
 
@@ -122,6 +127,7 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
     created = int(time.time())
     echo = echo_text(gw.tokenizer, req)
     sent_chars = [0] * req.n
+    shapers = [req.tools.shaper() for _ in range(req.n)] if req.tools is not None else None
     try:
         async for c, delta, entries in _deltas(gw, req, inflight):
             if resp is None:
@@ -135,7 +141,11 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
                 lp = (responses.chat_logprobs(entries) if req.kind == "chat"
                       else responses.completion_logprobs(entries, sent_chars[c.index]))
             sent_chars[c.index] += len(delta.text)
-            await resp.write(responses.sse(_chunk(req, inflight, created, c, delta, lp)))
+            shaper = shapers and shapers[c.index]
+            chunk = _tool_chunk(req, inflight, created, c, delta, lp, shaper) if shaper else \
+                _chunk(req, inflight, created, c, delta, lp)
+            if chunk is not None:
+                await resp.write(responses.sse(chunk))
     except APIError as e:
         if resp is None:
             raise
@@ -147,6 +157,35 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
     await resp.write(responses.SSE_DONE)
     await resp.write_eof()
     return resp
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    """A choice that made tool calls and ended by itself ends with "tool_calls"."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _tool_chunk(req: GenerationRequest, inflight: Inflight, created: int, c: ChoiceState,
+                delta: Delta, lp: dict | None, shaper) -> dict | None:
+    """The chat chunk of a delta of a choice with tools: its text through the choice's
+    ToolShaper, as content and tool-call deltas; None when there is nothing to send yet."""
+    events = shaper.feed(delta.text)
+    if delta.finish_reason is not None:
+        events += shaper.finish()
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    calls = []
+    for e in events:
+        if isinstance(e, CallStart):
+            calls.append(responses.tool_call(ToolCall(e.id, e.name, ""), e.index))
+        elif isinstance(e, CallArgs):
+            calls.append({"index": e.index, "function": {"arguments": e.fragment}})
+    finish = _finish(delta.finish_reason, shaper.calls > 0)
+    if not (content or calls or finish or lp or not c.sent_role):
+        return None
+    role = None if c.sent_role else "assistant"
+    c.sent_role = True
+    return responses.chat_chunk(inflight.request_id, req.model, created, c.index,
+                                content if content or role else None, role, finish, lp,
+                                include_usage=req.include_usage, tool_calls=calls)
 
 
 def _chunk(req: GenerationRequest, inflight: Inflight, created: int, c: ChoiceState,

@@ -14,6 +14,7 @@ to its gateway with a 400 error; everything else goes to compute as GenerateRequ
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from array import array
 
@@ -24,9 +25,23 @@ from shared import state
 from shared.chat_template import ChatTemplateError, load_chat_template
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
-from shared.grammar import CompiledSpec, GrammarCompiler, GrammarError, GrammarSpec, model_compiler
+from shared.grammar import (
+    BackgroundCompiler,
+    CompiledSpec,
+    GrammarCompiler,
+    GrammarError,
+    GrammarSpec,
+)
 from shared.length_predictor import LengthPredictor, length_features, model_key
-from shared.messages import Delta, DeltaBatch, GenerateRequest, Resume, Route, TokenizeRequest
+from shared.messages import (
+    ChatMessage,
+    Delta,
+    DeltaBatch,
+    GenerateRequest,
+    Resume,
+    Route,
+    TokenizeRequest,
+)
 from shared.model_config import ModelConfig, served_context
 from shared.sampling import SamplingParams
 from shared.tokenizer import encode, load_tokenizer
@@ -49,13 +64,13 @@ class Tokenizer:
 
     def __init__(self, config: EngineConfig, predictor: LengthPredictor | None = None):
         self.max_model_len = served_context(config)
-        self.model_path = config.model
         self.vocab_size = ModelConfig.from_path(config.model).vocab_size
         self.tok = load_tokenizer(config.model)
         self.template = load_chat_template(config.model, config.chat_template)
         self.model = model_key(config.model)
         self.predictor = predictor
-        self.grammars: GrammarCompiler | None = None  # built at the first structured request
+        self.compiler = BackgroundCompiler(config.model)
+        self.grammars: GrammarCompiler | None = None  # once compiler has it
         self.can_compile = True  # False where xgrammar cannot be imported (no torch)
 
     def grammar(self, spec: GrammarSpec | None) -> CompiledSpec | None:
@@ -65,7 +80,7 @@ class Tokenizer:
             return None
         if self.grammars is None and self.can_compile:
             try:
-                self.grammars = model_compiler(self.model_path)
+                self.grammars = self.compiler.get()
             except ImportError as e:
                 log.warning("no grammar compiler here (%s): compute compiles grammars", e)
                 self.can_compile = False
@@ -81,8 +96,8 @@ class Tokenizer:
         if req.messages is not None:
             if self.template is None:
                 raise PromptError("this model has no chat template; use /v1/completions")
-            messages = [{"role": m.role, "content": m.content} for m in req.messages]
-            text = self.template.render(messages, req.add_generation_prompt)
+            messages = [_message(m) for m in req.messages]
+            text = self.template.render(messages, req.add_generation_prompt, self._tools(req))
             return text, encode(self.tok, text, add_special_tokens=False)
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
@@ -90,6 +105,18 @@ class Tokenizer:
                 raise PromptError(f"prompt token ids must be in [0, {self.vocab_size})")
             return "", ids
         return req.prompt_text or "", encode(self.tok, req.prompt_text or "")
+
+    def _tools(self, req: TokenizeRequest) -> list[dict] | None:
+        """The request's tools as the template's `tools=` takes them (OpenAI's shape)."""
+        if not req.tools:
+            return None
+        if not self.template.renders_tools:
+            raise PromptError("this model's chat template does not render tools; start the "
+                              "server with a --chat-template that does (chatml_tools for "
+                              "ChatML models such as SmolLM2)", "tools")
+        return [{"type": "function", "function": {
+            "name": t.name, "description": t.description,
+            "parameters": json.loads(t.parameters)}} for t in req.tools]
 
     def predict(self, text: str, ids: list[int], max_tokens: int,
                 ) -> tuple[list[int], list[int] | None]:
@@ -143,6 +170,22 @@ class Tokenizer:
             params = dataclasses.replace(params, prompt_logprobs=None)
         route = dataclasses.replace(route, request_id=rid, resume=r if r.attempt else None)
         return GenerateRequest(rid, prompt, params, route, quantiles, r.output_ids, grammar)
+
+
+def _message(m: ChatMessage) -> dict:
+    """A chat message as templates take it: assistant calls' arguments as objects (HF's
+    convention; the API sends JSON text), None fields left out by the template's renderer."""
+    calls = [{"id": c.id, "type": "function", "function": {
+        "name": c.name, "arguments": _json_or_text(c.arguments)}} for c in m.tool_calls]
+    return {"role": m.role, "content": m.content, "tool_calls": calls or None,
+            "tool_call_id": m.tool_call_id, "name": m.name}
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
