@@ -18,6 +18,7 @@ One module, one source per concept (bindings.cpp declares and binds them all):
     activation.cpp        silu_mul                                  kernels/activation.py
     int8_quant.cpp        quantize_int8, silu_mul_int8              kernels/int8_quant.py
     rope.cpp              rope_kv_write (float and INT8 caches)     kernels/rope.py
+    token_bitmask.cpp     apply_token_bitmask (grammars' masks)     kernels/token_bitmask.py
     common.h              the row kernels' shared helpers
 """
 
@@ -32,7 +33,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "bindings.cpp", "decode_attention.cpp", "norm.cpp", "activation.cpp", "int8_quant.cpp",
-    "rope.cpp", "block_gemm.cpp")]
+    "rope.cpp", "block_gemm.cpp", "token_bitmask.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 

@@ -26,6 +26,8 @@ std::tuple<Tensor, Tensor> rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor po
                                          Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,
                                          Tensor slots, std::optional<Tensor> k_scale,
                                          std::optional<Tensor> v_scale);
+// token_bitmask.cpp
+void apply_token_bitmask(Tensor logits, Tensor bitmask, Tensor rows);
 // block_gemm.cpp
 bool q4_gemm_available();
 Tensor q4_gemm(Tensor x, Tensor qs, Tensor d, Tensor m, int64_t n, std::optional<Tensor> bias);
@@ -54,6 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slots"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none());
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "logits [S, V] of the listed rows to -inf where their bitmask bit is 0, in place",
+        py::arg("logits"), py::arg("bitmask"), py::arg("rows"));
   m.def("q4_gemm_available", &q4_gemm_available, "whether the VNNI block GEMMs were built");
   m.def("q4_gemm", &q4_gemm, "INT4 blocks x INT8 activations: [M, K] -> [M, n]", py::arg("x"),
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("bias") = py::none());

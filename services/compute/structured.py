@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from kernels.token_bitmask import apply_token_bitmask
 from shared.grammar import LoadedGrammar
 
 log = logging.getLogger("pipellm.compute")
@@ -70,6 +71,5 @@ def mask_logits(logits: torch.Tensor, seqs: list) -> torch.Tensor:
         seqs[i].grammar.fill(bitmask, i)
     if logits.shape[-1] > vocab:
         logits[rows, vocab:] = float("-inf")
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                    vocab_size=vocab, indices=rows)
+    apply_token_bitmask(logits[:, :vocab], bitmask, rows)
     return logits
