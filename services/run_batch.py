@@ -26,6 +26,7 @@ from services.gateway.inflight import ChoiceState
 from services.gateway.stream import final_answer, logprob_entries
 from services.tokenizer.service import PromptError, Tokenizer
 from shared.generation_config import GenerationDefaults
+from shared.grammar import BackgroundCompiler, GrammarError
 from shared.messages import Delta, GenerateRequest, Route, StepOutput
 from shared.sampling import InvalidParams
 from shared.tokenizer import decode
@@ -58,6 +59,7 @@ class BatchRunner:
         self.detokenizer = Detokenizer(tokenizer.tok, ttl_s=0)
         self.routes: dict[str, Route] = {}  # engine request id -> its route, until it finishes
         self.live: dict[str, tuple[Item, ChoiceState]] = {}  # engine request id -> its choice
+        self.grammars = BackgroundCompiler(engine.config.model)  # compiles structured outputs
 
     def parse(self, line: str) -> Item:
         """An input line as an Item; an unusable one carries its error."""
@@ -89,7 +91,7 @@ class BatchRunner:
             choices = self.tokenizer.prepare(tokenize)
             for g in choices:
                 self._add(item, g)
-        except (PromptError, InvalidParams) as exc:
+        except (PromptError, InvalidParams, GrammarError) as exc:
             item.error = APIError(400, str(exc), param=getattr(exc, "param", None))
             for rid in item.choices:
                 self.engine.abort(rid)
@@ -97,7 +99,7 @@ class BatchRunner:
                 self.routes.pop(rid, None)
 
     def _add(self, item: Item, g: GenerateRequest) -> None:
-        grammar = None if g.grammar is None else self.tokenizer.grammars.load(g.grammar)
+        grammar = None if g.grammar is None else self.grammars.get().compile(g.grammar)
         self.engine.add_request(list(g.prompt_ids), g.params, g.request_id, grammar=grammar)
         choice = ChoiceState(len(item.choices))
         item.choices[g.request_id] = choice

@@ -1,13 +1,16 @@
-"""Grammars that constrain a request's output (structured outputs), compiled with xgrammar.
+"""Grammars that constrain a request's output (structured outputs), with xgrammar.
 
 A request's constraint travels as a `GrammarSpec` (what the client asked for: a JSON schema,
-any JSON object, a regex, a choice of strings, an EBNF or Lark grammar) from the gateway to a
-tokenizer, which compiles it against the model's vocabulary (`GrammarCompiler`, cached by the
-spec) and sends it on to compute serialized (`CompiledSpec`), so compute's loop never compiles:
-it deserializes a grammar the first time it sees it (`GrammarCompiler.load`, cached by key).
+any JSON object, a regex, a choice of strings, an EBNF or Lark grammar) from the gateway through
+a tokenizer, which checks it (`validate`: parsing it, ~0.1 ms, so that a bad one is a 400 before
+any compute), to compute, which compiles it against the model's vocabulary in a thread off its
+loop (`GrammarCompiler.compile`, ~20 ms for a small schema, cached by the spec; xgrammar
+releases the GIL). Compiling in the tokenizer and sending the result was measured and dropped:
+a small schema's compiled form serializes to 1.6 MB, and serializing plus deserializing it
+(42 ms) costs twice the compile.
 
 xgrammar is the grammar engine vLLM, SGLang and TensorRT-LLM use by default; it is imported only
-where a grammar is compiled or matched (tokenizer and compute), never by the gateway.
+where a grammar is checked or matched (tokenizer and compute), never by the gateway.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ class GrammarSpec:
     """One request's output constraint as the client gave it. kind: one of KINDS; spec: the
     JSON schema (JSON text), the regex, the choices (a JSON list of strings) or the grammar
     (EBNF with `::=` rules, else Lark); unused for json_object. whitespace: the JSON kinds'
-    whitespace between tokens ("any", or "compact": none). param: the request field it came
-    from (named in errors)."""
+    whitespace between tokens ("any", or "compact": only xgrammar's ", " and ": "). param:
+    the request field it came from (named in errors)."""
 
     kind: str
     spec: str = ""
@@ -54,18 +57,6 @@ class GrammarSpec:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-@message
-class CompiledSpec:
-    """A grammar compiled against the served model's vocabulary: xgrammar's serialized form;
-    or, from a tokenizer without xgrammar (the slim image has no torch, which xgrammar needs),
-    the spec itself, which compute then compiles (once per key). json: a JSON kind."""
-
-    key: str
-    serialized: str = ""
-    spec: GrammarSpec | None = None
-    json: bool = False
-
-
 @dataclass(frozen=True)
 class LoadedGrammar:
     """A grammar ready for matchers (compute): xgrammar's CompiledGrammar and, for JSON, the
@@ -75,6 +66,44 @@ class LoadedGrammar:
 
     compiled: Any
     allowed: Any = None
+
+
+def _error(spec: GrammarSpec, exc: Exception) -> GrammarError:
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    reason = _WHERE.sub("", lines[0])  # xgrammar's "[time] file.cc:line: " prefix
+    return GrammarError(spec.param, f"{spec.param}: cannot compile the {spec.kind}: "
+                        f"{reason}"[:500])
+
+
+def _grammar(spec: GrammarSpec):
+    """The spec as an xgrammar Grammar (parsed, not yet compiled for a vocabulary)."""
+    import xgrammar as xgr
+
+    if spec.kind == "json_schema":
+        return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=spec.whitespace == "any",
+                                            strict_mode=True)
+    if spec.kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}',
+                                            any_whitespace=spec.whitespace == "any")
+    if spec.kind == "regex":
+        return xgr.Grammar.from_regex(spec.spec)
+    if spec.kind == "choice":
+        return xgr.Grammar.from_ebnf(_choice_grammar(json.loads(spec.spec)))
+    if spec.kind == "grammar":
+        return (xgr.Grammar.from_ebnf(spec.spec) if "::=" in spec.spec
+                else xgr.Grammar.from_lark(spec.spec))
+    raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+def validate(spec: GrammarSpec) -> None:
+    """GrammarError (naming spec.param) unless the spec parses; ImportError without xgrammar
+    (the slim image: no torch, which xgrammar needs), where compute's compile finds errors."""
+    try:
+        _grammar(spec)
+    except ImportError:
+        raise
+    except Exception as e:  # xgrammar raises RuntimeError/ValueError with its reason
+        raise _error(spec, e) from None
 
 
 def _allowed_row(info, ok) -> Any:
@@ -150,73 +179,34 @@ def model_compiler(model: str) -> GrammarCompiler:
 
 
 class GrammarCompiler:
-    """Compiles specs for one model (tokenizer side) and loads compiled ones (compute side),
-    each behind an LRU cache of `cache_size` grammars."""
+    """Compiles specs for one model (compute), behind an LRU cache of `cache_size` grammars."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: tuple[int, ...],
                  cache_size: int = 256):
         import xgrammar as xgr
 
         self.info = _tokenizer_info(tokenizer, vocab_size, stop_ids)
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._compiled = _Lru(cache_size, OrderedDict())  # key -> CompiledSpec
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
         self._loaded = _Lru(cache_size, OrderedDict())  # key -> LoadedGrammar
-        self._json_allowed = None  # int32 bitmask row, made at the first JSON grammar
+        self._json_allowed = _allowed_row(self.info, lambda b: not any(
+            c < 0x20 and c != 0x0A for c in b))  # int32 bitmask row for the JSON kinds
 
-    def compile(self, spec: GrammarSpec) -> CompiledSpec:
-        """The spec compiled and serialized; raises GrammarError naming spec.param."""
+    def cached(self, spec: GrammarSpec) -> LoadedGrammar | None:
+        return self._loaded.get(spec.key)
+
+    def compile(self, spec: GrammarSpec) -> LoadedGrammar:
+        """The spec compiled for the model (cached by key); raises GrammarError naming
+        spec.param. Thread-safe enough for one compiling thread beside the loop's reads."""
         key = spec.key
-        if (hit := self._compiled.get(key)) is not None:
+        if (hit := self._loaded.get(key)) is not None:
             return hit
-        compiled = self._compile(spec)
-        out = CompiledSpec(key, compiled.serialize_json(), json=spec.kind in _JSON_KINDS)
-        self._compiled.put(key, out)
-        self._loaded.put(key, self._ready(compiled, out.json))
-        return out
-
-    def _compile(self, spec: GrammarSpec):
-        c = self._compiler
-        compact = spec.whitespace == "compact"
         try:
-            if spec.kind == "json_schema":
-                return c.compile_json_schema(spec.spec, any_whitespace=not compact,
-                                             strict_mode=True)
-            if spec.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=not compact)
-            if spec.kind == "regex":
-                return c.compile_regex(spec.spec)
-            if spec.kind == "choice":
-                return c.compile_grammar(_choice_grammar(json.loads(spec.spec)))
-            if spec.kind == "grammar":
-                if "::=" in spec.spec:
-                    return c.compile_grammar(spec.spec)
-                return c.compile_lark(spec.spec)
-        except Exception as e:  # xgrammar raises RuntimeError/ValueError with its reason
-            lines = str(e).strip().splitlines() or [type(e).__name__]
-            reason = _WHERE.sub("", lines[0])  # xgrammar's "[time] file.cc:line: " prefix
-            raise GrammarError(spec.param, f"{spec.param}: cannot compile the {spec.kind}: "
-                               f"{reason}"[:500]) from None
-        raise GrammarError(spec.param, f"unknown grammar kind {spec.kind!r}")
-
-    def load(self, compiled: CompiledSpec) -> LoadedGrammar:
-        """The grammar of a serialized one (deserialized once per key), or of a spec sent
-        uncompiled (compiled here; GrammarError when it does not compile)."""
-        import xgrammar as xgr
-
-        if (hit := self._loaded.get(compiled.key)) is not None:
-            return hit
-        if not compiled.serialized:
-            self.compile(compiled.spec)
-            return self._loaded.get(compiled.key)
-        grammar = xgr.CompiledGrammar.deserialize_json(compiled.serialized, self.info)
-        loaded = self._ready(grammar, compiled.json)
-        self._loaded.put(compiled.key, loaded)
+            compiled = self._compiler.compile_grammar(_grammar(spec))
+        except Exception as e:
+            raise _error(spec, e) from None
+        loaded = self._ready(compiled, spec.kind in _JSON_KINDS)
+        self._loaded.put(key, loaded)
         return loaded
 
     def _ready(self, compiled, json_kind: bool) -> LoadedGrammar:
-        if not json_kind:
-            return LoadedGrammar(compiled)
-        if self._json_allowed is None:
-            self._json_allowed = _allowed_row(self.info, lambda b: not any(
-                c < 0x20 and c != 0x0A for c in b))
-        return LoadedGrammar(compiled, self._json_allowed)
+        return LoadedGrammar(compiled, self._json_allowed if json_kind else None)

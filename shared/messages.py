@@ -14,7 +14,7 @@ from array import array
 from dataclasses import field
 
 from shared.codec import message, register
-from shared.grammar import CompiledSpec, GrammarSpec
+from shared.grammar import GrammarSpec
 from shared.sampling import SamplingParams
 
 register(SamplingParams)
@@ -75,7 +75,7 @@ class TokenizeRequest:
     max_tokens_auto: bool = False  # no max_tokens given: generate up to the context length
     arrival: float = 0.0  # gateway wall clock (time.time())
     resume: list[Resume] = field(default_factory=list)  # not empty: only these choices, resumed
-    grammar: GrammarSpec | None = None  # structured output: the constraint, compiled here
+    grammar: GrammarSpec | None = None  # structured output: the constraint (checked here)
     tools: list[ToolSpec] | None = None  # chat: rendered by the chat template (tools=)
 
 
@@ -106,7 +106,7 @@ class GenerateRequest:
     predicted_length: list[int] | None = None  # its quantiles at length_dist.LEVELS
     output_ids: array = field(default_factory=lambda: array("i"))  # int32: a resumed choice's
     # tokens so far (they follow the prompt and count as output)
-    grammar: CompiledSpec | None = None  # structured output: what its tokens must match
+    grammar: GrammarSpec | None = None  # structured output: compiled by compute
 
 
 # --- gateway / detokenizer -> compute control -----------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from services.compute.backend import build_engine
 from services.compute.structured import GrammarState, mask_logits
 from shared.config import EngineConfig, SchedulerConfig
-from shared.grammar import GrammarError, GrammarSpec, model_compiler
+from shared.grammar import GrammarError, GrammarSpec, model_compiler, validate
 from shared.sampling import SamplingParams
 from shared.tokenizer import decode, encode, load_tokenizer
 
@@ -44,7 +44,7 @@ def _engine(model_dir, **kw):
 
 def _run(engine, tok, compiler, spec: GrammarSpec, params: SamplingParams, prompts=PROMPTS,
          output_ids=None):
-    grammar = compiler.load(compiler.compile(spec))
+    grammar = compiler.compile(spec)
     seqs = []
     for i, p in enumerate(prompts):
         rid = engine.add_request(encode(tok, p), params, grammar=grammar,
@@ -102,7 +102,7 @@ def test_grammar_end_wins_over_ignore_eos_and_min_tokens(demo_model_dir, tok, co
 def test_the_mask_is_obeyed_token_by_token(demo_model_dir, tok, compiler):
     """A planted grammar: at every step the sampled token is one the matcher allowed, and
     mask_logits leaves exactly those finite (rows without a grammar untouched)."""
-    grammar = compiler.load(compiler.compile(GrammarSpec("regex", "[xyz]{4}")))
+    grammar = compiler.compile(GrammarSpec("regex", "[xyz]{4}"))
     state, vocab = GrammarState(grammar), compiler.info.vocab_size
     free = type("Seq", (), {"grammar": None})()
     logits = torch.randn(2, vocab)
@@ -156,7 +156,7 @@ def test_choices_with_seeds_repeat(demo_model_dir, tok, compiler):
     spec = GrammarSpec("regex", "[a-f]{6}")
     params = [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in (1, 2, 1)]
     engine = _engine(demo_model_dir)
-    grammar = compiler.load(compiler.compile(spec))
+    grammar = compiler.compile(spec)
     ids = encode(tok, PROMPTS[0])
     seqs = [engine.requests[engine.add_request(ids, p, grammar=grammar)] for p in params]
     while engine.has_work():
@@ -165,37 +165,48 @@ def test_choices_with_seeds_repeat(demo_model_dir, tok, compiler):
     assert texts[0] == texts[2] and all(re.fullmatch("[a-f]{6}", t) for t in texts)
 
 
+BAD = [GrammarSpec("regex", "(open", param="structured_outputs.regex"),
+       GrammarSpec("json_schema", '{"type": "nope"}'), GrammarSpec("grammar", "root ::= missing"),
+       GrammarSpec("grammar", "start: UNDEFINED", param="guided_grammar")]
+
+
 def test_compiler_caches_and_reports_errors(compiler):
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
-    assert compiler.compile(spec) is compiler.compile(spec)
+    assert compiler.compile(spec) is compiler.compile(spec) is compiler.cached(spec)
     assert GrammarSpec("json_schema", json.dumps(SCHEMA), param="other").key == spec.key
-    for bad in (GrammarSpec("regex", "(open", param="structured_outputs.regex"),
-                GrammarSpec("json_schema", '{"type": "nope"}'),
-                GrammarSpec("grammar", "root ::= missing")):
-        with pytest.raises(GrammarError) as e:
-            compiler.compile(bad)
-        assert e.value.param == bad.param and str(e.value).startswith(bad.param)
-        assert "/project/" not in str(e.value) and ".cc:" not in str(e.value)
+    for bad in BAD:
+        for check in (validate, compiler.compile):  # the tokenizer's check, compute's compile
+            with pytest.raises(GrammarError) as e:
+                check(bad)
+            assert e.value.param == bad.param and str(e.value).startswith(bad.param)
+            assert "/project/" not in str(e.value) and ".cc:" not in str(e.value)
+    validate(spec)
 
 
-def test_an_uncompiled_spec_compiles_in_compute(compiler):
-    """The slim image's tokenizer has no xgrammar: it sends the spec, compute compiles it."""
-    from shared.grammar import CompiledSpec
+def test_the_queue_compiles_off_the_loop(demo_model_dir):
+    """compute's GrammarQueue: each item comes back with its grammar or its error, in order."""
+    import time
 
-    spec = GrammarSpec("regex", "[q]{2}")
-    grammar = compiler.load(CompiledSpec(spec.key, spec=spec))
-    assert grammar.compiled.tokenizer_info.vocab_size == compiler.info.vocab_size
-    with pytest.raises(GrammarError):
-        bad = GrammarSpec("regex", "(")
-        compiler.load(CompiledSpec(bad.key, spec=bad))
+    from services.compute.structured import GrammarQueue
+
+    queue = GrammarQueue(str(demo_model_dir))
+    specs = [GrammarSpec("regex", "[a-c]{3}"), BAD[0], GrammarSpec("regex", "[a-c]{3}")]
+    for i, spec in enumerate(specs):
+        queue.submit(spec, i)
+    done, deadline = [], time.monotonic() + 60
+    while len(done) < 3 and time.monotonic() < deadline:
+        done += queue.ready()
+        time.sleep(0.01)
+    assert [i for i, _ in done] == [0, 1, 2] and not queue.waiting
+    assert isinstance(done[1][1], GrammarError) and done[0][1] is done[2][1]
 
 
 def test_json_grammars_never_allow_control_characters(compiler):
     """xgrammar's JSON strings would take a raw control character (json.loads rejects it):
     the JSON kinds' allowed row clears every token holding one but newline."""
-    loaded = compiler.load(compiler.compile(GrammarSpec("json_object")))
+    loaded = compiler.compile(GrammarSpec("json_object"))
     words = loaded.allowed.tolist()
     for token, raw in enumerate(compiler.info.decoded_vocab):
         bit = (words[token // 32] >> (token % 32)) & 1
         assert bit == (not any(c < 0x20 and c != 0x0A for c in raw)), (token, raw)
-    assert compiler.load(compiler.compile(GrammarSpec("regex", "a"))).allowed is None
+    assert compiler.compile(GrammarSpec("regex", "a")).allowed is None

@@ -17,10 +17,10 @@ import zmq
 from services.compute.backend import build_engine
 from services.compute.engine import LLMEngine
 from services.compute.length.store import redis_stores
+from services.compute.structured import GrammarQueue
 from services.compute.warmup import warm_up
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
-from shared.grammar import BackgroundCompiler
 from shared.length_dist import LengthDist
 from shared.messages import Abort, GenerateRequest, Route, StepOutput
 from shared.sampling import InvalidParams
@@ -44,13 +44,14 @@ class ComputeService:
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.routes: dict[str, Route] = {}  # live requests
         self.early_aborts: dict[str, float] = {}  # aborts that overtook their request
-        self.grammars = BackgroundCompiler(engine.config.model)
+        self.grammars = GrammarQueue(engine.config.model)
         state.Heartbeat(redis_client, "compute", svc.heartbeat_s)
         self._next_stats = 0.0
 
     def run(self, stop=lambda: False) -> None:
-        while not stop():
-            self.poll(timeout_ms=0 if self.engine.has_work() else 50)
+        while not stop():  # idle: wait for messages (briefly while grammars compile)
+            self.poll(timeout_ms=0 if self.engine.has_work() else
+                      1 if self.grammars.waiting else 50)
             if self.engine.has_work():
                 self.outbox.send(self.step())
             else:
@@ -67,17 +68,28 @@ class ComputeService:
             for msg in self.inbox.drain():
                 if isinstance(msg, GenerateRequest):
                     self._add(msg, errors)
+        for req, grammar in self.grammars.ready():
+            self._admit(req, grammar, errors)
         if errors or aborted:
             self.outbox.send(StepOutput([], errors=errors, aborted=aborted,
                                         step_time=time.time()))
 
     def _add(self, req: GenerateRequest, errors: list[list[str]]) -> None:
+        if req.grammar is not None:  # admitted once compiled (poll)
+            self.grammars.submit(req.grammar, req)
+        else:
+            self._admit(req, None, errors)
+
+    def _admit(self, req: GenerateRequest, grammar, errors: list[list[str]]) -> None:
+        """Into the engine, unless aborted meanwhile; `grammar`: its LoadedGrammar, or the
+        error that its compile raised (a GrammarError: the client's 400)."""
         rid = req.request_id
         if self.early_aborts.pop(rid, None) or self.early_aborts.pop(state.api_id(rid), None):
             return
         try:
+            if isinstance(grammar, Exception):
+                raise grammar
             predicted = LengthDist(tuple(req.predicted_length)) if req.predicted_length else None
-            grammar = None if req.grammar is None else self.grammars.get().load(req.grammar)
             self.engine.add_request(list(req.prompt_ids), req.params, rid, predicted,
                                     list(req.output_ids), grammar)
         except (InvalidParams, ValueError, RuntimeError, ImportError) as e:  # GrammarError: 400

@@ -1,7 +1,8 @@
-"""Constrained decoding in compute: one xgrammar matcher per sequence (choice), the step's
-token bitmask, and the token each sampled row commits.
+"""Constrained decoding in compute: grammars compiled off the loop, one xgrammar matcher per
+sequence (choice), the step's token bitmask, and the token each sampled row commits.
 
-    GrammarState(compiled, replay)   a sequence's matcher; `replay`: tokens it already generated
+    GrammarQueue(model)              requests waiting for their grammar, compiled in a thread
+    GrammarState(grammar, replay)    a sequence's matcher; `replay`: tokens it already generated
                                      (a request resumed after a crash continues its grammar)
     mask_logits(logits, seqs)        -> logits [S, vocab] with every token the grammar of a row
                                      forbids at -inf (rows without a grammar unchanged)
@@ -17,13 +18,34 @@ ignore_eos says; max_tokens first ends it with "length".
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from kernels.token_bitmask import apply_token_bitmask
-from shared.grammar import LoadedGrammar
+from shared.grammar import BackgroundCompiler, GrammarSpec, LoadedGrammar
 
 log = logging.getLogger("pipellm.compute")
+
+
+class GrammarQueue:
+    """Requests waiting for their grammar. One thread compiles (xgrammar releases the GIL, so
+    the loop steps meanwhile; a cached grammar comes back at once); the compiler itself is
+    built in the background from start-up (BackgroundCompiler)."""
+
+    def __init__(self, model: str):
+        self.compiler = BackgroundCompiler(model)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.waiting: list[tuple[Future, object]] = []
+
+    def submit(self, spec: GrammarSpec, item) -> None:
+        self.waiting.append((self._pool.submit(lambda: self.compiler.get().compile(spec)), item))
+
+    def ready(self) -> list[tuple[object, LoadedGrammar | Exception]]:
+        """(item, its grammar or why it has none) of every compile that finished, in order."""
+        done = [(f, item) for f, item in self.waiting if f.done()]
+        self.waiting = [(f, item) for f, item in self.waiting if not f.done()]
+        return [(item, f.exception() or f.result()) for f, item in done]
 
 
 class GrammarState:

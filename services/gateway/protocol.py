@@ -321,12 +321,12 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         prompt_logprobs=prompt_logprobs, max_param=max_param, defaults=defaults,
         max_tokens=defaults.max_tokens_for(max_tokens, fallback_max_tokens))
     grammar = structured.parse_grammar(body, chat=kind == "chat")
-    calls = fields.get("tools")
-    if calls is not None and calls.grammar() is not None:
+    calls = fields.get("tools") and fields["tools"].grammar()  # required or a named function
+    if calls is not None:
         if grammar is not None:
             raise bad_request("tool_choice required or a named function cannot be combined "
                               "with another output constraint", grammar.param)
-        grammar = calls.grammar()
+        grammar = calls
     return GenerationRequest(
         kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
         include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,

@@ -25,13 +25,7 @@ from shared import state
 from shared.chat_template import ChatTemplateError, load_chat_template
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
-from shared.grammar import (
-    BackgroundCompiler,
-    CompiledSpec,
-    GrammarCompiler,
-    GrammarError,
-    GrammarSpec,
-)
+from shared.grammar import GrammarError, GrammarSpec, validate
 from shared.length_predictor import LengthPredictor, length_features, model_key
 from shared.messages import (
     ChatMessage,
@@ -69,25 +63,18 @@ class Tokenizer:
         self.template = load_chat_template(config.model, config.chat_template)
         self.model = model_key(config.model)
         self.predictor = predictor
-        self.compiler = BackgroundCompiler(config.model)
-        self.grammars: GrammarCompiler | None = None  # once compiler has it
-        self.can_compile = True  # False where xgrammar cannot be imported (no torch)
+        self.can_check = True  # False where xgrammar cannot be imported (no torch)
 
-    def grammar(self, spec: GrammarSpec | None) -> CompiledSpec | None:
-        """The request's constraint compiled (cached by spec); PromptError when it cannot be.
-        Without xgrammar here, the spec goes to compute as it is, which compiles it."""
-        if spec is None:
-            return None
-        if self.grammars is None and self.can_compile:
-            try:
-                self.grammars = self.compiler.get()
-            except ImportError as e:
-                log.warning("no grammar compiler here (%s): compute compiles grammars", e)
-                self.can_compile = False
-        if self.grammars is None:
-            return CompiledSpec(spec.key, spec=spec)
+    def check_grammar(self, spec: GrammarSpec | None) -> None:
+        """PromptError (a 400 naming the field) when the request's constraint does not parse.
+        Without xgrammar here, compute's compile is the check."""
+        if spec is None or not self.can_check:
+            return
         try:
-            return self.grammars.compile(spec)
+            validate(spec)
+        except ImportError as e:
+            log.warning("cannot check grammars here (%s): compute will", e)
+            self.can_check = False
         except GrammarError as e:
             raise PromptError(str(e), e.param) from None
 
@@ -147,7 +134,7 @@ class Tokenizer:
                 f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
                 f"prompt, {params.max_tokens} for the completion). Please reduce the length "
                 f"of the prompt or max_tokens.")
-        grammar = self.grammar(req.grammar)
+        self.check_grammar(req.grammar)
         feats, quantiles = self.predict(text, ids, params.max_tokens)
         packed = int32s(ids)
         route = Route(request_id="", reply_to=req.reply_to, num_prompt=len(ids),
@@ -155,12 +142,12 @@ class Tokenizer:
                       length_features=feats,
                       prompt_ids=packed if params.prompt_logprobs is not None else None)
         resumes = req.resume or [Resume(i, 0, array("i"), 0) for i in range(req.n)]
-        return [self._choice(req.request_id, r, packed, params, route, quantiles, grammar)
+        return [self._choice(req.request_id, r, packed, params, route, quantiles, req.grammar)
                 for r in resumes]
 
     @staticmethod
     def _choice(api: str, r: Resume, prompt: array, params: SamplingParams, route: Route,
-                quantiles: list[int] | None, grammar: CompiledSpec | None = None,
+                quantiles: list[int] | None, grammar: GrammarSpec | None = None,
                 ) -> GenerateRequest:
         """Choice r.index of the request (seed + index: choices differ, resumes repeat)."""
         rid = state.choice_id(api, r.index, r.attempt)
