@@ -2,7 +2,8 @@
 
 Floors, lowest first: `core/` (the types every room uses), then `kv/`, then `model/` and
 `length/`, then `scheduling/` and the grammars (`structured`), then the step's device-side
-helpers, then the runners, the engine, and the process and backend wiring on top. A module may import its own room or lower floors.
+helpers, then the runners, the engine, and the process and backend wiring on top. A module may
+import its own room or lower floors.
 """
 
 from __future__ import annotations
