@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from services.detokenizer.service import Detokenizer
 from services.gateway import protocol, responses
@@ -26,7 +27,7 @@ from services.gateway.inflight import ChoiceState
 from services.gateway.stream import final_answer, logprob_entries
 from services.tokenizer.service import PromptError, Tokenizer
 from shared.generation_config import GenerationDefaults
-from shared.grammar import BackgroundCompiler, GrammarError
+from shared.grammar import GrammarCompiler, GrammarError, model_compiler
 from shared.messages import Delta, GenerateRequest, Route, StepOutput
 from shared.sampling import InvalidParams
 from shared.tokenizer import decode
@@ -59,7 +60,12 @@ class BatchRunner:
         self.detokenizer = Detokenizer(tokenizer.tok, ttl_s=0)
         self.routes: dict[str, Route] = {}  # engine request id -> its route, until it finishes
         self.live: dict[str, tuple[Item, ChoiceState]] = {}  # engine request id -> its choice
-        self.grammars = BackgroundCompiler(engine.config.model)  # compiles structured outputs
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured outputs; built at the first line that has one (a batch without
+        any never loads xgrammar)."""
+        return model_compiler(self.engine.config.model)
 
     def parse(self, line: str) -> Item:
         """An input line as an Item; an unusable one carries its error."""
@@ -99,7 +105,7 @@ class BatchRunner:
                 self.routes.pop(rid, None)
 
     def _add(self, item: Item, g: GenerateRequest) -> None:
-        grammar = None if g.grammar is None else self.grammars.get().compile(g.grammar)
+        grammar = None if g.grammar is None else self.grammars.compile(g.grammar)
         self.engine.add_request(list(g.prompt_ids), g.params, g.request_id, grammar=grammar)
         choice = ChoiceState(len(item.choices))
         item.choices[g.request_id] = choice

@@ -24,7 +24,6 @@ from typing import Any
 
 from shared.codec import message
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 _JSON_KINDS = ("json_schema", "json_object")
 _WHERE = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
@@ -39,11 +38,11 @@ class GrammarError(ValueError):
 
 @message
 class GrammarSpec:
-    """One request's output constraint as the client gave it. kind: one of KINDS; spec: the
-    JSON schema (JSON text), the regex, the choices (a JSON list of strings) or the grammar
-    (EBNF with `::=` rules, else Lark); unused for json_object. whitespace: the JSON kinds'
-    whitespace between tokens ("any", or "compact": only xgrammar's ", " and ": "). param:
-    the request field it came from (named in errors)."""
+    """One request's output constraint as the client gave it. kind: json_schema, json_object,
+    regex, choice or grammar; spec: the JSON schema (JSON text), the regex, the choices (a JSON
+    list of strings) or the grammar (EBNF with `::=` rules, else Lark); unused for json_object.
+    whitespace: the JSON kinds' whitespace between tokens ("any", or "compact": only xgrammar's
+    ", " and ": "). param: the request field it came from (named in errors)."""
 
     kind: str
     spec: str = ""
