@@ -1,11 +1,12 @@
 """Prefix caching on CPU, side by side: pipellm and vLLM, each with and without its cache.
 
-Same model (SmolLM2-135M-Instruct, float32, the files bench/vs_vllm.py expands), same machine,
-same load, one run. Each repetition round starts each of the four servers in turn (a fresh
-server, so no round serves another's prompts from its cache), warms it, and drives it with the
-two prefix-heavy workloads of the load generator (loadgen/prefix_datasets.py), greedy, EOS
-ignored (every request generates its sample's answer length), lengths counted with the model's
-tokenizer:
+Same model (SmolLM2-135M-Instruct), same machine, same load, one run; the servers as
+bench/vs_peers.py runs them (pipellm: its default, the GGUF; vLLM: vllm-bf16, bf16 on the GGUF's
+float32 HF expansion, model on every core). Each round starts each of the four servers in
+turn (a fresh server, so no round serves another's prompts from its cache), warms it, and
+drives it with the two prefix-heavy workloads of the load generator
+(loadgen/prefix_datasets.py), greedy, EOS ignored (every request generates its sample's answer
+length), lengths counted with the model's tokenizer:
 
     shared-prefix       a ~1k-token system text before every ShareGPT question
     sharegpt-multiturn  4-turn conversations, each prompt the last one + its answer + a question
@@ -15,8 +16,8 @@ finished, as a user's would) and at rate inf (every request at once: the QPS a s
 Reported: medians over the rounds of median TTFT and of request throughput, and the ratios
 without / with the cache (TTFT: how many times lower; QPS: how many times higher).
 
-    python -m bench.prefix_cache [--repeats 3] [--quick] [--num-prompts 32]
-        [--request-rate 1] [vs_vllm's server flags: --vllm-bin, --kv-cache-gib, ...]
+    python -m bench.prefix_cache [--rounds 3] [--quick] [--num-prompts 32]
+        [--request-rate 1] [vs_peers' flags: --vllm-bin, --kv-cache-gib, ...]
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -34,17 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import vs_vllm  # noqa: E402
+from bench import servers, vs_peers  # noqa: E402
 from bench.common import log, machine  # noqa: E402
-from bench.servers import free_port, running, terminate_on_sigterm  # noqa: E402
-from bench.smol_model import default_gguf, expand_gguf  # noqa: E402
 
-# name -> (server kind, its prefix caching flag)
+# name -> (vs_peers' server, its prefix caching flag)
 SERVERS = {
     "pipellm": ("pipellm", ""),
     "pipellm+cache": ("pipellm", "--enable-prefix-caching"),
-    "vllm": ("vllm", "--no-enable-prefix-caching"),
-    "vllm+cache": ("vllm", "--enable-prefix-caching"),
+    "vllm": ("vllm-bf16", "--no-enable-prefix-caching"),
+    "vllm+cache": ("vllm-bf16", "--enable-prefix-caching"),
 }
 DATASETS = ("shared-prefix", "sharegpt-multiturn")
 METRICS = ("median_ttft_ms", "request_throughput", "output_throughput")
@@ -56,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=1.0, help="req/s of the paced runs")
     p.add_argument("--servers", default=",".join(SERVERS), help=f"of {', '.join(SERVERS)}")
     own, rest = p.parse_known_args(argv)
-    args = vs_vllm.parse_args(rest)  # the server flags, shared with bench/vs_vllm.py
+    args = vs_peers.parse_args(rest)  # the server flags, shared with bench/vs_peers.py
     for k, v in vars(own).items():
         setattr(args, k, v)
     if args.quick:
@@ -77,32 +76,34 @@ def workloads(args) -> dict[str, list[str]]:
     return out
 
 
-def bench_argv(args, flags: list[str], port: int, seed: int, hf_dir: Path, out: Path):
+def bench_argv(args, flags: list[str], port: int, seed: int, out: Path):
     return [args.bench_bin, "--base-url", f"http://127.0.0.1:{port}", *flags,
-            "--dataset-path", str(args.sharegpt_path), "--tokenizer", str(hf_dir),
+            "--dataset-path", str(args.sharegpt_path), "--tokenizer", str(args.hf_dir),
             "--num-prompts", str(args.num_prompts), "--ignore-eos", "--temperature", "0",
             "--seed", str(seed), "--disable-tqdm", "--save-result",
             "--result-dir", str(out.parent), "--result-filename", out.name]
 
 
-def serve_round(args, name: str, hf_dir: Path, rep: int) -> list[dict]:
+def serve_round(args, name: str, rep: int) -> list[dict]:
     kind, flag = SERVERS[name]
     extra = "pipellm_extra" if kind == "pipellm" else "vllm_extra"
     saved = getattr(args, extra)
     setattr(args, extra, f"{saved} {flag}")
-    port = free_port()
-    server = vs_vllm.make_server(args, kind, hf_dir, port, rep)
-    server.log_path = args.results_dir / f"{name}-rep{rep}.log"
+    port = servers.free_port()
+    server = vs_peers.make_server(args, kind, port, args.results_dir / f"{name}-rep{rep}.log")
     setattr(args, extra, saved)
     rows = []
-    log(f"round {rep + 1}/{args.repeats}: starting {name} on port {port}")
-    with running(server, args.ready_timeout) as startup_s:
+    log(f"round {rep + 1}/{args.rounds}: starting {name} on port {port}")
+    with servers.running(server, args.ready_timeout) as startup_s:
         log(f"{name} ready after {startup_s:.0f} s")
-        vs_vllm.warm(args, port, hf_dir)
+        if args.warmup_prompts > 0:
+            out = args.results_dir / f"warmup-{name}-rep{rep}.json"
+            servers.run_bench(args, vs_peers.bench_argv(args, "warmup", port, args.seed + 99,
+                                                        out, args.warmup_prompts), out)
         for i, (wl, flags) in enumerate(workloads(args).items()):
             out = args.results_dir / f"{name}-{wl}-rep{rep}.json"
-            res = vs_vllm.run_bench(args, bench_argv(args, flags, port, args.seed + 100 * rep + i,
-                                                     hf_dir, out), out)
+            res = servers.run_bench(args, bench_argv(args, flags, port,
+                                                     args.seed + 100 * rep + i, out), out)
             row = dict(server=name, workload=wl, rep=rep, ok=res is not None)
             if res is not None:
                 row.update({k: res[k] for k in (*METRICS, "completed", "failed")})
@@ -135,7 +136,7 @@ def summarize(rows: list[dict], servers: list[str]) -> dict:
 
 
 def print_summary(summary: dict, args) -> None:
-    print(f"\nmedians of {args.repeats} round(s); {args.num_prompts} requests a run")
+    print(f"\nmedians of {args.rounds} round(s); {args.num_prompts} requests a run")
     print(f"{'run':<26} {'server':<14} {'median TTFT ms':>15} {'req/s':>8} {'out tok/s':>10}")
     for wl, e in summary.items():
         for s in args.servers:
@@ -152,20 +153,21 @@ def print_summary(summary: dict, args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    terminate_on_sigterm()
-    hf_dir = expand_gguf(args.gguf or default_gguf(), args.work_dir)
-    args.pipellm_model = args.pipellm_model or str(hf_dir)
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    print(f"machine: {machine()}; model {hf_dir}; results in {args.results_dir}")
+    servers.terminate_on_sigterm()
+    args.servers, names = [SERVERS[n][0] for n in args.servers], args.servers  # for prepare
+    vs_peers.prepare(args)
+    args.servers = names
+    print(f"machine: {machine()}; GGUF {args.gguf}; HF {args.hf_dir}; results in "
+          f"{args.results_dir}")
     rows: list[dict] = []
     t0 = time.monotonic()
-    for rep in range(args.repeats):
+    for rep in range(args.rounds):
         for name in args.servers:
-            rows += serve_round(args, name, hf_dir, rep)
+            rows += serve_round(args, name, rep)
     (args.results_dir / "runs.json").write_text(json.dumps(rows, indent=1))
     summary = summarize(rows, args.servers)
     print_summary(summary, args)
-    print(json.dumps(dict(summary=summary, repeats=args.repeats, num_prompts=args.num_prompts,
+    print(json.dumps(dict(summary=summary, rounds=args.rounds, num_prompts=args.num_prompts,
                           request_rate=args.request_rate, servers=args.servers,
                           seconds=round(time.monotonic() - t0), machine=machine(),
                           results_dir=str(args.results_dir))))

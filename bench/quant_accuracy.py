@@ -15,7 +15,7 @@
 
 The file is already 4-bit, so "float" is the float copy made from its blocks; "int4-gguf"
 serves those blocks as they are; "int4-g32"/"int4-g64" are our own float -> INT4 quantization
-of the same float weights (the GGUF expanded to an HF directory, as bench/vs_vllm.py does).
+of the same float weights (the GGUF expanded to an HF directory, as bench/vs_peers.py does).
 FP8 runs on the CPU through PyTorch's unaccelerated kernel (slow; the accuracy is the point).
 The last line is JSON.
 """

@@ -1,10 +1,10 @@
 """Launch an HTTP inference server as a child process group, wait until it is ready, stop it.
 
-Used by bench/vs_vllm.py for pipellm (`pipellm up`) and vLLM (`vllm serve`). Each server runs
-in its own session (process group), so stopping it stops every process it started: SIGTERM to
-the group, then SIGKILL after a grace period. `running()` stops it on any exit from its block,
-Ctrl-C and errors included; `terminate_on_sigterm()` turns SIGTERM into an exception so that
-those blocks run when the benchmark itself is killed.
+Used by bench/vs_peers.py for pipellm (`pipellm up`), vLLM (`vllm serve`) and llama.cpp. Each
+server runs in its own session (process group), so stopping it stops every process it started:
+SIGTERM to the group, then SIGKILL after a grace period. `running()` stops it on any exit from
+its block, Ctrl-C and errors included; `terminate_on_sigterm()` turns SIGTERM into an exception
+so that those blocks run when the benchmark itself is killed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The reference model for bench/vs_vllm.py: SmolLM2-135M-Instruct's Q4_1 GGUF, expanded once
+"""The reference model for bench/vs_peers.py: SmolLM2-135M-Instruct's Q4_1 GGUF, expanded once
 with transformers into a float32 Hugging Face directory (safetensors, tokenizer, chat template)
 that vLLM, pipellm and transformers `generate` all load. The directory is cached: a rerun
 with the same GGUF skips the expansion.

@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--warmup-prompts", type=int, default=8, help="unmeasured requests to a fresh server")
     a("--gguf", type=Path, default=None, help="default: the project's default model")
     a("--work-dir", type=Path, default=Path("~/.cache/pipellm/vs_vllm").expanduser(),
-      help="where the GGUF's HF expansion is kept (shared with bench/vs_vllm.py)")
+      help="where the GGUF's HF expansion is kept (shared by the bench scripts)")
     a("--results-dir", type=Path, default=None, help="default: WORK_DIR/peers/<time>")
     a("--sharegpt-path", type=Path, default=default_data_dir() / SHAREGPT_FILE)
     a("--bench-bin", default=str(ROOT / ".venv/bin/pipellm-bench"))

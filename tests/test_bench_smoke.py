@@ -1,6 +1,6 @@
 """The simulator-side benchmarks run end to end on small inputs and end with their JSON line;
-bench/vs_vllm.py's and bench/vs_peers.py's parts that need neither a peer server nor the
-SmolLM2 GGUF."""
+bench/vs_peers.py's (and its users') parts that need neither a peer server nor the SmolLM2
+GGUF."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from bench import (
     servers,
     vllm_cpu,
     vs_peers,
-    vs_vllm,
 )
 
 ROW_KEYS = {"name", "model", "workload", "qps_at_slo", "output_throughput", "p99_ttft_ms",
@@ -73,6 +72,20 @@ def test_prefix_cache_bench_workloads_and_summary():
             for r in range(3)]
     gain = prefix_cache.summarize(rows, ["pipellm", "pipellm+cache"])["w"]["pipellm cache gain"]
     assert gain == {"ttft_x_lower": 3.0, "qps_x": 2.0}
+    assert args.rounds == 1 and args.num_prompts == 12 and "vllm+cache" in args.servers
+    args.hf_dir = Path("/hf")
+    argv = prefix_cache.bench_argv(args, ["--request-rate", "2"], 8001, 7, Path("/r/o.json"))
+    assert argv[argv.index("--tokenizer") + 1] == "/hf" and "--ignore-eos" in argv
+
+
+def test_offline_vs_hf_runs_both_on_a_tiny_model(tmp_path):
+    from bench.offline_vs_hf import compare
+    from tests.hf_models import build_hf_model
+
+    build_hf_model(tmp_path, "llama")
+    r = compare(tmp_path, num_prompts=3, input_len=12, output_len=5, threads=1)
+    assert r["engine_tok_s"] > 0 and r["hf_tok_s"] > 0
+    assert r["ratio"] == pytest.approx(r["engine_tok_s"] / r["hf_tok_s"], rel=0.01)
 
 
 def test_length_predictor_bench_small(capsys):
@@ -82,14 +95,6 @@ def test_length_predictor_bench_small(capsys):
     assert methods["oracle"] == {"mae": 0.0, "outgrow_rate": 0.0, "reserved_over_used": 1.0}
     assert methods["max_tokens"]["reserved_over_used"] > methods["predictor"][
         "reserved_over_used"] > 1.0
-
-
-def _row(server: str, workload: str, rep: int, tps: float, ok: bool = True) -> dict:
-    row = dict(server=server, workload=workload, rep=rep, ok=ok)
-    if ok:
-        row.update(output_throughput=tps, mean_ttft_ms=1000 / tps, mean_tpot_ms=10.0,
-                   request_throughput=tps / 100, completed=16, failed=rep)
-    return row
 
 
 def test_length_hidden_replays_the_refiner_on_recorded_states():
@@ -117,57 +122,6 @@ def test_length_hidden_replays_the_refiner_on_recorded_states():
     assert sum(x < 60 for x in short) >= len(short) - 1 and sum(x > 150 for x in long) >= \
         len(long) - 1
     assert all(len(preds[i]) == len(items[i].hidden) for i in late)
-
-
-def test_vs_vllm_summary_medians_and_ratios():
-    rows = [_row("pipellm", "random_inf", r, t) for r, t in enumerate([100, 300, 200])]
-    rows += [_row("vllm", "random_inf", r, t) for r, t in enumerate([50, 400, 100])]
-    rows += [_row("pipellm", "sharegpt", 0, 10), _row("vllm", "sharegpt", 0, 0, ok=False)]
-    s = vs_vllm.summarize(rows)
-    assert list(s) == ["random_inf", "sharegpt"]
-    p, v, ratio = s["random_inf"]["pipellm"], s["random_inf"]["vllm"], s["random_inf"]["ratio"]
-    assert (p["output_throughput"], v["output_throughput"]) == (200, 100)
-    assert ratio["output_throughput"] == 2.0 and ratio["mean_tpot_ms"] == 1.0
-    assert ratio["mean_ttft_ms"] == 0.5  # median 5 ms against 10 ms
-    assert (p["runs_ok"], p["runs"], p["failed_requests"]) == (3, 3, 0 + 1 + 2)
-    share = s["sharegpt"]  # the failed vLLM run: no median, no ratio
-    assert share["vllm"]["output_throughput"] is None and share["vllm"]["runs_ok"] == 0
-    assert share["ratio"]["output_throughput"] is None
-    assert json.loads(json.dumps(s)) == s
-
-
-def test_vs_vllm_args_and_commands(tmp_path):
-    args = vs_vllm.parse_args(["--quick", "--results-dir", str(tmp_path)])
-    assert (args.repeats, args.num_prompts, args.sharegpt_prompts) == (1, 16, 16)
-    assert args.offline_prompts == 16 and not args.skip_online
-    full = vs_vllm.parse_args([])
-    assert (full.repeats, full.num_prompts, full.max_model_len) == (3, 64, 2048)
-    args.pipellm_model = "/m/model.gguf"
-    pl = vs_vllm.make_server(args, "pipellm", tmp_path / "hf", 8001, 0)
-    assert pl.argv[1:4] == ["up", "--model", "/m/model.gguf"] and pl.ready_url.endswith("/health")
-    assert {"--dtype", "float32", "--max-model-len", "2048"} <= set(pl.argv)
-    assert "--threads" not in pl.argv  # pipellm's own default unless asked
-    args.pipellm_threads = 1
-    pl = vs_vllm.make_server(args, "pipellm", tmp_path / "hf", 8001, 0)
-    assert pl.argv[pl.argv.index("--threads") + 1] == "1"
-    vl = vs_vllm.make_server(args, "vllm", tmp_path / "hf", 8002, 0)
-    assert vl.argv[1:3] == ["serve", str(tmp_path / "hf")] and vl.ready_url.endswith("/v1/models")
-    assert vl.env["VLLM_TARGET_DEVICE"] == "cpu"
-    share = vs_vllm.bench_argv(args, "sharegpt", 8002, 7, tmp_path / "hf", tmp_path / "r.json")
-    assert {"--ignore-eos", "--tokenizer", "--dataset-path"} <= set(share)
-    assert share[share.index("--num-prompts") + 1] == "16"
-    assert share[share.index("--seed") + 1] == "7"
-    rnd = vs_vllm.bench_argv(args, "random_2rps", 8002, 7, tmp_path / "hf", tmp_path / "r.json")
-    assert rnd[rnd.index("--request-rate") + 1] == "2" and "--tokenizer" not in rnd
-
-
-def test_vs_vllm_thread_notes_read_the_vllm_log(tmp_path):
-    args = vs_vllm.parse_args(["--results-dir", str(tmp_path), "--pipellm-threads", "1"])
-    (tmp_path / "vllm-rep0.log").write_text(
-        "x\tlocal_rank=0, core ids=[0]\nReducing Torch threads from 2 to 1 for serving.\n")
-    notes = vs_vllm.thread_notes(args)
-    assert "cores [0] with 1 torch thread" in notes["vllm"]
-    assert "--threads 1" in notes["pipellm"]
 
 
 def _peers_args(tmp_path, *flags: str):

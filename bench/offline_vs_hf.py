@@ -1,27 +1,40 @@
-"""The offline half of bench/vs_vllm.py: pipellm's in-process engine (LLMEngine) against
-transformers `generate` on the same float32 model directory, both in this process.
+"""Offline, in-process: pipellm's engine (LLMEngine) against transformers `generate` on the
+same float32 model directory (SmolLM2's GGUF expanded, as bench/vs_peers.py does), both in this
+process.
 
 Prompts are random token ids of one length, every request generates exactly `output_len`
 tokens (greedy, EOS ignored). transformers runs left-padded batches of up to 32
 (bench/offline_throughput.run_hf, its warm-up included); the engine gets every request at
 once. Both run with the same torch thread count.
+
+    python -m bench.offline_vs_hf [--num-prompts 64] [--threads 2] [--quick]
+
+The last line printed is one JSON object with the headline figures.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 import os
 import random
+import sys
 import time
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # also runnable as `python bench/offline_vs_hf.py`
+    sys.path.insert(0, str(ROOT))
 
-from bench.common import log
-from bench.offline_throughput import HF_BATCH, run_hf
-from services.compute.backend import build_engine
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+import torch  # noqa: E402
+
+from bench.common import log, machine  # noqa: E402
+from bench.offline_throughput import HF_BATCH, run_hf  # noqa: E402
+from bench.smol_model import default_gguf, expand_gguf  # noqa: E402
+from services.compute.backend import build_engine  # noqa: E402
+from shared.config import EngineConfig  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -58,7 +71,8 @@ def compare(model_dir: Path, num_prompts: int, input_len: int, output_len: int,
     eng = run_engine(model_dir, prompts, output_len, threads)
     gc.collect()
     log(f"offline: transformers generate ({eng['seconds']:.1f} s for the engine)")
-    hf = run_hf(model_dir, prompts, [output_len] * num_prompts)
+    hf_args = argparse.Namespace(dtype="float32", device="cpu", hf_cache="dynamic")
+    hf = run_hf(model_dir, prompts, [output_len] * num_prompts, hf_args)
     eng_tps, hf_tps = eng["tokens"] / eng["seconds"], hf["tokens"] / hf["seconds"]
     return dict(num_prompts=num_prompts, input_len=input_len, output_len=output_len,
                 torch_threads=threads, hf_batch=min(HF_BATCH, num_prompts),
@@ -76,3 +90,32 @@ def print_offline(r: dict) -> None:
     print(f"  transformers generate (left-padded batch {r['hf_batch']}): "
           f"{r['hf_tok_s']:8.1f} output tok/s ({r['hf_s']:.1f} s)")
     print(f"  ratio pipellm / transformers: {r['ratio']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf", type=Path, default=None, help="default: the project's model")
+    p.add_argument("--work-dir", type=Path,
+                   default=Path("~/.cache/pipellm/vs_vllm").expanduser(),
+                   help="where the GGUF's HF expansion is kept (shared with bench/vs_peers.py)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=200)
+    p.add_argument("--output-len", type=int, default=100)
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke run: 8 prompts, 16 out")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.output_len = min(args.num_prompts, 8), 16
+    mach = machine()  # before the thread count changes
+    hf_dir = expand_gguf(args.gguf or default_gguf(), args.work_dir)
+    r = compare(hf_dir, args.num_prompts, args.input_len, args.output_len, args.threads,
+                args.seed)
+    print_offline(r)
+    r.update(machine=mach, model=str(hf_dir))
+    print(json.dumps(r))
+    return r
+
+
+if __name__ == "__main__":
+    main()
