@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.codec import message
+from shared.grammar_whitespace import json_with_whitespace
 
 _JSON_KINDS = ("json_schema", "json_object")
-_WHERE = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+_WHERE = re.compile(r"\[[0-9:]+\] \S+:\d+: ")
 
 
 class GrammarError(ValueError):
@@ -42,17 +43,19 @@ class GrammarSpec:
     regex, choice or grammar; spec: the JSON schema (JSON text), the regex, the choices (a JSON
     list of strings) or the grammar (EBNF with `::=` rules, else Lark); unused for json_object.
     whitespace: the JSON kinds' whitespace between tokens ("any", or "compact": only xgrammar's
-    ", " and ": "). param: the request field it came from (named in errors)."""
+    ", " and ": "); whitespace_pattern: else a regex it must match (JSON kinds; None: no
+    pattern). param: the request field it came from (named in errors)."""
 
     kind: str
     spec: str = ""
     whitespace: str = "any"
     param: str = "response_format"
+    whitespace_pattern: str | None = None
 
     @property
     def key(self) -> str:
         """Same constraint, same key (the caches' key; param is not part of it)."""
-        text = json.dumps([self.kind, self.spec, self.whitespace])
+        text = json.dumps([self.kind, self.spec, self.whitespace, self.whitespace_pattern])
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -78,12 +81,13 @@ def _grammar(spec: GrammarSpec):
     """The spec as an xgrammar Grammar (parsed, not yet compiled for a vocabulary)."""
     import xgrammar as xgr
 
-    if spec.kind == "json_schema":
-        return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=spec.whitespace == "any",
-                                            strict_mode=True)
-    if spec.kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}',
-                                            any_whitespace=spec.whitespace == "any")
+    if spec.kind in _JSON_KINDS:
+        schema = spec.spec if spec.kind == "json_schema" else '{"type": "object"}'
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=spec.whitespace == "any",
+                                               strict_mode=True)
+        if spec.whitespace_pattern is not None:
+            return json_with_whitespace(grammar, spec.whitespace_pattern)
+        return grammar
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.spec)
     if spec.kind == "choice":

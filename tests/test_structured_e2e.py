@@ -70,6 +70,11 @@ def test_json_object_and_compact_json(client):
         extra_body={"structured_outputs": {"json": SCHEMAS[0]["schema"],
                                            "disable_any_whitespace": True}}).choices[0].text
     assert text == json.dumps(json.loads(text), ensure_ascii=False)
+    text = client.completions.create(  # vLLM's whitespace_pattern: here, none at all
+        model=MODEL, prompt="A JSON object:", max_tokens=200, temperature=0,
+        extra_body={"structured_outputs": {"json": SCHEMAS[0]["schema"],
+                                           "whitespace_pattern": ""}}).choices[0].text
+    assert text == json.dumps(json.loads(text), ensure_ascii=False, separators=(",", ":"))
 
 
 def test_choice_and_regex_always_match(client):

@@ -72,9 +72,13 @@ def test_choice_is_one_of_the_strings(demo_model_dir, tok, compiler):
     assert all(text in choices and finish == "stop" for text, finish, _ in out), out
 
 
-@pytest.mark.parametrize("whitespace", ["any", "compact"])
+@pytest.mark.parametrize("whitespace", ["any", "compact", "\\n?"])
 def test_json_schema_outputs_validate(demo_model_dir, tok, compiler, whitespace):
-    spec = GrammarSpec("json_schema", json.dumps(SCHEMA), whitespace)
+    """"any", "compact" (disable_any_whitespace) or a whitespace_pattern (here: at most one
+    newline between tokens)."""
+    pattern = whitespace if whitespace not in ("any", "compact") else None
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA), "compact" if whitespace == "compact"
+                       else "any", whitespace_pattern=pattern)
     out = _run(_engine(demo_model_dir), tok, compiler, spec,
                SamplingParams(max_tokens=200, temperature=0.7, seed=1))
     done = [text for text, finish, _ in out if finish == "stop"]
@@ -83,6 +87,30 @@ def test_json_schema_outputs_validate(demo_model_dir, tok, compiler, whitespace)
         jsonschema.validate(json.loads(text), SCHEMA)
         if whitespace == "compact":  # xgrammar's separators then: ", " and ": "
             assert text == json.dumps(json.loads(text), ensure_ascii=False), text
+        if pattern:  # between tokens (strings masked out): nothing but single newlines
+            assert re.fullmatch(r"[^ \t\r\n]*(\n[^ \t\r\n]+)*\n?[^ \t\r\n]*",
+                                re.sub(r'"(?:\\.|[^"\\])*"', "S", text)), text
+
+
+@pytest.mark.parametrize("pattern, accepted", [
+    ("[ ]?", ['{"a": [1, 2], "b": "x y"}', '{"a":[1,2],"b":"x y"}']),
+    ("(\n *)?", ['{\n  "a":[1],\n  "b":"x"}', '{"a":[],"b":""}']),
+])
+def test_a_whitespace_pattern_is_the_json_grammars_whitespace(pattern, accepted):
+    """shared/grammar_whitespace: exactly the pattern between tokens, strings untouched."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from shared.grammar import _grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {
+        "type": "integer"}}, "b": {"type": "string"}}, "required": ["a", "b"]}
+    grammar = _grammar(GrammarSpec("json_schema", json.dumps(schema), whitespace_pattern=pattern))
+    assert all(accepts(grammar, text) for text in accepted)
+    for text in ('{"a":  [1], "b": ""}', '{"a":[1],\t"b":""}', '{ "a":[1]\n\n,"b":""}'):
+        assert not accepts(grammar, text), text
+    with pytest.raises(GrammarError) as e:
+        validate(GrammarSpec("json_object", whitespace_pattern="(?<=a)", param="p"))
+    assert e.value.param == "p" and "whitespace_pattern: Regex parsing error" in str(e.value)
 
 
 def test_max_tokens_ends_with_length_and_a_valid_prefix(demo_model_dir, tok, compiler):

@@ -6,9 +6,11 @@ compiles it, and a spec that does not compile is a 400 from there, before any co
     structured_outputs    vLLM's extra field, both endpoints: exactly one of json (a schema,
                           object or JSON text), json_object (true), regex, choice (strings),
                           grammar (EBNF with ::= rules, or Lark); disable_any_whitespace (JSON
-                          without whitespace); disable_fallback and disable_additional_properties
-                          (what xgrammar's strict mode does anyway) are accepted
-    guided_json, guided_regex, guided_choice, guided_grammar
+                          without whitespace) or whitespace_pattern (JSON whose whitespace
+                          between tokens matches this regex); disable_fallback and
+                          disable_additional_properties (what xgrammar's strict mode does
+                          anyway) are accepted
+    guided_json, guided_regex, guided_choice, guided_grammar, guided_whitespace_pattern
                           vLLM's older names for the same, both endpoints
 
 One constraint per request: giving two (say response_format and structured_outputs) is a 400.
@@ -17,6 +19,7 @@ One constraint per request: giving two (say response_format and structured_outpu
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from services.gateway.errors import bad_request
@@ -29,7 +32,7 @@ _SO_KINDS = {"json": "json_schema", "json_object": "json_object", "regex": "rege
 _SO_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
-KEYS = frozenset({"structured_outputs", *GUIDED})
+KEYS = frozenset({"structured_outputs", "guided_whitespace_pattern", *GUIDED})
 CHAT_KEYS = KEYS | {"response_format"}
 
 
@@ -42,7 +45,10 @@ def parse_grammar(body: dict, chat: bool) -> GrammarSpec | None:
     if len(specs) > 1:
         raise bad_request("give one output constraint: response_format, structured_outputs or "
                           "one guided_* field", specs[1].param)
-    return specs[0] if specs else None
+    spec = specs[0] if specs else None
+    if body.get("guided_whitespace_pattern") is not None:
+        _whitespace_pattern(spec, body["guided_whitespace_pattern"], "guided_whitespace_pattern")
+    return spec
 
 
 def _response_format(value: Any) -> GrammarSpec | None:
@@ -78,7 +84,7 @@ def _structured_outputs(value: Any) -> GrammarSpec | None:
     if not isinstance(value, dict):
         raise bad_request(f"structured_outputs must be an object, got {json_type(value)}", param)
     for key in value:
-        if key not in _SO_KINDS and key not in _SO_OPTIONS:
+        if key not in _SO_KINDS and key not in _SO_OPTIONS and key != "whitespace_pattern":
             raise bad_request(f"structured_outputs.{str(key)[:50]} is not supported",
                               f"{param}.{str(key)[:50]}")
     given = [k for k in _SO_KINDS if value.get(k) not in (None, False)]
@@ -90,7 +96,24 @@ def _structured_outputs(value: Any) -> GrammarSpec | None:
     spec = _one(given[0], value[given[0]], f"{param}.{given[0]}")
     if get_bool(value, "disable_any_whitespace", False):
         spec.whitespace = "compact"
+    if value.get("whitespace_pattern") is not None:
+        _whitespace_pattern(spec, value["whitespace_pattern"], f"{param}.whitespace_pattern")
     return spec
+
+
+def _whitespace_pattern(spec: GrammarSpec | None, pattern: Any, param: str) -> None:
+    """The JSON constraint `spec`'s whitespace, as a regex (the tokenizer compiles it)."""
+    if spec is None or spec.kind not in ("json_schema", "json_object"):
+        raise bad_request(f"{param} applies to a JSON constraint only", param)
+    if spec.whitespace != "any":
+        raise bad_request(f"give disable_any_whitespace or {param}, not both", param)
+    if not isinstance(pattern, str):
+        raise bad_request(f"{param} must be a string (a regex)", param)
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise bad_request(f"{param} is not a valid regex: {exc}", param) from None
+    spec.whitespace_pattern = _capped(pattern, param)
 
 
 def _one(key: str, value: Any, param: str) -> GrammarSpec:
