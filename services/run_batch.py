@@ -53,10 +53,12 @@ class BatchRunner:
     held-back remainder at a finish), and each choice takes them in as the gateway does."""
 
     def __init__(self, engine, tokenizer: Tokenizer, model_name: str,
-                 defaults: GenerationDefaults | None = None):
-        """`defaults`: the model's sampling defaults, applied as the gateway applies them."""
+                 defaults: GenerationDefaults | None = None, tool_parser: str = ""):
+        """`defaults`: the model's sampling defaults, applied as the gateway applies them;
+        `tool_parser`: --tool-call-parser with --enable-auto-tool-choice (tool_choice auto)."""
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.defaults = defaults or GenerationDefaults()
+        self.tool_parser = tool_parser
         self.detokenizer = Detokenizer(tokenizer.tok, ttl_s=0)
         self.routes: dict[str, Route] = {}  # engine request id -> its route, until it finishes
         self.live: dict[str, tuple[Item, ChoiceState]] = {}  # engine request id -> its choice
@@ -78,7 +80,8 @@ class BatchRunner:
             parse = URLS.get(obj.get("url"))
             if parse is None or obj.get("method", "POST") != "POST":
                 raise APIError(400, f"url must be POST {' or '.join(URLS)}", param="url")
-            item.req = parse(obj.get("body"), self.model_name, defaults=self.defaults)
+            extra = {"tool_parser": self.tool_parser} if parse is protocol.parse_chat else {}
+            item.req = parse(obj.get("body"), self.model_name, defaults=self.defaults, **extra)
             if item.req.params.prompt_logprobs is not None:
                 raise APIError(400, "prompt logprobs (echo with logprobs) are not supported by "
                                "run-batch", param="echo")
@@ -153,10 +156,11 @@ class BatchRunner:
 
 
 def run_batch(engine, tokenizer: Tokenizer, model_name: str, src, dst, progress=sys.stderr,
-              defaults: GenerationDefaults | None = None):
+              defaults: GenerationDefaults | None = None, tool_parser: str = ""):
     """Run the batch file `src` (lines) into `dst`; returns (requests, failed, tokens, s).
-    `defaults`: the model's sampling defaults (--generation-config)."""
-    runner = BatchRunner(engine, tokenizer, model_name, defaults)
+    `defaults`: the model's sampling defaults (--generation-config); `tool_parser`: as the
+    gateway's (tool_choice auto)."""
+    runner = BatchRunner(engine, tokenizer, model_name, defaults, tool_parser)
     items = [runner.parse(line) for line in src if line.strip()]
     start = time.monotonic()
     for item in items:

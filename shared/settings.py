@@ -33,9 +33,13 @@ def setting(default=dataclasses.MISSING, help: str = "", *, group: str = "", ali
                                        "flat": flat})
 
 
-def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per setting of `cls`, in its group, defaulting to its env var or its default."""
+def add_config_args(parser: argparse.ArgumentParser, cls: type,
+                    only: tuple[str, ...] | None = None) -> None:
+    """One flag per setting of `cls` (or of those named in `only`), in its group, defaulting
+    to its env var or its default."""
     for dest, f, typ in _leaf_fields(cls):
+        if only is not None and dest not in only:
+            continue
         env = os.environ.get(_env_name(dest))
         default = f.default if env is None else _parse(typ, env)
         if isinstance(default, enum.Enum):

@@ -176,3 +176,34 @@ def test_text_held_back_at_the_end_of_an_output_is_flushed(engine, demo_model_di
     choice = json.loads(dst.getvalue())["response"]["body"]["choices"][0]
     assert choice["logprobs"]["tokens"] == ["\ufffd"]  # the forced token was generated
     assert choice["text"] == "\ufffd" and choice["finish_reason"] == "length"
+
+
+def test_auto_tool_choice_parses_calls_with_its_flags(demo_model_dir, tmp_path):
+    """--enable-auto-tool-choice --tool-call-parser hermes, as `pipellm serve` takes them: an
+    auto line's hermes call (forced here by a regex, the demo model being random) comes back
+    as tool_calls; without the flags, tool_choice auto is a 400."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+            "tool_choice": "auto", "max_tokens": 200, "temperature": 0,
+            "structured_outputs": {"regex": re.escape(call)}}
+    src = tmp_path / "in.jsonl"
+    src.write_text(line("auto", body, url="/v1/chat/completions") + "\n")
+    answers = []
+    for flags in (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], []):
+        dst = tmp_path / "out.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "services.cli", "run-batch", "-i", str(src),
+                               "-o", str(dst), "--model", str(demo_model_dir),
+                               "--served-model-name", MODEL, "--kv-cache-tokens", "4096",
+                               "--chat-template", "chatml_tools", *flags],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        answers.append(json.loads(dst.read_text())["response"])
+    choice = answers[0]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (got,) = choice["message"]["tool_calls"]
+    assert got["function"]["name"] == "get_weather"
+    assert json.loads(got["function"]["arguments"]) == {"city": "Paris"}
+    assert answers[1]["status_code"] == 400 and answers[1]["body"]["error"]["param"] == \
+        "tool_choice"
