@@ -7,6 +7,7 @@ write_gguf(path, hf_model, qtype=GGMLQuantizationType.Q4_1)   # a tiny HF model 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,18 +38,23 @@ def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
+_LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm",
+                  "ffn_gate", "ffn_up", "ffn_down", "attn_q_norm", "attn_k_norm", "attn_qkv")
+
+
 def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
-    """GGUF-named float32 tensors of an HF model, Q/K permuted for the llama architecture."""
+    """GGUF-named float32 tensors of an HF model, Q/K permuted for the llama architecture (as
+    convert_hf_to_gguf does: not for qwen2, qwen3, phi3), with Phi-3's LongRoPE factors as
+    the tensors rope_factors_{long,short} (its generate_extra_tensors)."""
     cfg = model.config
     from_hf = {}
     for i in range(cfg.num_hidden_layers):
-        for short in ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm",
-                      "ffn_gate", "ffn_up", "ffn_down"):
+        for short in _LAYER_TENSORS:
             for kind in ("weight", "bias"):
                 name = f"blk.{i}.{short}.{kind}"
-                from_hf[hf_name(name)] = name
+                from_hf[hf_name(name, arch)] = name
     for name in ("token_embd.weight", "output_norm.weight", "output.weight"):
-        from_hf[hf_name(name)] = name
+        from_hf[hf_name(name, arch)] = name
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
     out = {}
     for hf, tensor in model.state_dict().items():
@@ -59,6 +65,10 @@ def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
             if arch == "llama" and f".{proj}." in hf:
                 w = permute(w, n)
         out[from_hf[hf]] = w
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if arch == "phi3" and rope.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            out[f"rope_factors_{kind}.weight"] = np.array(rope[f"{kind}_factor"], np.float32)
     return out
 
 
@@ -73,7 +83,8 @@ def quantized(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 def write_gguf(path: Path, model, qtype: GGMLQuantizationType = Q.F32, *, arch: str = "llama",
                meta: dict | None = None, tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """Write `model` (an HF Llama/Qwen2, with the demo tokenizer) to `path`: matrices in
+    """Write `model` (an HF model of GGUF architecture `arch`: llama, qwen2, qwen3, phi3; with
+    the demo tokenizer) to `path` as llama.cpp's converter would: matrices in
     `qtype`, 1-D tensors in F32. `meta` overrides metadata keys, `tensors` GGUF tensors."""
     cfg = model.config
     w = GGUFWriter(str(path), arch)
@@ -85,6 +96,11 @@ def write_gguf(path: Path, model, qtype: GGMLQuantizationType = Q.F32, *, arch: 
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    if getattr(cfg, "head_dim", None) is not None and arch != "phi3":  # TextModel's
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if arch == "phi3":
+        _add_phi3(w, cfg)
     _add_tokenizer(w)
     for key, value in (meta or {}).items():  # replaces what the writer already holds
         vtype = GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT32
@@ -102,6 +118,23 @@ def write_gguf(path: Path, model, qtype: GGMLQuantizationType = Q.F32, *, arch: 
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def _add_phi3(w: GGUFWriter, cfg) -> None:
+    """What convert_hf_to_gguf's Phi3MiniModel adds: the rotary dims, the pre-training length,
+    the attention window (0: none) and, for LongRoPE, the attention factor it derives from
+    max / original positions."""
+    rope = cfg.rope_parameters
+    original = rope.get("original_max_position_embeddings", cfg.original_max_position_embeddings)
+    heads = cfg.num_attention_heads
+    w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * cfg.hidden_size)
+                               // heads)
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(cfg.sliding_window or 0)
+    if rope.get("rope_type") == "longrope":
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
 
 
 def _add_tokenizer(w: GGUFWriter) -> None:
@@ -123,13 +156,14 @@ def _add_tokenizer(w: GGUFWriter) -> None:
     w.add_chat_template(CHAT_TEMPLATE)
 
 
-def dequantized(model, qtype: GGMLQuantizationType) -> dict[str, np.ndarray]:
+def dequantized(model, qtype: GGMLQuantizationType, arch: str = "llama"
+                ) -> dict[str, np.ndarray]:
     """GGUF-named float32 tensors as `write_gguf(..., qtype)` stores them (matrices through
     the gguf package's quantize + dequantize; still permuted)."""
     from gguf.quants import dequantize
 
     out = {}
-    for name, t in gguf_tensors(model).items():
+    for name, t in gguf_tensors(model, arch).items():
         if t.ndim > 1 and qtype == Q.F16:
             t = t.astype(np.float16).astype(np.float32)
         elif t.ndim > 1 and qtype != Q.F32:

@@ -20,6 +20,8 @@ ARCHES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
 }
 
 DEFAULTS: dict[str, Any] = {
@@ -32,7 +34,12 @@ DEFAULTS: dict[str, Any] = {
     "max_position_embeddings": 1024,
     "dtype": "float32",
 }
-ARCH_DEFAULTS: dict[str, dict[str, Any]] = {"qwen2": {"tie_word_embeddings": True}}
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {"head_dim": 32},  # != hidden / heads, as in Qwen3-0.6B (1024 / 16 vs 128)
+    # Phi3Config's token ids are Phi-3's (32000): out of a tiny vocab
+    "phi3": {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -50,7 +57,7 @@ def build_hf_model(
     with_tokenizer: bool = False,
     **overrides: Any,
 ) -> transformers.PreTrainedModel:
-    """Build a tiny random `arch` model ("llama", "qwen2", "mistral"), save it to `path`.
+    """Build a tiny random `arch` model (a key of ARCHES), save it to `path`.
 
     `overrides` are config fields (e.g. num_key_value_heads=1, initializer_range=0.2,
     rope_scaling={...}). `max_shard_size` (e.g. "100KB") saves a sharded checkpoint.

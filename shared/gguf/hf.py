@@ -10,8 +10,10 @@ from typing import Any
 
 from shared.gguf.reader import GGUFError, GGUFFile
 
-# GGUF architecture -> (HF architecture, whether llama.cpp permuted the Q/K rows for its RoPE)
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+# GGUF architecture -> (HF architecture, whether llama.cpp permuted the Q/K rows for its RoPE:
+# only for `llama`, which it runs with interleaved RoPE; the others run NeoX, HF's rotate-half)
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
+                 "qwen3": ("Qwen3ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False)}
 
 
 def architecture(gguf: GGUFFile) -> tuple[str, str, bool]:
@@ -40,6 +42,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
                         "scaling) are not supported")
     tokens = gguf.require("tokenizer.ggml.tokens")
     return {
+        **_arch_fields(gguf, arch, key("attention.key_length", hidden // heads)),
         "architectures": [hf_arch],
         "vocab_size": gguf.get(f"{arch}.vocab_size", len(tokens)),
         "hidden_size": hidden,
@@ -73,13 +76,46 @@ def tokenizer_config(gguf: GGUFFile) -> dict[str, Any]:
     return out
 
 
+def _arch_fields(gguf: GGUFFile, arch: str, head_dim: int) -> dict[str, Any]:
+    """The fields only some architectures' configs have: q/k/v biases (present as tensors),
+    the attention window, and Phi-3's partial rotary and pre-training length."""
+    out: dict[str, Any] = {"attention_bias": "blk.0.attn_q.bias" in gguf.tensors}
+    window = gguf.get(f"{arch}.attention.sliding_window", 0)
+    if window:
+        out["sliding_window"] = window
+    if arch == "phi3":
+        rotary = gguf.get(f"{arch}.rope.dimension_count", head_dim)
+        out["partial_rotary_factor"] = rotary / head_dim
+        original = gguf.get(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            out["original_max_position_embeddings"] = original
+    return out
+
+
 def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
+    if arch == "phi3" and "rope_factors_long.weight" in gguf.tensors:
+        return _longrope(gguf, arch)
     kind = gguf.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind != "linear":
         raise GGUFError(f"{gguf.path}: RoPE scaling {kind!r} is not supported (none, linear)")
     return {"rope_type": "linear", "factor": gguf.require(f"{arch}.rope.scaling.factor")}
+
+
+def _longrope(gguf: GGUFFile, arch: str) -> dict[str, Any]:
+    """Phi-3's LongRoPE as llama.cpp's converter stores it: the factors as the tensors
+    rope_factors_{short,long}, the attention factor and pre-training length as metadata."""
+    scaling: dict[str, Any] = {"rope_type": "longrope"}
+    for kind in ("short", "long"):
+        name = f"rope_factors_{kind}.weight"
+        if name not in gguf.tensors:
+            raise GGUFError(f"{gguf.path}: tensor '{name}' is missing (LongRoPE has both)")
+        scaling[f"{kind}_factor"] = [float(v) for v in gguf.tensor(name).reshape(-1)]
+    attention = gguf.get(f"{arch}.rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return scaling
 
 
 def _eos_ids(gguf: GGUFFile) -> list[int]:

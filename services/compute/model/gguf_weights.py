@@ -3,7 +3,13 @@
 llama.cpp's converter stores, for the `llama` architecture, the rows of each Q and K projection
 permuted from HF's rotate-half RoPE layout to its interleaved one: within every head, rows
 (0, d/2, 1, d/2+1, ...). `_unpermute` undoes that, so the model runs with the same RoPE as for
-a Hugging Face checkpoint.
+a Hugging Face checkpoint. `qwen2`, `qwen3` and `phi3` run llama.cpp's NeoX (rotate-half) RoPE
+and are stored unpermuted (shared/gguf/hf.py ARCHITECTURES).
+
+Names follow gguf.constants.MODEL_TENSORS: what differs by architecture is Qwen3's per-head
+`attn_q_norm`/`attn_k_norm` and Phi-3's fused `attn_qkv` and `ffn_up` (gate and up, fused);
+Phi-3's `rope_factors_long`/`rope_factors_short` are RoPE parameters (read with the metadata,
+shared/gguf/hf.py), not weights.
 
 With `keep_int4`, the decoder's Q4_0/Q4_1 matrices are not dequantized: their blocks become an
 `Int4Weight` (the same values, 4 bits each, an fp16 scale and min per 32), served by the INT4
@@ -31,14 +37,20 @@ _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
+_ARCH_LAYER = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+               "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+NOT_WEIGHTS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 
-def hf_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` in a GGUF file of
+    architecture `arch`; None if unknown."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    layer = {**_LAYER, **_ARCH_LAYER.get(arch, {})}
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -78,13 +90,15 @@ def _check(path) -> tuple[GGUFFile, dict[str, str], dict[str, int] | None]:
     gguf.check_types()
     q_heads = gguf.require(f"{arch}.attention.head_count")
     heads = {"q_proj": q_heads, "k_proj": gguf.get(f"{arch}.attention.head_count_kv", q_heads)}
-    return gguf, _names(gguf), heads if permuted else None
+    return gguf, _names(gguf, arch), heads if permuted else None
 
 
-def _names(gguf: GGUFFile) -> dict[str, str]:
+def _names(gguf: GGUFFile, arch: str) -> dict[str, str]:
     names = {}
     for src in gguf.tensors:
-        name = hf_name(src)
+        if src in NOT_WEIGHTS.get(arch, ()):
+            continue
+        name = hf_name(src, arch)
         if name is None:
             raise GGUFError(f"{gguf.path}: tensor '{src}' is not part of a Llama-family model")
         names[src] = name

@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, TinyLlama) running one merged step.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, TinyLlama) running one
+merged step.
 
 Every op but attention runs on the flat token batch [T, hidden]; attention splits into the
 decode tokens and the prefill chunks, each a call into `kernels/`. Only the rows in
-`batch.logits_indices` go through the final norm and the LM head.
+`batch.logits_indices` go through the final norm and the LM head. What the architectures store
+differently (Phi-3's fused projections, Qwen3's q/k norms, partial rotary) is read in
+`arch.py`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from kernels import (
     silu_mul,
     silu_mul_int8,
 )
-from kernels.int4_gemm import Int4Weight, quantize_int4
 from services.compute.core.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
+from services.compute.model.arch import fuse, qk_norms, qkv_rows, split_fused
 from services.compute.model.quantization import Quantization
 from services.compute.model.rope import RotaryEmbedding
 from services.compute.model.weights import require
@@ -41,12 +44,15 @@ class LayerWeights:
     down: object  # [hidden, inter]
     ln_attn: torch.Tensor  # [hidden]
     ln_mlp: torch.Tensor  # [hidden]
+    q_norm: torch.Tensor | None = None  # [D], on each q head before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D], on each k head
 
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  max_positions: int, quant: Quantization | None = None):
         self.cfg = cfg
+        weights = split_fused(cfg, weights)  # Phi-3's fused projections, under Llama's names
         self.quant = quant or Quantization()
         self.int8_act = self.quant.int8_activations  # norms and SiLU x mul hand out int8 rows
         self.embed = require(weights, "model.embed_tokens.weight")
@@ -57,7 +63,7 @@ class LlamaModel:
         self.lm_head = self.quant.head(self.embed if head is None else head)  # [vocab, hidden]
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
-                                    cfg.rope_scaling, device)
+                                    cfg.rope_scaling, device, cfg.rotary_dim)
         self.scale = cfg.head_dim**-0.5
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
@@ -66,13 +72,17 @@ class LlamaModel:
         bias = None
         if self.cfg.attention_bias:
             bias = torch.cat([require(w, f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
+        qkv = fuse([require(w, f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
+        q_norm, k_norm = qk_norms(self.cfg, w, p)
         return LayerWeights(
-            qkv=linear(_cat([require(w, f"{p}self_attn.{n}_proj.weight") for n in "qkv"]), bias),
+            qkv=linear(*qkv_rows(self.cfg, qkv, bias)),
             o=linear(require(w, f"{p}self_attn.o_proj.weight")),
-            gate_up=linear(_cat([require(w, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])),
+            gate_up=linear(fuse([require(w, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])),
             down=linear(require(w, f"{p}mlp.down_proj.weight")),
             ln_attn=require(w, f"{p}input_layernorm.weight"),
             ln_mlp=require(w, f"{p}post_attention_layernorm.weight"),
+            q_norm=q_norm,
+            k_norm=k_norm,
         )
 
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
@@ -99,7 +109,8 @@ class LlamaModel:
         projections = sum(getattr(layer, f).nbytes() for layer in self.layers
                           for f in ("qkv", "o", "gate_up", "down"))
         tensors = [self.embed, self.norm] + [t for layer in self.layers
-                                             for t in (layer.ln_attn, layer.ln_mlp)]
+                                             for t in (layer.ln_attn, layer.ln_mlp, layer.q_norm,
+                                                       layer.k_norm) if t is not None]
         shared = getattr(self.lm_head, "weight", None) is self.embed  # tied and not repacked
         head = 0 if shared else self.lm_head.nbytes()
         return projections + head + sum(t.numel() * t.element_size() for t in tensors)
@@ -122,10 +133,12 @@ class LlamaModel:
         qkv = layer.qkv(x)
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                              c.num_kv_heads * c.head_dim], dim=-1)
+        q, k = q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None:  # Qwen3: RMSNorm each head, before RoPE
+            q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
         k_scale, v_scale = kv.scales(i)  # None, None unless the cache is INT8
-        q, _ = rope_kv_write(q.view(T, c.num_heads, c.head_dim),
-                             k.view(T, c.num_kv_heads, c.head_dim),
-                             v.view(T, c.num_kv_heads, c.head_dim), batch.positions,
+        q, _ = rope_kv_write(q, k, v.view(T, c.num_kv_heads, c.head_dim), batch.positions,
                              self.rope.cos, self.rope.sin, kv.k[i], kv.v[i], batch.slots,
                              k_scale, v_scale)
         nd = batch.num_decodes
@@ -143,12 +156,3 @@ class LlamaModel:
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return layer.o(out.reshape(T, -1))
 
-
-def _cat(weights: list) -> torch.Tensor | Int4Weight:
-    """Fuse projections along their output rows (float tensors or INT4 blocks). A float one
-    beside INT4 blocks (a GGUF file mixing Q4 and other types) is quantized alike."""
-    if not any(isinstance(w, Int4Weight) for w in weights):
-        return torch.cat(weights)
-    group = next(w.group_size for w in weights if isinstance(w, Int4Weight))
-    return Int4Weight.cat([w if isinstance(w, Int4Weight) else quantize_int4(w, group)
-                           for w in weights])

@@ -4,7 +4,8 @@ Layouts, in order of preference:
   1. `model.safetensors.index.json` (sharded checkpoint; its `weight_map` names the shards),
   2. `model.safetensors`,
   3. every `*.safetensors` file in the directory.
-Tensors keep their Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...).
+Tensors keep their Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...); fused
+projections (Phi-3's `qkv_proj`, `gate_up_proj`) come split under Llama's names (arch.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from safetensors import safe_open
 from services.compute.model.gguf_weights import load_gguf_weights
 from services.compute.model.progress import progress
 from shared.gguf.reader import is_gguf
-from shared.model_config import ModelLoadError
+from shared.model_config import ModelConfig, ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -36,7 +37,7 @@ def load_weights(
     shard is missing, or a file cannot be read.
     """
     if is_gguf(path):
-        return load_gguf_weights(path, dtype, device, keep_int4)
+        return _split_fused(path, load_gguf_weights(path, dtype, device, keep_int4))
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(f"model directory {root} does not exist or is not a directory")
@@ -52,7 +53,17 @@ def load_weights(
         else:
             tensor = tensor.to(device=device)
         weights[name] = tensor
-    return weights
+    return _split_fused(path, weights)
+
+
+def _split_fused(path, weights: dict) -> dict:
+    """Fused projections split under Llama's names (arch.split_fused), for every reader of the
+    weights: the decoder and SmoothQuant's calibration."""
+    if not any(n.endswith(("qkv_proj.weight", "gate_up_proj.weight")) for n in weights):
+        return weights
+    from services.compute.model.arch import split_fused  # arch reads `require` from here
+
+    return split_fused(ModelConfig.from_path(path), weights)
 
 
 def require(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -1,0 +1,108 @@
+"""What the supported architectures store differently, brought to the decoder's one layout.
+
+  * Phi-3 stores q/k/v fused (`self_attn.qkv_proj`; GGUF `attn_qkv`) and gate/up fused
+    (`mlp.gate_up_proj`; GGUF `ffn_up`), in the order Llama's separate projections fuse to.
+    `split_fused` hands them over as Llama's names (row views), so that everything reading
+    weights (the decoder, SmoothQuant calibration) sees one layout.
+  * Qwen3 has an RMSNorm [head_dim] on every q and k head (`self_attn.q_norm`, `k_norm`),
+    applied before RoPE (`qk_norms`).
+  * Partial rotary (Phi-4-mini): each q and k head's rows (and bias, and norm weight) are
+    reordered as `rope.head_order` says (`qkv_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.int4_gemm import Int4Weight, quantize_int4
+from services.compute.model.rope import head_order
+from services.compute.model.weights import require
+from shared.model_config import ModelConfig, ModelLoadError
+
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def split_fused(cfg: ModelConfig, weights: dict) -> dict:
+    """A copy of `weights` with every fused Phi-3 projection replaced by its parts (row views)
+    under Llama's names. Raises ModelLoadError naming a fused tensor of the wrong row count,
+    or a missing one (of a Phi-3 checkpoint that has no separate one either)."""
+    hd = cfg.head_dim
+    sizes = {"self_attn.qkv_proj": [cfg.num_heads * hd, cfg.num_kv_heads * hd,
+                                    cfg.num_kv_heads * hd],
+             "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+    out = dict(weights)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for fused, parts in _FUSED.items():
+            name = f"{p}{fused}.weight"
+            if name not in out:
+                if cfg.architecture == "Phi3ForCausalLM" and f"{p}{parts[0]}.weight" not in out:
+                    require(out, name)
+                continue
+            w = out.pop(name)
+            if w.shape[0] != sum(sizes[fused]):
+                raise ModelLoadError(f"tensor '{name}' has {w.shape[0]} rows; the config's "
+                                     f"shape makes {' + '.join(map(str, sizes[fused]))}")
+            for part, rows in zip(parts, _split_rows(w, sizes[fused]), strict=True):
+                out[f"{p}{part}.weight"] = rows
+    return out
+
+
+def fuse(weights: list) -> torch.Tensor | Int4Weight:
+    """Fuse projections along their output rows (float tensors or INT4 blocks). A float one
+    beside INT4 blocks (a GGUF file mixing Q4 and other types) is quantized alike."""
+    if not any(isinstance(w, Int4Weight) for w in weights):
+        return torch.cat(weights)
+    group = next(w.group_size for w in weights if isinstance(w, Int4Weight))
+    return Int4Weight.cat([w if isinstance(w, Int4Weight) else quantize_int4(w, group)
+                           for w in weights])
+
+
+def qkv_rows(cfg: ModelConfig, weight, bias: torch.Tensor | None):
+    """(weight, bias) of the fused q/k/v projection, q and k rows in the decoder's head order."""
+    index = _qkv_index(cfg)
+    if index is None:
+        return weight, bias
+    return _rows(weight, index), None if bias is None else _take(bias, index)
+
+
+def qk_norms(cfg: ModelConfig, w: dict, prefix: str
+             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(q_norm, k_norm) weights [head_dim] of a layer (`prefix`: `model.layers.{i}.`), in the
+    decoder's head order; (None, None) for architectures without them."""
+    if not cfg.qk_norm:
+        return None, None
+    order = head_order(cfg.head_dim, cfg.rotary_dim)
+    norms = [require(w, f"{prefix}self_attn.{n}_norm.weight") for n in "qk"]
+    return tuple(n if order is None else _take(n, order) for n in norms)
+
+
+def _qkv_index(cfg: ModelConfig) -> torch.Tensor | None:
+    """Row order of the fused q/k/v projection: each q and k head in `head_order`, v as is."""
+    order = head_order(cfg.head_dim, cfg.rotary_dim)
+    if order is None:
+        return None
+    hd, heads = cfg.head_dim, cfg.num_heads + cfg.num_kv_heads
+    qk = (torch.arange(heads)[:, None] * hd + order[None, :]).flatten()
+    return torch.cat([qk, torch.arange(heads * hd, (heads + cfg.num_kv_heads) * hd)])
+
+
+def _rows(w, index: torch.Tensor):
+    """w[index] for a float weight or an Int4Weight (rows first)."""
+    if isinstance(w, Int4Weight):
+        return Int4Weight(*(_take(t, index) for t in (w.packed, w.scales, w.mins)),
+                          w.group_size)
+    return _take(w, index)
+
+
+def _take(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return t[index.to(t.device)]
+
+
+def _split_rows(w, sizes: list[int]) -> list:
+    """w split along its rows into parts of `sizes` (views; an Int4Weight field by field)."""
+    if isinstance(w, Int4Weight):
+        fields = [t.split(sizes) for t in (w.packed, w.scales, w.mins)]
+        return [Int4Weight(*parts, w.group_size) for parts in zip(*fields, strict=True)]
+    return list(w.split(sizes))
