@@ -8,6 +8,7 @@ kernel, launcher, PyTorch reference. The functions exported here choose per call
     rope_kv_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots[, k_scale, v_scale])
     decode_attention(q, k_cache, v_cache, starts, lens, scale)       one query per sequence
     prefill_attention(q, k_cache, v_cache, cu, starts, lens, scale)  causal chunks
+                                               both take window= (sliding window, 0: none)
     quantize_kv(x) / dequantize_kv(q, scales)  the INT8 KV layout; the three above take
                                                k_scale=, v_scale= for INT8 caches
     rms_norm_int8(x, residual, w, eps) / silu_mul_int8(gate_up)   W8A8: per-token INT8 rows

@@ -11,6 +11,10 @@ Triton path, two launches:
        output (normalized) and its log2-sum-exp to a workspace. With num_splits == 1 it writes
        the final output directly and step 2 is skipped.
     2. `_decode_combine_kernel`, grid (B, n_heads): merges the splits' partials.
+
+Sliding window (WINDOW > 0, a per-layer constant): the query at position p = len - 1 sees the
+keys at positions (p - WINDOW, p], transformers' `sliding_window_overlay` (kv > q - window).
+The splits share out only those min(len, WINDOW) keys: the rows before them are never read.
 """
 
 from __future__ import annotations
@@ -79,13 +83,17 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr,
     KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,  # int8 K/V, one scale per KV_GROUP values
     KV_FP8: tl.constexpr = False,  # e4m3 K/V (kernels/kv_quant.py)
+    WINDOW: tl.constexpr = 0,  # > 0: attend only the last WINDOW keys (sliding window)
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
     start = tl.load(starts_ptr + b).to(tl.int64)
     n = tl.load(lens_ptr + b)
-    split_len = _split_len(n, num_splits, BLOCK_N)
-    lo = split * split_len
+    first = n * 0  # the first visible token: the query (position n - 1) sees [first, n)
+    if WINDOW > 0:
+        first = tl.maximum(n - WINDOW, 0)
+    split_len = _split_len(n - first, num_splits, BLOCK_N)
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, n)  # tokens [lo, hi) of b; empty (lo >= hi) for short b
 
     offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H] query head within the group (padded)
@@ -143,9 +151,12 @@ def _decode_combine_kernel(
     part_o_ptr, part_lse_ptr, lens_ptr, out_ptr,  # [B, H, S, D] fp32, [B, H, S] fp32, [B], out
     stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    WINDOW: tl.constexpr = 0,  # the split kernel's: the splits shared out min(n, WINDOW) keys
 ):
     b, h = tl.program_id(0), tl.program_id(1)
     n = tl.load(lens_ptr + b)
+    if WINDOW > 0:
+        n = tl.minimum(n, WINDOW)
     used = tl.cdiv(n, _split_len(n, num_splits, BLOCK_N))  # non-empty splits of b (>= 1)
     offs_s = tl.arange(0, SPLITS_PAD)  # [S_PAD]
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
@@ -204,6 +215,7 @@ def _decode_attention_triton(
     num_splits: int | None = None,  # None: `_num_splits` heuristic
     k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
     v_scale: torch.Tensor | None = None,
+    window: int = 0,  # > 0: only the last `window` keys (a Python int: a kernel constant)
 ) -> torch.Tensor:  # [B, H, D], q.dtype
     _check_inputs(q, k_cache, v_cache, seq_starts, seq_lens)
     int8 = k_scale is not None
@@ -212,8 +224,9 @@ def _decode_attention_triton(
     batch, n_heads, head_dim = q.shape
     n_kv_heads = k_cache.shape[1]
     group = n_heads // n_kv_heads
-    if num_splits is None:
-        num_splits = _num_splits(batch, n_kv_heads, max_seq_len, q.device)
+    if num_splits is None:  # a window caps the keys any sequence reads
+        num_splits = _num_splits(batch, n_kv_heads, min(max_seq_len, window or max_seq_len),
+                                 q.device)
     out = torch.empty((batch, n_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -232,14 +245,14 @@ def _decode_attention_triton(
         scales[0].stride(0), scales[0].stride(1), scale * math.log2(math.e),
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N, USE_DOT=use_dot,
         UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16, DIRECT=num_splits == 1,
-        KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=k_cache.dtype == FP8,
+        KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=k_cache.dtype == FP8, WINDOW=window,
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, n_heads)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), WINDOW=window, num_warps=4,
         )
     return out
 
@@ -253,6 +266,7 @@ def decode_attention_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
     v_scale: torch.Tensor | None = None,
+    window: int = 0,  # > 0: only the last `window` keys
 ) -> torch.Tensor:  # [B, H, D]
     """Loop over sequences (a padded gather would copy max_len x B KV rows: slower on CPU).
     Each KV head's query group is one [G, D] x [D, n] product: no repeated K/V, no SDPA call
@@ -262,6 +276,8 @@ def decode_attention_reference(
     hkv = k_cache.shape[1]
     out = torch.empty_like(q)
     for b, (s, n) in enumerate(zip(seq_starts.tolist(), seq_lens.tolist(), strict=True)):
+        if 0 < window < n:  # the query (position n - 1) sees positions (n - 1 - window, n - 1]
+            s, n = s + n - window, window
         kb = kv_rows(k_cache, k_scale, s, n).permute(1, 2, 0)  # [Hkv, D, n]
         vb = kv_rows(v_cache, v_scale, s, n).transpose(0, 1)  # [Hkv, n, D]
         qb = q[b].view(hkv, H // hkv, D).float()  # [Hkv, G, D]
@@ -281,8 +297,10 @@ def decode_attention(
     max_seq_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Single-query attention of each sequence over all its cached tokens.
+    """Single-query attention of each sequence over its cached tokens (all of them, or with
+    `window` > 0 the last `window`: keys at positions (p - window, p] for the query at p).
 
     q [B, n_heads, head_dim]; k_cache, v_cache [capacity, n_kv_heads, head_dim] (one layer;
     n_heads a multiple of n_kv_heads, head_dim a power of 2); seq_starts, seq_lens int32 [B] on
@@ -295,16 +313,17 @@ def decode_attention(
     k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): every path reads them,
     dequantizing in registers (Triton, C++) or one sequence's rows (the reference). FP8 caches
     (float8_e4m3fn, scale 1) convert in registers (Triton) or in the reference (off Triton).
+    `window` is a Python int (a Triton constant: CUDA graphs capture it per layer).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not use_triton(q) and k_cache.dtype != FP8 and (ext := cpu_extension(q)) is not None:
         return ext.decode_attention(q, k_cache, v_cache, seq_starts, seq_lens, scale, k_scale,
-                                    v_scale)
+                                    v_scale, window)
     if not use_triton(q):
         return decode_attention_reference(q, k_cache, v_cache, seq_starts, seq_lens, scale,
-                                          k_scale, v_scale)
+                                          k_scale, v_scale, window)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1
     return _decode_attention_triton(q, k_cache, v_cache, seq_starts, seq_lens, scale, max_seq_len,
-                                    k_scale=k_scale, v_scale=v_scale)
+                                    k_scale=k_scale, v_scale=v_scale, window=window)

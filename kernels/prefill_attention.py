@@ -5,12 +5,16 @@ contiguous slots [seq_starts[s], seq_starts[s] + ctx_lens[s]); its new tokens' K
 written there. Its q_len = cu_q_lens[s+1] - cu_q_lens[s] new queries are the last q_len tokens of
 the sequence: query i sits at position ctx_lens[s] - q_len + i and sees keys 0..that position
 (a chunk attends to its cached prefix plus itself, causally). GQA: query head h reads KV head
-h // (n_heads // n_kv_heads).
+h // (n_heads // n_kv_heads). Sliding window (`window` > 0, one per layer): the query at
+position p sees only keys at positions (p - window, p], transformers' `sliding_window_overlay`
+(kv_idx > q_idx - window) on its causal mask.
 
 The kernel is FlashAttention-2 style: one program per (BLOCK_M queries, sequence, head) tile
 loops over the sequence's KV blocks up to its causal limit with an online softmax (fp32, exp2 on
 log2(e)-prescaled scores). Blocks entirely below the diagonal run unmasked; only the blocks the
-tile's diagonal crosses are masked; blocks above it are never loaded. Static configs by head_dim
+tile's diagonal crosses are masked; blocks above it are never loaded. With a window (WINDOW, a
+constexpr) the loop starts at the block holding the tile's first visible key, and the blocks
+the window's left edge crosses are masked too. Static configs by head_dim
 (no autotuning: deterministic, and fast under the interpreter). fp32 inputs use tl.dot's "tf32x3"
 (about fp32 accuracy on tensor cores; "ieee" compiles to a register-spilling FMA loop on sm_90).
 
@@ -41,9 +45,10 @@ def _attn_blocks(
     acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, lo, hi, stride_kt, stride_vt,
     stride_st, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     PRECISION: tl.constexpr, KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    """Online-softmax update over keys [lo, hi) of one sequence (MASKED: also mask causally).
+    """Online-softmax update over keys [lo, hi) of one sequence (MASKED: also mask causally,
+    and with WINDOW > 0 keys at or before pos_m - WINDOW).
 
     acc [BM, D] fp32, l_i/m_i [BM] fp32 (running max in log2 units), q [BM, D],
     pos_m [BM] query positions, k_base/v_base scalar pointers to key 0 of the segment and head,
@@ -78,9 +83,13 @@ def _attn_blocks(
             v = v.to(tl.float32).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
         if MASKED:
-            causal = offs_n[None, :] <= pos_m[:, None]  # [BM, BN]
-            qk = tl.where(causal, qk, float("-inf"))
+            visible = offs_n[None, :] <= pos_m[:, None]  # [BM, BN]
+            if WINDOW > 0:
+                visible = visible & (offs_n[None, :] > pos_m[:, None] - WINDOW)
+            qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BM]
+        if WINDOW > 0:  # a row may see no key of a block yet (-inf max): keep exp2 finite
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk - m_new[:, None])  # [BM, BN]
         alpha = tl.math.exp2(m_i - m_new)  # [BM]
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -90,13 +99,28 @@ def _attn_blocks(
 
 
 @triton.jit
+def _window_blocks(first_pos, hi, full_end, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """(lo, mid) for a query tile at positions [first_pos, hi): its keys fall in blocks
+    [lo, mid) that the window's left edge crosses (masked), [mid, full_end) visible to every
+    row (unmasked) and [full_end, hi) that the diagonal crosses (masked). Without a window
+    lo = mid = 0. Invariant: lo <= mid <= full_end <= hi, all but hi multiples of BLOCK_N."""
+    lo = full_end * 0
+    mid = lo
+    if WINDOW > 0:  # the first row's first visible key; every row sees the keys >= hi - WINDOW
+        lo = (tl.maximum(first_pos - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N  # (no negative //)
+        all_see = tl.cdiv(tl.maximum(hi - WINDOW, 0), BLOCK_N) * BLOCK_N
+        mid = tl.minimum(tl.maximum(all_see, lo), full_end)
+    return lo, mid
+
+
+@triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, starts_ptr, ctx_ptr, ks_ptr, vs_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_st, stride_sh,  # KV_INT8: the scales' [capacity, Hkv, D / KV_GROUP] strides
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """Grid (cdiv(max_q_len, BLOCK_M), S, n_heads): one BLOCK_M query tile of one seq and head."""
     seq = tl.program_id(1)
@@ -126,21 +150,30 @@ def _prefill_attention_kernel(
     pos_m = prefix + offs_m  # [BM] absolute query positions
     hi = prefix + tl.minimum(start_m + BLOCK_M, q_len)  # the tile's last query sees keys [0, hi)
     full_end = ((prefix + start_m + 1) // BLOCK_N) * BLOCK_N  # keys below: visible to all rows
+    lo, mid = _window_blocks(prefix + start_m, hi, full_end, BLOCK_N, WINDOW)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    acc, l_i, m_i = _attn_blocks(  # blocks entirely below the diagonal: no mask
-        acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, 0, full_end, stride_kt,
+    if WINDOW > 0:
+        acc, l_i, m_i = _attn_blocks(  # blocks the window's left edge crosses: masked
+            acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, lo, mid, stride_kt,
+            stride_vt, stride_st, qk_scale, HEAD_DIM, BLOCK_N, True, PRECISION, KV_INT8,
+            KV_GROUP, KV_FP8, WINDOW,
+        )
+    acc, l_i, m_i = _attn_blocks(  # blocks below the diagonal (in the window): no mask
+        acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, mid, full_end, stride_kt,
         stride_vt, stride_st, qk_scale, HEAD_DIM, BLOCK_N, False, PRECISION, KV_INT8, KV_GROUP,
-        KV_FP8,
+        KV_FP8, WINDOW,
     )
     acc, l_i, m_i = _attn_blocks(  # blocks the tile's diagonal crosses: causal mask
         acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, full_end, hi, stride_kt,
         stride_vt, stride_st, qk_scale, HEAD_DIM, BLOCK_N, True, PRECISION, KV_INT8, KV_GROUP,
-        KV_FP8,
+        KV_FP8, WINDOW,
     )
 
+    if WINDOW > 0:  # padding rows past q_len may see no key of [0, hi): 0 / 0 (not stored)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]  # [BM, D]
     o_ptrs = o_ptr + rows_q[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(offs_m < q_len)[:, None])
@@ -170,6 +203,7 @@ def _prefill_attention_triton(
     block_n: int | None = None,
     k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
     v_scale: torch.Tensor | None = None,
+    window: int = 0,  # > 0: sliding window (a Python int: a kernel constant)
 ) -> torch.Tensor:  # [T, H, D]
     """Launch the kernel; block_m / block_n override the static config (tests use small ones)."""
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -200,8 +234,8 @@ def _prefill_attention_triton(
         scales[0].stride(0), scales[0].stride(1),
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",  # tl.dot default for 16-bit
-        KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=k_cache.dtype == FP8, num_warps=warps,
-        num_stages=stages,
+        KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=k_cache.dtype == FP8, WINDOW=window,
+        num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -214,6 +248,7 @@ def prefill_attention_reference(
     seq_starts: torch.Tensor,  # [S] int32
     ctx_lens: torch.Tensor,  # [S] int32, including the new tokens
     scale: float,
+    window: int = 0,  # > 0: query at position p sees keys (p - window, p]
 ) -> torch.Tensor:  # [T, H, D]
     """PyTorch reference: a loop over sequences, one masked SDPA each (the CPU path)."""
     out = torch.empty_like(q)
@@ -226,17 +261,32 @@ def prefill_attention_reference(
         ks = k_cache[start : start + n].transpose(0, 1)  # [Hkv, n, D]
         vs = v_cache[start : start + n].transpose(0, 1)  # [Hkv, n, D]
         q_pos = torch.arange(n - (q1 - q0), n, device=q.device)[:, None]  # [q_len, 1]
-        mask = torch.arange(n, device=q.device)[None, :] <= q_pos  # [q_len, n]
+        k_pos = torch.arange(n, device=q.device)[None, :]  # [1, n]
+        mask = k_pos <= q_pos  # [q_len, n]
+        if window > 0:
+            mask &= k_pos > q_pos - window
         os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                              enable_gqa=True)  # [H, q_len, D]
         out[q0:q1] = os_.transpose(0, 1)
     return out
 
 
+def _visible_keys(m: int, n: int, window: int) -> tuple[int, torch.Tensor]:
+    """(lo, bias [m, n - lo]): the m queries at positions n - m .. n - 1 see keys in [lo, n)
+    at most; bias is 0 where query i sees key lo + j, else -inf (causal: j + lo <= n - m + i;
+    window: j + lo > n - m + i - window)."""
+    lo = max(0, n - m - window + 1) if window > 0 else 0
+    hidden = torch.ones(m, n - lo, dtype=torch.bool).triu_(n - m - lo + 1)
+    if window > 0:
+        hidden |= torch.ones(m, n - lo, dtype=torch.bool).tril_(n - m - lo - window)
+    return lo, torch.zeros(m, n - lo).masked_fill_(hidden, float("-inf"))
+
+
 def _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale,
-                           k_scale=None, v_scale=None):
+                           k_scale=None, v_scale=None, window=0):
     """The reference's contract, as GEMMs (MKL) per (sequence, KV head); fp32 arithmetic.
-    INT8 caches (with scales) are dequantized one sequence's rows at a time."""
+    INT8 caches (with scales) are dequantized one sequence's rows at a time; with a window only
+    the keys some query of the chunk sees are read."""
     out = torch.empty_like(q)
     _, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
@@ -246,10 +296,10 @@ def _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
         m = q1 - q0
         if m == 0:
             continue
-        # query i (position n - m + i) sees keys 0..n - m + i: -inf above that diagonal
-        hidden = torch.ones(m, n, dtype=torch.bool).triu_(n - m + 1)
-        bias = torch.zeros(m, n).masked_fill_(hidden, float("-inf")).repeat(group, 1)  # [g*m, n]
-        ks, vs = kv_rows(k_cache, k_scale, start, n), kv_rows(v_cache, v_scale, start, n)
+        lo, bias = _visible_keys(m, n, window)
+        bias = bias.repeat(group, 1)  # [g*m, n - lo]
+        ks = kv_rows(k_cache, k_scale, start + lo, n - lo)  # [n - lo, Hkv, D]
+        vs = kv_rows(v_cache, v_scale, start + lo, n - lo)
         for h in range(k_cache.shape[1]):
             heads = slice(h * group, (h + 1) * group)
             qh = q[q0:q1, heads].float().transpose(0, 1).reshape(group * m, head_dim)
@@ -270,8 +320,10 @@ def prefill_attention(
     max_q_len: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached prefix plus themselves.
+    """Causal attention of each sequence's new tokens over its cached prefix plus themselves
+    (with `window` > 0, a Python int, the query at position p sees keys (p - window, p] only).
 
     q [T, H, D] (sequence s's queries are q[cu_q_lens[s]:cu_q_lens[s+1]]); k_cache, v_cache
     [capacity, Hkv, D]; cu_q_lens [S+1], seq_starts [S], ctx_lens [S] int32 on q's device
@@ -286,10 +338,10 @@ def prefill_attention(
     if not use_triton(q):
         if k_scale is not None or k_cache.dtype == FP8 or cpu_fast_path(q):
             return _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
-                                          scale, k_scale, v_scale)
+                                          scale, k_scale, v_scale, window)
         return prefill_attention_reference(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
-                                           scale)
+                                           scale, window)
     if max_q_len is None:
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max().item()) if len(cu_q_lens) > 1 else 0
     return _prefill_attention_triton(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale,
-                                     max_q_len, k_scale=k_scale, v_scale=v_scale)
+                                     max_q_len, k_scale=k_scale, v_scale=v_scale, window=window)

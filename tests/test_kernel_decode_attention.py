@@ -46,8 +46,9 @@ def make_case(lens, n_kv_heads, head_dim, dtype=torch.float32, n_heads=N_HEADS, 
             torch.tensor(lens, **ints))
 
 
-def dense_attention(q, k, v, starts, lens, scale):
-    """Padded gather + masked softmax in float64: q [B, H, D], k/v [cap, Hkv, D] -> [B, H, D]."""
+def dense_attention(q, k, v, starts, lens, scale, window=0):
+    """Padded gather + masked softmax in float64: q [B, H, D], k/v [cap, Hkv, D] -> [B, H, D].
+    window > 0: the query (position len - 1) sees positions > len - 1 - window only."""
     group = q.shape[1] // k.shape[1]
     pos = torch.arange(int(lens.max()))  # [L]
     idx = (starts[:, None].long() + pos[None, :]).clamp(max=k.shape[0] - 1)  # [B, L]
@@ -55,13 +56,16 @@ def dense_attention(q, k, v, starts, lens, scale):
     vv = v.double()[idx].repeat_interleave(group, dim=2)
     s = torch.einsum("bhd,blhd->bhl", q.double(), kk) * scale  # [B, H, L]
     s = s.masked_fill(pos[None, None, :] >= lens[:, None, None], float("-inf"))
+    if window:
+        s = s.masked_fill(pos[None, None, :] <= lens[:, None, None] - 1 - window, float("-inf"))
     return torch.einsum("bhl,blhd->bhd", s.softmax(dim=-1), vv)  # [B, H, D]
 
 
-def check(q, k, v, starts, lens, out, scale=None):
+def check(q, k, v, starts, lens, out, scale=None, window=0):
     """out (any dtype) vs the reference on float32 copies of the inputs."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ref = decode_attention_reference(q.float(), k.float(), v.float(), starts, lens, scale)
+    ref = decode_attention_reference(q.float(), k.float(), v.float(), starts, lens, scale,
+                                     window=window)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out.float()).all()
     tol = TOL[q.dtype]
@@ -210,3 +214,78 @@ def test_gpu_large(dtype, batch, max_len):
     for splits in (1, 7):
         out = _decode_attention_triton(q, k, v, starts, lens_t, 128**-0.5, max_len, splits)
         check(q, k, v, starts, lens_t, out)
+
+
+# --- sliding window: the query at position len - 1 sees keys (len - 1 - window, len - 1] ------
+
+WINDOWS = [1, 16, 37, 300, 1000]  # lens 1, 37, 300: smaller than, equal to, larger than each
+
+
+def poison_outside_window(k, v, starts, lens, window):
+    """NaN in every segment row before the window: a kernel that reads one (even masked: NaN x
+    0 is NaN) returns NaN."""
+    k, v = k.clone(), v.clone()
+    for s, n in zip(starts.tolist(), lens.tolist(), strict=True):
+        k[s : s + max(0, n - window)] = float("nan")
+        v[s : s + max(0, n - window)] = float("nan")
+    return k, v
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_reference_window_matches_dense(window):
+    q, k, v, starts, lens = make_case([1, 37, 300, 64], N_HEADS // 4, 64, seed=11)
+    out = decode_attention_reference(q, k, v, starts, lens, 0.125, window=window)
+    torch.testing.assert_close(out.double(), dense_attention(q, k, v, starts, lens, 0.125, window),
+                               atol=1e-5, rtol=1e-5)
+    if window < 300:  # the window changes the result
+        assert not torch.allclose(out, decode_attention_reference(q, k, v, starts, lens, 0.125))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_triton_window_matches_reference(window, group, splits):
+    """The splits share out only the window's keys; the rows before it are never read."""
+    q, k, v, starts, lens = make_case([1, 37, 300], N_HEADS // group, 64, seed=window + group)
+    kp, vp = poison_outside_window(k, v, starts, lens, window)
+    out = _decode_attention_triton(q, kp, vp, starts, lens, 0.125, 300, num_splits=splits,
+                                   window=window)
+    check(q, k, v, starts, lens, out, scale=0.125, window=window)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window", [16, 300])
+def test_triton_window_on_int8_kv(window, splits):
+    q, k, v, starts, lens = make_case([5, 37, 300], N_HEADS // 4, 64, seed=21)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    out = _decode_attention_triton(q, kq, vq, starts, lens, 0.125, 300, num_splits=splits,
+                                   k_scale=ks, v_scale=vs, window=window)
+    check(q, dequantize_kv(kq, ks), dequantize_kv(vq, vs), starts, lens, out, scale=0.125,
+          window=window)
+
+
+def test_public_function_window_triton(triton_backend):
+    """The heuristic's split count with a window (capped by it), through `decode_attention`."""
+    q, k, v, starts, lens = make_case([700, 3, 90], 2, 64, seed=4)
+    kp, vp = poison_outside_window(k, v, starts, lens, 64)
+    out = decode_attention(q, kp, vp, starts, lens, 0.125, max_seq_len=700, window=64)
+    check(q, k, v, starts, lens, out, scale=0.125, window=64)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_window_matches_reference(cpu_ext, window, dtype):
+    q, k, v, starts, lens = make_case([1, 37, 300, 64], 2, 64, dtype, seed=window)
+    kp, vp = poison_outside_window(k, v, starts, lens, window)
+    out = cpu_ext.decode_attention(q, kp, vp, starts, lens, 0.2, window=window)
+    check(q, k, v, starts, lens, out, 0.2, window=window)
+    assert torch.equal(decode_attention(q, kp, vp, starts, lens, 0.2, window=window), out)
+
+
+@pytest.mark.parametrize("window", [16, 37, 1000])
+def test_cpu_kernel_window_on_int8_kv(cpu_ext, window):
+    q, k, v, starts, lens = make_case([1, 37, 300], 2, 64, seed=5)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    out = cpu_ext.decode_attention(q, kq, vq, starts, lens, 0.125, ks, vs, window)
+    check(q, dequantize_kv(kq, ks), dequantize_kv(vq, vs), starts, lens, out, 0.125,
+          window=window)

@@ -63,8 +63,9 @@ def make_batch(q_lens, prefixes, n_heads, n_kv_heads, head_dim, dtype, *, garbag
     return (q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), *ints)
 
 
-def dense_attention(q, k, v, cu_q_lens, seq_starts, ctx_lens, scale):
-    """Explicit float64 softmax(q k^T * scale + causal mask) v, one sequence at a time."""
+def dense_attention(q, k, v, cu_q_lens, seq_starts, ctx_lens, scale, window=0):
+    """Explicit float64 softmax(q k^T * scale + causal mask) v, one sequence at a time; window
+    > 0: the query at position p also hides the keys at positions <= p - window."""
     group = q.shape[1] // k.shape[1]
     cu, starts, ctx = cu_q_lens.tolist(), seq_starts.tolist(), ctx_lens.tolist()
     outs = []
@@ -75,16 +76,22 @@ def dense_attention(q, k, v, cu_q_lens, seq_starts, ctx_lens, scale):
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # [H, L, n]
         pos = torch.arange(n - qs.shape[0], n, device=q.device)[:, None]  # [L, 1]
         visible = torch.arange(n, device=q.device)[None, :] <= pos  # [L, n]
+        if window:
+            visible &= torch.arange(n, device=q.device)[None, :] > pos - window
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         outs.append(torch.einsum("hqk,khd->qhd", probs, vs))  # [L, H, D]
     return torch.cat(outs)
 
 
-def check_triton(batch, scale, block_m=None, block_n=None, max_q_len=70):
-    """Run the kernel on `batch` and compare it with the fp32 reference on the same inputs."""
+def check_triton(batch, scale, block_m=None, block_n=None, max_q_len=70, window=0, kv=None):
+    """Run the kernel on `batch` (with `kv`: on those (k, v) instead) and compare it with the
+    fp32 reference on the batch's inputs."""
     q, k, v, cu, starts, ctx = batch
-    out = _prefill_attention_triton(q, k, v, cu, starts, ctx, scale, max_q_len, block_m, block_n)
-    ref = prefill_attention_reference(q.float(), k.float(), v.float(), cu, starts, ctx, scale)
+    kk, vv = kv or (k, v)
+    out = _prefill_attention_triton(q, kk, vv, cu, starts, ctx, scale, max_q_len, block_m,
+                                    block_n, window=window)
+    ref = prefill_attention_reference(q.float(), k.float(), v.float(), cu, starts, ctx, scale,
+                                      window)
     assert out.dtype == q.dtype and out.shape == q.shape
     tol = TOL[q.dtype]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -209,3 +216,78 @@ def test_triton_large_gpu(dtype, n_heads, n_kv_heads, head_dim, triton_backend):
                                       head_dim**-0.5)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# --- sliding window: the query at position p sees keys (p - window, p] ------------------------
+
+WINDOWS = [1, 5, 16, 70, 201, 1000]  # KV lengths 201, 18, 70: smaller, equal, larger
+
+
+def poison_unread(batch, window, block_n):
+    """(k, v) with NaN in the rows of each sequence before the block holding its first query's
+    first visible key: the Triton kernel must skip those blocks, never load them."""
+    _, k, v, cu, starts, ctx = batch
+    k, v = k.clone(), v.clone()
+    for s, (start, n) in enumerate(zip(starts.tolist(), ctx.tolist(), strict=True)):
+        first_pos = n - (cu[s + 1] - cu[s]).item()
+        skip = max(0, first_pos - window + 1) // block_n * block_n
+        k[start : start + skip] = float("nan")
+        v[start : start + skip] = float("nan")
+    return k, v
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_reference_and_cpu_path_window_match_dense(window):
+    """The reference and the CPU path (GEMMs over the keys some query sees) with a window;
+    chunks with and without a cached prefix and an empty one."""
+    batch = make_batch((1, 5, 0, 70), (200, 13, 7, 0), 6, 2, 64, torch.float32, seed=window)
+    exp = dense_attention(*batch, 0.1, window)
+    ref = prefill_attention_reference(*batch, 0.1, window)
+    torch.testing.assert_close(ref.double(), exp, atol=1e-5, rtol=1e-5)
+    assert dispatch.cpu_fast_path(batch[0])
+    cpu = prefill_attention(*batch, 0.1, window=window)
+    torch.testing.assert_close(cpu.double(), exp, atol=1e-5, rtol=1e-5)
+    if window < 70:
+        assert not torch.allclose(ref, prefill_attention_reference(*batch, 0.1))
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_triton_window_matches_reference(window, block_m, block_n):
+    """Left-edge, unmasked and diagonal blocks in every arrangement; the blocks wholly before
+    the window hold NaN (never loaded)."""
+    batch = make_batch(Q_LENS, PREFIXES, 4, 2, 64, torch.float32, seed=window)
+    check_triton(batch, 0.125, block_m, block_n, window=window,
+                 kv=poison_unread(batch, window, block_n))
+
+
+@pytest.mark.parametrize("window", [3, 16, 17])
+def test_triton_window_alignments(window):
+    """Prefixes of every residue mod BLOCK_N and chunks of 1-23 queries under small windows."""
+    prefixes = list(range(0, 50, 3))
+    q_lens = [1 + (7 * i) % 23 for i in range(len(prefixes))]
+    batch = make_batch(q_lens, prefixes, 2, 1, 64, torch.float32, seed=5)
+    check_triton(batch, 0.125, 16, 16, max_q_len=64, window=window,
+                 kv=poison_unread(batch, window, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [16, 201])
+def test_triton_window_on_int8_kv(window, dtype):
+    q, k, v, cu, starts, ctx = make_batch(Q_LENS, PREFIXES, 4, 1, 64, dtype, seed=8)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    out = _prefill_attention_triton(q, kq, vq, cu, starts, ctx, 0.1, 70, 16, 16,
+                                    k_scale=ks, v_scale=vs, window=window)
+    ref = prefill_attention_reference(q.float(), dequantize_kv(kq, ks), dequantize_kv(vq, vs),
+                                      cu, starts, ctx, 0.1, window)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    cpu = prefill_attention(q.float(), kq, vq, cu, starts, ctx, 0.1, k_scale=ks, v_scale=vs,
+                            window=window)  # off Triton: the CPU path dequantizes its rows
+    torch.testing.assert_close(cpu, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_public_function_window_triton(triton_backend):
+    batch = make_batch((3, 0, 40), (60, 5, 11), 4, 2, 64, torch.float32, seed=9)
+    out = prefill_attention(*batch, 0.125, window=8)
+    torch.testing.assert_close(out.double(), dense_attention(*batch, 0.125, 8), atol=1e-4,
+                               rtol=1e-4)

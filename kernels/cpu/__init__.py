@@ -13,7 +13,7 @@ once in the log and returns None, and callers fall back to the reference.
 One module, one source per concept (bindings.cpp declares and binds them all):
 
     decode_attention.cpp  decode_attention(q, k_cache, v_cache, starts, lens, scale[, k_scale,
-                          v_scale])                          kernels/decode_attention.py
+                          v_scale, window])                  kernels/decode_attention.py
     norm.cpp              rms_norm, add_rms_norm, rms_norm_int8     kernels/rmsnorm.py
     activation.cpp        silu_mul                                  kernels/activation.py
     int8_quant.cpp        quantize_int8, silu_mul_int8              kernels/int8_quant.py

@@ -4,6 +4,8 @@
 //
 // q [B, H, D]; k_cache, v_cache [capacity, Hkv, D] (one layer, rows contiguous in D);
 // seq_starts, seq_lens int32 [B]: sequence b owns slots [start, start + len), len >= 1.
+// window > 0 (a sliding-window layer): the query, at position len - 1, sees only the last
+// min(len, window) keys, positions (len - 1 - window, len - 1]; the rows before are not read.
 // One work item per sequence: it walks the sequence's K rows (all kv heads: contiguous memory)
 // once, scoring every query head h against kv head h / (H / Hkv) in fp32, then its V rows once.
 // Walking whole rows rather than one head's slice per item runs at ~90% of memory bandwidth,
@@ -90,7 +92,7 @@ void attend_one(const scalar_t* q, int64_t q_sh, const cache_t* k, const cache_t
 
 template <typename scalar_t, typename cache_t>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const Scales& sc, const int32_t* st, const int32_t* ln, double scale,
+         const Scales& sc, const int32_t* st, const int32_t* ln, double scale, int64_t window,
          torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), group = H / k_cache.size(1);
   const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -100,7 +102,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, scores, acc;  // per-thread scratch
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t first = st[b];
+      const int64_t len = ln[b];
+      const int64_t skip = window > 0 && len > window ? len - window : 0;  // rows out of window
+      const int64_t first = st[b] + skip;
       Scales seq = sc;  // this sequence's scales start at its first row
       if (seq.k) {
         seq.k += first * sc.row_stride;
@@ -108,8 +112,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       }
       attend_one<scalar_t, cache_t>(qp + b * q.stride(0), q.stride(1),
                                     kp + first * k_cache.stride(0), vp + first * k_cache.stride(0),
-                                    k_cache.stride(0), k_cache.stride(1), seq, group, ln[b], H, D,
-                                    static_cast<float>(scale), op + b * out.stride(0),
+                                    k_cache.stride(0), k_cache.stride(1), seq, group, len - skip,
+                                    H, D, static_cast<float>(scale), op + b * out.stride(0),
                                     out.stride(1), qf, scores, acc);
     }
   });
@@ -117,11 +121,12 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 
 }  // namespace
 
-// k_scale, v_scale (INT8 caches): fp16 [capacity, Hkv, D / 8], the caches int8.
+// k_scale, v_scale (INT8 caches): fp16 [capacity, Hkv, D / 8], the caches int8. window: 0 for
+// full attention, else the sliding window (see the top of this file).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor seq_starts, torch::Tensor seq_lens, double scale,
                                c10::optional<torch::Tensor> k_scale,
-                               c10::optional<torch::Tensor> v_scale) {
+                               c10::optional<torch::Tensor> v_scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
               "head_dim must be contiguous");
@@ -130,6 +135,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
               "seq_starts and seq_lens must be int32");
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(H % Hkv == 0 && k_cache.size(2) == D, "head counts or head_dim do not match");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window)");
   const bool int8 = k_scale.has_value();
   Scales sc;
   if (int8) {
@@ -148,10 +154,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
     if (int8) {
-      run<scalar_t, int8_t>(q, k_cache, v_cache, sc, st, ln, scale, out);
+      run<scalar_t, int8_t>(q, k_cache, v_cache, sc, st, ln, scale, window, out);
     } else {
       TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "caches must be q's dtype");
-      run<scalar_t, scalar_t>(q, k_cache, v_cache, sc, st, ln, scale, out);
+      run<scalar_t, scalar_t>(q, k_cache, v_cache, sc, st, ln, scale, window, out);
     }
   });
   return out;

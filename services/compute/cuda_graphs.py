@@ -5,7 +5,9 @@ into the graph's static buffers and the rows past n padded. Mixed and prefill st
 
 Padding rows write their K/V into `pad_slot` (one KV row no request ever owns) and attend over
 that row alone, so they change nothing a request reads. The decode attention's grid is sized at
-capture for `max_seq_len` (the context length): the splits past a sequence's length are empty.
+capture for `max_seq_len` (the context length), or for a sliding-window layer its window: the
+splits past a sequence's length are empty. The windows are Python ints fixed per layer
+(`LlamaModel.windows`, Triton constants), so each layer's captured launch keeps its own.
 `--enforce-eager` (vLLM's flag) turns graphs off.
 """
 
