@@ -25,6 +25,7 @@ from services.compute.length.head import is_checkpoint, probe_dim, probe_matrix
 from services.compute.model import quantization, smoothing
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
+from services.compute.structured import start_mask
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 
@@ -104,6 +105,7 @@ class ModelRunner:
         for src, dst, n in step.moves:
             self.kv.move(src, dst, n)
         sampled = step.sampled
+        mask = start_mask(sampled)  # grammars' bitmask, filled while the forward runs
         batch = build_batch(step, self.device, prev)
         if self.graphs is not None and self.graphs.fits(batch):
             logits, hidden = self.graphs.run(batch)  # [S, vocab], [S, hidden]
@@ -118,7 +120,7 @@ class ModelRunner:
             logits = logits[: len(sampled)]
             sampling.suppress_stop_tokens(logits, sampled)
             out.top = sampling.top_rows(logits, [s.params.top_logprobs for s in sampled])
-            out.tokens, out.logprobs = sampling.sample(logits, sampled, self.device)
+            out.tokens, out.logprobs = sampling.sample(logits, sampled, self.device, mask)
         return out.seal()
 
     def _probe(self, out: InFlight, hidden: torch.Tensor, step: ScheduledStep) -> None:

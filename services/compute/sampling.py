@@ -26,6 +26,8 @@ Invariants:
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from kernels import SamplingBatch, apply_penalties, to_device, token_stats
@@ -53,10 +55,11 @@ def sampling_batch(seqs: list[Sequence], device: torch.device) -> SamplingBatch:
     )
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], device: torch.device
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], device: torch.device,
+           mask: Future | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of `logits` [S, vocab] for `seqs` -> (ids [S] int64, logprobs [S]
-    float32) on the device; penalties and logit_bias first where a row asks. No host sync."""
+    float32) on the device; penalties, logit_bias and the grammars' bitmask (`mask`:
+    structured.start_mask's, if started) first where a row asks. No host sync."""
     raw = None
     grammar = any(s.grammar is not None for s in seqs)
     if grammar or any(s.params.shapes_logits for s in seqs):  # else no such work at all
@@ -66,7 +69,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], device: torch.device
             logits = _penalize(logits, seqs, device)
         logits = _add_logit_bias(logits, seqs)
         if grammar:
-            logits = mask_logits(logits if logits is not raw else logits.clone(), seqs)
+            logits = mask_logits(logits if logits is not raw else logits.clone(), seqs, mask)
     return sample_kernel(logits, sampling_batch(seqs, device), raw)
 
 
