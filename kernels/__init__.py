@@ -13,6 +13,7 @@ kernel, launcher, PyTorch reference. The functions exported here choose per call
                                                k_scale=, v_scale= for INT8 caches
     rms_norm_int8(x, residual, w, eps) / silu_mul_int8(gate_up)   W8A8: per-token INT8 rows
     int8_gemm.int8_gemm / int4_gemm.int4_gemm   the W8A8 and W4A16 GEMMs (model/linear/)
+    fused_moe(x, w13, w2, weights, ids)       [T, H] -> [T, H]: top-k experts' SwiGLU, summed
     sample(logits, batch[, raw_logits])       token ids and logprobs; batch: a SamplingBatch
                                               (per-row temperature, top-k/p, min-p, seed, step)
     apply_penalties(...), token_stats(...)
@@ -21,6 +22,7 @@ kernel, launcher, PyTorch reference. The functions exported here choose per call
 from kernels.activation import silu_mul
 from kernels.decode_attention import decode_attention
 from kernels.dispatch import backend, set_backend
+from kernels.fused_moe import fused_moe
 from kernels.int8_quant import silu_mul_int8
 from kernels.kv_quant import dequantize_kv, quantize_kv
 from kernels.prefill_attention import prefill_attention
@@ -29,6 +31,6 @@ from kernels.rope import rope_kv_write
 from kernels.sampling import SamplingBatch, apply_penalties, sample, to_device, token_stats
 
 __all__ = ["SamplingBatch", "add_rms_norm", "apply_penalties", "backend", "decode_attention",
-           "dequantize_kv", "prefill_attention", "quantize_kv", "rms_norm", "rms_norm_int8",
-           "rope_kv_write", "sample", "set_backend", "silu_mul", "silu_mul_int8", "to_device",
-           "token_stats"]
+           "dequantize_kv", "fused_moe", "prefill_attention", "quantize_kv", "rms_norm",
+           "rms_norm_int8", "rope_kv_write", "sample", "set_backend", "silu_mul", "silu_mul_int8",
+           "to_device", "token_stats"]

@@ -9,15 +9,15 @@ cannot serve correctly (unknown architecture, activation, RoPE variant...) fails
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from shared.gguf.hf import hf_config
 from shared.gguf.reader import GGUFError, is_gguf, open_gguf
+from shared.layer_types import FULL, SLIDING, sliding_window
+from shared.model_config_moe import MOE_ARCHITECTURES, QWEN3_MOE, moe_fields, moe_window
+from shared.model_config_rope import PHI3, rope
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -32,24 +33,11 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-_ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs
-# Architectures whose transformers implementation takes LongRoPE and a partial rotary factor.
-_PHI3 = "Phi3ForCausalLM"
-_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")  # sliding window only with use_sliding_window
-# Fields each scaled RoPE type needs, beyond rope_type itself.
-_ROPE_FIELDS = {
-    "linear": ("factor",),
-    "llama3": (
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    ),
-}
-_DEFAULT_ROPE_THETA = 10_000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
 
 
@@ -60,7 +48,7 @@ class ModelLoadError(Exception):
 @dataclass(frozen=True)
 class ModelConfig:
     """Validated hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3,
-    Phi-3)."""
+    Phi-3) or of its mixture-of-experts kin (Qwen3-MoE, Mixtral, OLMoE)."""
 
     architecture: str
     vocab_size: int
@@ -79,14 +67,41 @@ class ModelConfig:
     dtype: str
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the sliding layers; None: no layer slides
     qk_norm: bool = False  # an RMSNorm [head_dim] on every q and k head before RoPE (Qwen3)
     partial_rotary_factor: float = 1.0  # RoPE turns the first head_dim * factor dims (Phi-4)
+    # Per layer "sliding_attention" or "full_attention" (transformers' `layer_types`) where the
+    # layers differ; None: every layer slides when sliding_window is set, else none does.
+    layer_types: tuple[str, ...] | None = None
+    # Mixture of experts (shared/model_config_moe.py; 0 experts: a dense model): the layers in
+    # moe_layers run num_experts SwiGLU experts of moe_intermediate_size, each token the
+    # num_experts_per_tok best by the router's softmax (renormalized with norm_topk_prob)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+    qk_norm_full: bool = False  # an RMSNorm over the whole q and k projections (OLMoE)
+    clip_qkv: float | None = None  # q, k, v clamped to [-clip, clip] after the norms (OLMoE)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the sparse experts (else a dense SwiGLU MLP)."""
+        return layer in self.moe_layers
 
     @property
     def rotary_dim(self) -> int:
         """The dims of a head RoPE rotates (the first ones), as transformers rounds them."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int:
+        """Layer `layer`'s attention window, 0 for full attention: with window w the query at
+        position p attends the keys at positions (p - w, p] (transformers' sliding window)."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types is None or self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        assert self.layer_types[layer] == FULL
+        return 0
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
@@ -185,7 +200,9 @@ def _build(f: _Fields, gen: dict[str, Any]) -> ModelConfig:
     num_layers = f.get_int("num_hidden_layers", required=True)
     max_pos = f.get_int("max_position_embeddings", required=True)
     head_dim = f.get_int("head_dim", hidden // num_heads)
-    rope_theta, rope_scaling, partial = _rope(f, arch, max_pos, head_dim)
+    rope_theta, rope_scaling, partial = rope(f, arch, max_pos, head_dim)
+    window, layer_types = sliding_window(f, arch, num_layers)
+    window = moe_window(f, arch, window)
     eos = _token_ids(f.cfg.get("eos_token_id")) + _token_ids(gen.get("eos_token_id"))
     bos = f.cfg.get("bos_token_id")
     return ModelConfig(
@@ -206,15 +223,17 @@ def _build(f: _Fields, gen: dict[str, Any]) -> ModelConfig:
         dtype=_dtype(f),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         bos_token_id=bos if isinstance(bos, int) else _first(gen.get("bos_token_id")),
-        sliding_window=_sliding_window(f, arch, num_layers),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=window,
+        qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE),
         partial_rotary_factor=partial,
+        layer_types=layer_types,
+        **moe_fields(f, arch, num_layers),
     )
 
 
 def _attention_bias(f: _Fields, arch: str) -> bool:
     """Whether q, k, v have biases: always for Qwen2, never for Phi-3, else `attention_bias`."""
-    if arch == _PHI3:
+    if arch == PHI3:
         return False
     return arch == "Qwen2ForCausalLM" or f.get_bool("attention_bias", False)
 
@@ -239,136 +258,12 @@ def _architecture(f: _Fields) -> str:
     return arch
 
 
-def _rope(f: _Fields, arch: str, max_pos: int, head_dim: int) -> tuple[float, dict | None, float]:
-    """(rope_theta, rope_scaling, partial_rotary_factor) from v5 `rope_parameters` or v4
-    `rope_scaling` (and top-level fields)."""
-    params = f.cfg.get("rope_parameters")
-    if params is None:
-        params = f.cfg.get("rope_scaling")
-    if params is not None and not isinstance(params, dict):
-        raise f.error(f"rope parameters must be a JSON object, got {params!r}")
-    params = dict(params or {})
-    if any(isinstance(v, dict) for v in params.values()):
-        raise f.error("per-layer-type rope_parameters are not supported")
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
-    params.pop("type", None)
-    # rope_theta inside the rope dict (v5) wins over the top-level field (v4).
-    top_level_theta = f.get_float("rope_theta", _DEFAULT_ROPE_THETA)
-    theta = f.get_float("rope_theta", top_level_theta, source=params)
-    params.pop("rope_theta", None)
-    partial = _partial_rotary(f, arch, params.pop("partial_rotary_factor", None), head_dim)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise f.error(
-            f"rope type {rope_type!r} is not supported; "
-            f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return theta, None, partial
-    if rope_type == "longrope":
-        return theta, _longrope(f, arch, params, max_pos, int(head_dim * partial)), partial
-    if rope_type == "llama3":
-        params.setdefault("original_max_position_embeddings", max_pos)
-    scaling: dict[str, Any] = {"rope_type": rope_type}
-    for field in _ROPE_FIELDS[rope_type]:
-        value = params.get(field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise f.error(f"{rope_type} rope scaling needs a positive '{field}', got {value!r}")
-        scaling[field] = value
-    return theta, scaling, partial
-
-
-def _partial_rotary(f: _Fields, arch: str, value: Any, head_dim: int) -> float:
-    """The fraction of each head RoPE turns: the rope dict's, else the top-level field's."""
-    if value is None:
-        value = f.cfg.get("partial_rotary_factor", 1.0)
-    if value == 1:
-        return 1.0
-    if arch != _PHI3:
-        raise f.error(f"partial_rotary_factor != 1 is not supported for {arch} (only for {_PHI3})")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
-        raise f.error(f"field 'partial_rotary_factor' must be in (0, 1], got {value!r}")
-    rotary = int(head_dim * value)
-    if rotary < 2 or rotary % 2:
-        raise f.error(
-            f"partial_rotary_factor {value!r} turns {rotary} of {head_dim} head dims; "
-            "it must be an even number"
-        )
-    return float(value)
-
-
-def _longrope(
-    f: _Fields, arch: str, params: dict[str, Any], max_pos: int, rotary_dim: int
-) -> dict[str, Any]:
-    """Phi-3's LongRoPE: per-frequency short and long factors (which one the model applies is
-    decided in services/compute/model/rope.py), and the attention factor that scales cos/sin,
-    as transformers' `_compute_longrope_parameters` computes it. Numbers are rounded to
-    float32, as transformers applies them."""
-    if arch != _PHI3:
-        raise f.error(f"rope type 'longrope' is not supported for {arch} (only for {_PHI3})")
-    # Phi-3 keeps the pre-training length at the top level; transformers prefers that one.
-    original = f.cfg.get("original_max_position_embeddings")
-    if original is None:
-        original = params.get("original_max_position_embeddings", max_pos)
-    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
-        raise f.error(
-            f"field 'original_max_position_embeddings' must be a positive integer, got {original!r}"
-        )
-    scaling: dict[str, Any] = {"rope_type": "longrope"}
-    for field in ("short_factor", "long_factor"):
-        value = params.get(field)
-        ok = isinstance(value, list) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value
-        )
-        if not ok or len(value) != rotary_dim // 2:
-            raise f.error(
-                f"longrope rope scaling needs '{field}': a list of {rotary_dim // 2} "
-                f"positive numbers (rotary dims / 2), got {value!r}"
-            )
-        scaling[field] = [_f32(v) for v in value]
-    factor = f.get_float("factor", max_pos / original, source=params)
-    attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    attention = f.get_float("attention_factor", attention, source=params)
-    scaling["original_max_position_embeddings"] = original
-    scaling["attention_factor"] = _f32(attention)
-    return scaling
-
-
-def _f32(value: float) -> float:
-    return float(np.float32(value))
-
-
 def _dtype(f: _Fields) -> str:
     raw = f.cfg.get("dtype") or f.cfg.get("torch_dtype") or "float32"
     name = str(raw).removeprefix("torch.")
     if name not in SUPPORTED_DTYPES:
         raise f.error(f"dtype {raw!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
     return name
-
-
-def _sliding_window(f: _Fields, arch: str, num_layers: int) -> int | None:
-    """The attention window when the model really uses one, else None."""
-    if arch == "LlamaForCausalLM":
-        return None
-    if arch in _QWEN and not f.cfg.get("use_sliding_window", False):
-        return None
-    window = f.get_int("sliding_window")
-    if window is None or arch in ("MistralForCausalLM", _PHI3):
-        return window
-    layer_types = f.cfg.get("layer_types")
-    if layer_types is None:
-        first_sliding = f.cfg.get("max_window_layers")
-        first_sliding = num_layers if first_sliding is None else first_sliding
-        layer_types = [
-            "sliding_attention" if i >= first_sliding else "full_attention"
-            for i in range(num_layers)
-        ]
-    sliding = {t == "sliding_attention" for t in layer_types}
-    if sliding == {False}:
-        return None
-    if sliding != {True}:
-        raise f.error("a sliding window on only some layers (max_window_layers) is not supported")
-    return window
 
 
 def _token_ids(value: Any) -> list[int]:
@@ -384,11 +279,9 @@ def _first(value: Any) -> int | None:
 
 
 def context_length(mc: ModelConfig, requested: int = 0) -> int:
-    """Tokens a request may span: the model's limit (its sliding window, which is not
-    implemented, if it has one), lowered to `requested` when that is set."""
+    """Tokens a request may span: the model's max_position_embeddings (a sliding window does
+    not cap it: those layers attend the window's keys), lowered to `requested` when set."""
     limit = mc.max_position_embeddings
-    if mc.sliding_window:
-        limit = min(limit, mc.sliding_window)
     return min(requested or limit, limit)
 
 

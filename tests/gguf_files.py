@@ -42,6 +42,30 @@ _LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn
                   "ffn_gate", "ffn_up", "ffn_down", "attn_q_norm", "attn_k_norm", "attn_qkv")
 
 
+def num_experts(cfg) -> int:
+    """A transformers config's expert count (0: a dense model)."""
+    return getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
+
+
+def _expert_tensors(hf: str, tensor) -> dict[str, np.ndarray] | None:
+    """llama.cpp's names for one of transformers v5's in-memory MoE tensors (router
+    `mlp.gate.weight` -> ffn_gate_inp; `mlp.experts.gate_up_proj` [E, 2I, H] -> ffn_gate_exps,
+    ffn_up_exps [E, I, H]; `mlp.experts.down_proj` -> ffn_down_exps), None for other tensors."""
+    parts = hf.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"] or parts[3] != "mlp":
+        return None
+    w, blk = tensor.detach().float().numpy(), f"blk.{parts[2]}"
+    rest = ".".join(parts[4:])
+    if rest == "gate.weight":
+        return {f"{blk}.ffn_gate_inp.weight": w}
+    if rest == "experts.gate_up_proj":
+        gate, up = np.split(w, 2, axis=1)
+        return {f"{blk}.ffn_gate_exps.weight": gate, f"{blk}.ffn_up_exps.weight": up}
+    if rest == "experts.down_proj":
+        return {f"{blk}.ffn_down_exps.weight": w}
+    return None
+
+
 def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
     """GGUF-named float32 tensors of an HF model, Q/K permuted for the llama architecture (as
     convert_hf_to_gguf does: not for qwen2, qwen3, phi3), with Phi-3's LongRoPE factors as
@@ -59,6 +83,9 @@ def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
     out = {}
     for hf, tensor in model.state_dict().items():
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if num_experts(cfg) and (experts := _expert_tensors(hf, tensor)) is not None:
+            out |= experts
             continue
         w = tensor.detach().float().numpy()
         for proj, n in heads.items():
@@ -83,9 +110,10 @@ def quantized(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 def write_gguf(path: Path, model, qtype: GGMLQuantizationType = Q.F32, *, arch: str = "llama",
                meta: dict | None = None, tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """Write `model` (an HF model of GGUF architecture `arch`: llama, qwen2, qwen3, phi3; with
-    the demo tokenizer) to `path` as llama.cpp's converter would: matrices in
-    `qtype`, 1-D tensors in F32. `meta` overrides metadata keys, `tensors` GGUF tensors."""
+    """Write `model` (an HF model of GGUF architecture `arch`: llama (Mixtral too), qwen2,
+    qwen3, phi3, qwen3moe; with the demo tokenizer) to `path` as llama.cpp's converter would:
+    matrices (and expert stacks) in `qtype`, 1-D tensors in F32. `meta` overrides metadata
+    keys, `tensors` GGUF tensors."""
     cfg = model.config
     w = GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -101,6 +129,10 @@ def write_gguf(path: Path, model, qtype: GGMLQuantizationType = Q.F32, *, arch: 
         w.add_value_length(cfg.head_dim)
     if arch == "phi3":
         _add_phi3(w, cfg)
+    elif arch == "llama" and getattr(cfg, "sliding_window", None):  # Mistral with a window
+        w.add_sliding_window(cfg.sliding_window)
+    if num_experts(cfg):
+        _add_experts(w, cfg, arch)
     _add_tokenizer(w)
     for key, value in (meta or {}).items():  # replaces what the writer already holds
         vtype = GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT32
@@ -108,7 +140,7 @@ def write_gguf(path: Path, model, qtype: GGMLQuantizationType = Q.F32, *, arch: 
     for name, t in (tensors or gguf_tensors(model, arch)).items():
         if isinstance(t, RawTensor):
             w.add_tensor(name, t.data, raw_dtype=t.qtype)
-        elif t.ndim == 1 or qtype == Q.F32:
+        elif t.ndim == 1 or qtype == Q.F32 or ".ffn_gate_inp." in name:  # routers: F32
             w.add_tensor(name, t.astype(np.float32))
         else:
             data = quantized(t, qtype)
@@ -118,6 +150,16 @@ def write_gguf(path: Path, model, qtype: GGMLQuantizationType = Q.F32, *, arch: 
     w.write_tensors_to_file()
     w.close()
     return Path(path)
+
+
+def _add_experts(w: GGUFWriter, cfg, arch: str) -> None:
+    """What convert_hf_to_gguf adds for experts: their count and per-token count, and for
+    qwen3moe their width and whether the chosen weights are renormalized."""
+    w.add_expert_count(num_experts(cfg))
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_weights_norm(bool(cfg.norm_topk_prob))
 
 
 def _add_phi3(w: GGUFWriter, cfg) -> None:
@@ -164,7 +206,9 @@ def dequantized(model, qtype: GGMLQuantizationType, arch: str = "llama"
 
     out = {}
     for name, t in gguf_tensors(model, arch).items():
-        if t.ndim > 1 and qtype == Q.F16:
+        if ".ffn_gate_inp." in name:  # stored F32, as llama.cpp's converter does
+            pass
+        elif t.ndim > 1 and qtype == Q.F16:
             t = t.astype(np.float16).astype(np.float32)
         elif t.ndim > 1 and qtype != Q.F32:
             t = dequantize(quantized(t, qtype), qtype).reshape(t.shape)

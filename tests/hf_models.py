@@ -22,6 +22,9 @@ ARCHES = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
 }
 
 DEFAULTS: dict[str, Any] = {
@@ -39,6 +42,12 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 32},  # != hidden / heads, as in Qwen3-0.6B (1024 / 16 vs 128)
     # Phi3Config's token ids are Phi-3's (32000): out of a tiny vocab
     "phi3": {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},
+    # mixtures of experts: 8 experts, top 2 (Mixtral's and OLMoE's of intermediate_size)
+    "qwen3_moe": {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 64},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
+    "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
+              "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},  # OLMoE's: 50279
 }
 
 

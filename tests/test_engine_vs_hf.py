@@ -53,12 +53,15 @@ def run_staggered(engine: LLMEngine, prompts, params, arrive_every: int = 2):
     return rids
 
 
-def engine_greedy(model_dir, prompts, **cfg) -> tuple[list[list[int]], LLMEngine]:
+def engine_greedy(model_dir, prompts, max_new: int = MAX_NEW, **cfg
+                  ) -> tuple[list[list[int]], LLMEngine]:
+    """Greedy continuations of `prompts` (max_new tokens each) through an engine built with the
+    settings `cfg`, requests arriving staggered (`run_staggered`)."""
     config = with_settings(EngineConfig(), model=str(model_dir), device="cpu", dtype="float32",
                            **cfg)
     engine = build_engine(config)
     outputs: dict[str, list[int]] = {}
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     orig_step = engine.step
 
     def step():

@@ -104,7 +104,31 @@ def test_qwen2_sliding_window_only_when_used(tmp_path):
     build_hf_model(
         tmp_path / "c", "qwen2", use_sliding_window=True, sliding_window=256, max_window_layers=1
     )
-    assert "sliding window on only some layers" in load_error(tmp_path / "c")
+    cfg = ModelConfig.from_dir(tmp_path / "c")  # only layer 1 slides (tests/test_sliding_window)
+    assert cfg.sliding_window == 256 and cfg.layer_types == ("full_attention", "sliding_attention")
+    assert (cfg.layer_window(0), cfg.layer_window(1)) == (0, 256)
+
+
+@pytest.mark.parametrize(("changes", "window", "types"), [
+    ({"layer_types": None, "max_window_layers": None}, None, None),  # default 28: none of 2
+    ({"layer_types": None, "max_window_layers": 1}, 64, ("full_attention", "sliding_attention")),
+    ({"layer_types": ["sliding_attention"] * 2}, 64, None),
+])
+def test_qwen2_layer_types_as_transformers_reads_them(tmp_path, changes, window, types):
+    build_hf_model(tmp_path, "qwen2", use_sliding_window=True, sliding_window=64)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg = {k: v for k, v in {**cfg, **changes}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    mc = ModelConfig.from_dir(tmp_path)
+    assert (mc.sliding_window, mc.layer_types) == (window, types)
+
+
+@pytest.mark.parametrize("layer_types", [["sliding_attention"], ["chunked_attention"] * 2, "x"])
+def test_bad_layer_types_name_the_field(tmp_path, layer_types):
+    build_hf_model(tmp_path, "qwen2", use_sliding_window=True, sliding_window=64)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "layer_types": layer_types}))
+    assert "'layer_types'" in load_error(tmp_path)
 
 
 def test_mistral(tmp_path):

@@ -13,7 +13,8 @@ from shared.gguf.reader import GGUFError, GGUFFile
 # GGUF architecture -> (HF architecture, whether llama.cpp permuted the Q/K rows for its RoPE:
 # only for `llama`, which it runs with interleaved RoPE; the others run NeoX, HF's rotate-half)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
-                 "qwen3": ("Qwen3ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False)}
+                 "qwen3": ("Qwen3ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False),
+                 "qwen3moe": ("Qwen3MoeForCausalLM", False)}
 
 
 def architecture(gguf: GGUFFile) -> tuple[str, str, bool]:
@@ -41,8 +42,15 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         raise GGUFError(f"{gguf.path}: per-frequency RoPE factors (rope_freqs, Llama 3.1-style "
                         "scaling) are not supported")
     tokens = gguf.require("tokenizer.ggml.tokens")
+    fields = _arch_fields(gguf, arch, key("attention.key_length", hidden // heads))
+    if arch == "llama" and "sliding_window" in fields:  # llama.cpp stores Mistral as `llama`
+        hf_arch = "MistralForCausalLM"  # Llama's layers with a window on every one
+    moe = _moe_fields(gguf, arch)
+    if arch == "llama" and moe:  # and Mixtral as `llama` with experts (window or not)
+        hf_arch = "MixtralForCausalLM"
     return {
-        **_arch_fields(gguf, arch, key("attention.key_length", hidden // heads)),
+        **fields,
+        **moe,
         "architectures": [hf_arch],
         "vocab_size": gguf.get(f"{arch}.vocab_size", len(tokens)),
         "hidden_size": hidden,
@@ -90,6 +98,26 @@ def _arch_fields(gguf: GGUFFile, arch: str, head_dim: int) -> dict[str, Any]:
         if original is not None:
             out["original_max_position_embeddings"] = original
     return out
+
+
+def _moe_fields(gguf: GGUFFile, arch: str) -> dict[str, Any]:
+    """The experts' config fields ({} without `{arch}.expert_count`): Mixtral's experts are of
+    feed_forward_length and always renormalized; Qwen3-MoE's of expert_feed_forward_length,
+    renormalized as `expert_weights_norm` says (llama.cpp runs qwen3moe renormalized)."""
+    count = gguf.get(f"{arch}.expert_count")
+    if not count:
+        return {}
+    used = gguf.get(f"{arch}.expert_used_count")
+    if not used:
+        raise GGUFError(f"{gguf.path}: metadata key '{arch}.expert_used_count' is missing")
+    if arch == "llama":
+        return {"num_local_experts": count, "num_experts_per_tok": used}
+    inter = gguf.get(f"{arch}.expert_feed_forward_length")
+    if inter is None:
+        raise GGUFError(f"{gguf.path}: metadata key '{arch}.expert_feed_forward_length' is "
+                        "missing")
+    return {"num_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": inter,
+            "norm_topk_prob": bool(gguf.get(f"{arch}.expert_weights_norm", True))}
 
 
 def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:

@@ -8,12 +8,17 @@
     applied before RoPE (`qk_norms`).
   * Partial rotary (Phi-4-mini): each q and k head's rows (and bias, and norm weight) are
     reordered as `rope.head_order` says (`qkv_rows`).
+  * OLMoE has one RMSNorm over the whole q projection [H * D] and one over the whole k
+    projection [Hkv * D] (not per head), then optionally clamps q, k, v to +-clip_qkv: the
+    q/k/v projection comes wrapped to apply them (`FullQKNorm`), before the attention's RoPE.
+  * The mixture-of-experts MLPs are read in `moe.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import rms_norm
 from kernels.int4_gemm import Int4Weight, quantize_int4
 from services.compute.model.rope import head_order
 from services.compute.model.weights import require
@@ -76,6 +81,40 @@ def qk_norms(cfg: ModelConfig, w: dict, prefix: str
     order = head_order(cfg.head_dim, cfg.rotary_dim)
     norms = [require(w, f"{prefix}self_attn.{n}_norm.weight") for n in "qk"]
     return tuple(n if order is None else _take(n, order) for n in norms)
+
+
+class FullQKNorm:
+    """OLMoE's q/k/v projection: `qkv` (a linear layer, x [T, hidden] -> [T, (H + 2 Hkv) D]),
+    then RMSNorm over all of q and all of k (weights [H * D], [Hkv * D]), then q, k, v clamped
+    to +-clip when set. Called and sized as the linear layer it wraps."""
+
+    def __init__(self, cfg: ModelConfig, qkv, w: dict, prefix: str):
+        self.qkv, self.eps, self.clip = qkv, cfg.rms_norm_eps, cfg.clip_qkv
+        self.q_norm, self.k_norm = (require(w, f"{prefix}self_attn.{n}_norm.weight")
+                                    for n in "qk")
+        self.q_cols = cfg.num_heads * cfg.head_dim  # q's columns; k's follow, then v's
+        self.k_cols = cfg.num_kv_heads * cfg.head_dim
+        for norm, cols in ((self.q_norm, self.q_cols), (self.k_norm, self.k_cols)):
+            if norm.shape != (cols,):
+                raise ModelLoadError(f"{prefix}self_attn q/k norm has shape {tuple(norm.shape)};"
+                                     f" the config's projection has {cols} columns")
+
+    def __call__(self, x) -> torch.Tensor:
+        out = self.qkv(x)  # [T, (H + 2 Hkv) D]
+        q, k = out[:, :self.q_cols], out[:, self.q_cols:self.q_cols + self.k_cols]
+        out[:, :self.q_cols] = rms_norm(q.contiguous(), self.q_norm, self.eps)
+        out[:, self.q_cols:self.q_cols + self.k_cols] = rms_norm(k.contiguous(), self.k_norm,
+                                                                 self.eps)
+        return out if self.clip is None else out.clamp_(-self.clip, self.clip)
+
+    def nbytes(self) -> int:
+        return self.qkv.nbytes() + sum(n.numel() * n.element_size()
+                                       for n in (self.q_norm, self.k_norm))
+
+
+def full_qk_norm(cfg: ModelConfig, qkv, w: dict, prefix: str):
+    """The layer's q/k/v projection, wrapped in `FullQKNorm` for OLMoE; as is otherwise."""
+    return FullQKNorm(cfg, qkv, w, prefix) if cfg.qk_norm_full else qkv
 
 
 def _qkv_index(cfg: ModelConfig) -> torch.Tensor | None:

@@ -9,7 +9,10 @@ and are stored unpermuted (shared/gguf/hf.py ARCHITECTURES).
 Names follow gguf.constants.MODEL_TENSORS: what differs by architecture is Qwen3's per-head
 `attn_q_norm`/`attn_k_norm` and Phi-3's fused `attn_qkv` and `ffn_up` (gate and up, fused);
 Phi-3's `rope_factors_long`/`rope_factors_short` are RoPE parameters (read with the metadata,
-shared/gguf/hf.py), not weights.
+shared/gguf/hf.py), not weights. Mixture-of-experts files (`qwen3moe`; Mixtral as `llama`)
+store the router as `ffn_gate_inp` [n_expert, hidden] and the experts stacked,
+`ffn_{gate,up,down}_exps` [n_expert, rows, cols]: each stack is split into the per-expert
+Hugging Face names (`model/moe.py`'s `expert_names`).
 
 With `keep_int4`, the decoder's Q4_0/Q4_1 matrices are not dequantized: their blocks become an
 `Int4Weight` (the same values, 4 bits each, an fp16 scale and min per 32), served by the INT4
@@ -37,8 +40,16 @@ _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
-_ARCH_LAYER = {"qwen3": {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
-               "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_ARCH_LAYER = {"qwen3": _QK_NORMS,
+               "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+               "qwen3moe": {**_QK_NORMS, "ffn_gate_inp": "mlp.gate"},
+               "llama": {"ffn_gate_inp": "block_sparse_moe.gate"}}  # Mixtral
+# stacked experts: GGUF name -> (HF module, {stack: expert's weight}) per architecture
+_EXPERTS = {"qwen3moe": ("mlp", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                                 "ffn_down_exps": "down_proj"}),
+            "llama": ("block_sparse_moe", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3",
+                                           "ffn_down_exps": "w2"})}
 NOT_WEIGHTS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}
 
 
@@ -54,6 +65,24 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
+def kept_int4(gguf_name: str) -> bool:
+    """Whether a Q4_0/Q4_1 tensor is kept as blocks under --quantization int4: the decoder's
+    matrices, but for the MoE router (`ffn_gate_inp`, float as in vLLM; llama.cpp's converter
+    stores it F32)."""
+    return gguf_name.startswith("blk.") and ".ffn_gate_inp." not in gguf_name
+
+
+def expert_names(gguf_name: str, arch: str, n_experts: int) -> list[str] | None:
+    """`blk.3.ffn_up_exps.weight` -> the HF names of its n_experts slices, in order
+    (`model.layers.3.mlp.experts.{e}.up_proj.weight`); None if not an expert stack."""
+    parts = gguf_name.split(".")
+    module, stacks = _EXPERTS.get(arch, ("", {}))
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in stacks:
+        return None
+    p = f"model.layers.{parts[1]}.{module}.experts"
+    return [f"{p}.{e}.{stacks[parts[2]]}.{parts[3]}" for e in range(n_experts)]
+
+
 def load_gguf_weights(path, dtype: torch.dtype, device,
                       keep_int4: bool = False) -> dict[str, torch.Tensor | Int4Weight]:
     """Every tensor of the GGUF file at `path`, as float `dtype` on `device`, HF-named; with
@@ -64,7 +93,9 @@ def load_gguf_weights(path, dtype: torch.dtype, device,
         gguf, names, heads = _check(path)
         out = {}
         for src, name in progress(names.items(), len(names), "weights (tensors)"):
-            if keep_int4 and src.startswith("blk.") and gguf.tensors[src].qtype.name in _Q4:
+            if isinstance(name, list):  # stacked experts [E, rows, cols]: one tensor each
+                out |= _experts(gguf, src, name, keep_int4, device, dtype)
+            elif keep_int4 and kept_int4(src) and gguf.tensors[src].qtype.name in _Q4:
                 out[name] = _permuted(_int4(gguf, src), name, heads).to(device, dtype)
             else:
                 out[name] = _permuted(torch.from_numpy(gguf.tensor(src)), name, heads).to(
@@ -93,12 +124,13 @@ def _check(path) -> tuple[GGUFFile, dict[str, str], dict[str, int] | None]:
     return gguf, _names(gguf, arch), heads if permuted else None
 
 
-def _names(gguf: GGUFFile, arch: str) -> dict[str, str]:
+def _names(gguf: GGUFFile, arch: str) -> dict[str, str | list[str]]:
+    """GGUF -> HF name, or the HF names of its experts for a stacked expert tensor."""
     names = {}
-    for src in gguf.tensors:
+    for src, info in gguf.tensors.items():
         if src in NOT_WEIGHTS.get(arch, ()):
             continue
-        name = hf_name(src, arch)
+        name = hf_name(src, arch) or expert_names(src, arch, info.shape[0])
         if name is None:
             raise GGUFError(f"{gguf.path}: tensor '{src}' is not part of a Llama-family model")
         names[src] = name
@@ -119,10 +151,25 @@ def _permuted(t, name: str, heads: dict | None):
 _Q4 = {"Q4_0": 18, "Q4_1": 20}  # block bytes; 32 values a block
 
 
+def _experts(gguf: GGUFFile, src: str, names: list[str], keep_int4: bool, device,
+             dtype) -> dict:
+    """A stacked expert tensor [E, rows, cols] split into `names` (E of them): float
+    [rows, cols] slices, or with keep_int4 a Q4_0/Q4_1 stack's blocks as E Int4Weights."""
+    qtype = gguf.tensors[src].qtype.name
+    if keep_int4 and qtype in _Q4:
+        raw = gguf.blocks(src)  # [E, rows, cols / 32 * block bytes]
+        return {n: _int4_blocks(raw[e], qtype).to(device, dtype) for e, n in enumerate(names)}
+    stack = torch.from_numpy(gguf.tensor(src)).to(device, dtype)  # [E, rows, cols]
+    return dict(zip(names, stack.unbind(0), strict=True))
+
+
 def _int4(gguf: GGUFFile, src: str) -> Int4Weight:
     """A Q4_0/Q4_1 matrix's blocks as an Int4Weight (the same values, no rounding)."""
-    qtype = gguf.tensors[src].qtype.name
-    raw = gguf.blocks(src)  # [N, K / 32 * block bytes]
+    return _int4_blocks(gguf.blocks(src), gguf.tensors[src].qtype.name)
+
+
+def _int4_blocks(raw: np.ndarray, qtype: str) -> Int4Weight:
+    """Q4_0/Q4_1 rows `raw` [N, K / 32 * block bytes] (uint8) as an Int4Weight."""
     blocks = raw.reshape(raw.shape[0], -1, _Q4[qtype])  # [N, K / 32, bytes]
     d = torch.from_numpy(np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0])
     if qtype == "Q4_1":

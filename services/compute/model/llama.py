@@ -2,10 +2,11 @@
 merged step.
 
 Every op but attention runs on the flat token batch [T, hidden]; attention splits into the
-decode tokens and the prefill chunks, each a call into `kernels/`. Only the rows in
-`batch.logits_indices` go through the final norm and the LM head. What the architectures store
-differently (Phi-3's fused projections, Qwen3's q/k norms, partial rotary) is read in
-`arch.py`.
+decode tokens and the prefill chunks, each a call into `kernels/`, with the layer's sliding
+window (0: full attention; Mistral's on every layer, Qwen2's from max_window_layers on). Only
+the rows in `batch.logits_indices` go through the final norm and the LM head. What the
+architectures store differently (Phi-3's fused projections, Qwen3's q/k norms, partial rotary)
+is read in `arch.py`; the mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE) in `moe.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from kernels import (
 )
 from services.compute.core.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
-from services.compute.model.arch import fuse, qk_norms, qkv_rows, split_fused
+from services.compute.model.arch import full_qk_norm, fuse, qk_norms, qkv_rows, split_fused
+from services.compute.model.moe import mlp_layers
 from services.compute.model.quantization import Quantization
 from services.compute.model.rope import RotaryEmbedding
 from services.compute.model.weights import require
@@ -40,12 +42,13 @@ class LayerWeights:
 
     qkv: object  # [(H + 2 * Hkv) * D, hidden] (+ bias), q, k, v projections fused
     o: object  # [hidden, H * D]
-    gate_up: object  # [2 * inter, hidden], gate and up fused
-    down: object  # [hidden, inter]
+    gate_up: object | None  # [2 * inter, hidden], gate and up fused (None: a sparse layer)
+    down: object | None  # [hidden, inter]
     ln_attn: torch.Tensor  # [hidden]
     ln_mlp: torch.Tensor  # [hidden]
     q_norm: torch.Tensor | None = None  # [D], on each q head before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None  # [D], on each k head
+    moe: object | None = None  # the sparse MLP (moe.MoE) in place of gate_up and down
 
 
 class LlamaModel:
@@ -62,6 +65,9 @@ class LlamaModel:
             head = require(weights, "lm_head.weight")
         self.lm_head = self.quant.head(self.embed if head is None else head)  # [vocab, hidden]
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
+        # [num_layers] Python ints, 0 = full attention: kernel constants (Triton specializes on
+        # them; a CUDA graph captures each layer's launch with its own)
+        self.windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                     cfg.rope_scaling, device, cfg.rotary_dim)
         self.scale = cfg.head_dim**-0.5
@@ -75,10 +81,9 @@ class LlamaModel:
         qkv = fuse([require(w, f"{p}self_attn.{n}_proj.weight") for n in "qkv"])
         q_norm, k_norm = qk_norms(self.cfg, w, p)
         return LayerWeights(
-            qkv=linear(*qkv_rows(self.cfg, qkv, bias)),
+            qkv=full_qk_norm(self.cfg, linear(*qkv_rows(self.cfg, qkv, bias)), w, p),
             o=linear(require(w, f"{p}self_attn.o_proj.weight")),
-            gate_up=linear(fuse([require(w, f"{p}mlp.{n}_proj.weight") for n in ("gate", "up")])),
-            down=linear(require(w, f"{p}mlp.down_proj.weight")),
+            **mlp_layers(self.cfg, w, i, self.quant),
             ln_attn=require(w, f"{p}input_layernorm.weight"),
             ln_mlp=require(w, f"{p}post_attention_layernorm.weight"),
             q_norm=q_norm,
@@ -98,16 +103,20 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x, residual = self._norm(h, residual, layer.ln_attn, self.int8_act)
             h = self._attention(i, layer, x, batch, kv)
-            x, residual = self._norm(h, residual, layer.ln_mlp, self.int8_act)
-            h = layer.down(act(layer.gate_up(x)))
+            # the router reads float rows: a sparse layer's experts quantize their own input
+            x, residual = self._norm(h, residual, layer.ln_mlp,
+                                     self.int8_act and layer.moe is None)
+            h = layer.moe(x) if layer.moe is not None else layer.down(act(layer.gate_up(x)))
         rows = batch.logits_indices
         last, _ = self._norm(h[rows], residual[rows], self.norm)  # [S, hidden]
         return self.lm_head(last).float(), last
 
     def weight_bytes(self) -> int:
-        """Bytes the weights take as served (embedding, norms, projections, LM head)."""
+        """Bytes the weights take as served (embedding, norms, projections, experts, LM
+        head)."""
         projections = sum(getattr(layer, f).nbytes() for layer in self.layers
-                          for f in ("qkv", "o", "gate_up", "down"))
+                          for f in ("qkv", "o", "gate_up", "down", "moe")
+                          if getattr(layer, f) is not None)
         tensors = [self.embed, self.norm] + [t for layer in self.layers
                                              for t in (layer.ln_attn, layer.ln_mlp, layer.q_norm,
                                                        layer.k_norm) if t is not None]
@@ -141,18 +150,18 @@ class LlamaModel:
         q, _ = rope_kv_write(q, k, v.view(T, c.num_kv_heads, c.head_dim), batch.positions,
                              self.rope.cos, self.rope.sin, kv.k[i], kv.v[i], batch.slots,
                              k_scale, v_scale)
-        nd = batch.num_decodes
+        nd, window = batch.num_decodes, self.windows[i]
         parts = []  # [T, H, D]: the decode rows, then the prefill chunks'
         if nd:
             parts.append(decode_attention(q[:nd], kv.k[i], kv.v[i], batch.decode_starts,
                                           batch.decode_lens, self.scale,
                                           max_seq_len=batch.max_decode_len, k_scale=k_scale,
-                                          v_scale=v_scale))
+                                          v_scale=v_scale, window=window))
         if T > nd:
             parts.append(prefill_attention(q[nd:], kv.k[i], kv.v[i], batch.prefill_cu,
                                            batch.prefill_starts, batch.prefill_lens, self.scale,
                                            max_q_len=batch.max_chunk_len, k_scale=k_scale,
-                                           v_scale=v_scale))
+                                           v_scale=v_scale, window=window))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return layer.o(out.reshape(T, -1))
 

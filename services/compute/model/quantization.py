@@ -14,6 +14,10 @@ format a 4-bit GGUF file stores its embedding in) times INT8 activations, as lla
     fp8   e4m3 weights and per-token activations, torch._scaled_mm: GPUs of compute capability
           8.9+ (Ada, Hopper) in bfloat16, and CPUs (PyTorch's unaccelerated kernel)
     auto  int4 for a GGUF file whose projections are Q4_0/Q4_1, else none
+
+Mixture-of-experts models: every method applies to the experts on CPU (each expert is two
+linear layers, `model/moe.py`); on a GPU the experts run the fused float kernel
+(`kernels/fused_moe.py`), so a quantization method is refused there (auto: none).
 """
 
 from __future__ import annotations
@@ -72,8 +76,13 @@ def resolve(name: str, model: str, device: torch.device, dtype: torch.dtype,
     start-up message) where it cannot run."""
     if name not in METHODS:
         raise ValueError(f"--quantization must be one of {', '.join(METHODS)}, not {name!r}")
+    moe_gpu = device.type == "cuda" and _is_moe(model)
     if name == "auto":
-        name = "int4" if gguf_int4(model) else "none"
+        name = "int4" if gguf_int4(model) and not moe_gpu else "none"
+    if moe_gpu and name != "none":
+        raise ValueError(f"--quantization {name} is not supported for mixture-of-experts models "
+                         "on a GPU (the fused MoE kernel runs float experts): use none, or the "
+                         "CPU")
     if name == "fp8":
         _check_fp8(device, dtype)
     return Quantization(name, int4_group_size, dtype)
@@ -81,11 +90,23 @@ def resolve(name: str, model: str, device: torch.device, dtype: torch.dtype,
 
 def gguf_int4(model: str) -> bool:
     """Whether `model` is a GGUF file whose projection weights are all Q4_0/Q4_1 blocks."""
+    from services.compute.model.gguf_weights import kept_int4
     if not model or not is_gguf(model):
         return False
     types = {info.qtype.name for name, info in open_gguf(model).tensors.items()
-             if name.startswith("blk.") and len(info.shape) == 2}
+             if kept_int4(name) and len(info.shape) >= 2}  # 3-D: stacked experts
     return bool(types) and types <= set(GGUF_INT4_TYPES)
+
+
+def _is_moe(model: str) -> bool:
+    """Whether `model` (a directory or GGUF file) is a mixture of experts; False where its
+    config cannot be read (the model loader reports that)."""
+    from shared.model_config import ModelConfig, ModelLoadError
+
+    try:
+        return ModelConfig.from_path(model).num_experts > 0
+    except (ModelLoadError, OSError):
+        return False
 
 
 def _check_fp8(device: torch.device, dtype: torch.dtype) -> None:

@@ -4,6 +4,8 @@ weights before both are quantized to INT8.
 For a projection X W^T and per-input-channel scales s: X W^T = (X / s)(W diag(s))^T. The 1/s
 folds into whatever makes X, so nothing is added to a step: the RMSNorm weight before q/k/v and
 before gate/up, and the up projection's rows before down (SiLU(gate) * up is linear in up).
+A mixture-of-experts layer's MLP is not smoothed: its router reads the float norm output, and
+each expert quantizes its own input per token.
 s_j = max|X_j|^ALPHA / max_i |W_ij|^(1 - ALPHA), ALPHA = 0.5.
 
 max|X_j| is measured once at load by a float forward of CALIB_SEQS sequences of random token
@@ -47,7 +49,8 @@ def activation_absmax(cfg: ModelConfig, weights: dict[str, torch.Tensor],
     model = LlamaModel(cfg, weights, device, CALIB_LEN)
     for layer in model.layers:
         for site in _SITES:
-            setattr(layer, site, _AbsMax(getattr(layer, site)))
+            if getattr(layer, site) is not None:  # a sparse layer has no dense MLP
+                setattr(layer, site, _AbsMax(getattr(layer, site)))
     kv = KVCache(cfg.num_layers, CALIB_LEN, cfg.num_kv_heads, cfg.head_dim,
                  model.embed.dtype, device)
     gen = torch.Generator().manual_seed(CALIB_SEED)
@@ -55,7 +58,8 @@ def activation_absmax(cfg: ModelConfig, weights: dict[str, torch.Tensor],
     for _ in range(CALIB_SEQS):
         batch.input_ids.copy_(torch.randint(cfg.vocab_size, (CALIB_LEN,), generator=gen))
         model.forward(batch, kv)
-    return [{site: getattr(layer, site).absmax for site in _SITES} for layer in model.layers]
+    return [{site: getattr(layer, site).absmax for site in _SITES
+             if getattr(layer, site) is not None} for layer in model.layers]
 
 
 def smooth(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> None:
@@ -67,6 +71,8 @@ def smooth(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.dev
         qkv = [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
         gate_up = [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]
         _fold(weights, stats["qkv"], qkv, f"{p}input_layernorm.weight", rows=False)
+        if cfg.is_moe_layer(i):  # the experts quantize their inputs unsmoothed
+            continue
         _fold(weights, stats["gate_up"], gate_up, f"{p}post_attention_layernorm.weight",
               rows=False)
         _fold(weights, stats["down"], [f"{p}mlp.down_proj.weight"], f"{p}mlp.up_proj.weight",
