@@ -49,14 +49,19 @@ def greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def reference(request, tmp_path_factory):
-    """(name, model dir, HF model, prompts, HF's greedy continuations)."""
-    arch, overrides = VARIANTS[request.param]
-    path = tmp_path_factory.mktemp(request.param) / "hf"
+def build_reference(name: str, variants: dict, tmp_path_factory):
+    """(name, model dir, HF model, prompts, HF's greedy continuations) of variants[name]: what
+    the engine tests here take (tests/test_moe.py builds its own variants with it)."""
+    arch, overrides = variants[name]
+    path = tmp_path_factory.mktemp(name) / "hf"
     model = build_hf_model(path, arch, **TINY, **overrides)
     prompts = make_prompts(model.config.vocab_size)
-    return request.param, path, model, prompts, hf_greedy(model, prompts, MAX_NEW)
+    return name, path, model, prompts, hf_greedy(model, prompts, MAX_NEW)
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def reference(request, tmp_path_factory):
+    return build_reference(request.param, VARIANTS, tmp_path_factory)
 
 
 def test_config_reads_the_architecture(reference):
@@ -86,18 +91,25 @@ def test_preemption_matches_hf(reference):
     assert got == expected
 
 
-def test_prefix_caching_matches_hf(reference):
+def check_prefix_caching(reference, shared_len: int, suffixes: tuple[int, ...], new: int,
+                         max_batched_tokens: int) -> None:
+    """Prompts sharing a `shared_len`-token prefix, the first run alone (it caches the prefix):
+    every greedy continuation equals HF's, and the cache was hit."""
     _, path, model, _, _ = reference
     rng = random.Random(5)
-    shared = [rng.randrange(3, 1000) for _ in range(40)]
-    prompts = [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (3, 9, 1, 17, 6)]
-    expected = hf_greedy(model, prompts, 10)
-    eng = engine(path, max_batched_tokens=32, max_running=8, kv_cache_tokens=2048,
-                 enable_prefix_caching=True)
-    first = eng.generate(prompts[:1], greedy(10))  # caches the shared prefix
-    rest = eng.generate(prompts[1:], greedy(10))
+    shared = [rng.randrange(3, 1000) for _ in range(shared_len)]
+    prompts = [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in suffixes]
+    expected = hf_greedy(model, prompts, new)
+    eng = engine(path, max_batched_tokens=max_batched_tokens, max_running=8,
+                 kv_cache_tokens=2048, enable_prefix_caching=True)
+    first = eng.generate(prompts[:1], greedy(new))  # caches the shared prefix
+    rest = eng.generate(prompts[1:], greedy(new))
     assert [s.output_ids for s in first + rest] == expected
     assert eng.stats().prefix_hits > 0
+
+
+def test_prefix_caching_matches_hf(reference):
+    check_prefix_caching(reference, 40, (3, 9, 1, 17, 6), 10, max_batched_tokens=32)
 
 
 def test_int8_kv_cache_stays_close_to_hf(reference):

@@ -26,6 +26,7 @@ from tests.gguf_files import Q, write_gguf
 from tests.hf_models import build_hf_model
 from tests.test_architectures import (  # noqa: F401  (the engine tests run here on MoE models)
     TINY,
+    build_reference,
     engine,
     greedy,
     test_chunked_prefill_and_mixed_batches_match_hf,
@@ -46,13 +47,8 @@ VARIANTS = {  # name: (ARCHES key, config overrides)
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def reference(request, tmp_path_factory):
-    """(name, model dir, HF model, prompts, HF's greedy continuations): what the engine tests
-    imported from tests/test_architectures.py take."""
-    arch, overrides = VARIANTS[request.param]
-    path = tmp_path_factory.mktemp(request.param) / "hf"
-    model = build_hf_model(path, arch, **TINY, **overrides)
-    prompts = make_prompts(model.config.vocab_size)
-    return request.param, path, model, prompts, hf_greedy(model, prompts, MAX_NEW)
+    """What the engine tests imported from tests/test_architectures.py take."""
+    return build_reference(request.param, VARIANTS, tmp_path_factory)
 
 
 def test_config_reads_the_experts(reference):

@@ -21,7 +21,7 @@ from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from tests.gguf_files import Q, write_gguf
 from tests.hf_models import build_hf_model
-from tests.test_architectures import TINY, engine, greedy
+from tests.test_architectures import TINY, check_prefix_caching, engine, greedy
 from tests.test_engine_vs_hf import engine_greedy, hf_greedy
 from tests.test_logprobs import hf_logprobs
 
@@ -98,17 +98,7 @@ def test_preemption_matches_hf(reference):
 
 def test_prefix_caching_matches_hf(reference):
     """A cached 50-token prefix (over three windows): the suffixes' chunks attend into it."""
-    _, path, model, _, _ = reference
-    rng = random.Random(5)
-    shared = [rng.randrange(3, 1000) for _ in range(50)]
-    prompts = [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (3, 9, 1, 17, 30)]
-    expected = hf_greedy(model, prompts, NEW)
-    eng = engine(path, max_batched_tokens=12, max_running=8, kv_cache_tokens=2048,
-                 enable_prefix_caching=True)
-    first = eng.generate(prompts[:1], greedy(NEW))  # caches the shared prefix
-    rest = eng.generate(prompts[1:], greedy(NEW))
-    assert [s.output_ids for s in first + rest] == expected
-    assert eng.stats().prefix_hits > 0
+    check_prefix_caching(reference, 50, (3, 9, 1, 17, 30), NEW, max_batched_tokens=12)
 
 
 def test_int8_kv_cache_stays_close_to_hf(reference):
