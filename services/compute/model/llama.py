@@ -28,7 +28,7 @@ from kernels import (
 )
 from services.compute.core.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
-from services.compute.model.arch import full_qk_norm, fuse, qk_norms, qkv_rows, split_fused
+from services.compute.model.arch import full_qk_norm, fuse, qk_norms, qkv_rows
 from services.compute.model.moe import mlp_layers
 from services.compute.model.quantization import Quantization
 from services.compute.model.rope import RotaryEmbedding
@@ -55,7 +55,6 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  max_positions: int, quant: Quantization | None = None):
         self.cfg = cfg
-        weights = split_fused(cfg, weights)  # Phi-3's fused projections, under Llama's names
         self.quant = quant or Quantization()
         self.int8_act = self.quant.int8_activations  # norms and SiLU x mul hand out int8 rows
         self.embed = require(weights, "model.embed_tokens.weight")
