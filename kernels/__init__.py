@@ -3,12 +3,14 @@ kernel, launcher, PyTorch reference. The functions exported here choose per call
 `dispatch.py`): Triton on CUDA, a C++ extension or the reference on CPU, or what
 `set_backend` forces.
 
-    silu_mul(gate_up)                          [T, 2I] -> [T, I]
+    silu_mul(gate_up) / gelu_tanh_mul(gate_up) [T, 2I] -> [T, I]: silu(gate) * up, or
+                                               gelu_pytorch_tanh(gate) * up (Gemma's MLP)
     rms_norm(x, w, eps) / add_rms_norm(x, residual, w, eps)
     rope_kv_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots[, k_scale, v_scale])
     decode_attention(q, k_cache, v_cache, starts, lens, scale)       one query per sequence
     prefill_attention(q, k_cache, v_cache, cu, starts, lens, scale)  causal chunks
                                                both take window= (sliding window, 0: none)
+                                               and softcap= (Gemma 2's logit cap, 0: none)
     quantize_kv(x) / dequantize_kv(q, scales)  the INT8 KV layout; the three above take
                                                k_scale=, v_scale= for INT8 caches
     rms_norm_int8(x, residual, w, eps) / silu_mul_int8(gate_up)   W8A8: per-token INT8 rows
@@ -19,7 +21,7 @@ kernel, launcher, PyTorch reference. The functions exported here choose per call
     apply_penalties(...), token_stats(...)
 """
 
-from kernels.activation import silu_mul
+from kernels.activation import gelu_tanh_mul, silu_mul
 from kernels.decode_attention import decode_attention
 from kernels.dispatch import backend, set_backend
 from kernels.fused_moe import fused_moe
@@ -31,6 +33,6 @@ from kernels.rope import rope_kv_write
 from kernels.sampling import SamplingBatch, apply_penalties, sample, to_device, token_stats
 
 __all__ = ["SamplingBatch", "add_rms_norm", "apply_penalties", "backend", "decode_attention",
-           "dequantize_kv", "fused_moe", "prefill_attention", "quantize_kv", "rms_norm",
-           "rms_norm_int8", "rope_kv_write", "sample", "set_backend", "silu_mul", "silu_mul_int8",
-           "to_device", "token_stats"]
+           "dequantize_kv", "fused_moe", "gelu_tanh_mul", "prefill_attention", "quantize_kv",
+           "rms_norm", "rms_norm_int8", "rope_kv_write", "sample", "set_backend", "silu_mul",
+           "silu_mul_int8", "to_device", "token_stats"]

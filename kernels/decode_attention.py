@@ -15,6 +15,11 @@ Triton path, two launches:
 Sliding window (WINDOW > 0, a per-layer constant): the query at position p = len - 1 sees the
 keys at positions (p - WINDOW, p], transformers' `sliding_window_overlay` (kv > q - window).
 The splits share out only those min(len, WINDOW) keys: the rows before them are never read.
+
+Logit soft-capping (SOFTCAP > 0, Gemma 2's `attn_logit_softcapping`): each score s = scale * q.k
+becomes SOFTCAP * tanh(s / SOFTCAP) before the mask and softmax (transformers' Gemma 2 eager
+attention). The kernel caps its exp2-domain scores s * log2(e) with the cap SOFTCAP * log2(e):
+the same value, times log2(e).
 """
 
 from __future__ import annotations
@@ -43,6 +48,14 @@ _FORCED_SPLITS = int(os.environ.get("PIPELLM_DECODE_SPLITS", "0"))
 def _split_len(n, num_splits, BLOCK_N: tl.constexpr):
     """Tokens per split of a sequence of n tokens: an equal share rounded up to whole chunks."""
     return tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _tanh(x):
+    """sign(x) (1 - e) / (1 + e), e = exp(-2|x|) <= 1: no overflow (no tl tanh everywhere)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -84,6 +97,7 @@ def _decode_split_kernel(
     KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,  # int8 K/V, one scale per KV_GROUP values
     KV_FP8: tl.constexpr = False,  # e4m3 K/V (kernels/kv_quant.py)
     WINDOW: tl.constexpr = 0,  # > 0: attend only the last WINDOW keys (sliding window)
+    SOFTCAP: tl.constexpr = 0.0,  # > 0: scores s -> SOFTCAP * tanh(s / SOFTCAP)
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -125,7 +139,9 @@ def _decode_split_kernel(
         if KV_FP8:  # e4m3 values, scale 1
             k = k.to(tl.float32).to(q.dtype)
             v = v.to(tl.float32).to(q.dtype)
-        s = _qk(q, k, USE_DOT, UPCAST_DOT) * qk_scale  # [BLOCK_H, BLOCK_N]
+        s = _qk(q, k, USE_DOT, UPCAST_DOT) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
+        if SOFTCAP > 0:  # cap the true score: in the log2 domain the cap is SOFTCAP * log2(e)
+            s = (SOFTCAP * 1.4426950408889634) * _tanh(s / (SOFTCAP * 1.4426950408889634))
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every chunk has a valid token
         alpha = tl.exp2(m - m_new)  # [BLOCK_H]
@@ -216,6 +232,7 @@ def _decode_attention_triton(
     k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
     v_scale: torch.Tensor | None = None,
     window: int = 0,  # > 0: only the last `window` keys (a Python int: a kernel constant)
+    softcap: float = 0.0,  # > 0: scores capped to softcap * tanh(s / softcap) (a constant too)
 ) -> torch.Tensor:  # [B, H, D], q.dtype
     _check_inputs(q, k_cache, v_cache, seq_starts, seq_lens)
     int8 = k_scale is not None
@@ -246,7 +263,7 @@ def _decode_attention_triton(
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N, USE_DOT=use_dot,
         UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16, DIRECT=num_splits == 1,
         KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=k_cache.dtype == FP8, WINDOW=window,
-        num_warps=4, num_stages=2,
+        SOFTCAP=float(softcap), num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, n_heads)](
@@ -267,6 +284,7 @@ def decode_attention_reference(
     k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
     v_scale: torch.Tensor | None = None,
     window: int = 0,  # > 0: only the last `window` keys
+    softcap: float = 0.0,  # > 0: scores s = scale * q.k capped to softcap * tanh(s / softcap)
 ) -> torch.Tensor:  # [B, H, D]
     """Loop over sequences (a padded gather would copy max_len x B KV rows: slower on CPU).
     Each KV head's query group is one [G, D] x [D, n] product: no repeated K/V, no SDPA call
@@ -281,7 +299,10 @@ def decode_attention_reference(
         kb = kv_rows(k_cache, k_scale, s, n).permute(1, 2, 0)  # [Hkv, D, n]
         vb = kv_rows(v_cache, v_scale, s, n).transpose(0, 1)  # [Hkv, n, D]
         qb = q[b].view(hkv, H // hkv, D).float()  # [Hkv, G, D]
-        p = torch.softmax(torch.matmul(qb, kb) * scale, dim=-1)  # [Hkv, G, n]
+        s = torch.matmul(qb, kb) * scale  # [Hkv, G, n]
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        p = torch.softmax(s, dim=-1)
         out[b] = torch.matmul(p, vb).view(H, D).to(q.dtype)
     return out
 
@@ -298,6 +319,7 @@ def decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Single-query attention of each sequence over its cached tokens (all of them, or with
     `window` > 0 the last `window`: keys at positions (p - window, p] for the query at p).
@@ -314,16 +336,19 @@ def decode_attention(
     dequantizing in registers (Triton, C++) or one sequence's rows (the reference). FP8 caches
     (float8_e4m3fn, scale 1) convert in registers (Triton) or in the reference (off Triton).
     `window` is a Python int (a Triton constant: CUDA graphs capture it per layer).
+    `softcap` > 0 (Gemma 2's attn_logit_softcapping; 0: none, a Triton constant too) caps each
+    score s = scale * q.k to softcap * tanh(s / softcap) before the softmax, in every path.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not use_triton(q) and k_cache.dtype != FP8 and (ext := cpu_extension(q)) is not None:
         return ext.decode_attention(q, k_cache, v_cache, seq_starts, seq_lens, scale, k_scale,
-                                    v_scale, window)
+                                    v_scale, window, softcap)
     if not use_triton(q):
         return decode_attention_reference(q, k_cache, v_cache, seq_starts, seq_lens, scale,
-                                          k_scale, v_scale, window)
+                                          k_scale, v_scale, window, softcap)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if seq_lens.numel() else 1
     return _decode_attention_triton(q, k_cache, v_cache, seq_starts, seq_lens, scale, max_seq_len,
-                                    k_scale=k_scale, v_scale=v_scale, window=window)
+                                    k_scale=k_scale, v_scale=v_scale, window=window,
+                                    softcap=softcap)

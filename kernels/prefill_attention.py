@@ -14,9 +14,11 @@ loops over the sequence's KV blocks up to its causal limit with an online softma
 log2(e)-prescaled scores). Blocks entirely below the diagonal run unmasked; only the blocks the
 tile's diagonal crosses are masked; blocks above it are never loaded. With a window (WINDOW, a
 constexpr) the loop starts at the block holding the tile's first visible key, and the blocks
-the window's left edge crosses are masked too. Static configs by head_dim
-(no autotuning: deterministic, and fast under the interpreter). fp32 inputs use tl.dot's "tf32x3"
-(about fp32 accuracy on tensor cores; "ieee" compiles to a register-spilling FMA loop on sm_90).
+the window's left edge crosses are masked too. SOFTCAP > 0 (Gemma 2): each score s = scale * q.k
+becomes SOFTCAP * tanh(s / SOFTCAP) before the mask and softmax (in every path). Static configs
+by head_dim (no autotuning: deterministic, and fast under the interpreter). fp32 inputs use
+tl.dot's "tf32x3" (about fp32 accuracy on tensor cores; "ieee" compiles to a register-spilling
+FMA loop on sm_90).
 
 INT8 caches (KV_INT8): K/V int8 with an fp16 scale per KV_GROUP values, dequantized in
 registers after the load.
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.decode_attention import _tanh
 from kernels.dispatch import cpu_fast_path, use_triton
 from kernels.kv_quant import FP8, KV_GROUP, kv_rows
 
@@ -45,7 +48,7 @@ def _attn_blocks(
     acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, lo, hi, stride_kt, stride_vt,
     stride_st, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     PRECISION: tl.constexpr, KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,
-    KV_FP8: tl.constexpr, WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Online-softmax update over keys [lo, hi) of one sequence (MASKED: also mask causally,
     and with WINDOW > 0 keys at or before pos_m - WINDOW).
@@ -82,6 +85,8 @@ def _attn_blocks(
             k = k.to(tl.float32).to(q.dtype)
             v = v.to(tl.float32).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BM, BN] fp32
+        if SOFTCAP > 0:  # the cap of the true score s is SOFTCAP * log2(e) on s * log2(e)
+            qk = (SOFTCAP * _LOG2E) * _tanh(qk / (SOFTCAP * _LOG2E))
         if MASKED:
             visible = offs_n[None, :] <= pos_m[:, None]  # [BM, BN]
             if WINDOW > 0:
@@ -120,7 +125,7 @@ def _prefill_attention_kernel(
     stride_st, stride_sh,  # KV_INT8: the scales' [capacity, Hkv, D / KV_GROUP] strides
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, KV_INT8: tl.constexpr, KV_GROUP: tl.constexpr,
-    KV_FP8: tl.constexpr, WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Grid (cdiv(max_q_len, BLOCK_M), S, n_heads): one BLOCK_M query tile of one seq and head."""
     seq = tl.program_id(1)
@@ -159,17 +164,17 @@ def _prefill_attention_kernel(
         acc, l_i, m_i = _attn_blocks(  # blocks the window's left edge crosses: masked
             acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, lo, mid, stride_kt,
             stride_vt, stride_st, qk_scale, HEAD_DIM, BLOCK_N, True, PRECISION, KV_INT8,
-            KV_GROUP, KV_FP8, WINDOW,
+            KV_GROUP, KV_FP8, WINDOW, SOFTCAP,
         )
     acc, l_i, m_i = _attn_blocks(  # blocks below the diagonal (in the window): no mask
         acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, mid, full_end, stride_kt,
         stride_vt, stride_st, qk_scale, HEAD_DIM, BLOCK_N, False, PRECISION, KV_INT8, KV_GROUP,
-        KV_FP8, WINDOW,
+        KV_FP8, WINDOW, SOFTCAP,
     )
     acc, l_i, m_i = _attn_blocks(  # blocks the tile's diagonal crosses: causal mask
         acc, l_i, m_i, q, pos_m, k_base, v_base, ks_base, vs_base, full_end, hi, stride_kt,
         stride_vt, stride_st, qk_scale, HEAD_DIM, BLOCK_N, True, PRECISION, KV_INT8, KV_GROUP,
-        KV_FP8, WINDOW,
+        KV_FP8, WINDOW, SOFTCAP,
     )
 
     if WINDOW > 0:  # padding rows past q_len may see no key of [0, hi): 0 / 0 (not stored)
@@ -204,6 +209,7 @@ def _prefill_attention_triton(
     k_scale: torch.Tensor | None = None,  # INT8 caches: [capacity, Hkv, D / KV_GROUP] fp16
     v_scale: torch.Tensor | None = None,
     window: int = 0,  # > 0: sliding window (a Python int: a kernel constant)
+    softcap: float = 0.0,  # > 0: scores capped to softcap * tanh(s / softcap) (a constant too)
 ) -> torch.Tensor:  # [T, H, D]
     """Launch the kernel; block_m / block_n override the static config (tests use small ones)."""
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -235,7 +241,7 @@ def _prefill_attention_triton(
         GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_M=bm, BLOCK_N=bn,
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32",  # tl.dot default for 16-bit
         KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=k_cache.dtype == FP8, WINDOW=window,
-        num_warps=warps, num_stages=stages,
+        SOFTCAP=float(softcap), num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -249,8 +255,10 @@ def prefill_attention_reference(
     ctx_lens: torch.Tensor,  # [S] int32, including the new tokens
     scale: float,
     window: int = 0,  # > 0: query at position p sees keys (p - window, p]
+    softcap: float = 0.0,  # > 0: scores s capped to softcap * tanh(s / softcap)
 ) -> torch.Tensor:  # [T, H, D]
-    """PyTorch reference: a loop over sequences, one masked SDPA each (the CPU path)."""
+    """PyTorch reference: a loop over sequences, one masked SDPA each (the CPU path); with a
+    softcap (SDPA cannot cap) the scores explicitly, as Gemma 2's eager attention."""
     out = torch.empty_like(q)
     cu, starts, lens = cu_q_lens.tolist(), seq_starts.tolist(), ctx_lens.tolist()
     for s, (start, n) in enumerate(zip(starts, lens, strict=True)):
@@ -265,8 +273,13 @@ def prefill_attention_reference(
         mask = k_pos <= q_pos  # [q_len, n]
         if window > 0:
             mask &= k_pos > q_pos - window
-        os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                             enable_gqa=True)  # [H, q_len, D]
+        if softcap > 0:
+            ks, vs = (t.repeat_interleave(qs.shape[0] // t.shape[0], 0).float() for t in (ks, vs))
+            sc = softcap * torch.tanh(qs.float() @ ks.transpose(1, 2) * scale / softcap)
+            os_ = (sc.masked_fill(~mask, float("-inf")).softmax(-1) @ vs).to(q.dtype)
+        else:
+            os_ = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)  # [H, q_len, D]
         out[q0:q1] = os_.transpose(0, 1)
     return out
 
@@ -283,10 +296,10 @@ def _visible_keys(m: int, n: int, window: int) -> tuple[int, torch.Tensor]:
 
 
 def _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale,
-                           k_scale=None, v_scale=None, window=0):
+                           k_scale=None, v_scale=None, window=0, softcap=0.0):
     """The reference's contract, as GEMMs (MKL) per (sequence, KV head); fp32 arithmetic.
     INT8 caches (with scales) are dequantized one sequence's rows at a time; with a window only
-    the keys some query of the chunk sees are read."""
+    the keys some query of the chunk sees are read. softcap > 0 caps the scores before the mask."""
     out = torch.empty_like(q)
     _, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
@@ -303,7 +316,10 @@ def _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
         for h in range(k_cache.shape[1]):
             heads = slice(h * group, (h + 1) * group)
             qh = q[q0:q1, heads].float().transpose(0, 1).reshape(group * m, head_dim)
-            p = torch.softmax(torch.addmm(bias, qh, ks[:, h].t(), alpha=scale), dim=-1)
+            kt = ks[:, h].t()  # capped scores get the mask after the cap (tanh(-inf) = -1)
+            sc = (softcap * torch.tanh(qh @ kt * (scale / softcap)) + bias if softcap > 0
+                  else torch.addmm(bias, qh, kt, alpha=scale))
+            p = torch.softmax(sc, dim=-1)
             out[q0:q1, heads] = (p @ vs[:, h]).view(group, m, head_dim).transpose(0, 1)
     return out
 
@@ -321,6 +337,7 @@ def prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix plus themselves
     (with `window` > 0, a Python int, the query at position p sees keys (p - window, p] only).
@@ -331,17 +348,19 @@ def prefill_attention(
     max_q_len: optional host-side max of the q lengths (sizes the grid without a device sync).
     With k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): Triton dequantizes in
     registers; off Triton the GEMM path dequantizes one sequence's rows at a time. FP8 caches
-    (float8_e4m3fn, scale 1) convert likewise.
+    (float8_e4m3fn, scale 1) convert likewise. softcap > 0 (Gemma 2; 0: none): each score
+    s = scale * q.k becomes softcap * tanh(s / softcap) before the mask and softmax.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not use_triton(q):
         if k_scale is not None or k_cache.dtype == FP8 or cpu_fast_path(q):
             return _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
-                                          scale, k_scale, v_scale, window)
+                                          scale, k_scale, v_scale, window, softcap)
         return prefill_attention_reference(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
-                                           scale, window)
+                                           scale, window, softcap)
     if max_q_len is None:
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max().item()) if len(cu_q_lens) > 1 else 0
     return _prefill_attention_triton(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale,
-                                     max_q_len, k_scale=k_scale, v_scale=v_scale, window=window)
+                                     max_q_len, k_scale=k_scale, v_scale=v_scale, window=window,
+                                     softcap=softcap)

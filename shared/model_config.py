@@ -16,6 +16,7 @@ from typing import Any
 from shared.gguf.hf import hf_config
 from shared.gguf.reader import GGUFError, is_gguf, open_gguf
 from shared.layer_types import FULL, SLIDING, sliding_window
+from shared.model_config_gemma import GEMMA3, GEMMA_ARCHITECTURES, gemma_activation, gemma_fields
 from shared.model_config_moe import MOE_ARCHITECTURES, QWEN3_MOE, moe_fields, moe_window
 from shared.model_config_rope import PHI3, rope
 
@@ -25,6 +26,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    *GEMMA_ARCHITECTURES,
     *MOE_ARCHITECTURES,
 )
 _ARCH_BY_MODEL_TYPE = {
@@ -36,6 +38,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _DEFAULT_RMS_NORM_EPS = 1e-6
@@ -48,7 +52,7 @@ class ModelLoadError(Exception):
 @dataclass(frozen=True)
 class ModelConfig:
     """Validated hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3,
-    Phi-3) or of its mixture-of-experts kin (Qwen3-MoE, Mixtral, OLMoE)."""
+    Phi-3, Gemma 2 and 3) or of its mixture-of-experts kin (Qwen3-MoE, Mixtral, OLMoE)."""
 
     architecture: str
     vocab_size: int
@@ -83,6 +87,20 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
     qk_norm_full: bool = False  # an RMSNorm over the whole q and k projections (OLMoE)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip, clip] after the norms (OLMoE)
+    # Gemma 2 / 3 (shared/model_config_gemma.py); the defaults are Llama's
+    hidden_act: str = "silu"  # the MLP's gate: "silu" or "gelu_pytorch_tanh"
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w): folded in at load
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too
+    embed_scale: float = 1.0  # embeddings multiplied by it (in the weights' dtype)
+    query_pre_attn_scalar: float | None = None  # attention scale its ** -0.5 (None: head_dim)
+    attn_softcap: float = 0.0  # scores capped to cap * tanh(s / cap) (0: not capped)
+    final_softcap: float = 0.0  # logits capped likewise
+    local_rope_theta: float | None = None  # the sliding layers' own (unscaled) RoPE base
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor q . k is scaled by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the sparse experts (else a dense SwiGLU MLP)."""
@@ -179,7 +197,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _build(f: _Fields, gen: dict[str, Any]) -> ModelConfig:
     arch = _architecture(f)
-    if f.cfg.get("hidden_act", "silu") != "silu":
+    if arch in GEMMA_ARCHITECTURES:
+        gemma_activation(f)
+    elif f.cfg.get("hidden_act", "silu") != "silu":
         raise f.error(f"hidden_act {f.cfg['hidden_act']!r} is not supported (only 'silu')")
     if f.cfg.get("quantization_config") is not None:
         raise f.error("quantized checkpoints (quantization_config) are not supported")
@@ -224,10 +244,11 @@ def _build(f: _Fields, gen: dict[str, Any]) -> ModelConfig:
         eos_token_ids=tuple(dict.fromkeys(eos)),
         bos_token_id=bos if isinstance(bos, int) else _first(gen.get("bos_token_id")),
         sliding_window=window,
-        qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE),
+        qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, GEMMA3),
         partial_rotary_factor=partial,
         layer_types=layer_types,
         **moe_fields(f, arch, num_layers),
+        **gemma_fields(f, arch, hidden),
     )
 
 

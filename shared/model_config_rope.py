@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shared.model_config_gemma import GEMMA3, GEMMA3_ROPE_THETA, full_rope_params
+
 if TYPE_CHECKING:
     from shared.model_config import _Fields
 
@@ -41,12 +43,16 @@ def rope(f: _Fields, arch: str, max_pos: int, head_dim: int) -> tuple[float, dic
         raise f.error(f"rope parameters must be a JSON object, got {params!r}")
     params = dict(params or {})
     if any(isinstance(v, dict) for v in params.values()):
-        raise f.error("per-layer-type rope_parameters are not supported")
+        if arch != GEMMA3:
+            raise f.error(f"per-layer-type rope_parameters are not supported for {arch} (only "
+                          f"for {GEMMA3})")
+        params = full_rope_params(f, params)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
     params.pop("type", None)
     # rope_theta inside the rope dict (v5) wins over the top-level field (v4).
-    top_level_theta = f.get_float("rope_theta", _DEFAULT_ROPE_THETA)
+    default = GEMMA3_ROPE_THETA if arch == GEMMA3 else _DEFAULT_ROPE_THETA
+    top_level_theta = f.get_float("rope_theta", default)
     theta = f.get_float("rope_theta", top_level_theta, source=params)
     params.pop("rope_theta", None)
     partial = _partial_rotary(f, arch, params.pop("partial_rotary_factor", None), head_dim)

@@ -39,7 +39,9 @@ def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 _LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_norm", "ffn_norm",
-                  "ffn_gate", "ffn_up", "ffn_down", "attn_q_norm", "attn_k_norm", "attn_qkv")
+                  "ffn_gate", "ffn_up", "ffn_down", "attn_q_norm", "attn_k_norm", "attn_qkv",
+                  "post_attention_norm", "post_ffw_norm")
+GEMMA = ("gemma2", "gemma3")
 
 
 def num_experts(cfg) -> int:
@@ -69,7 +71,8 @@ def _expert_tensors(hf: str, tensor) -> dict[str, np.ndarray] | None:
 def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
     """GGUF-named float32 tensors of an HF model, Q/K permuted for the llama architecture (as
     convert_hf_to_gguf does: not for qwen2, qwen3, phi3), with Phi-3's LongRoPE factors as
-    the tensors rope_factors_{long,short} (its generate_extra_tensors)."""
+    the tensors rope_factors_{long,short} (its generate_extra_tensors) and Gemma's RMSNorm
+    weights w stored as 1 + w."""
     cfg = model.config
     from_hf = {}
     for i in range(cfg.num_hidden_layers):
@@ -91,6 +94,8 @@ def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
         for proj, n in heads.items():
             if arch == "llama" and f".{proj}." in hf:
                 w = permute(w, n)
+        if arch in GEMMA and hf.endswith("norm.weight"):
+            w = w + 1
         out[from_hf[hf]] = w
     rope = getattr(cfg, "rope_parameters", None) or {}
     if arch == "phi3" and rope.get("rope_type") == "longrope":
@@ -122,13 +127,16 @@ def write_gguf(path: Path, model, qtype: GGMLQuantizationType = Q.F32, *, arch: 
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(float(rope.get("full_attention", rope)["rope_theta"]))
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     if getattr(cfg, "head_dim", None) is not None and arch != "phi3":  # TextModel's
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     if arch == "phi3":
         _add_phi3(w, cfg)
+    elif arch in GEMMA:
+        _add_gemma(w, cfg, arch)
     elif arch == "llama" and getattr(cfg, "sliding_window", None):  # Mistral with a window
         w.add_sliding_window(cfg.sliding_window)
     if num_experts(cfg):
@@ -177,6 +185,21 @@ def _add_phi3(w: GGUFWriter, cfg) -> None:
         scale = cfg.max_position_embeddings / original
         w.add_rope_scaling_attn_factors(
             math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+
+
+def _add_gemma(w: GGUFWriter, cfg, arch: str) -> None:
+    """What convert_hf_to_gguf's Gemma2Model / Gemma3Model add: the window, the caps they keep
+    (Gemma 3: the final one only) and the sliding layers' RoPE base. They write no layer
+    pattern (llama.cpp assumes 2 and 6); this writes one flag per layer, as newer converters
+    do for other architectures, so that tiny models may interleave differently."""
+    w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma3":
+        w.add_rope_freq_base_swa(float(cfg.rope_parameters["sliding_attention"]["rope_theta"]))
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
 
 
 def _add_tokenizer(w: GGUFWriter) -> None:

@@ -25,7 +25,14 @@ ARCHES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
 }
+# Gemma: head_dim 32 != hidden / heads and the attention scale llama.cpp derives from it (GGUF
+# stores none); a window of 16 on layers 0 and 2 of 3; Gemma 2's attention cap low enough to
+# bite on a tiny random model (its real one is 50), its final-logit cap 30 as in Gemma 2
+_GEMMA = {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 16,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
 
 DEFAULTS: dict[str, Any] = {
     "vocab_size": 512,
@@ -48,6 +55,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64},
     "olmoe": {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
               "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},  # OLMoE's: 50279
+    "gemma3": _GEMMA,
+    "gemma2": {**_GEMMA, "attn_logit_softcapping": 1.0},
 }
 
 

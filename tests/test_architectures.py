@@ -1,11 +1,13 @@
-"""Qwen3 and Phi-3 against transformers on tiny random models (3 layers, 4 heads over 2 KV
-heads, float32): greedy tokens through the engine (chunked prefill, mixed batches, preemption,
-prefix caching, an INT8 KV cache), logprobs, the same models as GGUF files, Phi-3's LongRoPE
-in the regimes where pipellm's rule and transformers' agree (services/compute/model/rope.py),
-and the configs we refuse.
+"""Qwen3, Phi-3, Gemma 3 and Gemma 2 against transformers on tiny random models (3 layers, 4
+heads over 2 KV heads, float32): greedy tokens through the engine (chunked prefill, mixed
+batches, preemption, prefix caching, an INT8 KV cache), logprobs, the same models as GGUF
+files, Phi-3's LongRoPE in the regimes where pipellm's rule and transformers' agree
+(services/compute/model/rope.py), and the configs we refuse.
 
 Variants: qwen3 (q/k RMSNorm before RoPE, head_dim 32 != hidden / heads), phi3 (fused qkv and
-gate_up), phi3-partial (partial_rotary_factor 0.5, as Phi-4-mini's 0.75).
+gate_up), phi3-partial (partial_rotary_factor 0.5, as Phi-4-mini's 0.75), gemma3 (sandwich
+norms, (1 + w) RMSNorm, scaled embeddings, GELU-tanh, q/k norms, sliding and full layers with
+their own RoPE bases), gemma2 (soft-capped attention scores and logits).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from shared.config import EngineConfig
 from shared.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 from shared.sampling import SamplingParams
 from shared.settings import with_settings
-from tests.gguf_files import Q, dequantized, write_gguf
+from tests.gguf_files import GEMMA, Q, dequantized, write_gguf
 from tests.hf_models import build_hf_model
 from tests.test_engine_vs_hf import MAX_NEW, engine_greedy, hf_greedy, make_prompts
 from tests.test_logprobs import hf_logprobs
@@ -36,8 +38,11 @@ VARIANTS = {  # name: (ARCHES key, config overrides)
     "qwen3": ("qwen3", {}),
     "phi3": ("phi3", {}),
     "phi3-partial": ("phi3", {"partial_rotary_factor": 0.5}),
+    "gemma3": ("gemma3", {}),
+    "gemma2": ("gemma2", {}),
 }
-GGUF_TYPES = {"qwen3": [Q.F32, Q.F16, Q.Q8_0], "phi3": [Q.F32, Q.F16], "phi3-partial": [Q.F32]}
+GGUF_TYPES = {"qwen3": [Q.F32, Q.F16, Q.Q8_0], "phi3": [Q.F32, Q.F16], "phi3-partial": [Q.F32],
+              "gemma3": [Q.F32, Q.Q8_0], "gemma2": [Q.F32]}
 
 
 def engine(model, **settings):
@@ -68,8 +73,11 @@ def test_config_reads_the_architecture(reference):
     name, path, model, _, _ = reference
     cfg = ModelConfig.from_path(path)
     assert cfg.architecture == type(model).__name__ and not cfg.attention_bias
-    assert cfg.qk_norm == (name == "qwen3")
-    assert cfg.head_dim == (32 if name == "qwen3" else 16)
+    assert cfg.qk_norm == (name in ("qwen3", "gemma3"))
+    assert cfg.head_dim == (32 if name in ("qwen3", "gemma3", "gemma2") else 16)
+    assert cfg.sandwich_norms == name.startswith("gemma")
+    assert [cfg.layer_window(i) for i in range(3)] == ([16, 0, 16] if cfg.sandwich_norms
+                                                       else [0, 0, 0])
     assert cfg.rotary_dim == (8 if name == "phi3-partial" else cfg.head_dim)
 
 
@@ -162,6 +170,27 @@ def test_gguf_files_generate_what_transformers_does(reference, tmp_path):
         assert got == want, qtype.name
 
 
+def test_hidden_state_length_head_reads_every_architecture(reference):
+    """--hidden-length probes the final-normed hidden state [hidden] of every architecture
+    (Gemma's sandwich norms included) at each request's checkpoints, changing no token."""
+    from services.compute.length.refiner import RefinerConfig
+
+    _, path, _, prompts, expected = reference
+    eng = engine(path, max_batched_tokens=48, max_running=16, kv_cache_tokens=8192,
+                 hidden_length=True, length_refine_every=8)
+    eng.lengths.config = RefinerConfig(min_requests=4, push_s=0, refresh_s=0, background=False)
+    seen, observe = [], eng.lengths.observe
+
+    def recording(checkpoints):  # (sequence, generated, probe [hidden]) per checkpoint
+        seen.extend(probe.shape for *_, probe in checkpoints)
+        return observe(checkpoints)
+
+    eng.lengths.observe = recording
+    assert [s.output_ids for s in eng.generate(prompts, greedy(MAX_NEW))] == expected
+    assert eng.runner.probe_dim == eng.model_config.hidden_size
+    assert seen and set(seen) == {(eng.model_config.hidden_size,)}
+
+
 def test_phi3_fused_q4_blocks_split_exactly(tmp_path):
     """A Phi-3 GGUF's fused attn_qkv / ffn_up kept as Q4 blocks (--quantization int4) split into
     q/k/v and gate/up blocks holding exactly the values the float load dequantizes."""
@@ -184,6 +213,8 @@ def _with_gguf_weights(model, qtype, arch: str):
     """A copy of the HF model holding the weights `write_gguf(..., qtype)` stores."""
     state = {hf_name(n, arch): torch.from_numpy(t) for n, t in
              dequantized(model, qtype, arch).items() if n not in NOT_WEIGHTS.get(arch, ())}
+    if arch in GEMMA:  # the file's norms are 1 + w
+        state = {n: t - 1 if n.endswith("norm.weight") else t for n, t in state.items()}
     rounded = copy.deepcopy(model)
     missing, unexpected = rounded.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
@@ -255,14 +286,16 @@ def test_longrope_long_server_runs_long_factors_at_every_length(longrope):
     assert [s.output_ids for s in seqs] == hf_greedy(long_only, prompts, 30)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "phi3-partial-longrope"])
+@pytest.mark.parametrize("name", ["gemma3", "phi3-partial-longrope"])
 def test_triton_kernels_give_the_reference_tokens(name, tmp_path):
-    """The GPU path (Triton, here under its CPU interpreter): the q/k RMSNorm on [T, H, D]
-    heads, RoPE tables padded for partial rotary, and an INT8 cache."""
+    """The GPU path (Triton, here under its CPU interpreter) against the reference kernels:
+    Gemma 3 (q/k RMSNorm on [T, H, D] heads, GELU-tanh, windows, and here a soft-cap on the
+    scores) and Phi-3 (RoPE tables padded for partial rotary), with an INT8 cache."""
     from kernels.dispatch import set_backend
 
     half = {"short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 3.0, 4.0, 5.0]}
-    overrides = {} if name == "qwen3" else dict(
+    gemma = dict(attn_logit_softcapping=1.0, layer_types=["sliding_attention", "full_attention"])
+    overrides = gemma if name == "gemma3" else dict(
         partial_rotary_factor=0.5, max_position_embeddings=256,
         original_max_position_embeddings=ORIGINAL, rope_scaling={"rope_type": "longrope", **half})
     build_hf_model(tmp_path, name.split("-")[0], initializer_range=0.1, num_hidden_layers=2,

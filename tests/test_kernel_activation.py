@@ -1,4 +1,5 @@
-"""SiLU-and-multiply kernel (kernels/activation.py): the Triton path against the PyTorch reference.
+"""Gated activation kernels (kernels/activation.py), SiLU and GELU-tanh x mul: the Triton path
+against the PyTorch reference.
 
 On a machine without a GPU the Triton kernel runs under TRITON_INTERPRET=1 (tests/conftest.py).
 Known interpreter limitation: its float32 -> bfloat16 casts truncate (round toward zero) where
@@ -12,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import dispatch
-from kernels.activation import silu_mul, silu_mul_ref, silu_mul_triton
+from kernels.activation import (
+    gelu_tanh_mul,
+    gelu_tanh_mul_ref,
+    gelu_tanh_mul_triton,
+    silu_mul,
+    silu_mul_ref,
+    silu_mul_triton,
+)
 
 SHAPES = [(1, 96), (37, 96), (1, 1000), (37, 1000), (3, 2900)]  # (T, I); 2900 > one block
 
@@ -80,6 +88,36 @@ def test_dispatch(backend):
     assert torch.equal(silu_mul(x), silu_mul_triton(x))
 
 
+# --- GELU-tanh x mul (Gemma's MLP: gelu_pytorch_tanh(gate) * up) -----------------------------
+
+
+@pytest.mark.parametrize("dtype,T,inter", [(torch.float32, 1, 96), (torch.float32, 3, 2900),
+                                           (torch.bfloat16, 37, 1000)])
+def test_gelu_tanh_mul(backend, dtype, T, inter):
+    x = _gate_up(T, inter, dtype, seed=T)
+    x[0, :6] = torch.tensor([-30.0, -9.0, -0.5, 0.0, 9.0, 30.0])  # both tails: no overflow
+    out = gelu_tanh_mul_triton(x)
+    assert out.shape == (T, inter) and out.dtype == dtype
+    eps = torch.finfo(dtype).eps
+    # vs the reference: its 1 + tanh(u) cancels for very negative gates (absolute error ~ eps32
+    # |gate * up|); in bf16 it also rounds twice (gelu, product), the kernel once
+    rtol = 1e-6 if dtype == torch.float32 else 2 * eps
+    torch.testing.assert_close(out, gelu_tanh_mul_ref(x), rtol=rtol, atol=1e-5)
+    ulps = 1 if dtype == torch.bfloat16 else 4  # bf16: one rounding; fp32: exp's few ulp too
+    ideal = _ideal_gelu(x)
+    assert ((out.double() - ideal).abs() <= ulps * eps * ideal.abs() + 1e-6).all()
+    backend("auto")  # a CPU tensor: the reference (no C++ kernel)
+    assert torch.equal(gelu_tanh_mul(x), gelu_tanh_mul_ref(x))
+    backend("triton")
+    assert torch.equal(gelu_tanh_mul(x), out)
+
+
+def _ideal_gelu(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up in float64."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("T,inter", [(1, 14336), (4099, 14336), (513, 11008)])
@@ -92,3 +130,14 @@ def test_gpu_large(dtype, T, inter):
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else \
         dict(rtol=2 * torch.finfo(dtype).eps, atol=1e-5)
     torch.testing.assert_close(out, silu_mul_ref(x), **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_gelu_tanh_mul(dtype):
+    x = _gate_up(513, 11008, dtype, device="cuda")
+    out = gelu_tanh_mul(x)  # auto on CUDA: Triton
+    ideal = _ideal_gelu(x)  # one rounding of the kernel, plus ex2.approx's few fp32 ulp
+    assert ((out.double() - ideal).abs() <= 4 * torch.finfo(dtype).eps * ideal.abs() + 1e-5).all()
+    rtol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(out, gelu_tanh_mul_ref(x), rtol=rtol, atol=1e-5)

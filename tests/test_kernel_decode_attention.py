@@ -46,15 +46,18 @@ def make_case(lens, n_kv_heads, head_dim, dtype=torch.float32, n_heads=N_HEADS, 
             torch.tensor(lens, **ints))
 
 
-def dense_attention(q, k, v, starts, lens, scale, window=0):
+def dense_attention(q, k, v, starts, lens, scale, window=0, softcap=0.0):
     """Padded gather + masked softmax in float64: q [B, H, D], k/v [cap, Hkv, D] -> [B, H, D].
-    window > 0: the query (position len - 1) sees positions > len - 1 - window only."""
+    window > 0: the query (position len - 1) sees positions > len - 1 - window only. softcap > 0:
+    scores s = q.k * scale become softcap * tanh(s / softcap) before the mask (Gemma 2)."""
     group = q.shape[1] // k.shape[1]
     pos = torch.arange(int(lens.max()))  # [L]
     idx = (starts[:, None].long() + pos[None, :]).clamp(max=k.shape[0] - 1)  # [B, L]
     kk = k.double()[idx].repeat_interleave(group, dim=2)  # [B, L, H, D]
     vv = v.double()[idx].repeat_interleave(group, dim=2)
     s = torch.einsum("bhd,blhd->bhl", q.double(), kk) * scale  # [B, H, L]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(pos[None, None, :] >= lens[:, None, None], float("-inf"))
     if window:
         s = s.masked_fill(pos[None, None, :] <= lens[:, None, None] - 1 - window, float("-inf"))
@@ -289,3 +292,35 @@ def test_cpu_kernel_window_on_int8_kv(cpu_ext, window):
     out = cpu_ext.decode_attention(q, kq, vq, starts, lens, 0.125, ks, vs, window)
     check(q, dequantize_kv(kq, ks), dequantize_kv(vq, vs), starts, lens, out, 0.125,
           window=window)
+
+
+# --- logit soft-capping (Gemma 2): scores s = scale * q.k -> softcap * tanh(s / softcap) ------
+
+
+@pytest.mark.parametrize("window,int8", [(0, False), (16, False), (16, True)])
+def test_softcap_every_path_matches_dense(cpu_ext, window, int8):
+    """The reference, the Triton kernel (3 splits) and the C++ kernel against a float64 eager
+    softmax of capped scores; q is scaled so that most |scores| exceed the cap of 5."""
+    q, k, v, starts, lens = make_case([1, 37, 300], 2, 64, seed=31 + window)
+    q = q * 4  # scores ~ N(0, 4^2): the cap matters
+    kv, scales = (k, v), {}
+    if int8:  # the kernels read the INT8 cache, the dense softmax its dequantized values
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        kv, scales = (kq, vq), dict(k_scale=ks, v_scale=vs)
+        k, v = dequantize_kv(kq, ks), dequantize_kv(vq, vs)
+    exp = dense_attention(q, k, v, starts, lens, 0.125, window, softcap=5.0)
+    assert not torch.allclose(exp, dense_attention(q, k, v, starts, lens, 0.125, window),
+                              atol=1e-2)  # the cap changes the output
+    outs = {
+        "reference": decode_attention_reference(q, *kv, starts, lens, 0.125, **scales,
+                                                window=window, softcap=5.0),
+        "triton": _decode_attention_triton(q, *kv, starts, lens, 0.125, 300, num_splits=3,
+                                           **scales, window=window, softcap=5.0),
+        "cpp": cpu_ext.decode_attention(q, *kv, starts, lens, 0.125, window=window,
+                                        softcap=5.0, **scales),
+        "public": decode_attention(q, *kv, starts, lens, 0.125, **scales, window=window,
+                                   softcap=5.0),  # auto on CPU: the C++ kernel
+    }
+    for name, out in outs.items():
+        torch.testing.assert_close(out.double(), exp, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -63,9 +63,10 @@ def make_batch(q_lens, prefixes, n_heads, n_kv_heads, head_dim, dtype, *, garbag
     return (q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), *ints)
 
 
-def dense_attention(q, k, v, cu_q_lens, seq_starts, ctx_lens, scale, window=0):
+def dense_attention(q, k, v, cu_q_lens, seq_starts, ctx_lens, scale, window=0, softcap=0.0):
     """Explicit float64 softmax(q k^T * scale + causal mask) v, one sequence at a time; window
-    > 0: the query at position p also hides the keys at positions <= p - window."""
+    > 0: the query at position p also hides the keys at positions <= p - window; softcap > 0:
+    scores s become softcap * tanh(s / softcap) before the mask (Gemma 2's eager attention)."""
     group = q.shape[1] // k.shape[1]
     cu, starts, ctx = cu_q_lens.tolist(), seq_starts.tolist(), ctx_lens.tolist()
     outs = []
@@ -74,6 +75,8 @@ def dense_attention(q, k, v, cu_q_lens, seq_starts, ctx_lens, scale, window=0):
         ks = k[start : start + n].double().repeat_interleave(group, dim=1)  # [n, H, D]
         vs = v[start : start + n].double().repeat_interleave(group, dim=1)  # [n, H, D]
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # [H, L, n]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         pos = torch.arange(n - qs.shape[0], n, device=q.device)[:, None]  # [L, 1]
         visible = torch.arange(n, device=q.device)[None, :] <= pos  # [L, n]
         if window:
@@ -291,3 +294,34 @@ def test_public_function_window_triton(triton_backend):
     out = prefill_attention(*batch, 0.125, window=8)
     torch.testing.assert_close(out.double(), dense_attention(*batch, 0.125, 8), atol=1e-4,
                                rtol=1e-4)
+
+
+# --- logit soft-capping (Gemma 2): scores s = scale * q.k -> softcap * tanh(s / softcap) ------
+
+
+@pytest.mark.parametrize("window,int8", [(0, False), (16, False), (16, True)])
+def test_softcap_every_path_matches_dense(window, int8):
+    """The reference (explicit scores: SDPA cannot cap), the CPU GEMM path and the Triton kernel
+    against a float64 eager softmax of capped scores; q is scaled so that most |scores| exceed
+    the cap of 5."""
+    q, k, v, cu, starts, ctx = make_batch(Q_LENS, PREFIXES, 4, 2, 64, torch.float32, seed=13)
+    q = q * 4  # scores ~ N(0, 4^2): the cap matters
+    kv, scales = (k, v), {}
+    if int8:  # the kernels read the INT8 cache, the dense softmax its dequantized values
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        kv, scales = (kq, vq), dict(k_scale=ks, v_scale=vs)
+        k, v = dequantize_kv(kq, ks), dequantize_kv(vq, vs)
+    exp = dense_attention(q, k, v, cu, starts, ctx, 0.125, window, softcap=5.0)
+    assert not torch.allclose(exp, dense_attention(q, k, v, cu, starts, ctx, 0.125, window),
+                              atol=1e-2)  # the cap changes the output
+    assert dispatch.cpu_fast_path(q)
+    outs = {
+        "reference": prefill_attention_reference(q, k, v, cu, starts, ctx, 0.125, window, 5.0),
+        "cpu": prefill_attention(q, *kv, cu, starts, ctx, 0.125, **scales, window=window,
+                                 softcap=5.0),
+        "triton": _prefill_attention_triton(q, *kv, cu, starts, ctx, 0.125, 70, 16, 16,
+                                            **scales, window=window, softcap=5.0),
+    }
+    for name, out in outs.items():
+        torch.testing.assert_close(out.double(), exp, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -10,7 +10,7 @@ using torch::Tensor;
 // decode_attention.cpp
 Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_starts,
                         Tensor seq_lens, double scale, std::optional<Tensor> k_scale,
-                        std::optional<Tensor> v_scale, int64_t window);
+                        std::optional<Tensor> v_scale, int64_t window, double softcap);
 // norm.cpp
 Tensor rms_norm(Tensor x, Tensor w, double eps);
 std::tuple<Tensor, Tensor> add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps);
@@ -38,7 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over contiguous KV segments",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("seq_starts"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
-        py::arg("v_scale") = py::none(), py::arg("window") = 0);
+        py::arg("v_scale") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0);
   m.def("rms_norm", &rms_norm, "w * rmsnorm(x) -> [..., N]", py::arg("x"), py::arg("w"),
         py::arg("eps"));
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x)", py::arg("x"),

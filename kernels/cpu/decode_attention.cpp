@@ -6,6 +6,8 @@
 // seq_starts, seq_lens int32 [B]: sequence b owns slots [start, start + len), len >= 1.
 // window > 0 (a sliding-window layer): the query, at position len - 1, sees only the last
 // min(len, window) keys, positions (len - 1 - window, len - 1]; the rows before are not read.
+// softcap > 0 (Gemma 2's attn_logit_softcapping): each score s = scale * q.k becomes
+// softcap * tanh(s / softcap) before the softmax; 0: none.
 // One work item per sequence: it walks the sequence's K rows (all kv heads: contiguous memory)
 // once, scoring every query head h against kv head h / (H / Hkv) in fp32, then its V rows once.
 // Walking whole rows rather than one head's slice per item runs at ~90% of memory bandwidth,
@@ -48,7 +50,8 @@ template <typename scalar_t, typename cache_t>
 // head_stride apart), n rows; query head h reads kv head h / group. out [H, D] (head stride o_sh).
 void attend_one(const scalar_t* q, int64_t q_sh, const cache_t* k, const cache_t* v,
                 int64_t row_stride, int64_t head_stride, const Scales& sc, int64_t group,
-                int64_t n, int64_t H, int64_t D, float scale, scalar_t* out, int64_t o_sh,
+                int64_t n, int64_t H, int64_t D, float scale, float softcap, scalar_t* out,
+                int64_t o_sh,
                 std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
   qf.assign(H * D, 0.f);
   acc.assign(H * D, 0.f);
@@ -65,6 +68,7 @@ void attend_one(const scalar_t* q, int64_t q_sh, const cache_t* k, const cache_t
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(kr, ks, d);
+      if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);  // s = cap * tanh(s / cap)
       scores[g * n + t] = dot;
       mx[g] = std::max(mx[g], dot);
     }
@@ -93,7 +97,7 @@ void attend_one(const scalar_t* q, int64_t q_sh, const cache_t* k, const cache_t
 template <typename scalar_t, typename cache_t>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const Scales& sc, const int32_t* st, const int32_t* ln, double scale, int64_t window,
-         torch::Tensor& out) {
+         double softcap, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), group = H / k_cache.size(1);
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const cache_t* kp = k_cache.data_ptr<cache_t>();
@@ -113,8 +117,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       attend_one<scalar_t, cache_t>(qp + b * q.stride(0), q.stride(1),
                                     kp + first * k_cache.stride(0), vp + first * k_cache.stride(0),
                                     k_cache.stride(0), k_cache.stride(1), seq, group, len - skip,
-                                    H, D, static_cast<float>(scale), op + b * out.stride(0),
-                                    out.stride(1), qf, scores, acc);
+                                    H, D, static_cast<float>(scale), static_cast<float>(softcap),
+                                    op + b * out.stride(0), out.stride(1), qf, scores, acc);
     }
   });
 }
@@ -122,11 +126,13 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 }  // namespace
 
 // k_scale, v_scale (INT8 caches): fp16 [capacity, Hkv, D / 8], the caches int8. window: 0 for
-// full attention, else the sliding window (see the top of this file).
+// full attention, else the sliding window; softcap: 0 for none, else the logit soft-cap (see the
+// top of this file).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor seq_starts, torch::Tensor seq_lens, double scale,
                                c10::optional<torch::Tensor> k_scale,
-                               c10::optional<torch::Tensor> v_scale, int64_t window) {
+                               c10::optional<torch::Tensor> v_scale, int64_t window,
+                               double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
               "head_dim must be contiguous");
@@ -136,6 +142,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(H % Hkv == 0 && k_cache.size(2) == D, "head counts or head_dim do not match");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window)");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   const bool int8 = k_scale.has_value();
   Scales sc;
   if (int8) {
@@ -154,10 +161,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
     if (int8) {
-      run<scalar_t, int8_t>(q, k_cache, v_cache, sc, st, ln, scale, window, out);
+      run<scalar_t, int8_t>(q, k_cache, v_cache, sc, st, ln, scale, window, softcap, out);
     } else {
       TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "caches must be q's dtype");
-      run<scalar_t, scalar_t>(q, k_cache, v_cache, sc, st, ln, scale, window, out);
+      run<scalar_t, scalar_t>(q, k_cache, v_cache, sc, st, ln, scale, window, softcap, out);
     }
   });
   return out;

@@ -14,7 +14,13 @@ from shared.gguf.reader import GGUFError, GGUFFile
 # only for `llama`, which it runs with interleaved RoPE; the others run NeoX, HF's rotate-half)
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
                  "qwen3": ("Qwen3ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False),
-                 "qwen3moe": ("Qwen3MoeForCausalLM", False)}
+                 "qwen3moe": ("Qwen3MoeForCausalLM", False),
+                 "gemma3": ("Gemma3ForCausalLM", False), "gemma2": ("Gemma2ForCausalLM", False)}
+# llama.cpp's Gemma defaults where a file lacks the key (llama-hparams.h; gemma3.cpp): attention
+# and final-logit caps, and the layer count of the 27B models, whose attention scale is
+# (hidden / heads) ** -0.5 rather than head_dim ** -0.5 (llama.cpp stores no scale)
+_GEMMA_CAPS = {"gemma2": (50.0, 30.0), "gemma3": (None, None)}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def architecture(gguf: GGUFFile) -> tuple[str, str, bool]:
@@ -51,6 +57,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     return {
         **fields,
         **moe,
+        **_gemma_fields(gguf, arch, hidden, heads, key("block_count")),
         "architectures": [hf_arch],
         "vocab_size": gguf.get(f"{arch}.vocab_size", len(tokens)),
         "hidden_size": hidden,
@@ -63,7 +70,7 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "rope_theta": key("rope.freq_base", 10_000.0),
         "rope_scaling": _rope_scaling(gguf, arch),
         "max_position_embeddings": key("context_length"),
-        "hidden_act": "silu",
+        "hidden_act": "gelu_pytorch_tanh" if arch in _GEMMA_CAPS else "silu",
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "torch_dtype": "float32",  # weights are dequantized to float32 at load
         "bos_token_id": gguf.get("tokenizer.ggml.bos_token_id"),
@@ -97,6 +104,30 @@ def _arch_fields(gguf: GGUFFile, arch: str, head_dim: int) -> dict[str, Any]:
         original = gguf.get(f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             out["original_max_position_embeddings"] = original
+    return out
+
+
+def _gemma_fields(gguf: GGUFFile, arch: str, hidden: int, heads: int, layers: int
+                  ) -> dict[str, Any]:
+    """Gemma's config fields as llama.cpp reads its file: soft-caps, the attention scale, the
+    sliding layers (`attention.sliding_window_pattern`: every n-th layer full, or a flag per
+    layer) and Gemma 3's sliding-layer RoPE base ({} for other architectures)."""
+    if arch not in _GEMMA_CAPS:
+        return {}
+    attn_cap, final_cap = _GEMMA_CAPS[arch]
+    head_dim = gguf.get(f"{arch}.attention.key_length", hidden // heads)
+    out: dict[str, Any] = {
+        "attn_logit_softcapping": gguf.get(f"{arch}.attn_logit_softcapping", attn_cap),
+        "final_logit_softcapping": gguf.get(f"{arch}.final_logit_softcapping", final_cap),
+        "query_pre_attn_scalar": (hidden // heads if layers == _GEMMA_27B_LAYERS[arch]
+                                  else head_dim),
+        "rope_local_base_freq": gguf.get(f"{arch}.rope.freq_base_swa", 10_000.0),
+    }
+    pattern = gguf.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        out["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern is not None:
+        out["sliding_window_pattern"] = pattern
     return out
 
 

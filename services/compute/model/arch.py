@@ -11,6 +11,9 @@
   * OLMoE has one RMSNorm over the whole q projection [H * D] and one over the whole k
     projection [Hkv * D] (not per head), then optionally clamps q, k, v to +-clip_qkv: the
     q/k/v projection comes wrapped to apply them (`FullQKNorm`), before the attention's RoPE.
+  * Gemma 2 and 3 norm the attention's and the MLP's outputs too (sandwich norms): their
+    `post_attention_layernorm` is that output norm, and the MLP's input norm is
+    `pre_feedforward_layernorm` (Llama's `post_attention_layernorm`); `layer_norms` names them.
   * The mixture-of-experts MLPs are read in `moe.py`.
 """
 
@@ -52,6 +55,24 @@ def split_fused(cfg: ModelConfig, weights: dict) -> dict:
             for part, rows in zip(parts, _split_rows(w, sizes[fused]), strict=True):
                 out[f"{p}{part}.weight"] = rows
     return out
+
+
+def mlp_norm(cfg: ModelConfig) -> str:
+    """The name of a layer's MLP input norm (under `model.layers.{i}.`)."""
+    return "pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm"
+
+
+def layer_norms(cfg: ModelConfig, w: dict, prefix: str) -> dict[str, torch.Tensor | None]:
+    """A layer's RMSNorm weights [hidden] as LayerWeights fields: the attention's and the MLP's
+    input norms (ln_attn, ln_mlp) and, with sandwich norms, their output norms (post_attn,
+    post_mlp; None otherwise)."""
+    def norm(name: str) -> torch.Tensor:
+        return require(w, f"{prefix}{name}.weight")
+
+    sandwich = cfg.sandwich_norms
+    return dict(ln_attn=norm("input_layernorm"), ln_mlp=norm(mlp_norm(cfg)),
+                post_attn=norm("post_attention_layernorm") if sandwich else None,
+                post_mlp=norm("post_feedforward_layernorm") if sandwich else None)
 
 
 def fuse(weights: list) -> torch.Tensor | Int4Weight:

@@ -12,7 +12,10 @@ Phi-3's `rope_factors_long`/`rope_factors_short` are RoPE parameters (read with 
 shared/gguf/hf.py), not weights. Mixture-of-experts files (`qwen3moe`; Mixtral as `llama`)
 store the router as `ffn_gate_inp` [n_expert, hidden] and the experts stacked,
 `ffn_{gate,up,down}_exps` [n_expert, rows, cols]: each stack is split into the per-expert
-Hugging Face names (`model/moe.py`'s `expert_names`).
+Hugging Face names (`model/moe.py`'s `expert_names`). Gemma files (`gemma2`, `gemma3`) hold
+their sandwich norms as `post_attention_norm` and `post_ffw_norm` (and `ffn_norm` is the MLP's
+input norm), every RMSNorm weight stored as the (1 + w) it scales by: kept so, as the HF
+loader folds them (weights.py).
 
 With `keep_int4`, the decoder's Q4_0/Q4_1 matrices are not dequantized: their blocks become an
 `Int4Weight` (the same values, 4 bits each, an fp16 scale and min per 32), served by the INT4
@@ -41,7 +44,11 @@ _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-_ARCH_LAYER = {"qwen3": _QK_NORMS,
+# Gemma's sandwich norms; llama.cpp's `ffn_norm` is Gemma's pre_feedforward_layernorm
+_SANDWICH = {"post_attention_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm",
+             "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_LAYER = {"qwen3": _QK_NORMS, "gemma2": _SANDWICH, "gemma3": {**_SANDWICH, **_QK_NORMS},
                "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                "qwen3moe": {**_QK_NORMS, "ffn_gate_inp": "mlp.gate"},
                "llama": {"ffn_gate_inp": "block_sparse_moe.gate"}}  # Mixtral

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, TinyLlama) running one
-merged step.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, TinyLlama) running
+one merged step.
 
 Every op but attention runs on the flat token batch [T, hidden]; attention splits into the
 decode tokens and the prefill chunks, each a call into `kernels/`, with the layer's sliding
@@ -7,6 +7,9 @@ window (0: full attention; Mistral's on every layer, Qwen2's from max_window_lay
 the rows in `batch.logits_indices` go through the final norm and the LM head. What the
 architectures store differently (Phi-3's fused projections, Qwen3's q/k norms, partial rotary)
 is read in `arch.py`; the mixture-of-experts MLPs (Qwen3-MoE, Mixtral, OLMoE) in `moe.py`.
+Gemma's differences are config fields (shared/model_config_gemma.py): sandwich norms, scaled
+embeddings, GELU-tanh gating, its attention scale, soft-capped scores and logits, and its
+sliding layers' own RoPE.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from kernels import (
     add_rms_norm,
     decode_attention,
+    gelu_tanh_mul,
     prefill_attention,
     rms_norm,
     rms_norm_int8,
@@ -26,9 +30,10 @@ from kernels import (
     silu_mul,
     silu_mul_int8,
 )
+from kernels.int8_quant import quantize_int8
 from services.compute.core.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
-from services.compute.model.arch import full_qk_norm, fuse, qk_norms, qkv_rows
+from services.compute.model.arch import full_qk_norm, fuse, layer_norms, qk_norms, qkv_rows
 from services.compute.model.moe import mlp_layers
 from services.compute.model.quantization import Quantization
 from services.compute.model.rope import RotaryEmbedding
@@ -44,8 +49,10 @@ class LayerWeights:
     o: object  # [hidden, H * D]
     gate_up: object | None  # [2 * inter, hidden], gate and up fused (None: a sparse layer)
     down: object | None  # [hidden, inter]
-    ln_attn: torch.Tensor  # [hidden]
-    ln_mlp: torch.Tensor  # [hidden]
+    ln_attn: torch.Tensor  # [hidden], the attention's input norm
+    ln_mlp: torch.Tensor  # [hidden], the MLP's
+    post_attn: torch.Tensor | None = None  # [hidden], on the attention's output (Gemma)
+    post_mlp: torch.Tensor | None = None  # [hidden], on the MLP's output (Gemma)
     q_norm: torch.Tensor | None = None  # [D], on each q head before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None  # [D], on each k head
     moe: object | None = None  # the sparse MLP (moe.MoE) in place of gate_up and down
@@ -69,7 +76,14 @@ class LlamaModel:
         self.windows = tuple(cfg.layer_window(i) for i in range(cfg.num_layers))
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta,
                                     cfg.rope_scaling, device, cfg.rotary_dim)
-        self.scale = cfg.head_dim**-0.5
+        local = self.rope if cfg.local_rope_theta is None else RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.local_rope_theta, None, device, cfg.rotary_dim)
+        self.ropes = tuple(local if w else self.rope for w in self.windows)  # [num_layers]
+        self.scale = cfg.attention_scale
+        # embeddings x sqrt(hidden) for Gemma, the factor rounded to the weights' dtype (as HF)
+        self.embed_scale = (None if cfg.embed_scale == 1 else
+                            torch.tensor(cfg.embed_scale, dtype=self.embed.dtype, device=device))
+        self.act = _activation(cfg.hidden_act, self.int8_act)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -83,8 +97,7 @@ class LlamaModel:
             qkv=full_qk_norm(self.cfg, linear(*qkv_rows(self.cfg, qkv, bias)), w, p),
             o=linear(require(w, f"{p}self_attn.o_proj.weight")),
             **mlp_layers(self.cfg, w, i, self.quant),
-            ln_attn=require(w, f"{p}input_layernorm.weight"),
-            ln_mlp=require(w, f"{p}post_attention_layernorm.weight"),
+            **layer_norms(self.cfg, w, p),
             q_norm=q_norm,
             k_norm=k_norm,
         )
@@ -97,18 +110,24 @@ class LlamaModel:
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, and the final-normed hidden states the logits came from: [S, hidden]."""
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         residual = None  # the residual stream; h is what gets added to it next
-        act = silu_mul_int8 if self.int8_act else silu_mul
         for i, layer in enumerate(self.layers):
             x, residual = self._norm(h, residual, layer.ln_attn, self.int8_act)
-            h = self._attention(i, layer, x, batch, kv)
+            h = self._post_norm(self._attention(i, layer, x, batch, kv), layer.post_attn)
             # the router reads float rows: a sparse layer's experts quantize their own input
             x, residual = self._norm(h, residual, layer.ln_mlp,
                                      self.int8_act and layer.moe is None)
-            h = layer.moe(x) if layer.moe is not None else layer.down(act(layer.gate_up(x)))
+            h = layer.moe(x) if layer.moe is not None else layer.down(self.act(layer.gate_up(x)))
+            h = self._post_norm(h, layer.post_mlp)
         rows = batch.logits_indices
         last, _ = self._norm(h[rows], residual[rows], self.norm)  # [S, hidden]
-        return self.lm_head(last).float(), last
+        logits = self.lm_head(last).float()
+        if self.cfg.final_softcap:  # Gemma 2: cap * tanh(logits / cap)
+            cap = self.cfg.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits, last
 
     def weight_bytes(self) -> int:
         """Bytes the weights take as served (embedding, norms, projections, experts, LM
@@ -116,9 +135,10 @@ class LlamaModel:
         projections = sum(getattr(layer, f).nbytes() for layer in self.layers
                           for f in ("qkv", "o", "gate_up", "down", "moe")
                           if getattr(layer, f) is not None)
-        tensors = [self.embed, self.norm] + [t for layer in self.layers
-                                             for t in (layer.ln_attn, layer.ln_mlp, layer.q_norm,
-                                                       layer.k_norm) if t is not None]
+        tensors = [self.embed, self.norm] + [
+            t for layer in self.layers for t in (layer.ln_attn, layer.ln_mlp, layer.post_attn,
+                                                 layer.post_mlp, layer.q_norm, layer.k_norm)
+            if t is not None]
         shared = getattr(self.lm_head, "weight", None) is self.embed  # tied and not repacked
         head = 0 if shared else self.lm_head.nbytes()
         return projections + head + sum(t.numel() * t.element_size() for t in tensors)
@@ -134,6 +154,10 @@ class LlamaModel:
             return rms_norm(h, weight, self.cfg.rms_norm_eps), h
         return add_rms_norm(h, residual, weight, self.cfg.rms_norm_eps)
 
+    def _post_norm(self, h: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """h normed by a sandwich norm's weight before the residual add (as is without one)."""
+        return h if weight is None else rms_norm(h, weight, self.cfg.rms_norm_eps)
+
     def _attention(self, i: int, layer: LayerWeights, x: torch.Tensor, batch: ForwardBatch,
                    kv: KVCache) -> torch.Tensor:
         c = self.cfg
@@ -146,21 +170,29 @@ class LlamaModel:
             q = rms_norm(q, layer.q_norm, c.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, c.rms_norm_eps)
         k_scale, v_scale = kv.scales(i)  # None, None unless the cache is INT8
+        rope = self.ropes[i]
         q, _ = rope_kv_write(q, k, v.view(T, c.num_kv_heads, c.head_dim), batch.positions,
-                             self.rope.cos, self.rope.sin, kv.k[i], kv.v[i], batch.slots,
-                             k_scale, v_scale)
-        nd, window = batch.num_decodes, self.windows[i]
+                             rope.cos, rope.sin, kv.k[i], kv.v[i], batch.slots, k_scale, v_scale)
+        nd, window, cap = batch.num_decodes, self.windows[i], c.attn_softcap
         parts = []  # [T, H, D]: the decode rows, then the prefill chunks'
         if nd:
             parts.append(decode_attention(q[:nd], kv.k[i], kv.v[i], batch.decode_starts,
                                           batch.decode_lens, self.scale,
                                           max_seq_len=batch.max_decode_len, k_scale=k_scale,
-                                          v_scale=v_scale, window=window))
+                                          v_scale=v_scale, window=window, softcap=cap))
         if T > nd:
             parts.append(prefill_attention(q[nd:], kv.k[i], kv.v[i], batch.prefill_cu,
                                            batch.prefill_starts, batch.prefill_lens, self.scale,
                                            max_q_len=batch.max_chunk_len, k_scale=k_scale,
-                                           v_scale=v_scale, window=window))
+                                           v_scale=v_scale, window=window, softcap=cap))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return layer.o(out.reshape(T, -1))
 
+
+
+def _activation(hidden_act: str, int8: bool):
+    """The MLP's gated activation [T, 2I] -> [T, I]: SiLU or GELU-tanh of the gate times up;
+    with `int8` (W8A8) its rows come quantized (an Int8Activation)."""
+    if hidden_act == "silu":
+        return silu_mul_int8 if int8 else silu_mul
+    return (lambda gate_up: quantize_int8(gelu_tanh_mul(gate_up))) if int8 else gelu_tanh_mul

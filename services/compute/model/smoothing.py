@@ -3,7 +3,7 @@ weights before both are quantized to INT8.
 
 For a projection X W^T and per-input-channel scales s: X W^T = (X / s)(W diag(s))^T. The 1/s
 folds into whatever makes X, so nothing is added to a step: the RMSNorm weight before q/k/v and
-before gate/up, and the up projection's rows before down (SiLU(gate) * up is linear in up).
+before gate/up, and the up projection's rows before down (act(gate) * up is linear in up).
 A mixture-of-experts layer's MLP is not smoothed: its router reads the float norm output, and
 each expert quantizes its own input per token.
 s_j = max|X_j|^ALPHA / max_i |W_ij|^(1 - ALPHA), ALPHA = 0.5.
@@ -20,6 +20,7 @@ import torch
 
 from services.compute.kv.kv_cache import KVCache
 from services.compute.kv.sizing import profile_batch
+from services.compute.model.arch import mlp_norm
 from shared.model_config import ModelConfig
 
 ALPHA = 0.5
@@ -73,8 +74,7 @@ def smooth(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.dev
         _fold(weights, stats["qkv"], qkv, f"{p}input_layernorm.weight", rows=False)
         if cfg.is_moe_layer(i):  # the experts quantize their inputs unsmoothed
             continue
-        _fold(weights, stats["gate_up"], gate_up, f"{p}post_attention_layernorm.weight",
-              rows=False)
+        _fold(weights, stats["gate_up"], gate_up, f"{p}{mlp_norm(cfg)}.weight", rows=False)
         _fold(weights, stats["down"], [f"{p}mlp.down_proj.weight"], f"{p}mlp.up_proj.weight",
               rows=True)
 

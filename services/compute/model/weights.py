@@ -5,7 +5,9 @@ Layouts, in order of preference:
   2. `model.safetensors`,
   3. every `*.safetensors` file in the directory.
 Tensors keep their Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...); fused
-projections (Phi-3's `qkv_proj`, `gate_up_proj`) come split under Llama's names (arch.py).
+projections (Phi-3's `qkv_proj`, `gate_up_proj`) come split under Llama's names, and Gemma's
+RMSNorm weights w as the (1 + w) they scale by, as llama.cpp's converter stores them in GGUF
+(arch.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def load_weights(
     shard is missing, or a file cannot be read.
     """
     if is_gguf(path):
-        return _split_fused(path, load_gguf_weights(path, dtype, device, keep_int4))
+        return _split_fused(path, load_gguf_weights(path, dtype, device, keep_int4))  # norms +1
     root = Path(path)
     if not root.is_dir():
         raise ModelLoadError(f"model directory {root} does not exist or is not a directory")
@@ -53,7 +55,7 @@ def load_weights(
         else:
             tensor = tensor.to(device=device)
         weights[name] = tensor
-    return _split_fused(path, weights)
+    return _split_fused(path, _fold_norm_offset(path, weights))
 
 
 def _split_fused(path, weights: dict) -> dict:
@@ -64,6 +66,17 @@ def _split_fused(path, weights: dict) -> dict:
     from services.compute.model.arch import split_fused  # arch reads `require` from here
 
     return split_fused(ModelConfig.from_path(path), weights)
+
+
+def _fold_norm_offset(path, weights: dict) -> dict:
+    """Gemma's RMSNorm weights w (every `*norm.weight`) replaced by the (1 + w) they scale by,
+    added in float32 as transformers adds them."""
+    offset = ModelConfig.from_path(path).norm_weight_offset
+    if offset:
+        for name, w in weights.items():
+            if name.endswith("norm.weight"):
+                weights[name] = (w.float() + offset).to(w.dtype)
+    return weights
 
 
 def require(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
