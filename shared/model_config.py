@@ -16,7 +16,13 @@ from typing import Any
 from shared.gguf.hf import hf_config
 from shared.gguf.reader import GGUFError, is_gguf, open_gguf
 from shared.layer_types import FULL, SLIDING, sliding_window
-from shared.model_config_gemma import GEMMA3, GEMMA_ARCHITECTURES, gemma_activation, gemma_fields
+from shared.model_config_gemma import (
+    GEMMA3,
+    GEMMA_ARCHITECTURES,
+    gemma_activation,
+    gemma_fields,
+    text_config,
+)
 from shared.model_config_moe import MOE_ARCHITECTURES, QWEN3_MOE, moe_fields, moe_window
 from shared.model_config_rope import PHI3, rope
 
@@ -140,7 +146,7 @@ class ModelConfig:
         cfg_path = root / "config.json"
         if not cfg_path.is_file():
             raise ModelLoadError(f"{cfg_path} not found: a model directory needs a config.json")
-        cfg = _read_json(cfg_path)
+        cfg = text_config(_read_json(cfg_path))  # a multimodal model's language model
         gen_path = root / "generation_config.json"
         gen = _read_json(gen_path) if gen_path.is_file() else {}
         return _build(_Fields(cfg, cfg_path), gen)

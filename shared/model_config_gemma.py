@@ -20,7 +20,14 @@ if TYPE_CHECKING:
     from shared.model_config import _Fields
 
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
-GEMMA_ARCHITECTURES = (GEMMA3, GEMMA2)
+GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"  # 4B and up: served as text only
+GEMMA_ARCHITECTURES = (GEMMA3, GEMMA3_MULTIMODAL, GEMMA2)
+# Gemma3TextConfig's defaults, which the Hub's multimodal configs rely on (their text_config
+# names only what differs, e.g. 4B: hidden 2560, intermediate 10240, 34 layers, window 1024)
+_GEMMA3_TEXT_DEFAULTS = {"vocab_size": 262_208, "num_attention_heads": 8,
+                         "num_key_value_heads": 4, "head_dim": 256,
+                         "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+                         "sliding_window": 4096, "tie_word_embeddings": True}
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 # transformers' defaults where a config omits the field
 _QUERY_PRE_ATTN_SCALAR = 256
@@ -47,6 +54,20 @@ def gemma_fields(f: _Fields, arch: str, hidden: int) -> dict[str, Any]:
         "final_softcap": _softcap(f, "final_logit_softcapping", final_cap),
         "local_rope_theta": _local_rope_theta(f) if arch == GEMMA3 else None,
     }
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 multimodal config.json as its language model's (Gemma3ForCausalLM's):
+    `text_config` over Gemma3TextConfig's defaults, with the top level's token ids and dtype;
+    any other config as is."""
+    if cfg.get("architectures") != [GEMMA3_MULTIMODAL]:
+        return cfg
+    text = cfg.get("text_config") or {}
+    if not isinstance(text, dict):
+        return cfg  # _Fields reports the missing fields
+    top = {k: cfg[k] for k in ("eos_token_id", "bos_token_id", "dtype", "torch_dtype")
+           if k in cfg}
+    return {**_GEMMA3_TEXT_DEFAULTS, **top, **text, "architectures": [GEMMA3]}
 
 
 def gemma_activation(f: _Fields) -> None:

@@ -5,9 +5,10 @@ files, Phi-3's LongRoPE in the regimes where pipellm's rule and transformers' ag
 (services/compute/model/rope.py), and the configs we refuse.
 
 Variants: qwen3 (q/k RMSNorm before RoPE, head_dim 32 != hidden / heads), phi3 (fused qkv and
-gate_up), phi3-partial (partial_rotary_factor 0.5, as Phi-4-mini's 0.75), gemma3 (sandwich
-norms, (1 + w) RMSNorm, scaled embeddings, GELU-tanh, q/k norms, sliding and full layers with
-their own RoPE bases), gemma2 (soft-capped attention scores and logits).
+gate_up, a window of 24 on every layer), phi3-partial (partial_rotary_factor 0.5, as
+Phi-4-mini's 0.75), gemma3 (sandwich norms, (1 + w) RMSNorm, scaled embeddings, GELU-tanh, q/k
+norms, sliding and full layers with their own RoPE bases), gemma2 (soft-capped attention
+scores and logits).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ TINY = dict(initializer_range=0.1, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, with_tokenizer=True)  # the demo tokenizer: GGUF needs one
 VARIANTS = {  # name: (ARCHES key, config overrides)
     "qwen3": ("qwen3", {}),
-    "phi3": ("phi3", {}),
+    "phi3": ("phi3", {"sliding_window": 24}),  # Phi-3-mini's is 2047: on every layer
     "phi3-partial": ("phi3", {"partial_rotary_factor": 0.5}),
     "gemma3": ("gemma3", {}),
     "gemma2": ("gemma2", {}),
@@ -76,17 +77,18 @@ def test_config_reads_the_architecture(reference):
     assert cfg.qk_norm == (name in ("qwen3", "gemma3"))
     assert cfg.head_dim == (32 if name in ("qwen3", "gemma3", "gemma2") else 16)
     assert cfg.sandwich_norms == name.startswith("gemma")
-    assert [cfg.layer_window(i) for i in range(3)] == ([16, 0, 16] if cfg.sandwich_norms
-                                                       else [0, 0, 0])
+    windows = {"phi3": [24] * 3, "gemma3": [16, 0, 16], "gemma2": [16, 0, 16]}
+    assert [cfg.layer_window(i) for i in range(3)] == windows.get(name, [0, 0, 0])
     assert cfg.rotary_dim == (8 if name == "phi3-partial" else cfg.head_dim)
 
 
 def test_chunked_prefill_and_mixed_batches_match_hf(reference):
     """16 prompts of 1-300 tokens arriving staggered, 48 tokens a step: prefills are chunked and
-    share steps with other requests' decodes."""
+    share steps with other requests' decodes; with the overlap schedule (step N+1 launched
+    before step N's tokens are committed)."""
     _, path, _, prompts, expected = reference
     got, eng = engine_greedy(path, prompts, max_batched_tokens=48, max_running=16,
-                             kv_cache_tokens=8192)
+                             kv_cache_tokens=8192, overlap_schedule="on")
     assert got == expected
     assert eng.stats().reserved == 0
 
@@ -121,17 +123,20 @@ def test_prefix_caching_matches_hf(reference):
 
 
 def test_int8_kv_cache_stays_close_to_hf(reference):
-    """As tests/test_kv_int8.py holds the INT8 cache to the float one: most greedy tokens the
-    same, the first token's logprob (prompt K/V quantized) within 0.05."""
-    _, path, model, prompts, expected = reference
-    prompts, expected = prompts[::2], expected[::2]
+    """tests/test_kv_int8.py's tolerance of 0.05 in logprob at every step, checked as
+    tests/test_sliding_window.py checks it: on a random model the greedy paths of the INT8 and
+    float caches part at near-ties (where is a matter of luck), so each INT8 token is held to
+    transformers on the INT8 engine's own sequence: its logprob within 0.05 of transformers',
+    and within 0.05 of transformers' best (it is the argmax or a near-tie)."""
+    _, path, model, prompts, _ = reference
+    prompts = prompts[::2]
     seqs = engine(path, kv_cache_dtype="int8", max_batched_tokens=48, max_running=16,
                   kv_cache_tokens=4096).generate(prompts, greedy(MAX_NEW, logprobs=True))
-    same = sum(a == b for s, e in zip(seqs, expected, strict=True)
-               for a, b in zip(s.output_ids, e, strict=True))
-    assert same / (MAX_NEW * len(prompts)) > 0.8
-    first = [hf_logprobs(model, p)[-1].max().item() for p in prompts]
-    assert max(abs(s.logprobs[0] - f) for s, f in zip(seqs, first, strict=True)) < 0.05
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        rows = hf_logprobs(model, seq.token_ids)[len(prompt) - 1:-1]  # [MAX_NEW, vocab]
+        chosen = rows[torch.arange(MAX_NEW), torch.tensor(seq.output_ids)]  # [MAX_NEW]
+        assert (torch.tensor(seq.logprobs) - chosen).abs().max() < 0.05
+        assert (rows.max(-1).values - chosen).max() < 0.05
 
 
 def test_logprobs_match_hf_log_softmax(reference):

@@ -33,7 +33,8 @@ def last_json(out: str) -> dict:
 
 
 def test_ablation_quick(capsys):
-    ablation.main(["--quick", "--workloads", "sharegpt"])
+    ablation.main(["--models", "llama-2-7b", "--workloads", "sharegpt", "--requests", "100",
+                   "--bisect", "2", "--pipeline-requests", "0"])  # --quick, smaller
     rows = last_json(capsys.readouterr().out)["rows"]
     assert [r["name"] for r in rows] == [v.name for v in ablation.VARIANTS
                                          if not v.workloads]  # the smollm2 rows need its data

@@ -106,3 +106,32 @@ def test_gemma3_gguf_through_the_services_with_the_official_client(tmp_path):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     finally:
         stack.stop()
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3 4B+ ships as Gemma3ForConditionalGeneration (a vision tower beside the language
+    model, text_config naming only what differs from Gemma3TextConfig's defaults): pipellm
+    serves its text, token-exact with the whole model's text-only generate."""
+    import transformers
+
+    from tests.hf_models import DEFAULTS, demo_tokenizer
+
+    tok = demo_tokenizer()
+    text = {**{k: v for k, v in DEFAULTS.items() if k != "dtype"}, "head_dim": 32,
+            "query_pre_attn_scalar": 32, "sliding_window": 16, "sliding_window_pattern": 2,
+            "num_hidden_layers": 3, "initializer_range": 0.1, "vocab_size": tok.get_vocab_size()}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                       mm_tokens_per_image=4, dtype="float32",
+                                       eos_token_id=tok.token_to_id("</s>"))
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model.save_pretrained(tmp_path)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    mc = ModelConfig.from_dir(tmp_path)
+    assert mc.architecture == "Gemma3ForCausalLM" and mc.vocab_size == tok.get_vocab_size()
+    assert [mc.layer_window(i) for i in range(3)] == [16, 0, 16]
+    prompts = random_prompts([5, 50, 130])
+    seqs = engine(tmp_path, max_batched_tokens=64, max_running=4,
+                  kv_cache_tokens=1024).generate(prompts, greedy(12))
+    assert [s.output_ids for s in seqs] == hf_greedy(model, prompts, 12)

@@ -125,7 +125,7 @@ def test_transformers_v5_stacked_experts_load_too(tmp_path):
     assert [s.output_ids for s in seqs] == hf_greedy(model, prompts, 8)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["qwen3_moe"])  # OLMoE's own part, its q/k norm: rms_norm
 def test_triton_kernels_give_the_reference_tokens(name, tmp_path):
     """The GPU path (the fused MoE kernel and the others, Triton under its CPU interpreter)
     against the PyTorch references, an INT8 cache included."""
@@ -147,10 +147,12 @@ def test_triton_kernels_give_the_reference_tokens(name, tmp_path):
 # --- GGUF -------------------------------------------------------------------------------------
 
 
-def test_mixtral_gguf_is_llama_with_experts(tmp_path):
-    """llama.cpp stores Mixtral as `llama` (Q/K rows permuted) with expert stacks."""
-    model = build_hf_model(tmp_path / "hf", "mixtral", **TINY)
-    gguf = write_gguf(tmp_path / "mixtral.gguf", model, Q.F32, arch="llama")
+@pytest.mark.parametrize(("name", "arch"), [("mixtral", "llama"), ("olmoe", "olmoe")])
+def test_mixtral_and_olmoe_gguf_generate_what_transformers_does(tmp_path, name, arch):
+    """llama.cpp stores Mixtral as `llama` (Q/K rows permuted) with expert stacks, OLMoE as
+    `olmoe` (its whole-projection q/k norms as attn_q_norm / attn_k_norm)."""
+    model = build_hf_model(tmp_path / "hf", name, **TINY)
+    gguf = write_gguf(tmp_path / f"{name}.gguf", model, Q.F32, arch=arch)
     assert ModelConfig.from_path(gguf) == ModelConfig.from_path(tmp_path / "hf")
     prompts = make_prompts(model.config.vocab_size, seed=3)[::3]
     seqs = engine(gguf, max_batched_tokens=32, max_running=8, kv_cache_tokens=2048).generate(

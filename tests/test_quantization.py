@@ -128,12 +128,15 @@ def test_our_int4_of_float_weights_scores_text_like_them(tiny):
 @pytest.mark.usefixtures("interpreter_bf16_dot")
 @pytest.mark.parametrize("method", ["w8a8", "int4"])
 def test_triton_kernels_of_a_method_give_its_reference_tokens(tiny, method):
-    """The fused norm/SiLU quantizers and the INT8/INT4 GEMMs (interpreter) inside the model."""
+    """The fused norm/SiLU quantizers and the INT8/INT4 GEMMs (interpreter) inside the model:
+    one engine (SmoothQuant calibrated once, with the reference kernels: under the interpreter
+    it would take a minute) generates with each backend."""
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     out = {}
     try:
+        engine = _engine(tiny[1][Q.Q4_1], quantization=method, kernels="reference")
         for backend in ("reference", "triton"):
-            engine = _engine(tiny[1][Q.Q4_1], quantization=method, kernels=backend)
+            set_backend(backend)
             out[backend] = [s.output_ids for s in engine.generate(PROMPTS, params)]
     finally:
         set_backend("auto")

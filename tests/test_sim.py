@@ -138,6 +138,60 @@ def test_fit_decode_recovers_efficiency_and_overhead():
     assert fit["overhead_s"] == pytest.approx(0.8e-3)
 
 
+def test_moe_parameter_counts_total_and_active():
+    q3, mx = hardware.model("qwen3-30b-a3b"), hardware.model("mixtral-8x7b")
+    assert q3.params == 30_532_122_624 and q3.active_params == 3_353_032_704  # 30.5B, 3.3B
+    assert mx.params == 46_702_792_704 and mx.active_params == 12_879_925_248  # 46.7B, 12.9B
+    dense = hardware.model("llama-3-8b")
+    assert dense.active_params == dense.params and dense.sparse_layers == 0
+    with pytest.raises(ValueError, match="bad expert shape"):
+        hardware.ModelSpec("x", 2, 8, 1, 1, 8, 8, 10, 16, (2,), 1, num_experts=4,
+                           experts_per_tok=5, expert_intermediate=8)
+
+
+def test_moe_step_reads_only_the_experts_its_tokens_touch():
+    """Batch 1 reads the dense weights and k of E experts per layer; as T grows the expected
+    distinct experts E (1 - (1 - k/E)^T) approach E, and the bytes all the resident ones."""
+    cm = ideal(model="qwen3-30b-a3b")
+    head, row = cm.head_bytes, 2048 * 2
+    all_experts = 48 * 128 * cm.expert_bytes
+    assert cm.expert_bytes == 3 * 2048 * 768 * 2
+    assert cm.body_bytes == cm.dense_bytes + all_experts
+    one = cm.decode(1, 1).weight_bytes
+    assert one == pytest.approx(cm.dense_bytes + 48 * 8 * cm.expert_bytes + head + row)
+    assert one < 0.11 * cm.resident_weight_bytes  # 6.1 of 61.1 GB
+    assert cm.touched_experts(64) == pytest.approx(128 * (1 - (120 / 128) ** 64))
+    seen = [cm.decode(b, 1).weight_bytes - b * row for b in (1, 8, 64, 512)]
+    assert seen == sorted(seen) and seen[-1] == pytest.approx(cm.body_bytes + head)
+    assert cm.decode(1, 1).time_s < ideal().decode(1, 1).time_s  # 1.8 ms vs 4.5 (Llama-3-8B)
+
+
+def test_moe_flops_count_active_experts_and_router_and_capacity_counts_all():
+    cm = ideal(model="mixtral-8x7b")
+    m = cm.model
+    c = cm.decode(4, 1)
+    attn = 4 * 32 * 32 * 128 * 4
+    router = 2 * 32 * 8 * 4096  # per token
+    assert c.flops - attn == 4 * (2 * m.active_linear_params + router + 2 * m.lm_head_params)
+    # = 2 x active params per token, but for the embedding (gathered) and the norms
+    assert c.flops - attn == 8 * (m.active_params - m.embed_params - m.small_params)
+    assert cm.resident_weight_bytes == 2 * m.params  # 93.4 GB: every expert
+    with pytest.raises(ValueError, match="no room for a KV cache"):
+        cm.kv_capacity_tokens()  # on one H100, although a step at batch 1 reads 25.5 GB
+    h200 = ideal("h200", "mixtral-8x7b")
+    budget = int(139.8 * GiB) * 0.9 - 2 * m.params - 2 * GiB
+    assert h200.kv_capacity_tokens() == int(budget // (2 * 32 * 8 * 128 * 2))
+
+
+def test_moe_models_by_name_in_the_engine_and_roofline(capsys):
+    e = build_engine(sim_config(sim_model="Qwen3-30B-A3B"))
+    assert e.model_config.vocab_size == 151936 and e.max_model_len == 40960
+    assert e.runner.capacity == ideal(model="qwen3-30b-a3b").kv_capacity_tokens()
+    assert cli_main(["roofline", "--gpu", "h200", "--model", "mixtral-8x7b",
+                     "--batches", "1", "--contexts", "512"]) == 0
+    assert "mixtral-8x7b (46.70 B params" in capsys.readouterr().out
+
+
 # -- the runner inside the engine ----------------------------------------------------------
 def sim_config(**kw) -> EngineConfig:
     return with_settings(EngineConfig(), backend="sim", sim_clock="virtual", **kw)

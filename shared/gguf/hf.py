@@ -15,7 +15,8 @@ from shared.gguf.reader import GGUFError, GGUFFile
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False),
                  "qwen3": ("Qwen3ForCausalLM", False), "phi3": ("Phi3ForCausalLM", False),
                  "qwen3moe": ("Qwen3MoeForCausalLM", False),
-                 "gemma3": ("Gemma3ForCausalLM", False), "gemma2": ("Gemma2ForCausalLM", False)}
+                 "gemma3": ("Gemma3ForCausalLM", False), "gemma2": ("Gemma2ForCausalLM", False),
+                 "olmoe": ("OlmoeForCausalLM", False)}
 # llama.cpp's Gemma defaults where a file lacks the key (llama-hparams.h; gemma3.cpp): attention
 # and final-logit caps, and the layer count of the 27B models, whose attention scale is
 # (hidden / heads) ** -0.5 rather than head_dim ** -0.5 (llama.cpp stores no scale)
@@ -133,7 +134,8 @@ def _gemma_fields(gguf: GGUFFile, arch: str, hidden: int, heads: int, layers: in
 
 def _moe_fields(gguf: GGUFFile, arch: str) -> dict[str, Any]:
     """The experts' config fields ({} without `{arch}.expert_count`): Mixtral's experts are of
-    feed_forward_length and always renormalized; Qwen3-MoE's of expert_feed_forward_length,
+    feed_forward_length and always renormalized; OLMoE's of feed_forward_length, never
+    renormalized (llama.cpp's olmoe graph); Qwen3-MoE's of expert_feed_forward_length,
     renormalized as `expert_weights_norm` says (llama.cpp runs qwen3moe renormalized)."""
     count = gguf.get(f"{arch}.expert_count")
     if not count:
@@ -143,6 +145,8 @@ def _moe_fields(gguf: GGUFFile, arch: str) -> dict[str, Any]:
         raise GGUFError(f"{gguf.path}: metadata key '{arch}.expert_used_count' is missing")
     if arch == "llama":
         return {"num_local_experts": count, "num_experts_per_tok": used}
+    if arch == "olmoe":
+        return {"num_experts": count, "num_experts_per_tok": used, "norm_topk_prob": False}
     inter = gguf.get(f"{arch}.expert_feed_forward_length")
     if inter is None:
         raise GGUFError(f"{gguf.path}: metadata key '{arch}.expert_feed_forward_length' is "

@@ -9,7 +9,7 @@ and are stored unpermuted (shared/gguf/hf.py ARCHITECTURES).
 Names follow gguf.constants.MODEL_TENSORS: what differs by architecture is Qwen3's per-head
 `attn_q_norm`/`attn_k_norm` and Phi-3's fused `attn_qkv` and `ffn_up` (gate and up, fused);
 Phi-3's `rope_factors_long`/`rope_factors_short` are RoPE parameters (read with the metadata,
-shared/gguf/hf.py), not weights. Mixture-of-experts files (`qwen3moe`; Mixtral as `llama`)
+shared/gguf/hf.py), not weights. Mixture-of-experts files (`qwen3moe`, `olmoe`; Mixtral as `llama`)
 store the router as `ffn_gate_inp` [n_expert, hidden] and the experts stacked,
 `ffn_{gate,up,down}_exps` [n_expert, rows, cols]: each stack is split into the per-expert
 Hugging Face names (`model/moe.py`'s `expert_names`). Gemma files (`gemma2`, `gemma3`) hold
@@ -51,10 +51,12 @@ _SANDWICH = {"post_attention_norm": "post_attention_layernorm",
 _ARCH_LAYER = {"qwen3": _QK_NORMS, "gemma2": _SANDWICH, "gemma3": {**_SANDWICH, **_QK_NORMS},
                "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                "qwen3moe": {**_QK_NORMS, "ffn_gate_inp": "mlp.gate"},
+               "olmoe": {**_QK_NORMS, "ffn_gate_inp": "mlp.gate"},  # q/k norms: [H * D]
                "llama": {"ffn_gate_inp": "block_sparse_moe.gate"}}  # Mixtral
 # stacked experts: GGUF name -> (HF module, {stack: expert's weight}) per architecture
-_EXPERTS = {"qwen3moe": ("mlp", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                                 "ffn_down_exps": "down_proj"}),
+_MLP_EXPERTS = ("mlp", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                        "ffn_down_exps": "down_proj"})
+_EXPERTS = {"qwen3moe": _MLP_EXPERTS, "olmoe": _MLP_EXPERTS,
             "llama": ("block_sparse_moe", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3",
                                            "ffn_down_exps": "w2"})}
 NOT_WEIGHTS = {"phi3": ("rope_factors_long.weight", "rope_factors_short.weight")}

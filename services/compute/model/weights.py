@@ -24,6 +24,13 @@ from shared.gguf.reader import is_gguf
 from shared.model_config import ModelConfig, ModelLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
+# A multimodal checkpoint's language model under the decoder's names (Gemma 3 4B+: the Hub's
+# files `language_model.model.*`, transformers v5's `model.language_model.*`); the vision tower
+# and projector are not read
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
 SINGLE_FILE = "model.safetensors"
 _UNSUPPORTED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
@@ -129,6 +136,14 @@ def _files_from_index(index: Path) -> dict[Path, set[str]]:
     return dict(sorted(files.items()))
 
 
+def _text_name(name: str) -> str:
+    """A multimodal checkpoint's language-model tensor name as the decoder's (others as is)."""
+    for prefix, decoder in _TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return decoder + name.removeprefix(prefix)
+    return name
+
+
 def _read_file(file: Path, expected: set[str] | None):
     """Yield (name, tensor) for the tensors of one safetensors file, on CPU."""
     try:
@@ -140,7 +155,8 @@ def _read_file(file: Path, expected: set[str] | None):
                     f"{file.name} lacks tensor '{missing[0]}' that {INDEX_FILE} places there"
                 )
             for name in sorted(names):
-                yield name, handle.get_tensor(name)
+                if not name.startswith(_VISION_PREFIXES):
+                    yield _text_name(name), handle.get_tensor(name)
     except ModelLoadError:
         raise
     except Exception as exc:  # safetensors raises its own error types for corrupt files

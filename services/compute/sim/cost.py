@@ -24,12 +24,24 @@ Bytes (HBM traffic):
 - A paged KV cache (the simulator's vLLM-like baseline) reads K/V through a block table:
   `kv_read_factor` multiplies the attention reads' bytes by the paged kernel's measured
   slowdown against the contiguous one (bench/kernels.py, --sim-paged-attn-slowdown).
+- Mixture-of-experts models (hardware.ModelSpec with num_experts E > 0, top-k routing): a step
+  reads the attention (and any dense-MLP) weights, norms and the routers (E x hidden per sparse
+  layer, bf16) once, as above, but of each sparse layer's E experts only those its T tokens
+  route to. With each token choosing k of E uniformly and independently, the expected number of
+  distinct experts touched per sparse layer is E x (1 - (1 - k/E)^T): k at T = 1 (a decode step
+  at batch 1 reads about k/E of the expert weights), approaching all E as T grows (Qwen3-30B-A3B,
+  E 128, k 8: 8 at T 1, 126 at T 64). Each touched expert's weights are read once. Real
+  routing is skewed (popular experts take more tokens), so fewer distinct experts are touched:
+  the formula is an upper bound on expert bytes. Resident memory (the KV capacity) counts every
+  expert.
 - Not counted: activations (a few T x hidden tensors per layer, small next to the weights at
   decode batch sizes; absorbed by eff_bw), logits, sampling.
 
 FLOPs:
-- 2 x (decoder matmul params) x T, at the weight dtype's tensor-core peak (fp8 / int8 W8A8 run
-  at twice bf16; int4 weight-only dequantizes to bf16);
+- 2 x (decoder matmul params a token runs) x T, at the weight dtype's tensor-core peak (fp8 /
+  int8 W8A8 run at twice bf16; int4 weight-only dequantizes to bf16); for MoE only its k
+  active experts per sparse layer (`ModelSpec.active_linear_params`), plus the router GEMM,
+  2 x hidden x E per sparse layer per token, at the bf16 peak;
 - 2 x (LM head params) x S (logits only for rows that sample, as the engine does);
 - attention: 4 x layers x heads x head_dim per (query, key) pair (QK^T and PV), causal: a decode
   token has ctx pairs, a prefill chunk q x ctx + q (q + 1) / 2; run at the bf16 peak.
@@ -108,7 +120,11 @@ class CostModel:
         self.eff_bw, self.eff_flops, self.overhead_s = eff_bw, eff_flops, overhead_s
         m, wb = self.model, WEIGHT_DTYPE_BYTES[weight_dtype]
         self.kv_bytes_per_token = m.kv_elems_per_token * kv_dtype_bytes
-        self.body_bytes = m.linear_params * wb + m.small_params * 2  # read by every step
+        # resident decoder layers (every expert); a step reads all of them only if dense
+        self.body_bytes = m.linear_params * wb + m.small_params * 2 + m.router_params * 2
+        self.expert_bytes = m.expert_params * wb  # one expert of one sparse layer
+        # read by every step: all but the experts (= body_bytes if dense)
+        self.dense_bytes = self.body_bytes - m.sparse_layers * m.num_experts * self.expert_bytes
         self.head_bytes = m.lm_head_params * 2  # read by steps that sample
         self.resident_weight_bytes = (self.body_bytes + m.embed_params * 2
                                       + (0 if m.tie_embeddings else self.head_bytes))
@@ -140,16 +156,31 @@ class CostModel:
         """Seconds for one step (see `cost`)."""
         return self.cost(decode_ctx, prefills, num_sampled, moved_tokens).time_s
 
+    def touched_experts(self, tokens: int) -> float:
+        """Expected distinct experts per sparse layer that `tokens` tokens route to, each
+        choosing k of E uniformly: E x (1 - (1 - k/E)^T). 0 for a dense model."""
+        e, k = self.model.num_experts, self.model.experts_per_tok
+        return e * (1 - (1 - k / e) ** tokens) if e and tokens else 0.0
+
+    def layer_weight_bytes(self, tokens: int) -> float:
+        """Decoder-layer weights a step of `tokens` tokens reads: the dense ones, and the
+        experts touched (an upper bound: real routing is skewed)."""
+        if not self.model.num_experts:
+            return self.body_bytes
+        touched = self.model.sparse_layers * self.touched_experts(tokens)
+        return self.dense_bytes + touched * self.expert_bytes
+
     def _cost(self, tokens: int, sampled: int, kv_read: int, pairs: int,
               moved: int) -> StepCost:
         m = self.model
         if tokens == 0 and moved == 0:
             return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        weights = (self.body_bytes + (self.head_bytes if sampled else 0)
+        weights = (self.layer_weight_bytes(tokens) + (self.head_bytes if sampled else 0)
                    + tokens * m.hidden * 2) if tokens else 0.0
         kv = (kv_read * self.kv_read_factor + tokens + 2 * moved) * self.kv_bytes_per_token
-        linear = 2 * m.linear_params * tokens
-        other = 2 * m.lm_head_params * sampled + self._pair_flops * pairs
+        linear = 2 * m.active_linear_params * tokens
+        other = (2 * (m.lm_head_params * sampled + m.router_params * tokens)
+                 + self._pair_flops * pairs)
         compute_s = linear / self._linear_flops + other / self._bf16_flops
         return StepCost(weights, kv, linear + other, (weights + kv) / self._bw, compute_s,
                         self.overhead_s)

@@ -2,8 +2,11 @@
 
 `GpuSpec` holds what a roofline needs (HBM bandwidth, dense tensor-core peaks, memory);
 `ModelSpec` the shape of a Llama-family decoder, from its Hugging Face `config.json`, with the
-parameter counts derived from it. `gpu("h100")` / `model("llama-3-8b")` look them up by name
-and fail with a `ValueError` listing the choices.
+parameter counts derived from it; with `num_experts` > 0 a mixture-of-experts one (Mixtral,
+Qwen3-MoE): each sparse layer's MLP is `num_experts` experts of width `expert_intermediate` and
+a router, and a token runs `experts_per_tok` of them (`active_params` vs all `params`).
+`gpu("h100")` / `model("llama-3-8b")` look them up by name (any case) and fail with a
+`ValueError` listing the choices.
 
 Memory: `memory_bytes` is what CUDA reports as the device's total memory
 (`torch.cuda.get_device_properties().total_memory`), which is what the real runner sizes its KV
@@ -53,7 +56,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-family decoder's shape (Llama 2/3, Mistral, Qwen2), as in its config.json."""
+    """A Llama-family decoder's shape (Llama 2/3, Mistral, Qwen2/3, and the MoE Mixtral and
+    Qwen3-MoE), as in its config.json. Dense unless `num_experts` > 0."""
 
     name: str
     layers: int
@@ -61,30 +65,71 @@ class ModelSpec:
     heads: int
     kv_heads: int
     head_dim: int
-    intermediate: int
+    intermediate: int  # a dense MLP's width (intermediate_size)
     vocab: int
     context: int  # max_position_embeddings (what the server lets a request span)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     tie_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: an RMSNorm (head_dim weights) on q and one on k
+    num_experts: int = 0  # routed experts per sparse layer (num_local_experts); 0: dense
+    experts_per_tok: int = 0  # top-k experts each token runs (num_experts_per_tok)
+    expert_intermediate: int = 0  # one expert's MLP width (moe_intermediate_size)
+    first_dense_layers: int = 0  # leading layers with a dense MLP (first_k_dense_replace)
+
+    def __post_init__(self):
+        if self.num_experts and not (0 < self.experts_per_tok <= self.num_experts
+                                     and self.expert_intermediate > 0
+                                     and 0 <= self.first_dense_layers <= self.layers):
+            raise ValueError(f"{self.name}: bad expert shape")
 
     @property
-    def layer_linear_params(self) -> int:
-        """Matmul weights of one decoder layer: q, k, v, o and gate, up, down."""
+    def attn_params(self) -> int:
+        """Matmul weights of one layer's attention: q, k, v, o."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+        return self.hidden * (q + 2 * kv) + q * self.hidden
 
     @property
-    def layer_small_params(self) -> int:
-        """Vectors of one layer: two RMSNorm weights (+ the q/k/v biases of Qwen2)."""
-        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
-        return 2 * self.hidden + bias
+    def expert_params(self) -> int:
+        """One expert's MLP (gate, up, down) in one sparse layer."""
+        return 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def sparse_layers(self) -> int:
+        """Layers whose MLP is the experts (0 for a dense model)."""
+        return self.layers - self.first_dense_layers if self.num_experts else 0
+
+    @property
+    def dense_linear_params(self) -> int:
+        """Matmul weights every token runs: attention, and the dense layers' MLPs."""
+        dense_mlp = 3 * self.hidden * self.intermediate
+        return self.layers * self.attn_params + (self.layers - self.sparse_layers) * dense_mlp
 
     @property
     def linear_params(self) -> int:
-        """Matmul weights of all decoder layers (what int8/fp8/int4 quantization shrinks)."""
-        return self.layers * self.layer_linear_params
+        """Matmul weights of all decoder layers, every expert included (what int8/fp8/int4
+        quantization shrinks; the router stays bf16, as in vLLM)."""
+        return (self.dense_linear_params
+                + self.sparse_layers * self.num_experts * self.expert_params)
+
+    @property
+    def active_linear_params(self) -> int:
+        """Matmul weights one token runs: the dense ones and its top-k experts per layer."""
+        return (self.dense_linear_params
+                + self.sparse_layers * self.experts_per_tok * self.expert_params)
+
+    @property
+    def router_params(self) -> int:
+        """The routers' gate weights (num_experts x hidden per sparse layer)."""
+        return self.sparse_layers * self.num_experts * self.hidden
+
+    @property
+    def layer_small_params(self) -> int:
+        """Vectors of one layer: two RMSNorm weights (+ the q/k/v biases of Qwen2, the q/k
+        norms of Qwen3)."""
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return 2 * self.hidden + bias + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def small_params(self) -> int:
@@ -100,9 +145,17 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        """All parameters (Llama-3-8B: 8,030,261,248)."""
+        """All parameters, every expert included (Llama-3-8B: 8,030,261,248)."""
         head = 0 if self.tie_embeddings else self.lm_head_params
-        return self.embed_params + self.linear_params + self.small_params + head
+        return (self.embed_params + self.linear_params + self.router_params + self.small_params
+                + head)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: all but the experts it does not run (= params if
+        dense)."""
+        idle = self.num_experts - self.experts_per_tok
+        return self.params - self.sparse_layers * idle * self.expert_params
 
     @property
     def kv_elems_per_token(self) -> int:
@@ -132,6 +185,15 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("qwen2-7b", 28, 3584, 28, 4, 128, 18944, 152064, 32768, (151643, 151645), None,
               qkv_bias=True),
     ModelSpec("tinyllama-1.1b", 22, 2048, 32, 4, 64, 5632, 32000, 2048, (2,), 1),
+    # MoE. Qwen3-30B-A3B: 128 experts of width 768, top-8, in all 48 layers (intermediate_size
+    # 6144 is unused: no dense layer); 30,532,122,624 params, 3,353,032,704 active (HF: "30.5B,
+    # 3.3B activated"); attention 0.91 B, experts 29.0 B, embedding + LM head 0.62 B.
+    ModelSpec("qwen3-30b-a3b", 48, 2048, 32, 4, 128, 6144, 151936, 40960, (151643, 151645),
+              None, qk_norm=True, num_experts=128, experts_per_tok=8, expert_intermediate=768),
+    # Mixtral-8x7B v0.1: 8 experts of width 14336, top-2, in all 32 layers; 46,702,792,704
+    # params, 12,879,925,248 active (Mistral: "46.7B, 12.9B active"). No sliding window.
+    ModelSpec("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, 32768, (2,), 1,
+              num_experts=8, experts_per_tok=2, expert_intermediate=14336),
 )}
 
 

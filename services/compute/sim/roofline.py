@@ -47,7 +47,8 @@ def table(gpu: str, model: str, batches: list[int], contexts: list[int], kv_dtyp
         capacity = cm.kv_capacity_tokens(mem_util)
     except ValueError:
         capacity = 0
-    per_token_flops = 2 * cm.model.linear_params + 2 * cm.model.lm_head_params
+    m = cm.model  # a token runs the active experts only (all of them for a dense model)
+    per_token_flops = 2 * (m.active_linear_params + m.router_params + m.lm_head_params)
     rows = []
     for ctx in contexts:
         for b in batches:
@@ -63,6 +64,7 @@ def table(gpu: str, model: str, batches: list[int], contexts: list[int], kv_dtyp
         "params_b": cm.model.params / 1e9, "weight_dtype": weight_dtype, "kv_dtype": kv_dtype,
         "eff_bw": eff_bw, "eff_flops": eff_flops, "overhead_ms": overhead_s * 1e3,
         "weights_resident_gb": cm.resident_weight_bytes / 1e9,
+        # every expert: what a large batch reads (a row's weight_gb: what its batch touches)
         "weights_per_step_gb": (cm.body_bytes + cm.head_bytes) / 1e9,
         "kv_bytes_per_token": cm.kv_bytes_per_token, "kv_capacity_tokens": capacity,
         "kv_capacity_note": f"{mem_util:g} x {cm.gpu.memory_bytes / GiB:.1f} GiB - weights - "
@@ -79,7 +81,8 @@ def format_table(t: dict) -> str:
         f"{t['kv_dtype']} KV) on {t['gpu']} ({t['gpu_label']}); eff bw {t['eff_bw']:g}, "
         f"flops {t['eff_flops']:g}, overhead {t['overhead_ms']:g} ms",
         f"  weights {t['weights_resident_gb']:.2f} GB resident, {t['weights_per_step_gb']:.2f} GB "
-        f"read per step (no embedding table); KV {t['kv_bytes_per_token'] / 1024:g} KiB/token; "
+        f"read per step at most (no embedding table; a MoE's batch reads the experts it "
+        f"routes to); KV {t['kv_bytes_per_token'] / 1024:g} KiB/token; "
         f"KV capacity {t['kv_capacity_tokens']:,} tokens ({t['kv_capacity_note']})",
         f"  prefill (compute-bound) at most {t['prefill_tok_s_max']:,.0f} tokens/s",
         f"  {'batch':>5} {'context':>7} {'weights GB':>10} {'KV GB':>7} {'GFLOP':>8} "
