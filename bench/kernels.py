@@ -6,12 +6,18 @@ is measured in the same run as a 1 GiB device-to-device copy ((bytes read + writ
 Bytes are each op's minimal traffic (inputs read once, outputs written once; sampling: one pass
 over the logits). Next to it the baseline: eager PyTorch reference ops; decode attention: SDPA
 on contiguous [B, H, 1, D] queries and [B, Hkv, ctx, D] K/V (enable_gqa); prefill attention:
-SDPA causal on the flash backend (lower-right causal mask for chunks with a prefix). "speed" =
-baseline time / Triton time (> 1: Triton faster). Shapes: 32 heads, 8 KV heads, head_dim 128,
-hidden 4096, intermediate 14336, vocab 128256. Targets, printed PASS/MISS: decode attention
->= 85% of peak at batch 64, context 4096; fused add+RMSNorm >= 70% of peak at T=4096; prefill
-attention at 2k tokens within 1.3x of SDPA flash; INT8 KV decode attention (the baseline: the
-same kernel on the 16-bit cache) >= 1.7x its speed at batch 64, context 4096.
+SDPA causal on the flash backend (lower-right causal mask for chunks with a prefix); fused MoE:
+the per-expert loop (`fused_moe_ref`, transformers' loop: per expert its tokens' gate_up GEMM,
+SiLU x mul, down GEMM, weighted index_add). "speed" = baseline time / Triton time (> 1: Triton
+faster). Shapes: 32 heads, 8 KV heads, head_dim 128, hidden 4096, intermediate 14336, vocab
+128256; the fused MoE at Qwen3-30B-A3B's (hidden 2048, expert intermediate 768, 128 experts,
+top-8; router: random weights, softmax, top-k, renormalized) at 1, 16 and 256 tokens, its bytes
+the experts its tokens touch (distinct ids x the expert's w13 + w2) plus x, the output and the
+routing; gated activations (SiLU x mul, GELU-tanh x mul) at T=4096. Targets, printed PASS/MISS:
+decode attention >= 85% of peak at batch 64, context 4096; fused add+RMSNorm >= 70% of peak at
+T=4096; prefill attention at 2k tokens within 1.3x of SDPA flash; INT8 KV decode attention (the
+baseline: the same kernel on the 16-bit cache) >= 1.7x its speed at batch 64, context 4096;
+INT4 weight-only GEMM >= 3x the bf16 GEMM at batch 1; none for the fused MoE or the activations.
 
     python -m bench.kernels [--quick]
 
@@ -48,22 +54,31 @@ from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from bench.paged_attention import decode_attention_paged  # noqa: E402
 from kernels import dispatch  # noqa: E402
-from kernels.activation import silu_mul, silu_mul_ref  # noqa: E402
+from kernels.activation import (  # noqa: E402
+    gelu_tanh_mul,
+    gelu_tanh_mul_ref,
+    silu_mul,
+    silu_mul_ref,
+)
 from kernels.decode_attention import decode_attention  # noqa: E402
+from kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
 from kernels.int4_gemm import dequantize_int4, int4_gemm_triton, quantize_int4  # noqa: E402
 from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref  # noqa: E402
 from kernels.rope import rope_kv_write, rope_kv_write_ref  # noqa: E402
 from kernels.sampling import SamplingBatch, sample, sample_reference  # noqa: E402
+from services.compute.model.moe import route  # noqa: E402
 from services.compute.model.rope import RotaryEmbedding  # noqa: E402
 
 FULL = dict(heads=(32, 8, 128), hidden=4096, inter=14336, vocab=128256, copy_mib=1024,
             decode=[(64, 4096), (1, 4096), (256, 4096)], prefill=[(1, 2048, 0), (4, 512, 1536)],
-            norm=[4096, 64], tokens=4096, sample=256)
+            norm=[4096, 64], tokens=4096, sample=256,
+            moe=dict(hidden=2048, inter=768, experts=128, top_k=8), moe_tokens=[1, 16, 256])
 QUICK = dict(heads=(4, 2, 16), hidden=256, inter=512, vocab=1000, copy_mib=16,
              decode=[(2, 64), (1, 64), (3, 64)], prefill=[(1, 64, 0), (2, 16, 48)],
-             norm=[16, 4], tokens=16, sample=8)
+             norm=[16, 4], tokens=16, sample=8,
+             moe=dict(hidden=64, inter=32, experts=8, top_k=2), moe_tokens=[1, 4, 16])
 DECODE_PCT, NORM_PCT, PREFILL_RATIO = 85.0, 70.0, 1.3  # decode: the GPU-path issue
 INT8_SPEEDUP = 1.7  # INT8 KV decode attention against the 16-bit kernel (issue "quantization")
 PAGE = 16  # vLLM's default block size, for the paged decode attention baseline
@@ -264,6 +279,31 @@ def case_silu(s: dict, T: int) -> dict:
                 tri=lambda: silu_mul(gu), base=lambda: silu_mul_ref(gu), check=max_err)
 
 
+def case_gelu(s: dict, T: int) -> dict:
+    inter, dt, dev = s["inter"], s["dtype"], s["device"]
+    gu = torch.randn(T, 2 * inter, dtype=dt, device=dev)
+    return dict(name=f"gelu_tanh_mul_t{T}", unit="GB/s", work=3 * T * inter * gu.element_size(),
+                tri=lambda: gelu_tanh_mul(gu), base=lambda: gelu_tanh_mul_ref(gu), check=max_err)
+
+
+def case_fused_moe(s: dict, T: int) -> dict:
+    """Triton grouped GEMM over the pairs sorted by expert against the per-expert loop. Bytes:
+    the experts touched (distinct ids) x (w13 + w2), x read, the output written, the routing."""
+    m, dt, dev = s["moe"], s["dtype"], s["device"]
+    H, inter, E, k = m["hidden"], m["inter"], m["experts"], m["top_k"]
+    x = torch.randn(T, H, dtype=dt, device=dev)
+    router = torch.randn(E, H, dtype=dt, device=dev) * H**-0.5
+    w13 = torch.randn(E, 2 * inter, H, dtype=dt, device=dev) * H**-0.5  # [E, 2I, H]
+    w2 = torch.randn(E, H, inter, dtype=dt, device=dev) * inter**-0.5  # [E, H, I]
+    weights, ids = route(x, router, k, renormalize=True)  # [T, k] float32, int64
+    touched = ids.unique().numel()
+    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    work = touched * per_expert + 2 * x.numel() * x.element_size() + T * k * (4 + 8)
+    return dict(name=f"fused_moe_e{E}k{k}_t{T}", unit="GB/s", work=work,
+                tri=lambda: fused_moe(x, w13, w2, weights, ids),
+                base=lambda: fused_moe_ref(x, w13, w2, weights, ids), check=max_err)
+
+
 def case_sample(s: dict, B: int) -> dict:
     """Rows mixed: top-k 50 on even rows, top-p 0.9 on rows not divisible by 3 (both, either or
     neither), temperature 0.8, float32 logits as the model returns them."""
@@ -307,11 +347,14 @@ def builders(s: dict) -> list:
             *(p(case_prefill, s, *args) for args in s["prefill"]),
             *(p(case_norm, s, t) for t in s["norm"]),
             p(case_rope, s, s["tokens"]), p(case_silu, s, s["tokens"]),
+            p(case_gelu, s, s["tokens"]),
+            *(p(case_fused_moe, s, t) for t in s["moe_tokens"]),
             p(case_sample, s, s["sample"])]
 
 
 def targets(s: dict, res: dict) -> dict:
-    """Name -> (value, PASS/MISS) for the kernels issue's three targets and INT8 KV's."""
+    """Name -> (value, PASS/MISS) for the kernels issue's three targets, INT8 KV's and
+    W4A16's (none for the fused MoE or the activations)."""
     b, c = s["decode"][0]
     n, q_len, prefix = s["prefill"][0]
     dec = res.get(f"decode_attn_b{b}_ctx{c}", {}).get("pct_peak", 0.0)
@@ -365,9 +408,14 @@ def main(argv: list[str] | None = None) -> None:
     b, c = s["decode"][0]
     paged = res.get(f"decode_attn_vs_paged{PAGE}_b{b}_ctx{c}", {}).get("speedup")
     print(f"paged attention slowdown (block table, page {PAGE}): {paged}")
+    m = s["moe"]
+    moe = {t: res.get(f"fused_moe_e{m['experts']}k{m['top_k']}_t{t}", {}).get("speedup")
+           for t in s["moe_tokens"]}
+    print(f"fused MoE speed vs the per-expert loop, by tokens: {moe}")
     print(json.dumps(dict(device=device, torch=torch.__version__, triton=triton.__version__,
                           quick=args.quick, timings_meaningful=cuda, peak_gbs=round(peak, 1),
-                          paged_attn_slowdown=paged, kernels=res,
+                          paged_attn_slowdown=paged, fused_moe_speedup_vs_loop=moe,
+                          kernels=res,
                           targets={k: v[1] for k, v in tg.items()})))
 
 

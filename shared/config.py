@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shared.generation_config import parse_override
 from shared.settings import setting
+from shared.speculative import SpeculativeConfig
 
 MODEL, SCHEDULING, QUANTIZATION, SERVER, WIRING, SIMULATOR = (
     "model", "scheduling and KV cache", "quantization", "server", "services wiring",
@@ -109,6 +110,11 @@ class SchedulerConfig:
                                           "instead of recomputing it", group=SCHEDULING)
     batching: Batching = setting(Batching.MERGED, "merged (dynamic, merged steps) or static "
                                  "(a baseline)", group=SCHEDULING)
+    speculative_config: str | None = setting(
+        None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
+        "(drafts by prompt lookup, verified in one step; turns the overlap schedule off)",
+        group=SCHEDULING)
 
     def __post_init__(self):
         # the one place the choices are checked; a value is the enum or its text, equal to
@@ -124,6 +130,12 @@ class SchedulerConfig:
         for q in (self.kv_reserve_quantile, self.kv_grow_quantile, self.kv_peak_quantile):
             if not 0 < q <= 1:
                 raise ValueError("quantiles must be in (0, 1]")
+        self.speculative  # noqa: B018  (a malformed --speculative-config fails at start-up)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """--speculative-config, parsed (None: no speculation)."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
 
 def _choice(name: str, choices: type[enum.StrEnum], value) -> enum.StrEnum:
@@ -208,6 +220,9 @@ class EngineConfig:
     def __post_init__(self):
         """The scheduler's own settings are checked by SchedulerConfig; here what they must
         agree on with the engine's."""
+        if self.scheduler.speculative_config and self.backend == "sim":
+            raise ValueError("--speculative-config is not modelled by the simulator "
+                             "(--backend sim)")
         if self.scheduler.kv_policy == KVPolicyName.PAGED and self.backend != "sim":
             raise ValueError("--kv-policy paged is a baseline of the simulator (--backend sim): "
                              "the kernels read contiguous KV segments")

@@ -1,4 +1,11 @@
-"""Building a step's ForwardBatch on the device: decode tokens first, then prefill chunks."""
+"""Building a step's ForwardBatch on the device: decode tokens first, then prefill chunks.
+
+A speculative verify (pending token + k drafts) is k + 1 decode rows of one sequence, row j
+attending to its first c + 1 + j slots (the step writes every row's K/V before any attention
+reads them): the decode kernel computes each row exactly as a plain decode step would (a
+chunk through the prefill kernel would not be bitwise equal, and under INT8 activations a
+last-bit difference can flip a greedy token), and a verify step is decode-only, as CUDA
+graphs capture."""
 
 from __future__ import annotations
 
@@ -19,14 +26,17 @@ def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None
     pos: list[int] = []
     slots: list[int] = []
     dec_starts, dec_lens = [], []
-    for seq in step.decodes:
-        c = seq.num_cached
-        ids.append(seq.token_ids[c])
+    rows = [(seq, seq.token_ids[seq.num_cached], 0) for seq in step.decodes]
+    rows += [(seq, t, j) for seq, drafts in step.verifies
+             for j, t in enumerate([seq.token_ids[seq.num_cached], *drafts])]
+    for seq, token, j in rows:  # the pending token (+ j: a verify's draft j)
+        c = seq.num_cached + j
+        ids.append(token)
         pos.append(c)
         slots.append(seq.kv_start + c)
         dec_starts.append(seq.kv_start)
         dec_lens.append(c + 1)
-    logits_rows = list(range(len(step.decodes)))
+    logits_rows = list(range(len(rows)))
     cu, pre_starts, pre_lens = [0], [], []
     prompt_rows, spans = [], []
     for seq, n in step.prefills:
@@ -75,5 +85,6 @@ def _late_tokens(ids: list[int], step: ScheduledStep, prev: InFlight | None):
     if prev is None:
         raise RuntimeError("a step reads a token no step in flight samples")
     row = {seq: i for i, seq in enumerate(prev.step.sampled)}
-    owner = list(step.decodes) + [seq for seq, n in step.prefills for _ in range(n)]
+    owner = (list(step.decodes) + [seq for seq, d in step.verifies for _ in range(1 + len(d))]
+             + [seq for seq, n in step.prefills for _ in range(n)])
     return at, [row[owner[i]] for i in at]

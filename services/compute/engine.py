@@ -50,6 +50,8 @@ class EngineStats:
     prefix_hits: int = 0  # of them, copied from it
     prefix_cached: int = 0  # slots the cache's entries hold
     prefix_evictions: int = 0
+    spec_draft_tokens: int = 0  # speculative drafts verified (vLLM's spec_decode_num_draft_tokens)
+    spec_accepted_tokens: int = 0  # of them, accepted
 
 
 class LLMEngine:
@@ -68,6 +70,8 @@ class LLMEngine:
         self._ids = itertools.count()
         mode = config.overlap_schedule
         self.overlap = mode == "on" or (mode == "auto" and runner.asynchronous)
+        # speculation proposes from committed tokens and commits a varying number of them
+        self.overlap = self.overlap and config.scheduler.speculative is None
         self._inflight = None  # (ScheduledStep, its runner handle): launched, not committed
         # the runner decides which rows are checkpoints (--length-refine-every)
         self.lengths = LengthRefiner((length_stores or memory_stores)(runner.probe_dim)) \
@@ -191,7 +195,8 @@ class LLMEngine:
             capacity=a.capacity, reserved=a.reserved - (cache.slots if cache else 0),
             used=s.used_slots(), running=len(s.running), waiting=len(s.waiting),
             moves=s.stats.moves, grows_in_place=s.stats.grows_in_place,
-            preemptions=s.stats.preemptions, **prefix)
+            preemptions=s.stats.preemptions, spec_draft_tokens=s.stats.draft_tokens,
+            spec_accepted_tokens=s.stats.accepted_tokens, **prefix)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  ) -> list[Sequence]:

@@ -37,14 +37,18 @@ from services.compute.inflight import PromptRows, TopRows, to_host
 from services.compute.structured import mask_logits
 
 
-def sampling_batch(seqs: list[Sequence], device: torch.device) -> SamplingBatch:
-    """Row i samples for seqs[i]: its params, seed and step (tokens generated so far) as [S]
-    tensors on `device` (two host->device copies, whatever S), and the host flags."""
+def sampling_batch(seqs: list[Sequence], device: torch.device,
+                   offsets: list[int] | None = None) -> SamplingBatch:
+    """Row i samples for seqs[i]: its params, seed and step (tokens generated so far, plus
+    offsets[i] for a speculative verify's row: ScheduledStep.offsets) as [S] tensors on
+    `device` (two host->device copies, whatever S), and the host flags."""
     ps = [s.params for s in seqs]
+    offsets = offsets or [0] * len(seqs)
     floats = torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps],
                            [p.min_p for p in ps]], dtype=torch.float32)
     ints = torch.tensor([[p.top_k for p in ps], [s.seed for s in seqs],
-                         [s.num_output for s in seqs]], dtype=torch.int64)
+                         [s.num_output + j for s, j in zip(seqs, offsets, strict=True)]],
+                        dtype=torch.int64)
     floats, ints = to_device(floats, device), to_device(ints, device)
     return SamplingBatch(
         temperature=floats[0], top_p=floats[1], min_p=floats[2],
@@ -56,10 +60,12 @@ def sampling_batch(seqs: list[Sequence], device: torch.device) -> SamplingBatch:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], device: torch.device,
-           mask: Future | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           mask: Future | None = None, offsets: list[int] | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of `logits` [S, vocab] for `seqs` -> (ids [S] int64, logprobs [S]
     float32) on the device; penalties, logit_bias and the grammars' bitmask (`mask`:
-    structured.start_mask's, if started) first where a row asks. No host sync."""
+    structured.start_mask's, if started) first where a row asks (`offsets`: see
+    sampling_batch). No host sync."""
     raw = None
     grammar = any(s.grammar is not None for s in seqs)
     if grammar or any(s.params.shapes_logits for s in seqs):  # else no such work at all
@@ -70,7 +76,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], device: torch.device,
         logits = _add_logit_bias(logits, seqs)
         if grammar:
             logits = mask_logits(logits if logits is not raw else logits.clone(), seqs, mask)
-    return sample_kernel(logits, sampling_batch(seqs, device), raw)
+    return sample_kernel(logits, sampling_batch(seqs, device, offsets), raw)
 
 
 def _penalize(logits: torch.Tensor, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
@@ -98,11 +104,12 @@ def _add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits.index_put((index[0], index[1]), values, accumulate=True)
 
 
-def suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence],
+                         offsets: list[int] | None = None) -> None:
     """min_tokens: a request may not stop before it has generated that many tokens (unless
-    its grammar ends it: a grammar's end wins)."""
-    for row, s in enumerate(seqs):
-        if s.num_output < s.params.min_tokens and s.stop_ids and s.grammar is None:
+    its grammar ends it: a grammar's end wins); `offsets`: see sampling_batch."""
+    for row, (s, j) in enumerate(zip(seqs, offsets or [0] * len(seqs), strict=True)):
+        if s.num_output + j < s.params.min_tokens and s.stop_ids and s.grammar is None:
             logits[row, list(s.stop_ids)] = float("-inf")
 
 

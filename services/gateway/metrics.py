@@ -60,6 +60,7 @@ class _EngineCollector:
         for name, doc in _COUNTERS.items():
             yield _counter(f"pipellm_kv_{name}", doc, stats.get(name))
         yield from _prefix_cache(stats)
+        yield from _speculative(stats)
 
 
 def _counter(name: str, doc: str, value) -> CounterMetricFamily:
@@ -81,3 +82,18 @@ def _prefix_cache(stats: dict[str, str]):
                                "KV slots the prefix cache holds (free for admission)")
     cached.add_metric([], float(stats.get("prefix_cached", 0) or 0))
     yield cached
+
+
+def _speculative(stats: dict[str, str]):
+    """Speculative decoding under vLLM's names: drafts verified, drafts accepted (counters)
+    and their ratio since start."""
+    drafts = float(stats.get("spec_draft_tokens", 0) or 0)
+    yield _counter("vllm:spec_decode_num_draft_tokens", "speculative draft tokens verified",
+                   drafts)
+    yield _counter("vllm:spec_decode_num_accepted_tokens", "speculative draft tokens accepted",
+                   stats.get("spec_accepted_tokens"))
+    rate = GaugeMetricFamily("vllm:spec_decode_draft_acceptance_rate",
+                             "accepted / verified draft tokens since start")
+    rate.add_metric([], float(stats.get("spec_accepted_tokens", 0) or 0) / drafts
+                    if drafts else 0.0)
+    yield rate

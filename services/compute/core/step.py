@@ -16,17 +16,25 @@ class ScheduledStep:
     """What one forward runs. Moves (src, dst, n) are KV copies to apply, in order, before it."""
 
     decodes: list[Sequence] = field(default_factory=list)  # one token each
+    # speculative decodes (services/compute/speculative/): (seq, its drafts d1..dk), k + 1
+    # decode rows: its pending token and the k drafts
+    verifies: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, chunk length)
     moves: list[tuple[int, int, int]] = field(default_factory=list)
-    # sequences whose next token this step samples: all decodes, then chunks ending their prompt
+    # one per logits row the step samples: all decodes, each verify's k + 1 rows (the seq
+    # repeated), then chunks ending their prompt
     sampled: list[Sequence] = field(default_factory=list)
+    # parallel to sampled: the row's place among its sequence's rows (j of a verify's k + 1;
+    # 0 for the others): it samples the output token num_output + j
+    offsets: list[int] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # taken from the queue this step
     # where each sampled token goes in its seq.token_ids (set by Scheduler.advance)
     token_index: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return (len(self.decodes) + sum(1 + len(d) for _, d in self.verifies)
+                + sum(n for _, n in self.prefills))
 
 
 @dataclass

@@ -35,6 +35,7 @@ from services.compute.kv.paged_allocator import PagedAllocator
 from services.compute.kv.prefix_cache import PrefixCache
 from services.compute.scheduling.admission import peak_check
 from services.compute.scheduling.kv_policy import make_policy
+from services.compute.speculative.ngram import NgramProposer
 from shared.config import Batching, SchedulerConfig
 
 
@@ -43,6 +44,8 @@ class SchedulerStats:
     moves: int = 0
     grows_in_place: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0  # speculative drafts verified
+    accepted_tokens: int = 0  # of them, accepted
 
 
 class Scheduler:
@@ -59,6 +62,8 @@ class Scheduler:
         self.compactor = Compactor(allocator, self.stats) if self.policy.compacts else None
         self.prefix_cache = PrefixCache(allocator) if config.enable_prefix_caching else None
         self.peak_check = peak_check(config.kv_admission, self.policy.peak_admission)
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
         self._admitted = 0
 
     def add(self, seq: Sequence) -> None:
@@ -83,17 +88,38 @@ class Scheduler:
         while i < len(self.running):  # preemption victims come after i (admitted later)
             seq = self.running[i]
             if seq.pending == 1 and not seq.at_limit and self._make_room(seq, step):
-                step.decodes.append(seq)
+                drafts = self._drafts(seq, step, len(self.running) - i)
+                if drafts:
+                    step.verifies.append((seq, drafts))
+                    self.stats.draft_tokens += len(drafts)
+                else:
+                    step.decodes.append(seq)
             i += 1
-        budget = self.config.max_batched_tokens - len(step.decodes)
+        budget = self.config.max_batched_tokens - step.num_tokens
         for seq in self.running:
             if seq.pending > 1 and budget > 0:
                 n = min(seq.pending, budget)
                 step.prefills.append((seq, n))
                 budget -= n
         self._admit_waiting(step, budget)
-        step.sampled = step.decodes + [s for s, n in step.prefills if n == s.pending]
+        rows = ([(s, 0) for s in step.decodes]
+                + [(s, j) for s, d in step.verifies for j in range(len(d) + 1)]
+                + [(s, 0) for s, n in step.prefills if n == s.pending])
+        step.sampled, step.offsets = [s for s, _ in rows], [j for _, j in rows]
         return step
+
+    def _drafts(self, seq: Sequence, step: ScheduledStep, deciding: int) -> list[int]:
+        """Speculative drafts for seq's decode: as many as its limits leave room for (every
+        accepted token must be one it may still generate), its KV segment holds as reserved
+        (drafts never grow a segment, so never preempt anyone) and the step's token budget
+        leaves after one token for each of the `deciding` requests from seq on; none for
+        requests whose sampling reads their tokens (penalties, a grammar)."""
+        if self.proposer is None or seq.grammar is not None or seq.params.has_penalties:
+            return []
+        budget = self.config.max_batched_tokens - step.num_tokens - deciding
+        limit = min(budget, seq.params.max_tokens - seq.num_output - 1,
+                    seq.max_len - seq.num_tokens - 1, seq.kv_reserved - seq.num_tokens)
+        return self.proposer.propose(seq, limit)
 
     def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
         """FCFS admission into `step`: nobody overtakes the head of the queue. Static batching
@@ -126,6 +152,8 @@ class Scheduler:
         again (Sequence.at_limit)."""
         for seq in step.decodes:
             seq.num_cached += 1
+        for seq, drafts in step.verifies:  # K/V of all k + 1: the rejected ones' overwritten
+            seq.num_cached += 1 + len(drafts)
         for seq, n in step.prefills:
             seq.num_cached += n
             if self.prefix_cache is not None and seq.num_cached >= seq.num_prompt:
@@ -149,15 +177,30 @@ class Scheduler:
             if seq.status is not SeqStatus.FINISHED:
                 seq.prompt_logprobs += piece.logprobs
                 done.prompt.append(piece)
-        for seq, index, record in zip(step.sampled, step.token_index, out.outputs, strict=True):
-            if seq.status is SeqStatus.FINISHED:
-                continue
+        drafts = dict(step.verifies)
+        offsets = step.offsets or [0] * len(step.sampled)
+        for seq, index, record, j in zip(step.sampled, step.token_index, out.outputs, offsets,
+                                         strict=True):
+            if seq.status is SeqStatus.FINISHED or index >= len(seq.token_ids):
+                continue  # finished, or an earlier row's token rejected this row's draft
             seq.fill(index, record.token_ids[0], record.logprobs[0])
             record.start, record.finish_reason = index, seq.finish_reason
             done.outputs.append(record)
             if seq.finish_reason is not None:
                 self._retire(seq)
+            elif seq in drafts:
+                self._verified(seq, drafts[seq], j, index)
         return done
+
+    def _verified(self, seq: Sequence, drafts: list[int], j: int, index: int) -> None:
+        """Row j of seq's verify committed token_ids[index]: past its last draft, or unequal to
+        draft j (which row j + 1 was fed), the rows after it are dropped and seq's KV ends
+        before it."""
+        if j < len(drafts) and seq.token_ids[index] == drafts[j]:
+            self.stats.accepted_tokens += 1
+            return
+        del seq.token_ids[index + 1:]
+        seq.num_cached = index
 
     def update(self, step: ScheduledStep, out: StepSample) -> StepSample:
         """advance + commit: a step run to completion before the next is scheduled."""

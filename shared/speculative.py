@@ -1,0 +1,62 @@
+"""`--speculative-config`: vLLM's flag and JSON keys, parsed and checked once at start-up.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+     "prompt_lookup_max": 4}
+
+n-gram (prompt lookup) speculation proposes, for a request about to decode, the tokens that
+followed the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to
+prompt_lookup_min) in its prompt or output; no second model. A draft model
+(`{"model": PATH, ...}`) is refused for now, with a message saying so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """k tokens proposed per decode step by n-gram lookup with n in [n_min, n_max]."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, text: str | None) -> SpeculativeConfig | None:
+        """The config of a --speculative-config JSON object (None: no speculation); a
+        ValueError names the key that is wrong."""
+        if not text:
+            return None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        unknown = sorted(set(raw) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key {unknown[0]!r} (known: "
+                             f"{', '.join(_KEYS)})")
+        if raw.get("model") is not None or raw.get("method", "ngram") != "ngram":
+            raise ValueError("--speculative-config: only n-gram speculation ({\"method\": "
+                             "\"ngram\", ...}) is implemented; draft models are not yet")
+        k = _positive(raw, "num_speculative_tokens", None)
+        lo = _positive(raw, "prompt_lookup_min", 1)
+        hi = _positive(raw, "prompt_lookup_max", max(lo, 4))
+        if lo > hi:
+            raise ValueError("--speculative-config: prompt_lookup_min must be <= "
+                             "prompt_lookup_max")
+        return cls(k, lo, hi)
+
+
+def _positive(raw: dict, key: str, default: int | None) -> int:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"--speculative-config: {key!r} must be a positive integer, got "
+                         f"{value!r}")
+    return value
