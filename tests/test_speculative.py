@@ -45,6 +45,19 @@ def test_proposes_what_followed_the_latest_longest_match():
     assert p.propose(s, 10) == [6, 5]
 
 
+def test_poor_verifies_back_off_doubling_and_a_good_one_resets():
+    p = NgramProposer(SpeculativeConfig(3, 1, 3))
+    s = seq_of([1, 2, 3, 1, 2])
+    assert p.propose(s, 10) == [3, 1, 2]
+    p.verified(s, 3, 1)  # poor: 2 steps without proposals
+    assert [p.propose(s, 10) for _ in range(3)] == [[], [], [3, 1, 2]]
+    p.verified(s, 3, 0)  # poor again: 4 steps
+    assert [p.propose(s, 10) for _ in range(5)] == [[]] * 4 + [[3, 1, 2]]
+    p.verified(s, 3, 2)  # good: the count resets
+    p.verified(s, 3, 0)
+    assert [p.propose(s, 10) for _ in range(3)] == [[], [], [3, 1, 2]]
+
+
 @pytest.mark.parametrize(("text", "needle"), [
     ('{"num_speculative_tokens": 0}', "'num_speculative_tokens' must be a positive integer"),
     ("{}", "'num_speculative_tokens'"),

@@ -201,6 +201,7 @@ class Scheduler:
             return
         del seq.token_ids[index + 1:]
         seq.num_cached = index
+        self.proposer.verified(seq, len(drafts), j)  # rows before j: its accepted drafts
 
     def update(self, step: ScheduledStep, out: StepSample) -> StepSample:
         """advance + commit: a step run to completion before the next is scheduled."""
