@@ -328,3 +328,63 @@ def test_length_step_cost_runs_both_engines(demo_model_dir, capsys):
     assert out["finished"] > 0 and out["predictions"] > 0 and out["worker"] is True
     assert out["step_ms_off"] > 0 and out["hook_ms"] > 0  # syncs: once a second, maybe none
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
+
+
+def test_speculative_bench_parts(tmp_path, capsys):
+    """bench/speculative.py without servers: its server commands, prompt sets, /metrics
+    parsing, and the summary's ratios, output equality and targets on made-up runs."""
+    from bench import speculative
+
+    args = speculative.parse_args(["--results-dir", str(tmp_path)])
+    assert (args.servers, args.levels, args.rounds) == (list(speculative.SERVERS), [1, 16], 3)
+    quick = speculative.parse_args(["--quick", "--servers", "pipellm,pipellm-ngram"])
+    assert (quick.levels, quick.b1_requests, quick.requests, quick.max_tokens) == ([1, 4], 2, 8, 64)
+    args.gguf, args.hf_dir, args.llamacpp_bin = tmp_path / "m.gguf", tmp_path / "hf", "/l/ls"
+    spec = speculative.make(args, "pipellm-ngram", 8001, tmp_path / "x.log")
+    assert spec.name == "pipellm-ngram" and spec.argv[-2] == "--speculative-config"
+    assert json.loads(spec.argv[-1])["num_speculative_tokens"] == 6
+    assert "--speculative-config" not in speculative.make(args, "pipellm", 8001, tmp_path).argv
+    ll = speculative.make(args, "llamacpp-ngram", 8002, tmp_path / "y.log", slots=1)
+    assert ll.argv[ll.argv.index("-np") + 1] == "1" and "ngram-simple" in ll.argv
+    assert speculative.launches(args, "llamacpp") == [(1, [1]), (16, [16])]
+    assert speculative.launches(args, "pipellm-ngram") == [(None, [1, 16])]
+
+    pairs = [(f"what is the answer to question {i}", " ".join(["word"] * (90 + 10 * i)))
+             for i in range(30)]
+    prompts = speculative.pick_prompts(pairs, lambda t: len(t.split()), quick)
+    g = prompts["grounded"]
+    assert [len(g[k]) for k in ("warmup", 1, 4)] == [2, 2, 8]
+    assert len(set(g[1]) | set(g[4])) == 10 and all("word" in p for p in g[1])  # 100..300
+
+    page = ("# TYPE vllm:spec_decode_num_draft_tokens counter\n"
+            "vllm:spec_decode_num_draft_tokens_total 40.0\n"
+            "# TYPE vllm:spec_decode_num_accepted_tokens counter\n"
+            "vllm:spec_decode_num_accepted_tokens_total 30.0\n")
+    assert speculative.spec_counts(page) == (40.0, 30.0)
+
+    def row(server, wl, conc, rep, tok_s, texts):
+        recs = [dict(text=t, error=None) for t in texts]
+        return dict(server=server, workload=wl, conc=conc, rep=rep, ok=True, tok_s=tok_s,
+                    tpot_ms=1000 / tok_s, ttft_ms=50.0, accept_rate=None, errors=0, short=0,
+                    records=recs)
+
+    rows = []
+    for rep in range(3):
+        rows += [row("pipellm", "grounded", 1, rep, 40.0, ["a", "b"]),
+                 row("pipellm-ngram", "grounded", 1, rep, 70.0 + rep, ["a", "b"]),
+                 row("pipellm", "sharegpt", 1, rep, 40.0, ["c", "d"]),
+                 row("pipellm-ngram", "sharegpt", 1, rep, 39.0, ["c", "x"]),
+                 row("pipellm", "sharegpt", 16, rep, 200.0, ["e"]),
+                 row("pipellm-ngram", "sharegpt", 16, rep, 180.0, ["e"])]
+    s = speculative.summarize(rows)
+    assert s["servers"]["pipellm-ngram"]["grounded_c1"]["tok_s"] == 71.0
+    r = s["ratios"]["pipellm-ngram/pipellm"]
+    assert r["grounded_c1"]["tok_s"] == 1.775 and r["sharegpt_c16"]["tok_s"] == 0.9
+    assert s["same_output"]["pipellm-ngram/pipellm"] == {"grounded_c1": 1.0, "sharegpt_c1": 0.5,
+                                                         "sharegpt_c16": 1.0}
+    checks = speculative.check_targets(s, [1, 16])
+    assert [c["passed"] for c in checks] == [True, False] and checks[1]["ratio"] == 0.9
+    speculative.print_report(s, checks, {})
+    assert "PASS" in capsys.readouterr().out
+    assert [c["passed"] for c in speculative.check_targets(speculative.summarize([]), [1])] \
+        == [None, None]

@@ -98,7 +98,8 @@ def run(path, prompts, params, **settings):
     dict(max_batched_tokens=64, max_running=8, kv_cache_tokens=700, default_predicted_len=2,
          kv_min_grow=4),  # preemption
     dict(max_batched_tokens=512, max_running=8, enable_prefix_caching=True),
-], ids=["chunked", "preempted", "prefix-cached"])
+    dict(max_batched_tokens=64, max_running=8, kv_cache_dtype="int8"),
+], ids=["chunked", "preempted", "prefix-cached", "int8-kv"])
 def test_greedy_tokens_equal_plain_decoding(tiny, settings):
     path, prompts = tiny
     want, _ = run(path, prompts, greedy(40), **settings)

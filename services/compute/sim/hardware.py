@@ -185,6 +185,9 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
     ModelSpec("qwen2-7b", 28, 3584, 28, 4, 128, 18944, 152064, 32768, (151643, 151645), None,
               qkv_bias=True),
     ModelSpec("tinyllama-1.1b", 22, 2048, 32, 4, 64, 5632, 32000, 2048, (2,), 1),
+    # Llama-3.2-1B: a draft model of the Llama 3 family (same tokenizer); 1.24 B params, tied
+    ModelSpec("llama-3.2-1b", 16, 2048, 32, 8, 64, 8192, 128256, 131072,
+              (128001, 128008, 128009), 128000, tie_embeddings=True),
     # MoE. Qwen3-30B-A3B: 128 experts of width 768, top-8, in all 48 layers (intermediate_size
     # 6144 is unused: no dense layer); 30,532,122,624 params, 3,353,032,704 active (HF: "30.5B,
     # 3.3B activated"); attention 0.91 B, experts 29.0 B, embedding + LM head 0.62 B.
