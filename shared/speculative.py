@@ -1,12 +1,18 @@
 """`--speculative-config`: vLLM's flag and JSON keys, parsed and checked once at start-up.
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-     "prompt_lookup_max": 4}
+     "prompt_lookup_max": 4, "disable_by_batch_size": 4}
 
 n-gram (prompt lookup) speculation proposes, for a request about to decode, the tokens that
 followed the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to
 prompt_lookup_min) in its prompt or output; no second model. A draft model
 (`{"model": PATH, ...}`) is refused for now, with a message saying so.
+
+`disable_by_batch_size` (vLLM's key): no drafts while more than this many requests run. Extra
+rows are nearly free while a step is memory-bound and cost their share once it is
+compute-bound; on this project's 2-core CPU speculation stopped paying between 4 and 16
+running requests (docs/benchmarks.md), hence the default of 4 where vLLM's is "never"; on a
+GPU the simulator puts the break-even near 32 (bench/spec_sim.py).
 """
 
 from __future__ import annotations
@@ -14,16 +20,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+         "disable_by_batch_size")
+DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """k tokens proposed per decode step by n-gram lookup with n in [n_min, n_max]."""
+    """k tokens proposed per decode step by n-gram lookup with n in [n_min, n_max], while at
+    most disable_by_batch_size requests run."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE
     method: str = "ngram"
 
     @classmethod
@@ -51,7 +61,7 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValueError("--speculative-config: prompt_lookup_min must be <= "
                              "prompt_lookup_max")
-        return cls(k, lo, hi)
+        return cls(k, lo, hi, _positive(raw, "disable_by_batch_size", DISABLE_BY_BATCH_SIZE))
 
 
 def _positive(raw: dict, key: str, default: int | None) -> int:

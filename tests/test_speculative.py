@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from tests.hf_models import build_hf_model
 from tests.test_architectures import engine, greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "disable_by_batch_size": 64}  # speculating in every batch
 SPEC = json.dumps(NGRAM)
 
 
@@ -111,6 +112,15 @@ def test_greedy_tokens_equal_plain_decoding(tiny, settings):
         assert stats.preemptions > 0
 
 
+@pytest.mark.parametrize(("limit", "speculates"), [(1, False), (2, True)])
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(tiny, limit, speculates):
+    path, prompts = tiny
+    spec = json.dumps({**NGRAM, "disable_by_batch_size": limit})
+    got, stats = run(path, prompts[2:4], greedy(20), speculative_config=spec)
+    assert got == run(path, prompts[2:4], greedy(20))[0]
+    assert (stats.spec_draft_tokens > 0) == speculates
+
+
 def test_seeded_sampling_draws_what_plain_decoding_draws(tiny):
     """Each verified row samples with the seed and step counter of its output index: a
     seeded request gets the tokens it gets without speculation (and stops where they stop)."""
@@ -187,11 +197,16 @@ def test_served_with_the_official_client_and_metrics(demo_model_dir):
             model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
             extra_body={"ignore_eos": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
-        status, text = stack.get("/metrics")
-        assert status == 200
-        values = {s.name: s.value for f in text_string_to_metric_families(text)
-                  for s in f.samples}
-        drafts = values["vllm:spec_decode_num_draft_tokens_total"]
+        deadline = time.monotonic() + 10  # compute publishes its stats every heartbeat
+        while True:
+            status, text = stack.get("/metrics")
+            assert status == 200
+            values = {s.name: s.value for f in text_string_to_metric_families(text)
+                      for s in f.samples}
+            drafts = values["vllm:spec_decode_num_draft_tokens_total"]
+            if drafts > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert drafts > 0 and 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= drafts
     finally:
         stack.stop()

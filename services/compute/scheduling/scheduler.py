@@ -113,8 +113,10 @@ class Scheduler:
         accepted token must be one it may still generate), its KV segment holds as reserved
         (drafts never grow a segment, so never preempt anyone) and the step's token budget
         leaves after one token for each of the `deciding` requests from seq on; none for
-        requests whose sampling reads their tokens (penalties, a grammar)."""
-        if self.proposer is None or seq.grammar is not None or seq.params.has_penalties:
+        requests whose sampling reads their tokens (penalties, a grammar), nor while more
+        requests run than the config's disable_by_batch_size."""
+        if self.proposer is None or seq.grammar is not None or seq.params.has_penalties or \
+                len(self.running) > self.proposer.max_batch:
             return []
         budget = self.config.max_batched_tokens - step.num_tokens - deciding
         limit = min(budget, seq.params.max_tokens - seq.num_output - 1,
