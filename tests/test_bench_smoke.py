@@ -388,3 +388,14 @@ def test_speculative_bench_parts(tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
     assert [c["passed"] for c in speculative.check_targets(speculative.summarize([]), [1])] \
         == [None, None]
+
+
+def test_spec_sim_prints_the_best_k_per_batch(capsys):
+    from bench import spec_sim
+
+    spec_sim.main([])
+    out = last_json(capsys.readouterr().out)["best"]
+    draft, ngram = out["draft llama-3.2-1b"], out["n-gram"]
+    assert draft["b1 a0.9"]["speedup"] > draft["b1 a0.5"]["speedup"] > 1  # memory-bound
+    assert draft["b128 a0.5"]["speedup"] < 1  # compute-bound: the draft's rows cost
+    assert ngram["b1 a0.7"]["speedup"] > draft["b1 a0.7"]["speedup"]  # no draft steps
