@@ -121,6 +121,32 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(tiny, limi
     assert (stats.spec_draft_tokens > 0) == speculates
 
 
+def test_stop_tokens_inside_a_verify_with_prefix_caching(tiny):
+    """Requests that stop on a token inside a verify end there, their KV kept by the prefix
+    cache as a plain decode's (not the slot of a rejected draft): then prompts that extend
+    their whole sequences hit the cache and generate the same tokens as plain decoding."""
+    from collections import Counter
+
+    path, prompts = tiny
+    plain, _ = run(path, prompts, greedy(40))
+    stop = Counter(t for out in plain for t in out[5:30]).most_common(1)[0][0]
+    settings = dict(kv_cache_tokens=8192, max_batched_tokens=512, max_running=8,
+                    enable_prefix_caching=True)
+    plain_eng, spec_eng = engine(path, **settings), engine(path, speculative_config=SPEC,
+                                                           **settings)
+    params = greedy(40, stop_token_ids=[stop], logprobs=True)
+    for _ in range(2):
+        want = plain_eng.generate(prompts, params)
+        got = spec_eng.generate(prompts, params)
+        assert [s.output_ids for s in got] == [s.output_ids for s in want]
+        torch.testing.assert_close(torch.tensor([x for s in got for x in s.logprobs]),
+                                   torch.tensor([x for s in want for x in s.logprobs]),
+                                   atol=1e-5, rtol=0)
+        prompts = [s.token_ids + [11, 12] for s in got]  # whole sequences, extended
+    assert sum(s.output_ids[-1] == stop for s in got) >= 2
+    assert spec_eng.stats().prefix_hits > 0 and spec_eng.stats().spec_accepted_tokens > 0
+
+
 def test_seeded_sampling_draws_what_plain_decoding_draws(tiny):
     """Each verified row samples with the seed and step counter of its output index: a
     seeded request gets the tokens it gets without speculation (and stops where they stop)."""

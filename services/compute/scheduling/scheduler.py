@@ -188,22 +188,24 @@ class Scheduler:
             seq.fill(index, record.token_ids[0], record.logprobs[0])
             record.start, record.finish_reason = index, seq.finish_reason
             done.outputs.append(record)
+            if seq in drafts:
+                self._verified(seq, drafts[seq], j, index)
             if seq.finish_reason is not None:
                 self._retire(seq)
-            elif seq in drafts:
-                self._verified(seq, drafts[seq], j, index)
         return done
 
     def _verified(self, seq: Sequence, drafts: list[int], j: int, index: int) -> None:
-        """Row j of seq's verify committed token_ids[index]: past its last draft, or unequal to
-        draft j (which row j + 1 was fed), the rows after it are dropped and seq's KV ends
-        before it."""
-        if j < len(drafts) and seq.token_ids[index] == drafts[j]:
-            self.stats.accepted_tokens += 1
+        """Row j of seq's verify committed token_ids[index]. Equal to draft j (which row j + 1
+        was fed), the next row's token follows; else, past the last draft, or where the token
+        ends the request, the rows after it are dropped and seq's KV ends before it (as a
+        plain decode's: its last token has none yet)."""
+        accepted = j < len(drafts) and seq.token_ids[index] == drafts[j]
+        self.stats.accepted_tokens += accepted
+        if accepted and seq.finish_reason is None:
             return
         del seq.token_ids[index + 1:]
         seq.num_cached = index
-        self.proposer.verified(seq, len(drafts), j)  # rows before j: its accepted drafts
+        self.proposer.verified(seq, len(drafts), j + accepted)  # drafts it accepted
 
     def update(self, step: ScheduledStep, out: StepSample) -> StepSample:
         """advance + commit: a step run to completion before the next is scheduled."""
