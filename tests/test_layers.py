@@ -1,9 +1,9 @@
 """Compute's import picture: every arrow points down a floor (or stays in its room).
 
-Floors, lowest first: `core/` (the types every room uses), then `kv/`, then `model/` and
-`length/`, then `scheduling/` and the grammars (`structured`), then the step's device-side
-helpers, then the runners, the engine, and the process and backend wiring on top. A module may
-import its own room or lower floors.
+Floors, lowest first: `core/` (the types every room uses), then `kv/`, then `model/`,
+`length/` and `speculative/` (the proposers), then `scheduling/` and the grammars
+(`structured`), then the step's device-side helpers, then the runners, the engine, and the
+process and backend wiring on top. A module may import its own room or lower floors.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "services" / "compute"
 FLOORS = {
     "core": 0,
     "kv": 1,
-    "model": 2, "length": 2,
+    "model": 2, "length": 2, "speculative": 2,
     "scheduling": 3, "inflight": 3, "structured": 3,
     "batch": 4, "cuda_graphs": 4, "sampling": 4,
     "runner": 5, "sim": 5,
