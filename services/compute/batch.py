@@ -22,21 +22,8 @@ def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None
                 ) -> ForwardBatch:
     """The step's inputs on `device`. Tokens still UNSAMPLED (sampled by `prev`, the step in
     flight) are read from prev's ids on the device."""
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    dec_starts, dec_lens = [], []
-    rows = [(seq, seq.token_ids[seq.num_cached], 0) for seq in step.decodes]
-    rows += [(seq, t, j) for seq, drafts in step.verifies
-             for j, t in enumerate([seq.token_ids[seq.num_cached], *drafts])]
-    for seq, token, j in rows:  # the pending token (+ j: a verify's draft j)
-        c = seq.num_cached + j
-        ids.append(token)
-        pos.append(c)
-        slots.append(seq.kv_start + c)
-        dec_starts.append(seq.kv_start)
-        dec_lens.append(c + 1)
-    logits_rows = list(range(len(rows)))
+    ids, pos, slots, dec_starts, dec_lens = _decode_rows(step)
+    logits_rows = list(range(len(ids)))
     cu, pre_starts, pre_lens = [0], [], []
     prompt_rows, spans = [], []
     for seq, n in step.prefills:
@@ -75,6 +62,23 @@ def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None
         max_chunk_len=max((n for _, n in step.prefills), default=0),
         prompt_spans=spans,
     )
+
+
+def _decode_rows(step: ScheduledStep) -> tuple[list[int], ...]:
+    """(token ids, positions, slots, KV starts, KV lengths) of the decode rows: each decode's
+    pending token, then each verify's pending token and drafts (row j at position c + j)."""
+    rows = [(seq, seq.token_ids[seq.num_cached], 0) for seq in step.decodes]
+    rows += [(seq, t, j) for seq, drafts in step.verifies
+             for j, t in enumerate([seq.token_ids[seq.num_cached], *drafts])]
+    ids, pos, slots, starts, lens = [], [], [], [], []
+    for seq, token, j in rows:
+        c = seq.num_cached + j
+        ids.append(token)
+        pos.append(c)
+        slots.append(seq.kv_start + c)
+        starts.append(seq.kv_start)
+        lens.append(c + 1)
+    return ids, pos, slots, starts, lens
 
 
 def _late_tokens(ids: list[int], step: ScheduledStep, prev: InFlight | None):

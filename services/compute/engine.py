@@ -195,8 +195,7 @@ class LLMEngine:
             capacity=a.capacity, reserved=a.reserved - (cache.slots if cache else 0),
             used=s.used_slots(), running=len(s.running), waiting=len(s.waiting),
             moves=s.stats.moves, grows_in_place=s.stats.grows_in_place,
-            preemptions=s.stats.preemptions, spec_draft_tokens=s.stats.draft_tokens,
-            spec_accepted_tokens=s.stats.accepted_tokens, **prefix)
+            preemptions=s.stats.preemptions, **prefix, **_speculation(s.speculation))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  ) -> list[Sequence]:
@@ -207,6 +206,14 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return seqs
+
+
+def _speculation(speculation) -> dict:
+    """EngineStats' speculative counters (none without speculation)."""
+    if speculation is None:
+        return {}
+    return dict(spec_draft_tokens=speculation.draft_tokens,
+                spec_accepted_tokens=speculation.accepted_tokens)
 
 
 def _reads_token_values(step: ScheduledStep) -> bool:

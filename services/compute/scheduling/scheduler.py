@@ -35,7 +35,7 @@ from services.compute.kv.paged_allocator import PagedAllocator
 from services.compute.kv.prefix_cache import PrefixCache
 from services.compute.scheduling.admission import peak_check
 from services.compute.scheduling.kv_policy import make_policy
-from services.compute.speculative.ngram import NgramProposer
+from services.compute.speculative.verify import Speculation
 from shared.config import Batching, SchedulerConfig
 
 
@@ -44,8 +44,6 @@ class SchedulerStats:
     moves: int = 0
     grows_in_place: int = 0
     preemptions: int = 0
-    draft_tokens: int = 0  # speculative drafts verified
-    accepted_tokens: int = 0  # of them, accepted
 
 
 class Scheduler:
@@ -63,7 +61,7 @@ class Scheduler:
         self.prefix_cache = PrefixCache(allocator) if config.enable_prefix_caching else None
         self.peak_check = peak_check(config.kv_admission, self.policy.peak_admission)
         spec = config.speculative
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        self.speculation = Speculation(spec) if spec is not None else None
         self._admitted = 0
 
     def add(self, seq: Sequence) -> None:
@@ -91,7 +89,6 @@ class Scheduler:
                 drafts = self._drafts(seq, step, len(self.running) - i)
                 if drafts:
                     step.verifies.append((seq, drafts))
-                    self.stats.draft_tokens += len(drafts)
                 else:
                     step.decodes.append(seq)
             i += 1
@@ -109,19 +106,12 @@ class Scheduler:
         return step
 
     def _drafts(self, seq: Sequence, step: ScheduledStep, deciding: int) -> list[int]:
-        """Speculative drafts for seq's decode: as many as its limits leave room for (every
-        accepted token must be one it may still generate), its KV segment holds as reserved
-        (drafts never grow a segment, so never preempt anyone) and the step's token budget
-        leaves after one token for each of the `deciding` requests from seq on; none for
-        requests whose sampling reads their tokens (penalties, a grammar), nor while more
-        requests run than the config's disable_by_batch_size."""
-        if self.proposer is None or seq.grammar is not None or seq.params.has_penalties or \
-                len(self.running) > self.proposer.max_batch:
+        """Speculative drafts for seq's decode (none without --speculative-config), within
+        the step's tokens left after one for each of the `deciding` requests from seq on."""
+        if self.speculation is None:
             return []
         budget = self.config.max_batched_tokens - step.num_tokens - deciding
-        limit = min(budget, seq.params.max_tokens - seq.num_output - 1,
-                    seq.max_len - seq.num_tokens - 1, seq.kv_reserved - seq.num_tokens)
-        return self.proposer.propose(seq, limit)
+        return self.speculation.drafts(seq, len(self.running), budget)
 
     def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
         """FCFS admission into `step`: nobody overtakes the head of the queue. Static batching
@@ -189,23 +179,10 @@ class Scheduler:
             record.start, record.finish_reason = index, seq.finish_reason
             done.outputs.append(record)
             if seq in drafts:
-                self._verified(seq, drafts[seq], j, index)
+                self.speculation.verified(seq, drafts[seq], j, index)
             if seq.finish_reason is not None:
                 self._retire(seq)
         return done
-
-    def _verified(self, seq: Sequence, drafts: list[int], j: int, index: int) -> None:
-        """Row j of seq's verify committed token_ids[index]. Equal to draft j (which row j + 1
-        was fed), the next row's token follows; else, past the last draft, or where the token
-        ends the request, the rows after it are dropped and seq's KV ends before it (as a
-        plain decode's: its last token has none yet)."""
-        accepted = j < len(drafts) and seq.token_ids[index] == drafts[j]
-        self.stats.accepted_tokens += accepted
-        if accepted and seq.finish_reason is None:
-            return
-        del seq.token_ids[index + 1:]
-        seq.num_cached = index
-        self.proposer.verified(seq, len(drafts), j + accepted)  # drafts it accepted
 
     def update(self, step: ScheduledStep, out: StepSample) -> StepSample:
         """advance + commit: a step run to completion before the next is scheduled."""

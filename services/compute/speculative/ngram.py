@@ -45,7 +45,6 @@ class NgramProposer:
 
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
-        self.max_batch = config.disable_by_batch_size  # running requests, at most
         self.ns = range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
         self._indexes: WeakKeyDictionary[Sequence, _Index] = WeakKeyDictionary()
 
