@@ -122,21 +122,27 @@ def test_prefix_caching_matches_hf(reference):
     check_prefix_caching(reference, 40, (3, 9, 1, 17, 6), 10, max_batched_tokens=32)
 
 
-def test_int8_kv_cache_stays_close_to_hf(reference):
-    """tests/test_kv_int8.py's tolerance of 0.05 in logprob at every step, checked as
-    tests/test_sliding_window.py checks it: on a random model the greedy paths of the INT8 and
-    float caches part at near-ties (where is a matter of luck), so each INT8 token is held to
-    transformers on the INT8 engine's own sequence: its logprob within 0.05 of transformers',
-    and within 0.05 of transformers' best (it is the argmax or a near-tie)."""
-    _, path, model, prompts, _ = reference
-    prompts = prompts[::2]
-    seqs = engine(path, kv_cache_dtype="int8", max_batched_tokens=48, max_running=16,
-                  kv_cache_tokens=4096).generate(prompts, greedy(MAX_NEW, logprobs=True))
+def check_int8_kv_per_step(reference, prompts, new: int, max_batched_tokens: int,
+                           max_running: int) -> None:
+    """tests/test_kv_int8.py's tolerance of 0.05 in logprob at every step: on a random model
+    the greedy paths of the INT8 and float caches part at near-ties (where is a matter of
+    luck), so each INT8 token is held to transformers on the INT8 engine's own sequence: its
+    logprob within 0.05 of transformers', and within 0.05 of transformers' best (it is the
+    argmax or a near-tie)."""
+    _, path, model, _, _ = reference
+    seqs = engine(path, kv_cache_dtype="int8", max_batched_tokens=max_batched_tokens,
+                  max_running=max_running, kv_cache_tokens=4096).generate(
+        prompts, greedy(new, logprobs=True))
     for seq, prompt in zip(seqs, prompts, strict=True):
-        rows = hf_logprobs(model, seq.token_ids)[len(prompt) - 1:-1]  # [MAX_NEW, vocab]
-        chosen = rows[torch.arange(MAX_NEW), torch.tensor(seq.output_ids)]  # [MAX_NEW]
+        rows = hf_logprobs(model, seq.token_ids)[len(prompt) - 1:-1]  # [new, vocab]
+        chosen = rows[torch.arange(new), torch.tensor(seq.output_ids)]  # [new]
         assert (torch.tensor(seq.logprobs) - chosen).abs().max() < 0.05
         assert (rows.max(-1).values - chosen).max() < 0.05
+
+
+def test_int8_kv_cache_stays_close_to_hf(reference):
+    check_int8_kv_per_step(reference, reference[3][::2], MAX_NEW, max_batched_tokens=48,
+                           max_running=16)
 
 
 def test_logprobs_match_hf_log_softmax(reference):

@@ -21,7 +21,13 @@ from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from tests.gguf_files import Q, write_gguf
 from tests.hf_models import build_hf_model
-from tests.test_architectures import TINY, check_prefix_caching, engine, greedy
+from tests.test_architectures import (
+    TINY,
+    check_int8_kv_per_step,
+    check_prefix_caching,
+    engine,
+    greedy,
+)
 from tests.test_engine_vs_hf import engine_greedy, hf_greedy
 from tests.test_logprobs import hf_logprobs
 
@@ -102,19 +108,8 @@ def test_prefix_caching_matches_hf(reference):
 
 
 def test_int8_kv_cache_stays_close_to_hf(reference):
-    """Within tests/test_kv_int8.py's tolerance of 0.05 in logprob, at every one of the 40
-    steps: on a random model the greedy paths of the INT8 and float caches part at near-ties
-    (their first difference is a matter of luck), so each INT8 token is checked against
-    transformers on the INT8 engine's own sequence: its logprob within 0.05 of transformers',
-    and within 0.05 of transformers' best (it is the argmax or a near-tie)."""
-    _, path, model, prompts, _ = reference
-    seqs = engine(path, kv_cache_dtype="int8", max_batched_tokens=12, max_running=8,
-                  kv_cache_tokens=4096).generate(prompts, greedy(NEW, logprobs=True))
-    for seq, prompt in zip(seqs, prompts, strict=True):
-        rows = hf_logprobs(model, seq.token_ids)[len(prompt) - 1:-1]  # [NEW, vocab]
-        chosen = rows[torch.arange(NEW), torch.tensor(seq.output_ids)]  # [NEW]
-        assert (torch.tensor(seq.logprobs) - chosen).abs().max() < 0.05
-        assert (rows.max(-1).values - chosen).max() < 0.05
+    """At every one of the 40 steps (tests/test_architectures.py's per-step rule)."""
+    check_int8_kv_per_step(reference, reference[3], NEW, max_batched_tokens=12, max_running=8)
 
 
 def test_logprobs_match_hf_log_softmax(reference):

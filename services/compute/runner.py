@@ -118,18 +118,17 @@ class ModelRunner:
             out.prompt = sampling.prompt_rows(logits[len(sampled):], batch.prompt_spans)
         if sampled:
             logits = logits[: len(sampled)]
-            sampling.suppress_stop_tokens(logits, sampled, step.offsets)
+            sampling.suppress_stop_tokens(logits, sampled, step.row_offsets)
             out.top = sampling.top_rows(logits, [s.params.top_logprobs for s in sampled])
             out.tokens, out.logprobs = sampling.sample(logits, sampled, self.device, mask,
-                                                       step.offsets)
+                                                       step.row_offsets)
         return out.seal()
 
     def _probe(self, out: InFlight, hidden: torch.Tensor, step: ScheduledStep) -> None:
         """The probes [C, r] of the sampled rows that are length checkpoints (launched
         before Scheduler.advance: a row's token goes at index len(seq.token_ids); of a
         speculative verify, its first row only)."""
-        offsets = step.offsets or [0] * len(step.sampled)
-        rows = [i for i, (seq, j) in enumerate(zip(step.sampled, offsets, strict=True))
+        rows = [i for i, (seq, j) in enumerate(zip(step.sampled, step.row_offsets, strict=True))
                 if j == 0 and is_checkpoint(len(seq.token_ids) - seq.num_prompt,
                                             self.probe_every)]
         if rows:

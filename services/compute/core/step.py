@@ -32,6 +32,11 @@ class ScheduledStep:
     token_index: list[int] = field(default_factory=list)
 
     @property
+    def row_offsets(self) -> list[int]:
+        """`offsets`, or all 0 for a step built without them (no speculative verifies)."""
+        return self.offsets or [0] * len(self.sampled)
+
+    @property
     def num_tokens(self) -> int:
         return (len(self.decodes) + sum(1 + len(d) for _, d in self.verifies)
                 + sum(n for _, n in self.prefills))

@@ -170,9 +170,8 @@ class Scheduler:
                 seq.prompt_logprobs += piece.logprobs
                 done.prompt.append(piece)
         drafts = dict(step.verifies)
-        offsets = step.offsets or [0] * len(step.sampled)
-        for seq, index, record, j in zip(step.sampled, step.token_index, out.outputs, offsets,
-                                         strict=True):
+        for seq, index, record, j in zip(step.sampled, step.token_index, out.outputs,
+                                         step.row_offsets, strict=True):
             if seq.status is SeqStatus.FINISHED or index >= len(seq.token_ids):
                 continue  # finished, or an earlier row's token rejected this row's draft
             seq.fill(index, record.token_ids[0], record.logprobs[0])
