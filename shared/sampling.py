@@ -41,6 +41,12 @@ class SamplingParams:
     # seen in prompt or output (the CTRL / HF rule)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]): added to
     # that token's logit before sampling (OpenAI's logit_bias; logprobs stay the model's)
+    beam_width: int = 0  # > 0: beam search with this many beams (services/compute/beam/);
+    # the sampling fields above but max_tokens, ignore_eos, stop_token_ids, min_tokens and
+    # logprobs do not apply
+    beam_n: int = 1  # beam search: the best hypotheses returned (<= beam_width)
+    length_penalty: float = 1.0  # beam search: a hypothesis scores cum_logprob / len ** this
+    early_stopping: bool | str = False  # beam search: True, False or "never" (transformers')
 
     def __post_init__(self):
         _check(self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
@@ -61,6 +67,10 @@ class SamplingParams:
         _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
         _check(self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2^63)")
+        _check(self.beam_width >= 0 and 1 <= self.beam_n <= max(self.beam_width, 1),
+               "n", "beam search returns between 1 and beam_width hypotheses")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping",
+               'early_stopping must be true, false or "never"')
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         bias = tuple((int(t), float(b)) for t, b in self.logit_bias)  # lists after msgpack
         _check(all(t >= 0 and -100 <= b <= 100 for t, b in bias), "logit_bias",

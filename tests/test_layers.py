@@ -1,7 +1,7 @@
 """Compute's import picture: every arrow points down a floor (or stays in its room).
 
 Floors, lowest first: `core/` (the types every room uses), then `kv/`, then `model/`,
-`length/` and `speculative/` (the proposers), then `scheduling/` and the grammars
+`length/`, `speculative/` (the proposers) and `beam/`, then `scheduling/` and the grammars
 (`structured`), then the step's device-side helpers, then the runners, the engine, and the
 process and backend wiring on top. A module may import its own room or lower floors.
 """
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "services" / "compute"
 FLOORS = {
     "core": 0,
     "kv": 1,
-    "model": 2, "length": 2, "speculative": 2,
+    "model": 2, "length": 2, "speculative": 2, "beam": 2,
     "scheduling": 3, "inflight": 3, "structured": 3,
     "batch": 4, "cuda_graphs": 4, "sampling": 4,
     "runner": 5, "sim": 5,

@@ -66,17 +66,20 @@ def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None
 
 def _decode_rows(step: ScheduledStep) -> tuple[list[int], ...]:
     """(token ids, positions, slots, KV starts, KV lengths) of the decode rows: each decode's
-    pending token, then each verify's pending token and drafts (row j at position c + j)."""
-    rows = [(seq, seq.token_ids[seq.num_cached], 0) for seq in step.decodes]
-    rows += [(seq, t, j) for seq, drafts in step.verifies
+    pending token, then each verify's pending token and drafts (row j at position c + j),
+    then each beam search's running beams' last tokens (at position c, each in its lane)."""
+    rows = [(seq.kv_start, seq.token_ids[seq.num_cached], seq.num_cached)
+            for seq in step.decodes]
+    rows += [(seq.kv_start, t, seq.num_cached + j) for seq, drafts in step.verifies
              for j, t in enumerate([seq.token_ids[seq.num_cached], *drafts])]
+    rows += [(seq.kv_start + b.lane * seq.max_len, b.tokens[-1], seq.num_cached)
+             for seq in step.beams for b in seq.beams.running]
     ids, pos, slots, starts, lens = [], [], [], [], []
-    for seq, token, j in rows:
-        c = seq.num_cached + j
+    for start, token, c in rows:
         ids.append(token)
         pos.append(c)
-        slots.append(seq.kv_start + c)
-        starts.append(seq.kv_start)
+        slots.append(start + c)
+        starts.append(start)
         lens.append(c + 1)
     return ids, pos, slots, starts, lens
 
@@ -90,5 +93,6 @@ def _late_tokens(ids: list[int], step: ScheduledStep, prev: InFlight | None):
         raise RuntimeError("a step reads a token no step in flight samples")
     row = {seq: i for i, seq in enumerate(prev.step.sampled)}
     owner = (list(step.decodes) + [seq for seq, d in step.verifies for _ in range(1 + len(d))]
+             + [seq for seq in step.beams for _ in seq.beams.running]
              + [seq for seq, n in step.prefills for _ in range(n)])
     return at, [row[owner[i]] for i in at]

@@ -15,6 +15,7 @@ import itertools
 import secrets
 from dataclasses import dataclass, field
 
+from services.compute.beam.search import BeamSearch
 from services.compute.core.sequence import SeqStatus, Sequence
 from services.compute.core.step import ScheduledStep
 from services.compute.length.refiner import LengthRefiner
@@ -115,6 +116,8 @@ class LLMEngine:
             predicted_length=predicted_length, stop_ids=frozenset(stop), num_prompt=len(prompt_ids),
             grammar=None if grammar is None else GrammarState(grammar, list(output_ids)),
         )
+        if params.beam_width:
+            seq.beams = _beam_search(seq, grammar, output_ids)
         try:
             self.scheduler.add(seq)
         except ValueError as e:
@@ -144,9 +147,12 @@ class LLMEngine:
         """Schedule and launch one merged step; return the tokens committed meanwhile: this
         step's, or with the overlap schedule the step's before it."""
         self.tick()
+        result = StepResult([], [])
+        if self._inflight and self._inflight[0].beams:  # its results pick the next beams
+            self._commit(result)
         step = self.scheduler.schedule()
-        result = StepResult([], [s.request_id for s in step.admitted],
-                            [s.cached_tokens for s in step.admitted])
+        result.admitted.extend(s.request_id for s in step.admitted)
+        result.cached_tokens.extend(s.cached_tokens for s in step.admitted)
         if self._inflight and (not step.num_tokens or _reads_token_values(step)):
             self._commit(result)
         if step.num_tokens:
@@ -170,8 +176,8 @@ class LLMEngine:
         done = self.scheduler.commit(step, sample)
         for record in done.outputs:
             if record.finish_reason is not None:
-                seq = self.requests.pop(record.request_id)
-                if self.lengths is not None:
+                seq = self.requests.pop(record.request_id, None)  # a beam search: n records
+                if seq is not None and self.lengths is not None:
                     self.lengths.finished(seq)
         result.outputs.extend(done.outputs)
         result.prompt.extend(done.prompt)
@@ -206,6 +212,18 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return seqs
+
+
+def _beam_search(seq: Sequence, grammar, output_ids) -> BeamSearch:
+    """seq's beam search (SamplingParams.beam_width); InvalidParams where it cannot run."""
+    p = seq.params
+    if grammar is not None:
+        raise InvalidParams("use_beam_search", "beam search cannot follow a grammar "
+                            "(response_format, tools)")
+    if output_ids:
+        raise InvalidParams("use_beam_search", "a beam search cannot be resumed mid-way")
+    return BeamSearch(p.beam_width, seq.max_len - seq.num_prompt, seq.stop_ids,
+                      p.length_penalty, p.early_stopping)
 
 
 def _speculation(speculation) -> dict:

@@ -119,7 +119,7 @@ class ModelRunner:
         if sampled:
             logits = logits[: len(sampled)]
             sampling.suppress_stop_tokens(logits, sampled, step.row_offsets)
-            out.top = sampling.top_rows(logits, [s.params.top_logprobs for s in sampled])
+            out.top = sampling.top_rows(logits, [s.top_rows for s in sampled])
             out.tokens, out.logprobs = sampling.sample(logits, sampled, self.device, mask,
                                                        step.row_offsets)
         return out.seal()
@@ -127,10 +127,10 @@ class ModelRunner:
     def _probe(self, out: InFlight, hidden: torch.Tensor, step: ScheduledStep) -> None:
         """The probes [C, r] of the sampled rows that are length checkpoints (launched
         before Scheduler.advance: a row's token goes at index len(seq.token_ids); of a
-        speculative verify, its first row only)."""
+        speculative verify, its first row only; none of a beam search)."""
         rows = [i for i, (seq, j) in enumerate(zip(step.sampled, step.row_offsets, strict=True))
-                if j == 0 and is_checkpoint(len(seq.token_ids) - seq.num_prompt,
-                                            self.probe_every)]
+                if j == 0 and seq.beams is None
+                and is_checkpoint(len(seq.token_ids) - seq.num_prompt, self.probe_every)]
         if rows:
             out.probe_rows = rows
             out.probes = hidden[rows].float() @ self.probe

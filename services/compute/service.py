@@ -22,7 +22,7 @@ from services.compute.warmup import warm_up
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
 from shared.length_dist import LengthDist
-from shared.messages import Abort, GenerateRequest, Route, StepOutput
+from shared.messages import Abort, GenerateRequest, Route, StepOutput, Tokens
 from shared.sampling import InvalidParams
 from shared.transport import Receiver, Sender
 
@@ -43,6 +43,7 @@ class ComputeService:
         self.poller.register(self.inbox.sock, zmq.POLLIN)
         self.poller.register(self.control.sock, zmq.POLLIN)
         self.routes: dict[str, Route] = {}  # live requests
+        self.beam_choices: dict[str, list[str]] = {}  # beam search: its choices' ids
         self.early_aborts: dict[str, float] = {}  # aborts that overtook their request
         self.grammars = GrammarQueue(engine.config.model)
         state.Heartbeat(redis_client, "compute", svc.heartbeat_s)
@@ -96,6 +97,10 @@ class ComputeService:
             errors.append([rid, req.route.reply_to, str(e)])
             return
         self.routes[rid] = req.route
+        if req.params.beam_width:
+            api, (_, attempt) = state.api_id(rid), state.choice_of(rid)
+            self.beam_choices[rid] = [state.choice_id(api, i, attempt)
+                                      for i in range(req.params.beam_n)]
 
     def _control(self, msg, aborted: list[str]) -> None:
         if isinstance(msg, Abort):
@@ -104,20 +109,33 @@ class ComputeService:
             for rid in ids:
                 self.engine.abort(rid)
                 self.routes.pop(rid, None)
-                aborted.append(rid)
+                aborted.extend(self.beam_choices.pop(rid, [rid]))
             if not ids:
                 self.early_aborts[msg.request_id] = time.monotonic()
 
     def step(self) -> StepOutput:
         result = self.engine.step()
         # a route goes with every admission (a preempted request's again: harmless)
-        routes = [replace(self.routes[r], cached_tokens=n)
+        routes = [replace(self.routes[r], request_id=c, cached_tokens=n)
                   for r, n in zip(result.admitted, result.cached_tokens, strict=True)
-                  if r in self.routes]
+                  if r in self.routes for c in self.beam_choices.get(r, [r])]
+        outputs = self._name_beams(result.outputs)
         for t in result.outputs:
             if t.finish_reason is not None:
                 self.routes.pop(t.request_id, None)
-        return StepOutput(routes, result.outputs, result.prompt, step_time=time.time())
+                self.beam_choices.pop(t.request_id, None)
+        return StepOutput(routes, outputs, result.prompt, step_time=time.time())
+
+    def _name_beams(self, outputs: list[Tokens]) -> list[Tokens]:
+        """A finished beam search's records (its n best, best first) named as its choices."""
+        named, seen = [], {}
+        for t in outputs:
+            choices = self.beam_choices.get(t.request_id)
+            if choices is not None:
+                i = seen[t.request_id] = seen.get(t.request_id, -1) + 1
+                t = replace(t, request_id=choices[i])
+            named.append(t)
+        return named
 
     def beat(self) -> None:
         """Every heartbeat period: expire stale early aborts, publish engine stats."""

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway import structured, tools
+from services.gateway.beam import KEYS as BEAM_KEYS
+from services.gateway.beam import check_beam, parse_beam
 from services.gateway.chat_messages import parse_messages
 from services.gateway.errors import APIError, bad_request, not_found
 from services.gateway.validation import (
@@ -71,7 +73,7 @@ _COMMON_KEYS = frozenset({
     "stop", "stream", "stream_options", "temperature", "top_p", "user",
     # vLLM extensions we implement
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "logit_bias",
+    "logit_bias", *BEAM_KEYS,
 })
 # Known OpenAI fields we do not implement, with the values that ask for nothing (null is too).
 _COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",)}
@@ -157,7 +159,8 @@ def parse_completion(body: Any, model_name: str, *,
     best_of = get_int(body, "best_of", n, lo=1, hi=MAX_N)
     if best_of < n:
         raise bad_request(f"best_of ({best_of}) must be at least n ({n})", "best_of")
-    if best_of > n and get_bool(body, "stream", False):
+    beam = parse_beam(body, n, best_of)
+    if best_of > n and get_bool(body, "stream", False) and not beam:
         raise bad_request("best_of > n cannot be streamed (the best are known at the end)",
                           "best_of")
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
@@ -169,8 +172,8 @@ def parse_completion(body: Any, model_name: str, *,
                    discard_output=max_tokens == 0,
                    max_tokens=1 if max_tokens == 0 else max_tokens, max_param="max_tokens",
                    defaults=defaults, fallback_max_tokens=COMPLETION_MAX_TOKENS,
-                   add_generation_prompt=False,
-                   best_of=best_of if best_of > n else 0)
+                   add_generation_prompt=False, beam=beam,
+                   best_of=best_of if best_of > n and not beam else 0)
 
 
 def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
@@ -196,7 +199,7 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, defaults=defaults, fallback_max_tokens=CHAT_MAX_TOKENS,
                    add_generation_prompt=get_bool(body, "add_generation_prompt", True),
-                   tools=tools.parse_tools(body, tool_parser))
+                   tools=tools.parse_tools(body, tool_parser), beam=parse_beam(body, n, n))
 
 
 def _check_body(body: Any, model_name: str, allowed: frozenset[str],
@@ -259,7 +262,7 @@ def _stream_fields(body: dict) -> tuple[bool, bool]:
 
 def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool, top_logprobs: int,
                      prompt_logprobs: int | None, max_param: str,
-                     defaults: GenerationDefaults) -> SamplingParams:
+                     defaults: GenerationDefaults, beam: dict) -> SamplingParams:
     """SamplingParams from the sampling fields, the model's `defaults` where they are unset;
     range errors become 400s naming the field."""
     stop_ids = body.get("stop_token_ids")
@@ -284,6 +287,7 @@ def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool, top_logprob
             presence_penalty=get_number(body, "presence_penalty", 0.0),
             frequency_penalty=get_number(body, "frequency_penalty", 0.0),
             logit_bias=_logit_bias(body.get("logit_bias")),
+            **beam,
         )
     except InvalidParams as exc:
         param = max_param if exc.param == "max_tokens" else exc.param
@@ -312,14 +316,15 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_param: str,
             defaults: GenerationDefaults, fallback_max_tokens: int, n: int, logprobs: bool,
-            top_logprobs: int, prompt_logprobs: int | None = None,
+            top_logprobs: int, prompt_logprobs: int | None = None, beam: dict,
             **fields: Any) -> GenerationRequest:
-    """Validate the fields both endpoints share and build the request."""
+    """Validate the fields both endpoints share and build the request (`beam`: its beam
+    search fields, services/gateway/beam.py)."""
     stream, include_usage = _stream_fields(body)
     params = _sampling_params(  # best_of ranks choices by their logprobs: compute sends them
         body, logprobs=logprobs or fields.get("best_of", 0) > 0, top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs, max_param=max_param, defaults=defaults,
-        max_tokens=defaults.max_tokens_for(max_tokens, fallback_max_tokens))
+        max_tokens=defaults.max_tokens_for(max_tokens, fallback_max_tokens), beam=beam)
     grammar = structured.parse_grammar(body, chat=kind == "chat")
     calls = fields.get("tools") and fields["tools"].grammar()  # required or a named function
     if calls is not None:
@@ -327,6 +332,8 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
             raise bad_request("tool_choice required or a named function cannot be combined "
                               "with another output constraint", grammar.param)
         grammar = calls
+    if beam:
+        check_beam(top_logprobs, fields.get("echo", False), grammar is not None)
     return GenerationRequest(
         kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
         include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,

@@ -142,6 +142,8 @@ class Tokenizer:
                       length_features=feats,
                       prompt_ids=packed if params.prompt_logprobs is not None else None)
         resumes = req.resume or [Resume(i, 0, array("i"), 0) for i in range(req.n)]
+        if params.beam_width:  # one search for all n choices: compute names them
+            resumes = [Resume(0, max(r.attempt for r in resumes), array("i"), 0)]
         return [self._choice(req.request_id, r, packed, params, route, quantiles, req.grammar)
                 for r in resumes]
 

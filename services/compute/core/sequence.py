@@ -21,6 +21,13 @@ class GrammarLike(Protocol):
     def done(self) -> bool: ...
 
 
+class BeamsLike(Protocol):
+    """What a sequence needs of its beam search (beam.search.BeamSearch)."""
+
+    width: int  # beams, each in a lane of max_len slots
+    k: int  # candidates each of its rows returns
+
+
 class SeqStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -56,6 +63,9 @@ class Sequence:
     # with params.prompt_logprobs: of token_ids[1 : 1 + len(prompt_logprobs)]
     prompt_logprobs: list[float] = field(default_factory=list)
     grammar: GrammarLike | None = None  # structured output: its matcher (compute/structured.py)
+    # beam search (services/compute/beam/): its search; its segment holds one lane of max_len
+    # slots per beam, and token_ids holds the prompt then the best running beam's tokens
+    beams: BeamsLike | None = None
 
     def __post_init__(self):
         if self.num_prompt < 0:
@@ -79,6 +89,20 @@ class Sequence:
         if self.params.prompt_logprobs is None:
             return range(0)
         return range(1 + len(self.prompt_logprobs), self.num_prompt)
+
+    @property
+    def top_rows(self) -> int:
+        """How many most likely tokens its rows return: the K candidates of a beam search,
+        else the top_logprobs asked for."""
+        return self.params.top_logprobs if self.beams is None else self.beams.k
+
+    @property
+    def kv_extent(self) -> int:
+        """Slots from kv_start that hold its K/V (what a move of its segment copies): the
+        first num_cached, in each beam lane with beam search."""
+        if self.beams is None:
+            return self.num_cached
+        return (self.beams.width - 1) * self.max_len + self.num_cached
 
     @property
     def pending(self) -> int:

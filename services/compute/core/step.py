@@ -19,10 +19,12 @@ class ScheduledStep:
     # speculative decodes (services/compute/speculative/): (seq, its drafts d1..dk), k + 1
     # decode rows: its pending token and the k drafts
     verifies: list[tuple[Sequence, list[int]]] = field(default_factory=list)
+    # beam searches (services/compute/beam/): a decode row per running beam, each in its lane
+    beams: list[Sequence] = field(default_factory=list)
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, chunk length)
     moves: list[tuple[int, int, int]] = field(default_factory=list)
     # one per logits row the step samples: all decodes, each verify's k + 1 rows (the seq
-    # repeated), then chunks ending their prompt
+    # repeated), each beam search's rows (likewise), then chunks ending their prompt
     sampled: list[Sequence] = field(default_factory=list)
     # parallel to sampled: the row's place among its sequence's rows (j of a verify's k + 1;
     # 0 for the others): it samples the output token num_output + j
@@ -39,6 +41,7 @@ class ScheduledStep:
     @property
     def num_tokens(self) -> int:
         return (len(self.decodes) + sum(1 + len(d) for _, d in self.verifies)
+                + sum(len(s.beams.running) for s in self.beams)
                 + sum(n for _, n in self.prefills))
 
 

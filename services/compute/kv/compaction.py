@@ -4,7 +4,7 @@ When free slots are enough but not contiguous where they are needed (for a new r
 segment, or for a running segment to grow), segments move: a KV copy of a segment costs a small
 fraction of recomputing its tokens (docs/benchmarks.md), and preempting requests whose slots are
 not adjacent would free space nobody can use. Every move is appended to the caller's `moves` as
-`(src, dst, num_cached)` in copy order (an overlap-safe copy in that order is correct) and the
+`(src, dst, kv_extent)` in copy order (an overlap-safe copy in that order is correct) and the
 moved sequences' `kv_start` is updated; segments holding no KV yet move without a copy.
 """
 
@@ -67,7 +67,7 @@ class Compactor:
         own segment, or a free block)."""
         a = self.allocator
         nb = segment_at(running, end)
-        if nb is None or nb.num_cached > self.budget:
+        if nb is None or nb.kv_extent > self.budget:
             return False
         after = a.free_after(nb.kv_start)
         start = a.allocate(nb.kv_reserved)  # nb still holds its range: no overlap
@@ -99,9 +99,9 @@ class Compactor:
         return True
 
     def _moved(self, seq: Sequence, start: int, moves: list) -> None:
-        if seq.num_cached:
-            moves.append((seq.kv_start, start, seq.num_cached))
-            self.budget -= seq.num_cached
+        if seq.kv_extent:
+            moves.append((seq.kv_start, start, seq.kv_extent))
+            self.budget -= seq.kv_extent
         seq.kv_start = start
         self.stats.moves += 1
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from services.compute.beam.group import commit_beams, lane_moves, restart
 from services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
 from services.compute.core.step import ScheduledStep, StepSample
 from services.compute.kv.allocator import KVAllocator
@@ -86,8 +87,10 @@ class Scheduler:
         while i < len(self.running):  # preemption victims come after i (admitted later)
             seq = self.running[i]
             if seq.pending == 1 and not seq.at_limit and self._make_room(seq, step):
-                drafts = self._drafts(seq, step, len(self.running) - i)
-                if drafts:
+                if seq.beams is not None:  # its forks' K/V copied first
+                    step.moves.extend(lane_moves(seq))
+                    step.beams.append(seq)
+                elif drafts := self._drafts(seq, step, len(self.running) - i):
                     step.verifies.append((seq, drafts))
                 else:
                     step.decodes.append(seq)
@@ -101,6 +104,7 @@ class Scheduler:
         self._admit_waiting(step, budget)
         rows = ([(s, 0) for s in step.decodes]
                 + [(s, j) for s, d in step.verifies for j in range(len(d) + 1)]
+                + [(s, 0) for s in step.beams for _ in s.beams.running]
                 + [(s, 0) for s, n in step.prefills if n == s.pending])
         step.sampled, step.offsets = [s for s, _ in rows], [j for _, j in rows]
         return step
@@ -146,15 +150,21 @@ class Scheduler:
             seq.num_cached += 1
         for seq, drafts in step.verifies:  # K/V of all k + 1: the rejected ones' overwritten
             seq.num_cached += 1 + len(drafts)
+        for seq in step.beams:  # one position, in every lane
+            seq.num_cached += 1
         for seq, n in step.prefills:
             seq.num_cached += n
             if self.prefix_cache is not None and seq.num_cached >= seq.num_prompt:
                 self.prefix_cache.share(seq)  # its prompt's K/V may serve others now
+        beams = set()  # the rows of a beam search sample one position
         for seq in step.sampled:
             if seq.status is SeqStatus.FINISHED:  # since it was scheduled: nothing to sample
                 step.token_index.append(-1)
                 continue
-            seq.token_ids.append(UNSAMPLED)
+            if seq not in beams:
+                seq.token_ids.append(UNSAMPLED)
+            if seq.beams is not None:
+                beams.add(seq)
             step.token_index.append(len(seq.token_ids) - 1)
 
     def commit(self, step: ScheduledStep, out: StepSample) -> StepSample:
@@ -169,16 +179,23 @@ class Scheduler:
             if seq.status is not SeqStatus.FINISHED:
                 seq.prompt_logprobs += piece.logprobs
                 done.prompt.append(piece)
-        drafts = dict(step.verifies)
+        drafts, beams = dict(step.verifies), {}
         for seq, index, record, j in zip(step.sampled, step.token_index, out.outputs,
                                          step.row_offsets, strict=True):
             if seq.status is SeqStatus.FINISHED or index >= len(seq.token_ids):
                 continue  # finished, or an earlier row's token rejected this row's draft
+            if seq.beams is not None:
+                beams.setdefault(seq, []).append(record)
+                continue
             seq.fill(index, record.token_ids[0], record.logprobs[0])
             record.start, record.finish_reason = index, seq.finish_reason
             done.outputs.append(record)
             if seq in drafts:
                 self.speculation.verified(seq, drafts[seq], j, index)
+            if seq.finish_reason is not None:
+                self._retire(seq)
+        for seq, records in beams.items():
+            done.outputs.extend(commit_beams(seq, records))
             if seq.finish_reason is not None:
                 self._retire(seq)
         return done
@@ -215,7 +232,9 @@ class Scheduler:
         self.allocator.free(seq.kv_start)
 
     def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
-        size = self.policy.reservation(seq)
+        # a beam search's segment: a lane of max_len slots per beam
+        size = self.policy.reservation(seq) if seq.beams is None else \
+            seq.beams.width * seq.max_len
         if not self.policy.can_admit(self.allocator, size):
             return False
         # requests asking for prompt logprobs bypass the cache: those are computed in prefill
@@ -302,13 +321,15 @@ class Scheduler:
         if start == seq.kv_start:
             self.stats.grows_in_place += 1
         else:
-            step.moves.append((seq.kv_start, start, seq.num_cached))
+            step.moves.append((seq.kv_start, start, seq.kv_extent))
             self.stats.moves += 1
         seq.kv_start, seq.kv_reserved = start, size
 
     def _preempt(self, seq: Sequence) -> None:
         """Free seq's KV and requeue it first in line; it recomputes prompt + output later."""
         self._release(seq)
+        if seq.beams is not None:
+            restart(seq)
         seq.num_cached, seq.kv_start, seq.kv_reserved = 0, -1, 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
