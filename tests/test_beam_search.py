@@ -137,7 +137,8 @@ def test_same_beams_and_scores_as_transformers(tiny, case):
     path, model, prompts = tiny
     at, kw = CASES[case]
     stops = [likely_stop(model, p, at) if at else None for p in prompts]
-    eng = engine(path, max_batched_tokens=16, max_running=8)  # chunks beside beam rows
+    # chunks beside beam rows, under the overlap schedule
+    eng = engine(path, max_batched_tokens=16, max_running=8, overlap_schedule="on")
     got = run_beams(eng, prompts, [beam_params(W, s, **kw) for s in stops],
                     extra=[(prompts[0][:3], greedy(6))])
     penalty = kw.get("length_penalty", 1.0)
@@ -188,6 +189,9 @@ def test_beam_search_refuses_what_it_cannot_follow(tiny):
     eng = engine(path)
     with pytest.raises(InvalidParams, match="resumed"):
         eng.add_request(prompts[0], beam_params(W), output_ids=[5])
+    sim = engine(path, backend="sim")
+    with pytest.raises(InvalidParams, match="simulated"):
+        sim.add_request(prompts[0], beam_params(W))
     with pytest.raises(InvalidParams):
         SamplingParams(beam_width=2, beam_n=3)
     with pytest.raises(InvalidParams, match="early_stopping"):

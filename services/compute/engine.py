@@ -117,6 +117,9 @@ class LLMEngine:
             grammar=None if grammar is None else GrammarState(grammar, list(output_ids)),
         )
         if params.beam_width:
+            if not getattr(self.runner, "scores_tokens", True):
+                raise InvalidParams("use_beam_search", "the simulated backend computes no "
+                                    "log-probabilities: beam search needs a model")
             seq.beams = _beam_search(seq, grammar, output_ids)
         try:
             self.scheduler.add(seq)
@@ -148,8 +151,8 @@ class LLMEngine:
         step's, or with the overlap schedule the step's before it."""
         self.tick()
         result = StepResult([], [])
-        if self._inflight and self._inflight[0].beams:  # its results pick the next beams
-            self._commit(result)
+        if self._inflight and any(s.beams is not None for s in self._inflight[0].sampled):
+            self._commit(result)  # its results pick the beams the next step runs
         step = self.scheduler.schedule()
         result.admitted.extend(s.request_id for s in step.admitted)
         result.cached_tokens.extend(s.cached_tokens for s in step.admitted)
