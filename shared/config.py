@@ -113,7 +113,8 @@ class SchedulerConfig:
     speculative_config: str | None = setting(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
-        "(drafts by prompt lookup, verified in one step; turns the overlap schedule off)",
+        "(drafts by prompt lookup, verified in one step; turns the overlap schedule off), or "
+        "a draft model: '{\"model\": PATH, \"num_speculative_tokens\": 4}'",
         group=SCHEDULING)
 
     def __post_init__(self):

@@ -5,8 +5,13 @@
 
 n-gram (prompt lookup) speculation proposes, for a request about to decode, the tokens that
 followed the latest earlier occurrence of its last n tokens (n from prompt_lookup_max down to
-prompt_lookup_min) in its prompt or output; no second model. A draft model
-(`{"model": PATH, ...}`) is refused for now, with a message saying so.
+prompt_lookup_min) in its prompt or output; no second model.
+
+    {"model": PATH, "num_speculative_tokens": 4}    ("method": "draft_model" may be given)
+
+A draft model (a small model sharing the target's vocabulary, a GGUF file or HF directory)
+proposes its k greedy tokens, in the compute process beside the target
+(services/compute/drafter.py).
 
 `disable_by_batch_size` (vLLM's key): no drafts while more than this many requests run. Extra
 rows are nearly free while a step is memory-bound and cost their share once it is
@@ -27,14 +32,15 @@ DISABLE_BY_BATCH_SIZE = 4
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """k tokens proposed per decode step by n-gram lookup with n in [n_min, n_max], while at
-    most disable_by_batch_size requests run."""
+    """k tokens proposed per decode step by n-gram lookup with n in [n_min, n_max], or by the
+    draft model at `model`, while at most disable_by_batch_size requests run."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = DISABLE_BY_BATCH_SIZE
-    method: str = "ngram"
+    method: str = "ngram"  # or "draft_model"
+    model: str | None = None  # the draft model's path (method draft_model)
 
     @classmethod
     def parse(cls, text: str | None) -> SpeculativeConfig | None:
@@ -52,16 +58,21 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"--speculative-config: unknown key {unknown[0]!r} (known: "
                              f"{', '.join(_KEYS)})")
-        if raw.get("model") is not None or raw.get("method", "ngram") != "ngram":
-            raise ValueError("--speculative-config: only n-gram speculation ({\"method\": "
-                             "\"ngram\", ...}) is implemented; draft models are not yet")
+        model = raw.get("model")
+        method = raw.get("method", "ngram" if model is None else "draft_model")
+        if method not in ("ngram", "draft_model") or (method == "draft_model") != \
+                isinstance(model, str):
+            raise ValueError("--speculative-config: method \"ngram\" (no model), or a draft "
+                             "model: {\"model\": PATH} with method \"draft_model\" or none; "
+                             f"got method {method!r} and model {model!r}")
         k = _positive(raw, "num_speculative_tokens", None)
         lo = _positive(raw, "prompt_lookup_min", 1)
         hi = _positive(raw, "prompt_lookup_max", max(lo, 4))
         if lo > hi:
             raise ValueError("--speculative-config: prompt_lookup_min must be <= "
                              "prompt_lookup_max")
-        return cls(k, lo, hi, _positive(raw, "disable_by_batch_size", DISABLE_BY_BATCH_SIZE))
+        return cls(k, lo, hi, _positive(raw, "disable_by_batch_size", DISABLE_BY_BATCH_SIZE),
+                   method, model)
 
 
 def _positive(raw: dict, key: str, default: int | None) -> int:

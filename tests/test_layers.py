@@ -17,7 +17,7 @@ FLOORS = {
     "kv": 1,
     "model": 2, "length": 2, "speculative": 2, "beam": 2,
     "scheduling": 3, "inflight": 3, "structured": 3,
-    "batch": 4, "cuda_graphs": 4, "sampling": 4,
+    "batch": 4, "cuda_graphs": 4, "sampling": 4, "drafter": 4,
     "runner": 5, "sim": 5,
     "engine": 6,
     "backend": 7, "warmup": 7,

@@ -55,6 +55,8 @@ class InFlight:
     prompt: PromptRows | None = None
     probes: torch.Tensor | None = None  # [C, r] float32: the length heads' probes
     probe_rows: list[int] | None = None  # [C]: their rows in step.sampled
+    drafts: torch.Tensor | None = None  # [sum of k] int64: the draft model's tokens, verify
+    # by verify (services/compute/drafter.py)
     ready: torch.cuda.Event | None = None  # recorded after the host copies were queued
 
     def seal(self) -> InFlight:
@@ -63,6 +65,8 @@ class InFlight:
             self.host_tokens, self.logprobs = to_host(self.tokens), to_host(self.logprobs)
         if self.probes is not None:
             self.probes = to_host(self.probes)
+        if self.drafts is not None:
+            self.drafts = to_host(self.drafts)
         if self.tokens is not None and self.tokens.is_cuda:
             self.ready = torch.cuda.Event()
             self.ready.record()
@@ -80,6 +84,11 @@ class InFlight:
             out.prompt = _prompt_records(self.prompt)
         if self.probes is not None:
             out.probes, out.probe_rows = self.probes.numpy(), self.probe_rows
+        if self.drafts is not None:
+            flat, out.drafts = self.drafts.tolist(), []
+            for _, drafts in self.step.verifies:
+                out.drafts.append(flat[: len(drafts)])
+                del flat[: len(drafts)]
         return out
 
 

@@ -9,6 +9,7 @@ forward, then `sampling` turns the logits into tokens, logprobs and top rows.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -18,6 +19,7 @@ from services.compute import sampling
 from services.compute.batch import build_batch
 from services.compute.core.step import ScheduledStep
 from services.compute.cuda_graphs import DecodeGraphs
+from services.compute.drafter import Drafter
 from services.compute.inflight import InFlight
 from services.compute.kv.kv_cache import KVCache
 from services.compute.kv.sizing import gpu_kv_budget
@@ -48,13 +50,19 @@ class ModelRunner:
         self.dtype = _DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
         self.quant, self.model = _load_model(config, model_config, self.device, self.dtype,
                                              max_model_len)
+        draft, draft_kv = _draft_model(config, model_config, self.device, self.dtype,
+                                       max_model_len)
         kv_shape = _kv_shape(config.kv_cache_dtype, model_config, self.dtype, self.device)
-        self.kv_bytes_per_token = KVCache.bytes_per_token(**kv_shape)
+        # a slot holds the target's K/V and, with a draft model, the draft's
+        self.kv_bytes_per_token = sum(KVCache.bytes_per_token(**s) for s in (kv_shape, draft_kv)
+                                      if s is not None)
         self.probe_dim, self.probe = _length_probe(config, model_config.hidden_size, self.device)
         self.probe_every = config.length_refine_every
         self.summary = {}  # what start-up reports (published with the engine stats)
         self.capacity = self._kv_capacity(config, kv_shape)
         self.kv, self.graphs = self._kv_cache_and_graphs(config, kv_shape)
+        self.drafter = None if draft is None else Drafter(draft, KVCache(
+            capacity=self.kv.k.shape[1], device=self.device, **draft_kv), self.device)
         self.summary |= self._describe(kv_shape["kv_dtype"])
         log.info("KV cache: %d slots on %s (%s)", self.capacity, self.device, self.kv.k.dtype)
 
@@ -104,14 +112,20 @@ class ModelRunner:
         this step's inputs on the device). The host does not wait for the device here."""
         for src, dst, n in step.moves:
             self.kv.move(src, dst, n)
+            if self.drafter is not None:
+                self.drafter.kv.move(src, dst, n)
         sampled = step.sampled
         mask = start_mask(sampled)  # grammars' bitmask, filled while the forward runs
         batch = build_batch(step, self.device, prev)
+        out = InFlight(step)
+        if self.drafter is not None:  # its tokens into the verify rows, then the target's
+            out.drafts = self.drafter.propose(step, batch)
         if self.graphs is not None and self.graphs.fits(batch):
             logits, hidden = self.graphs.run(batch)  # [S, vocab], [S, hidden]
         else:
             logits, hidden = self.model.forward_hidden(batch, self.kv)  # [S + R, ...]
-        out = InFlight(step)
+        if self.drafter is not None:
+            self.drafter.mirror(batch)
         if sampled and self.probe is not None:
             self._probe(out, hidden, step)
         if batch.prompt_spans:
@@ -153,6 +167,22 @@ def _load_model(config: EngineConfig, model_config: ModelConfig, device: torch.d
     if quant.int8_activations:  # W8A8: SmoothQuant, calibrated at load
         smoothing.smooth(model_config, weights, device)
     return quant, LlamaModel(model_config, weights, device, max_model_len, quant)
+
+
+def _draft_model(config: EngineConfig, target: ModelConfig, device: torch.device,
+                 dtype: torch.dtype, max_model_len: int) -> tuple[LlamaModel | None, dict | None]:
+    """The draft model of --speculative-config {"model": PATH}, loaded as the target is
+    (--quantization, --dtype), and its KV shape; (None, None) without one."""
+    spec = config.scheduler.speculative
+    if spec is None or spec.model is None:
+        return None, None
+    draft = ModelConfig.from_path(spec.model)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the "
+                         f"target's ({target.vocab_size}): it must share the target's tokenizer")
+    _, model = _load_model(replace(config, model=spec.model), draft, device, dtype,
+                           max_model_len)
+    return model, _kv_shape(config.kv_cache_dtype, draft, dtype, device)
 
 
 def _kv_shape(kv_dtype: str, model_config: ModelConfig, dtype: torch.dtype,

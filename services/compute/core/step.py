@@ -57,6 +57,8 @@ class StepSample:
     prompt: list[Tokens] = field(default_factory=list)
     probes: Any = None  # numpy [C, r]: the length heads' probes at checkpoint rows, or None
     probe_rows: list[int] | None = None  # [C]: their rows in the step's sampled
+    drafts: list[list[int]] | None = None  # the draft model's tokens of each verify (in
+    # ScheduledStep.verifies order), where its drafts were DRAFTED placeholders
 
     @classmethod
     def of(cls, step: ScheduledStep, tokens: list[int],

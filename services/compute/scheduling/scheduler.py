@@ -180,6 +180,8 @@ class Scheduler:
                 seq.prompt_logprobs += piece.logprobs
                 done.prompt.append(piece)
         drafts, beams = dict(step.verifies), {}
+        if out.drafts is not None:  # the draft model's, in place of their placeholders
+            drafts = {seq: d for (seq, _), d in zip(step.verifies, out.drafts, strict=True)}
         for seq, index, record, j in zip(step.sampled, step.token_index, out.outputs,
                                          step.row_offsets, strict=True):
             if seq.status is SeqStatus.FINISHED or index >= len(seq.token_ids):

@@ -4,6 +4,7 @@ committed row of a verify means for its sequence (services/compute/speculative/ 
 from __future__ import annotations
 
 from services.compute.core.sequence import Sequence
+from services.compute.speculative.draft import DraftModelProposer
 from services.compute.speculative.ngram import NgramProposer
 from shared.speculative import SpeculativeConfig
 
@@ -13,7 +14,8 @@ class Speculation:
     counts drafts and accepted ones in `draft_tokens`, `accepted_tokens`."""
 
     def __init__(self, config: SpeculativeConfig):
-        self.proposer = NgramProposer(config)
+        self.proposer = NgramProposer(config) if config.method == "ngram" else \
+            DraftModelProposer(config)
         self.max_batch = config.disable_by_batch_size  # running requests, at most
         self.draft_tokens = self.accepted_tokens = 0
 
