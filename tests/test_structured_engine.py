@@ -238,3 +238,23 @@ def test_json_grammars_never_allow_control_characters(compiler):
         bit = (words[token // 32] >> (token % 32)) & 1
         assert bit == (not any(c < 0x20 and c != 0x0A for c in raw)), (token, raw)
     assert compiler.compile(GrammarSpec("regex", "a")).allowed is None
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=80, temperature=0),
+                                    SamplingParams(max_tokens=80, temperature=0.7, seed=3)],
+                         ids=["greedy", "seeded"])
+def test_speculation_keeps_the_grammar_and_the_tokens(demo_model_dir, tok, compiler, params):
+    """n-gram drafts are cut to what the grammar accepts, and each verify row is masked as
+    after the drafts before it: the outputs are those without speculation, and drafts of the
+    JSON the prompts hold are accepted."""
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA), "compact")
+    record = '{"name": "ab", "n": 12, "tags": ["x", "y"]}'
+    prompts = [f"{record} {record} {p}" for p in PROMPTS]
+    want = _run(_engine(demo_model_dir), tok, compiler, spec, params, prompts=prompts)
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 4,
+                        "prompt_lookup_min": 1, "disable_by_batch_size": 8})
+    engine = _engine(demo_model_dir, scheduler=SchedulerConfig(speculative_config=ngram))
+    got = _run(engine, tok, compiler, spec, params, prompts=prompts)
+    assert [(t, f) for t, f, _ in got] == [(t, f) for t, f, _ in want]
+    stats = engine.stats()
+    assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens, stats

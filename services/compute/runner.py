@@ -115,7 +115,8 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.kv.move(src, dst, n)
         sampled = step.sampled
-        mask = start_mask(sampled)  # grammars' bitmask, filled while the forward runs
+        mask = start_mask(sampled, dict(step.verifies))  # grammars' bitmask, filled while
+        # the forward runs
         batch = build_batch(step, self.device, prev)
         out = InFlight(step)
         if self.drafter is not None:  # its tokens into the verify rows, then the target's

@@ -4,8 +4,10 @@ sequence (choice), the step's token bitmask, and the token each sampled row comm
     GrammarQueue(model)              requests waiting for their grammar, compiled in a thread
     GrammarState(grammar, replay)    a sequence's matcher; `replay`: tokens it already generated
                                      (a request resumed after a crash continues its grammar)
-    start_mask(seqs)                 -> the step's bitmask being filled in a thread (the overlap
-                                     schedule: launched before the forward pass), or None
+    start_mask(seqs, drafts)         -> the step's bitmask being filled in a thread (the overlap
+                                     schedule: launched before the forward pass), or None; a
+                                     speculative verify's row j is masked as after its first
+                                     j drafts (each in the grammar: `valid_prefix`)
     mask_logits(logits, seqs, mask)  -> logits [S, vocab] with every token the grammar of a row
                                      forbids at -inf (rows without a grammar unchanged)
 
@@ -78,6 +80,25 @@ class GrammarState:
         """Whether the output is complete (terminated) or cannot go on (rejected)."""
         return self.rejected or self.matcher.is_terminated()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts from here (it stays here)."""
+        n = 0
+        while n < len(tokens) and not self.rejected and self.matcher.accept_token(tokens[n]):
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def fill_rows(self, bitmask: np.ndarray, first: int, drafts: list[int]) -> None:
+        """Rows first .. first + len(drafts) of the bitmask: the tokens allowed next, then
+        after each draft in turn (all in the grammar: valid_prefix); it stays here."""
+        for j, token in enumerate([None, *drafts]):
+            if token is not None:
+                self.matcher.accept_token(token)
+            self.fill(bitmask, first + j)
+        if drafts:
+            self.matcher.rollback(len(drafts))
+
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Row `row` of the step's bitmask int32 [S, ceil(vocab / 32)]: the tokens allowed
         next."""
@@ -89,21 +110,26 @@ class GrammarState:
 _FILLER = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
 
-def start_mask(seqs: list) -> Future | None:
+def start_mask(seqs: list, drafts: dict | None = None) -> Future | None:
     """The bitmask int32 [S, ceil(vocab / 32)] of the grammar rows of `seqs` (one per sampled
-    row), filled in a thread; None when no row has a grammar. The matchers must stay put
-    until it is done (the step's sampling waits for it). The thread runs no torch op: one
-    would start an OpenMP team of its own beside the forward pass's, measured to slow every
-    later step by ~25% on 2 cores."""
-    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-    if not rows:
+    row; a speculative verify's k + 1 rows in a row, `drafts`: {seq: its drafts}), filled in
+    a thread; None when no row has a grammar. The matchers must stay put until it is done
+    (the step's sampling waits for it). The thread runs no torch op: one would start an
+    OpenMP team of its own beside the forward pass's, measured to slow every later step by
+    ~25% on 2 cores."""
+    drafts = drafts or {}
+    firsts = {}  # each grammar sequence's first row
+    for i, s in enumerate(seqs):
+        if s.grammar is not None:
+            firsts.setdefault(s, i)
+    if not firsts:
         return None
-    words = (seqs[rows[0]].grammar.vocab_size + 31) // 32
+    words = (next(iter(firsts)).grammar.vocab_size + 31) // 32
     bitmask = np.full((len(seqs), words), -1, dtype=np.int32)  # all allowed (xgrammar's)
 
     def fill() -> np.ndarray:
-        for i in rows:
-            seqs[i].grammar.fill(bitmask, i)
+        for s, first in firsts.items():
+            s.grammar.fill_rows(bitmask, first, drafts.get(s, []))
         return bitmask
 
     return _FILLER.submit(fill)

@@ -17,20 +17,26 @@ class Speculation:
         self.proposer = NgramProposer(config) if config.method == "ngram" else \
             DraftModelProposer(config)
         self.max_batch = config.disable_by_batch_size  # running requests, at most
+        self.host_drafts = config.method == "ngram"  # drafts known when scheduled
         self.draft_tokens = self.accepted_tokens = 0
 
     def drafts(self, seq: Sequence, running: int, budget: int) -> list[int]:
         """Drafts for seq's decode: as many as its limits leave room for (every accepted token
         must be one it may still generate), its KV segment holds as reserved (drafts never
         grow a segment, so never preempt anyone) and `budget` (the step's tokens left after
-        one for every request still to decode); none for requests whose sampling reads their
-        tokens (penalties, a grammar), nor while more than disable_by_batch_size requests
-        run (`running`)."""
-        if seq.grammar is not None or seq.params.has_penalties or running > self.max_batch:
+        one for every request still to decode); with a grammar, the drafts it accepts (each
+        verify row is masked as after the drafts before it); none for requests whose sampling
+        reads their tokens (penalties), nor for a grammar's drafts a draft model would propose
+        (unknown to the host until the step runs), nor while more than disable_by_batch_size
+        requests run (`running`)."""
+        if seq.params.has_penalties or running > self.max_batch or \
+                (seq.grammar is not None and not self.host_drafts):
             return []
         limit = min(budget, seq.params.max_tokens - seq.num_output - 1,
                     seq.max_len - seq.num_tokens - 1, seq.kv_reserved - seq.num_tokens)
         drafts = self.proposer.propose(seq, limit)
+        if seq.grammar is not None:
+            drafts = drafts[: seq.grammar.valid_prefix(drafts)]
         self.draft_tokens += len(drafts)
         return drafts
 
