@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 
 from tests.stack import Stack
+from tests.test_speculative import spec_metrics
 
 MODEL = "demo-llama"
 STREAMS, BATCH = 10, 2
@@ -137,3 +138,23 @@ def test_kill_compute_mid_grammar_resumes_the_grammar(stack):
     for r, w in zip(results, want, strict=True):
         assert (r["error"], r["text"], r["finish"]) == (None, w["text"], "length")
         assert re.fullmatch(GRAMMAR + " ?", r["text"]), r["text"]
+
+
+def test_kill_compute_while_speculating_resumes_token_exactly(demo_model_dir):
+    """With n-gram speculation (every request speculating): compute's restart resumes each
+    choice from its delivered tokens, and every text is the uninterrupted run's (which is
+    plain decoding's: speculation changes no greedy token)."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                       "disable_by_batch_size": 64})
+    s = Stack(demo_model_dir, "--max-batched-tokens", "32", "--max-running", "32",
+              "--speculative-config", spec, embedded_redis=True).start()
+    try:
+        want, _ = asyncio.run(run_round(s))
+        assert all(r["error"] is None and r["finish"] == "length" for r in want), want
+        assert spec_metrics(s)["vllm:spec_decode_num_accepted_tokens_total"] > 0
+        old = s.pid("compute")
+        results, _ = asyncio.run(run_round(s, lambda: os.kill(old, signal.SIGKILL)))
+        for r, w in zip(results, want, strict=True):
+            assert (r["error"], r["text"], r["finish"]) == (None, w["text"], "length")
+    finally:
+        s.stop()
