@@ -127,7 +127,7 @@ class BatchRunner:
             for deltas in out.deltas.values():
                 for delta in deltas:
                     self._take(delta)
-            on_step(len(result.outputs))
+            on_step(sum(len(t.token_ids) for t in result.outputs))
 
     def _take(self, delta: Delta) -> None:
         item, choice = self.live[delta.request_id]

@@ -170,8 +170,9 @@ class Scheduler:
     def commit(self, step: ScheduledStep, out: StepSample) -> StepSample:
         """Apply an advanced step's results, in step order: fill in the sampled tokens (and
         the prompt logprobs asked for), retire the requests they finish. Returns the records
-        applied, each output's place and finish filled in; requests finished or aborted since
-        the step was scheduled are left out (their extra token is dropped)."""
+        applied (the rows a verify commits merged into one), each one's place and finish filled
+        in; requests finished or aborted since the step was scheduled are left out (their
+        extra token is dropped)."""
         done = StepSample()
         prefilled = {seq.request_id: seq for seq, _ in step.prefills}
         for piece in out.prompt:
@@ -191,7 +192,11 @@ class Scheduler:
                 continue
             seq.fill(index, record.token_ids[0], record.logprobs[0])
             record.start, record.finish_reason = index, seq.finish_reason
-            done.outputs.append(record)
+            last = done.outputs[-1] if done.outputs else None
+            if j and last is not None and last.request_id == seq.request_id:
+                last.extend(record)  # a verify's tokens travel in one record
+            else:
+                done.outputs.append(record)
             if seq in drafts:
                 self.speculation.verified(seq, drafts[seq], j, index)
             if seq.finish_reason is not None:
