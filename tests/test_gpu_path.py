@@ -110,3 +110,48 @@ def test_overlap_on_cuda_gives_the_plain_streams(demo_model_dir):
     assert overlapped.overlap  # auto: on for CUDA
     _assert_same_streams(_run(overlapped, params), _run(plain, params))
     assert len(PROMPTS) == len(params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_verify_steps_replay_in_cuda_graphs(demo_model_dir, method):
+    """A speculative verify step is decode-only (k + 1 rows a request): a graph replays it,
+    and the tokens are the eager engine's and plain decoding's; a draft model's own passes
+    run eagerly beside it."""
+    import json
+
+    spec = {"num_speculative_tokens": 3, "disable_by_batch_size": 16,
+            **({"method": "ngram", "prompt_lookup_min": 1} if method == "ngram"
+               else {"model": str(demo_model_dir)})}
+    prompts = [[1] + [(5 * i + j) % 40 + 3 for j in range(8)] * 3 for i in range(4)]
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    plain = build_engine(_config(demo_model_dir, enforce_eager=True))
+    want = [s.output_ids for s in plain.generate(prompts, greedy)]
+    engine = build_engine(_config(demo_model_dir, speculative_config=json.dumps(spec)))
+    replays, run = [0], engine.runner.graphs.run
+
+    def counted(batch):
+        replays[0] += batch.num_decodes > 4  # more rows than requests: verify rows
+        return run(batch)
+
+    engine.runner.graphs.run = counted
+    assert [s.output_ids for s in engine.generate(prompts, greedy)] == want
+    assert replays[0] > 0 and engine.stats().spec_accepted_tokens > 0
+
+
+@pytest.mark.gpu
+def test_beam_search_on_cuda_gives_the_cpus_beams(demo_model_dir):
+    """Beam rows are decode rows in lanes (replayed by the graphs): the same beams as the
+    CPU's float32 engine."""
+    params = SamplingParams(max_tokens=12, beam_width=4, beam_n=4, ignore_eos=True)
+    prompts = PROMPTS[:3]
+    out = {}
+    for device in ("cpu", "cuda"):
+        engine = build_engine(_config(demo_model_dir, device))
+        ids = [engine.add_request(p, params) for p in prompts]
+        got = {rid: [] for rid in ids}
+        while engine.has_work():
+            for r in engine.step().outputs:
+                got[r.request_id].append(list(r.token_ids))
+        out[device] = [got[rid] for rid in ids]
+    assert out["cuda"] == out["cpu"]
