@@ -89,6 +89,23 @@ class Child:
         stream.close()
 
 
+def compute_env(engine: EngineConfig, n: int, rank: int) -> dict[str, str]:
+    """What compute process `rank` of n gets besides the common settings: its rank, its
+    device (the rank-th visible GPU) and, on a CPU without --threads, its share of the
+    cores."""
+    if n == 1:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(n)]
+    env = {"PIPELLM_DATA_PARALLEL_RANK": str(rank),
+           "CUDA_VISIBLE_DEVICES": devices[rank % len(devices)]}
+    if engine.threads == 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        env["PIPELLM_THREADS"] = str(max(cores // n, 1))
+    return env
+
+
 class Supervisor:
     """The children of `pipellm serve`: the embedded redis-server (when there is one) first, then
     the services; stopped in the reverse order."""
@@ -98,11 +115,13 @@ class Supervisor:
         self.svc = svc
         env = {**os.environ, **env_for(engine), **env_for(svc)}
         cmd = [sys.executable, "-m", "services.cli", "service"]
-        services = ["compute", "detokenizer"] + ["tokenizer"] * svc.tokenizers
-        services.append("gateway")
-        names = services[:2] + [f"tokenizer-{i}" for i in range(svc.tokenizers)]
-        self.children = [Child(name, cmd + [service], env)
-                         for name, service in zip(names + ["gateway"], services, strict=True)]
+        n = svc.data_parallel_size
+        self.children = [Child("compute" if n == 1 else f"compute-{r}", cmd + ["compute"],
+                               {**env, **compute_env(engine, n, r)}) for r in range(n)]
+        self.children += [Child(name, cmd + [service], env) for name, service in
+                          [("detokenizer", "detokenizer")]
+                          + [(f"tokenizer-{i}", "tokenizer") for i in range(svc.tokenizers)]
+                          + [("gateway", "gateway")]]
         self.redis = redis
         if redis is not None:
             self.children.insert(0, Child("redis", redis.argv(), env))
@@ -165,9 +184,11 @@ def check_ports(svc: ServiceConfig) -> None:
     zmq addresses), before anything starts."""
     addrs = [(svc.host or "0.0.0.0", svc.port, "--port")]
     for name in ("tokenizer", "compute", "control", "detokenizer", "gateway"):
-        given = getattr(svc, f"{name}_addr")
-        if given.startswith("tcp://"):
-            url = urllib.parse.urlsplit(given)
+        ranks = svc.data_parallel_size if name in ("compute", "control") else 1
+        given = [svc.addr(name, r) for r in range(ranks)] if getattr(svc, f"{name}_addr") \
+            else []
+        for addr in (a for a in given if a.startswith("tcp://")):
+            url = urllib.parse.urlsplit(addr)
             addrs.append((url.hostname or "0.0.0.0", url.port or 0, f"--{name}-addr"))
     for host, port, flag in addrs:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
@@ -186,7 +207,7 @@ def banner(engine: EngineConfig, svc: ServiceConfig) -> str:
     stats, client = {}, redis.Redis.from_url(svc.redis_url)
     for _ in range(20):  # compute publishes them every --heartbeat-s
         try:
-            stats = state.decode_hash(client.hgetall(state.STATS_KEY))
+            stats = state.decode_hash(client.hgetall(state.stats_key(svc.server)))
         except redis.RedisError:
             break
         if "device" in stats:
@@ -213,6 +234,12 @@ def _weights(stats: dict) -> str:
     return f", weights {stats['weights_gib']} GiB" + ("" if quant == "none" else f" ({quant})")
 
 
+def default_server_id(port: int) -> str:
+    """<host>-<port>: unique per machine and port (per container under compose), the same
+    across restarts of one server."""
+    return f"{socket.gethostname()}-{port}".replace(":", "-")
+
+
 def up(engine: EngineConfig, svc: ServiceConfig) -> int:
     check_ports(svc)
     own_run_dir = not svc.run_dir
@@ -225,7 +252,8 @@ def up(engine: EngineConfig, svc: ServiceConfig) -> int:
         os.makedirs(embedded.dir, exist_ok=True)
         redis_url = embedded.url
         log.info("embedded redis at %s (data in %s)", redis_url, embedded.dir)
-    svc = dataclasses.replace(svc, run_dir=run_dir, redis_url=redis_url)
+    svc = dataclasses.replace(svc, run_dir=run_dir, redis_url=redis_url,
+                              server_id=svc.server_id or default_server_id(svc.port))
     sup = Supervisor(engine, svc, embedded)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -306,6 +306,22 @@ class ServiceConfig:
     request_ttl_s: int = setting(3600, "seconds a finished request's state stays in Redis",
                                  group=WIRING)
     heartbeat_s: float = setting(0.5, "seconds between each service's heartbeats", group=WIRING)
+    data_parallel_size: int = setting(
+        1, "compute processes, one per device (vLLM's --data-parallel-size): with CUDA, "
+        "devices 0..N-1 of those visible; on a CPU each gets its share of the cores. A "
+        "tokenizer sends each request to the one with the lowest predicted KV demand",
+        group=WIRING)
+    data_parallel_routing: str = setting(
+        "auto", "how a tokenizer picks the compute process: predicted-load (the lowest "
+        "predicted KV demand), predicted-load-affinity (the same, preferring the one that "
+        "cached the prompt's prefix), cache-aware (SGLang router's rule), round-robin; auto: "
+        "predicted-load-affinity with --enable-prefix-caching, else predicted-load",
+        group=WIRING)
+    data_parallel_rank: int = setting(0, "this compute process's rank (set by pipellm serve)",
+                                      group=WIRING)
+    server_id: str = setting("", "this server's name in Redis (its services' heartbeats and "
+                             "engine stats), so that servers behind a router may share one "
+                             "Redis; empty: `pipellm serve` takes <host>-<port>", group=WIRING)
 
     def __post_init__(self):
         if self.tool_call_parser not in ("", *TOOL_CALL_PARSERS):
@@ -314,6 +330,13 @@ class ServiceConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.tokenizer_workers < 0:
             raise ValueError("--tokenizer-workers must be 0 (automatic) or more")
+        from shared.routing import POLICIES
+
+        if self.data_parallel_routing not in ("auto", *POLICIES):
+            raise ValueError(f"--data-parallel-routing must be auto or one of "
+                             f"{', '.join(POLICIES)}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError("--data-parallel-size must be at least 1 (and a rank below it)")
         if self.max_prompt_bytes < 0:
             raise ValueError("--max-prompt-bytes must be 0 (automatic) or more")
         self.origins()  # a malformed --allowed-origins fails at start-up
@@ -342,14 +365,32 @@ class ServiceConfig:
                 raise ValueError("--allowed-origins must be a list of strings")
         return frozenset(i.strip().rstrip("/") for i in items if i.strip())
 
-    def addr(self, name: str) -> str:
-        """The zmq address of channel `name` (tokenizer, compute, control, detokenizer, gateway)."""
+    def routing_policy(self, prefix_caching: bool) -> str:
+        """The routing policy's name (--data-parallel-routing, auto resolved)."""
+        if self.data_parallel_routing != "auto":
+            return self.data_parallel_routing
+        return "predicted-load-affinity" if prefix_caching else "predicted-load"
+
+    @property
+    def server(self) -> str:
+        """server_id, or "default" (services started alone without one)."""
+        return self.server_id or "default"
+
+    def addr(self, name: str, rank: int = 0) -> str:
+        """The zmq address of channel `name` (tokenizer, compute, control, detokenizer,
+        gateway); of compute process `rank`'s for compute and control: a given tcp address's
+        port plus the rank, or its own ipc socket."""
         given = getattr(self, f"{name}_addr")
+        if given and rank:
+            host, _, port = given.rpartition(":")
+            if not given.startswith("tcp://") or not port.isdigit():
+                raise ValueError(f"--{name}-addr with --data-parallel-size needs tcp://HOST:PORT")
+            return f"{host}:{int(port) + rank}"
         if given:
             return given
         if not self.run_dir:
             raise ValueError(f"--{name}-addr or --run-dir must be set")
-        return f"ipc://{self.run_dir}/{name}.sock"
+        return f"ipc://{self.run_dir}/{name}{f'-{rank}' if rank else ''}.sock"
 
 
 def auto_tokenizer_workers(cores: int | None = None) -> int:

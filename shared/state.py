@@ -3,8 +3,13 @@
     pipellm:req:<id>             hash: status (queued -> running -> finished | aborted | failed),
                                  timestamps (*_at, unix seconds), token counts, finish reasons;
                                  expires request_ttl_s after the request ends
-    pipellm:svc:<service>:<instance>   heartbeat, expires after a few missed beats
-    pipellm:stats                hash: the compute engine's gauges and counters
+    pipellm:svc:<server>:<service>:<instance>   heartbeat, expires after a few missed beats
+    pipellm:stats:<server>:<rank>   hash: a compute engine's gauges and counters (rank: its
+                                 data-parallel rank); expires after a few missed beats
+
+Several servers may share one Redis (behind a router): request ids are unique, the length
+predictor is shared on purpose, and heartbeats and engine stats are scoped by the server's
+id (`--server-id`: by default host-port), so each gateway watches its own services only.
 
 Writers queue commands on a pipeline (sync or asyncio; the same functions serve both) and
 execute it once per batch, never a round trip per token.
@@ -67,26 +72,44 @@ def incr_request(pipe, request_id: str, name: str, amount: int) -> None:
     pipe.hincrby(req_key(request_id), name, amount)
 
 
-def heartbeat(pipe, service: str, instance: str, ttl_s: float) -> None:
-    pipe.set(f"{PREFIX}svc:{service}:{instance}", str(time.time()), px=int(ttl_s * 1000))
+def heartbeat(pipe, server: str, service: str, instance: str, ttl_s: float) -> None:
+    pipe.set(f"{PREFIX}svc:{server}:{service}:{instance}", str(time.time()),
+             px=int(ttl_s * 1000))
 
 
-def set_stats(pipe, stats: dict[str, Any]) -> None:
-    pipe.hset(f"{PREFIX}stats", mapping={k: _str(v) for k, v in stats.items()})
+def stats_key(server: str, rank: int = 0) -> str:
+    return f"{PREFIX}stats:{server}:{rank}"
+
+
+def stats_pattern(server: str) -> str:
+    """SCAN pattern of a server's engine stats, one hash per compute rank."""
+    return f"{PREFIX}stats:{server}:*"
+
+
+def set_stats(pipe, server: str, rank: int, stats: dict[str, Any], ttl_s: float) -> None:
+    key = stats_key(server, rank)
+    pipe.hset(key, mapping={k: _str(v) for k, v in stats.items()})
+    pipe.expire(key, max(int(ttl_s), 1))
+
+
+def service_pattern(server: str) -> str:
+    """SCAN pattern of a server's heartbeats."""
+    return f"{PREFIX}svc:{server}:*"
+
+
+def rank_of(instance: str) -> int:
+    """The data-parallel rank of a heartbeat's instance (Heartbeat's `rank`)."""
+    return int(instance.split(".", 1)[0]) if "." in instance else 0
 
 
 def live_services(keys: list[bytes | str]) -> dict[str, set[str]]:
-    """Heartbeat keys (from SCAN pipellm:svc:*) -> {service: {instances}}."""
+    """Heartbeat keys of one server (SCAN service_pattern) -> {service: {instances}}."""
     out: dict[str, set[str]] = {}
     for key in keys:
         key = key.decode() if isinstance(key, bytes) else key
-        _, _, service, instance = key.split(":", 3)
+        service, instance = key.rsplit(":", 2)[1:]
         out.setdefault(service, set()).add(instance)
     return out
-
-
-SERVICE_PATTERN = f"{PREFIX}svc:*"
-STATS_KEY = f"{PREFIX}stats"
 
 
 def decode_hash(raw: dict) -> dict[str, str]:
@@ -108,16 +131,20 @@ class Heartbeat:
     dead process. A Redis outage is logged, not raised; beats resume when Redis is back.
     """
 
-    def __init__(self, client: redis.Redis, service: str, period_s: float):
-        self.client, self.service, self.period_s = client, service, period_s
-        self.instance = uuid.uuid4().hex[:8]
+    def __init__(self, client: redis.Redis, server: str, service: str, period_s: float,
+                 rank: int = 0):
+        """`rank`: a compute process's data-parallel rank, the instance's first part."""
+        self.client, self.server, self.service = client, server, service
+        self.period_s = period_s
+        self.instance = f"{rank}.{uuid.uuid4().hex[:8]}"
         threading.Thread(target=self._run, name=f"heartbeat-{service}", daemon=True).start()
 
     def _run(self) -> None:
         healthy = True
         while True:
             try:
-                heartbeat(self.client, self.service, self.instance, 4 * self.period_s)
+                heartbeat(self.client, self.server, self.service, self.instance,
+                          4 * self.period_s)
                 healthy = True
             except redis.RedisError as e:
                 if healthy:

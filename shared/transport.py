@@ -106,3 +106,25 @@ class AsyncReceiver:
 
     async def recv(self) -> Any | None:
         return _decode((await self.sock.recv(copy=False)).bytes)
+
+
+class Fanout:
+    """One message to every one of several peers: control messages to every compute process
+    (the one holding a request is not known where aborts come from)."""
+
+    def __init__(self, senders: list[Sender]):
+        self.senders = senders
+
+    def send(self, msg: Any) -> None:
+        for s in self.senders:
+            s.send(msg)
+
+
+class AsyncFanout:
+    def __init__(self, senders: list[AsyncSender]):
+        self.senders = senders
+
+    async def send(self, msg: Any, wait_ms: int = 0) -> bool:
+        """True if every peer took it (AsyncSender.send)."""
+        sent = [await s.send(msg, wait_ms) for s in self.senders]
+        return all(sent)

@@ -111,8 +111,10 @@ def test_served_with_the_cache_usage_and_metrics_report_it(demo_model_dir):
         while (stats := stack.engine_stats())["pipellm_prefix_cache_queries_total"] < \
                 3 * first.usage.prompt_tokens and time.monotonic() < deadline:
             time.sleep(0.1)
+        _, text = stack.get("/metrics")
     finally:
         stack.stop()
+    check_vllm_metrics(text, stats, "demo", requests=3)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     n = first.usage.prompt_tokens
     assert n - 2 <= second.usage.prompt_tokens_details.cached_tokens < n  # all but the last
@@ -126,3 +128,26 @@ def test_served_with_the_cache_usage_and_metrics_report_it(demo_model_dir):
     assert stats["pipellm_prefix_cache_queries_total"] == 3 * n
     assert stats["pipellm_prefix_cache_hit_rate"] > 0.6
     assert stats["pipellm_prefix_cache_cached_tokens"] >= n
+
+
+def check_vllm_metrics(text: str, stats: dict[str, float], model: str, requests: int) -> None:
+    """/metrics parses as Prometheus text and carries vLLM's names beside pipellm's, with the
+    same figures: what routers and the Kubernetes inference gateway read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    engine = (("engine", "0"), ("model_name", model))
+    assert samples[("vllm:num_requests_running", engine)] == 0
+    assert samples[("vllm:num_requests_waiting", engine)] == 0
+    assert 0 <= samples[("vllm:kv_cache_usage_perc", engine)] <= 1
+    [info] = [labels for name, labels in samples if name == "vllm:cache_config_info"]
+    assert dict(info)["block_size"] == "16" and dict(info)["enable_prefix_caching"] == "True"
+    model_label = (("model_name", model),)
+    assert samples[("vllm:prefix_cache_hits_total", model_label)] == \
+        stats["pipellm_prefix_cache_hits_total"]
+    assert samples[("vllm:prefix_cache_queries_total", model_label)] == \
+        stats["pipellm_prefix_cache_queries_total"]
+    assert samples[("vllm:time_to_first_token_seconds_count", model_label)] == requests
+    assert samples[("vllm:e2e_request_latency_seconds_count", model_label)] == requests
+    assert samples[("vllm:generation_tokens_total", model_label)] > 0

@@ -26,8 +26,8 @@ def redis_url():
         yield r.url
 
 
-def beat(url: str, service: str, instance: str) -> None:
-    state.heartbeat(redis.Redis.from_url(url), service, instance, 30)
+def beat(url: str, service: str, instance: str, server: str = "default") -> None:
+    state.heartbeat(redis.Redis.from_url(url), server, service, instance, 30)
 
 
 def run_with_gateway(demo_model_dir, url, body, **svc):
@@ -49,6 +49,10 @@ def test_health_is_503_until_every_service_beats(demo_model_dir, redis_url):
         first = (r.status, (await r.json())["reason"])
         r = await client.post("/v1/completions", json={"prompt": "x"})
         refused = (r.status, r.headers.get("Retry-After"), (await r.json())["error"]["type"])
+        for s in state.SERVICES:  # another server's services, sharing the Redis: not ours
+            beat(redis_url, s, "a", server="other-8000")
+        await gw.health.refresh()
+        assert (await client.get("/health")).status == 503
         for s in state.SERVICES:
             beat(redis_url, s, "a")
         await gw.health.refresh()
@@ -82,7 +86,7 @@ def test_overload_429_restart_resumes_and_a_long_outage_fails(demo_model_dir, re
         await gw.health.refresh()
         sent = [codec.decode(await silent.recv()) for _ in range(2)]
         # then compute is gone for longer than RESUME_TIMEOUT_S: the request fails
-        client_redis.delete(*client_redis.keys(state.PREFIX + "svc:compute:*"))
+        client_redis.delete(*client_redis.keys(state.PREFIX + "svc:default:compute:*"))
         await gw.health.refresh()
         await asyncio.sleep(0.1)
         await gw.health.refresh()

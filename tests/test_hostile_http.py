@@ -29,7 +29,7 @@ def run_gateway(model_dir, url, body, healthy=True, **svc):
     redis.Redis.from_url(url).flushall()
     if healthy:
         for s in state.SERVICES:
-            state.heartbeat(redis.Redis.from_url(url), s, "a", 30)
+            state.heartbeat(redis.Redis.from_url(url), "default", s, "a", 30)
 
     async def main():
         cfg = ServiceConfig(redis_url=url, run_dir=tempfile.mkdtemp(prefix="pl-"), **svc)

@@ -53,6 +53,9 @@ class EngineStats:
     prefix_evictions: int = 0
     spec_draft_tokens: int = 0  # speculative drafts verified (vLLM's spec_decode_num_draft_tokens)
     spec_accepted_tokens: int = 0  # of them, accepted
+    demand: int = 0  # predicted KV tokens of the requests it holds (what routing balances)
+    requests: int = 0  # requests added since start
+    tokens: int = 0  # output tokens committed since start
 
 
 class LLMEngine:
@@ -74,6 +77,7 @@ class LLMEngine:
         # speculation proposes from committed tokens and commits a varying number of them
         self.overlap = self.overlap and config.scheduler.speculative is None
         self._inflight = None  # (ScheduledStep, its runner handle): launched, not committed
+        self._added = self._tokens = 0  # requests added, tokens committed (EngineStats)
         # the runner decides which rows are checkpoints (--length-refine-every)
         self.lengths = LengthRefiner((length_stores or memory_stores)(runner.probe_dim)) \
             if getattr(runner, "probe", None) is not None else None
@@ -126,6 +130,7 @@ class LLMEngine:
         except ValueError as e:
             raise InvalidParams("max_tokens", str(e)) from None
         self.requests[rid] = seq
+        self._added += 1
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -184,6 +189,7 @@ class LLMEngine:
                     self.lengths.finished(seq)
         result.outputs.extend(done.outputs)
         result.prompt.extend(done.prompt)
+        self._tokens += sum(len(r.token_ids) for r in done.outputs)
 
     def _observe_lengths(self, step: ScheduledStep, sample) -> None:
         """Hand the length refiner the checkpoint rows the runner probed (StepSample)."""
@@ -204,7 +210,9 @@ class LLMEngine:
             capacity=a.capacity, reserved=a.reserved - (cache.slots if cache else 0),
             used=s.used_slots(), running=len(s.running), waiting=len(s.waiting),
             moves=s.stats.moves, grows_in_place=s.stats.grows_in_place,
-            preemptions=s.stats.preemptions, **prefix, **_speculation(s.speculation))
+            preemptions=s.stats.preemptions, demand=self.scheduler.demand(),
+            requests=self._added, tokens=self._tokens, **prefix,
+            **_speculation(s.speculation))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  ) -> list[Sequence]:

@@ -36,8 +36,9 @@ class ComputeService:
         self.engine, self.svc, self.redis = engine, svc, redis_client
         self.startup = startup
         ctx = zmq.Context.instance()
-        self.inbox = Receiver(ctx, svc.addr("compute"), bind=True)
-        self.control = Receiver(ctx, svc.addr("control"), bind=True)
+        rank = svc.data_parallel_rank
+        self.inbox = Receiver(ctx, svc.addr("compute", rank), bind=True)
+        self.control = Receiver(ctx, svc.addr("control", rank), bind=True)
         self.outbox = Sender(ctx, svc.addr("detokenizer"))
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.sock, zmq.POLLIN)
@@ -46,7 +47,7 @@ class ComputeService:
         self.beam_choices: dict[str, list[str]] = {}  # beam search: its choices' ids
         self.early_aborts: dict[str, float] = {}  # aborts that overtook their request
         self.grammars = GrammarQueue(engine.config.model)
-        state.Heartbeat(redis_client, "compute", svc.heartbeat_s)
+        state.Heartbeat(redis_client, svc.server, "compute", svc.heartbeat_s, rank=rank)
         self._next_stats = 0.0
 
     def run(self, stop=lambda: False) -> None:
@@ -147,9 +148,12 @@ class ComputeService:
                              if now - t < _EARLY_ABORT_TTL_S}
         try:
             pipe = self.redis.pipeline(transaction=False)
-            state.set_stats(pipe, {**vars(self.engine.stats()), **self.engine.runner.summary,
-                                   "max_model_len": self.engine.max_model_len,
-                                   "startup": self.startup})
+            state.set_stats(pipe, self.svc.server, self.svc.data_parallel_rank, {
+                **vars(self.engine.stats()), **self.engine.runner.summary,
+                "max_model_len": self.engine.max_model_len, "startup": self.startup,
+                "enable_prefix_caching": self.engine.config.scheduler.enable_prefix_caching,
+                "rank": self.svc.data_parallel_rank},
+                ttl_s=max(60.0, 10 * self.svc.heartbeat_s))
             pipe.execute()
         except redis.RedisError:
             pass  # the heartbeat thread reports the outage

@@ -23,7 +23,7 @@ from shared.config import EngineConfig, ServiceConfig
 from shared.length_predictor import LengthPredictor, model_key
 from shared.messages import Abort, Delta, DeltaBatch, Route, StepOutput, Tokens
 from shared.tokenizer import load_tokenizer
-from shared.transport import Receiver, Sender, Senders
+from shared.transport import Fanout, Receiver, Sender, Senders
 
 log = logging.getLogger("pipellm.detokenizer")
 
@@ -168,10 +168,11 @@ def write_state(client: redis.Redis, res: Outputs) -> None:
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     ctx = zmq.Context.instance()
     inbox = Receiver(ctx, svc.addr("detokenizer"), bind=True)
-    control = Sender(ctx, svc.addr("control"))
+    control = Fanout([Sender(ctx, svc.addr("control", r))
+                      for r in range(svc.data_parallel_size)])
     gateways = Senders(ctx)
     client = redis.Redis.from_url(svc.redis_url)
-    state.Heartbeat(client, "detokenizer", svc.heartbeat_s)
+    state.Heartbeat(client, svc.server, "detokenizer", svc.heartbeat_s)
     detok = Detokenizer(load_tokenizer(engine_cfg.model), svc.request_ttl_s)
     predictor = LengthPredictor(state.fast_client(svc.redis_url), model_key(engine_cfg.model)) \
         if svc.length_predictor else None

@@ -31,7 +31,7 @@ from shared.chat_template import ChatTemplate
 from shared.config import ServiceConfig
 from shared.generation_config import GenerationDefaults
 from shared.messages import Abort, TokenizeRequest
-from shared.transport import AsyncSender
+from shared.transport import AsyncFanout, AsyncSender
 
 log = logging.getLogger("pipellm.gateway")
 _PEER_WAIT_MS = 3000  # how long a request waits for a tokenizer worker to (re)connect
@@ -43,7 +43,7 @@ class Gateway:
 
     def __init__(self, svc: ServiceConfig, model_name: str, max_model_len: int, tokenizer,
                  redis_client: aioredis.Redis, to_tokenizer: AsyncSender,
-                 to_control: AsyncSender, template: ChatTemplate | None = None,
+                 to_control: AsyncSender | AsyncFanout, template: ChatTemplate | None = None,
                  defaults: GenerationDefaults | None = None):
         """`template`: the chat template /tokenize renders messages with (the tokenizers
         render generation requests' own). `defaults`: the model's sampling defaults, for
@@ -56,9 +56,9 @@ class Gateway:
         self.to_tokenizer, self.to_control = to_tokenizer, to_control
         self.registry = Registry()
         self.pending = PendingLimit(svc.max_pending)  # counted before the body is read
-        self.metrics = Metrics()
-        self.health = Health(redis_client, self.registry, self.resume_lost, self._abort_ids,
-                             self.metrics)
+        self.metrics = Metrics(model_name)
+        self.health = Health(redis_client, svc.server, self.registry, self.resume_lost,
+                             self._abort_ids, self.metrics)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
         self.tool_parser = svc.tool_call_parser if svc.enable_auto_tool_choice else ""

@@ -22,9 +22,11 @@ RESUME_TIMEOUT_S = 120.0  # a model's load time and the supervisor's back-off fi
 
 
 class Health:
-    def __init__(self, client: aioredis.Redis, registry, resume, abort_ids, metrics):
-        """resume(only_without_output): continue lost requests; abort_ids(ids, status)."""
-        self.client, self.registry, self.metrics = client, registry, metrics
+    def __init__(self, client: aioredis.Redis, server: str, registry, resume, abort_ids,
+                 metrics):
+        """`server`: this server's id in Redis (ServiceConfig.server);
+        resume(only_without_output): continue lost requests; abort_ids(ids, status)."""
+        self.client, self.server, self.registry, self.metrics = client, server, registry, metrics
         self.resume, self.abort_ids = resume, abort_ids
         self.ok = False
         self.reason = "starting"
@@ -41,8 +43,12 @@ class Health:
 
     async def refresh(self) -> None:
         try:
-            keys = [k async for k in self.client.scan_iter(match=state.SERVICE_PATTERN)]
-            self.metrics.engine = state.decode_hash(await self.client.hgetall(state.STATS_KEY))
+            keys = [k async for k in self.client.scan_iter(
+                match=state.service_pattern(self.server))]
+            stats = [k async for k in self.client.scan_iter(
+                match=state.stats_pattern(self.server))]
+            self.metrics.engines = [state.decode_hash(await self.client.hgetall(k))
+                                    for k in sorted(stats)]
         except aioredis.RedisError as e:
             self.ok, self.reason = False, f"redis unavailable: {e}"
             return

@@ -18,7 +18,7 @@ from shared.generation_config import GenerationDefaults
 from shared.messages import DeltaBatch
 from shared.model_config import served_context, served_name
 from shared.tokenizer import load_tokenizer
-from shared.transport import AsyncReceiver, AsyncSender
+from shared.transport import AsyncFanout, AsyncReceiver, AsyncSender
 
 log = logging.getLogger("pipellm.gateway")
 
@@ -30,7 +30,8 @@ def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncR
                  load_tokenizer(engine_cfg.model),
                  redis_client(svc),
                  AsyncSender(ctx, svc.addr("tokenizer"), bind=True),
-                 AsyncSender(ctx, svc.addr("control")),
+                 AsyncFanout([AsyncSender(ctx, svc.addr("control", r))
+                              for r in range(svc.data_parallel_size)]),
                  load_chat_template(engine_cfg.model, engine_cfg.chat_template),
                  GenerationDefaults.of(engine_cfg))
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)

@@ -21,6 +21,7 @@ from array import array
 import redis
 import zmq
 
+from services.tokenizer.dispatch import Dispatcher
 from shared import state
 from shared.chat_template import ChatTemplateError, load_chat_template
 from shared.codec import int32s
@@ -37,6 +38,7 @@ from shared.messages import (
     TokenizeRequest,
 )
 from shared.model_config import ModelConfig, served_context
+from shared.routing import make_policy
 from shared.sampling import SamplingParams
 from shared.tokenizer import encode, load_tokenizer
 from shared.transport import Receiver, Sender, Senders
@@ -185,15 +187,17 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     tokenizer = Tokenizer(engine_cfg, predictor)
     ctx = zmq.Context.instance()
     inbox = Receiver(ctx, svc.addr("tokenizer"), bind=False)
-    outbox = Sender(ctx, svc.addr("compute"))
+    outbox = Dispatcher([Sender(ctx, svc.addr("compute", r))
+                         for r in range(svc.data_parallel_size)],
+                        make_policy(svc.routing_policy(engine_cfg.scheduler.enable_prefix_caching)),
+                        client, svc.server, engine_cfg.default_predicted_len)
     replies = Senders(ctx)
-    state.Heartbeat(client, "tokenizer", svc.heartbeat_s)
+    state.Heartbeat(client, svc.server, "tokenizer", svc.heartbeat_s)
     while True:
         msg = inbox.recv()
         if isinstance(msg, TokenizeRequest):
             try:
-                for gen in tokenizer.prepare(msg):
-                    outbox.send(gen)
+                outbox.send(tokenizer.prepare(msg))
             except PromptError as e:
                 err = Delta(msg.request_id, error=str(e), error_status=400, error_param=e.param)
                 replies.send(msg.reply_to, DeltaBatch([err]))

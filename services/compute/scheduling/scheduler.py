@@ -79,6 +79,12 @@ class Scheduler:
     def used_slots(self) -> int:
         return sum(s.num_cached for s in self.running)
 
+    def demand(self) -> int:
+        """The KV tokens its requests are predicted to need: prompt + the median of their
+        output length given what they generated, summed over running and waiting ones."""
+        return sum(s.num_prompt + s.predicted_length.conditional_quantile(s.num_output, 0.5)
+                   for s in (*self.running, *self.waiting))
+
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         if self.compactor is not None:
