@@ -18,13 +18,18 @@ from shared.redis_server import EmbeddedRedis, free_port
 
 
 class Stack:
-    """`embedded_redis`: `pipellm up` runs (and supervises) its own redis-server; otherwise
-    the test owns one (`self.redis`) and passes --redis-url."""
+    """`embedded_redis`: `pipellm up` runs (and supervises) its own redis-server; `redis_url`:
+    it uses that one (several stacks may share it); otherwise the test owns one (`self.redis`)
+    and passes --redis-url. `new_session`: `pipellm up` leads its own process group (which a
+    test may kill whole); else it is in the test's."""
 
-    def __init__(self, model_dir: Path, *extra: str, embedded_redis: bool = False):
+    def __init__(self, model_dir: Path, *extra: str, embedded_redis: bool = False,
+                 redis_url: str = "", new_session: bool = False):
         self.run_dir = tempfile.mkdtemp(prefix="pl-")  # short: ipc paths are limited to 107
         self.redis = None
-        if not embedded_redis:
+        self.redis_url = redis_url
+        self.new_session = new_session
+        if not embedded_redis and not redis_url:
             self.redis = EmbeddedRedis(data_dir=os.path.join(self.run_dir, "redis"))
             os.makedirs(self.redis.dir)
         self.port = free_port()
@@ -34,7 +39,7 @@ class Stack:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 120) -> Stack:
-        redis = []
+        redis = ["--redis-url", self.redis_url] if self.redis_url else []
         if self.redis is not None:
             self.redis.start()
             redis = ["--redis-url", self.redis.url]
@@ -42,7 +47,8 @@ class Stack:
                 "--port", str(self.port), "--run-dir", self.run_dir, *redis,
                 "--heartbeat-s", "0.2", "--kv-cache-tokens", "20000", *self.extra]
         self.log = open(os.path.join(self.run_dir, "up.log"), "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=self.new_session)
         self.wait_healthy(timeout_s)
         return self
 

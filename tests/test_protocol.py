@@ -57,7 +57,9 @@ def fail(kind: str, body, status=400) -> APIError:
 COMMON_ERRORS = [
     ({"model": 5}, "model", "must be a string"),
     ({"foo": 1}, "foo", "Unrecognized request argument supplied: foo"),
-    ({"skip_special_tokens": True}, "skip_special_tokens", "Unrecognized request argument"),
+    ({"skip_special_tokens": False}, "skip_special_tokens", "is not supported"),
+    ({"no_stop_trim": True}, "no_stop_trim", "is not supported"),
+    ({"return_hidden_states": True}, "return_hidden_states", "is not supported"),
     ({"guided_json": []}, "guided_json", "must be a JSON schema object"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend",
      "Unrecognized request argument"),
@@ -189,6 +191,7 @@ CHAT_ERRORS = [
     ({"prompt": "x"}, "prompt", "Unrecognized"),
     ({"best_of": 1}, "best_of", "Unrecognized"),
     ({"echo": False}, "echo", "Unrecognized"),
+    ({"continue_final_message": True}, "continue_final_message", "is not supported"),
 ]
 
 ERROR_CASES = ([(k, *c) for k in PARSE for c in COMMON_ERRORS]
@@ -322,6 +325,23 @@ def test_small_accepted_variants():
     assert parse_chat({"messages": MSG, "max_tokens": 7}, M).params.max_tokens == 7
     req = parse_chat({"messages": MSG, "stream": True, "stream_options": {}}, M)
     assert req.stream and not req.include_usage
+
+
+# what vllm-router 0.1.17 and sglang-router 0.3.2 add to the bodies they forward (observed)
+ROUTER_EXTRAS = {
+    "completion": {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                   "return_hidden_states": False, "echo": False},
+    "chat": {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+             "return_hidden_states": False, "continue_final_message": False,
+             "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True,
+             "add_generation_prompt": True, "logprobs": False}}
+
+
+@pytest.mark.parametrize("kind", PARSE)
+def test_router_extras_are_accepted(kind):
+    """A body a router forwarded parses as the body the client sent."""
+    body = {**BASE[kind], "max_tokens": 5, "temperature": 0.5}
+    assert PARSE[kind]({**body, **ROUTER_EXTRAS[kind]}, M) == PARSE[kind](body, M)
 
 
 @pytest.mark.parametrize(("kind", "schema"), [

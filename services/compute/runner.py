@@ -134,7 +134,7 @@ class ModelRunner:
         if sampled:
             logits = logits[: len(sampled)]
             sampling.suppress_stop_tokens(logits, sampled, step.row_offsets)
-            out.top = sampling.top_rows(logits, [s.top_rows for s in sampled])
+            out.top = sampling.top_rows(logits, [s.top_count for s in sampled])
             out.tokens, out.logprobs = sampling.sample(logits, sampled, self.device, mask,
                                                        step.row_offsets)
         return out.seal()

@@ -7,6 +7,8 @@
 * Unknown keys -> "Unrecognized request argument supplied: X" (OpenAI's behaviour); vLLM extras
   we do not implement are unknown too. Known OpenAI fields we do not implement -> "`X` is not
   supported", unless given a harmless value (null, false, {}, "none", ...): never ignored.
+  So are the extras routers add to what they forward (no_stop_trim, skip_special_tokens, ...,
+  `_ROUTER_NEUTRAL`), with the values they add.
 * Supported vLLM extras: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
   stop_token_ids, and for chat add_generation_prompt. logit_bias: {"<token id>": bias in
   [-100, 100]}. Completions' best_of >= n: best_of choices generated, the n with the highest
@@ -75,14 +77,26 @@ _COMMON_KEYS = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "logit_bias", *BEAM_KEYS,
 })
+# SGLang/vLLM extras that the routers in front of replicas (vllm-router, sglang-router) add to
+# every body they forward, with the values they add: none asks for anything here (special tokens
+# are skipped, stop strings trimmed, no hidden states; without a reasoning parser the reasoning
+# flags change nothing either way).
+_ROUTER_NEUTRAL: dict[str, tuple] = {
+    "no_stop_trim": (False,), "skip_special_tokens": (True,), "return_hidden_states": (False,),
+}
+_CHAT_ROUTER_NEUTRAL: dict[str, tuple] = {
+    **_ROUTER_NEUTRAL, "continue_final_message": (False,), "separate_reasoning": (True, False),
+    "stream_reasoning": (True, False), "include_reasoning": (True, False),
+}
 # Known OpenAI fields we do not implement, with the values that ask for nothing (null is too).
-_COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",)}
+_COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",), **_ROUTER_NEUTRAL}
 _CHAT_NEUTRAL: dict[str, tuple] = {
     "functions": ([],), "function_call": ("none",),
     "metadata": ({},), "store": (False,), "service_tier": ("auto", "default"),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "verbosity": (), "moderation": (), "prompt_cache_key": (),
     "prompt_cache_options": (), "prompt_cache_retention": (), "safety_identifier": (),
+    **_CHAT_ROUTER_NEUTRAL,
 }
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"} | structured.KEYS
                             | _COMPLETION_NEUTRAL.keys())

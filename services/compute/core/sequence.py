@@ -93,7 +93,7 @@ class Sequence:
         return range(1 + len(self.prompt_logprobs), self.num_prompt)
 
     @property
-    def top_rows(self) -> int:
+    def top_count(self) -> int:
         """How many most likely tokens its rows return: the K candidates of a beam search,
         else the top_logprobs asked for."""
         return self.params.top_logprobs if self.beams is None else self.beams.k
