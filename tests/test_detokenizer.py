@@ -272,3 +272,22 @@ def test_prompt_logprob_pieces_join_onto_the_first_delta() -> None:
     (second,) = detok.handle(StepOutput([], [last])).deltas["gw"]
     assert second.prompt_ids is None and second.prompt is None
     assert second.finish_reason == "length" and len(second.tokens.top_ids) == 0
+
+
+def test_a_stop_string_in_a_finished_record_ends_it_with_stop() -> None:
+    """A beam search's hypothesis arrives whole with compute's finish reason: a stop string
+    in it cuts the text there and the choice ends with "stop" (no abort: it is over)."""
+    from array import array
+
+    from services.detokenizer.service import Detokenizer
+    from shared.messages import Route, StepOutput, Tokens
+
+    tok = TOKENIZERS["byte_bpe"]
+    ids = tok.encode("one two. three").ids
+    detok = Detokenizer(tok, ttl_s=60)
+    route = Route("r:1", "gw", num_prompt=1, prompt_tail=array("i", [ids[0]]), stop=["."])
+    record = Tokens("r:1", 1, array("i", ids), array("f", [-1.0] * len(ids)),
+                    finish_reason="length")
+    res = detok.handle(StepOutput([route], [record]))
+    (delta,) = res.deltas["gw"]
+    assert (delta.text, delta.finish_reason, res.stops) == ("one two", "stop", [])

@@ -109,10 +109,11 @@ class Detokenizer:
         if fin is not None:
             text += s.detok.flush()
         emitted, matched = s.stops.feed(text)
-        if matched and fin is None:
+        if matched:  # a stop string ends it, whatever compute's reason (a beam's length)
+            if fin is None:
+                res.stops.append(Abort(s.route.request_id, "stop"))
             fin = "stop"
-            res.stops.append(Abort(s.route.request_id, "stop"))
-        elif fin is not None and not matched:
+        elif fin is not None:
             emitted += s.stops.flush()
         if s.skip:
             cut = min(s.skip, len(emitted))
