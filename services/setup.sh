@@ -6,7 +6,8 @@
 # the C++ CPU kernels (kernels/cpu) are compiled once into torch's extension cache
 # ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), so that the server's first start loads
 # them instead of compiling them (~50 s). A failed build does not fail setup: the server then
-# runs the PyTorch reference kernels.
+# runs the PyTorch reference kernels. With `test`, also the router the scale-out test runs
+# (vllm-router).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="compute${1:+,$1}"  # compute: the model's packages (torch, Triton); every service else
@@ -14,6 +15,9 @@ extras="compute${1:+,$1}"  # compute: the model's packages (torch, Triton); ever
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" torch==2.13.0
 "${pip[@]}" -e ".[$extras]"
+# tests: the router tests/test_router.py puts in front of two servers (pinned: the test checks
+# how this version routes, health-checks and rewrites requests)
+case ",${1:-}," in *,test,*) "${pip[@]}" vllm-router==0.1.17 ;; esac
 .venv/bin/python -m shared.default_model
 .venv/bin/python -m kernels.cpu || echo "setup: the C++ CPU kernels did not build; the server" \
     "runs the PyTorch reference kernels instead (slower on a CPU)"
