@@ -1,7 +1,8 @@
-# Two images from one file; compose.yaml builds both:
+# Three images from one file; compose.yaml builds the first two, compose.scale.yaml the last two:
 #   slim     the gateway, tokenizer and detokenizer (`pipellm service <name>`): no torch
 #   compute  slim plus torch, Triton and a C compiler: compute, or the whole server alone
 #            (`docker run -p 8000:8000 IMAGE` runs `pipellm serve`, embedded Redis included)
+#   router   vllm-router (a prebuilt binary from the package index), in front of replicas
 # Both carry the default model, SmolLM2-135M-Instruct, fetched at build time into
 # $PIPELLM_DEFAULT_MODEL_DIR, so that every container reads the very same file.
 #
@@ -62,3 +63,13 @@ RUN pip install --find-links /tmp/build \
     && rm -rf /tmp/requirements.txt /tmp/build
 USER pipellm
 CMD ["pipellm", "serve", "--host", "0.0.0.0"]
+
+
+FROM python:3.11-slim AS router
+
+# the version tests/test_router.py checks (services/setup.sh installs it for the tests)
+RUN pip install --no-cache-dir --disable-pip-version-check vllm-router==0.1.17 \
+    && useradd --create-home --uid 1000 router
+USER router
+EXPOSE 8000
+CMD ["vllm-router", "--host", "0.0.0.0", "--port", "8000"]

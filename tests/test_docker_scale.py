@@ -1,0 +1,116 @@
+"""`docker compose -f compose.scale.yaml up` for real, where a Docker daemon is available
+(marked `docker`; skipped without one): two replicas, vllm-router and Redis up; a streamed
+chat through the router with the official client; requests spread over both replicas; one
+replica killed and the service still answering; `down` leaves nothing. Timings go to stdout.
+
+Building needs the base images (tests/test_docker.py says how) and a CPU torch wheel in
+./wheels (copied here as there).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.test_docker import COMPOSE, ROOT, cpu_torch_wheel
+
+PROJECT = "pipellm-scale-test"
+PORT = 8000
+
+pytestmark = pytest.mark.docker
+
+
+def compose(*args: str, timeout: float = 1800, check: bool = True):
+    argv = [*COMPOSE, "-p", PROJECT, "-f", str(ROOT / "compose.scale.yaml"), *args]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} failed:\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def answers() -> bool:
+    """Whether a completion through the router succeeds."""
+    body = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{PORT}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_answering(timeout_s: float) -> float:
+    start = time.monotonic()
+    while not answers():
+        assert time.monotonic() - start < timeout_s, compose("logs", "--tail", "40").stdout
+        time.sleep(1)
+    return time.monotonic() - start
+
+
+def finished(service: str) -> float:
+    """The replica's finished requests (its /metrics, read inside its container)."""
+    cid = compose("ps", "-q", service).stdout.strip()
+    out = subprocess.run(["docker", "exec", cid, "python", "-c",
+                          "import urllib.request; print(urllib.request.urlopen("
+                          "'http://127.0.0.1:8000/metrics').read().decode())"],
+                         capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines()
+                if x.startswith('pipellm_requests_total{outcome="finished"}'))
+    return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def stack():
+    cpu_torch_wheel()
+    times = {}
+    t = time.monotonic()
+    compose("build")
+    times["build_s"] = time.monotonic() - t
+    t = time.monotonic()
+    compose("up", "-d")
+    times["up_s"] = time.monotonic() - t
+    times["answering_after_s"] = wait_answering(900)
+    yield times
+    print(json.dumps(times))
+    compose("down", "-v", "--remove-orphans", check=False)
+
+
+def test_a_streamed_chat_through_the_router_and_both_replicas_serve(stack):
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and text.strip()
+    for i in range(12):  # different prompts: cache-aware routing balances them
+        client.completions.create(model=model, prompt=f"Topic {i}: {'why ' * i}the sky",
+                                  max_tokens=4)
+    served = {s: finished(s) for s in ("replica-1", "replica-2")}
+    assert min(served.values()) > 0, served
+    stack["served"] = served
+
+
+def test_one_replica_killed_and_the_service_still_answers(stack):
+    compose("kill", "replica-1")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="x", max_retries=2)
+    model = client.models.list().data[0].id
+    t = time.monotonic()
+    for i in range(6):
+        r = client.completions.create(model=model, prompt=f"After the kill {i}", max_tokens=4)
+        assert r.choices[0].text is not None
+    stack["answered_6_after_kill_s"] = time.monotonic() - t
+
+
+def test_down_leaves_nothing(stack):
+    compose("down", "-v", "--remove-orphans")
+    left = subprocess.run(["docker", "ps", "-aq", "--filter",
+                           f"label=com.docker.compose.project={PROJECT}"],
+                          capture_output=True, text=True).stdout.split()
+    assert left == []
