@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.test_docker import COMPOSE, ROOT, cpu_torch_wheel
+from tests.test_docker import COMPOSE, ROOT, built_and_up
 
 PROJECT = "pipellm-scale-test"
 PORT = 8000
@@ -68,18 +68,7 @@ def finished(service: str) -> float:
 
 @pytest.fixture(scope="module")
 def stack():
-    cpu_torch_wheel()
-    times = {}
-    t = time.monotonic()
-    compose("build")
-    times["build_s"] = time.monotonic() - t
-    t = time.monotonic()
-    compose("up", "-d")
-    times["up_s"] = time.monotonic() - t
-    times["answering_after_s"] = wait_answering(900)
-    yield times
-    print(json.dumps(times))
-    compose("down", "-v", "--remove-orphans", check=False)
+    yield from built_and_up(compose, lambda: wait_answering(900))
 
 
 def test_a_streamed_chat_through_the_router_and_both_replicas_serve(stack):

@@ -198,6 +198,17 @@ def test_served_with_the_official_client_and_metrics(demo_model_dir):
     """`pipellm up --speculative-config ...` (real processes, real Redis): greedy completions,
     streamed and not, equal the plain engine's text; /metrics counts drafts and accepted ones
     under vLLM's names."""
+    values = served_equals_plain(
+        demo_model_dir, SPEC,
+        "one two three four five six seven. one two three four five six seven. one two")
+    drafts = values["vllm:spec_decode_num_draft_tokens_total"]
+    assert drafts > 0 and 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= drafts
+
+
+def served_equals_plain(model_dir, spec: str, prompt: str) -> dict[str, float]:
+    """Through `pipellm up --speculative-config spec` with the official client: a greedy
+    completion of 24 tokens, streamed and not, has the plain in-process engine's text; returns
+    /metrics' values (spec_metrics)."""
     import openai
 
     from services.compute.backend import build_engine
@@ -205,25 +216,19 @@ def test_served_with_the_official_client_and_metrics(demo_model_dir):
     from shared.tokenizer import decode, encode, load_tokenizer
     from tests.stack import Stack
 
-    prompt = "one two three four five six seven. one two three four five six seven. one two"
-    tok = load_tokenizer(demo_model_dir)
-    plain = build_engine(EngineConfig(model=str(demo_model_dir), device="cpu",
-                                      kv_cache_tokens=4096))
+    tok = load_tokenizer(model_dir)
+    plain = build_engine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_tokens=4096))
     want = decode(tok, plain.generate([encode(tok, prompt)], greedy(24))[0].output_ids)
-    stack = Stack(demo_model_dir, "--speculative-config", SPEC).start()
+    stack = Stack(model_dir, "--speculative-config", spec).start()
     try:
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        kw = dict(model=client.models.list().data[0].id, prompt=prompt, max_tokens=24,
+                  temperature=0, extra_body={"ignore_eos": True})
+        r = client.completions.create(**kw)
         assert r.choices[0].text == want and r.usage.completion_tokens == 24
-        chunks = list(client.completions.create(
-            model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
-            extra_body={"ignore_eos": True}))
+        chunks = list(client.completions.create(**kw, stream=True))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
-        values = spec_metrics(stack)
-        drafts = values["vllm:spec_decode_num_draft_tokens_total"]
-        assert drafts > 0 and 0 < values["vllm:spec_decode_num_accepted_tokens_total"] <= drafts
+        return spec_metrics(stack)
     finally:
         stack.stop()
 

@@ -14,7 +14,7 @@ from shared.sampling import SamplingParams
 from shared.speculative import SpeculativeConfig
 from tests.hf_models import build_hf_model
 from tests.test_architectures import engine, greedy
-from tests.test_speculative import run, spec_metrics, tiny  # noqa: F401 (a fixture)
+from tests.test_speculative import run, served_equals_plain, tiny  # noqa: F401 (a fixture)
 
 
 def draft_spec(path, k: int = 3, **kw) -> str:
@@ -111,30 +111,5 @@ def test_served_with_a_draft_model(demo_model_dir):
     """`pipellm up --speculative-config '{"model": ...}'` (real processes, real Redis):
     greedy completions, streamed and not, equal the plain engine's text, and /metrics counts
     accepted drafts."""
-    import openai
-
-    from services.compute.backend import build_engine
-    from shared.config import EngineConfig
-    from shared.tokenizer import decode, encode, load_tokenizer
-    from tests.stack import Stack
-
-    prompt = "Once upon a time"
-    tok = load_tokenizer(demo_model_dir)
-    plain = build_engine(EngineConfig(model=str(demo_model_dir), device="cpu",
-                                      kv_cache_tokens=4096))
-    want = decode(tok, plain.generate([encode(tok, prompt)], greedy(24))[0].output_ids)
-    stack = Stack(demo_model_dir, "--speculative-config", draft_spec(demo_model_dir)).start()
-    try:
-        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-        model = client.models.list().data[0].id
-        r = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        assert r.choices[0].text == want and r.usage.completion_tokens == 24
-        chunks = list(client.completions.create(
-            model=model, prompt=prompt, max_tokens=24, temperature=0, stream=True,
-            extra_body={"ignore_eos": True}))
-        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
-        values = spec_metrics(stack)
-        assert values["vllm:spec_decode_num_accepted_tokens_total"] > 0
-    finally:
-        stack.stop()
+    values = served_equals_plain(demo_model_dir, draft_spec(demo_model_dir), "Once upon a time")
+    assert values["vllm:spec_decode_num_accepted_tokens_total"] > 0
