@@ -31,6 +31,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+# tokens a PrefixIndex keeps per replica: sgl-router's max_tree_size, 2^24 characters, at about
+# 4 characters a token
+MAX_TOKENS = 1 << 22
+
 
 @dataclass(frozen=True)
 class RouteInfo:
@@ -100,7 +104,7 @@ class PrefixIndex:
     from the last to the first), as a radix tree evicts leaves. Invariant: `_tokens[r]` is the
     sum of the block lengths `_keys[r]` holds."""
 
-    def __init__(self, block: int = 16, max_tokens: int = 1 << 20):
+    def __init__(self, block: int = 16, max_tokens: int = MAX_TOKENS):
         if block < 1 or max_tokens < block:
             raise ValueError("need 1 <= block <= max_tokens")
         self.block, self.max_tokens = block, max_tokens
@@ -154,7 +158,7 @@ class CacheAware:
 
     def __init__(self, cache_threshold: float = 0.5, balance_abs_threshold: int = 32,
                  balance_rel_threshold: float = 1.0001, block: int = 16,
-                 max_tokens: int = 1 << 20):
+                 max_tokens: int = MAX_TOKENS):
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
@@ -193,7 +197,7 @@ class PredictedLoadWithAffinity:
     name: ClassVar[str] = "predicted-load-affinity"
 
     def __init__(self, margin: float = 0.1, min_margin: int = 4096, block: int = 16,
-                 max_tokens: int = 1 << 20):
+                 max_tokens: int = MAX_TOKENS):
         self.margin, self.min_margin = margin, min_margin
         self.index = PrefixIndex(block, max_tokens)
 

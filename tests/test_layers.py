@@ -3,7 +3,8 @@
 Floors, lowest first: `core/` (the types every room uses), then `kv/`, then `model/`,
 `length/`, `speculative/` (the proposers) and `beam/`, then `scheduling/` and the grammars
 (`structured`), then the step's device-side helpers, then the runners, the engine, and the
-process and backend wiring on top. A module may import its own room or lower floors.
+process and backend wiring on top (and the simulated cluster of engines, `sim_cluster`). A
+module may import its own room or lower floors.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ FLOORS = {
     "runner": 5, "sim": 5,
     "engine": 6,
     "backend": 7, "warmup": 7,
-    "service": 8,
+    "service": 8, "sim_cluster": 8,
 }
 
 
