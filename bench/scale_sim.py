@@ -2,7 +2,7 @@
 
 Every number here is SIMULATED. Each replica is the real engine (scheduler, KV allocator, prefix
 cache) on its own modelled GPU (services/compute/sim, an H100 serving Llama-3-8B by default),
-all on one virtual timeline (services.compute.sim_cluster.py), fed by one router running a
+all on one virtual timeline (services/compute/sim_cluster.py), fed by one router running a
 policy of shared/routing.py: round robin, SGLang's cache-aware policy, predicted-load (least
 predicted KV demand) and predicted-load with prefix affinity. The engine settings are
 bench/prefix_sim.py's (the engine's defaults, prefix caching on, oracle predicted lengths: the
@@ -271,7 +271,8 @@ def at_rate(args, config: EngineConfig, workload: str, n: int, policy: str, qps:
 
 def same_rate(args, config: EngineConfig, rows: list[dict], mapper=map) -> list[dict]:
     """At the top replica count, every policy at the highest QPS at the SLO any policy reached
-    there: their TTFTs at one rate, a finer comparison than the searches' steps."""
+    there (as printed, to 0.01 req/s): their TTFTs at one rate, a finer comparison than the
+    searches' steps."""
     top, tasks = max(args.replicas), []
     for w in args.workloads.split(","):
         at_top = [r for r in rows if (r["workload"], r["replicas"]) == (w, top)

@@ -1,4 +1,4 @@
-"""The cluster simulation (services.compute.sim_cluster.py) and bench/scale_sim.py: replicas
+"""The cluster simulation (services/compute/sim_cluster.py) and bench/scale_sim.py: replicas
 on one virtual timeline serve every request, one replica replays bench/virtual.py exactly,
 predicted-load beats round robin on a skewed load, the rate search and a small run of the
 bench end with its JSON line."""
