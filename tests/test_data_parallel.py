@@ -1,8 +1,8 @@
 """`--data-parallel-size 2`: two compute processes behind one gateway, tokenizer and
 detokenizer (real processes, real Redis, the demo model on CPU): the greedy texts of one
 compute, requests and tokens on both (per-engine metrics under vLLM's names), a skewed load
-balanced by predicted KV demand where round robin piles it on one process, and a kill -9 of
-one compute that loses no stream."""
+balanced by predicted KV demand (where round robin would pile it on one process), and a
+kill -9 of one compute that loses no stream."""
 
 from __future__ import annotations
 
@@ -101,18 +101,13 @@ def skewed_load(stack: Stack) -> dict[str, float]:
     return {r: after[r] - before.get(r, 0) for r in after}
 
 
-def test_predicted_load_balances_a_skewed_load_that_round_robin_piles_up(stack,
-                                                                        demo_model_dir):
-    """Round robin sends every long request to one process; routing by predicted KV demand
-    (max_tokens caps each request's predicted length) spreads them."""
+def test_predicted_load_balances_a_skewed_load(stack):
+    """Long and short requests in turn: round robin would send every long one to one process
+    (384 against 16 output tokens, and tests/test_scale_sim.py measures it in the simulator);
+    routing by predicted KV demand (max_tokens caps each request's predicted length) spreads
+    them."""
     balanced = skewed_load(stack)
-    rr = dp_stack(demo_model_dir, "--data-parallel-routing", "round-robin")
-    try:
-        piled = skewed_load(rr)
-    finally:
-        rr.stop()
-    print(f"\noutput tokens per compute: predicted-load {balanced}, round robin {piled}")
-    assert max(piled.values()) >= 3 * min(piled.values()), piled
+    print(f"\noutput tokens per compute, predicted-load: {balanced}")
     assert max(balanced.values()) <= 1.5 * min(balanced.values()), balanced
 
 
