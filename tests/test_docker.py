@@ -60,12 +60,18 @@ def healthy() -> bool:
         return False
 
 
-def wait_healthy(timeout_s: float) -> float:
+def wait_until(ready, timeout_s: float, compose, period_s: float = 0.5) -> float:
+    """Seconds until `ready()`; past `timeout_s` an AssertionError with the stack's last logs
+    (`compose`: the file's compose command)."""
     start = time.monotonic()
-    while not healthy():
+    while not ready():
         assert time.monotonic() - start < timeout_s, compose("logs", "--tail", "40").stdout
-        time.sleep(0.5)
+        time.sleep(period_s)
     return time.monotonic() - start
+
+
+def wait_healthy(timeout_s: float) -> float:
+    return wait_until(healthy, timeout_s, compose)
 
 
 def container(service: str) -> str:

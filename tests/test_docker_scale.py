@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.test_docker import COMPOSE, ROOT, built_and_up
+from tests.test_docker import COMPOSE, ROOT, built_and_up, wait_until
 
 PROJECT = "pipellm-scale-test"
 PORT = 8000
@@ -46,14 +46,6 @@ def answers() -> bool:
         return False
 
 
-def wait_answering(timeout_s: float) -> float:
-    start = time.monotonic()
-    while not answers():
-        assert time.monotonic() - start < timeout_s, compose("logs", "--tail", "40").stdout
-        time.sleep(1)
-    return time.monotonic() - start
-
-
 def finished(service: str) -> float:
     """The replica's finished requests (its /metrics, read inside its container)."""
     cid = compose("ps", "-q", service).stdout.strip()
@@ -68,7 +60,7 @@ def finished(service: str) -> float:
 
 @pytest.fixture(scope="module")
 def stack():
-    yield from built_and_up(compose, lambda: wait_answering(900))
+    yield from built_and_up(compose, lambda: wait_until(answers, 900, compose, 1.0))
 
 
 def test_a_streamed_chat_through_the_router_and_both_replicas_serve(stack):
