@@ -107,6 +107,7 @@ class GenerateRequest:
     output_ids: array = field(default_factory=lambda: array("i"))  # int32: a resumed choice's
     # tokens so far (they follow the prompt and count as output)
     grammar: GrammarSpec | None = None  # structured output: compiled by compute
+    routed_tokens: int = 0  # KV tokens routing added to its compute's `pending` demand (DP)
 
 
 # --- gateway / detokenizer -> compute control -----------------------------------------------

@@ -92,6 +92,34 @@ def set_stats(pipe, server: str, rank: int, stats: dict[str, Any], ttl_s: float)
     pipe.expire(key, max(int(ttl_s), 1))
 
 
+# Routed demand a compute has not yet published (data parallel): tokenizers add a request's
+# predicted KV tokens to its compute's stats hash when they route it (`add_pending`); the
+# compute takes them off in the same transaction as it publishes a `demand` that counts them
+# (`settle_pending`, never below 0). So `demand + pending` counts every request routed there,
+# whichever tokenizer routed it, including those still in the compute's socket.
+_SETTLE = """
+local left = redis.call('HINCRBY', KEYS[1], 'pending', -tonumber(ARGV[1]))
+if left < 0 then redis.call('HSET', KEYS[1], 'pending', 0) end
+return left
+"""
+
+
+def add_pending(client, server: str, rank: int, tokens: int) -> None:
+    client.hincrby(stats_key(server, rank), "pending", tokens)
+
+
+def settle_pending(pipe, server: str, rank: int, tokens: int) -> None:
+    """Queue taking `tokens` (what the compute received since its last publication) off its
+    pending demand, clamped at 0 (after reset_pending, a request sent before the restart is
+    taken off what was zeroed)."""
+    pipe.eval(_SETTLE, 1, stats_key(server, rank), tokens)
+
+
+def reset_pending(client, server: str, rank: int) -> None:
+    """A (re)started compute: what its predecessor received and never settled is gone."""
+    client.hset(stats_key(server, rank), "pending", 0)
+
+
 def service_pattern(server: str) -> str:
     """SCAN pattern of a server's heartbeats."""
     return f"{PREFIX}svc:{server}:*"

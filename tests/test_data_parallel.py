@@ -89,23 +89,33 @@ def test_two_compute_processes_give_one_computes_texts(stack, demo_model_dir):
 
 
 def skewed_load(stack: Stack) -> dict[str, float]:
-    """Long and short requests in turn, one at a time: each engine's output tokens."""
+    """Four long (MAX_TOKENS) and four short (2 tokens) requests at once: each engine's output
+    tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
     before = settled(stack, "pipellm_engine_tokens_total")
-    for i in range(8):
+
+    def complete(i: int) -> None:
         client.completions.create(model=MODEL, prompt=f"Skewed request {i}",
-                                  max_tokens=96 if i % 2 == 0 else 4, temperature=0,
+                                  max_tokens=MAX_TOKENS if i % 2 == 0 else 2, temperature=0,
                                   extra_body={"ignore_eos": True})
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(complete, range(8)))
     after = wait_for(stack, "pipellm_engine_tokens_total",
-                     sum(before.values()) + 4 * 96 + 4 * 4)
+                     sum(before.values()) + 4 * MAX_TOKENS + 4 * 2)
     return {r: after[r] - before.get(r, 0) for r in after}
 
 
 def test_predicted_load_balances_a_skewed_load(stack):
-    """Long and short requests in turn: round robin would send every long one to one process
-    (384 against 16 output tokens, and tests/test_scale_sim.py measures it in the simulator);
-    routing by predicted KV demand (max_tokens caps each request's predicted length) spreads
-    them."""
+    """A burst of long and short requests, in whatever order the tokenizers get them: routing
+    by predicted KV demand (prompt + the predicted length, which the first test's requests
+    taught to be MAX_TOKENS, or max_tokens where smaller; every tokenizer counts what the
+    others routed, tests/test_dispatch.py) puts two long ones on each engine, whatever the
+    order. Round robin puts them where their arrival order falls (in turn: all four on one,
+    192 against 8 tokens; tests/test_scale_sim.py measures the two policies in the
+    simulator)."""
     balanced = skewed_load(stack)
     print(f"\noutput tokens per compute, predicted-load: {balanced}")
     assert max(balanced.values()) <= 1.5 * min(balanced.values()), balanced

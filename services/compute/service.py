@@ -49,6 +49,11 @@ class ComputeService:
         self.grammars = GrammarQueue(engine.config.model)
         state.Heartbeat(redis_client, svc.server, "compute", svc.heartbeat_s, rank=rank)
         self._next_stats = 0.0
+        self.received = 0  # routed tokens received since the last published stats
+        try:
+            state.reset_pending(redis_client, svc.server, rank)
+        except redis.RedisError:
+            pass  # the heartbeat thread reports the outage
 
     def run(self, stop=lambda: False) -> None:
         while not stop():  # idle: wait for messages (briefly while grammars compile)
@@ -69,6 +74,7 @@ class ComputeService:
                 self._control(msg, aborted)
             for msg in self.inbox.drain():
                 if isinstance(msg, GenerateRequest):
+                    self.received += msg.routed_tokens
                     self._add(msg, errors)
         for req, grammar in self.grammars.ready():
             self._admit(req, grammar, errors)
@@ -147,14 +153,16 @@ class ComputeService:
         self.early_aborts = {k: t for k, t in self.early_aborts.items()
                              if now - t < _EARLY_ABORT_TTL_S}
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            state.set_stats(pipe, self.svc.server, self.svc.data_parallel_rank, {
+            rank = self.svc.data_parallel_rank
+            pipe = self.redis.pipeline(transaction=True)  # demand and pending change together
+            state.set_stats(pipe, self.svc.server, rank, {
                 **vars(self.engine.stats()), **self.engine.runner.summary,
                 "max_model_len": self.engine.max_model_len, "startup": self.startup,
                 "enable_prefix_caching": self.engine.config.scheduler.enable_prefix_caching,
-                "rank": self.svc.data_parallel_rank},
-                ttl_s=max(60.0, 10 * self.svc.heartbeat_s))
+                "rank": rank}, ttl_s=max(60.0, 10 * self.svc.heartbeat_s))
+            state.settle_pending(pipe, self.svc.server, rank, self.received)
             pipe.execute()
+            self.received = 0
         except redis.RedisError:
             pass  # the heartbeat thread reports the outage
 

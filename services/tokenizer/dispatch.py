@@ -1,17 +1,19 @@
 """Which compute process a request goes to (--data-parallel-size N > 1).
 
-A routing policy (shared/routing.py) picks among the live compute processes from their loads:
-the engine stats each one publishes to Redis (its predicted KV demand, running and waiting
-requests; read at most every REFRESH_S) plus what this tokenizer sent each one since that read,
-so a burst between two reads is spread too. A compute whose heartbeat is gone gets nothing
-(requests already sent to it wait in its socket's queue for its restart, and the gateway
-resumes what it lost). All choices of one request go to the same compute, where they share
-their prompt's KV through the prefix cache.
+A routing policy (shared/routing.py) picks among the live compute processes from their loads,
+read from Redis on every request: the engine stats each one publishes (its predicted KV demand,
+running and waiting requests) plus its `pending` demand, which every tokenizer adds to as it
+routes a request and the compute settles as it publishes (shared/state.py). So a burst between
+two publications is spread, whichever tokenizers route it. A compute whose heartbeat is gone
+gets nothing (requests already sent to it wait in its socket's queue for its restart, and the
+gateway resumes what it lost). All choices of one request go to the same compute, where they
+share their prompt's KV through the prefix cache.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import redis
 
@@ -21,7 +23,8 @@ from shared.messages import GenerateRequest
 from shared.routing import NoHealthyReplica, ReplicaLoad, RouteInfo, RoutingPolicy
 from shared.transport import Sender
 
-REFRESH_S = 0.2
+LIVENESS_S = 0.2  # how often heartbeats are scanned
+RETRIES = 8  # routing attempts that may conflict with another writer
 
 
 class Dispatcher:
@@ -33,44 +36,78 @@ class Dispatcher:
         self.senders, self.policy, self.client = senders, policy, client
         self.server, self.default_len = server, default_len
         self.loads = [ReplicaLoad() for _ in senders]
-        self._next_read = 0.0
+        self.live: set[int] = set()  # ranks whose heartbeat is there
+        self._next_scan = 0.0
 
     def send(self, gens: list[GenerateRequest]) -> int:
         """Send one request's choices to one compute; returns its rank."""
         if not gens:
             return -1
-        rank = 0
+        rank, routed = 0, 0
         if len(self.senders) > 1:
-            self._refresh()
             info = route_info(gens[0], self.default_len)
-            try:
-                rank = self.policy.choose(info, self.loads)
-            except NoHealthyReplica:  # none beats now: the first queues it for its restart
-                rank = 0
-            load = self.loads[rank]
-            load.demand += info.predicted_tokens * len(gens)
-            load.waiting += len(gens)
+            routed = info.predicted_tokens
+            rank = self._route(info, len(gens))
         for g in gens:
-            self.senders[rank].send(g)
+            self.senders[rank].send(replace(g, routed_tokens=routed))
         return rank
 
-    def _refresh(self) -> None:
-        """Loads from Redis, at most every REFRESH_S (on a Redis error: the ones we have)."""
+    def _route(self, info: RouteInfo, count: int) -> int:
+        """Choose a compute for `count` choices of `info` and add them to its pending demand,
+        atomically against the other tokenizers (optimistic: WATCH the stats, read, choose,
+        add in MULTI; again if another tokenizer or a compute wrote meanwhile). Without Redis,
+        or after RETRIES conflicts: by the loads last read, plus what was routed since."""
+        self._scan_liveness()
+        keys = [state.stats_key(self.server, r) for r in range(len(self.senders))]
+        tokens = info.predicted_tokens * count
+        for _ in range(RETRIES):
+            try:
+                with self.client.pipeline() as pipe:
+                    pipe.watch(*keys)
+                    self.loads = self._read_loads(pipe, keys)
+                    rank = self._choose(info)
+                    pipe.multi()
+                    pipe.hincrby(keys[rank], "pending", tokens)
+                    pipe.execute()
+                    break
+            except redis.WatchError:
+                continue
+            except redis.RedisError:
+                rank = self._choose(info)
+                break
+        else:
+            rank = self._choose(info)
+        self.loads[rank].demand += tokens
+        self.loads[rank].waiting += count
+        return rank
+
+    def _choose(self, info: RouteInfo) -> int:
+        try:
+            return self.policy.choose(info, self.loads)
+        except NoHealthyReplica:  # none beats now: the first queues it for its restart
+            return 0
+
+    def _read_loads(self, pipe, keys: list[str]) -> list[ReplicaLoad]:
+        """Each compute's published stats plus its pending demand (`pipe` WATCHes `keys`)."""
+        loads = []
+        for rank, key in enumerate(keys):
+            demand, running, waiting, pending = pipe.hmget(
+                key, "demand", "running", "waiting", "pending")
+            loads.append(ReplicaLoad(_int(demand) + _int(pending), _int(running),
+                                     _int(waiting), healthy=rank in self.live))
+        return loads
+
+    def _scan_liveness(self) -> None:
+        """Which computes beat, every LIVENESS_S (on a Redis error: the last answer)."""
         now = time.monotonic()
-        if now < self._next_read:
+        if now < self._next_scan:
             return
-        self._next_read = now + REFRESH_S
+        self._next_scan = now + LIVENESS_S
         try:
             beats = list(self.client.scan_iter(match=state.service_pattern(self.server)))
-            pipe = self.client.pipeline(transaction=False)
-            for rank in range(len(self.senders)):
-                pipe.hmget(state.stats_key(self.server, rank), "demand", "running", "waiting")
-            stats = pipe.execute()
         except redis.RedisError:
             return
-        live = {state.rank_of(i) for i in state.live_services(beats).get("compute", ())}
-        self.loads = [ReplicaLoad(*(_int(v) for v in values), healthy=rank in live)
-                      for rank, values in enumerate(stats)]
+        self.live = {state.rank_of(i) for i in state.live_services(beats).get("compute", ())}
 
 
 def route_info(gen: GenerateRequest, default_len: int) -> RouteInfo:
