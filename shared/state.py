@@ -72,6 +72,13 @@ def incr_request(pipe, request_id: str, name: str, amount: int) -> None:
     pipe.hincrby(req_key(request_id), name, amount)
 
 
+def set_route(pipe, request_id: str, rank: int) -> None:
+    """Queue recording that request `request_id` (an API id) went to compute `rank`: its
+    `rank` now, and `routed_<rank>` counts the times it went there."""
+    incr_request(pipe, request_id, f"routed_{rank}", 1)
+    pipe.hset(req_key(request_id), "rank", rank)
+
+
 def heartbeat(pipe, server: str, service: str, instance: str, ttl_s: float) -> None:
     pipe.set(f"{PREFIX}svc:{server}:{service}:{instance}", str(time.time()),
              px=int(ttl_s * 1000))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -28,12 +30,18 @@ MODEL = "demo-llama"
 
 def dp_stack(model_dir, *extra: str) -> Stack:
     return Stack(model_dir, "--data-parallel-size", "2", "--max-batched-tokens", "32",
-                 "--max-running", "32", *extra, embedded_redis=True).start()
+                 "--max-running", "32", "--kv-cache-tokens", "40000", *extra,
+                 embedded_redis=True).start()
 
 
 @pytest.fixture(scope="module")
 def stack(demo_model_dir):
     s = dp_stack(demo_model_dir)
+    # /health is green once one compute serves: wait for the other (its first stats)
+    deadline = time.monotonic() + 60
+    while set(per_engine(s, "vllm:num_requests_running")) != {"0", "1"}:
+        assert time.monotonic() < deadline, s.logs()
+        time.sleep(0.1)
     yield s
     s.stop()
 
@@ -47,8 +55,6 @@ def per_engine(stack: Stack, name: str) -> dict[str, float]:
 
 def wait_for(stack: Stack, name: str, total: float) -> dict[str, float]:
     """per_engine(name) once its values sum to `total` (compute publishes every heartbeat)."""
-    import time
-
     deadline = time.monotonic() + 10
     while sum((values := per_engine(stack, name)).values()) < total and \
             time.monotonic() < deadline:
@@ -58,8 +64,6 @@ def wait_for(stack: Stack, name: str, total: float) -> dict[str, float]:
 
 def settled(stack: Stack, name: str) -> dict[str, float]:
     """per_engine(name) once two reads a heartbeat apart agree (earlier work published)."""
-    import time
-
     last = None
     while (values := per_engine(stack, name)) != last:
         last = values
@@ -122,10 +126,47 @@ def test_predicted_load_balances_a_skewed_load(stack):
 
 
 def test_kill_one_compute_loses_no_stream(stack):
+    """Every stream completes with its text (each request's state counts where the tokenizers
+    routed it: `routed_<rank>`)."""
     want, _ = asyncio.run(run_round(stack, make=short))
     old = stack.pid("compute-1")
     results, _ = asyncio.run(run_round(stack, lambda: os.kill(old, signal.SIGKILL), short))
     for r, w in zip(results, want, strict=True):
         assert (r["error"], r["text"], r["finish"]) == (None, w["text"], "length")
+    routed = [routes(stack, r["id"]) for r in results]
+    assert all(sum(r) in (1, 2) for r in routed) and any(sum(r) == 2 for r in routed), routed
     code, answer = stack.post("/v1/completions", short(0, False))
     assert code == 200 and answer["choices"][0]["text"] == want[0]["text"]
+
+
+def routes(stack: Stack, request_id: str) -> tuple[int, int]:
+    """How many times the tokenizers routed a request to compute 0 and to compute 1."""
+    _, got = stack.get(f"/v1/requests/{request_id}")
+    return int(got.get("routed_0", 0)), int(got.get("routed_1", 0))
+
+
+def resumes(stack: Stack) -> int:
+    """The gateway's restart resumes so far, as its log says."""
+    return Path(stack.run_dir, "up.log").read_text(errors="replace").count("restarted; resum")
+
+
+def test_a_restarted_compute_resumes_only_its_own_streams(stack):
+    """A long stream on one compute while the other is killed and restarts: it is not resumed
+    (routed once), and completes. (16 choices of 1,400 tokens: ~6 s on the CI machine, where a
+    compute's restart takes ~3 s.)"""
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    chunks = iter(client.completions.create(
+        model=MODEL, prompt="A long one", max_tokens=1400, n=16, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    first = next(chunks)
+    rank = routes(stack, first.id).index(1)
+    restarts = resumes(stack)
+    os.kill(stack.pid(f"compute-{1 - rank}"), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while resumes(stack) == restarts:  # until the gateway saw the restart
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.05)
+    assert stack.get(f"/v1/requests/{first.id}")[1]["status"] != "finished"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert finish == ["length"] * 16
+    assert routes(stack, first.id) == ((1, 0) if rank == 0 else (0, 1))  # never resumed

@@ -51,8 +51,9 @@ def grammar_body(i: int, stream: bool) -> dict:
 
 
 async def read_stream(session, url: str, payload: dict, progress: dict, i: int) -> dict:
-    """{"text", "finish", "error", "done"} of one SSE stream; progress[i] counts its chunks."""
-    out = {"text": "", "finish": None, "error": None, "done": False}
+    """{"id", "text", "finish", "error", "done"} of one SSE stream; progress[i] counts its
+    chunks."""
+    out = {"id": None, "text": "", "finish": None, "error": None, "done": False}
     async with session.post(url, json=payload) as r:
         if r.status != 200:
             return {**out, "error": (r.status, await r.text())}
@@ -65,6 +66,7 @@ async def read_stream(session, url: str, payload: dict, progress: dict, i: int) 
                 if "error" in chunk:
                     out["error"] = chunk["error"]
                 elif chunk["choices"]:
+                    out["id"] = chunk["id"]
                     out["text"] += chunk["choices"][0]["text"]
                     out["finish"] = chunk["choices"][0]["finish_reason"] or out["finish"]
                     progress[i] = progress.get(i, 0) + 1
@@ -77,7 +79,8 @@ async def read_whole(session, url: str, payload: dict) -> dict:
         if r.status != 200:
             return {"text": "", "finish": None, "error": data, "done": True}
         c = data["choices"][0]
-        return {"text": c["text"], "finish": c["finish_reason"], "error": None, "done": True}
+        return {"id": data["id"], "text": c["text"], "finish": c["finish_reason"], "error": None,
+                "done": True}
 
 
 async def run_round(stack: Stack, kill=None, make=body) -> tuple[list[dict], float]:

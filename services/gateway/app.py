@@ -139,11 +139,13 @@ class Gateway:
         seed = self.seeds.getrandbits(62) if self.seeds else secrets.randbits(62)
         return req.tokenize_request(rid, self.svc.addr("gateway"), seed, inflight.arrival)
 
-    async def resume_lost(self, only_without_output: bool) -> None:
+    async def resume_lost(self, only_without_output: bool, ranks: set[int] | None = None) -> None:
         """A restarted service lost requests: each continues from what its client has (the
-        lost attempts are aborted in compute, where they may still run)."""
+        lost attempts are aborted in compute, where they may still run). `ranks`: the
+        restarted computes, whose requests alone are lost (None: all)."""
+        keep = await self._routed_to(ranks) if ranks is not None else None
         connected = True
-        for inflight, tokenize, lost in self.registry.resume(only_without_output):
+        for inflight, tokenize, lost in self.registry.resume(only_without_output, keep):
             for rid in lost:
                 await self.to_control.send(Abort(rid))
             if tokenize is None:
@@ -152,6 +154,22 @@ class Gateway:
                                                                    wait_ms=_PEER_WAIT_MS)
             if not connected:
                 inflight.fail("No tokenizer worker is connected to resume the request; retry.")
+
+    async def _routed_to(self, ranks: set[int]) -> set[str] | None:
+        """Ids of the requests in flight that the tokenizers routed to one of `ranks`, or not
+        yet anywhere, as their state records (None: all, with one compute or without Redis)."""
+        if self.svc.data_parallel_size == 1:
+            return None
+        ids = list(self.registry.requests)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for rid in ids:
+                pipe.hget(state.req_key(rid), "rank")
+            where = await pipe.execute()
+        except aioredis.RedisError:
+            return None
+        return {rid for rid, rank in zip(ids, where, strict=True)
+                if rank is None or int(rank) in ranks}
 
     async def _abort_ids(self, ids: list[str], status: str) -> None:
         """Stop requests in compute (their KV is freed) and record how they ended in Redis.

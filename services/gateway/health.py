@@ -1,7 +1,8 @@
 """Service liveness from Redis heartbeats, engine stats for /metrics, and restart handling.
 
 A restarted compute or detokenizer has lost every request in flight, so the gateway resumes
-them all (each choice continues from what its client already has, inflight.py); a restarted
+them all (each choice continues from what its client already has, inflight.py); with several
+compute processes (data parallel), a restarted one lost only the requests routed to it; a restarted
 tokenizer may have lost requests it had not yet passed on, so those without any output yet are
 resumed. A service that stays down longer than RESUME_TIMEOUT_S fails the requests in flight
 (503: an error event on a stream) instead of letting them hang.
@@ -25,7 +26,8 @@ class Health:
     def __init__(self, client: aioredis.Redis, server: str, registry, resume, abort_ids,
                  metrics):
         """`server`: this server's id in Redis (ServiceConfig.server);
-        resume(only_without_output): continue lost requests; abort_ids(ids, status)."""
+        resume(only_without_output, ranks): continue lost requests (ranks: of the computes
+        that restarted, None: of any); abort_ids(ids, status)."""
         self.client, self.server, self.registry, self.metrics = client, server, registry, metrics
         self.resume, self.abort_ids = resume, abort_ids
         self.ok = False
@@ -65,8 +67,10 @@ class Health:
                                              ("tokenizer", True)):
             new = live.get(service, set()) - self.seen.get(service, set())
             if new and self.seen.get(service):
-                log.warning("%s restarted; resuming the requests it may have lost", service)
-                await self.resume(only_without_output)
+                log.warning("%s %s restarted; resuming the requests it may have lost",
+                            service, ", ".join(sorted(new)))
+                ranks = {state.rank_of(i) for i in new} if service == "compute" else None
+                await self.resume(only_without_output, ranks)
 
     async def _outages(self, missing: list[str]) -> None:
         now = time.monotonic()

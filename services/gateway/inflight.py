@@ -109,15 +109,17 @@ class Registry:
             req.fail(message)
         return list(self.requests)
 
-    def resume(self, only_without_output: bool) -> list[tuple[Inflight, TokenizeRequest | None,
-                                                             list[str]]]:
+    def resume(self, only_without_output: bool, keep=None) -> list[
+            tuple[Inflight, TokenizeRequest | None, list[str]]]:
         """Continue the requests a restart lost (only those without output yet: a tokenizer's
-        restart; the others passed it). Per request: what to send the tokenizers (None: it
-        failed after MAX_RESUMES, or its choices all had their tokens) and the choice ids of
-        the lost attempts (to abort in compute, where they may still run)."""
+        restart; the others passed it; with `keep`, only the ids it holds). Per request: what
+        to send the tokenizers (None: it failed after MAX_RESUMES, or its choices all had their
+        tokens) and the choice ids of the lost attempts (to abort in compute, where they may
+        still run)."""
         out = []
         for req in self.requests.values():
-            if req.tokenize is None or (only_without_output and req.got_output):
+            if req.tokenize is None or (only_without_output and req.got_output) or \
+                    (keep is not None and req.request_id not in keep):
                 continue
             lost = [req.request_id + c.id_suffix for c in req.choices if c.finish_reason is None]
             if req.resumes >= MAX_RESUMES:

@@ -47,16 +47,18 @@ class Dispatcher:
         if len(self.senders) > 1:
             info = route_info(gens[0], self.default_len)
             routed = info.predicted_tokens
-            rank = self._route(info, len(gens))
+            rank = self._route(info, len(gens), state.api_id(gens[0].request_id))
         for g in gens:
             self.senders[rank].send(replace(g, routed_tokens=routed))
         return rank
 
-    def _route(self, info: RouteInfo, count: int) -> int:
-        """Choose a compute for `count` choices of `info` and add them to its pending demand,
-        atomically against the other tokenizers (optimistic: WATCH the stats, read, choose,
-        add in MULTI; again if another tokenizer or a compute wrote meanwhile). Without Redis,
-        or after RETRIES conflicts: by the loads last read, plus what was routed since."""
+    def _route(self, info: RouteInfo, count: int, api: str) -> int:
+        """Choose a compute for `count` choices of request `api` and add them to its pending
+        demand, atomically against the other tokenizers (optimistic: WATCH the stats, read,
+        choose, add in MULTI; again if another tokenizer or a compute wrote meanwhile). The
+        request's state records where it went (state.set_route: a restarted compute's streams
+        are resumed, no others). Without Redis, or after RETRIES conflicts: by the loads last
+        read, plus what was routed since."""
         self._scan_liveness()
         keys = [state.stats_key(self.server, r) for r in range(len(self.senders))]
         tokens = info.predicted_tokens * count
@@ -68,6 +70,7 @@ class Dispatcher:
                     rank = self._choose(info)
                     pipe.multi()
                     pipe.hincrby(keys[rank], "pending", tokens)
+                    state.set_route(pipe, api, rank)
                     pipe.execute()
                     break
             except redis.WatchError:
