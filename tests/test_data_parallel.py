@@ -1,8 +1,9 @@
 """`--data-parallel-size 2`: two compute processes behind one gateway, tokenizer and
 detokenizer (real processes, real Redis, the demo model on CPU): the greedy texts of one
 compute, requests and tokens on both (per-engine metrics under vLLM's names), a skewed load
-balanced by predicted KV demand (where round robin would pile it on one process), and a
-kill -9 of one compute that loses no stream."""
+balanced by predicted KV demand (where round robin would pile it on one process), a kill -9 of
+one compute that loses no stream and resumes only its own, and (prefix caching on: routing is
+predicted-load-affinity) a conversation kept with the compute that holds its prefix."""
 
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ MODEL = "demo-llama"
 
 def dp_stack(model_dir, *extra: str) -> Stack:
     return Stack(model_dir, "--data-parallel-size", "2", "--max-batched-tokens", "32",
-                 "--max-running", "32", "--kv-cache-tokens", "40000", *extra,
-                 embedded_redis=True).start()
+                 "--max-running", "32", "--kv-cache-tokens", "40000", "--enable-prefix-caching",
+                 *extra, embedded_redis=True).start()
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +171,32 @@ def test_a_restarted_compute_resumes_only_its_own_streams(stack):
     finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
     assert finish == ["length"] * 16
     assert routes(stack, first.id) == ((1, 0) if rank == 0 else (0, 1))  # never resumed
+
+
+CONVERSATION = ("The ship's log, day one: we left the harbour at dawn with a light wind from the "
+                "west, twelve crew aboard and supplies for a month. The navigator asks: ")
+
+
+def test_a_conversation_stays_with_its_compute_under_load(stack):
+    """With prefix caching, routing is predicted-load-affinity: a conversation's next turn goes
+    to the compute holding its prefix (and hits its prefix cache) even while a long request of
+    the same conversation makes that compute the busier one; an unrelated request meanwhile goes
+    to the other, the less loaded."""
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+    def complete(prompt: str, **kw):
+        return client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)
+
+    prompt = CONVERSATION + "which course?"
+    first = complete(prompt, max_tokens=8)
+    home = routes(stack, first.id).index(1)
+    prompt += first.choices[0].text + " And the wind?"
+    busy = iter(complete(prompt + " Recite the log.", max_tokens=300, stream=True,
+                         extra_body={"ignore_eos": True}))
+    assert routes(stack, next(busy).id)[home] == 1
+    turn = complete(prompt, max_tokens=8)
+    assert routes(stack, turn.id)[home] == 1, "the next turn left its compute"
+    assert turn.usage.prompt_tokens_details.cached_tokens >= 16
+    fresh = complete("Unrelated: apples grow on", max_tokens=4)
+    assert routes(stack, fresh.id)[1 - home] == 1, "load did not send it to the other"
+    assert [c.choices[0].finish_reason for c in busy][-1] == "length"

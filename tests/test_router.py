@@ -10,7 +10,8 @@ routing in front; requests go through the router with the official client. Shown
 * a replica whose compute hangs answers 503 on /health while the other stays green (each
   gateway watches its own services in the shared Redis): the router takes it out, requests
   meanwhile go to the other, and it is back once its compute is;
-* the length predictor in the shared Redis learned every finished request of both replicas;
+* the length predictor and the hidden-state length head (`--hidden-length`) in the shared Redis
+  learned every finished request of both replicas;
 * kill -9 of a whole replica (its process group) mid-stream: the stream ends with its finish
   reason or with an error the client raises, never silently; requests sent afterwards, the
   conversation's next turn included, are served by the survivor.
@@ -32,6 +33,7 @@ import openai
 import pytest
 import redis
 
+from services.compute.length.store import RedisStore
 from shared.length_predictor import LengthPredictor, model_key
 from shared.redis_server import EmbeddedRedis, free_port
 from tests.stack import Stack
@@ -131,11 +133,24 @@ def learned(predictor: LengthPredictor) -> int:
     return sum(predictor.counts())
 
 
+def head_learned(url: str) -> int:
+    """Requests the hidden-state length head's prefill stage learned, over every replica (its
+    statistics in the shared Redis: store.py's layout)."""
+    client = redis.Redis.from_url(url)
+    keys = client.keys("pipellm:lenhead:*:prefill:*:version")
+    if not keys:
+        return 0
+    assert len(keys) == 1, keys  # one model, one probe: one shared head
+    stats = RedisStore(client, keys[0].decode().removesuffix(":version")).load()
+    return stats.requests if stats is not None else 0
+
+
 def test_two_servers_behind_vllm_router(demo_model_dir, tmp_path):
     if ROUTER is None:
         pytest.fail("no vllm-router: `bash services/setup.sh test` installs it")
     store = EmbeddedRedis(data_dir=str(tmp_path)).start()
-    servers = [Stack(demo_model_dir, redis_url=store.url, new_session=True) for _ in range(2)]
+    servers = [Stack(demo_model_dir, "--hidden-length", redis_url=store.url, new_session=True)
+               for _ in range(2)]
     router = None
     t0 = time.monotonic()
     try:
@@ -168,7 +183,7 @@ def test_two_servers_behind_vllm_router(demo_model_dir, tmp_path):
         for turn in ("The wind turns north. What now?", "A storm ahead: which heading?"):
             # a long request on the conversation's replica: load alone would pick the other
             busy = chat([*conversation, {"role": "user", "content": "Recite the log."}],
-                        max_tokens=48, stream=True, extra_body={"ignore_eos": True})
+                        max_tokens=400, stream=True, extra_body={"ignore_eos": True})
             next(iter(busy))
             assert router.metric("running_requests", servers[home].url) == 1 and \
                 router.metric("running_requests", servers[other].url) == 0
@@ -211,13 +226,15 @@ def test_two_servers_behind_vllm_router(demo_model_dir, tmp_path):
         servers[other].wait_healthy(10)
         router.wait_for("worker_health", servers[other].url, 1)
 
-        # -- the shared length predictor learned from both -----------------------------------
+        # -- the shared length predictor and length head learned from both -----------------
         totals = finished(servers)
         assert min(totals) >= 1, totals
         deadline = time.monotonic() + 10
-        while learned(predictor) != sum(totals) and time.monotonic() < deadline:
+        while (learned(predictor), head_learned(store.url)) != (sum(totals),) * 2 and \
+                time.monotonic() < deadline:
             time.sleep(0.1)
-        assert learned(predictor) == sum(totals), (learned(predictor), totals)
+        assert learned(predictor) == head_learned(store.url) == sum(totals), \
+            (learned(predictor), head_learned(store.url), totals)
 
         # -- kill -9 a whole replica mid-stream -----------------------------------------------
         stream = chat([*conversation, {"role": "user", "content": "Describe the coast."}],
