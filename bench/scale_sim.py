@@ -3,8 +3,9 @@
 Every number here is SIMULATED. Each replica is the real engine (scheduler, KV allocator, prefix
 cache) on its own modelled GPU (services/compute/sim, an H100 serving Llama-3-8B by default),
 all on one virtual timeline (services/compute/sim_cluster.py), fed by one router running a
-policy of shared/routing.py: round robin, SGLang's cache-aware policy, predicted-load (least
-predicted KV demand) and predicted-load with prefix affinity. The engine settings are
+policy of shared/routing.py: round robin, SGLang's cache-aware policy, predicted-load (where
+the request's predicted KV fits, the least prefill backlog, then the least predicted KV demand)
+and predicted-load with prefix affinity. The engine settings are
 bench/prefix_sim.py's (the engine's defaults, prefix caching on, oracle predicted lengths: the
 true output length, so predicted-load sees each request's true KV demand), and so are the
 workloads (prompts as token ids, each distinct text piece a run of seeded random ids):
@@ -32,10 +33,11 @@ there (its TTFTs at one rate: finer than the searches' steps; --no-same-rate ski
         [--workloads azure,multiturn] [--policies round-robin,cache-aware,predicted-load,...]
 
 The engine's Python costs about 3 ms of CPU a simulated request, so the full run (a search is
-4-5 runs of N x 1000 requests) takes about 35 min on 2 EPYC cores (--jobs 2: searches in two
-processes); --quick (1 and 2 replicas, 200 requests each) about 25 s. Fewer requests are no
-shortcut: with a few hundred a replica, a run is mostly its start-up transient and the QPS at
-the SLO comes out 1.5-10x too high (a burst that fits in the KV cache meets the SLO at any rate).
+4-5 runs of N x 1000 requests) takes about 35 min on 2 EPYC cores, 18 min with --jobs 2
+(searches in two processes); --quick (1 and 2 replicas, 200 requests each) 15-25 s. Fewer
+requests are no shortcut: with a few hundred a replica, a run is mostly its start-up transient
+and the QPS at the SLO comes out 1.5-10x too high (a burst that fits in the KV cache meets the
+SLO at any rate).
 
 Targets (issue 37): 8 replicas >= 0.95 x 8 = 7.6 x one replica's QPS at the SLO, and
 predicted-load at least as good as cache-aware on the Azure trace. The last line printed is one

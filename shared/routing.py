@@ -3,8 +3,8 @@
 Pure logic, no I/O and no clock. A policy sees what is known of a request when it arrives
 (`RouteInfo`: its prompt ids and predicted KV tokens) and what the router knows of each replica
 (`ReplicaLoad`), and returns the index of a healthy replica. The caller keeps the loads current:
-a replica's `demand` must count a request from the moment it is routed there (a router that
-polls its replicas adds `predicted_tokens` itself until the replica reports), or a burst of
+a replica's `demand` and `prefill` must count a request from the moment it is routed there (a
+router that polls its replicas adds to them itself until the replica reports), or a burst of
 arrivals between two polls all go to the same replica.
 
 - `RoundRobin`: the next healthy replica in turn.
@@ -14,12 +14,17 @@ arrivals between two polls all go to the same replica.
   replica holding the fewest recorded tokens; but while the running + waiting counts are
   imbalanced (max - min > `balance_abs_threshold` and max > `balance_rel_threshold` x min), the
   least loaded replica.
-- `PredictedLoad`: the least predicted KV demand (prompt + predicted output of the requests it
-  holds); ties by running + waiting, then by index.
+- `PredictedLoad`: among the replicas where the request's predicted KV fits beside the demand
+  they hold (demand + `predicted_tokens` <= `capacity`: no preemption predicted), the least
+  prefill backlog (the prompt tokens its first token waits behind), ties by the least demand,
+  then running + waiting, then index; where it fits nowhere, the least demand / capacity. With
+  no capacity or backlog reported (0) this is the least predicted KV demand.
 - `PredictedLoadWithAffinity`: `PredictedLoad`, except that the replica with the longest recorded
-  prefix wins while its demand is within a margin of the least one's (`margin` x the least
-  demand, at least `min_margin` tokens): a prefix-cache hit saves its prefill, a small imbalance
-  costs little. For servers with prefix caching on.
+  prefix wins while the request fits there and its backlog, less the matched tokens it would
+  not prefill, is within a margin of the backlog of `PredictedLoad`'s pick (`margin` x that
+  one's demand, at least `min_margin` tokens): a prefix-cache hit saves its prefill now and
+  keeps the conversation's next turns hitting, a small imbalance costs little. For servers
+  with prefix caching on.
 
 `make_policy(name, **kw)` builds one by name (`POLICIES`).
 """
@@ -52,11 +57,17 @@ class ReplicaLoad:
     running: int = 0
     waiting: int = 0
     healthy: bool = True
+    prefill: int = 0  # prompt tokens it holds not yet prefilled (a new prompt queues behind them)
+    capacity: int = 0  # KV slots (0: unknown, every demand fits)
 
     @property
     def queued(self) -> int:
         """Requests it holds: running + waiting."""
         return self.running + self.waiting
+
+    def fits(self, tokens: int) -> bool:
+        """Whether `tokens` more predicted KV fit beside its demand (always, capacity unknown)."""
+        return not self.capacity or self.demand + tokens <= self.capacity
 
 
 class NoHealthyReplica(RuntimeError):
@@ -147,8 +158,12 @@ class PrefixIndex:
         return self._tokens.get(replica, 0)
 
 
-def _least_demand(ok: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
-    return min(ok, key=lambda i: (loads[i].demand, loads[i].queued, i))
+def _least_loaded(req: RouteInfo, ok: Sequence[int], loads: Sequence[ReplicaLoad]) -> int:
+    """`PredictedLoad`'s pick among the healthy `ok` (see the module docstring)."""
+    fit = [i for i in ok if loads[i].fits(req.predicted_tokens)]
+    if fit:
+        return min(fit, key=lambda i: (loads[i].prefill, loads[i].demand, loads[i].queued, i))
+    return min(ok, key=lambda i: (loads[i].demand / loads[i].capacity, loads[i].queued, i))
 
 
 class CacheAware:
@@ -183,12 +198,13 @@ class CacheAware:
 
 
 class PredictedLoad:
-    """The least predicted KV demand; ties by running + waiting, then by index."""
+    """Where the request fits, the least prefill backlog, then the least predicted KV demand
+    (see the module docstring)."""
 
     name: ClassVar[str] = "predicted-load"
 
     def choose(self, req: RouteInfo, loads: Sequence[ReplicaLoad]) -> int:
-        return _least_demand(healthy(loads), loads)
+        return _least_loaded(req, healthy(loads), loads)
 
 
 class PredictedLoadWithAffinity:
@@ -203,13 +219,14 @@ class PredictedLoadWithAffinity:
 
     def choose(self, req: RouteInfo, loads: Sequence[ReplicaLoad]) -> int:
         ok = healthy(loads)
-        least = _least_demand(ok, loads)
+        least = _least_loaded(req, ok, loads)
         keys = self.index.keys(req.prompt_ids)
         matched = {i: self.index.match(keys, i) for i in ok}
-        best = max(ok, key=lambda i: (matched[i], -loads[i].demand, -i))
-        slack = max(self.min_margin, self.margin * loads[least].demand)
-        pick = best if matched[best] and loads[best].demand - loads[least].demand <= slack \
-            else least
+        best = max(ok, key=lambda i: (matched[i], -loads[i].prefill, -loads[i].demand, -i))
+        b, lo = loads[best], loads[least]
+        slack = max(self.min_margin, self.margin * lo.demand)
+        near = b.prefill - matched[best] - lo.prefill <= slack
+        pick = best if matched[best] and near and b.fits(req.predicted_tokens) else least
         self.index.insert(keys, pick)
         return pick
 

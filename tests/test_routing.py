@@ -23,10 +23,11 @@ def req(prompt, predicted: int = 0) -> RouteInfo:
     return RouteInfo(prompt, len(prompt) + predicted)
 
 
-def loads(*demands: int, queued: tuple[int, ...] = (), down: tuple[int, ...] = ()):
-    q = queued or (0,) * len(demands)
-    return [ReplicaLoad(demand=d, running=n, healthy=i not in down)
-            for i, (d, n) in enumerate(zip(demands, q, strict=True))]
+def loads(*demands: int, queued: tuple[int, ...] = (), down: tuple[int, ...] = (),
+          prefill: tuple[int, ...] = (), capacity: int = 0):
+    q, p = queued or (0,) * len(demands), prefill or (0,) * len(demands)
+    return [ReplicaLoad(demand=d, running=n, healthy=i not in down, prefill=b, capacity=capacity)
+            for i, (d, n, b) in enumerate(zip(demands, q, p, strict=True))]
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -63,6 +64,25 @@ def test_predicted_load_takes_the_least_demand_then_the_shortest_queue_then_the_
     assert pl.choose(req([1]), loads(300, 300, 400, queued=(5, 2, 0))) == 1
     assert pl.choose(req([1]), loads(300, 300, queued=(2, 2))) == 0
     assert pl.choose(req([1]), loads(500, 100, 400, down=(1,))) == 2
+
+
+def test_predicted_load_takes_the_least_prefill_backlog_where_the_request_fits():
+    """The old rule (least demand) would take replica 0 each time: its KV demand is lower, but
+    its prefill queue, what a new prompt's first token waits behind, is longer."""
+    pl = PredictedLoad()
+    assert pl.choose(req([1]), loads(100, 900, prefill=(5000, 200))) == 1
+    assert pl.choose(req([1]), loads(500, 300, 400, prefill=(7, 7, 9))) == 1  # tie: demand
+    # 900 + 1 + 200 over 1,000 slots: replica 1 would preempt, so the longer queue wins
+    assert pl.choose(req([1], 200), loads(100, 900, prefill=(5000, 200), capacity=1000)) == 0
+    # fits nowhere: the least demand for the capacity, whatever the backlog
+    assert pl.choose(req([1], 2000), loads(700, 600, prefill=(0, 900), capacity=1000)) == 1
+    assert pl.choose(req([1]), loads(100, 900, prefill=(5000, 200), down=(1,))) == 0
+
+
+def test_replica_load_fits_its_capacity_and_any_demand_when_unknown():
+    assert ReplicaLoad(demand=900, capacity=1000).fits(100)
+    assert not ReplicaLoad(demand=900, capacity=1000).fits(101)
+    assert ReplicaLoad(demand=10**9).fits(10**9)  # capacity 0: unknown
 
 
 def test_prefix_index_matches_whole_blocks_and_keeps_a_bounded_lru():
@@ -118,12 +138,29 @@ def test_predicted_load_with_affinity_keeps_a_prefix_while_the_load_is_close():
     conv = list(range(1, 41))
     assert pa.choose(req(conv), loads(1000, 2000)) == 0  # nothing cached: least demand
     nxt = [*conv, 5, 6, 7, 8]
-    assert pa.choose(req(nxt), loads(1150, 1100)) == 0  # 50 over: within the margin
-    assert pa.choose(req(nxt), loads(3000, 1000)) == 1  # 2000 over: the least demand
+    assert pa.choose(req(nxt), loads(3000, 1000)) == 0  # no backlog anywhere: the prefix
+    assert pa.choose(req(nxt), loads(1000, 1000, prefill=(2000, 0))) == 1  # 1956 over
+    more = [*nxt, 9, 9, 9, 9]  # 44 tokens recorded at both, 0 and 1
+    assert pa.choose(req(more), loads(1000, 1000, prefill=(0, 50))) == 0  # the least backlog
+    assert pa.choose(req(more), loads(3000, 1000, prefill=(0, 50), capacity=3000)) == 1  # no room
     other = list(range(200, 240))
     assert pa.choose(req(other), loads(0, 10)) == 0
-    assert pa.choose(req(other), loads(10_900, 10_000)) == 0  # 900 over: within 10% of 10,000
+    # 1040 - 40 matched over the least backlog, 0: within 10% of its demand, 10,000
+    assert pa.choose(req(other), loads(10_900, 10_000, prefill=(1040, 0))) == 0
+    assert pa.choose(req(other), loads(10_900, 10_000, prefill=(1041, 0))) == 1
     assert pa.choose(req(nxt), loads(100, 0, down=(0,))) == 1
     # nothing shared: exactly predicted-load
     assert pa.choose(req(range(500, 540)), loads(300, 200, 400)) == \
         PredictedLoad().choose(req(range(500, 540)), loads(300, 200, 400))
+
+
+def test_predicted_load_with_affinity_weighs_the_backlog_less_the_matched_prefill():
+    conv = list(range(1, 41))
+    nxt = [*conv, 5, 6, 7, 8]  # 40 of its 44 tokens recorded at replica 0
+    for backlog, pick in ((5140, 0), (5141, 1)):  # 5140 - 40 = 5000 + the 100-token margin
+        pa = PredictedLoadWithAffinity(margin=0.1, min_margin=100, block=4)
+        assert pa.choose(req(conv), loads(0, 0)) == 0
+        assert pa.choose(req(nxt), loads(1000, 1000, prefill=(backlog, 5000))) == pick
+    pa = PredictedLoadWithAffinity(margin=0.1, min_margin=100, block=4)
+    assert pa.choose(req(conv), loads(0, 0)) == 0
+    assert pa.choose(req(nxt, 100), loads(1000, 0, capacity=1100)) == 1  # it would not fit

@@ -56,6 +56,23 @@ def test_two_replicas_finish_every_request_and_demand_follows_the_engines():
     assert sum(stats["routed"]) == 40 and min(stats["routed"]) > 0
 
 
+def test_the_prefill_backlog_is_what_the_engine_publishes_and_drains_as_it_prefills():
+    cluster = SimCluster(CONFIG, 1, RoundRobin())
+    for i in range(3):
+        cluster.add(0.0, [7 + i] * 400, SamplingParams(max_tokens=8), f"r{i}", 8)
+    replica = cluster.replicas[0]
+    load = replica.load()
+    assert load.prefill == replica.engine.stats().prefill == 1200 and load.waiting == 3
+    assert load.capacity == replica.engine.stats().capacity > 0
+    backlog = [load.prefill]
+    while cluster.has_work():
+        cluster.step()
+        backlog.append(replica.load().prefill)
+        assert backlog[-1] == replica.engine.stats().prefill
+    # 512-token steps, decodes first: the second step also decodes the first request
+    assert backlog[:4] == [1200, 688, 177, 0] and set(backlog[4:]) == {0}
+
+
 def test_one_replica_replays_the_single_engine_simulation_exactly():
     wl = items(60, 0.02, lambda i: (300 + 50 * (i % 7), 40 + 5 * (i % 5)))
     one, _ = scale_sim.simulate_cluster(CONFIG, 1, "cache-aware", wl)

@@ -54,6 +54,7 @@ class EngineStats:
     spec_draft_tokens: int = 0  # speculative drafts verified (vLLM's spec_decode_num_draft_tokens)
     spec_accepted_tokens: int = 0  # of them, accepted
     demand: int = 0  # predicted KV tokens of the requests it holds (what routing balances)
+    prefill: int = 0  # prompt tokens it holds not yet prefilled (routing: what TTFT waits behind)
     requests: int = 0  # requests added since start
     tokens: int = 0  # output tokens committed since start
 
@@ -211,6 +212,7 @@ class LLMEngine:
             used=s.used_slots(), running=len(s.running), waiting=len(s.waiting),
             moves=s.stats.moves, grows_in_place=s.stats.grows_in_place,
             preemptions=s.stats.preemptions, demand=self.scheduler.demand(),
+            prefill=prefill_backlog(s),
             requests=self._added, tokens=self._tokens, **prefix,
             **_speculation(s.speculation))
 
@@ -223,6 +225,14 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return seqs
+
+
+def prefill_backlog(scheduler: Scheduler) -> int:
+    """Prompt tokens `scheduler` holds not yet prefilled: the rest of the running requests'
+    prompts and the waiting requests' tokens (before any prefix-cache hit). A prompt routed
+    there now is prefilled after them (FCFS), so its first token waits for them."""
+    return sum(max(s.num_prompt - s.num_cached, 0) for s in scheduler.running) + \
+        sum(s.pending for s in scheduler.waiting)
 
 
 def _beam_search(seq: Sequence, grammar, output_ids) -> BeamSearch:

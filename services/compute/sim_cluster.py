@@ -10,8 +10,9 @@ replica is mid-step waits for that step's end, and the router sees a replica mid
 will be at the step's end (its admissions and finishes show from its start: at most one step
 early).
 
-A replica's load (`ReplicaLoad`) comes from its engine: running and waiting counts from the
-scheduler, and `demand` the engine's (`Scheduler.demand`, what the server routes on: prompt +
+A replica's load (`ReplicaLoad`) comes from its engine: running and waiting counts, the prefill
+backlog (`prefill_backlog`) and the KV capacity from the scheduler, as the engine publishes them
+(`EngineStats`), and `demand` the engine's (`Scheduler.demand`, what the server routes on: prompt +
 the median output length given what was generated, summed over its requests), kept as
 requests are added and finish from each one's prompt + predicted median at arrival. The two
 agree while no request outgrows its predicted median (always with oracle lengths, which end
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.compute.engine import LLMEngine, StepResult
+from services.compute.engine import LLMEngine, StepResult, prefill_backlog
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
 from shared.routing import ReplicaLoad, RouteInfo, RoutingPolicy
@@ -49,7 +50,8 @@ class Replica:
 
     def load(self) -> ReplicaLoad:
         s = self.engine.scheduler
-        return ReplicaLoad(demand=self.demand, running=len(s.running), waiting=len(s.waiting))
+        return ReplicaLoad(demand=self.demand, running=len(s.running), waiting=len(s.waiting),
+                           prefill=prefill_backlog(s), capacity=s.allocator.capacity)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
             predicted: LengthDist | int | None) -> None:

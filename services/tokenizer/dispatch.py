@@ -66,7 +66,7 @@ class Dispatcher:
             try:
                 with self.client.pipeline() as pipe:
                     pipe.watch(*keys)
-                    self.loads = self._read_loads(pipe, keys)
+                    self.loads = self._read_loads(keys)
                     rank = self._choose(info)
                     pipe.multi()
                     pipe.hincrby(keys[rank], "pending", tokens)
@@ -81,6 +81,7 @@ class Dispatcher:
         else:
             rank = self._choose(info)
         self.loads[rank].demand += tokens
+        self.loads[rank].prefill += tokens  # as _read_loads counts pending
         self.loads[rank].waiting += count
         return rank
 
@@ -90,15 +91,20 @@ class Dispatcher:
         except NoHealthyReplica:  # none beats now: the first queues it for its restart
             return 0
 
-    def _read_loads(self, pipe, keys: list[str]) -> list[ReplicaLoad]:
-        """Each compute's published stats plus its pending demand (`pipe` WATCHes `keys`)."""
-        loads = []
-        for rank, key in enumerate(keys):
-            demand, running, waiting, pending = pipe.hmget(
-                key, "demand", "running", "waiting", "pending")
-            loads.append(ReplicaLoad(_int(demand) + _int(pending), _int(running),
-                                     _int(waiting), healthy=rank in self.live))
-        return loads
+    def _read_loads(self, keys: list[str]) -> list[ReplicaLoad]:
+        """Each compute's published stats plus its pending demand, in one round trip (on
+        another connection than the one WATCHing `keys`: a write after the WATCH still fails
+        the transaction). The pending requests are not prefilled yet: they count in the prefill
+        backlog too, at their predicted tokens (more than their prompts), so a burst between two
+        publications is spread by backlog as by demand."""
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(key, "demand", "running", "waiting", "pending", "prefill", "capacity")
+        return [ReplicaLoad(_int(demand) + _int(pending), _int(running), _int(waiting),
+                            healthy=rank in self.live, prefill=_int(prefill) + _int(pending),
+                            capacity=_int(capacity))
+                for rank, (demand, running, waiting, pending, prefill, capacity)
+                in enumerate(pipe.execute())]
 
     def _scan_liveness(self) -> None:
         """Which computes beat, every LIVENESS_S (on a Redis error: the last answer)."""
