@@ -161,3 +161,22 @@ def _try_bind(sock, port: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def test_each_compute_rank_gets_its_device_and_share_of_cores(monkeypatch):
+    """--data-parallel-size N: rank r takes the r-th visible GPU (ranks wrap around when there
+    are fewer, sharing one), and on a CPU without --threads, cores / N threads."""
+    from services.supervisor import compute_env
+    from shared.config import EngineConfig
+
+    engine = EngineConfig(model="unused")
+    assert compute_env(engine, 1, 0) == {}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert [compute_env(engine, 3, r)["CUDA_VISIBLE_DEVICES"] for r in range(3)] == \
+        ["3", "5", "3"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    env = compute_env(engine, 4, 2)
+    assert env == {"PIPELLM_DATA_PARALLEL_RANK": "2", "CUDA_VISIBLE_DEVICES": "2",
+                   "PIPELLM_THREADS": "4"}
+    assert "PIPELLM_THREADS" not in compute_env(EngineConfig(model="unused", threads=2), 4, 2)
