@@ -16,7 +16,8 @@ arrivals between two polls all go to the same replica.
   least loaded replica.
 - `PredictedLoad`: among the replicas where the request's predicted KV fits beside the demand
   they hold (demand + `predicted_tokens` <= `capacity`: no preemption predicted), the least
-  prefill backlog (the prompt tokens its first token waits behind), ties by the least demand,
+  prefill backlog (the prompt tokens its first token waits behind) in whole steps
+  (`step_tokens` each: within a step, backlogs make the same wait), ties by the least demand,
   then running + waiting, then index; where it fits nowhere, the least demand / capacity. With
   no capacity or backlog reported (0) this is the least predicted KV demand.
 - `PredictedLoadWithAffinity`: `PredictedLoad`, except that the replica with the longest recorded
@@ -59,6 +60,13 @@ class ReplicaLoad:
     healthy: bool = True
     prefill: int = 0  # prompt tokens it holds not yet prefilled (a new prompt queues behind them)
     capacity: int = 0  # KV slots (0: unknown, every demand fits)
+    step_tokens: int = 0  # tokens one step prefills at most (0: unknown, backlogs compared exactly)
+
+    @property
+    def backlog_steps(self) -> int:
+        """The steps its prefill backlog takes: backlogs a step apart differ in the wait a new
+        prompt has; within one step they do not, and demand decides."""
+        return self.prefill // self.step_tokens if self.step_tokens else self.prefill
 
     @property
     def queued(self) -> int:
@@ -162,7 +170,8 @@ def _least_loaded(req: RouteInfo, ok: Sequence[int], loads: Sequence[ReplicaLoad
     """`PredictedLoad`'s pick among the healthy `ok` (see the module docstring)."""
     fit = [i for i in ok if loads[i].fits(req.predicted_tokens)]
     if fit:
-        return min(fit, key=lambda i: (loads[i].prefill, loads[i].demand, loads[i].queued, i))
+        return min(fit, key=lambda i: (loads[i].backlog_steps, loads[i].demand, loads[i].queued,
+                                       i))
     return min(ok, key=lambda i: (loads[i].demand / loads[i].capacity, loads[i].queued, i))
 
 

@@ -100,31 +100,38 @@ def set_stats(pipe, server: str, rank: int, stats: dict[str, Any], ttl_s: float)
 
 
 # Routed demand a compute has not yet published (data parallel): tokenizers add a request's
-# predicted KV tokens to its compute's stats hash when they route it (`add_pending`); the
-# compute takes them off in the same transaction as it publishes a `demand` that counts them
-# (`settle_pending`, never below 0). So `demand + pending` counts every request routed there,
-# whichever tokenizer routed it, including those still in the compute's socket.
+# predicted KV tokens (`pending`) and its tokens to prefill (`pending_prompt`) to its compute's
+# stats hash when they route it (`add_pending`); the compute takes them off in the same
+# transaction as it publishes a `demand` and a `prefill` backlog that count them
+# (`settle_pending`, never below 0). So `demand + pending` and `prefill + pending_prompt` count
+# every request routed there, whichever tokenizer routed it, those still in its socket too.
+_PENDING = ("pending", "pending_prompt")
 _SETTLE = """
-local left = redis.call('HINCRBY', KEYS[1], 'pending', -tonumber(ARGV[1]))
-if left < 0 then redis.call('HSET', KEYS[1], 'pending', 0) end
-return left
+for i, field in ipairs({'pending', 'pending_prompt'}) do
+  if redis.call('HINCRBY', KEYS[1], field, -tonumber(ARGV[i])) < 0 then
+    redis.call('HSET', KEYS[1], field, 0)
+  end
+end
 """
 
 
-def add_pending(client, server: str, rank: int, tokens: int) -> None:
-    client.hincrby(stats_key(server, rank), "pending", tokens)
+def add_pending(pipe, server: str, rank: int, tokens: int, prompt: int) -> None:
+    """Queue (or run, on a client) adding a routed request: `tokens` of predicted KV demand,
+    `prompt` tokens to prefill."""
+    for field, n in zip(_PENDING, (tokens, prompt), strict=True):
+        pipe.hincrby(stats_key(server, rank), field, n)
 
 
-def settle_pending(pipe, server: str, rank: int, tokens: int) -> None:
-    """Queue taking `tokens` (what the compute received since its last publication) off its
-    pending demand, clamped at 0 (after reset_pending, a request sent before the restart is
-    taken off what was zeroed)."""
-    pipe.eval(_SETTLE, 1, stats_key(server, rank), tokens)
+def settle_pending(pipe, server: str, rank: int, tokens: int, prompt: int) -> None:
+    """Queue taking what the compute received since its last publication off its pending
+    counts, clamped at 0 (after reset_pending, a request sent before the restart is taken off
+    what was zeroed)."""
+    pipe.eval(_SETTLE, 1, stats_key(server, rank), tokens, prompt)
 
 
 def reset_pending(client, server: str, rank: int) -> None:
     """A (re)started compute: what its predecessor received and never settled is gone."""
-    client.hset(stats_key(server, rank), "pending", 0)
+    client.hset(stats_key(server, rank), mapping=dict.fromkeys(_PENDING, 0))
 
 
 def service_pattern(server: str) -> str:

@@ -30,9 +30,9 @@ MODEL = "demo-llama"
 
 
 def dp_stack(model_dir, *extra: str) -> Stack:
-    return Stack(model_dir, "--data-parallel-size", "2", "--max-batched-tokens", "32",
-                 "--max-running", "32", "--kv-cache-tokens", "40000", "--enable-prefix-caching",
-                 *extra, embedded_redis=True).start()
+    return Stack(model_dir, "--data-parallel-size", "2", "--max-running", "32",
+                 "--kv-cache-tokens", "40000", "--enable-prefix-caching", *extra,
+                 embedded_redis=True).start()
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +183,11 @@ def test_a_conversation_stays_with_its_compute_under_load(stack):
     the same conversation makes that compute the busier one; an unrelated request meanwhile goes
     to the other, the less loaded."""
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    deadline = time.monotonic() + 10  # the earlier tests' requests gone from the published stats
+    while sum(per_engine(stack, "vllm:num_requests_running").values()) or \
+            sum(per_engine(stack, "pipellm_engine_demand").values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
     def complete(prompt: str, **kw):
         return client.completions.create(model=MODEL, prompt=prompt, temperature=0, **kw)

@@ -71,6 +71,9 @@ def test_two_tokenizers_spread_one_burst(client, inboxes):
     assert [tokens(x) for x in inboxes] == [200, 200]
     pending = [int(client.hget(state.stats_key(SERVER, r), "pending")) for r in (0, 1)]
     assert pending == [sum(g.routed_tokens for g in x.got) for x in inboxes] == [216, 216]
+    prompts = client.hmget(state.stats_key(SERVER, 0), "pending_prompt"), \
+        client.hmget(state.stats_key(SERVER, 1), "pending_prompt")
+    assert prompts == ([b"16"], [b"16"])  # 4 requests of 4 prompt tokens each
 
 
 def test_a_write_between_read_and_add_routes_again(client, inboxes):
@@ -98,7 +101,7 @@ def test_publication_settles_what_compute_received(client, inboxes):
     assert routed == 100  # prompt + max_tokens (which caps the default predicted length)
     pipe = client.pipeline(transaction=True)
     state.set_stats(pipe, SERVER, 0, {"demand": routed, "running": 1, "waiting": 0}, ttl_s=60)
-    state.settle_pending(pipe, SERVER, 0, routed)
+    state.settle_pending(pipe, SERVER, 0, routed, 4)
     pipe.execute()
     assert client.hmget(state.stats_key(SERVER, 0), "demand", "pending") == [b"100", b"0"]
     a.send([request(1, 96)])
@@ -106,12 +109,12 @@ def test_publication_settles_what_compute_received(client, inboxes):
 
 
 def test_restart_reset_clamps_late_settlements(client, inboxes):
-    state.add_pending(client, SERVER, 0, 300)  # routed to a compute that then died
+    state.add_pending(client, SERVER, 0, 300, 40)  # routed to a compute that then died
     state.reset_pending(client, SERVER, 0)
     pipe = client.pipeline(transaction=True)
-    state.settle_pending(pipe, SERVER, 0, 120)  # a request sent before the restart
+    state.settle_pending(pipe, SERVER, 0, 120, 20)  # a request sent before the restart
     pipe.execute()
-    assert int(client.hget(state.stats_key(SERVER, 0), "pending")) == 0
+    assert client.hmget(state.stats_key(SERVER, 0), "pending", "pending_prompt") == [b"0", b"0"]
 
 
 def test_a_compute_without_heartbeat_gets_nothing(client, inboxes):

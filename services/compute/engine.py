@@ -55,6 +55,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0  # of them, accepted
     demand: int = 0  # predicted KV tokens of the requests it holds (what routing balances)
     prefill: int = 0  # prompt tokens it holds not yet prefilled (routing: what TTFT waits behind)
+    step_tokens: int = 0  # tokens a step takes (--max-batched-tokens): how fast that backlog goes
     requests: int = 0  # requests added since start
     tokens: int = 0  # output tokens committed since start
 
@@ -212,7 +213,7 @@ class LLMEngine:
             used=s.used_slots(), running=len(s.running), waiting=len(s.waiting),
             moves=s.stats.moves, grows_in_place=s.stats.grows_in_place,
             preemptions=s.stats.preemptions, demand=self.scheduler.demand(),
-            prefill=prefill_backlog(s),
+            prefill=prefill_backlog(s), step_tokens=self.config.scheduler.max_batched_tokens,
             requests=self._added, tokens=self._tokens, **prefix,
             **_speculation(s.speculation))
 

@@ -49,7 +49,7 @@ class ComputeService:
         self.grammars = GrammarQueue(engine.config.model)
         state.Heartbeat(redis_client, svc.server, "compute", svc.heartbeat_s, rank=rank)
         self._next_stats = 0.0
-        self.received = 0  # routed tokens received since the last published stats
+        self.received = [0, 0]  # routed KV tokens, tokens to prefill: since the last stats
         try:
             state.reset_pending(redis_client, svc.server, rank)
         except redis.RedisError:
@@ -74,7 +74,9 @@ class ComputeService:
                 self._control(msg, aborted)
             for msg in self.inbox.drain():
                 if isinstance(msg, GenerateRequest):
-                    self.received += msg.routed_tokens
+                    if msg.routed_tokens:
+                        self.received[0] += msg.routed_tokens
+                        self.received[1] += len(msg.prompt_ids) + len(msg.output_ids)
                     self._add(msg, errors)
         for req, grammar in self.grammars.ready():
             self._admit(req, grammar, errors)
@@ -160,9 +162,9 @@ class ComputeService:
                 "max_model_len": self.engine.max_model_len, "startup": self.startup,
                 "enable_prefix_caching": self.engine.config.scheduler.enable_prefix_caching,
                 "rank": rank}, ttl_s=max(60.0, 10 * self.svc.heartbeat_s))
-            state.settle_pending(pipe, self.svc.server, rank, self.received)
+            state.settle_pending(pipe, self.svc.server, rank, *self.received)
             pipe.execute()
-            self.received = 0
+            self.received = [0, 0]
         except redis.RedisError:
             pass  # the heartbeat thread reports the outage
 

@@ -51,7 +51,8 @@ class Replica:
     def load(self) -> ReplicaLoad:
         s = self.engine.scheduler
         return ReplicaLoad(demand=self.demand, running=len(s.running), waiting=len(s.waiting),
-                           prefill=prefill_backlog(s), capacity=s.allocator.capacity)
+                           prefill=prefill_backlog(s), capacity=s.allocator.capacity,
+                           step_tokens=self.engine.config.scheduler.max_batched_tokens)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
             predicted: LengthDist | int | None) -> None:

@@ -47,18 +47,20 @@ class Dispatcher:
         if len(self.senders) > 1:
             info = route_info(gens[0], self.default_len)
             routed = info.predicted_tokens
-            rank = self._route(info, len(gens), state.api_id(gens[0].request_id))
+            prompt = sum(len(g.prompt_ids) + len(g.output_ids) for g in gens)
+            rank = self._route(info, len(gens), prompt, state.api_id(gens[0].request_id))
         for g in gens:
             self.senders[rank].send(replace(g, routed_tokens=routed))
         return rank
 
-    def _route(self, info: RouteInfo, count: int, api: str) -> int:
-        """Choose a compute for `count` choices of request `api` and add them to its pending
-        demand, atomically against the other tokenizers (optimistic: WATCH the stats, read,
-        choose, add in MULTI; again if another tokenizer or a compute wrote meanwhile). The
-        request's state records where it went (state.set_route: a restarted compute's streams
-        are resumed, no others). Without Redis, or after RETRIES conflicts: by the loads last
-        read, plus what was routed since."""
+    def _route(self, info: RouteInfo, count: int, prompt: int, api: str) -> int:
+        """Choose a compute for `count` choices of request `api` (`prompt` tokens to prefill)
+        and add them to its pending counts, atomically against the other tokenizers
+        (optimistic: WATCH the stats, read, choose, add in MULTI; again if another tokenizer or
+        a compute wrote meanwhile). The request's state records where it went
+        (state.set_route: a restarted compute's streams are resumed, no others). Without
+        Redis, or after RETRIES conflicts: by the loads last read, plus what was routed
+        since."""
         self._scan_liveness()
         keys = [state.stats_key(self.server, r) for r in range(len(self.senders))]
         tokens = info.predicted_tokens * count
@@ -69,7 +71,7 @@ class Dispatcher:
                     self.loads = self._read_loads(keys)
                     rank = self._choose(info)
                     pipe.multi()
-                    pipe.hincrby(keys[rank], "pending", tokens)
+                    state.add_pending(pipe, self.server, rank, tokens, prompt)
                     state.set_route(pipe, api, rank)
                     pipe.execute()
                     break
@@ -81,7 +83,7 @@ class Dispatcher:
         else:
             rank = self._choose(info)
         self.loads[rank].demand += tokens
-        self.loads[rank].prefill += tokens  # as _read_loads counts pending
+        self.loads[rank].prefill += prompt
         self.loads[rank].waiting += count
         return rank
 
@@ -92,18 +94,17 @@ class Dispatcher:
             return 0
 
     def _read_loads(self, keys: list[str]) -> list[ReplicaLoad]:
-        """Each compute's published stats plus its pending demand, in one round trip (on
-        another connection than the one WATCHing `keys`: a write after the WATCH still fails
-        the transaction). The pending requests are not prefilled yet: they count in the prefill
-        backlog too, at their predicted tokens (more than their prompts), so a burst between two
-        publications is spread by backlog as by demand."""
+        """Each compute's published stats plus its pending counts (demand, and prompt tokens
+        to prefill), in one round trip (on another connection than the one WATCHing `keys`: a
+        write after the WATCH still fails the transaction)."""
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
-            pipe.hmget(key, "demand", "running", "waiting", "pending", "prefill", "capacity")
+            pipe.hmget(key, "demand", "running", "waiting", "prefill", "capacity", "step_tokens",
+                       "pending", "pending_prompt")
         return [ReplicaLoad(_int(demand) + _int(pending), _int(running), _int(waiting),
-                            healthy=rank in self.live, prefill=_int(prefill) + _int(pending),
-                            capacity=_int(capacity))
-                for rank, (demand, running, waiting, pending, prefill, capacity)
+                            healthy=rank in self.live, prefill=_int(prefill) + _int(prompt),
+                            capacity=_int(capacity), step_tokens=_int(step))
+                for rank, (demand, running, waiting, prefill, capacity, step, pending, prompt)
                 in enumerate(pipe.execute())]
 
     def _scan_liveness(self) -> None:
