@@ -164,3 +164,14 @@ def test_predicted_load_with_affinity_weighs_the_backlog_less_the_matched_prefil
     pa = PredictedLoadWithAffinity(margin=0.1, min_margin=100, block=4)
     assert pa.choose(req(conv), loads(0, 0)) == 0
     assert pa.choose(req(nxt, 100), loads(1000, 0, capacity=1100)) == 1  # it would not fit
+
+
+def test_backlogs_within_one_step_leave_the_choice_to_demand():
+    """A few prompt tokens more to prefill make no wait within one step: KV demand decides; a
+    whole step more does."""
+    req = RouteInfo((1, 2, 3), 10)
+    loads = [ReplicaLoad(demand=500, prefill=10, step_tokens=512),
+             ReplicaLoad(demand=100, prefill=40, step_tokens=512)]
+    assert PredictedLoad().choose(req, loads) == 1
+    loads[1].prefill = 600
+    assert PredictedLoad().choose(req, loads) == 0
