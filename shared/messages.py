@@ -109,6 +109,11 @@ class GenerateRequest:
     grammar: GrammarSpec | None = None  # structured output: compiled by compute
     routed_tokens: int = 0  # KV tokens routing added to its compute's `pending` demand (DP)
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens compute prefills for it: the prompt, and a resumed choice's output so far."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
 
 # --- gateway / detokenizer -> compute control -----------------------------------------------
 

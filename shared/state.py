@@ -107,12 +107,12 @@ def set_stats(pipe, server: str, rank: int, stats: dict[str, Any], ttl_s: float)
 # every request routed there, whichever tokenizer routed it, those still in its socket too.
 _PENDING = ("pending", "pending_prompt")
 _SETTLE = """
-for i, field in ipairs({'pending', 'pending_prompt'}) do
-  if redis.call('HINCRBY', KEYS[1], field, -tonumber(ARGV[i])) < 0 then
-    redis.call('HSET', KEYS[1], field, 0)
+for i = 1, #ARGV, 2 do
+  if redis.call('HINCRBY', KEYS[1], ARGV[i], -tonumber(ARGV[i + 1])) < 0 then
+    redis.call('HSET', KEYS[1], ARGV[i], 0)
   end
 end
-"""
+"""  # ARGV: field, amount, field, amount...
 
 
 def add_pending(pipe, server: str, rank: int, tokens: int, prompt: int) -> None:
@@ -126,7 +126,8 @@ def settle_pending(pipe, server: str, rank: int, tokens: int, prompt: int) -> No
     """Queue taking what the compute received since its last publication off its pending
     counts, clamped at 0 (after reset_pending, a request sent before the restart is taken off
     what was zeroed)."""
-    pipe.eval(_SETTLE, 1, stats_key(server, rank), tokens, prompt)
+    pipe.eval(_SETTLE, 1, stats_key(server, rank),
+              *(x for pair in zip(_PENDING, (tokens, prompt), strict=True) for x in pair))
 
 
 def reset_pending(client, server: str, rank: int) -> None:

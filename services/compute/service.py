@@ -76,7 +76,7 @@ class ComputeService:
                 if isinstance(msg, GenerateRequest):
                     if msg.routed_tokens:
                         self.received[0] += msg.routed_tokens
-                        self.received[1] += len(msg.prompt_ids) + len(msg.output_ids)
+                        self.received[1] += msg.prefill_tokens
                     self._add(msg, errors)
         for req, grammar in self.grammars.ready():
             self._admit(req, grammar, errors)

@@ -2,12 +2,12 @@
 
 A routing policy (shared/routing.py) picks among the live compute processes from their loads,
 read from Redis on every request: the engine stats each one publishes (its predicted KV demand,
-running and waiting requests) plus its `pending` demand, which every tokenizer adds to as it
-routes a request and the compute settles as it publishes (shared/state.py). So a burst between
-two publications is spread, whichever tokenizers route it. A compute whose heartbeat is gone
-gets nothing (requests already sent to it wait in its socket's queue for its restart, and the
-gateway resumes what it lost). All choices of one request go to the same compute, where they
-share their prompt's KV through the prefix cache.
+prefill backlog, running and waiting requests) plus its `pending` counts, which every tokenizer
+adds to as it routes a request and the compute settles as it publishes (shared/state.py). So
+a burst between two publications is spread, whichever tokenizers route it. A compute whose
+heartbeat is gone gets nothing (requests already sent to it wait in its socket's queue for its
+restart, and the gateway resumes what it lost). All choices of one request go to the same
+compute, where they share their prompt's KV through the prefix cache.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ class Dispatcher:
         if len(self.senders) > 1:
             info = route_info(gens[0], self.default_len)
             routed = info.predicted_tokens
-            prompt = sum(len(g.prompt_ids) + len(g.output_ids) for g in gens)
+            prompt = sum(g.prefill_tokens for g in gens)
             rank = self._route(info, len(gens), prompt, state.api_id(gens[0].request_id))
         for g in gens:
-            self.senders[rank].send(replace(g, routed_tokens=routed))
+            self.senders[rank].send(replace(g, routed_tokens=routed) if routed else g)
         return rank
 
     def _route(self, info: RouteInfo, count: int, prompt: int, api: str) -> int:
