@@ -1,0 +1,100 @@
+"""The x86 instruction-set levels the C++ CPU kernels are built for, and which one runs.
+
+One build holds every level's variant of the ISA-specific kernels (the block GEMMs); at run
+time the best level the CPU reports is chosen, or a lower one when `PIPELLM_CPU_ISA` /
+`--cpu-isa` asks for it (so an AVX-512 machine runs and tests the AVX2 path). Levels, lowest
+first; each includes the ones before it:
+
+    avx2         AVX2 + FMA + F16C (x86-64-v3): every x86 CPU since Haswell / Zen 1; the floor
+                 the whole extension is compiled for (below it the PyTorch reference runs)
+    avx512       AVX-512 F/BW/VL/DQ (x86-64-v4): Skylake-SP and later, Zen 4 and later
+    avx512_vnni  + VNNI (vpdpbusd: int8 dot products in one instruction)
+
+AMX (tiles) is reported in `describe()` but has no kernel of its own: AMX CPUs run the
+avx512_vnni variant. On other architectures (ARM) no level applies: the block GEMMs fall back to
+PyTorch, and the rest of the extension is compiled for the architecture's baseline.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+LEVELS = ("avx2", "avx512", "avx512_vnni")
+# the /proc/cpuinfo flags each level needs on top of the previous one
+_NEEDS = {
+    "avx2": ("avx", "avx2", "fma", "f16c", "bmi2"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx512_vnni": ("avx512_vnni",),
+}
+CHOICES = ("auto", *LEVELS)
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+
+
+def cpu_levels(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The levels this CPU runs, lowest first (empty: not x86, or below AVX2)."""
+    flags = cpu_flags() if flags is None else flags
+    levels: list[str] = []
+    for level in LEVELS:
+        if not set(_NEEDS[level]) <= flags:
+            break
+        levels.append(level)
+    return tuple(levels)
+
+
+def choose(requested: str, levels: tuple[str, ...]) -> str | None:
+    """The level to run: the best of `levels` for "auto", else `requested` if the CPU runs it.
+    None when the CPU runs no level. ValueError for an unknown name or one above the CPU's."""
+    if requested not in CHOICES:
+        raise ValueError(f"PIPELLM_CPU_ISA / --cpu-isa must be one of {', '.join(CHOICES)}, "
+                         f"not {requested!r}")
+    if requested == "auto":
+        return levels[-1] if levels else None
+    if requested not in levels:
+        best = levels[-1] if levels else "none (below AVX2, or not x86)"
+        raise ValueError(f"--cpu-isa {requested}: this CPU's best level is {best}")
+    return requested
+
+
+_requested = os.environ.get("PIPELLM_CPU_ISA", "auto") or "auto"
+
+
+def set_level(requested: str) -> None:
+    """Ask for a level (`--cpu-isa`), checked against the CPU at once; before the first call
+    into the kernels, which fixes it for the process."""
+    global _requested
+    choose(requested, cpu_levels())
+    _requested = requested
+
+
+def selected() -> str | None:
+    """The level the kernels run (None: no level applies; the extension is then not loaded on
+    x86, and on ARM its block GEMMs fall back to PyTorch)."""
+    return choose(_requested, cpu_levels())
+
+
+def describe() -> str:
+    """One line for banners and benchmarks: 'avx512_vnni (CPU: avx2 avx512 avx512_vnni amx)'."""
+    flags = cpu_flags()
+    has = list(cpu_levels(flags)) + (["amx"] if "amx_int8" in flags else [])
+    if not is_x86():
+        return f"{platform.machine()} (no x86 level: the block GEMMs run in PyTorch)"
+    try:
+        level = selected()
+    except ValueError as exc:
+        level = f"invalid ({exc})"
+    forced = "" if _requested == "auto" else ", forced"
+    return f"{level or 'none'}{forced} (CPU: {' '.join(has) or 'below avx2'})"
