@@ -1,13 +1,15 @@
 """The CPU GEMMs of one SmolLM2-135M step, per weight format, at the row counts a step has
-(M = 1 is a single decode, 200 a prompt): the default INT4 path (W4A8 with AVX512-VNNI,
-kernels/cpu/block_gemm.cpp) against PyTorch's own CPU int4 kernel (bf16 activations, the
-path before it) and the float layers (oneDNN-packed bf16 and fp32, `model/linear/dense.py`);
-the LM head as Q8 blocks (the default under int4) against the fp32 and bf16 heads.
+(M = 1 is a single decode, 200 a prompt): the default INT4 path (W4A8 blocks,
+kernels/cpu/block_gemm.cpp) at every ISA level this CPU runs (avx2, avx512, avx512_vnni: the
+same build, the level switched in process) against PyTorch's own CPU int4 kernel (bf16
+activations, what a CPU without the block GEMMs runs) and the float layers (oneDNN-packed bf16
+and fp32, `model/linear/dense.py`); the LM head as Q8 blocks (the default under int4) at every
+level against the fp32 and bf16 heads.
 
 The projections are the model's: q/k/v fused [960, 576], o [576, 576], gate/up fused
 [3072, 576], down [576, 1536], 30 distinct copies of each (random weights, std 0.02) so that
 they stream from memory as a real step's do; the head is [49152, 576]. Median of --reps calls
-of the whole set, after two warm-up calls; "speed" = baseline ms / INT4-VNNI ms.
+of the whole set, after two warm-up calls; "speed" = baseline ms / block-GEMM ms, per level.
 
     python -m bench.cpu_gemm [--rows 1,4,16,64,200] [--reps 7] [--quick]
 
@@ -30,9 +32,12 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/cpu_gemm.py`
 import torch  # noqa: E402
 
 from bench.common import machine  # noqa: E402
-from kernels.dispatch import vnni_extension  # noqa: E402
+from kernels.cpu import isa  # noqa: E402
+from kernels.dispatch import block_gemm_extension  # noqa: E402
 from kernels.int4_gemm import int4_gemm, pack_int4_cpu, prepare_int4, quantize_int4  # noqa: E402
 from services.compute.model.linear import Linear, Q8Linear  # noqa: E402
+
+BASELINES = ("int4-torch", "bf16", "fp32")
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in], one layer
 LAYERS, HEAD = 30, (49152, 576)
@@ -56,16 +61,29 @@ def median_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def projection_layers(layers: int) -> dict[str, list]:
+def at_level(level: str, fn):
+    """`fn` run with the block GEMMs at ISA `level`."""
+    ext = block_gemm_extension(torch.empty(0))
+
+    def call(*args):
+        ext.set_block_gemm_isa(level)
+        return fn(*args)
+
+    return call
+
+
+def projection_layers(layers: int, levels: tuple[str, ...]) -> dict[str, list]:
     """Per format, every projection of `layers` layers as (callable, in_features)."""
     g = torch.Generator().manual_seed(0)
-    out: dict[str, list] = {"int4-vnni": [], "int4-torch": [], "bf16": [], "fp32": []}
+    out: dict[str, list] = {f"int4-{lv}": [] for lv in levels}
+    out |= {f: [] for f in BASELINES}
     for _ in range(layers):
         for n, k in PROJECTIONS:
             w = torch.randn(n, k, generator=g) * 0.02
             w4 = quantize_int4(w, 32)
             p4, pt = prepare_int4(w4), pack_int4_cpu(w4)
-            out["int4-vnni"].append((lambda x, p=p4: int4_gemm(x, p), k))
+            for lv in levels:
+                out[f"int4-{lv}"].append((lambda x, p=p4: int4_gemm(x, p), k))
             out["int4-torch"].append((lambda x, p=pt: int4_gemm(x, p), k))
             bf16 = Linear(w.bfloat16())
             out["bf16"].append((lambda x, f=bf16: f(x.bfloat16()), k))
@@ -73,22 +91,32 @@ def projection_layers(layers: int) -> dict[str, list]:
     return out
 
 
-def heads() -> dict[str, object]:
+def heads(levels: tuple[str, ...]) -> dict[str, object]:
     w = torch.randn(*HEAD, generator=torch.Generator().manual_seed(1)) * 0.02
-    bf16 = Linear(w.bfloat16())
-    return {"q8-vnni": Q8Linear(w), "bf16": lambda x: bf16(x.bfloat16()), "fp32": Linear(w)}
+    bf16, q8 = Linear(w.bfloat16()), Q8Linear(w)
+    return {**{f"q8-{lv}": at_level(lv, q8) for lv in levels},
+            "bf16": lambda x: bf16(x.bfloat16()), "fp32": Linear(w)}
+
+
+def ratios(times: dict[str, float], levels: tuple[str, ...], prefix: str) -> dict[str, float]:
+    """baseline ms / block-GEMM ms for every (level, baseline) pair."""
+    return {f"{lv}/{f}": round(times[f] / times[f"{prefix}-{lv}"], 2)
+            for lv in levels for f in times if not f.startswith(prefix)}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if vnni_extension(torch.empty(0)) is None:
-        sys.exit("the C++ kernels have no VNNI build here (python -m kernels.cpu says why)")
+    if block_gemm_extension(torch.empty(0)) is None:
+        sys.exit("the C++ block GEMMs do not run here (python -m kernels.cpu says why)")
+    levels = isa.cpu_levels()
     rows = [1, 4] if args.quick else [int(r) for r in args.rows.split(",")]
     reps = 2 if args.quick else args.reps
-    layers = projection_layers(2 if args.quick else LAYERS)
-    head = heads()
-    print(f"{machine()}; {torch.get_num_threads()} threads; {len(layers['fp32'])} projections")
-    print(f"{'M':>4} {'set':<12} " + " ".join(f"{f:>11}" for f in layers) + "   speed vs")
+    layers = projection_layers(2 if args.quick else LAYERS, levels)
+    layers = {f: [(at_level(f[5:], fn) if f[5:] in levels else fn, k) for fn, k in fs]
+              for f, fs in layers.items()}
+    head = heads(levels)
+    print(f"{machine()}; ISA {isa.describe()}; {len(layers['fp32'])} projections")
+    print(f"{'M':>4} {'set':<12} " + " ".join(f"{f:>16}" for f in layers))
     result = {}
     for m in rows:
         xs = {k: torch.randn(m, k) for k in {k for _, k in layers["fp32"]}}
@@ -96,16 +124,15 @@ def main(argv: list[str] | None = None) -> None:
                 for f, fs in layers.items()}
         xh = torch.randn(m, HEAD[1])
         hd = {f: median_ms(lambda fn=fn, xh=xh: fn(xh), reps) for f, fn in head.items()}
-        speed = {f: round(proj[f] / proj["int4-vnni"], 2) for f in proj if f != "int4-vnni"}
-        hspeed = {f: round(hd[f] / hd["q8-vnni"], 2) for f in hd if f != "q8-vnni"}
-        print(f"{m:>4} {'projections':<12} " + " ".join(f"{v:>8.2f} ms" for v in proj.values())
-              + "   " + ", ".join(f"{f} {s}x" for f, s in speed.items()))
-        print(f"{m:>4} {'LM head':<12} " + ", ".join(f"{f} {v:.2f} ms" for f, v in hd.items())
-              + "   " + ", ".join(f"{f} {s}x" for f, s in hspeed.items()))
+        speed, hspeed = ratios(proj, levels, "int4"), ratios(hd, levels, "q8")
+        print(f"{m:>4} {'projections':<12} " + " ".join(f"{v:>13.2f} ms" for v in proj.values()))
+        print(f"{'':>4} {'  speed':<12} " + ", ".join(f"{f} {s}x" for f, s in speed.items()))
+        print(f"{m:>4} {'LM head':<12} " + ", ".join(f"{f} {v:.2f} ms" for f, v in hd.items()))
+        print(f"{'':>4} {'  speed':<12} " + ", ".join(f"{f} {s}x" for f, s in hspeed.items()))
         result[m] = {"projections_ms": {f: round(v, 2) for f, v in proj.items()},
                      "head_ms": {f: round(v, 2) for f, v in hd.items()},
                      "speed": speed, "head_speed": hspeed}
-    print(json.dumps({"machine": machine(), "rows": result}))
+    print(json.dumps({"machine": machine(), "isa": isa.describe(), "rows": result}))
 
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ def cpu_extension(t: torch.Tensor):
     return extension()
 
 
-def vnni_extension(t: torch.Tensor):
-    """`cpu_extension(t)` when it has the VNNI block GEMMs (built on a CPU with AVX512-VNNI),
-    else None."""
+def block_gemm_extension(t: torch.Tensor):
+    """`cpu_extension(t)` when its block GEMMs run on this CPU (an x86 ISA level,
+    kernels/cpu/isa.py), else None."""
     ext = cpu_extension(t)
-    return ext if ext is not None and ext.q4_gemm_available() else None
+    return ext if ext is not None and ext.block_gemm_isa() else None

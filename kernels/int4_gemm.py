@@ -10,11 +10,12 @@ Layout (`Int4Weight`, GGUF Q4_1's block semantics, so Q4_0/Q4_1 blocks map onto 
 The Triton kernel reads the packed bytes and the group's scale and min per K block and
 dequantizes in registers: the weight is never materialized in float.
 
-On a CPU with AVX512-VNNI the path is W4A8 (`kernels/cpu/q4_gemm.cpp`, llama.cpp's Q4_1 x Q8_1
-scheme): the activations are quantized to INT8 per row and block of 32 on the fly, each block's
-dot product runs in INT32 (vpdpbusd), and the scales apply once per block; the weight is
-repacked once at load (`pack_int4_vnni`, scales and mins in fp16: a GGUF's own). Its reference
-is `int4_q8_gemm_ref`. Elsewhere on a CPU, PyTorch's int4 kernel (`_weight_int4pack_mm_for_cpu`,
+On an x86 CPU with AVX2 or better the path is W4A8 (`kernels/cpu/block_gemm.cpp`, llama.cpp's
+Q4_1 x Q8_1 scheme, a variant per ISA level chosen at run time): the activations are quantized
+to INT8 per row and block of 32 on the fly, each block's dot product runs in INT32, and the
+scales apply once per block; the weight is repacked once at load (`pack_int4_blocks`, scales and
+mins in fp16: a GGUF's own). Its reference is `int4_q8_gemm_ref`. Elsewhere on a CPU (ARM, or
+x86 below AVX2), PyTorch's int4 kernel (`_weight_int4pack_mm_for_cpu`,
 bfloat16 activations), whose dequantization is (q - 8) * scale + zero: repacked at load
 (`pack_int4_cpu`) with zero = min + 8 * scale, scales and zeros rounded to bfloat16.
 """
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.cpu import extension
-from kernels.dispatch import cpu_fast_path, use_triton, vnni_extension
+from kernels.dispatch import block_gemm_extension, cpu_fast_path, use_triton
 from kernels.q8_gemm import round_activations
 
 GROUP_SIZES = (32, 64, 128)
@@ -191,8 +192,8 @@ def int4_gemm_cpu(x: torch.Tensor, w: Int4Cpu, bias=None) -> torch.Tensor:
 
 
 @dataclass
-class Int4Vnni:
-    """An Int4Weight repacked for the VNNI kernel (layout: kernels/cpu/q4_gemm.cpp)."""
+class Int4Blocks:
+    """An Int4Weight repacked for the C++ block GEMM (layout: kernels/cpu/block_gemm.cpp)."""
 
     qs: torch.Tensor  # uint8 [N / 16, K / 32, 4, 16, 4], N padded to a multiple of 16
     scales: torch.Tensor  # fp16 [N / 16, K / 32, 16], one per block of 32
@@ -200,7 +201,7 @@ class Int4Vnni:
     out_features: int
 
 
-def pack_int4_vnni(w: Int4Weight) -> Int4Vnni:
+def pack_int4_blocks(w: Int4Weight) -> Int4Blocks:
     q = unpack_nibbles(w.packed)  # [N, K]
     n, k = q.shape
     pad, nb = -n % 16, k // 32
@@ -214,11 +215,11 @@ def pack_int4_vnni(w: Int4Weight) -> Int4Vnni:
         t = F.pad(t.float().repeat_interleave(w.group_size // 32, 1), (0, 0, 0, pad))
         return t.view(tiles, 16, nb).transpose(1, 2).contiguous().half()
 
-    return Int4Vnni(qs, per_block(w.scales), per_block(w.mins), n)
+    return Int4Blocks(qs, per_block(w.scales), per_block(w.mins), n)
 
 
 def int4_q8_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
-    """PyTorch reference of the VNNI kernel: x rounded as it quantizes it (per row and block of
+    """PyTorch reference of the C++ block GEMM: x rounded as it quantizes it (per row and block of
     32, symmetric INT8), times the weight with fp16 scales and mins, in float32."""
     half = Int4Weight(w.packed, w.scales.half().float(), w.mins.half().float(), w.group_size)
     out = round_activations(x) @ dequantize_int4(half).t()
@@ -227,19 +228,19 @@ def int4_q8_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
     return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
-def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu | Int4Vnni:
+def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu | Int4Blocks:
     """The weight in the layout the call path wants, made once at load: on CPU (`--kernels
-    auto`) repacked for the VNNI kernel, or for PyTorch's without it; as is for Triton and the
+    auto`) repacked for the C++ block GEMM, or for PyTorch's without it; as is for Triton and the
     reference."""
     if not cpu_fast_path(w.packed):
         return w
-    return pack_int4_vnni(w) if vnni_extension(w.packed) else pack_int4_cpu(w)
+    return pack_int4_blocks(w) if block_gemm_extension(w.packed) else pack_int4_cpu(w)
 
 
-def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu | Int4Vnni,
+def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu | Int4Blocks,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype; w from `prepare_int4`."""
-    if isinstance(w, Int4Vnni):
+    if isinstance(w, Int4Blocks):
         x2 = x.reshape(-1, x.shape[-1])
         out = extension().q4_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w.qs,
                                   w.scales, w.mins, w.out_features, bias)

@@ -4,8 +4,9 @@ of 32 on the fly. The layout, the quantization, the PyTorch reference and the CP
 
 Layout (`Q8Weight`): values int8 [N, K], scales fp16 [N, K // 32]; w[n, k] = values * scale,
 scale = max |w| of the block / 127 (llama.cpp's Q8_0 rule: re-quantizing a Q8_0 tensor's float
-copy gives its blocks back). On a CPU with AVX512-VNNI the GEMM is `kernels/cpu/block_gemm.cpp`
-(weights repacked once at load by `pack_q8_vnni`); elsewhere the reference (a float matmul).
+copy gives its blocks back). On an x86 CPU with AVX2 or better the GEMM is
+`kernels/cpu/block_gemm.cpp` (weights repacked once at load by `pack_q8_blocks`); elsewhere the
+reference (a float matmul).
 Used for the LM head of a quantized GGUF model, as llama.cpp serves it (`model/linear/q8.py`).
 """
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import extension
-from kernels.dispatch import vnni_extension
+from kernels.dispatch import block_gemm_extension
 
 BLOCK = 32
 
@@ -33,8 +34,8 @@ class Q8Weight:
 
 
 @dataclass
-class Q8Vnni:
-    """A Q8Weight repacked for the VNNI kernel (layout: kernels/cpu/block_gemm.cpp)."""
+class Q8Blocks:
+    """A Q8Weight repacked for the C++ block GEMM (layout: kernels/cpu/block_gemm.cpp)."""
 
     qs: torch.Tensor  # int8 [N / 16, K / 32, 8, 16, 4], N padded to a multiple of 16
     scales: torch.Tensor  # fp16 [N / 16, K / 32, 16]
@@ -59,7 +60,7 @@ def dequantize_q8(w: Q8Weight) -> torch.Tensor:
     return w.values.float() * w.scales.float().repeat_interleave(BLOCK, 1)
 
 
-def pack_q8_vnni(w: Q8Weight) -> Q8Vnni:
+def pack_q8_blocks(w: Q8Weight) -> Q8Blocks:
     n, k = w.shape
     pad, nb = -n % 16, k // BLOCK
     tiles = (n + pad) // 16
@@ -70,12 +71,12 @@ def pack_q8_vnni(w: Q8Weight) -> Q8Vnni:
         return F.pad(t, (0, 0, 0, pad)).view(tiles, 16, nb).transpose(1, 2).contiguous()
 
     sums = w.values.view(n, nb, BLOCK).sum(-1, dtype=torch.int32).float() * 128
-    return Q8Vnni(qs, per_block(w.scales), per_block(sums), n)
+    return Q8Blocks(qs, per_block(w.scales), per_block(sums), n)
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] -> float32 [T, K]: each row's blocks of 32 rounded to symmetric INT8 (scale
-    max|x| / 127) and back, as the VNNI kernels quantize their activations."""
+    max|x| / 127) and back, as the C++ block GEMMs quantize their activations."""
     xb = x.float().reshape(-1, x.shape[-1] // BLOCK, BLOCK)
     d = xb.abs().amax(-1, keepdim=True) / 127
     return (torch.where(d > 0, (xb / d).round(), 0) * d).view(-1, x.shape[-1])
@@ -90,14 +91,14 @@ def q8_gemm_ref(x: torch.Tensor, w: Q8Weight, bias=None) -> torch.Tensor:
     return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
-def prepare_q8(w: Q8Weight) -> Q8Weight | Q8Vnni:
-    """Repacked for the VNNI kernel where it runs (made once at load), else as is."""
-    return pack_q8_vnni(w) if vnni_extension(w.values) else w
+def prepare_q8(w: Q8Weight) -> Q8Weight | Q8Blocks:
+    """Repacked for the C++ block GEMM where it runs (made once at load), else as is."""
+    return pack_q8_blocks(w) if block_gemm_extension(w.values) else w
 
 
-def q8_gemm(x: torch.Tensor, w: Q8Weight | Q8Vnni, bias=None) -> torch.Tensor:
+def q8_gemm(x: torch.Tensor, w: Q8Weight | Q8Blocks, bias=None) -> torch.Tensor:
     """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype; w from `prepare_q8`."""
-    if not isinstance(w, Q8Vnni):
+    if not isinstance(w, Q8Blocks):
         return q8_gemm_ref(x, w, bias)
     x2 = x.reshape(-1, x.shape[-1])
     out = extension().q8_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w.qs, w.scales,

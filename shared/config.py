@@ -177,6 +177,9 @@ class EngineConfig:
         "every request's max_tokens", group=MODEL)
     kernels: str = setting("auto", "auto (Triton on CUDA, the CPU kernels on CPU), triton or "
                            "reference (PyTorch)", group=MODEL)
+    cpu_isa: str = setting("auto", "x86 level of the C++ CPU kernels' block GEMMs: auto (the "
+                           "best this CPU runs), avx2, avx512 or avx512_vnni (a lower level, "
+                           "to test or compare it)", group=MODEL)
     threads: int = setting(0, "torch CPU threads in compute; 0: one per core", group=MODEL)
     backend: str = setting("torch", "torch (run the model) or sim (a modelled GPU, no weights)",
                            group=MODEL)
@@ -231,6 +234,10 @@ class EngineConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16: {self.dtype!r}")
         if self.kernels not in ("auto", "triton", "reference"):
             raise ValueError(f"--kernels must be auto, triton or reference, not {self.kernels!r}")
+        if self.cpu_isa != "auto":  # checked against this CPU now, not in compute's start-up
+            from kernels.cpu.isa import choose, cpu_levels
+
+            choose(self.cpu_isa, cpu_levels())
         if self.backend not in ("torch", "sim"):
             raise ValueError(f"--backend must be torch or sim, not {self.backend!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):

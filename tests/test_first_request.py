@@ -78,6 +78,22 @@ def test_first_request_after_health_is_fast_without_built_kernels(demo_model_dir
     assert str(built[0]) in out.stdout
 
 
+@needs_compiler
+def test_a_stale_build_lock_is_taken_over(tmp_path):
+    """A build killed midway leaves torch's lock file, on which the next build would wait
+    forever: it is removed, with a warning, and the build completes."""
+    ext = tmp_path / "torch_extensions"
+    seed_objects(ext)
+    (ext / "pipellm_cpu_kernels").mkdir(parents=True, exist_ok=True)
+    (ext / "pipellm_cpu_kernels" / "lock").touch()
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}
+    out = subprocess.run([sys.executable, "-m", "kernels.cpu"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and "C++ CPU kernels built" in out.stdout, out
+    assert "removed a stale build lock" in out.stderr, out.stderr
+    assert not (ext / "pipellm_cpu_kernels" / "lock").exists()
+
+
 def test_a_failed_kernel_build_does_not_fail_setup(tmp_path):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/nonexistent/c++"}
     out = subprocess.run([sys.executable, "-m", "kernels.cpu"], env=env, capture_output=True,

@@ -9,8 +9,8 @@ import torch
 from kernels import dispatch
 from kernels.cpu import extension
 from kernels.int4_gemm import (
+    Int4Blocks,
     Int4Cpu,
-    Int4Vnni,
     Int4Weight,
     dequantize_int4,
     int4_gemm,
@@ -24,7 +24,7 @@ from kernels.int4_gemm import (
     unpack_nibbles,
 )
 
-VNNI = extension() is not None and extension().q4_gemm_available()
+BLOCKS = extension() is not None and bool(extension().block_gemm_isa())
 
 
 @pytest.fixture
@@ -108,19 +108,19 @@ def test_int4_torch_cpu_path_matches_reference(M, dtype):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=3e-2)
 
 
-def test_prepare_int4_picks_the_vnni_kernel_where_it_built(backend):
+def test_prepare_int4_picks_the_block_kernel_where_it_runs(backend):
     backend("auto")
     prepared = prepare_int4(quantize_int4(_weight(32, 64), 32))
-    assert isinstance(prepared, Int4Vnni if VNNI else Int4Cpu)
+    assert isinstance(prepared, Int4Blocks if BLOCKS else Int4Cpu)
 
 
-@pytest.mark.skipif(not VNNI, reason="the C++ kernels did not build with AVX512-VNNI")
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 37])
 @pytest.mark.parametrize("N, K, group", [(96, 256, 32), (40, 96, 32), (33, 128, 64),
-                                          (160, 384, 128)])
-def test_int4_vnni_matches_its_reference(backend, M, N, K, group):
-    """N not a multiple of 16 (padded tiles), K with an odd number of blocks, groups of 64 and
-    128 (split into blocks of 32), M not a multiple of the 4-row tile."""
+                                          (160, 384, 128), (24, 64, 32)])
+def test_int4_blocks_match_their_reference(backend, block_gemm_level, M, N, K, group):
+    """At every ISA level: N not a multiple of 16 (padded tiles; 24: a half-empty tile, whose
+    AVX2 half of 8 rows is all padding), K with an odd number of blocks, groups of 64 and 128
+    (split into blocks of 32), M not a multiple of the 4-row tile."""
     backend("auto")
     w = quantize_int4(_weight(N, K, seed=M), group)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(5)) * 3
@@ -132,8 +132,21 @@ def test_int4_vnni_matches_its_reference(backend, M, N, K, group):
     assert (out - ref).norm() / ref.norm() < 0.01
 
 
-@pytest.mark.skipif(not VNNI, reason="the C++ kernels did not build with AVX512-VNNI")
-def test_int4_vnni_bf16_strided_and_batched(backend):
+def test_int4_blocks_extreme_values(backend, block_gemm_level):
+    """Every nibble 15 against activations of 127 (one sign, then alternating): the AVX2 /
+    AVX-512BW paths' INT16 block sums at their largest (8 x 2 x 15 x 127), exact."""
+    backend("auto")
+    n, k = 32, 128
+    ones = torch.ones(n, k // 32)
+    w = Int4Weight(torch.full((n, k // 2), 0xFF, dtype=torch.uint8), ones * 0.01, ones * -0.05,
+                   32)
+    for x in (torch.full((3, k), -2.0), torch.where(torch.arange(3 * k) % 2 == 0, 2.0,
+                                                     -2.0).view(3, k)):
+        out = int4_gemm(x, prepare_int4(w))
+        torch.testing.assert_close(out, int4_q8_gemm_ref(x, w), rtol=1e-5, atol=1e-4)
+
+
+def test_int4_blocks_bf16_strided_and_batched(backend, block_gemm_level):
     backend("auto")
     w = quantize_int4(_weight(64, 128), 32)
     base = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(6)).bfloat16()

@@ -1,5 +1,6 @@
-"""Q8 blocks (the LM head of a 4-bit GGUF model on CPU): the quantization round trip, the VNNI
-kernel against its PyTorch reference, and which head the int4 method builds."""
+"""Q8 blocks (the LM head of a 4-bit GGUF model on CPU): the quantization round trip, the C++
+block kernel at every ISA level against its PyTorch reference, and which head the int4 method
+builds."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from kernels import dispatch
 from kernels.q8_gemm import (
-    Q8Vnni,
+    Q8Blocks,
     dequantize_q8,
     prepare_q8,
     q8_gemm,
@@ -18,7 +19,7 @@ from kernels.q8_gemm import (
 from services.compute.model.linear import Linear, Q8Linear
 from services.compute.model.quantization import Quantization
 
-VNNI = dispatch.vnni_extension(torch.empty(0)) is not None
+BLOCKS = dispatch.block_gemm_extension(torch.empty(0)) is not None
 
 
 def _weight(n, k, seed=0):
@@ -37,13 +38,12 @@ def test_quantize_q8_round_trips_and_bounds_the_error():
     assert torch.equal(again.values, q.values) and torch.equal(again.scales, q.scales)
 
 
-@pytest.mark.skipif(not VNNI, reason="the C++ kernels did not build with AVX512-VNNI")
 @pytest.mark.parametrize("M", [1, 2, 5, 9])
-@pytest.mark.parametrize("N, K", [(96, 256), (40, 96), (33, 64)])
-def test_q8_vnni_matches_its_reference(M, N, K):
+@pytest.mark.parametrize("N, K", [(96, 256), (40, 96), (33, 64), (24, 64)])
+def test_q8_blocks_match_their_reference(block_gemm_level, M, N, K):
     w = quantize_q8(_weight(N, K, seed=M))
     prepared = prepare_q8(w)
-    assert isinstance(prepared, Q8Vnni)
+    assert isinstance(prepared, Q8Blocks)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(3)) * 2
     bias = torch.randn(N)
     out = q8_gemm(x, prepared, bias)
@@ -52,8 +52,19 @@ def test_q8_vnni_matches_its_reference(M, N, K):
     assert (out - float_out).norm() / float_out.norm() < 0.01
 
 
-@pytest.mark.skipif(not VNNI, reason="the C++ kernels did not build with AVX512-VNNI")
-def test_q8_vnni_bf16():
+def test_q8_blocks_extreme_values(block_gemm_level):
+    """Weights of -128 (a GGUF may store them) and activations at +-127 against weights of
+    +-127: the AVX2 / AVX-512BW paths' INT16 pair sums at their largest, exact."""
+    n, k = 32, 64
+    w = quantize_q8(_weight(n, k))
+    values = torch.where(torch.arange(n * k).view(n, k) % 3 == 0, -128, 127).to(torch.int8)
+    w = type(w)(values, w.scales)
+    x = torch.where(torch.arange(2 * k).view(2, k) % 2 == 0, 1.0, -1.0)
+    out = q8_gemm(x, prepare_q8(w))
+    torch.testing.assert_close(out, q8_gemm_ref(x, w), rtol=1e-5, atol=1e-3)
+
+
+def test_q8_blocks_bf16(block_gemm_level):
     w = quantize_q8(_weight(64, 128))
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
     out = q8_gemm(x, prepare_q8(w))
@@ -63,6 +74,6 @@ def test_q8_vnni_bf16():
 
 def test_int4_head_is_q8_only_where_the_kernel_runs():
     w = _weight(64, 96)
-    assert isinstance(Quantization("int4").head(w), Q8Linear if VNNI else Linear)
+    assert isinstance(Quantization("int4").head(w), Q8Linear if BLOCKS else Linear)
     assert isinstance(Quantization("none").head(w), Linear)
     assert isinstance(Quantization("int4").head(_weight(64, 100)), Linear)  # K % 32 != 0

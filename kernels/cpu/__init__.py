@@ -19,22 +19,38 @@ One module, one source per concept (bindings.cpp declares and binds them all):
     int8_quant.cpp        quantize_int8, silu_mul_int8              kernels/int8_quant.py
     rope.cpp              rope_kv_write (float and INT8 caches)     kernels/rope.py
     token_bitmask.cpp     apply_token_bitmask (grammars' masks)     kernels/token_bitmask.py
+    block_gemm.cpp        q4_gemm, q8_gemm: 4- and 8-bit weight blocks x INT8 activations, one
+                          kernel per ISA level (block_gemm_<isa>.cpp)  kernels/int4_gemm.py,
+                                                                        kernels/q8_gemm.py
     common.h              the row kernels' shared helpers
+
+One build for every x86 CPU from AVX2 up (`-march=x86-64-v3`, never -march=native, so a build or
+a Docker image made on one CPU runs on another): the block GEMMs are compiled once per ISA level
+(kernels/cpu/isa.py) and the level the CPU runs (or PIPELLM_CPU_ISA's) is chosen at load. A CPU
+below AVX2 loads nothing and runs the reference. Builds are serialized by an OS file lock, which
+dies with its process: a torch build lock found under it was left by a killed build, and is
+removed with a warning instead of waited on forever.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+from kernels.cpu import isa
+
 log = logging.getLogger(__name__)
+NAME = "pipellm_cpu_kernels"
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "bindings.cpp", "decode_attention.cpp", "norm.cpp", "activation.cpp", "int8_quant.cpp",
-    "rope.cpp", "block_gemm.cpp", "token_bitmask.cpp")]
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+    "rope.cpp", "block_gemm.cpp", "block_gemm_avx2.cpp", "block_gemm_avx512.cpp",
+    "block_gemm_avx512_vnni.cpp", "token_bitmask.cpp")]
+_FLAGS = ["-O3", *(["-march=x86-64-v3"] if isa.is_x86() else []), "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 
 
@@ -43,19 +59,56 @@ _lock = threading.Lock()
 _state: dict = {}
 
 
+@contextmanager
+def _build_lock(build_dir: Path):
+    """Hold the build of `build_dir` alone: an flock on a file beside it (released by the OS if
+    its holder dies). Under it, torch's own lock file, which a killed build leaves behind and
+    torch would wait on forever, can only be stale: it is removed, with a warning."""
+    with open(build_dir.with_name(build_dir.name + ".pipellm-lock"), "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            log.warning("waiting for another process (pid %s) building the C++ CPU kernels in %s",
+                        f.read().strip() or "?", build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removed a stale build lock left by a killed kernel build: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def _build():
     import ninja
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
+    if isa.is_x86() and not isa.cpu_levels():
+        raise RuntimeError("this CPU lacks AVX2/FMA/F16C, the floor the kernels are built for")
+    level = isa.selected()  # ValueError for a PIPELLM_CPU_ISA this CPU does not run
     # torch finds ninja on PATH; a venv's console script does not put its bin/ there
     os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    return load("pipellm_cpu_kernels", [str(s) for s in _SOURCES], extra_cflags=_FLAGS,
-                extra_ldflags=["-fopenmp"], verbose=False)
+    with _build_lock(Path(_get_build_directory(NAME, False))):
+        module = load(NAME, [str(s) for s in _SOURCES], extra_cflags=_FLAGS,
+                      extra_ldflags=["-fopenmp"], verbose=False)
+    module.set_block_gemm_isa(level or "")
+    return module
+
+
+def set_isa(requested: str) -> None:
+    """Run the block GEMMs at ISA level `requested` (kernels/cpu/isa.py: "auto" or a level this
+    CPU runs; ValueError otherwise), in a module already loaded as in one loaded later."""
+    isa.set_level(requested)
+    if "module" in _state:
+        _state["module"].set_block_gemm_isa(isa.selected() or "")
 
 
 def extension():
-    """The compiled module (functions: decode_attention, rms_norm, add_rms_norm, rms_norm_int8,
-    silu_mul, quantize_int8, silu_mul_int8, rope_kv_write), or None when it cannot be built."""
+    """The compiled module (bindings.cpp lists its functions), its block GEMMs set to the chosen
+    ISA level, or None when it cannot be built or loaded on this CPU."""
     with _lock:
         if "module" not in _state and "error" not in _state:
             started, wall = time.monotonic(), time.time()
@@ -71,8 +124,8 @@ def extension():
                 _state["module"] = module
                 how = f"compiled ({', '.join(s.name for s in _SOURCES)})" \
                     if _state["compiled"] else "loaded (cached)"
-                log.info("C++ CPU kernels %s in %.1f s: %s", how, time.monotonic() - started,
-                         module.__file__)
+                log.info("C++ CPU kernels %s in %.1f s: %s; block GEMMs: %s", how,
+                         time.monotonic() - started, module.__file__, isa.describe())
             _state["seconds"] = time.monotonic() - started
         return _state.get("module")
 
@@ -99,4 +152,4 @@ def build() -> str:
         return f"C++ CPU kernels unavailable ({_state['error']}): the PyTorch reference runs " \
                "instead"
     how = "built" if _state["compiled"] else "loaded (cached)"
-    return f"C++ CPU kernels {how} in {_state['seconds']:.1f} s"
+    return f"C++ CPU kernels {how} in {_state['seconds']:.1f} s, ISA {isa.describe()}"

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 using torch::Tensor;
@@ -29,7 +30,8 @@ std::tuple<Tensor, Tensor> rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor po
 // token_bitmask.cpp
 void apply_token_bitmask(Tensor logits, Tensor bitmask, Tensor rows);
 // block_gemm.cpp
-bool q4_gemm_available();
+void set_block_gemm_isa(const std::string& level);
+std::string block_gemm_isa();
 Tensor q4_gemm(Tensor x, Tensor qs, Tensor d, Tensor m, int64_t n, std::optional<Tensor> bias);
 Tensor q8_gemm(Tensor x, Tensor qs, Tensor d, Tensor corr, int64_t n,
                std::optional<Tensor> bias);
@@ -59,7 +61,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits [S, V] of the listed rows to -inf where their bitmask bit is 0, in place",
         py::arg("logits"), py::arg("bitmask"), py::arg("rows"));
-  m.def("q4_gemm_available", &q4_gemm_available, "whether the VNNI block GEMMs were built");
+  m.def("set_block_gemm_isa", &set_block_gemm_isa,
+        "the ISA level whose block GEMM kernels run (kernels/cpu/isa.py; \"\": none)",
+        py::arg("level"));
+  m.def("block_gemm_isa", &block_gemm_isa, "the level the block GEMMs run (\"\": none)");
   m.def("q4_gemm", &q4_gemm, "INT4 blocks x INT8 activations: [M, K] -> [M, n]", py::arg("x"),
         py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("bias") = py::none());
   m.def("q8_gemm", &q8_gemm, "INT8 blocks x INT8 activations: [M, K] -> [M, n]", py::arg("x"),

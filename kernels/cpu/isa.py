@@ -21,10 +21,10 @@ import os
 import platform
 
 LEVELS = ("avx2", "avx512", "avx512_vnni")
-# the /proc/cpuinfo flags each level needs on top of the previous one
+# the features (torch.cpu.get_capabilities' names) each level needs on top of the previous one
 _NEEDS = {
-    "avx2": ("avx", "avx2", "fma", "f16c", "bmi2"),
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "avx2": ("avx", "avx2", "fma3", "f16c", "bmi2"),
+    "avx512": ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"),
     "avx512_vnni": ("avx512_vnni",),
 }
 CHOICES = ("auto", *LEVELS)
@@ -35,13 +35,11 @@ def is_x86() -> bool:
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.split(":", 1)[1].split()) if ":" in line else frozenset()
+    """The features the CPU and the OS support, as PyTorch's cpuinfo reports them ('avx2',
+    'avx512_vnni', 'amx_int8', ...)."""
+    import torch
+
+    return frozenset(k for k, v in torch.cpu.get_capabilities().items() if v is True)
 
 
 def cpu_levels(flags: frozenset[str] | None = None) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from kernels import set_backend
+from kernels.cpu import set_isa
 from kernels.kv_quant import KV_GROUP
 from services.compute import sampling
 from services.compute.batch import build_batch
@@ -152,8 +153,10 @@ class ModelRunner:
 
 
 def _configure_torch(config: EngineConfig) -> None:
-    """The kernels' backend (--kernels) and torch's CPU threads (--threads)."""
+    """The kernels' backend (--kernels), their ISA level on a CPU (--cpu-isa) and torch's CPU
+    threads (--threads)."""
     set_backend(config.kernels)
+    set_isa(config.cpu_isa)
     if config.threads > 0:  # on a small CPU, leave cores to the other services
         torch.set_num_threads(config.threads)
 

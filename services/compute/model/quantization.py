@@ -2,15 +2,16 @@
 and whether the activations entering it come quantized from the fused norm and SiLU kernels.
 
 The embedding and the norms stay in the model's dtype, and so does the LM head, as in vLLM's
-methods, but for int4 on a CPU with AVX512-VNNI: there the head is INT8 blocks of 32 (Q8_0, the
-format a 4-bit GGUF file stores its embedding in) times INT8 activations, as llama.cpp runs it.
+methods, but for int4 on an x86 CPU with AVX2 or better: there the head is INT8 blocks of 32
+(Q8_0, the format a 4-bit GGUF file stores its embedding in) times INT8 activations, as
+llama.cpp runs it.
 
     none  float weights (a GGUF file's quantized tensors dequantized at load)
     w8a8  per-channel INT8 weights, per-token INT8 activations (fused into add + RMSNorm and
           SiLU x mul), INT32 accumulation
     int4  group-wise INT4 weights: a GGUF file's Q4_0/Q4_1 tensors served from their own
           blocks, other weights quantized at load (groups of --int4-group-size); float
-          activations, or on a CPU with AVX512-VNNI INT8 ones per block of 32 (W4A8)
+          activations, or on an x86 CPU with AVX2 or better INT8 ones per block of 32 (W4A8)
     fp8   e4m3 weights and per-token activations, torch._scaled_mm: GPUs of compute capability
           8.9+ (Ada, Hopper) in bfloat16, and CPUs (PyTorch's unaccelerated kernel)
     auto  int4 for a GGUF file whose projections are Q4_0/Q4_1, else none
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.dispatch import vnni_extension
+from kernels.dispatch import block_gemm_extension
 from kernels.int4_gemm import Int4Weight
 from services.compute.model.linear import Fp8Linear, Int4Linear, Linear, Q8Linear, W8A8Linear
 from shared.gguf.reader import is_gguf, open_gguf
@@ -63,9 +64,9 @@ class Quantization:
         return Linear(weight, bias)
 
     def head(self, weight: torch.Tensor):
-        """The LM head [vocab, hidden]: Q8 blocks under int4 where the VNNI kernels run, else
+        """The LM head [vocab, hidden]: Q8 blocks under int4 where the block GEMMs run, else
         float."""
-        if self.name == "int4" and weight.shape[1] % 32 == 0 and vnni_extension(weight):
+        if self.name == "int4" and weight.shape[1] % 32 == 0 and block_gemm_extension(weight):
             return Q8Linear(weight)
         return Linear(weight)
 

@@ -3,7 +3,7 @@
     dense.Linear        float weight (oneDNN-packed on CPU)          --quantization none
     w8a8.W8A8Linear     INT8 weight per channel, INT8 activations     --quantization w8a8
     int4.Int4Linear     group-wise INT4 weight, float activations     --quantization int4
-                        (INT8 blocks of 32 on a CPU with VNNI)
+                        (W4A8 blocks of 32 on an x86 CPU, AVX2+)
     q8.Q8Linear         INT8 blocks of 32, INT8 activations           the LM head under int4 (CPU)
     fp8.Fp8Linear       e4m3 weight per channel, e4m3 activations     --quantization fp8
 

@@ -1,6 +1,6 @@
 """Q8 block linear: INT8 weights with a scale per block of 32 (a GGUF's Q8_0 rule), activations
 quantized to INT8 per row and block on the fly (`kernels/q8_gemm.py`). Serves the LM head of a
-4-bit GGUF model on a CPU with AVX512-VNNI, as llama.cpp does with the same file (its tied
+4-bit GGUF model on an x86 CPU with AVX2 or better, as llama.cpp does with the same file (its tied
 embedding is Q8_0, and re-quantizing its float copy gives the file's blocks back)."""
 
 from __future__ import annotations

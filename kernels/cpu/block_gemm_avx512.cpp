@@ -1,0 +1,14 @@
+// The block GEMMs for AVX-512 F/BW/VL/DQ without VNNI: byte dot products with vpmaddubsw /
+// vpmaddwd (block_gemm_kernel.h, block_gemm_avx512.h).
+#include "block_gemm_isa.h"
+
+#ifdef PIPELLM_X86
+PIPELLM_TARGET_BEGIN("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+#include "block_gemm_avx512.h"
+#include "block_gemm_kernel.h"
+
+void pipellm::block_gemm::run_avx512(const Args& args) { run_isa<Avx512<false>>(args); }
+PIPELLM_TARGET_END
+#else
+void pipellm::block_gemm::run_avx512(const Args&) { throw std::runtime_error("not an x86 build"); }
+#endif

@@ -1,0 +1,57 @@
+// The AVX-512 traits of block_gemm_kernel.h, with and without VNNI (vpdpbusd), 16 rows a
+// vector; included by block_gemm_avx512.cpp and block_gemm_avx512_vnni.cpp inside their target
+// regions.
+#pragma once
+
+namespace {
+
+template <bool Vnni>
+struct Avx512 {
+  static constexpr int kLanes = 16, kRows = 4, kUnits = 2;
+  static constexpr bool kVnni = Vnni;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I lo4(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
+  static I hi4(I w) { return lo4(_mm512_srli_epi16(w, 4)); }
+  static I q4_step(I acc, I w, I x) {
+    if constexpr (Vnni) return _mm512_dpbusd_epi32(acc, w, x);
+    else return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x));  // see Avx2
+  }
+  static I q4_finish(I acc) {
+    if constexpr (Vnni) return acc;
+    else return _mm512_madd_epi16(acc, _mm512_set1_epi16(1));
+  }
+  static I q8_x(I x) {
+    if constexpr (Vnni) return _mm512_xor_si512(x, _mm512_set1_epi8(static_cast<char>(0x80)));
+    else return x;
+  }
+  static I q8_step(I acc, I w, I x) {
+    if constexpr (Vnni) {
+      return _mm512_dpbusd_epi32(acc, x, w);
+    } else {  // |w| . (x with w's sign); AVX-512 has no vpsignb
+      const I xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), zero(), x);
+      const I p = _mm512_maddubs_epi16(_mm512_abs_epi8(w), xs);
+      return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+    }
+  }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F load_half(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+
+}  // namespace

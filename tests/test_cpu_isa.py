@@ -1,0 +1,74 @@
+"""The ISA levels of the C++ CPU kernels (kernels/cpu/isa.py): which levels a CPU runs, the
+choice (auto, forced lower, refused above the CPU), and the block GEMMs at every level this CPU
+runs giving the same bits (so `--cpu-isa avx2` serves the same tokens as the CPU's best)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import extension, isa
+from kernels.int4_gemm import int4_gemm, pack_int4_blocks, quantize_int4
+from kernels.q8_gemm import pack_q8_blocks, q8_gemm, quantize_q8
+from shared.config import EngineConfig
+
+AVX2 = frozenset({"avx", "avx2", "fma3", "f16c", "bmi2"})
+AVX512 = AVX2 | {"avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"}
+
+
+def test_levels_follow_the_cpu_flags():
+    assert isa.cpu_levels(frozenset({"avx", "sse4_2"})) == ()
+    assert isa.cpu_levels(AVX2) == ("avx2",)
+    assert isa.cpu_levels(AVX512) == ("avx2", "avx512")
+    assert isa.cpu_levels(AVX512 | {"avx512_vnni", "amx_int8"}) == isa.LEVELS
+    assert isa.cpu_levels(AVX2 | {"avx512_vnni"}) == ("avx2",)  # levels build on each other
+
+
+def test_choice_auto_forced_and_refused():
+    assert isa.choose("auto", ("avx2", "avx512")) == "avx512"
+    assert isa.choose("auto", ()) is None
+    assert isa.choose("avx2", ("avx2", "avx512")) == "avx2"
+    with pytest.raises(ValueError, match="best level is avx2"):
+        isa.choose("avx512_vnni", ("avx2",))
+    with pytest.raises(ValueError, match="must be one of"):
+        isa.choose("sse2", isa.LEVELS)
+
+
+def test_config_refuses_a_level_this_cpu_lacks():
+    with pytest.raises(ValueError, match="--cpu-isa"):
+        EngineConfig(cpu_isa="avx9")
+    above = next((lv for lv in isa.LEVELS if lv not in isa.cpu_levels()), None)
+    if above is not None:
+        with pytest.raises(ValueError, match="best level"):
+            EngineConfig(cpu_isa=above)
+    for level in isa.cpu_levels():
+        assert EngineConfig(cpu_isa=level).cpu_isa == level
+
+
+def test_describe_names_the_level_and_the_cpu(monkeypatch):
+    if not isa.cpu_levels():
+        pytest.skip(f"no x86 level on this CPU: {isa.describe()}")
+    monkeypatch.setattr(isa, "_requested", "avx2")
+    assert isa.describe().startswith("avx2, forced (CPU: avx2")
+    monkeypatch.setattr(isa, "_requested", "auto")
+    assert isa.describe().startswith(f"{isa.cpu_levels()[-1]} (CPU: ")
+
+
+def test_every_level_gives_the_same_bits():
+    ext = extension()
+    if ext is None or not ext.block_gemm_isa() or len(isa.cpu_levels()) < 2:
+        pytest.skip(f"fewer than two block-GEMM levels run here ({isa.describe()})")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1000, 576, generator=g) * 0.05  # N % 16 = 8: a half tile
+    x = torch.randn(37, 576, generator=g)
+    q4, q8 = pack_int4_blocks(quantize_int4(w, 32)), pack_q8_blocks(quantize_q8(w))
+    previous, outs = ext.block_gemm_isa(), {}
+    try:
+        for level in isa.cpu_levels():
+            ext.set_block_gemm_isa(level)
+            outs[level] = (int4_gemm(x, q4), q8_gemm(x, q8))
+    finally:
+        ext.set_block_gemm_isa(previous)
+    first = outs["avx2"]
+    for level, (o4, o8) in outs.items():
+        assert torch.equal(o4, first[0]) and torch.equal(o8, first[1]), level
