@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import cpu_extension, use_triton
 
 _M32 = 0xFFFFFFFF
 
@@ -168,15 +168,25 @@ def sample_reference(
     return ids, logprobs(ids)
 
 
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def sample(
     logits: torch.Tensor, batch: SamplingBatch, raw_logits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_reference`'s contract; runs the Triton kernel when `use_triton(logits)` (which
-    always computes logprobs: they cost nothing extra there)."""
+    always computes logprobs: they cost nothing extra there), the C++ sampler when
+    `cpu_extension(logits)` is available (and the dtypes are ones it reads), else the
+    reference."""
     if use_triton(logits):
         from kernels.sampling_triton import sample_triton  # triton: imported on demand
 
         return sample_triton(logits, batch, raw_logits)
+    ext = cpu_extension(logits)
+    if ext is not None and logits.dim() == 2 and logits.dtype in _CPU_DTYPES and (
+            raw_logits is None or raw_logits.dtype in _CPU_DTYPES):
+        return ext.sample_rows(logits, raw_logits, batch.temperature, batch.top_p, batch.min_p,
+                               batch.top_k, batch.seeds, batch.steps, batch.need_logprobs)
     return sample_reference(logits, batch, raw_logits)
 
 
