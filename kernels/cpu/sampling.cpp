@@ -1,15 +1,17 @@
 // Batched token sampling on the CPU: kernels/sampling.py's sample_reference (the spec), one row
 // per task on ATen's thread pool, without sorting the vocabulary.
 //
-// A row: chooser logits -> float32 (-inf raised to kFloor: no infinity reaches the arithmetic,
+// A row: chooser logits c -> float32 (-inf raised to kFloor: no infinity reaches the arithmetic,
 // which is built with -ffinite-math-only), block maxima, max and first argmax (greedy rows end
-// here); x = logits / temperature (IEEE division, as torch rounds); then
-//   - no top-k / top-p: the exponential race over blocks that can hold the winner: a token with
-//     p_i / E_min below the best race value so far cannot win (E = -log(u) >= E_min), nor one
-//     min-p drops; the bound starts from the argmax token's race value;
-//   - else candidates x >= tau, tau widened until they provably hold the top-k set (count) or
+// here). Sampled rows work on c and its block maxima (x = c / t is monotone in c) and compute
+// x = c / t (IEEE division, as torch rounds) only for the tokens they look at:
+//   - no top-k / top-p: the exponential race, argmax of p / E, over the blocks that may hold
+//     the winner: log(p / E) <= (x - m) - log(E), with E = -log(u) >= 1 - u >= 2^floor(log2(1 -
+//     u)) read off the float's exponent (integer ops: no log), against the best race value so
+//     far (at first the argmax token's); blocks min-p drops whole are skipped too;
+//   - else candidates c >= tau, tau widened until they provably hold the top-k set (count) or
 //     the nucleus (mass, on the full-vocabulary normalizer); on those only: the k-th largest
-//     value (nth_element), the nucleus (a heap popped until the mass ahead reaches top_p, sums
+//     value (nth_element), the nucleus (a heap popped until the mass ahead reaches top_p, summed
 //     as torch's cumsum: float terms, double accumulator), min-p, and the race.
 // Cut-offs compare values, so ties there are kept. The noise u is `uniform_noise`'s, bit for bit
 // (uint32 murmur3 fmix32); exp/log are glibc's, not torch's, so a token can differ from the
@@ -32,23 +34,31 @@ namespace {
 using torch::Tensor;
 
 constexpr int64_t kBlock = 64;
-constexpr float kFloor = -1e30f;   // stands for -inf: exp(kFloor - m) == 0
-constexpr float kLogEMin = -16.7f;  // <= log(-log(1 - 2^-24)) = -16.636: log of the least E
-constexpr float kSlack = 1e-3f;     // log-space margin of the skip bounds (exp/log rounding)
+constexpr float kFloor = -1e30f;    // stands for -inf: exp(kFloor - m) == 0
+constexpr float kExpMin = -87.f;    // exp below it is taken as 0 (see exp_le0)
+constexpr float kLn2 = 0.6931472f;
 constexpr double kMassSlack = 1e-5;  // relative margin of the nucleus' candidate mass
+constexpr int64_t kMaxCand = 2048;   // candidate sets are narrowed to about this many
 
 struct Params {
   float t, top_p, min_p;
   int64_t k;
   uint32_t key;
 };
+struct Row {  // a sampled row: logits c [V] (>= kFloor), block maxima, max c, max x = c / t
+  const float* c;
+  const float* bmax;
+  int64_t V;
+  float cmax, m;
+};
 struct Cand {
-  float x, w;  // x = logit / temperature, w = exp(x - max)
+  float x, w;  // x = c / t, w = exp(x - m)
   int32_t i;
 };
 struct Scratch {  // one thread's buffers, reused across rows and calls
-  std::vector<float> x, raw, bmax, w, r;
-  std::vector<Cand> c;
+  std::vector<float> c, raw, bmax, braw, w, xs;
+  std::vector<int32_t> ids;
+  std::vector<Cand> cand;
 };
 
 inline uint32_t fmix32(uint32_t h) {
@@ -67,10 +77,38 @@ uint32_t row_key(int64_t seed, int64_t step) {  // sampling._row_keys
   return fmix32(k ^ static_cast<uint32_t>(t >> 32) ^ 0xC2B2AE3Du);
 }
 
-// uniform_noise[b, v] for the row key of b: ((h >> 9) + 0.5) * 2^-23, every step exact
-inline float uniform(uint32_t key, uint32_t v) {
-  const uint32_t h = fmix32(key ^ fmix32((v * 0x9E3779B1u) ^ 0x68E31DA4u));
-  return (static_cast<float>(static_cast<int32_t>(h >> 9)) + 0.5f) * 0x1p-23f;
+// bits h >> 9 of uniform_noise[b, v] (row key of b): u = (bits + 0.5) * 2^-23
+inline uint32_t noise_bits(uint32_t key, uint32_t v) {
+  return fmix32(key ^ fmix32((v * 0x9E3779B1u) ^ 0x68E31DA4u)) >> 9;
+}
+
+inline float uniform(uint32_t key, uint32_t v) {  // every step exact
+  return (static_cast<float>(static_cast<int32_t>(noise_bits(key, v))) + 0.5f) * 0x1p-23f;
+}
+
+// a lower bound of log(E), E = -log(u) >= 1 - u = (2^23 - bits - 0.5) * 2^-23: the exponent
+inline float log_e_floor(uint32_t key, uint32_t v) {
+  const int32_t rest = static_cast<int32_t>((1u << 23) - noise_bits(key, v));  // >= 1
+  const float one_minus_u = static_cast<float>(rest) - 0.5f;  // (1 - u) * 2^23, exact
+  uint32_t b;
+  std::memcpy(&b, &one_minus_u, sizeof b);
+  return static_cast<float>(static_cast<int32_t>(b >> 23) - 127 - 23) * kLn2;
+}
+
+// exp(d) for d <= 0, and 0 below kExpMin (a weight < 1.7e-38 of the max's: never sampled, its
+// mass nothing): glibc's vector expf takes a slow scalar path for arguments that underflow
+inline float exp_le0(float d) {
+  const float e = std::exp(std::max(d, kExpMin));
+  return d > kExpMin ? e : 0.f;
+}
+
+// x[i] = c[i] / t as torch rounds it (IEEE division: compiled without -funsafe-math), >= kFloor
+__attribute__((noinline, optimize("no-unsafe-math-optimizations")))
+void divide(const float* c, int64_t n, float t, float* x) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = c[i] / t;
+    x[i] = q < kFloor ? kFloor : q;
+  }
 }
 
 // row b of t [B, V] (float32, bf16 or fp16, unit column stride) -> out [V] float32, >= kFloor
@@ -100,73 +138,121 @@ float value_at(const Tensor& t, int64_t b, int64_t i) {  // t[b, i] as float32, 
   return static_cast<float>(t.data_ptr<at::Half>()[off]);
 }
 
+inline float block_max(const float* x, int64_t n) {  // n == kBlock: a fixed-length loop
+  float bm = kFloor;
+  if (n == kBlock) {
+    for (int64_t j = 0; j < kBlock; ++j) bm = std::max(bm, x[j]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) bm = std::max(bm, x[j]);
+  }
+  return bm;
+}
+
 // x [V] -> bmax [ceil(V / kBlock)] block maxima; returns the max and its first index
 std::pair<float, int64_t> scan(const float* x, int64_t V, float* bmax) {
   float m = kFloor;
   for (int64_t j0 = 0; j0 < V; j0 += kBlock) {
-    const int64_t n = std::min(kBlock, V - j0);
-    float bm = kFloor;
-#pragma omp simd reduction(max : bm)
-    for (int64_t j = 0; j < n; ++j) bm = std::max(bm, x[j0 + j]);
-    bmax[j0 / kBlock] = bm;
-    m = std::max(m, bm);
+    bmax[j0 / kBlock] = block_max(x + j0, std::min(kBlock, V - j0));
+    m = std::max(m, bmax[j0 / kBlock]);
   }
-  int64_t j0 = 0;
-  while (bmax[j0 / kBlock] < m) j0 += kBlock;
-  while (x[j0] < m) ++j0;
-  return {m, j0};
+  int64_t j = 0;
+  while (bmax[j / kBlock] < m) j += kBlock;
+  while (x[j] < m) ++j;
+  return {m, j};
 }
 
 float logsumexp(const float* x, int64_t V, float m) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < V; ++i) s += std::exp(x[i] - m);
+  for (int64_t i = 0; i < V; ++i) s += exp_le0(x[i] - m);
   return m + std::log(s);
 }
 
-int64_t count_above(const float* x, const float* bmax, int64_t V, float tau) {
+// ---- top-k / top-p: candidates, then exact cut-offs on them
+
+// over the blocks of c (kBlock long but the last) that reach tau: f(first token, length)
+template <typename F>
+inline void blocks_above(const Row& r, float tau, const F& f) {
+  for (int64_t j0 = 0; j0 < r.V; j0 += kBlock)
+    if (r.bmax[j0 / kBlock] >= tau) f(j0, std::min(kBlock, r.V - j0));
+}
+
+int64_t count_above(const Row& r, float tau) {  // tokens with c >= tau
   int64_t count = 0;
-  for (int64_t j0 = 0; j0 < V; j0 += kBlock) {
-    if (bmax[j0 / kBlock] < tau) continue;  // blocks below tau hold none
-    const int64_t j1 = std::min(j0 + kBlock, V);
-#pragma omp simd reduction(+ : count)
-    for (int64_t j = j0; j < j1; ++j) count += x[j] >= tau;
-  }
+  blocks_above(r, tau, [&](int64_t j0, int64_t n) {
+    int32_t k = 0;
+    if (n == kBlock) {
+      for (int64_t j = 0; j < kBlock; ++j) k += r.c[j0 + j] >= tau;
+    } else {
+      for (int64_t j = 0; j < n; ++j) k += r.c[j0 + j] >= tau;
+    }
+    count += k;
+  });
   return count;
 }
 
-float mass_above(const float* x, const float* w, const float* bmax, int64_t V, float tau) {
+float mass_above(const Row& r, const float* w, float tau) {  // their sum of w
   float mass = 0.f;
-  for (int64_t j0 = 0; j0 < V; j0 += kBlock) {
-    if (bmax[j0 / kBlock] < tau) continue;
-    const int64_t j1 = std::min(j0 + kBlock, V);
-#pragma omp simd reduction(+ : mass)
-    for (int64_t j = j0; j < j1; ++j) mass += x[j] >= tau ? w[j] : 0.f;
-  }
+  blocks_above(r, tau, [&](int64_t j0, int64_t n) {
+    float m = 0.f;
+    if (n == kBlock) {
+      for (int64_t j = 0; j < kBlock; ++j) m += r.c[j0 + j] >= tau ? w[j0 + j] : 0.f;
+    } else {
+      for (int64_t j = 0; j < n; ++j) m += r.c[j0 + j] >= tau ? w[j0 + j] : 0.f;
+    }
+    mass += m;
+  });
   return mass;
 }
 
-// the largest tau = m - 2^j (j >= 0) whose tokens x >= tau number >= k (k > 0), or else hold
-// mass >= need (w: exp(x - m)); kFloor (every token) when none does
-float widen(const float* x, const float* w, const float* bmax, int64_t V, float m, int64_t k,
-            double need) {
-  for (float d = 1.f; d < 1e6f; d *= 2.f) {
-    const float tau = m - d;
-    if (k > 0 ? count_above(x, bmax, V, tau) >= k : mass_above(x, w, bmax, V, tau) >= need)
-      return tau;
+// a tau with enough(tau): the largest cmax - t * 2^j (j >= 0) that has it, then, while more
+// than `cap` tokens reach it, bisected towards the one before (kFloor: every token)
+template <typename F>
+float threshold(const Row& r, float t, int64_t cap, const F& enough) {
+  float lo = kFloor, hi = r.cmax;
+  for (float d = t; d < 1e6f * t && lo == kFloor; d *= 2.f) (enough(r.cmax - d) ? lo : hi) = r.cmax - d;
+  for (int i = 0; i < 12 && lo != kFloor && count_above(r, lo) > cap; ++i) {
+    const float mid = 0.5f * (lo + hi);
+    (enough(mid) ? lo : hi) = mid;
   }
-  return kFloor;
+  return lo;
 }
 
-void collect(const float* x, const float* bmax, int64_t V, float m, float tau,
-             std::vector<Cand>& c) {
-  c.clear();
-  for (int64_t j0 = 0; j0 < V; j0 += kBlock) {
-    if (bmax[j0 / kBlock] < tau) continue;
-    for (int64_t j = j0; j < std::min(j0 + kBlock, V); ++j)
-      if (x[j] >= tau) c.push_back({x[j], 0.f, static_cast<int32_t>(j)});
+// w = exp(x - m) of every token (0 in the blocks wholly below exp's range); returns their sum
+float normalizer(const Row& r, float t, float* w) {
+  const float below = r.cmax + (kExpMin - 1.f) * t;
+  float z = 0.f;
+  for (int64_t j0 = 0; j0 < r.V; j0 += kBlock) {
+    const int64_t n = std::min(kBlock, r.V - j0);
+    float* wb = w + j0;
+    if (r.bmax[j0 / kBlock] < below) {
+      std::fill(wb, wb + n, 0.f);
+      continue;
+    }
+    divide(r.c + j0, n, t, wb);
+    float zb = 0.f;
+    if (n == kBlock) {
+      for (int64_t j = 0; j < kBlock; ++j) zb += (wb[j] = exp_le0(wb[j] - r.m));
+    } else {
+      for (int64_t j = 0; j < n; ++j) zb += (wb[j] = exp_le0(wb[j] - r.m));
+    }
+    z += zb;
   }
-  for (Cand& e : c) e.w = std::exp(e.x - m);
+  return z;
+}
+
+// the tokens with c >= tau, lowered by more than c / t's rounding, so that no token whose x
+// ties one of theirs is left out -> s.cand with exact x and w
+void collect(const Row& r, float t, float tau, Scratch& s) {
+  tau -= std::abs(tau) * 1e-6f;
+  s.xs.clear(), s.ids.clear(), s.cand.clear();
+  blocks_above(r, tau, [&](int64_t j0, int64_t n) {
+    for (int64_t j = j0; j < j0 + n; ++j)
+      if (r.c[j] >= tau) s.xs.push_back(r.c[j]), s.ids.push_back(static_cast<int32_t>(j));
+  });
+  const int64_t n = static_cast<int64_t>(s.xs.size());
+  divide(s.xs.data(), n, t, s.xs.data());
+  for (int64_t i = 0; i < n; ++i) s.cand.push_back({s.xs[i], exp_le0(s.xs[i] - r.m), s.ids[i]});
 }
 
 // keep the candidates with x >= thr; returns their sum of w (the softmax normalizer)
@@ -214,57 +300,77 @@ int64_t race_candidates(const std::vector<Cand>& c, float z, const Params& p) {
   return best_i;
 }
 
-int64_t filtered_row(Scratch& s, int64_t V, float m, const Params& p) {
-  const float* x = s.x.data();
-  const bool top_k = p.k > 0 && p.k < V, top_p = p.top_p < 1.f;
-  float tau, z = 0.f;
+int64_t filtered_row(Scratch& s, const Row& r, const Params& p) {
+  const bool top_k = p.k > 0 && p.k < r.V, top_p = p.top_p < 1.f;
+  // tokens below `tail` weigh < e^-17 / V each, < 2^-24 of any normalizer (>= 1) together
+  const float tail = r.cmax - p.t * (std::log(static_cast<float>(r.V)) + 17.f);
+  float tau, z = -1.f;  // z < 0: the candidates' sum
   if (top_k) {
-    tau = widen(x, nullptr, s.bmax.data(), V, m, p.k, 0.0);
+    tau = threshold(r, p.t, std::max<int64_t>(kMaxCand, 2 * p.k),
+                    [&](float x) { return count_above(r, x) >= p.k; });
+  } else if (count_above(r, tail) <= kMaxCand) {  // the candidates' sum is the normalizer
+    tau = tail;
   } else {  // the nucleus needs the full-vocabulary normalizer
-    float* w = s.w.data();
-#pragma omp simd reduction(+ : z)
-    for (int64_t i = 0; i < V; ++i) z += (w[i] = std::exp(x[i] - m));
+    const float* w = s.w.data();
+    z = normalizer(r, p.t, s.w.data());
     const double need = static_cast<double>(p.top_p) * z * (1.0 + kMassSlack);
-    tau = need >= z ? kFloor : widen(x, w, s.bmax.data(), V, m, 0, need);
+    tau = need >= z ? kFloor : threshold(r, p.t, kMaxCand, [&](float x) {
+      return mass_above(r, w, x) >= need;
+    });
   }
-  collect(x, s.bmax.data(), V, m, tau, s.c);
-  if (top_k) z = keep_from(s.c, kth_largest(s.c, p.k));
-  if (top_p) z = keep_from(s.c, nucleus_floor(s.c, z, p.top_p));
-  return race_candidates(s.c, z, p);
+  collect(r, p.t, tau, s);
+  if (top_k) z = keep_from(s.cand, kth_largest(s.cand, p.k));
+  if (z < 0.f) z = keep_from(s.cand, kFloor);
+  if (top_p) z = keep_from(s.cand, nucleus_floor(s.cand, z, p.top_p));
+  return race_candidates(s.cand, z, p);
 }
 
-// race values r [n] of tokens j0 + [0, n): w / E, 0 where min-p drops (w < w_min); a plain
-// loop, so that GCC vectorizes it with glibc's vector exp and log
+// ---- no top-k / top-p: the race over the blocks that may hold the winner
+
+// whether a token of block [j0, j0 + kBlock) may have log(w / E) >= lb: (c - cmax) / t
+// approximates x - m (within slack), log_e_floor bounds log(E) from below
+bool may_win(const float* c, int64_t j0, float cmax, float inv_t, uint32_t key, float lb) {
+  float top = kFloor;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    const float v = (c[j0 + j] - cmax) * inv_t - log_e_floor(key, static_cast<uint32_t>(j0 + j));
+    top = std::max(top, v);
+  }
+  return top >= lb;
+}
+
+// race values r [n] of tokens j0 + [0, n) (x [n]: their x): w / E, 0 where min-p drops them
+// (w < w_min); a plain loop, so that GCC vectorizes it with glibc's vector exp and log
 void race_block(const float* __restrict x, float* __restrict r, int64_t j0, int64_t n, float m,
                 float w_min, uint32_t key) {
   for (int64_t j = 0; j < n; ++j) {
-    const float w = std::exp(x[j0 + j] - m);
+    const float w = exp_le0(x[j] - m);
     const float e = -std::log(uniform(key, static_cast<uint32_t>(j0 + j)));
     r[j] = (w >= w_min ? w : 0.f) / e;
   }
 }
 
-// the race without filters: blocks whose max cannot reach the bound are skipped, the others
-// raced whole; p / E compared as w / E (w = exp(x - m): the common 1 / Z dropped)
-int64_t race_row(Scratch& s, int64_t V, float m, int64_t arg, const Params& p) {
-  float* r = s.r.data();
-  const float drop = p.min_p > 0.f ? m + std::log(p.min_p) - kSlack : kFloor;
-  // no token with x < bound beats the argmax's race value 1 / E_arg: w / E <= w / E_min
-  float bound = m - std::log(-std::log(uniform(p.key, static_cast<uint32_t>(arg)))) + kLogEMin;
+// p / E compared as w / E (w = exp(x - m): the common 1 / Z dropped); arg: an argmax of c
+int64_t race_row(const Row& r, int64_t arg, const Params& p) {
+  alignas(32) float x[kBlock], race[kBlock];
+  const float inv_t = 1.f / p.t, slack = 1e-3f + 4e-6f * (std::abs(r.m) + 20.f);
+  const float drop = p.min_p > 0.f ? std::log(p.min_p) - slack : kFloor;  // on x - m
+  // log of the argmax token's race value 1 / E: below it no token wins
+  float lb = -std::log(-std::log(uniform(p.key, static_cast<uint32_t>(arg))));
   float best = 0.f;
   int64_t best_i = arg;
-  for (int64_t j0 = 0; j0 < V; j0 += kBlock) {
-    if (s.bmax[j0 / kBlock] < std::max(bound - kSlack, drop)) continue;
-    const int64_t n = std::min(kBlock, V - j0);
-    race_block(s.x.data(), r, j0, n, m, p.min_p, p.key);
-    float rb = 0.f;
-#pragma omp simd reduction(max : rb)
-    for (int64_t j = 0; j < n; ++j) rb = std::max(rb, r[j]);
+  for (int64_t j0 = 0; j0 < r.V; j0 += kBlock) {
+    const int64_t n = std::min(kBlock, r.V - j0);
+    const float top = (r.bmax[j0 / kBlock] - r.cmax) * inv_t;  // the block's max x - m
+    if (top < drop || top + 24.f * kLn2 < lb - slack) continue;  // log(E) >= -24 ln 2
+    if (n == kBlock && !may_win(r.c, j0, r.cmax, inv_t, p.key, lb - slack)) continue;
+    divide(r.c + j0, n, p.t, x);
+    race_block(x, race, j0, n, r.m, p.min_p, p.key);
+    const float rb = block_max(race, n);
     if (!(rb > best)) continue;
     int64_t j = 0;
-    while (r[j] < rb) ++j;
+    while (race[j] < rb) ++j;
     best = rb, best_i = j0 + j;
-    bound = m + std::log(best) + kLogEMin;
+    lb = std::log(best);
   }
   return best_i;
 }
@@ -274,22 +380,19 @@ std::pair<int64_t, float> sample_one(Scratch& s, const Tensor& logits,
                                      const std::optional<Tensor>& raw, int64_t b,
                                      const Params& p, bool need_logprobs) {
   const int64_t V = logits.size(1);
-  float* x = s.x.data();
-  load_row(logits, b, x);
-  auto [cmax, tok] = scan(x, V, s.bmax.data());
+  float* c = s.c.data();
+  load_row(logits, b, c);
+  auto [cmax, tok] = scan(c, V, s.bmax.data());
   float lse = 0.f;
   if (need_logprobs && raw) {
     load_row(*raw, b, s.raw.data());
-    lse = logsumexp(s.raw.data(), V, scan(s.raw.data(), V, s.bmax.data()).first);
+    lse = logsumexp(s.raw.data(), V, scan(s.raw.data(), V, s.braw.data()).first);
   } else if (need_logprobs) {
-    lse = logsumexp(x, V, cmax);
+    lse = logsumexp(c, V, cmax);
   }
   if (p.t > 0.f) {
-    pipellm::ieee_div_groups(x, V, &p.t, V);  // x = logits / temperature
-    for (int64_t i = 0; i < V; ++i) x[i] = std::max(x[i], kFloor);
-    const auto [m, arg] = scan(x, V, s.bmax.data());
-    tok = (p.k > 0 && p.k < V) || p.top_p < 1.f ? filtered_row(s, V, m, p)
-                                                 : race_row(s, V, m, arg, p);
+    const Row r{c, s.bmax.data(), V, cmax, std::max(pipellm::ieee_div(cmax, p.t), kFloor)};
+    tok = (p.k > 0 && p.k < V) || p.top_p < 1.f ? filtered_row(s, r, p) : race_row(r, tok, p);
   }
   const float lp = need_logprobs ? value_at(raw ? *raw : logits, b, tok) - lse : 0.f;
   return {tok, lp};
@@ -325,8 +428,8 @@ std::tuple<Tensor, Tensor> sample_rows(Tensor logits, std::optional<Tensor> raw_
   float* out_lps = lps.data_ptr<float>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch s;
-    s.x.resize(V), s.raw.resize(V), s.w.resize(V), s.r.resize(kBlock);
-    s.bmax.resize((V + kBlock - 1) / kBlock);
+    s.c.resize(V), s.raw.resize(V), s.w.resize(V);
+    s.bmax.resize((V + kBlock - 1) / kBlock), s.braw.resize((V + kBlock - 1) / kBlock);
     for (int64_t b = begin; b < end; ++b) {
       const Params p{temp.data_ptr<float>()[b], tp.data_ptr<float>()[b],
                      mp.data_ptr<float>()[b], tk.data_ptr<int64_t>()[b],
