@@ -33,7 +33,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "bindings.cpp", "decode_attention.cpp", "norm.cpp", "activation.cpp", "int8_quant.cpp",
-    "rope.cpp", "block_gemm.cpp", "token_bitmask.cpp", "sampling.cpp")]
+    "rope.cpp", "block_gemm.cpp", "token_bitmask.cpp", "sampling.cpp",
+    "sampling_filters.cpp")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 
