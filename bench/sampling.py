@@ -13,10 +13,12 @@ them, row by row), `sample` is timed (median and min of --reps calls; the refere
 with the flags the server sets (`sampling_batch`: need_sort only where a row filters, no
 logprobs). The decode step: median and min ms of `engine.step()` with `batch` requests all
 decoding (greedy), on the same machine, in the same run, after the sampling timings. The
-target is judged on medians; on a shared machine a call that outlasts a scheduler time slice
-(~2 ms and up, two threads) often waits one out: the mins show the cost without that.
+target is judged on medians. On a busy shared machine a multi-threaded call often waits a
+scheduler time slice (4-8 ms) for its second thread, sampling and model alike: the mins show
+the costs without that, and --threads 1 (both sides on one thread) gives steady figures.
 
     python -m bench.sampling [--batches 1,16,64] [--reps 30] [--steps 16] [--random]
+                             [--threads N]
 
 Set TORCH_EXTENSIONS_DIR to where the C++ kernels are (or get) built. The last line printed is
 one JSON object.
@@ -62,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
     p.add_argument("--random", action="store_true", help="random logits, no model run")
     p.add_argument("--model", default="", help="default: the project's default model")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     return args
@@ -195,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
     from shared import default_model
 
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     log(f"machine: {machine()}; ISA: {describe()}")
     log(build())
     model = args.model or default_model.resolve()

@@ -117,11 +117,19 @@ def test_sampled_ids_equal_reference_full_vocab(ext, mode, dtype):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_sampled_ids_equal_reference_small_vocab(ext, mode):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sampled_ids_equal_reference_small_vocab(ext, mode, dtype):
     rows = [(t, min(k, 150), p, mp) for t, k, p, mp in MODES[mode]] * (600 // len(MODES[mode]))
     b = len(rows)
-    logits = rand_logits(b, 100, seed=20, scale=1.5)
+    logits = rand_logits(b, 100, seed=20, scale=1.5, dtype=dtype)
     assert_same(ext, logits, batch_of(rows, list(range(b)), [7] * b))
+
+
+def test_empty_batch(ext):
+    empty = SamplingBatch(**params(0, temperature=[], top_k=[], top_p=[], min_p=[], seed=[],
+                                   step=[]))
+    ids, lps = cpp(ext, torch.zeros(0, VOCAB), empty)
+    assert ids.shape == (0,) and lps.shape == (0,) and ids.dtype == torch.int64
 
 
 @pytest.mark.parametrize("cut", ["top_k", "top_p"])
