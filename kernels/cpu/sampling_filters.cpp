@@ -58,7 +58,8 @@ float mass_above(const Row& r, const float* w, float tau) {  // their sum of w
 template <typename F>
 float threshold(const Row& r, float t, int64_t cap, const F& enough) {
   float lo = kFloor, hi = r.cmax;
-  for (float d = t; d < 1e6f * t && lo == kFloor; d *= 2.f) (enough(r.cmax - d) ? lo : hi) = r.cmax - d;
+  for (float d = t; d < 1e6f * t && lo == kFloor; d *= 2.f)
+    (enough(r.cmax - d) ? lo : hi) = r.cmax - d;
   for (int i = 0; i < 12 && lo != kFloor && count_above(r, lo) > cap; ++i) {
     const float mid = 0.5f * (lo + hi);
     (enough(mid) ? lo : hi) = mid;
@@ -112,7 +113,9 @@ float keep_from(std::vector<Cand>& c, float thr) {
   return z;
 }
 
-float kth_largest(std::vector<Cand>& c, int64_t k) {
+float kth_largest(std::vector<Cand>& c, int64_t k) {  // c holds >= k, but with NaN logits
+  if (c.empty()) return kFloor;
+  k = std::min<int64_t>(k, static_cast<int64_t>(c.size()));
   auto desc = [](const Cand& a, const Cand& b) { return a.x > b.x; };
   std::nth_element(c.begin(), c.begin() + (k - 1), c.end(), desc);
   return c[k - 1].x;
