@@ -1,4 +1,4 @@
-"""Batched token sampling: the PyTorch reference.
+"""Batched token sampling: the PyTorch reference, and which implementation `sample` runs.
 
 One call, `sample(logits, batch, raw_logits=None)`, samples one token for every row of a batch
 of logits, each row with its own temperature, top-k, top-p, min-p, seed and step (a
@@ -23,9 +23,16 @@ function of (seeds[b], steps[b], v), computed with int64 tensor ops whose values
 below 2^49, so a row's token depends only on its own (seed, step, logits, params): not on the
 batch, its position in it, or the device. Nothing here syncs with the host, so the same code
 runs on CUDA tensors; the caller, who knows the parameters on the host, opts into the fast
-paths (the batch's flags `all_greedy`, `need_sort=False`). `sample_reference` is also the
-specification of the Triton kernel (`kernels.sampling_triton`, uint32 arithmetic there), which
-`sample` runs when `dispatch.use_triton(logits)`.
+paths (the batch's flags `all_greedy`, `need_sort=False`).
+
+`sample_reference` is the specification; `sample` runs, per `kernels.dispatch`:
+  - on CUDA (or `--kernels triton`): the Triton kernel (`kernels.sampling_triton`, uint32
+    arithmetic for the same noise);
+  - on CPU with `--kernels auto`: the C++ sampler (kernels/cpu/sampling.cpp: no vocabulary
+    sort, the noise only where a token can still win) where the extension is built;
+  - else this reference.
+Both kernels pick the reference's tokens but where float rounding decides (two race values,
+or a cumulative mass and top_p, within an ulp or so).
 
 Penalties (`apply_penalties`, vLLM / OpenAI semantics) run before `sample`, on the logits the
 caller then passes to it; `token_stats` builds their per-row token statistics on the device.
@@ -38,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import cpu_extension, use_triton
 
 _M32 = 0xFFFFFFFF
 
@@ -168,15 +175,25 @@ def sample_reference(
     return ids, logprobs(ids)
 
 
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def sample(
     logits: torch.Tensor, batch: SamplingBatch, raw_logits: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_reference`'s contract; runs the Triton kernel when `use_triton(logits)` (which
-    always computes logprobs: they cost nothing extra there)."""
+    always computes logprobs: they cost nothing extra there), the C++ sampler when
+    `cpu_extension(logits)` is available (and the dtypes are ones it reads), else the
+    reference."""
     if use_triton(logits):
         from kernels.sampling_triton import sample_triton  # triton: imported on demand
 
         return sample_triton(logits, batch, raw_logits)
+    ext = cpu_extension(logits)
+    if ext is not None and logits.dim() == 2 and logits.dtype in _CPU_DTYPES and (
+            raw_logits is None or raw_logits.dtype in _CPU_DTYPES):
+        return ext.sample_rows(logits, raw_logits, batch.temperature, batch.top_p, batch.min_p,
+                               batch.top_k, batch.seeds, batch.steps, batch.need_logprobs)
     return sample_reference(logits, batch, raw_logits)
 
 

@@ -19,6 +19,8 @@ One module, one source per concept (bindings.cpp declares and binds them all):
     int8_quant.cpp        quantize_int8, silu_mul_int8              kernels/int8_quant.py
     rope.cpp              rope_kv_write (float and INT8 caches)     kernels/rope.py
     token_bitmask.cpp     apply_token_bitmask (grammars' masks)     kernels/token_bitmask.py
+    sampling.cpp          sample_rows: temperature / top-k / top-p / min-p without sorting the
+                          vocabulary (sampling_filters.cpp: the cut-offs)  kernels/sampling.py
     block_gemm.cpp        q4_gemm, q8_gemm: 4- and 8-bit weight blocks x INT8 activations, one
                           kernel per ISA level (block_gemm_<isa>.cpp)  kernels/int4_gemm.py,
                                                                         kernels/q8_gemm.py
@@ -49,7 +51,7 @@ NAME = "pipellm_cpu_kernels"
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "bindings.cpp", "decode_attention.cpp", "norm.cpp", "activation.cpp", "int8_quant.cpp",
     "rope.cpp", "block_gemm.cpp", "block_gemm_avx2.cpp", "block_gemm_avx512.cpp",
-    "block_gemm_avx512_vnni.cpp", "token_bitmask.cpp")]
+    "block_gemm_avx512_vnni.cpp", "token_bitmask.cpp", "sampling.cpp", "sampling_filters.cpp")]
 _FLAGS = ["-O3", *(["-march=x86-64-v3"] if isa.is_x86() else []), "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 

@@ -35,6 +35,11 @@ std::string block_gemm_isa();
 Tensor q4_gemm(Tensor x, Tensor qs, Tensor d, Tensor m, int64_t n, std::optional<Tensor> bias);
 Tensor q8_gemm(Tensor x, Tensor qs, Tensor d, Tensor corr, int64_t n,
                std::optional<Tensor> bias);
+// sampling.cpp
+std::tuple<Tensor, Tensor> sample_rows(Tensor logits, std::optional<Tensor> raw_logits,
+                                       Tensor temperature, Tensor top_p, Tensor min_p,
+                                       Tensor top_k, Tensor seeds, Tensor steps,
+                                       bool need_logprobs);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over contiguous KV segments",
@@ -70,4 +75,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemm", &q8_gemm, "INT8 blocks x INT8 activations: [M, K] -> [M, n]", py::arg("x"),
         py::arg("qs"), py::arg("d"), py::arg("corr"), py::arg("n"),
         py::arg("bias") = py::none());
+  m.def("sample_rows", &sample_rows,
+        "(ids [B] int64, logprobs [B] f32): kernels/sampling.py's sample_reference per row",
+        py::arg("logits"), py::arg("raw_logits"), py::arg("temperature"), py::arg("top_p"),
+        py::arg("min_p"), py::arg("top_k"), py::arg("seeds"), py::arg("steps"),
+        py::arg("need_logprobs"));
 }
