@@ -262,7 +262,8 @@ def test_smollm2_copying_a_text_is_token_exact_and_accepts_drafts():
     tok, template = load_tokenizer(path), load_chat_template(path)
     text = ("Speculative decoding proposes several tokens and checks them in one forward "
             "pass of the model, keeping those the model would have produced itself.")
-    prompts = [template.encode(tok, [{"role": "user", "content": f"Repeat exactly: {text}"}])]
+    ask = f"Copy the following text exactly:\n\n{text}"  # copied under W4A8 and W4A16 alike
+    prompts = [template.encode(tok, [{"role": "user", "content": ask}])]
     spec = json.dumps({**NGRAM, "prompt_lookup_min": 2})
     want, _ = run(path, prompts, greedy(32), max_batched_tokens=256, max_running=4)
     got, stats = run(path, prompts, greedy(32), max_batched_tokens=256, max_running=4,
