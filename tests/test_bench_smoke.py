@@ -284,6 +284,27 @@ def test_llamacpp_finds_a_server_before_building(tmp_path, monkeypatch):
     monkeypatch.delenv(llamacpp.ENV_VAR)
     with pytest.raises(FileNotFoundError):
         llamacpp.ensure_server(None, tmp_path / "none", build=False)
+    # a build configured with other flags (native with AMX) is not used
+    cmake_cache = binary.parents[1] / "CMakeCache.txt"
+    flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    cmake_cache.write_text(f"//x\nGGML_NATIVE:BOOL=ON\nCMAKE_C_FLAGS:STRING={flags}\n"
+                           f"CMAKE_CXX_FLAGS:STRING={flags}\n")
+    assert llamacpp.find_server(None, tmp_path / "cache") == binary
+    cmake_cache.write_text("GGML_NATIVE:BOOL=ON\nCMAKE_C_FLAGS:STRING=\n")
+    assert llamacpp.stale(tmp_path / "cache") and not llamacpp.find_server(None, tmp_path / "cache")
+    # the AVX2 build: its own directory and variable, never PATH's llama-server
+    avx2 = tmp_path / "cache" / "build-avx2" / "bin" / "llama-server"
+    assert llamacpp.binary(tmp_path / "cache", "avx2") == avx2
+    assert llamacpp.env_var("avx2") == "LLAMA_SERVER_AVX2"
+    assert "-DGGML_AVX512=OFF" in llamacpp.VARIANTS["avx2"]
+    monkeypatch.setenv("PATH", str(mine.parent))
+    (tmp_path / "llama-server").write_text("#!/bin/sh\n")
+    (tmp_path / "llama-server").chmod(0o755)
+    assert llamacpp.find_server(None, tmp_path / "cache", "avx2") is None
+    avx2.parent.mkdir(parents=True)
+    avx2.write_text("#!/bin/sh\n")
+    avx2.chmod(0o755)
+    assert llamacpp.ensure_server(None, tmp_path / "cache", build=False, variant="avx2") == avx2
 
 
 def test_vllm_threads_note_reads_its_log(tmp_path):
