@@ -12,8 +12,8 @@ float32 Hugging Face directory, bench/smol_model.py), same machine, same load. `
     llamacpp         `llama-server` on the GGUF, 2 threads, --llamacpp-slots slots (1 for b1),
                      built for this CPU; llamacpp-avx2: built without AVX-512 (bench/llamacpp.py)
 
-Each round starts each server in turn (never two at once, a fresh one per round), warms it,
-drives it with every workload through `pipellm-bench` (EOS ignored) and stops it:
+Each round starts each server in turn (never two at once, a fresh one per round and sampling
+mode), warms it, drives it with every workload through `pipellm-bench` (EOS ignored), stops it:
 
     sg   ShareGPT samples (lengths counted with the model's tokenizer), rate inf
     r2   random, 200 in / 100 out, 2 req/s (Poisson arrivals)
@@ -140,11 +140,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def runs(args: argparse.Namespace) -> list[str]:
-    """The measured workloads' names, greedy before sampled: sg, sg-s, r2, r2-s, ..."""
-    return [wl + SAMPLING[s] for wl in args.workloads for s in args.sampling]
-
-
 def make_server(args: argparse.Namespace, name: str, port: int, log_path: Path,
                 slots: int | None = None) -> servers.Server:
     """Server `name` on `port` (args.gguf, args.hf_dir and the binaries resolved)."""
@@ -168,16 +163,17 @@ def make_server(args: argparse.Namespace, name: str, port: int, log_path: Path,
 
 
 def launches(args: argparse.Namespace, name: str) -> list[tuple[int | None, list[str]]]:
-    """(llama.cpp slots or None, workloads) of each start of `name` in a round: llama.cpp
-    serves b1 (and b1-s) from a server of its own with one slot."""
-    wls = runs(args)
-    if name not in LLAMACPP:
-        return [(None, wls)]
-    one = [w for w in wls if w.removesuffix(SAMPLED) == "b1"]
-    if args.llamacpp_slots == 1 or not one:
-        return [(args.llamacpp_slots, wls)]
-    rest = [w for w in wls if w not in one]
-    return ([(args.llamacpp_slots, rest)] if rest else []) + [(1, one)]
+    """(llama.cpp slots or None, workloads) of each start of `name` in a round: one per sampling
+    mode (greedy and sampled send the same prompts: no prefix cache may carry them over), and
+    llama.cpp serves b1 from a server of its own with one slot."""
+    out: list[tuple[int | None, list[str]]] = []
+    slots = args.llamacpp_slots if name in LLAMACPP else None
+    for mode in args.sampling:
+        wls = [wl + SAMPLING[mode] for wl in args.workloads]
+        one = [w for w in wls if slots not in (None, 1) and w.removesuffix(SAMPLED) == "b1"]
+        rest = [w for w in wls if w not in one]
+        out += ([(slots, rest)] if rest else []) + ([(1, one)] if one else [])
+    return out
 
 
 def bench_argv(args: argparse.Namespace, workload: str, port: int, seed: int, out: Path,
@@ -208,14 +204,15 @@ def serve(args: argparse.Namespace, name: str, slots: int | None, wls: list[str]
     """Start `name`, warm it, run `wls` against it once each, stop it; one row per run."""
     port, rows = servers.free_port(), []
     tag = name + (f"-np{slots}" if slots else "")
-    server = make_server(args, name, port, args.results_dir / f"{tag}-rep{rep}.log", slots)
+    run = f"{tag}{SAMPLED if wls[0].endswith(SAMPLED) else ''}-rep{rep}"  # its files' names
+    server = make_server(args, name, port, args.results_dir / f"{run}.log", slots)
     args.commands.setdefault(tag, command(server, port))
-    log(f"round {rep + 1}/{args.rounds}: starting {tag} on port {port}")
+    log(f"round {rep + 1}/{args.rounds}: starting {tag} on port {port} for {','.join(wls)}")
     try:
         with servers.running(server, args.ready_timeout) as startup_s:
             log(f"{tag} ready after {startup_s:.0f} s")
             if args.warmup_prompts > 0:
-                out = args.results_dir / f"warmup-{tag}-rep{rep}.json"
+                out = args.results_dir / f"warmup-{run}.json"
                 servers.run_bench(args, bench_argv(args, "warmup", port, args.seed + 99, out,
                                            args.warmup_prompts), out)
             for wl in wls:

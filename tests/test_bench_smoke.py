@@ -140,7 +140,6 @@ def test_vs_peers_args():
                             "llamacpp-avx2"]
     assert (args.rounds, args.workloads, args.llamacpp_slots) == (3, ["sg", "r2", "b1"], 16)
     assert (args.sampling, args.temperature, args.top_p) == (["greedy", "sampled"], 0.7, 0.9)
-    assert vs_peers.runs(args) == ["sg", "sg-s", "r2", "r2-s", "b1", "b1-s"]
     assert args.vllm_bin.endswith("peers/vllm-venv/bin/vllm") and not args.install_vllm
     quick = vs_peers.parse_args(["--quick", "--servers", "pipellm-fp32, vllm-fp32-auto"])
     assert (quick.rounds, quick.sharegpt_prompts, quick.num_prompts, quick.b1_prompts) == \
@@ -153,7 +152,7 @@ def test_vs_peers_args():
     with pytest.raises(SystemExit):
         vs_peers.parse_args(["--sampling", "greedy,beam"])
     greedy = vs_peers.parse_args(["--sampling", "greedy", "--workloads", "b1"])
-    assert vs_peers.runs(greedy) == ["b1"]
+    assert vs_peers.launches(greedy, "pipellm") == [(None, ["b1"])]
 
 
 def test_vs_peers_server_commands(tmp_path):
@@ -191,9 +190,14 @@ def test_vs_peers_server_commands(tmp_path):
 
 def test_vs_peers_launches_and_load(tmp_path):
     args = _peers_args(tmp_path)
-    every = ["sg", "sg-s", "r2", "r2-s", "b1", "b1-s"]
-    assert vs_peers.launches(args, "vllm-bf16") == [(None, every)]
-    assert vs_peers.launches(args, "llamacpp-avx2") == [(16, every[:4]), (1, ["b1", "b1-s"])]
+    # a fresh server per sampling mode: the same prompts, no prefix cache carried over
+    assert vs_peers.launches(args, "vllm-bf16") == [(None, ["sg", "r2", "b1"]),
+                                                    (None, ["sg-s", "r2-s", "b1-s"])]
+    assert vs_peers.launches(args, "llamacpp-avx2") == [(16, ["sg", "r2"]), (1, ["b1"]),
+                                                        (16, ["sg-s", "r2-s"]), (1, ["b1-s"])]
+    args.llamacpp_slots = 1
+    assert vs_peers.launches(args, "llamacpp")[1] == (1, ["sg-s", "r2-s", "b1-s"])
+    args.llamacpp_slots = 16
     args.workloads, args.sampling = ["b1"], ["greedy"]
     assert vs_peers.launches(args, "llamacpp") == [(1, ["b1"])]
     out = tmp_path / "r.json"
