@@ -277,6 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.top_p:g}), else greedy; llama.cpp {args.llamacpp_slots} slots (b1: 1); "
           f"ISA {isa()}")
     peers_report.print_report(summary, checks, args.commands)
+    first = SAMPLING[args.sampling[0]]  # the suffix of the first start's log
     head = dict(summary=summary, targets=checks,
                 met=sum(c["passed"] is True for c in checks), of=len(checks),
                 servers=args.servers, commands=args.commands, rounds=args.rounds,
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
                 temperature=args.temperature, top_p=args.top_p,
                 prompts=dict(sg=args.sharegpt_prompts, r2=args.num_prompts, b1=args.b1_prompts),
                 workloads={k: " ".join(v) for k, v in WORKLOADS.items()},
-                vllm_threads={s: vllm_cpu.threads_note(args.results_dir / f"{s}-rep0.log")
+                vllm_threads={s: vllm_cpu.threads_note(args.results_dir / f"{s}{first}-rep0.log")
                               for s in args.servers if s in VLLM},
                 quick=args.quick, seconds=round(time.monotonic() - t0),
                 results_dir=str(args.results_dir), isa=isa(), machine=machine(),
