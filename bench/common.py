@@ -22,11 +22,21 @@ def run_step(argv: list[str]) -> None:
         raise RuntimeError(f"exit {proc.returncode}: {' '.join(argv)}")
 
 
+def isa() -> str:
+    """The x86 level pipellm's CPU kernels run here and the CPU's levels (kernels/cpu/isa.py):
+    'avx512_vnni (CPU: avx2 avx512 avx512_vnni amx)'."""
+    try:
+        from kernels.cpu.isa import describe
+    except ImportError as exc:  # a checkout without it
+        return f"? ({exc})"
+    return describe()
+
+
 def machine() -> str:
-    """CPU model, core count, torch version and its thread count."""
+    """CPU model, core count, ISA level, torch version and its thread count."""
     import torch  # here: the peers' installers use this module without torch
 
     with open("/proc/cpuinfo", encoding="utf-8") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+    return (f"{cpu}, {os.cpu_count()} cores, ISA {isa()}, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads)")

