@@ -25,10 +25,8 @@ def run_step(argv: list[str]) -> None:
 def isa() -> str:
     """The x86 level pipellm's CPU kernels run here and the CPU's levels (kernels/cpu/isa.py):
     'avx512_vnni (CPU: avx2 avx512 avx512_vnni amx)'."""
-    try:
-        from kernels.cpu.isa import describe
-    except ImportError as exc:  # a checkout without it
-        return f"? ({exc})"
+    from kernels.cpu.isa import describe  # here: imports torch, which the installers lack
+
     return describe()
 
 
