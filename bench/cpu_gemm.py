@@ -3,7 +3,8 @@
 kernels/cpu/block_gemm.cpp) at every ISA level this CPU runs (avx2, avx512, avx512_vnni: the
 same build, the level switched in process) against PyTorch's own CPU int4 kernel (bf16
 activations, what a CPU without the block GEMMs runs) and the float layers (oneDNN-packed bf16
-and fp32, `model/linear/dense.py`); the LM head as Q8 blocks (the default under int4) at every
+and fp32, `model/linear/dense.py`; on an AMX CPU, bf16 is what the `amx` level runs for steps
+with many rows, `model/linear/amx.py`); the LM head as Q8 blocks (the default under int4) at every
 level against the fp32 and bf16 heads.
 
 The projections are the model's: q/k/v fused [960, 576], o [576, 576], gate/up fused
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if block_gemm_extension(torch.empty(0)) is None:
         sys.exit("the C++ block GEMMs do not run here (python -m kernels.cpu says why)")
-    levels = isa.cpu_levels()
+    levels = tuple(lv for lv in isa.cpu_levels() if lv in isa.BLOCK_GEMM_LEVELS)
     rows = [1, 4] if args.quick else [int(r) for r in args.rows.split(",")]
     reps = 2 if args.quick else args.reps
     layers = projection_layers(2 if args.quick else LAYERS, levels)

@@ -177,9 +177,9 @@ class EngineConfig:
         "every request's max_tokens", group=MODEL)
     kernels: str = setting("auto", "auto (Triton on CUDA, the CPU kernels on CPU), triton or "
                            "reference (PyTorch)", group=MODEL)
-    cpu_isa: str = setting("auto", "x86 level of the C++ CPU kernels' block GEMMs: auto (the "
-                           "best this CPU runs), avx2, avx512 or avx512_vnni (a lower level, "
-                           "to test or compare it)", group=MODEL)
+    cpu_isa: str = setting("auto", "x86 level of the C++ CPU kernels: auto (the best this CPU "
+                           "runs), avx2, avx512, avx512_vnni or amx (bf16 tiles for steps with "
+                           "many rows); a lower level to test or compare it", group=MODEL)
     threads: int = setting(0, "torch CPU threads in compute; 0: one per core", group=MODEL)
     backend: str = setting("torch", "torch (run the model) or sim (a modelled GPU, no weights)",
                            group=MODEL)

@@ -20,8 +20,16 @@ def test_levels_follow_the_cpu_flags():
     assert isa.cpu_levels(frozenset({"avx", "sse4_2"})) == ()
     assert isa.cpu_levels(AVX2) == ("avx2",)
     assert isa.cpu_levels(AVX512) == ("avx2", "avx512")
-    assert isa.cpu_levels(AVX512 | {"avx512_vnni", "amx_int8"}) == isa.LEVELS
+    vnni = AVX512 | {"avx512_vnni"}
+    assert isa.cpu_levels(vnni | {"amx_int8"}) == isa.BLOCK_GEMM_LEVELS  # tiles without bf16
+    assert isa.cpu_levels(vnni | {"amx_tile", "amx_bf16", "avx512_bf16"}) == isa.LEVELS
     assert isa.cpu_levels(AVX2 | {"avx512_vnni"}) == ("avx2",)  # levels build on each other
+
+
+def test_each_level_runs_the_block_gemm_variant_at_or_below_it():
+    assert [isa.block_gemm_level(lv) for lv in isa.LEVELS] == [
+        "avx2", "avx512", "avx512_vnni", "avx512_vnni"]
+    assert isa.block_gemm_level(None) is None
 
 
 def test_choice_auto_forced_and_refused():
@@ -65,10 +73,38 @@ def test_every_level_gives_the_same_bits():
     previous, outs = ext.block_gemm_isa(), {}
     try:
         for level in isa.cpu_levels():
-            ext.set_block_gemm_isa(level)
+            ext.set_block_gemm_isa(isa.block_gemm_level(level))
             outs[level] = (int4_gemm(x, q4), q8_gemm(x, q8))
     finally:
         ext.set_block_gemm_isa(previous)
     first = outs["avx2"]
     for level, (o4, o8) in outs.items():
         assert torch.equal(o4, first[0]) and torch.equal(o8, first[1]), level
+
+
+def test_native_bf16_needs_the_flag_and_a_level_above_avx2(monkeypatch):
+    monkeypatch.setattr(isa, "cpu_flags", lambda: AVX512 | {"avx512_bf16"})
+    for level, native in (("avx2", False), ("avx512", True), (None, False)):
+        monkeypatch.setattr(isa, "selected", lambda level=level: level)
+        assert isa.native_bf16() is native, level
+    monkeypatch.setattr(isa, "cpu_flags", lambda: AVX512)
+    assert not isa.native_bf16()
+
+
+def test_auto_dtype_of_a_gguf_is_bfloat16_where_the_cpu_computes_in_it(monkeypatch, tmp_path):
+    from services.compute.runner import resolve_dtype
+    from shared.model_config import ModelConfig
+    from tests.gguf_files import Q, write_gguf
+    from tests.hf_models import build_hf_model
+
+    hf = tmp_path / "hf"
+    gguf = write_gguf(tmp_path / "m.gguf", build_hf_model(hf, "llama"), Q.Q4_1)
+    cfg = ModelConfig.from_path(str(gguf))  # float32: a GGUF file names no dtype
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(isa, "native_bf16", lambda: True)
+    assert resolve_dtype("auto", cfg, str(gguf), cpu) == torch.bfloat16
+    assert resolve_dtype("float32", cfg, str(gguf), cpu) == torch.float32
+    assert resolve_dtype("auto", cfg, str(hf), cpu) == torch.float32  # the checkpoint's own
+    assert resolve_dtype("auto", cfg, str(gguf), torch.device("cuda")) == torch.float32
+    monkeypatch.setattr(isa, "native_bf16", lambda: False)
+    assert resolve_dtype("auto", cfg, str(gguf), cpu) == torch.float32

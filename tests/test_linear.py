@@ -40,3 +40,53 @@ def test_reference_backend_and_float16_use_f_linear():
     assert lin.packed is None and torch.equal(lin(x), F.linear(x, w))
     half = Linear(w.half())
     assert half.packed is None and torch.equal(half(x.half()), F.linear(x.half(), w.half()))
+
+
+def _int4(out_f: int, in_f: int, seed: int):
+    from kernels.int4_gemm import quantize_int4
+
+    return quantize_int4(torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
+                         * 0.05)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_rows_runs_the_block_gemm_below_min_rows_and_bf16_from_it(bias):
+    from kernels.int4_gemm import dequantize_int4
+    from services.compute.model.linear import Int4Linear
+    from services.compute.model.linear.amx import AmxRows
+
+    w = _int4(200, 96, 1)
+    b = torch.randn(200) if bias else None
+    small, dense = Int4Linear(w, b), dequantize_int4(w)
+    layer = AmxRows(small, dense, b, min_rows=8)
+    assert layer.nbytes() == small.nbytes() + 2 * dense.numel()
+    g = torch.Generator().manual_seed(2)
+    few, many = torch.randn(7, 96, generator=g), torch.randn(40, 96, generator=g)
+    assert torch.equal(layer(few), small(few))
+    out = layer(many)
+    assert out.dtype == torch.float32 and not torch.equal(out, small(many))  # bf16 ran
+    torch.testing.assert_close(out, F.linear(many, dense, b), atol=3e-2, rtol=2e-2)
+    half = AmxRows(small, dense, b, min_rows=8)(many.bfloat16())
+    assert half.dtype == torch.bfloat16
+
+
+def test_amx_rows_only_at_the_amx_level_with_the_cpu_kernels(monkeypatch):
+    from kernels.cpu import isa
+    from services.compute.model.linear import Int4Linear, amx
+    from services.compute.model.quantization import resolve
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(isa, "selected", lambda: "avx512_vnni")
+    assert not amx.available(cpu) and not resolve("int4", "", cpu, torch.float32).amx_rows
+    monkeypatch.setattr(isa, "selected", lambda: "amx")
+    assert amx.available(cpu) and not amx.available(torch.device("cuda"))
+    quant = resolve("int4", "", cpu, torch.float32)
+    assert quant.amx_rows and not resolve("none", "", cpu, torch.float32).amx_rows
+    layer = quant.linear(_int4(64, 64, 3))
+    assert isinstance(layer, amx.AmxRows) and isinstance(layer.small, Int4Linear)
+    assert isinstance(quant.linear(torch.randn(64, 64)), amx.AmxRows)  # quantized here first
+    dispatch.set_backend("reference")
+    try:
+        assert not amx.available(cpu)
+    finally:
+        dispatch.set_backend("auto")

@@ -118,6 +118,26 @@ def test_each_method_scores_text_like_the_float_model(tiny, method):
     assert got != ref  # the quantized path is what ran
 
 
+def test_amx_rows_serve_the_int4_model_as_the_block_gemms_do(tiny, monkeypatch):
+    """The `amx` level's bf16 copies (model/linear/amx.py), on any CPU: thresholds lowered so
+    that prefill steps (up to 64 rows) take them and decode steps do not."""
+    from services.compute.model.linear import amx
+
+    path = tiny[1][Q.Q4_1]
+    ref = _perplexity(_engine(path, quantization="int4"))
+    monkeypatch.setattr(amx, "available", lambda device: True)
+    monkeypatch.setattr(amx, "PROJECTION_MIN_ROWS", 16)
+    monkeypatch.setattr(amx, "HEAD_MIN_ROWS", 2)
+    engine = _engine(path, quantization="int4")
+    model = engine.runner.model
+    assert all(isinstance(getattr(layer, f), amx.AmxRows) for layer in model.layers
+               for f in ("qkv", "o", "gate_up", "down"))
+    got = _perplexity(engine)
+    assert abs(got / ref - 1) <= 0.01 and got != ref, (got, ref)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    assert [len(s.output_ids) for s in engine.generate(PROMPTS, params)] == [8] * len(PROMPTS)
+
+
 def test_our_int4_of_float_weights_scores_text_like_them(tiny):
     hf_dir = tiny[0]
     ref = _perplexity(_engine(hf_dir, quantization="none"))

@@ -96,7 +96,7 @@ def _build():
     with _build_lock(Path(_get_build_directory(NAME, False))):
         module = load(NAME, [str(s) for s in _SOURCES], extra_cflags=_FLAGS,
                       extra_ldflags=["-fopenmp"], verbose=False)
-    module.set_block_gemm_isa(level or "")
+    module.set_block_gemm_isa(isa.block_gemm_level(level) or "")
     return module
 
 
@@ -105,7 +105,7 @@ def set_isa(requested: str) -> None:
     CPU runs; ValueError otherwise), in a module already loaded as in one loaded later."""
     isa.set_level(requested)
     if "module" in _state:
-        _state["module"].set_block_gemm_isa(isa.selected() or "")
+        _state["module"].set_block_gemm_isa(isa.block_gemm_level(isa.selected()) or "")
 
 
 def extension():

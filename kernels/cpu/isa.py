@@ -9,10 +9,13 @@ first; each includes the ones before it:
                  the whole extension is compiled for (below it the PyTorch reference runs)
     avx512       AVX-512 F/BW/VL/DQ (x86-64-v4): Skylake-SP and later, Zen 4 and later
     avx512_vnni  + VNNI (vpdpbusd: int8 dot products in one instruction)
+    amx          + AMX tiles with BF16 (Sapphire Rapids and later): the block GEMMs run their
+                 avx512_vnni variant, and a step with many rows runs its quantized layers as
+                 bf16 GEMMs in oneDNN, which uses the tiles (services/compute/model/linear/amx.py)
 
-AMX (tiles) is reported in `describe()` but has no kernel of its own: AMX CPUs run the
-avx512_vnni variant. On other architectures (ARM) no level applies: the block GEMMs fall back to
-PyTorch, and the rest of the extension is compiled for the architecture's baseline.
+The C++ block GEMMs have a variant for each of the first three (`BLOCK_GEMM_LEVELS`). On other
+architectures (ARM) no level applies: the block GEMMs fall back to PyTorch, and the rest of the
+extension is compiled for the architecture's baseline.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from __future__ import annotations
 import os
 import platform
 
-LEVELS = ("avx2", "avx512", "avx512_vnni")
+LEVELS = ("avx2", "avx512", "avx512_vnni", "amx")
+BLOCK_GEMM_LEVELS = LEVELS[:3]  # the levels with a C++ block GEMM variant
 # the features (torch.cpu.get_capabilities' names) each level needs on top of the previous one
 _NEEDS = {
     "avx2": ("avx", "avx2", "fma3", "f16c", "bmi2"),
     "avx512": ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"),
     "avx512_vnni": ("avx512_vnni",),
+    "amx": ("amx_tile", "amx_bf16", "avx512_bf16"),
 }
 CHOICES = ("auto", *LEVELS)
 
@@ -70,6 +75,12 @@ def choose(requested: str, levels: tuple[str, ...]) -> str | None:
 _requested = os.environ.get("PIPELLM_CPU_ISA", "auto") or "auto"
 
 
+def block_gemm_level(level: str | None) -> str | None:
+    """The block GEMM variant `level` runs: the highest of BLOCK_GEMM_LEVELS not above it."""
+    return BLOCK_GEMM_LEVELS[min(LEVELS.index(level), len(BLOCK_GEMM_LEVELS) - 1)] \
+        if level else None
+
+
 def set_level(requested: str) -> None:
     """Ask for a level (`--cpu-isa`), checked against the CPU at once; before the first call
     into the kernels, which fixes it for the process."""
@@ -84,10 +95,15 @@ def selected() -> str | None:
     return choose(_requested, cpu_levels())
 
 
+def native_bf16() -> bool:
+    """Whether the selected level computes in bfloat16 natively (AVX512-BF16 at the avx512
+    level or above): where a GGUF model runs its activations and KV cache in bfloat16."""
+    return selected() not in (None, "avx2") and "avx512_bf16" in cpu_flags()
+
+
 def describe() -> str:
-    """One line for banners and benchmarks: 'avx512_vnni (CPU: avx2 avx512 avx512_vnni amx)'."""
-    flags = cpu_flags()
-    has = list(cpu_levels(flags)) + (["amx"] if "amx_int8" in flags else [])
+    """One line for banners and benchmarks: 'amx (CPU: avx2 avx512 avx512_vnni amx)'."""
+    has = cpu_levels()
     if not is_x86():
         return f"{platform.machine()} (no x86 level: the block GEMMs run in PyTorch)"
     try:

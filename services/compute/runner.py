@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from kernels import set_backend
-from kernels.cpu import set_isa
+from kernels.cpu import isa, set_isa
 from kernels.kv_quant import KV_GROUP
 from services.compute import sampling
 from services.compute.batch import build_batch
@@ -30,6 +30,7 @@ from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
 from services.compute.structured import start_mask
 from shared.config import EngineConfig
+from shared.gguf.reader import is_gguf
 from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -43,12 +44,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_dtype(name: str, model_config: ModelConfig, model: str,
+                  device: torch.device) -> torch.dtype:
+    """--dtype: "auto" is the checkpoint's, but for a GGUF file (which has none) on a CPU that
+    computes in bfloat16 natively at the chosen ISA level (`isa.native_bf16`): bfloat16, as
+    vLLM runs on CPU (docs/usage.md says what it gains)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu" and is_gguf(model) and isa.native_bf16():
+        return torch.bfloat16
+    return _DTYPES[model_config.dtype]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
         self.model_config, self.max_model_len = model_config, max_model_len
         _configure_torch(config)
         self.device = resolve_device(config.device)
-        self.dtype = _DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
+        self.dtype = resolve_dtype(config.dtype, model_config, config.model, self.device)
         self.quant, self.model = _load_model(config, model_config, self.device, self.dtype,
                                              max_model_len)
         draft, draft_kv = _draft_model(config, model_config, self.device, self.dtype,

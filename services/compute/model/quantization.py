@@ -4,7 +4,8 @@ and whether the activations entering it come quantized from the fused norm and S
 The embedding and the norms stay in the model's dtype, and so does the LM head, as in vLLM's
 methods, but for int4 on an x86 CPU with AVX2 or better: there the head is INT8 blocks of 32
 (Q8_0, the format a 4-bit GGUF file stores its embedding in) times INT8 activations, as
-llama.cpp runs it.
+llama.cpp runs it. On a CPU at the `amx` level (kernels/cpu/isa.py), each int4 projection and
+that head also keep a bf16 copy for the steps with many rows (`linear/amx.py`).
 
     none  float weights (a GGUF file's quantized tensors dequantized at load)
     w8a8  per-channel INT8 weights, per-token INT8 activations (fused into add + RMSNorm and
@@ -28,8 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from kernels.dispatch import block_gemm_extension
-from kernels.int4_gemm import Int4Weight
+from kernels.int4_gemm import Int4Weight, dequantize_int4, quantize_int4
+from kernels.q8_gemm import dequantize_q8, quantize_q8
 from services.compute.model.linear import Fp8Linear, Int4Linear, Linear, Q8Linear, W8A8Linear
+from services.compute.model.linear import amx
 from shared.gguf.reader import is_gguf, open_gguf
 
 METHODS = ("auto", "none", "w8a8", "int4", "fp8")
@@ -39,11 +42,13 @@ GGUF_INT4_TYPES = ("Q4_0", "Q4_1")  # the GGUF block types Int4Weight represents
 @dataclass(frozen=True)
 class Quantization:
     """One method: `linear(weight, bias)` builds a projection; `int8_activations` says the
-    model hands W8A8 layers their input already quantized."""
+    model hands W8A8 layers their input already quantized; `amx_rows`: int4 layers keep a bf16
+    copy for steps with many rows."""
 
     name: str = "none"
     int4_group_size: int = 32
     dtype: torch.dtype = torch.float32
+    amx_rows: bool = False
 
     @property
     def int8_activations(self) -> bool:
@@ -56,7 +61,12 @@ class Quantization:
 
     def linear(self, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None):
         if self.name == "int4" or isinstance(weight, Int4Weight):
-            return Int4Linear(weight, bias, self.int4_group_size, self.dtype)
+            if not self.amx_rows:
+                return Int4Linear(weight, bias, self.int4_group_size, self.dtype)
+            if isinstance(weight, torch.Tensor):
+                weight = quantize_int4(weight, self.int4_group_size)
+            return amx.AmxRows(Int4Linear(weight, bias, self.int4_group_size, self.dtype),
+                               dequantize_int4(weight), bias, amx.PROJECTION_MIN_ROWS)
         if self.name == "w8a8":
             return W8A8Linear(weight, bias)
         if self.name == "fp8":
@@ -67,7 +77,9 @@ class Quantization:
         """The LM head [vocab, hidden]: Q8 blocks under int4 where the block GEMMs run, else
         float."""
         if self.name == "int4" and weight.shape[1] % 32 == 0 and block_gemm_extension(weight):
-            return Q8Linear(weight)
+            layer = Q8Linear(weight)
+            return amx.AmxRows(layer, dequantize_q8(quantize_q8(weight)), None,
+                               amx.HEAD_MIN_ROWS) if self.amx_rows else layer
         return Linear(weight)
 
 
@@ -86,7 +98,7 @@ def resolve(name: str, model: str, device: torch.device, dtype: torch.dtype,
                          "CPU")
     if name == "fp8":
         _check_fp8(device, dtype)
-    return Quantization(name, int4_group_size, dtype)
+    return Quantization(name, int4_group_size, dtype, name == "int4" and amx.available(device))
 
 
 def gguf_int4(model: str) -> bool:
