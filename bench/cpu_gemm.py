@@ -12,7 +12,7 @@ The projections are the model's: q/k/v fused [960, 576], o [576, 576], gate/up f
 they stream from memory as a real step's do; the head is [49152, 576]. Median of --reps calls
 of the whole set, after two warm-up calls; "speed" = baseline ms / block-GEMM ms, per level.
 
-    python -m bench.cpu_gemm [--rows 1,4,16,64,200] [--reps 7] [--quick]
+    python -m bench.cpu_gemm [--rows 1,4,16,64,200] [--reps 7] [--activations bfloat16] [--quick]
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,4,16,64,200", help="activation rows M, comma-separated")
     p.add_argument("--reps", type=int, default=7, help="timed calls per case (median)")
+    p.add_argument("--activations", default="float32", choices=["float32", "bfloat16"],
+                   help="dtype of the activations every column is given (casts are timed)")
     p.add_argument("--quick", action="store_true", help="2 layers, M = 1 and 4, 2 reps")
     return p.parse_args(argv)
 
@@ -88,7 +90,7 @@ def projection_layers(layers: int, levels: tuple[str, ...]) -> dict[str, list]:
             out["int4-torch"].append((lambda x, p=pt: int4_gemm(x, p), k))
             bf16 = Linear(w.bfloat16())
             out["bf16"].append((lambda x, f=bf16: f(x.bfloat16()), k))
-            out["fp32"].append((Linear(w), k))
+            out["fp32"].append((lambda x, f=Linear(w): f(x.float()), k))
     return out
 
 
@@ -96,7 +98,7 @@ def heads(levels: tuple[str, ...]) -> dict[str, object]:
     w = torch.randn(*HEAD, generator=torch.Generator().manual_seed(1)) * 0.02
     bf16, q8 = Linear(w.bfloat16()), Q8Linear(w)
     return {**{f"q8-{lv}": at_level(lv, q8) for lv in levels},
-            "bf16": lambda x: bf16(x.bfloat16()), "fp32": Linear(w)}
+            "bf16": lambda x: bf16(x.bfloat16()), "fp32": lambda x, f=Linear(w): f(x.float())}
 
 
 def ratios(times: dict[str, float], levels: tuple[str, ...], prefix: str) -> dict[str, float]:
@@ -116,14 +118,16 @@ def main(argv: list[str] | None = None) -> None:
     layers = {f: [(at_level(f[5:], fn) if f[5:] in levels else fn, k) for fn, k in fs]
               for f, fs in layers.items()}
     head = heads(levels)
-    print(f"{machine()}; ISA {isa.describe()}; {len(layers['fp32'])} projections")
+    print(f"{machine()}; ISA {isa.describe()}; {len(layers['fp32'])} projections; "
+          f"{args.activations} activations")
     print(f"{'M':>4} {'set':<12} " + " ".join(f"{f:>16}" for f in layers))
     result = {}
     for m in rows:
-        xs = {k: torch.randn(m, k) for k in {k for _, k in layers["fp32"]}}
+        dtype = getattr(torch, args.activations)
+        xs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in layers["fp32"]}}
         proj = {f: median_ms(lambda fs=fs, xs=xs: [fn(xs[k]) for fn, k in fs], reps)
                 for f, fs in layers.items()}
-        xh = torch.randn(m, HEAD[1])
+        xh = torch.randn(m, HEAD[1]).to(dtype)
         hd = {f: median_ms(lambda fn=fn, xh=xh: fn(xh), reps) for f, fn in head.items()}
         speed, hspeed = ratios(proj, levels, "int4"), ratios(hd, levels, "q8")
         print(f"{m:>4} {'projections':<12} " + " ".join(f"{v:>13.2f} ms" for v in proj.values()))
@@ -133,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         result[m] = {"projections_ms": {f: round(v, 2) for f, v in proj.items()},
                      "head_ms": {f: round(v, 2) for f, v in hd.items()},
                      "speed": speed, "head_speed": hspeed}
-    print(json.dumps({"machine": machine(), "isa": isa.describe(), "rows": result}))
+    print(json.dumps({"machine": machine(), "isa": isa.describe(),
+                      "activations": args.activations, "rows": result}))
 
 
 if __name__ == "__main__":

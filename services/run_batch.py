@@ -17,9 +17,9 @@ import secrets
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field, replace
-from functools import cached_property
+from dataclasses import dataclass, field
 
+from services.compute.compute_core import ComputeCore, choice_ids
 from services.detokenizer.service import Detokenizer
 from services.gateway import protocol, responses
 from services.gateway.errors import APIError
@@ -27,8 +27,7 @@ from services.gateway.inflight import ChoiceState
 from services.gateway.stream import final_answer, logprob_entries
 from services.tokenizer.service import PromptError, Tokenizer
 from shared.generation_config import GenerationDefaults
-from shared.grammar import GrammarCompiler, GrammarError, model_compiler
-from shared.messages import Delta, GenerateRequest, Route, StepOutput
+from shared.messages import Delta, StepOutput
 from shared.sampling import InvalidParams
 from shared.tokenizer import decode
 
@@ -48,26 +47,20 @@ class Item:
 
 
 class BatchRunner:
-    """The server's pipeline in one process: each engine step becomes the StepOutput compute
-    would send, the detokenizer's own logic turns it into Deltas (text, stop strings, the
-    held-back remainder at a finish), and each choice takes them in as the gateway does."""
+    """The server's pipeline in one process: compute's own core (ComputeCore) admits the
+    requests and turns each engine step into the StepOutput compute would send, the
+    detokenizer's own logic turns it into Deltas (text, stop strings, the held-back remainder
+    at a finish), and each choice takes them in as the gateway does."""
 
     def __init__(self, engine, tokenizer: Tokenizer, model_name: str,
                  defaults: GenerationDefaults | None = None, tool_parser: str = ""):
         """`defaults`: the model's sampling defaults, applied as the gateway applies them;
         `tool_parser`: --tool-call-parser with --enable-auto-tool-choice (tool_choice auto)."""
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.core, self.tokenizer, self.model_name = ComputeCore(engine), tokenizer, model_name
         self.defaults = defaults or GenerationDefaults()
         self.tool_parser = tool_parser
         self.detokenizer = Detokenizer(tokenizer.tok, ttl_s=0)
-        self.routes: dict[str, Route] = {}  # engine request id -> its route, until it finishes
-        self.live: dict[str, tuple[Item, ChoiceState]] = {}  # engine request id -> its choice
-
-    @cached_property
-    def grammars(self) -> GrammarCompiler:
-        """Compiles structured outputs; built at the first line that has one (a batch without
-        any never loads xgrammar)."""
-        return model_compiler(self.engine.config.model)
+        self.live: dict[str, tuple[Item, ChoiceState]] = {}  # choice id -> its item and state
 
     def parse(self, line: str) -> Item:
         """An input line as an Item; an unusable one carries its error."""
@@ -92,49 +85,57 @@ class BatchRunner:
         return item
 
     def submit(self, item: Item) -> None:
-        """Tokenize `item` and queue its choices in the engine (or record why not)."""
+        """Tokenize `item` and queue its choices in compute (or record why not)."""
         if item.error is not None:
             return
         tokenize = item.req.tokenize_request(item.request_id, "", secrets.randbits(62), 0.0)
         try:
-            choices = self.tokenizer.prepare(tokenize)
-            for g in choices:
-                self._add(item, g)
-        except (PromptError, InvalidParams, GrammarError) as exc:
+            requests = self.tokenizer.prepare(tokenize)
+        except (PromptError, InvalidParams) as exc:
             item.error = APIError(400, str(exc), param=getattr(exc, "param", None))
-            for rid in item.choices:
-                self.engine.abort(rid)
-                self.live.pop(rid, None)
-                self.routes.pop(rid, None)
-
-    def _add(self, item: Item, g: GenerateRequest) -> None:
-        grammar = None if g.grammar is None else self.grammars.compile(g.grammar)
-        self.engine.add_request(list(g.prompt_ids), g.params, g.request_id, grammar=grammar)
-        choice = ChoiceState(len(item.choices))
-        item.choices[g.request_id] = choice
-        self.live[g.request_id] = (item, choice)
-        self.routes[g.request_id] = g.route
+            return
+        for g in requests:
+            for choice in choice_ids(g):
+                item.choices[choice] = ChoiceState(len(item.choices))
+                self.live[choice] = (item, item.choices[choice])
+            self.core.submit(g)
 
     def run(self, on_step) -> None:
-        """Step the engine until every choice finished; `on_step(tokens)` after each step."""
+        """Run compute until every choice finished; `on_step(tokens)` after each step."""
         while self.live:
-            result = self.engine.step()
-            routes = [replace(self.routes[r], cached_tokens=n)
-                      for r, n in zip(result.admitted, result.cached_tokens, strict=True)]
-            out = self.detokenizer.handle(StepOutput(routes, result.outputs, result.prompt))
-            for stop in out.stops:  # a stop string matched: the engine stops that choice
-                self.engine.abort(stop.request_id)
-            for deltas in out.deltas.values():
-                for delta in deltas:
+            notices = self.core.notices()
+            if notices is not None:
+                self._handle(notices)
+            if self.core.has_work():
+                out = self.core.step()
+                self._handle(out)
+                on_step(sum(len(t.token_ids) for t in out.outputs))
+            elif notices is None:
+                time.sleep(0.001)  # a grammar compiles
+            if not self.core.has_work() and not self.core.compiling() and self.live:
+                raise RuntimeError(f"compute is idle with {len(self.live)} choices unanswered")
+
+    def _handle(self, out: StepOutput) -> None:
+        res = self.detokenizer.handle(out)
+        for stop in res.stops:  # a stop string matched: compute stops that choice
+            self.core.abort(stop.request_id)
+        for deltas in res.deltas.values():
+            for delta in deltas:
+                if delta.request_id in self.live:
                     self._take(delta)
-            on_step(sum(len(t.token_ids) for t in result.outputs))
 
     def _take(self, delta: Delta) -> None:
         item, choice = self.live[delta.request_id]
+        if delta.error is not None:  # refused in compute (a grammar that does not compile)
+            item.error = APIError(delta.error_status or 500, delta.error,
+                                  param=delta.error_param)
+            for rid in item.choices:
+                self.core.abort(rid)
+                self.live.pop(rid, None)
+            return
         choice.add(delta, logprob_entries(self._token_text, item.req, delta))
         if delta.finish_reason is not None:
             del self.live[delta.request_id]
-            del self.routes[delta.request_id]
 
     def _token_text(self, token_id: int) -> str:
         return decode(self.tokenizer.tok, [token_id], skip_special_tokens=False)

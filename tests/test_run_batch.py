@@ -207,3 +207,51 @@ def test_auto_tool_choice_parses_calls_with_its_flags(demo_model_dir, tmp_path):
     assert json.loads(got["function"]["arguments"]) == {"city": "Paris"}
     assert answers[1]["status_code"] == 400 and answers[1]["body"]["error"]["param"] == \
         "tool_choice"
+
+
+def test_run_batch_answers_every_choice_as_the_server_does(demo_model_dir, tmp_path):
+    """The same requests through `pipellm up` (one at a time, the official client) and through
+    run-batch (all at once), both with n-gram speculation: beam search with n=2, a grammar,
+    n>1 sampling with a seed, greedy; every choice's text and finish reason agree."""
+    import openai
+
+    from tests.stack import Stack
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                       "prompt_lookup_max": 3, "disable_by_batch_size": 64})
+    bodies = {
+        "beam": {"prompt": "The capital of France is", "max_tokens": 10, "n": 2, "best_of": 3,
+                 "use_beam_search": True},
+        "regex": {"prompt": "x", "max_tokens": 20, "temperature": 1.0, "seed": 5,
+                  "structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+        "seeded": {"prompt": "Once", "max_tokens": 10, "temperature": 0.8, "top_p": 0.9,
+                   "seed": 11, "n": 3, "ignore_eos": True},
+        "greedy": {"prompt": "a b c a b c a b", "max_tokens": 16, "temperature": 0,
+                   "ignore_eos": True},
+    }
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(line(k, b) + "\n" for k, b in bodies.items()))
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "run-batch", "-i", str(src),
+                           "-o", str(dst), "--model", str(demo_model_dir), "--served-model-name",
+                           MODEL, "--kv-cache-tokens", "4096", "--speculative-config", spec],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    batch = {o["custom_id"]: o["response"]["body"]["choices"]
+             for o in map(json.loads, dst.read_text().splitlines())}
+    stack = Stack(demo_model_dir, "--served-model-name", MODEL, "--speculative-config",
+                  spec).start()
+    try:
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+        for key, body in bodies.items():
+            standard = {k: v for k, v in body.items() if k in ("prompt", "max_tokens", "n",
+                        "best_of", "temperature", "top_p", "seed")}
+            extra = {k: v for k, v in body.items() if k not in standard}
+            served = client.completions.create(model=MODEL, extra_body=extra, **standard)
+            want = [(c.text, c.finish_reason) for c in sorted(served.choices,
+                                                             key=lambda c: c.index)]
+            got = [(c["text"], c["finish_reason"]) for c in sorted(batch[key],
+                                                                  key=lambda c: c["index"])]
+            assert got == want, key
+            assert len(got) == body.get("n", 1), key
+    finally:
+        stack.stop()

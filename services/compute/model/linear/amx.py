@@ -18,8 +18,8 @@ from kernels.cpu import isa
 from kernels.dispatch import cpu_fast_path
 from services.compute.model.linear.dense import Linear
 
-PROJECTION_MIN_ROWS = 80  # rows from which SmolLM2's projections run faster as bf16 on AMX
-HEAD_MIN_ROWS = 24  # the same for its LM head (49,152 x 576)
+PROJECTION_MIN_ROWS = 48  # rows from which SmolLM2's projections run faster as bf16 on AMX
+HEAD_MIN_ROWS = 16  # the same for its LM head (49,152 x 576)
 
 
 def available(device: torch.device) -> bool:
