@@ -88,17 +88,17 @@ def projection_layers(layers: int, levels: tuple[str, ...]) -> dict[str, list]:
             for lv in levels:
                 out[f"int4-{lv}"].append((lambda x, p=p4: int4_gemm(x, p), k))
             out["int4-torch"].append((lambda x, p=pt: int4_gemm(x, p), k))
-            bf16 = Linear(w.bfloat16())
+            bf16, fp32 = Linear(w.bfloat16()), Linear(w)
             out["bf16"].append((lambda x, f=bf16: f(x.bfloat16()), k))
-            out["fp32"].append((lambda x, f=Linear(w): f(x.float()), k))
+            out["fp32"].append((lambda x, f=fp32: f(x.float()), k))
     return out
 
 
 def heads(levels: tuple[str, ...]) -> dict[str, object]:
     w = torch.randn(*HEAD, generator=torch.Generator().manual_seed(1)) * 0.02
-    bf16, q8 = Linear(w.bfloat16()), Q8Linear(w)
+    bf16, fp32, q8 = Linear(w.bfloat16()), Linear(w), Q8Linear(w)
     return {**{f"q8-{lv}": at_level(lv, q8) for lv in levels},
-            "bf16": lambda x: bf16(x.bfloat16()), "fp32": lambda x, f=Linear(w): f(x.float())}
+            "bf16": lambda x: bf16(x.bfloat16()), "fp32": lambda x: fp32(x.float())}
 
 
 def ratios(times: dict[str, float], levels: tuple[str, ...], prefix: str) -> dict[str, float]:

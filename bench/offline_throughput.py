@@ -42,7 +42,7 @@ from services.compute.batch import build_batch  # noqa: E402
 from services.compute.core.sequence import Sequence  # noqa: E402
 from services.compute.core.step import StepSample  # noqa: E402
 from services.compute.inflight import InFlight  # noqa: E402
-from services.compute.kv.allocator import KVAllocator  # noqa: E402
+from services.compute.scheduling.kv_space import KVSpace  # noqa: E402
 from services.compute.scheduling.scheduler import Scheduler  # noqa: E402
 from shared.config import EngineConfig, SchedulerConfig  # noqa: E402
 from shared.demo_model import build_demo_tokenizer  # noqa: E402
@@ -233,7 +233,7 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
     """schedule + build_batch + update per decode step, all requests running, fake tokens."""
     cfg = EngineConfig(scheduler=SchedulerConfig(max_batched_tokens=args.max_batched_tokens,
                                                  max_running=args.max_running))
-    sched = Scheduler(cfg.scheduler, KVAllocator(capacity))
+    sched = Scheduler(cfg.scheduler, KVSpace(cfg.scheduler, capacity))
     for i, ids in enumerate(prompts[: args.max_running]):  # as LLMEngine.add_request does
         params = SamplingParams(max_tokens=context - len(ids), temperature=0, ignore_eos=True)
         sched.add(Sequence(f"r{i}", list(ids), params, seed=i, max_len=context,
@@ -252,7 +252,7 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
         fake_step()
     running = len(sched.running)
     n_steps = min(args.overhead_steps, min(s.max_len - s.num_tokens for s in sched.running) - 1)
-    moves0, times, cpu = sched.stats.moves, [], []
+    moves0, times, cpu = sched.kv.stats.moves, [], []
     for _ in range(n_steps):
         t, c = time.perf_counter_ns(), time.thread_time_ns()
         fake_step()
@@ -261,7 +261,7 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
     assert len(sched.running) == running
     return dict(mean=sum(times) / n_steps, p99=_p99(times), cpu_mean=sum(cpu) / n_steps,
                 cpu_p99=_p99(cpu), running=running, steps=n_steps,
-                moves=sched.stats.moves - moves0)
+                moves=sched.kv.stats.moves - moves0)
 
 
 def _p99(xs: list[float]) -> float:

@@ -93,10 +93,6 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     from shared.generation_config import GenerationDefaults
 
     GenerationDefaults.of(config)  # a bad --generation-config or override fails here
-    if config.backend == "sim":  # a bad --sim-* value fails here, not in a restarting child
-        from services.compute.sim import check_config
-
-        check_config(config)
     from services.compute.backend import resolve
 
     return resolve(config)  # raises ModelLoadError for a model that cannot be read

@@ -60,6 +60,13 @@ class KVPolicyName(enum.StrEnum):
     PAGED = "paged"
 
 
+class BackendName(enum.StrEnum):
+    """--backend: what runs a step (services/compute/backend.py, the one place that asks)."""
+
+    TORCH = "torch"  # the model's weights on a CPU or GPU
+    SIM = "sim"  # a modelled GPU, no weights
+
+
 class Batching(enum.StrEnum):
     """--batching: merged (dynamic) steps, or the static-batching baseline."""
 
@@ -181,8 +188,8 @@ class EngineConfig:
                            "runs), avx2, avx512, avx512_vnni or amx (bf16 tiles for steps with "
                            "many rows); a lower level to test or compare it", group=MODEL)
     threads: int = setting(0, "torch CPU threads in compute; 0: one per core", group=MODEL)
-    backend: str = setting("torch", "torch (run the model) or sim (a modelled GPU, no weights)",
-                           group=MODEL)
+    backend: BackendName = setting(BackendName.TORCH, "torch (run the model) or sim (a modelled "
+                                   "GPU, no weights)", group=MODEL)
     scheduler: SchedulerConfig = setting(default_factory=SchedulerConfig, flat=True)
     kv_cache_tokens: int = setting(0, "KV cache slots (tokens); 0: sized from memory",
                                    group=SCHEDULING)
@@ -224,10 +231,11 @@ class EngineConfig:
     def __post_init__(self):
         """The scheduler's own settings are checked by SchedulerConfig; here what they must
         agree on with the engine's."""
-        if self.scheduler.speculative_config and self.backend == "sim":
+        _choice("backend", BackendName, self.backend)
+        if self.scheduler.speculative_config and self.backend == BackendName.SIM:
             raise ValueError("--speculative-config is not modelled by the simulator "
                              "(--backend sim)")
-        if self.scheduler.kv_policy == KVPolicyName.PAGED and self.backend != "sim":
+        if self.scheduler.kv_policy == KVPolicyName.PAGED and self.backend != BackendName.SIM:
             raise ValueError("--kv-policy paged is a baseline of the simulator (--backend sim): "
                              "the kernels read contiguous KV segments")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -238,8 +246,6 @@ class EngineConfig:
             from kernels.cpu.isa import choose, cpu_levels
 
             choose(self.cpu_isa, cpu_levels())
-        if self.backend not in ("torch", "sim"):
-            raise ValueError(f"--backend must be torch or sim, not {self.backend!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(f"--kv-cache-dtype must be auto, int8 or fp8, not "
                              f"{self.kv_cache_dtype!r}")

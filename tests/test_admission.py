@@ -9,9 +9,9 @@ import random
 import pytest
 
 from services.compute.core.sequence import Sequence
-from services.compute.kv.allocator import KVAllocator
 from services.compute.scheduling.admission import AggregatePeak, FuturePeak, peak_check
 from services.compute.scheduling.kv_policy import make_policy
+from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
 from shared.config import Admission, SchedulerConfig
 from shared.length_dist import LengthDist
@@ -93,8 +93,8 @@ def test_aggregate_quantile_matches_monte_carlo_and_sits_far_below_the_sum():
 def test_scheduler_admits_between_the_summed_peak_and_the_reservations():
     def admitted(admission: str) -> int:
         rng = random.Random(2)
-        s = Scheduler(SchedulerConfig(10**6, 1024, "predicted", 16, kv_admission=admission),
-                      KVAllocator(75_000))
+        config = SchedulerConfig(10**6, 1024, "predicted", 16, kv_admission=admission)
+        s = Scheduler(config, KVSpace(config, 75_000))
         for x in running(rng, 400, lambda r: wide(r, 200, 600)):
             x.token_ids = x.token_ids[: x.num_prompt]  # waiting: nothing generated yet
             s.add(x)

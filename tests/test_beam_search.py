@@ -147,7 +147,7 @@ def test_same_beams_and_scores_as_transformers(tiny, case):
         assert [t for t, _ in beams] == [t for t, _ in want]
         assert [score(t, c, penalty) for t, c in beams] == \
             pytest.approx([s for _, s in want], abs=1e-4)
-    assert eng.scheduler.allocator.reserved == 0  # every lane freed
+    assert eng.kv.allocator.reserved == 0  # every lane freed
 
 
 def test_n_best_of_w_and_finish_reasons(tiny):

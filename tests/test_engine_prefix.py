@@ -65,7 +65,7 @@ def test_identical_through_evictions_moves_and_preemption(demo_model_dir):
     stats = tight.stats()
     assert stats.prefix_hits > 0 and stats.prefix_evictions > 0
     assert stats.moves > 0 and stats.preemptions > 0
-    tight.scheduler.allocator.check()
+    tight.kv.allocator.check()
 
 
 def test_identical_with_the_overlap_schedule(demo_model_dir):

@@ -48,7 +48,7 @@ def run_staggered(engine: LLMEngine, prompts, params, arrive_every: int = 2):
             if queue:
                 rids.append(engine.add_request(queue.pop(0), params))
         engine.step()
-        engine.scheduler.allocator.check()
+        engine.kv.allocator.check()
         step += 1
     return rids
 

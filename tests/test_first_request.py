@@ -113,7 +113,7 @@ def test_warm_up_leaves_the_engine_as_it_was(demo_model_dir):
     assert "C++ CPU kernels" in said and "warm-up" in said
     assert engine.stats() == before and not engine.requests and not engine.has_work()
     assert engine.lengths.learned == 0 and not engine.lengths.checkpoints
-    assert engine.scheduler.prefix_cache.slots == 0
+    assert engine.kv.prefix_cache.slots == 0
     # what the warm-up left in the KV slots is never read: the same greedy output as without it
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[1, 5, 9, 200], list(range(3, 60))]

@@ -12,6 +12,7 @@ from services.compute.core.step import StepSample
 from services.compute.kv import compaction
 from services.compute.kv.allocator import KVAllocator
 from services.compute.kv.paged_allocator import PagedAllocator
+from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
 from shared.config import Admission, EngineConfig, SchedulerConfig
 from shared.length_dist import LEVELS, LengthDist
@@ -29,15 +30,15 @@ def seq(rid: str, prompt_len: int, max_tokens: int = 100, predicted_length=None)
 
 def make(policy="predicted", capacity=1000, budget=64, max_running=16, batching="merged",
          admission="auto"):
-    alloc = PagedAllocator(capacity) if policy == "paged" else KVAllocator(capacity)
-    return Scheduler(SchedulerConfig(budget, max_running, policy, 2, batching=batching,
-                                     kv_admission=admission), alloc)
+    config = SchedulerConfig(budget, max_running, policy, 2, batching=batching,
+                             kv_admission=admission)
+    return Scheduler(config, KVSpace(config, capacity))
 
 
 def run_step(s: Scheduler):
     step = s.schedule()
     s.update(step, StepSample.of(step, [7] * len(step.sampled)))
-    s.allocator.check()
+    s.kv.allocator.check()
     return step
 
 
@@ -63,14 +64,14 @@ def test_paged_policy_grows_a_block_at_a_time_and_preempts_without_moves():
     s.add(a)
     s.add(b)
     run_step(s)
-    assert (a.kv_reserved, s.allocator.reserved) == (20, 64)  # 2 blocks each
+    assert (a.kv_reserved, s.kv.allocator.reserved) == (20, 64)  # 2 blocks each
     while a.num_cached <= 32:
         assert not run_step(s).moves
-    assert s.allocator.reserved == 6 * 16  # each crossed into a third block
+    assert s.kv.allocator.reserved == 6 * 16  # each crossed into a third block
     while s.stats.preemptions == 0:
         assert not run_step(s).moves
     assert b.status is SeqStatus.WAITING and a.status is SeqStatus.RUNNING  # b came last
-    assert s.stats.moves == 0
+    assert s.kv.stats.moves == 0
 
 
 def test_paged_admission_keeps_a_watermark():
@@ -85,8 +86,8 @@ def test_paged_policy_needs_the_simulator():
     with pytest.raises(ValueError, match="paged"):
         EngineConfig(scheduler=SchedulerConfig(kv_policy="paged"))
     EngineConfig(scheduler=SchedulerConfig(kv_policy="paged"), backend="sim")
-    with pytest.raises(ValueError, match="PagedAllocator"):
-        Scheduler(SchedulerConfig(kv_policy="paged"), KVAllocator(10))
+    for policy, allocator in (("paged", PagedAllocator), ("predicted", KVAllocator)):
+        assert type(KVSpace(SchedulerConfig(kv_policy=policy), 64).allocator) is allocator
 
 
 # -- static batching -------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def test_reserves_a_quantile_and_regrows_to_the_conditional_quantile():
 def test_paged_memory_with_peak_admission():
     def admitted(admission: str) -> list[str]:
         config = SchedulerConfig(64, 16, "paged", 2, kv_admission=admission)
-        s = Scheduler(config, PagedAllocator(16 * 7))  # 112 slots; each may peak at 50
+        s = Scheduler(config, KVSpace(config, 16 * 7))  # 112 slots; each may peak at 50
         for x in "abc":
             s.add(seq(x, 10, max_tokens=60, predicted_length=WIDE))
         run_step(s)
@@ -149,7 +150,7 @@ def test_admission_keeps_the_future_peak_in_memory():
         s.add(x)
     run_step(s)
     assert [x.request_id for x in s.running] == ["a", "b"] and s.waiting[0] is c
-    assert s.allocator.free_slots >= 20  # c's reservation would fit: the peak refuses it
+    assert s.kv.allocator.free_slots >= 20  # c's reservation would fit: the peak refuses it
     lone = make("predicted", capacity=40)
     big = seq("big", 10, max_tokens=30, predicted_length=WIDE)
     lone.add(big)
@@ -190,7 +191,7 @@ def copies_unlimited(monkeypatch):
 
 def test_split_free_space_moves_the_right_neighbour_instead_of_preempting(copies_unlimited):
     s = make("predicted", capacity=40)
-    a_ = s.allocator
+    a_ = s.kv.allocator
     layout = {}
     for name, size in (("p", 10), ("a", 8), ("b", 4), ("c", 6), ("q", 6), ("d", 6)):
         layout[name] = (a_.allocate(size), size)
@@ -208,12 +209,12 @@ def test_split_free_space_moves_the_right_neighbour_instead_of_preempting(copies
     assert step.moves == [(18, 22, b.num_cached)]  # b moved into the hole after it
     assert (a.kv_start, b.kv_start) == (10, 22) and a.kv_reserved >= a.num_tokens
     assert s.stats.preemptions == 0 and len(step.decodes) == 4
-    s.allocator.check()
+    s.kv.allocator.check()
 
 
 def test_gather_shifts_neighbours_right_when_no_hole_takes_them(copies_unlimited):
     s = make("predicted", capacity=400)  # a growth's gather may copy 15% of it: 60 slots
-    alloc = s.allocator
+    alloc = s.kv.allocator
     starts = {n: alloc.allocate(size) for n, size in (("a", 8), ("b", 12), ("gap", 4))}
     starts["f"] = alloc.allocate(376)
     alloc.free(starts["gap"])  # the only hole: [20, 24); b (12 slots) fits nowhere else
@@ -227,14 +228,14 @@ def test_gather_shifts_neighbours_right_when_no_hole_takes_them(copies_unlimited
     step = s.schedule()
     assert step.moves == [(8, 12, b.num_cached)] and b.kv_start == 12
     assert a.kv_start == 0 and a.num_tokens <= a.kv_reserved <= 12 and s.stats.preemptions == 0
-    s.allocator.check()
+    s.kv.allocator.check()
 
 
 def place(s: Scheduler, layout: list[tuple[str, int, int]], grow: str) -> dict[str, Sequence]:
     """Make running sequences of `layout` ((name, start, size) in address order, admitted in
     list order unless `admit_order` is set later): each with one pending token that its segment
     holds, except `grow`, whose pending token needs one slot more. Gaps stay free."""
-    alloc, out, fillers, pos = s.allocator, {}, [], 0
+    alloc, out, fillers, pos = s.kv.allocator, {}, [], 0
     for name, start, size in layout:
         if start > pos:
             fillers.append(alloc.allocate(start - pos))
@@ -266,7 +267,7 @@ def test_growth_packs_the_segments_before_it_left_when_nothing_after_it_can_move
     assert step.moves == [(10, 0, b_cached), (20, 10, a_cached)]
     assert (x["b"].kv_start, x["a"].kv_start) == (0, 10) and x["a"].kv_reserved >= 11
     assert s.stats.preemptions == 0 and len(step.decodes) == 3
-    s.allocator.check()
+    s.kv.allocator.check()
 
 
 @pytest.mark.parametrize("c_newer", [True, False])
@@ -285,7 +286,7 @@ def test_a_segment_that_cannot_grow_preempts_one_whose_room_holds_it_or_itself(c
     else:  # nobody newer helps: a itself waits, rather than everyone after it
         assert x["a"].status is SeqStatus.WAITING and x["c"].status is SeqStatus.RUNNING
     assert s.stats.preemptions == 1
-    s.allocator.check()
+    s.kv.allocator.check()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -297,7 +298,7 @@ def test_random_runs_keep_every_cached_token_where_its_segment_says(seed, monkey
         monkeypatch.setattr(compaction, share, 0.5)
     rng = random.Random(seed)
     s = make("predicted", capacity=rng.choice([120, 200, 300]), budget=48, max_running=12)
-    cache: list = [None] * s.allocator.capacity
+    cache: list = [None] * s.kv.allocator.capacity
     n = 0
     for _ in range(400):
         if rng.random() < 0.3:
@@ -316,10 +317,10 @@ def test_random_runs_keep_every_cached_token_where_its_segment_says(seed, monkey
             for p in range(x.num_cached, x.num_cached + k):
                 cache[x.kv_start + p] = (x.request_id, p)
         s.update(step, StepSample.of(step, [7] * len(step.sampled)))
-        s.allocator.check()
+        s.kv.allocator.check()
         for x in s.running:
             assert x.num_cached <= x.kv_reserved
-            assert s.allocator.segment_size(x.kv_start) == x.kv_reserved
+            assert s.kv.allocator.segment_size(x.kv_start) == x.kv_reserved
             assert cache[x.kv_start:x.kv_start + x.num_cached] == \
                 [(x.request_id, p) for p in range(x.num_cached)]
-    assert s.stats.moves > 0 and n > 50
+    assert s.kv.stats.moves > 0 and n > 50

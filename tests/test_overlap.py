@@ -10,7 +10,7 @@ import pytest
 from services.compute.backend import build_engine
 from services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
 from services.compute.core.step import StepSample
-from services.compute.kv.allocator import KVAllocator
+from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
 from shared.config import EngineConfig, SchedulerConfig
 from shared.length_dist import LengthDist
@@ -89,7 +89,7 @@ def test_overlap_gives_every_request_the_same_stream(demo_model_dir, stop_ids, k
     assert "stop" in finishes and "length" in finishes  # both kinds were exercised
     if kv_tokens == 150:
         assert overlapped.scheduler.stats.preemptions > 0
-        assert overlapped.scheduler.stats.moves + overlapped.scheduler.stats.preemptions > 0
+        assert overlapped.kv.stats.moves + overlapped.scheduler.stats.preemptions > 0
 
 
 def test_aborts_while_a_step_is_in_flight(demo_model_dir, stop_ids):
@@ -129,8 +129,8 @@ def _seq(rid: str, prompt: int, max_tokens: int, stop=frozenset()) -> Sequence:
 
 
 def test_scheduler_runs_ahead_of_the_tokens_and_drops_what_a_stop_made_moot():
-    s = Scheduler(SchedulerConfig(max_batched_tokens=64, max_running=4),
-                  KVAllocator(256))
+    config = SchedulerConfig(max_batched_tokens=64, max_running=4)
+    s = Scheduler(config, KVSpace(config, 256))
     a, b = _seq("a", 5, 10, stop={99}), _seq("b", 3, 2)
     s.add(a)
     s.add(b)
@@ -151,12 +151,12 @@ def test_scheduler_runs_ahead_of_the_tokens_and_drops_what_a_stop_made_moot():
         ("a", 6, "stop"), ("b", 4, "length")]  # (the tokens' places in token_ids)
     assert a.output_ids == [7, 99] and b.output_ids == [8, 4]  # a's third token is dropped
     assert s.commit(third, StepSample.of(third, [5])).outputs == []
-    assert not s.has_work() and s.allocator.reserved == 0
+    assert not s.has_work() and s.kv.allocator.reserved == 0
 
 
 def test_a_request_preempted_with_a_step_in_flight_gets_its_token_then_resumes():
-    s = Scheduler(SchedulerConfig(max_batched_tokens=64, max_running=4, kv_min_grow=1),
-                  KVAllocator(256))
+    config = SchedulerConfig(max_batched_tokens=64, max_running=4, kv_min_grow=1)
+    s = Scheduler(config, KVSpace(config, 256))
     a = _seq("a", 4, 6)
     s.add(a)
     step = s.schedule()
@@ -170,7 +170,8 @@ def test_a_request_preempted_with_a_step_in_flight_gets_its_token_then_resumes()
 
 
 def test_a_request_finished_while_preempted_leaves_the_queue():
-    s = Scheduler(SchedulerConfig(max_batched_tokens=64, max_running=4), KVAllocator(256))
+    config = SchedulerConfig(max_batched_tokens=64, max_running=4)
+    s = Scheduler(config, KVSpace(config, 256))
     a = _seq("a", 4, 6, stop={9})
     s.add(a)
     step = s.schedule()

@@ -10,6 +10,7 @@ import pytest
 from services.compute.core.sequence import SeqStatus, Sequence
 from services.compute.core.step import StepSample
 from services.compute.kv.allocator import KVAllocator
+from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
 from shared.config import SchedulerConfig
 from shared.length_dist import LengthDist
@@ -23,8 +24,8 @@ def seq(rid: str, prompt: list[int], max_tokens: int = 4, predicted: int = 4, **
 
 
 def make(capacity=1000, budget=64, policy="predicted", caching=True) -> Scheduler:
-    return Scheduler(SchedulerConfig(budget, 8, policy, 2, enable_prefix_caching=caching),
-                     KVAllocator(capacity))
+    config = SchedulerConfig(budget, 8, policy, 2, enable_prefix_caching=caching)
+    return Scheduler(config, KVSpace(config, capacity))
 
 
 def run(s: Scheduler, token: int = 900) -> list:
@@ -35,8 +36,8 @@ def run(s: Scheduler, token: int = 900) -> list:
         moves += step.moves
         n = len(step.sampled)
         s.update(step, StepSample.of(step, [token] * n))
-        s.allocator.check()
-        assert s.allocator.reserved == sum(x.kv_reserved for x in s._segments())
+        s.kv.allocator.check()
+        assert s.kv.allocator.reserved == sum(x.kv_reserved for x in s.kv.segments(s.running))
     return moves
 
 
@@ -45,9 +46,9 @@ def test_a_finished_request_stays_cached_and_a_longer_prompt_copies_its_prefix()
     a = seq("a", range(1, 21))
     s.add(a)
     run(s)
-    cache = s.prefix_cache
+    cache = s.kv.prefix_cache
     assert cache.entries() == [a] and a.kv_reserved == a.num_cached == 23  # 20 + 3 with K/V
-    assert cache.slots == 23 and s.allocator.reserved == 23
+    assert cache.slots == 23 and s.kv.allocator.reserved == 23
     b = seq("b", [*a.token_ids, 50, 51])  # a's whole conversation, then a new question
     s.add(b)
     step = s.schedule()
@@ -69,8 +70,8 @@ def test_a_hit_never_covers_the_last_prompt_token_and_identical_prompts_are_cach
     step = s.schedule()
     assert step.moves == [(a.kv_start, b.kv_start, 9)] and step.prefills == [(b, 1)]
     s.update(step, StepSample.of(step, [5]))
-    assert s.prefix_cache.entries() == [a]  # b's K/V (10 tokens) is a's: b was freed
-    assert s.allocator.reserved == 10
+    assert s.kv.prefix_cache.entries() == [a]  # b's K/V (10 tokens) is a's: b was freed
+    assert s.kv.allocator.reserved == 10
 
 
 def test_prompt_logprobs_requests_do_not_use_the_cache():
@@ -89,10 +90,10 @@ def test_cached_entries_count_as_free_and_are_evicted_lru_for_admission():
     for r in (x, y, seq("x again", range(100, 120))):  # a hit: x is used more recently than y
         s.add(r)
         run(s)
-    assert s.prefix_cache.entries() == [y, x] and s.allocator.reserved == 46
+    assert s.kv.prefix_cache.entries() == [y, x] and s.kv.allocator.reserved == 46
     s.add(seq("z", range(300, 330)))  # needs 34 slots: 24 are free, y holds 23 more
     step = s.schedule()
-    assert s.prefix_cache.entries() == [x] and s.prefix_cache.stats.evictions == 1
+    assert s.kv.prefix_cache.entries() == [x] and s.kv.prefix_cache.stats.evictions == 1
     assert step.admitted[0].kv_start == y.kv_start and step.admitted[0].kv_reserved == 34
 
 
@@ -106,7 +107,7 @@ def test_a_growing_request_evicts_cached_entries_to_get_their_slots():
     s.add(b)
     run(s)
     assert a.num_output == 30 and s.stats.preemptions == 0
-    assert s.prefix_cache.stats.evictions == 1
+    assert s.kv.prefix_cache.stats.evictions == 1
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -135,7 +136,7 @@ def test_random_workloads_keep_the_allocator_and_the_index_consistent(seed):
             _check_copies(step, owner)
             n = len(step.sampled)
             s.update(step, StepSample.of(step, [rng.randrange(1000) for _ in range(n)]))
-            s.allocator.check()
+            s.kv.allocator.check()
         if r.status is SeqStatus.FINISHED:
             history.append(r.token_ids)
     while s.has_work():
@@ -143,9 +144,9 @@ def test_random_workloads_keep_the_allocator_and_the_index_consistent(seed):
         _check_copies(step, owner)
         n = len(step.sampled)
         s.update(step, StepSample.of(step, [rng.randrange(1000) for _ in range(n)]))
-    s.allocator.check()
-    for e in s.prefix_cache.entries():
-        assert s.prefix_cache.index.tokens[e] == tuple(e.token_ids[: e.num_cached])
+    s.kv.allocator.check()
+    for e in s.kv.prefix_cache.entries():
+        assert s.kv.prefix_cache.index.tokens[e] == tuple(e.token_ids[: e.num_cached])
 
 
 def _check_copies(step, owner: dict) -> None:
@@ -174,11 +175,11 @@ def test_a_running_request_shares_its_prompt_once_prefilled():
     s.add(b)
     first = s.schedule()  # a's first chunk (32 tokens): b waits for the budget
     s.update(first, StepSample.of(first, []))
-    assert s.prefix_cache.shared == set()
+    assert s.kv.prefix_cache.shared == set()
     second = s.schedule()  # a's last 9 tokens; b admitted, nothing to copy yet
     s.update(second, StepSample.of(second, [5]))
-    assert not second.moves and s.prefix_cache.shared == {a}
-    assert s.prefix_cache.entries() == []
+    assert not second.moves and s.kv.prefix_cache.shared == {a}
+    assert s.kv.prefix_cache.entries() == []
     s.abort(b)
     c = seq("c", [*system, 43], max_tokens=20)
     s.add(c)
@@ -186,7 +187,7 @@ def test_a_running_request_shares_its_prompt_once_prefilled():
     assert (a.kv_start, c.kv_start, 40) in step.moves and (c, 1) in step.prefills
     s.update(step, StepSample.of(step, [5, 5]))
     s.abort(a)
-    assert s.prefix_cache.shared == {c} and s.prefix_cache.slots == 0
+    assert s.kv.prefix_cache.shared == {c} and s.kv.prefix_cache.slots == 0
 
 
 def test_split_free_space_is_joined_by_evicting_an_older_entry_beside_it_not_by_moves():

@@ -6,7 +6,7 @@ import pytest
 
 from services.compute.core.sequence import SeqStatus, Sequence
 from services.compute.core.step import StepSample
-from services.compute.kv.allocator import KVAllocator
+from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
 from shared.config import SchedulerConfig
 from shared.length_dist import LengthDist
@@ -21,14 +21,15 @@ def seq(rid: str, prompt_len: int, max_tokens: int = 8, predicted: int = 4, stop
 
 
 def make(capacity=1000, budget=16, max_running=8, policy="predicted", min_grow=2):
-    return Scheduler(SchedulerConfig(budget, max_running, policy, min_grow), KVAllocator(capacity))
+    config = SchedulerConfig(budget, max_running, policy, min_grow)
+    return Scheduler(config, KVSpace(config, capacity))
 
 
 def run_step(s: Scheduler, token: int = 7):
     step = s.schedule()
     n = len(step.sampled)
     s.update(step, StepSample.of(step, [token] * n))
-    s.allocator.check()
+    s.kv.allocator.check()
     return step
 
 
@@ -80,7 +81,7 @@ def test_reservation_policy(policy, expected):
     a = seq("a", 10, max_tokens=50, predicted=4)
     s.add(a)
     s.schedule()
-    assert a.kv_reserved == expected and s.allocator.reserved == expected
+    assert a.kv_reserved == expected and s.kv.allocator.reserved == expected
 
 
 def test_grow_move_and_preempt_most_recent():
@@ -106,7 +107,7 @@ def test_segment_grows_in_place_when_right_neighbour_is_free():
     for _ in range(4):
         run_step(s)
     assert (a.kv_start, a.kv_reserved) == (0, 10)  # 7, then grown by 3 slots in place
-    assert s.stats.grows_in_place == 1 and s.stats.moves == 0
+    assert s.kv.stats.grows_in_place == 1 and s.kv.stats.moves == 0
 
 
 def test_preempted_request_recomputes_all_its_tokens():
@@ -134,7 +135,7 @@ def test_finish_conditions():
     s.add(eos)
     run_step(s, token=9)
     assert eos.finish_reason == "stop" and eos.status is SeqStatus.FINISHED
-    assert s.allocator.reserved == 0
+    assert s.kv.allocator.reserved == 0
 
     m = seq("min", 3, stop=(9,), min_tokens=2)
     s.add(m)
@@ -165,7 +166,7 @@ def test_abort_frees_kv_and_request_too_large_is_refused():
     run_step(s)
     s.abort(a)
     assert a.status is SeqStatus.FINISHED and a.finish_reason == "abort"
-    assert s.allocator.reserved == 0 and not s.has_work()
+    assert s.kv.allocator.reserved == 0 and not s.has_work()
     with pytest.raises(ValueError, match="KV slots"):
         s.add(seq("huge", 15, max_tokens=10))
 
@@ -180,8 +181,7 @@ def test_kv_policies_are_objects_named_once():
     with pytest.raises(ValueError, match=r"--kv-policy must be one of \('predicted', 'max', "
                        r"'paged'\), not 'lru'"):
         SchedulerConfig(kv_policy="lru")
-    with pytest.raises(ValueError, match="needs a PagedAllocator"):
-        Scheduler(SchedulerConfig(kv_policy="paged"), KVAllocator(64))
+    assert type(KVSpace(SchedulerConfig(kv_policy="paged"), 64).allocator) is PagedAllocator
     # the horizon caps what a long predicted output reserves at admission
     a = seq("a", 10, max_tokens=500, predicted=300)
     assert Predicted(0.5, 0.9, 8, 16).reservation(a) == 18

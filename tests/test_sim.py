@@ -205,7 +205,7 @@ def test_engine_sim_backend_from_the_spec_and_from_a_model_dir(demo_model_dir):
                              kv_cache_tokens=5000))
     assert d.model_config.vocab_size == 1000 and d.model_config.eos_token_ids == (2,)
     assert d.max_model_len == 4096 and d.runner.capacity == 5000
-    with pytest.raises(ValueError, match="must be torch or sim"):
+    with pytest.raises(ValueError, match=r"--backend must be one of \(.torch., .sim.\)"):
         EngineConfig(backend="gpu")
 
 

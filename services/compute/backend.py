@@ -5,8 +5,9 @@
   allocator, step times from a roofline cost model.
 
 A runner has `model_config`, `max_model_len`, `capacity` (KV slots), `launch(step, prev)`
-(returning a handle whose `result()` is the step's StepSample) and `asynchronous` (whether
-launch returns before the step ran); the engine takes one (`LLMEngine(config, runner)`) and
+(returning a handle whose `result()` is the step's StepSample), `asynchronous` (whether
+launch returns before the step ran) and `simulated` (no model: nothing to build or warm up);
+the engine takes one (`LLMEngine(config, runner)`) and
 never asks which kind it is.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from services.compute import sim
-from shared.config import EngineConfig
+from shared.config import BackendName, EngineConfig
 from shared.model_config import ModelConfig, context_length
 
 
@@ -23,21 +24,24 @@ def served_model(config: EngineConfig) -> tuple[ModelConfig, int]:
     """The ModelConfig a backend runs and its context length (tokens a request may span): the
     model file's, or with the sim backend the simulated model's context (vocab and EOS still
     from the model file, whose tokenizer the other services use)."""
-    mc = sim.model_config(config) if config.backend == "sim" else ModelConfig.from_path(
-        config.model)
+    simulated = config.backend == BackendName.SIM
+    mc = sim.model_config(config) if simulated else ModelConfig.from_path(config.model)
     return mc, context_length(mc, config.max_model_len)
 
 
 def resolve(config: EngineConfig) -> EngineConfig:
     """`config` with --max-model-len resolved to the served context length, once at start-up,
-    so that every service (gateway, tokenizers, compute) enforces the same number."""
+    so that every service (gateway, tokenizers, compute) enforces the same number; a bad
+    --sim-* value fails here (ValueError), not in a restarting child."""
+    if config.backend == BackendName.SIM:
+        sim.check_config(config)
     return dataclasses.replace(config, max_model_len=served_model(config)[1])
 
 
 def make_runner(config: EngineConfig):
     """The runner of `config.backend`; loads the weights (torch) or the cost model (sim)."""
     mc, context = served_model(config)
-    if config.backend == "sim":
+    if config.backend == BackendName.SIM:
         from services.compute.sim.runner import SimRunner
 
         return SimRunner(config, mc, context)

@@ -20,7 +20,7 @@ from services.compute.core.sequence import SeqStatus, Sequence
 from services.compute.core.step import ScheduledStep
 from services.compute.length.refiner import LengthRefiner
 from services.compute.length.store import memory_stores
-from services.compute.scheduling.kv_policy import make_policy
+from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
 from services.compute.structured import GrammarState
 from shared.config import EngineConfig
@@ -70,8 +70,8 @@ class LLMEngine:
         self.config = config
         self.runner = runner
         self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
-        allocator = make_policy(config.scheduler).allocator(self.runner.capacity)
-        self.scheduler = Scheduler(config.scheduler, allocator)
+        self.kv = KVSpace(config.scheduler, self.runner.capacity)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         mode = config.overlap_schedule
@@ -204,14 +204,14 @@ class LLMEngine:
         self.lengths.observe(checkpoints)
 
     def stats(self) -> EngineStats:
-        s, a, cache = self.scheduler, self.scheduler.allocator, self.scheduler.prefix_cache
+        s, cache = self.scheduler, self.kv.prefix_cache
         prefix = {} if cache is None else dict(
             prefix_queries=cache.stats.query_tokens, prefix_hits=cache.stats.hit_tokens,
             prefix_cached=cache.slots, prefix_evictions=cache.stats.evictions)
         return EngineStats(
-            capacity=a.capacity, reserved=a.reserved - (cache.slots if cache else 0),
+            capacity=self.kv.capacity, reserved=self.kv.reserved(),
             used=s.used_slots(), running=len(s.running), waiting=len(s.waiting),
-            moves=s.stats.moves, grows_in_place=s.stats.grows_in_place,
+            moves=self.kv.stats.moves, grows_in_place=self.kv.stats.grows_in_place,
             preemptions=s.stats.preemptions, demand=self.scheduler.demand(),
             prefill=prefill_backlog(s), step_tokens=self.config.scheduler.max_batched_tokens,
             requests=self._added, tokens=self._tokens, **prefix,

@@ -114,6 +114,8 @@ class ModelRunner:
                 "kv_gib": round(self.capacity * self.kv_bytes_per_token / 2**30, 3),
                 "cuda_graphs": self.graphs.sizes[-1] if self.graphs else 0}
 
+    simulated = False
+
     @property
     def asynchronous(self) -> bool:
         """Whether `launch` returns before the device has run the step (a GPU's stream)."""

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from services.compute.engine import LLMEngine, StepResult, prefill_backlog
-from shared.config import EngineConfig
+from shared.config import BackendName, EngineConfig
 from shared.length_dist import LengthDist
 from shared.routing import ReplicaLoad, RouteInfo, RoutingPolicy
 from shared.sampling import SamplingParams
@@ -51,7 +51,7 @@ class Replica:
     def load(self) -> ReplicaLoad:
         s = self.engine.scheduler
         return ReplicaLoad(demand=self.demand, running=len(s.running), waiting=len(s.waiting),
-                           prefill=prefill_backlog(s), capacity=s.allocator.capacity,
+                           prefill=prefill_backlog(s), capacity=self.engine.kv.capacity,
                            step_tokens=self.engine.config.scheduler.max_batched_tokens)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
@@ -75,7 +75,7 @@ class SimCluster:
 
         if replicas < 1:
             raise ValueError("need at least one replica")
-        config = with_settings(config, backend="sim", sim_clock="virtual")
+        config = with_settings(config, backend=BackendName.SIM, sim_clock="virtual")
         self.replicas = [Replica(build_engine(config)) for _ in range(replicas)]
         self.policy = policy
 

@@ -22,7 +22,7 @@ def warm_up(engine: LLMEngine) -> str:
     prefix cache, length heads, stats) never sees them. Their KV slots belong to no one, and a
     later prefill overwrites them before anything reads them. Returns what it did, one line
     for the banner: 'C++ CPU kernels built in 48.2 s; warm-up 0.3 s'."""
-    if engine.config.backend == "sim":  # no model: nothing to compile or warm
+    if engine.runner.simulated:
         return ""
     done = []
     device = getattr(engine.runner, "device", None)

@@ -1,4 +1,4 @@
-"""Merged-step scheduler over a KV allocator. Pure logic: no torch, sockets or Redis.
+"""Merged-step scheduler over the KV space (kv_space.py). Pure logic: no torch, sockets or Redis.
 
 Each step: every running request with one pending token contributes a decode token (growing,
 moving or, as a last resort, preempting to make room for it); then running requests still in
@@ -27,51 +27,36 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from services.compute.beam.group import commit_beams, lane_moves
+from services.compute.beam.group import commit_beams, lane_moves, restart
 from services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
 from services.compute.core.step import ScheduledStep, StepSample
-from services.compute.kv.allocator import KVAllocator
-from services.compute.kv.compaction import Compactor
-from services.compute.kv.paged_allocator import PagedAllocator
-from services.compute.kv.prefix_cache import PrefixCache
 from services.compute.scheduling.admission import peak_check
-from services.compute.scheduling.kv_policy import make_policy
-from services.compute.scheduling.kv_room import KVRoom
+from services.compute.scheduling.kv_space import KVSpace
 from services.compute.speculative.verify import Speculation
 from shared.config import Batching, SchedulerConfig
 
 
 @dataclass
 class SchedulerStats:
-    moves: int = 0
-    grows_in_place: int = 0
     preemptions: int = 0
 
 
-class Scheduler(KVRoom):
-    def __init__(self, config: SchedulerConfig, allocator: KVAllocator | PagedAllocator):
-        """`allocator`: of the kind the config's KV policy (make_policy) makes."""
-        self.config, self.policy = config, make_policy(config)
-        if type(allocator) is not type(self.policy.allocator(1)):
-            raise ValueError(f"the {self.policy.name} policy needs a "
-                             f"{type(self.policy.allocator(1)).__name__}")
-        self.allocator = allocator
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVSpace):
+        """`kv`: the KV space built from the same config."""
+        self.config, self.kv = config, kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.stats = SchedulerStats()
-        self.compactor = Compactor(allocator, self.stats) if self.policy.compacts else None
-        self.prefix_cache = PrefixCache(allocator) if config.enable_prefix_caching else None
-        self.peak_check = peak_check(config.kv_admission, self.policy.peak_admission)
+        self.peak_check = peak_check(config.kv_admission, kv.policy.peak_admission)
         spec = config.speculative
         self.speculation = Speculation(spec) if spec is not None else None
         self._admitted = 0
 
     def add(self, seq: Sequence) -> None:
-        if seq.max_len > self.allocator.capacity:
-            raise ValueError(
-                f"request needs up to {seq.max_len} KV slots but the cache holds "
-                f"{self.allocator.capacity}"
-            )
+        if seq.max_len > self.kv.capacity:
+            raise ValueError(f"request needs up to {seq.max_len} KV slots but the cache holds "
+                             f"{self.kv.capacity}")
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -88,8 +73,8 @@ class Scheduler(KVRoom):
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
-        if self.compactor is not None:
-            self.compactor.refill()
+        if self.kv.compactor is not None:
+            self.kv.compactor.refill()
         i = 0
         while i < len(self.running):  # preemption victims come after i (admitted later)
             seq = self.running[i]
@@ -133,7 +118,7 @@ class Scheduler(KVRoom):
             return
         peak, check = None, self.peak_check
         if check is not None and self.waiting:
-            peak = check(self.running, self.config.kv_peak_quantile, self.allocator.capacity)
+            peak = check(self.running, self.config.kv_peak_quantile, self.kv.capacity)
         while self.waiting and (budget > 0 or static) and \
                 len(self.running) < self.config.max_running:
             seq = self.waiting[0]
@@ -161,8 +146,8 @@ class Scheduler(KVRoom):
             seq.num_cached += 1
         for seq, n in step.prefills:
             seq.num_cached += n
-            if self.prefix_cache is not None and seq.num_cached >= seq.num_prompt:
-                self.prefix_cache.share(seq)  # its prompt's K/V may serve others now
+            if self.kv.prefix_cache is not None and seq.num_cached >= seq.num_prompt:
+                self.kv.prefix_cache.share(seq)  # its prompt's K/V may serve others now
         beams = set()  # the rows of a beam search sample one position
         for seq in step.sampled:
             if seq.status is SeqStatus.FINISHED:  # since it was scheduled: nothing to sample
@@ -236,14 +221,14 @@ class Scheduler(KVRoom):
 
     def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
         # a beam search's segment: a lane of max_len slots per beam
-        size = self.policy.reservation(seq) if seq.beams is None else \
+        size = self.kv.policy.reservation(seq) if seq.beams is None else \
             seq.beams.width * seq.max_len
-        if not self.policy.can_admit(self.allocator, size):
+        if not self.kv.policy.can_admit(self.kv.allocator, size):
             return False
         # requests asking for prompt logprobs bypass the cache: those are computed in prefill
-        cache = self.prefix_cache if seq.params.prompt_logprobs is None else None
+        cache = self.kv.prefix_cache if seq.params.prompt_logprobs is None else None
         entry, hit = cache.lookup(seq) if cache is not None else (None, 0)
-        start = self._allocate(size, step.moves, spare=entry)
+        start = self.kv.allocate(size, self.running, step.moves, spare=entry)
         if start is None:
             return False
         seq.kv_start, seq.kv_reserved = start, size
@@ -259,3 +244,28 @@ class Scheduler(KVRoom):
         self._admitted += 1
         self.running.append(seq)
         return True
+
+    def _make_room(self, seq: Sequence, step: ScheduledStep) -> bool:
+        """Ensure seq's segment holds its pending token. False if seq itself had to be
+        preempted."""
+        while (victim := self.kv.grow(seq, self.running, step.moves)) is not None:
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _release(self, seq: Sequence, keep: bool = False) -> None:
+        """Take seq out of the running batch and free its KV segment (`keep`: KVSpace.release)."""
+        self.running.remove(seq)
+        self.kv.release(seq, keep)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free seq's KV and requeue it first in line; it recomputes prompt + output later (a
+        beam search starts over)."""
+        self._release(seq)
+        if seq.beams is not None:
+            restart(seq)
+        seq.num_cached, seq.kv_start, seq.kv_reserved = 0, -1, 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1

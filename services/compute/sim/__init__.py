@@ -45,7 +45,6 @@ def check_config(config: EngineConfig) -> None:
     leaves no room for a KV cache on the GPU."""
     from services.compute.sim.runner import cost_model
 
-    if config.backend == "sim":
-        cost = cost_model(config)
-        if config.kv_cache_tokens <= 0:
-            cost.kv_capacity_tokens(config.gpu_memory_utilization)
+    cost = cost_model(config)
+    if config.kv_cache_tokens <= 0:
+        cost.kv_capacity_tokens(config.gpu_memory_utilization)

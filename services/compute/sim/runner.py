@@ -87,6 +87,7 @@ class SimRunner:
             len(step.sampled), sum(n for _, _, n in step.moves))
 
     asynchronous = False  # a step's modelled time has passed when launch returns
+    simulated = True
     scores_tokens = False  # its records carry no log-probabilities (beam search needs them)
 
     def launch(self, step: ScheduledStep, prev=None) -> Done:
