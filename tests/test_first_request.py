@@ -122,7 +122,7 @@ def test_warm_up_leaves_the_engine_as_it_was(demo_model_dir):
 
 
 def test_sim_backend_has_nothing_to_warm():
-    class Engine:  # warm_up reads only the config before it returns
-        config = EngineConfig(backend="sim")
+    from services.compute.backend import build_engine
 
-    assert warm_up(Engine()) == ""
+    engine = build_engine(EngineConfig(backend="sim"))
+    assert engine.runner.simulated and warm_up(engine) == ""
