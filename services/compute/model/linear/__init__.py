@@ -5,6 +5,8 @@
     int4.Int4Linear     group-wise INT4 weight, float activations     --quantization int4
                         (W4A8 blocks of 32 on an x86 CPU, AVX2+)
     q8.Q8Linear         INT8 blocks of 32, INT8 activations           the LM head under int4 (CPU)
+    amx.AmxRows         one of those two, and a bf16 copy for steps   int4 at the amx ISA level
+                        with many rows (oneDNN on AMX tiles)
     fp8.Fp8Linear       e4m3 weight per channel, e4m3 activations     --quantization fp8
 
 Each is called as `layer(x) -> [T, out]` in the model's dtype and reports `nbytes()`; which one

@@ -1,13 +1,8 @@
-"""A quantized layer on an AMX CPU: the block GEMM for a step with few rows, a bf16 copy of its
-weight in oneDNN (which runs AMX tiles) for a step with many.
-
-The block GEMMs (INT4 / Q8 weights, INT8 activations, kernels/cpu/block_gemm.cpp) read a quarter
-to a half of bf16's bytes, which wins while a step is bound by memory; AMX's tiles do 16x the
-multiply-adds of VNNI per instruction, which wins once a step has enough rows to be bound by
-compute (a prefill, a large batch). Where the two cross over is measured by bench/cpu_gemm.py
-(docs/benchmarks.md); a layer takes `min_rows` from the caller. The bf16 copy is the quantized
-weight dequantized (the values the block GEMM multiplies, rounded to bf16), so both paths serve
-the same model; the price is its memory, 2 bytes a weight beside the blocks.
+"""A quantized layer on an AMX CPU: the block GEMM for a step with few rows (it reads a quarter
+to a half of bf16's bytes), a bf16 copy of its weight in oneDNN, which runs AMX tiles, for a step
+with many (bound by compute: a prefill, a large batch). The copy is the quantized weight
+dequantized, so both paths serve the same model; it costs 2 bytes a weight. Where the two cross
+over: bench/cpu_gemm.py, docs/benchmarks.md.
 """
 
 from __future__ import annotations
