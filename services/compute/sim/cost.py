@@ -4,53 +4,11 @@
     compute time = linear FLOPs / (weight-dtype peak * eff_flops)
                    + (LM-head + attention FLOPs) / (bf16 peak * eff_flops)
 
-What a step of T tokens (D decode tokens, prefill chunks (q, ctx), S sampled rows) counts:
-
-Bytes (HBM traffic):
-- weights: every decoder-layer matmul weight and norm vector, once per step, whatever T is
-  (batching amortizes them). The LM head (V x hidden, bf16) only when S > 0. The embedding table
-  is NOT read: a step gathers T rows of it (T * hidden * 2 bytes, counted). So Llama-3-8B bf16
-  reads 15.01 GB per step (8.03 B params = 16.06 GB resident, minus the 1.05 GB embedding table):
-  4.48 ms at 3.35 TB/s (H100) with eff_bw 1, as the design brief's "15.0 GB, 4.5 ms" says.
-  Embedding and LM head stay bf16 under weight quantization (int8/fp8 W8A8, int4 weight-only
-  with one fp16 scale + zero per 128 weights), as vLLM and TensorRT-LLM leave them.
-- KV read: each decode token reads the K/V of its whole context (ctx = cached tokens + itself);
-  a prefill chunk of q tokens after ctx cached ones reads ctx + q tokens' K/V once (a
-  flash-attention kernel re-reads K/V per query tile; prefill is compute-bound anyway).
-- KV written: T tokens. KV moves of the contiguous allocator: 2 x (read + write) per moved token.
-- bytes per token of KV = 2 (K and V) x layers x kv_heads x head_dim x kv_dtype_bytes
-  (bf16 2; int8 1.25: the value and an fp16 scale per 8, as the real INT8 cache stores them,
-  kernels/kv_quant.py; fp8 1, a per-tensor scale).
-- A paged KV cache (the simulator's vLLM-like baseline) reads K/V through a block table:
-  `kv_read_factor` multiplies the attention reads' bytes by the paged kernel's measured
-  slowdown against the contiguous one (bench/kernels.py, --sim-paged-attn-slowdown).
-- Mixture-of-experts models (hardware.ModelSpec with num_experts E > 0, top-k routing): a step
-  reads the attention (and any dense-MLP) weights, norms and the routers (E x hidden per sparse
-  layer, bf16) once, as above, but of each sparse layer's E experts only those its T tokens
-  route to. With each token choosing k of E uniformly and independently, the expected number of
-  distinct experts touched per sparse layer is E x (1 - (1 - k/E)^T): k at T = 1 (a decode step
-  at batch 1 reads about k/E of the expert weights), approaching all E as T grows (Qwen3-30B-A3B,
-  E 128, k 8: 8 at T 1, 126 at T 64). Each touched expert's weights are read once. Real
-  routing is skewed (popular experts take more tokens), so fewer distinct experts are touched:
-  the formula is an upper bound on expert bytes. Resident memory (the KV capacity) counts every
-  expert.
-- Not counted: activations (a few T x hidden tensors per layer, small next to the weights at
-  decode batch sizes; absorbed by eff_bw), logits, sampling.
-
-FLOPs:
-- 2 x (decoder matmul params a token runs) x T, at the weight dtype's tensor-core peak (fp8 /
-  int8 W8A8 run at twice bf16; int4 weight-only dequantizes to bf16); for MoE only its k
-  active experts per sparse layer (`ModelSpec.active_linear_params`), plus the router GEMM,
-  2 x hidden x E per sparse layer per token, at the bf16 peak;
-- 2 x (LM head params) x S (logits only for rows that sample, as the engine does);
-- attention: 4 x layers x heads x head_dim per (query, key) pair (QK^T and PV), causal: a decode
-  token has ctx pairs, a prefill chunk q x ctx + q (q + 1) / 2; run at the bf16 peak.
-
-Efficiency factors: what fraction of the datasheet bandwidth / peak real kernels reach
-(decode GEMV/attention 70-90% of HBM bandwidth, large GEMMs 60-80% of peak); `overhead_s`
-is the per-step time outside the roofline (kernel launches, the scheduler, sampling, the
-device->host sync). They are the knobs that GPU measurements calibrate: `fit_decode(...)` fits
-eff_bw and overhead_s to measured decode step times (e.g. bench/decode_step.py's).
+Bytes are the weights read once per step (the LM head only when a row samples; of a MoE layer,
+the experts its tokens route to), the KV read and written, and KV moves; FLOPs the matmuls of
+the step's tokens, the LM head of its sampled rows and causal attention. What each term counts,
+and why: docs/architecture.md, "The simulator's cost model". `fit_decode` fits eff_bw and
+overhead_s to measured decode step times.
 """
 
 from __future__ import annotations
