@@ -76,9 +76,10 @@ class Quantization:
         """The LM head [vocab, hidden]: Q8 blocks under int4 where the block GEMMs run, else
         float."""
         if self.name == "int4" and weight.shape[1] % 32 == 0 and block_gemm_extension(weight):
-            layer = Q8Linear(weight)
-            return amx.AmxRows(layer, dequantize_q8(quantize_q8(weight)), None,
-                               amx.HEAD_MIN_ROWS) if self.amx_rows else layer
+            if not self.amx_rows:
+                return Q8Linear(weight)
+            q = quantize_q8(weight)
+            return amx.AmxRows(Q8Linear(q), dequantize_q8(q), None, amx.HEAD_MIN_ROWS)
         return Linear(weight)
 
 

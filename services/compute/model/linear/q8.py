@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels.q8_gemm import prepare_q8, q8_gemm, quantize_q8
+from kernels.q8_gemm import Q8Weight, prepare_q8, q8_gemm, quantize_q8
 
 
 class Q8Linear:
-    """y = x @ weight^T + bias, weight [out, in] quantized at construction; x [T, in] -> [T, out]
-    in x's dtype."""
+    """y = x @ weight^T + bias, weight [out, in] a Q8Weight (served as is) or a float tensor
+    (quantized at construction); x [T, in] -> [T, out] in x's dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor | Q8Weight, bias: torch.Tensor | None = None):
         self.out_features, self.in_features = weight.shape
-        q = quantize_q8(weight)
+        q = weight if isinstance(weight, Q8Weight) else quantize_q8(weight)
         self.weight_bytes = q.values.numel() + 2 * q.scales.numel()
         self.weight, self.bias = prepare_q8(q), bias
 
