@@ -43,7 +43,7 @@ from kernels import dispatch  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
 from services.compute.core.batch import ForwardBatch  # noqa: E402
 from services.compute.core.sequence import SeqStatus, Sequence  # noqa: E402
-from services.compute.core.step import ScheduledStep  # noqa: E402
+from services.compute.core.step import ScheduledStep, WorkItem  # noqa: E402
 from services.compute.kv.kv_cache import KVCache  # noqa: E402
 from services.compute.model.llama import LlamaModel  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402
@@ -112,7 +112,7 @@ def make_batch(batch: int, ctx: int, vocab: int, device: torch.device) -> Forwar
         seq.num_cached, seq.kv_start, seq.kv_reserved = ctx - 1, b * ctx, ctx
         seq.status = SeqStatus.RUNNING
         seqs.append(seq)
-    return build_batch(ScheduledStep(decodes=seqs, sampled=list(seqs)), device)
+    return build_batch(ScheduledStep([WorkItem.decode(s) for s in seqs]), device)
 
 
 def time_ms(fn, cuda: bool, reps: int) -> float:

@@ -38,6 +38,7 @@ import transformers  # noqa: E402
 from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
 from services.compute.backend import build_engine  # noqa: E402
+from services.compute.warmup import freeze_heap  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
 from services.compute.core.sequence import Sequence  # noqa: E402
 from services.compute.core.step import StepSample  # noqa: E402
@@ -250,6 +251,7 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
 
     while sched.waiting or any(s.pending > 1 for s in sched.running):  # prefill
         fake_step()
+    freeze_heap()  # as the compute service does once started
     running = len(sched.running)
     n_steps = min(args.overhead_steps, min(s.max_len - s.num_tokens for s in sched.running) - 1)
     moves0, times, cpu = sched.kv.stats.moves, [], []

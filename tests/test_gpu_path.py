@@ -15,6 +15,7 @@ from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from shared.sampling import SamplingParams
 from shared.settings import with_settings
+from tests.steps import chunks, decodes
 from tests.test_overlap import PROMPTS, _params, _run
 
 
@@ -79,7 +80,7 @@ def test_a_graph_replay_matches_the_eager_forward_with_padding(demo_model_dir):
         engine.add_request([1, 9, 8, 7 + i], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.step()  # the prefills (eager), committed
     step = engine.scheduler.schedule()
-    assert len(step.decodes) == 3 and not step.prefills
+    assert len(decodes(step)) == 3 and not chunks(step)
     batch = build_batch(step, engine.runner.device)
     logits, _ = graphs.run(batch)
     torch.testing.assert_close(logits.clone(),

@@ -18,6 +18,7 @@ from shared.config import Admission, EngineConfig, SchedulerConfig
 from shared.length_dist import LEVELS, LengthDist
 from shared.sampling import SamplingParams
 from shared.settings import with_settings
+from tests.steps import chunks, decodes
 
 WIDE = LengthDist((4, 6, 10, 20, 40, 50, 60))  # median 10, p90 40
 
@@ -208,7 +209,7 @@ def test_split_free_space_moves_the_right_neighbour_instead_of_preempting(copies
     step = s.schedule()
     assert step.moves == [(18, 22, b.num_cached)]  # b moved into the hole after it
     assert (a.kv_start, b.kv_start) == (10, 22) and a.kv_reserved >= a.num_tokens
-    assert s.stats.preemptions == 0 and len(step.decodes) == 4
+    assert s.stats.preemptions == 0 and len(decodes(step)) == 4
     s.kv.allocator.check()
 
 
@@ -266,7 +267,7 @@ def test_growth_packs_the_segments_before_it_left_when_nothing_after_it_can_move
     # c fits in no hole and nothing is free after it: b and a shift left into [0, 10)
     assert step.moves == [(10, 0, b_cached), (20, 10, a_cached)]
     assert (x["b"].kv_start, x["a"].kv_start) == (0, 10) and x["a"].kv_reserved >= 11
-    assert s.stats.preemptions == 0 and len(step.decodes) == 3
+    assert s.stats.preemptions == 0 and len(decodes(step)) == 3
     s.kv.allocator.check()
 
 
@@ -311,9 +312,9 @@ def test_random_runs_keep_every_cached_token_where_its_segment_says(seed, monkey
         step = s.schedule()
         for src, dst, k in step.moves:
             cache[dst:dst + k] = cache[src:src + k]
-        for x in step.decodes:
+        for x in decodes(step):
             cache[x.kv_start + x.num_cached] = (x.request_id, x.num_cached)
-        for x, k in step.prefills:
+        for x, k in chunks(step):
             for p in range(x.num_cached, x.num_cached + k):
                 cache[x.kv_start + p] = (x.request_id, p)
         s.update(step, StepSample.of(step, [7] * len(step.sampled)))

@@ -15,6 +15,7 @@ from services.compute.scheduling.scheduler import Scheduler
 from shared.config import EngineConfig, SchedulerConfig
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
+from tests.steps import chunks, decodes
 
 PROMPTS = [[1, 5, 9, 200], [1, 77], [1] + [3] * 30 + [400], [1, 8, 8], [1, 2, 3, 4, 5, 6, 7],
            [1, 300, 301, 302, 303], [1, 42]]
@@ -138,11 +139,11 @@ def test_scheduler_runs_ahead_of_the_tokens_and_drops_what_a_stop_made_moot():
     s.advance(first)
     assert a.token_ids[-1] == UNSAMPLED and a.pending == 1  # runs again before its value is in
     second = s.schedule()
-    assert second.decodes == [a, b]
+    assert decodes(second) == [a, b]
     s.advance(second)
     assert b.at_limit  # b's second token is its last: no third step for it
     third = s.schedule()
-    assert third.decodes == [a]
+    assert decodes(third) == [a]
     s.commit(first, StepSample.of(first, [7, 8]))
     assert a.token_ids[5:] == [7, UNSAMPLED] and b.token_ids[3:] == [8, UNSAMPLED]
     s.advance(third)
@@ -166,7 +167,7 @@ def test_a_request_preempted_with_a_step_in_flight_gets_its_token_then_resumes()
     s.commit(step, StepSample.of(step, [9]))
     assert a.token_ids == [1, 2, 3, 4, 9] and a.status is SeqStatus.WAITING
     again = s.schedule()
-    assert again.prefills == [(a, 5)]  # recomputes prompt + the token, then samples the next
+    assert chunks(again) == [(a, 5)]  # recomputes prompt + the token, then samples the next
 
 
 def test_a_request_finished_while_preempted_leaves_the_queue():

@@ -15,6 +15,7 @@ from services.compute.scheduling.scheduler import Scheduler
 from shared.config import SchedulerConfig
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
+from tests.steps import chunks, decodes
 
 
 def seq(rid: str, prompt: list[int], max_tokens: int = 4, predicted: int = 4, **kw) -> Sequence:
@@ -52,7 +53,7 @@ def test_a_finished_request_stays_cached_and_a_longer_prompt_copies_its_prefix()
     b = seq("b", [*a.token_ids, 50, 51])  # a's whole conversation, then a new question
     s.add(b)
     step = s.schedule()
-    assert step.moves == [(a.kv_start, b.kv_start, 23)] and step.prefills == [(b, 3)]
+    assert step.moves == [(a.kv_start, b.kv_start, 23)] and chunks(step) == [(b, 3)]
     assert b.num_cached == 23 and b.cached_tokens == 23
     s.update(step, StepSample.of(step, [5]))
     run(s)
@@ -68,7 +69,7 @@ def test_a_hit_never_covers_the_last_prompt_token_and_identical_prompts_are_cach
     b = seq("b", range(1, 11), max_tokens=1)
     s.add(b)
     step = s.schedule()
-    assert step.moves == [(a.kv_start, b.kv_start, 9)] and step.prefills == [(b, 1)]
+    assert step.moves == [(a.kv_start, b.kv_start, 9)] and chunks(step) == [(b, 1)]
     s.update(step, StepSample.of(step, [5]))
     assert s.kv.prefix_cache.entries() == [a]  # b's K/V (10 tokens) is a's: b was freed
     assert s.kv.allocator.reserved == 10
@@ -81,7 +82,7 @@ def test_prompt_logprobs_requests_do_not_use_the_cache():
     b = seq("b", range(1, 11), prompt_logprobs=0)
     s.add(b)
     step = s.schedule()
-    assert step.moves == [] and step.prefills == [(b, 10)]
+    assert step.moves == [] and chunks(step) == [(b, 10)]
 
 
 def test_cached_entries_count_as_free_and_are_evicted_lru_for_admission():
@@ -156,7 +157,7 @@ def _check_copies(step, owner: dict) -> None:
         vals = [owner.get(a + i) for i in range(n)]
         for i, v in enumerate(vals):
             owner[b + i] = v
-    for seq, n in [(d, 1) for d in step.decodes] + step.prefills:
+    for seq, n in [(d, 1) for d in decodes(step)] + chunks(step):
         first = seq.num_cached
         for p in range(first):
             assert owner.get(seq.kv_start + p) == seq.token_ids[p] or \
@@ -184,7 +185,7 @@ def test_a_running_request_shares_its_prompt_once_prefilled():
     c = seq("c", [*system, 43], max_tokens=20)
     s.add(c)
     step = s.schedule()
-    assert (a.kv_start, c.kv_start, 40) in step.moves and (c, 1) in step.prefills
+    assert (a.kv_start, c.kv_start, 40) in step.moves and (c, 1) in chunks(step)
     s.update(step, StepSample.of(step, [5, 5]))
     s.abort(a)
     assert s.kv.prefix_cache.shared == {c} and s.kv.prefix_cache.slots == 0

@@ -11,6 +11,7 @@ from services.compute.scheduling.scheduler import Scheduler
 from shared.config import SchedulerConfig
 from shared.length_dist import LengthDist
 from shared.sampling import SamplingParams
+from tests.steps import chunks, decodes
 
 
 def seq(rid: str, prompt_len: int, max_tokens: int = 8, predicted: int = 4, stop=(), **kw):
@@ -38,16 +39,16 @@ def test_long_prompt_is_chunked_and_interleaved_with_decodes():
     a, b = seq("a", 4), seq("b", 40)
     s.add(a)
     first = run_step(s)
-    assert [x.request_id for x, _ in first.prefills] == ["a"] and a.num_output == 1
+    assert [x.request_id for x, _ in chunks(first)] == ["a"] and a.num_output == 1
     s.add(b)
-    chunks = []
+    sizes = []
     while b.num_output == 0:
         step = run_step(s)
         assert step.num_tokens <= 16
         if a.status is SeqStatus.RUNNING:
-            assert step.decodes == [a]  # a decodes in every step b prefills
-        chunks += [n for x, n in step.prefills if x is b]
-    assert chunks == [15, 15, 10]  # 16-token budget minus a's decode token
+            assert decodes(step) == [a]  # a decodes in every step b prefills
+        sizes += [n for x, n in chunks(step) if x is b]
+    assert sizes == [15, 15, 10]  # 16-token budget minus a's decode token
     assert b.num_cached == 40 and b.num_output == 1
 
 
@@ -67,12 +68,12 @@ def test_max_running_and_budget_limit_admission():
     for i in range(4):
         s.add(seq(f"r{i}", 3))
     step = s.schedule()
-    assert len(step.prefills) == 2 and len(s.waiting) == 2
+    assert len(chunks(step)) == 2 and len(s.waiting) == 2
     s2 = make(budget=5, max_running=3)
     for i in range(3):
         s2.add(seq(f"r{i}", 3))
     step = s2.schedule()
-    assert [n for _, n in step.prefills] == [3, 2]  # the budget cuts the second prompt's chunk
+    assert [n for _, n in chunks(step)] == [3, 2]  # the budget cuts the second prompt's chunk
 
 
 @pytest.mark.parametrize("policy,expected", [("predicted", 10 + 4), ("max", 10 + 50)])

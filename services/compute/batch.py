@@ -9,12 +9,14 @@ graphs capture."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from kernels import to_device
 from services.compute.core.batch import ForwardBatch
-from services.compute.core.sequence import UNSAMPLED
-from services.compute.core.step import ScheduledStep
+from services.compute.core.sequence import UNSAMPLED, Sequence
+from services.compute.core.step import ScheduledStep, Work, WorkItem
 from services.compute.inflight import InFlight
 
 
@@ -22,32 +24,19 @@ def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None
                 ) -> ForwardBatch:
     """The step's inputs on `device`. Tokens still UNSAMPLED (sampled by `prev`, the step in
     flight) are read from prev's ids on the device."""
-    ids, pos, slots, dec_starts, dec_lens = _decode_rows(step)
-    logits_rows = list(range(len(ids)))
-    cu, pre_starts, pre_lens = [0], [], []
-    prompt_rows, spans = [], []
-    for seq, n in step.prefills:
-        c = seq.num_cached
-        owed = seq.prompt_logprobs_owed  # scored by the rows of positions owed - 1
-        lo, hi = max(c, owed.start - 1), min(c + n, owed.stop - 1)
-        if hi > lo:
-            prompt_rows.extend(range(len(ids) + lo - c, len(ids) + hi - c))
-            spans.append((seq, lo + 1, hi - lo))
-        ids.extend(seq.token_ids[c : c + n])
-        pos.extend(range(c, c + n))
-        slots.extend(range(seq.kv_start + c, seq.kv_start + c + n))
-        cu.append(cu[-1] + n)
-        pre_starts.append(seq.kv_start)
-        pre_lens.append(c + n)
-        if n == seq.pending:
-            logits_rows.append(len(ids) - 1)
-    late_at, late_rows = _late_tokens(ids, step, prev)
+    rows = _Rows()
+    for item in step.items:  # decode-kind items first (ScheduledStep)
+        if item.kind is Work.PREFILL:
+            rows.prefill(item)
+        else:
+            rows.decode(item)
+    late_rows = _late_rows(rows.late_seqs, prev)
     # two host->device copies (int64 token data, int32 attention metadata), then views
-    T, D, P, L = len(ids), len(dec_starts), len(pre_starts), len(late_at)
-    flat = to_device(torch.tensor(ids + pos + slots + late_at + late_rows + logits_rows
-                                  + prompt_rows, dtype=torch.int64), device)
-    meta = to_device(torch.tensor(dec_starts + dec_lens + cu + pre_starts + pre_lens,
-                                  dtype=torch.int32), device)
+    T, D, P, L = len(rows.ids), len(rows.dec_starts), len(rows.pre_starts), len(late_rows)
+    flat = to_device(torch.tensor(rows.ids + rows.pos + rows.slots + rows.late_at + late_rows
+                                  + rows.logits + rows.prompt, dtype=torch.int64), device)
+    meta = to_device(torch.tensor(rows.dec_starts + rows.dec_lens + rows.cu + rows.pre_starts
+                                  + rows.pre_lens, dtype=torch.int32), device)
     if L:  # input_ids[late_at] = prev's sampled ids [late_rows]
         late = flat[3 * T : 3 * T + 2 * L]
         flat[:T].index_copy_(0, late[:L], prev.tokens.index_select(0, late[L:]))
@@ -58,41 +47,74 @@ def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None
         prefill_cu=meta[2 * D : 2 * D + P + 1],
         prefill_starts=meta[2 * D + P + 1 : 2 * D + 2 * P + 1],
         prefill_lens=meta[2 * D + 2 * P + 1 :],
-        max_decode_len=max(dec_lens, default=0),
-        max_chunk_len=max((n for _, n in step.prefills), default=0),
-        prompt_spans=spans,
+        max_decode_len=max(rows.dec_lens, default=0),
+        max_chunk_len=max(rows.chunks, default=0),
+        prompt_spans=rows.spans,
     )
 
 
-def _decode_rows(step: ScheduledStep) -> tuple[list[int], ...]:
-    """(token ids, positions, slots, KV starts, KV lengths) of the decode rows: each decode's
-    pending token, then each verify's pending token and drafts (row j at position c + j),
-    then each beam search's running beams' last tokens (at position c, each in its lane)."""
-    rows = [(seq.kv_start, seq.token_ids[seq.num_cached], seq.num_cached)
-            for seq in step.decodes]
-    rows += [(seq.kv_start, t, seq.num_cached + j) for seq, drafts in step.verifies
-             for j, t in enumerate([seq.token_ids[seq.num_cached], *drafts])]
-    rows += [(seq.kv_start + b.lane * seq.max_len, b.tokens[-1], seq.num_cached)
-             for seq in step.beams for b in seq.beams.running]
-    ids, pos, slots, starts, lens = [], [], [], [], []
-    for start, token, c in rows:
-        ids.append(token)
-        pos.append(c)
-        slots.append(start + c)
-        starts.append(start)
-        lens.append(c + 1)
-    return ids, pos, slots, starts, lens
+@dataclass
+class _Rows:
+    """A step's inputs on the host, row by row, before their two copies to the device."""
+
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    logits: list[int] = field(default_factory=list)  # the sampled rows
+    prompt: list[int] = field(default_factory=list)  # the rows scoring prompt tokens
+    spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    late_at: list[int] = field(default_factory=list)  # rows whose token is UNSAMPLED
+    late_seqs: list[Sequence] = field(default_factory=list)  # and their sequences
+    dec_starts: list[int] = field(default_factory=list)
+    dec_lens: list[int] = field(default_factory=list)
+    cu: list[int] = field(default_factory=lambda: [0])
+    pre_starts: list[int] = field(default_factory=list)
+    pre_lens: list[int] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)
+
+    def decode(self, item: WorkItem) -> None:
+        """Rows attending to their KV through position c (every one sampled)."""
+        for start, token, c in item.decode_rows():
+            if token == UNSAMPLED:
+                self.late_at.append(len(self.ids))
+                self.late_seqs.append(item.seq)
+            self.logits.append(len(self.ids))
+            self.ids.append(token)
+            self.pos.append(c)
+            self.slots.append(start + c)
+            self.dec_starts.append(start)
+            self.dec_lens.append(c + 1)
+
+    def prefill(self, item: WorkItem) -> None:
+        """A chunk of n tokens from position c; its last row sampled if it ends the prompt,
+        and the rows whose logits score a prompt token asked for."""
+        seq, c, n = item.seq, item.seq.num_cached, item.tokens
+        owed = seq.prompt_logprobs_owed  # scored by the rows of positions owed - 1
+        lo, hi = max(c, owed.start - 1), min(c + n, owed.stop - 1)
+        if hi > lo:
+            self.prompt.extend(range(len(self.ids) + lo - c, len(self.ids) + hi - c))
+            self.spans.append((seq, lo + 1, hi - lo))
+        chunk = seq.token_ids[c : c + n]
+        if UNSAMPLED in chunk:  # a preempted request's recompute
+            late = [len(self.ids) + i for i, t in enumerate(chunk) if t == UNSAMPLED]
+            self.late_at += late
+            self.late_seqs += [seq] * len(late)
+        self.ids += chunk
+        self.pos += range(c, c + n)
+        self.slots += range(seq.kv_start + c, seq.kv_start + c + n)
+        self.cu.append(self.cu[-1] + n)
+        self.pre_starts.append(seq.kv_start)
+        self.pre_lens.append(c + n)
+        self.chunks.append(n)
+        if item.samples:
+            self.logits.append(len(self.ids) - 1)
 
 
-def _late_tokens(ids: list[int], step: ScheduledStep, prev: InFlight | None):
-    """(flat positions of the UNSAMPLED ids, the rows of prev.tokens holding their values)."""
-    at = [i for i, t in enumerate(ids) if t == UNSAMPLED]
-    if not at:
-        return [], []
+def _late_rows(seqs: list[Sequence], prev: InFlight | None) -> list[int]:
+    """The rows of prev.tokens holding the values of `seqs`' UNSAMPLED tokens."""
+    if not seqs:
+        return []
     if prev is None:
         raise RuntimeError("a step reads a token no step in flight samples")
     row = {seq: i for i, seq in enumerate(prev.step.sampled)}
-    owner = (list(step.decodes) + [seq for seq, d in step.verifies for _ in range(1 + len(d))]
-             + [seq for seq in step.beams for _ in seq.beams.running]
-             + [seq for seq, n in step.prefills for _ in range(n)])
-    return at, [row[owner[i]] for i in at]
+    return [row[seq] for seq in seqs]

@@ -22,7 +22,7 @@ import torch
 from kernels import to_device
 from services.compute.core.batch import ForwardBatch
 from services.compute.core.sequence import Sequence
-from services.compute.core.step import ScheduledStep
+from services.compute.core.step import ScheduledStep, Work
 from services.compute.kv.kv_cache import KVCache
 
 
@@ -32,23 +32,22 @@ class Drafter:
         self.model, self.kv, self.device = model, kv, device
 
     def propose(self, step: ScheduledStep, batch: ForwardBatch) -> torch.Tensor | None:
-        """Fill the draft rows of batch.input_ids (step.verifies' placeholders) with the draft
+        """Fill the draft rows of batch.input_ids (the verifies' placeholders) with the draft
         model's greedy tokens; returns them [sum of k] int64 on the device, verify by verify
         (None: the step verifies nothing)."""
-        if not step.verifies:
+        heads, row = [], 0  # each verify's first flat row (its pending token), its item
+        for item in step.items:
+            if item.kind is Work.VERIFY:
+                heads.append((row, item))
+            row += item.tokens
+        if not heads:
             return None
-        heads, row = [], len(step.decodes)  # each verify's first flat row (its pending token)
-        for _, drafts in step.verifies:
-            heads.append(row)
-            row += 1 + len(drafts)
-        for i in range(max(len(d) for _, d in step.verifies)):
-            active = [(h, seq) for h, (seq, d) in zip(heads, step.verifies, strict=True)
-                      if len(d) > i]
+        for i in range(max(len(item.drafts) for _, item in heads)):
+            active = [(h, item.seq) for h, item in heads if len(item.drafts) > i]
             rows = to_device(torch.tensor([h + i for h, _ in active]), self.device)
             passed = _decode_batch([seq for _, seq in active], i, batch.input_ids[rows])
             batch.input_ids[rows + 1] = self.model.forward(passed, self.kv).argmax(-1)
-        drafted = [h + 1 + j for h, (_, d) in zip(heads, step.verifies, strict=True)
-                   for j in range(len(d))]
+        drafted = [h + 1 + j for h, item in heads for j in range(len(item.drafts))]
         return batch.input_ids[to_device(torch.tensor(drafted), self.device)]
 
     def mirror(self, batch: ForwardBatch) -> None:

@@ -195,10 +195,10 @@ class LLMEngine:
 
     def _observe_lengths(self, step: ScheduledStep, sample) -> None:
         """Hand the length refiner the checkpoint rows the runner probed (StepSample)."""
-        checkpoints = []
+        checkpoints, rows = [], step.rows
         for row, probe in zip(sample.probe_rows, sample.probes, strict=True):
-            seq = step.sampled[row]
-            generated = step.token_index[row] - seq.num_prompt  # output before this token
+            seq = rows[row][0].seq
+            generated = rows[row][0].token_index - seq.num_prompt  # output before this token
             if seq.status is not SeqStatus.FINISHED:
                 checkpoints.append((seq, generated, probe))
         self.lengths.observe(checkpoints)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from services.compute.core.sequence import Sequence
-from services.compute.core.step import ScheduledStep, StepSample
+from services.compute.core.step import ScheduledStep, StepSample, Work
 from shared.codec import float32s, int32s
 from shared.messages import Tokens
 
@@ -86,9 +86,9 @@ class InFlight:
             out.probes, out.probe_rows = self.probes.numpy(), self.probe_rows
         if self.drafts is not None:
             flat, out.drafts = self.drafts.tolist(), []
-            for _, drafts in self.step.verifies:
-                out.drafts.append(flat[: len(drafts)])
-                del flat[: len(drafts)]
+            for item in self.step.of(Work.VERIFY):
+                out.drafts.append(flat[: len(item.drafts)])
+                del flat[: len(item.drafts)]
         return out
 
 

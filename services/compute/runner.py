@@ -18,7 +18,7 @@ from kernels.cpu import isa, set_isa
 from kernels.kv_quant import KV_GROUP
 from services.compute import sampling
 from services.compute.batch import build_batch
-from services.compute.core.step import ScheduledStep
+from services.compute.core.step import ScheduledStep, Work
 from services.compute.cuda_graphs import DecodeGraphs
 from services.compute.drafter import Drafter
 from services.compute.inflight import InFlight
@@ -130,9 +130,9 @@ class ModelRunner:
             self.kv.move(src, dst, n)
             if self.drafter is not None:
                 self.drafter.kv.move(src, dst, n)
-        sampled = step.sampled
-        mask = start_mask(sampled, dict(step.verifies))  # grammars' bitmask, filled while
-        # the forward runs
+        sampled, offsets = step.sampled, step.offsets
+        # the grammars' bitmask, filled while the forward runs
+        mask = start_mask(sampled, {it.seq: it.drafts for it in step.of(Work.VERIFY)})
         batch = build_batch(step, self.device, prev)
         out = InFlight(step)
         if self.drafter is not None:  # its tokens into the verify rows, then the target's
@@ -149,19 +149,18 @@ class ModelRunner:
             out.prompt = sampling.prompt_rows(logits[len(sampled):], batch.prompt_spans)
         if sampled:
             logits = logits[: len(sampled)]
-            sampling.suppress_stop_tokens(logits, sampled, step.row_offsets)
+            sampling.suppress_stop_tokens(logits, sampled, offsets)
             out.top = sampling.top_rows(logits, [s.top_count for s in sampled])
             out.tokens, out.logprobs = sampling.sample(logits, sampled, self.device, mask,
-                                                       step.row_offsets)
+                                                       offsets)
         return out.seal()
 
     def _probe(self, out: InFlight, hidden: torch.Tensor, step: ScheduledStep) -> None:
         """The probes [C, r] of the sampled rows that are length checkpoints (launched
         before Scheduler.advance: a row's token goes at index len(seq.token_ids); of a
         speculative verify, its first row only; none of a beam search)."""
-        rows = [i for i, (seq, j) in enumerate(zip(step.sampled, step.row_offsets, strict=True))
-                if j == 0 and seq.beams is None
-                and is_checkpoint(len(seq.token_ids) - seq.num_prompt, self.probe_every)]
+        rows = [i for i, (item, j) in enumerate(step.rows) if j == 0 and item.kind is not Work.BEAM
+                and is_checkpoint(item.seq.num_output, self.probe_every)]
         if rows:
             out.probe_rows = rows
             out.probes = hidden[rows].float() @ self.probe

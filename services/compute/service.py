@@ -18,7 +18,7 @@ from services.compute.compute_core import ComputeCore
 from services.compute.engine import LLMEngine
 from services.compute.length.store import redis_stores
 from services.compute.structured import GrammarQueue
-from services.compute.warmup import warm_up
+from services.compute.warmup import freeze_heap, warm_up
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
 from shared.messages import Abort, GenerateRequest
@@ -105,4 +105,5 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
         if svc.length_predictor else None  # else each compute process learns alone
     engine = build_engine(engine_cfg, length_stores=stores)
     startup = warm_up(engine)  # before the heartbeat starts: /health is green only after it
+    freeze_heap()
     ComputeService(engine, svc, redis.Redis.from_url(svc.redis_url), startup).run()

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 
 from services.compute.beam.group import commit_beams, lane_moves, restart
 from services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
-from services.compute.core.step import ScheduledStep, StepSample
+from services.compute.core.step import ScheduledStep, StepSample, Work, WorkItem
 from services.compute.scheduling.admission import peak_check
 from services.compute.scheduling.kv_space import KVSpace
 from services.compute.speculative.verify import Speculation
 from shared.config import Batching, SchedulerConfig
+from shared.messages import Tokens
 
 
 @dataclass
@@ -81,24 +82,19 @@ class Scheduler:
             if seq.pending == 1 and not seq.at_limit and self._make_room(seq, step):
                 if seq.beams is not None:  # its forks' K/V copied first
                     step.moves.extend(lane_moves(seq))
-                    step.beams.append(seq)
-                elif drafts := self._drafts(seq, step, len(self.running) - i):
-                    step.verifies.append((seq, drafts))
+                    step.items.append(WorkItem.beam(seq))
                 else:
-                    step.decodes.append(seq)
+                    step.items.append(WorkItem.decode(seq, self._drafts(seq, step,
+                                                                        len(self.running) - i)))
             i += 1
         budget = self.config.max_batched_tokens - step.num_tokens
         for seq in self.running:
             if seq.pending > 1 and budget > 0:
                 n = min(seq.pending, budget)
-                step.prefills.append((seq, n))
+                step.items.append(WorkItem.prefill(seq, n))
                 budget -= n
         self._admit_waiting(step, budget)
-        rows = ([(s, 0) for s in step.decodes]
-                + [(s, j) for s, d in step.verifies for j in range(len(d) + 1)]
-                + [(s, 0) for s in step.beams for _ in s.beams.running]
-                + [(s, 0) for s, n in step.prefills if n == s.pending])
-        step.sampled, step.offsets = [s for s, _ in rows], [j for _, j in rows]
+        step.items.sort(key=lambda item: item.kind)  # stable: in running order within a kind
         return step
 
     def _drafts(self, seq: Sequence, step: ScheduledStep, deciding: int) -> list[int]:
@@ -130,34 +126,26 @@ class Scheduler:
             step.admitted.append(seq)
             n = min(seq.pending, budget)
             if n:
-                step.prefills.append((seq, n))
+                step.items.append(WorkItem.prefill(seq, n))
                 budget -= n
 
     def advance(self, step: ScheduledStep) -> None:
         """Account for a launched step before its results are back: its K/V count as cached and
-        each sampled request gets an UNSAMPLED token, so the next step can be scheduled while
+        each sampled request gets UNSAMPLED tokens, so the next step can be scheduled while
         this one runs. A request whose sampled token is its last by length is not scheduled
         again (Sequence.at_limit)."""
-        for seq in step.decodes:
-            seq.num_cached += 1
-        for seq, drafts in step.verifies:  # K/V of all k + 1: the rejected ones' overwritten
-            seq.num_cached += 1 + len(drafts)
-        for seq in step.beams:  # one position, in every lane
-            seq.num_cached += 1
-        for seq, n in step.prefills:
-            seq.num_cached += n
-            if self.kv.prefix_cache is not None and seq.num_cached >= seq.num_prompt:
-                self.kv.prefix_cache.share(seq)  # its prompt's K/V may serve others now
-        beams = set()  # the rows of a beam search sample one position
-        for seq in step.sampled:
-            if seq.status is SeqStatus.FINISHED:  # since it was scheduled: nothing to sample
-                step.token_index.append(-1)
-                continue
-            if seq not in beams:
-                seq.token_ids.append(UNSAMPLED)
-            if seq.beams is not None:
-                beams.add(seq)
-            step.token_index.append(len(seq.token_ids) - 1)
+        cache = self.kv.prefix_cache
+        for item in step.items:
+            seq = item.seq
+            seq.num_cached += item.cached  # a verify's k + 1: the rejected ones' overwritten
+            if cache is not None and item.kind is Work.PREFILL and \
+                    seq.num_cached >= seq.num_prompt:
+                cache.share(seq)  # its prompt's K/V may serve others now
+            if item.samples and seq.status is not SeqStatus.FINISHED:
+                item.token_index = len(seq.token_ids)
+                seq.token_ids.append(UNSAMPLED)  # a beam search samples one position
+                if item.kind is Work.VERIFY:
+                    seq.token_ids += [UNSAMPLED] * (item.samples - 1)
 
     def commit(self, step: ScheduledStep, out: StepSample) -> StepSample:
         """Apply an advanced step's results, in step order: fill in the sampled tokens (and
@@ -166,38 +154,47 @@ class Scheduler:
         in; requests finished or aborted since the step was scheduled are left out (their
         extra token is dropped)."""
         done = StepSample()
-        prefilled = {seq.request_id: seq for seq, _ in step.prefills}
+        prefilled = {item.seq.request_id: item.seq for item in step.of(Work.PREFILL)}
         for piece in out.prompt:
             seq = prefilled[piece.request_id]
             if seq.status is not SeqStatus.FINISHED:
                 seq.prompt_logprobs += piece.logprobs
                 done.prompt.append(piece)
-        drafts, beams = dict(step.verifies), {}
-        if out.drafts is not None:  # the draft model's, in place of their placeholders
-            drafts = {seq: d for (seq, _), d in zip(step.verifies, out.drafts, strict=True)}
-        for seq, index, record, j in zip(step.sampled, step.token_index, out.outputs,
-                                         step.row_offsets, strict=True):
-            if seq.status is SeqStatus.FINISHED or index >= len(seq.token_ids):
-                continue  # finished, or an earlier row's token rejected this row's draft
-            if seq.beams is not None:
-                beams.setdefault(seq, []).append(record)
+        outputs, row = out.outputs, 0
+        drafted = None if out.drafts is None else iter(out.drafts)  # the draft model's
+        for item in step.items:
+            seq, n = item.seq, item.samples
+            row += n
+            drafts = next(drafted) if drafted and item.kind is Work.VERIFY else item.drafts
+            if n == 0 or seq.status is SeqStatus.FINISHED:
                 continue
-            seq.fill(index, record.token_ids[0], record.logprobs[0])
-            record.start, record.finish_reason = index, seq.finish_reason
-            last = done.outputs[-1] if done.outputs else None
-            if j and last is not None and last.request_id == seq.request_id:
-                last.extend(record)  # a verify's tokens travel in one record
+            if seq.beams is not None:  # its rows (its prompt's last one first) advance it
+                done.outputs += commit_beams(seq, outputs[row - n : row])
             else:
-                done.outputs.append(record)
-            if seq in drafts:
-                self.speculation.verified(seq, drafts[seq], j, index)
-            if seq.finish_reason is not None:
-                self._retire(seq)
-        for seq, records in beams.items():
-            done.outputs.extend(commit_beams(seq, records))
+                self._fill(item, outputs[row - n : row], drafts, done.outputs)
             if seq.finish_reason is not None:
                 self._retire(seq)
         return done
+
+    def _fill(self, item: WorkItem, records: list[Tokens], drafts: list[int],
+              done: list[Tokens]) -> None:
+        """Fill in one item's sampled tokens; append its records applied to `done` (a
+        verify's merged into its first)."""
+        seq = item.seq
+        for j, record in enumerate(records):
+            index = item.token_index + j
+            if index >= len(seq.token_ids):
+                break  # an earlier row's token rejected this row's draft
+            seq.fill(index, record.token_ids[0], record.logprobs[0])
+            record.start, record.finish_reason = index, seq.finish_reason
+            if j:
+                done[-1].extend(record)
+            else:
+                done.append(record)
+            if item.kind is Work.VERIFY:
+                self.speculation.verified(seq, drafts, j, index)
+            if seq.finish_reason is not None:
+                break
 
     def update(self, step: ScheduledStep, out: StepSample) -> StepSample:
         """advance + commit: a step run to completion before the next is scheduled."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 
-from services.compute.core.step import ScheduledStep, StepSample
+from services.compute.core.step import ScheduledStep, StepSample, Work
 from services.compute.inflight import Done
 from services.compute.sim.cost import CostModel, kv_dtype_bytes
 from shared.config import EngineConfig, KVPolicyName
@@ -82,8 +82,9 @@ class SimRunner:
 
     def step_time(self, step: ScheduledStep) -> float:
         return self.cost.step_time(
-            [s.num_cached + 1 for s in step.decodes],
-            [(n, s.num_cached) for s, n in step.prefills],
+            [c + 1 for item in step.items if item.kind is not Work.PREFILL
+             for _, _, c in item.decode_rows()],
+            [(item.tokens, item.seq.num_cached) for item in step.of(Work.PREFILL)],
             len(step.sampled), sum(n for _, _, n in step.moves))
 
     asynchronous = False  # a step's modelled time has passed when launch returns
