@@ -38,13 +38,13 @@ import transformers  # noqa: E402
 from bench.common import log, machine  # noqa: E402
 from loadgen import datasets as ds  # noqa: E402
 from services.compute.backend import build_engine  # noqa: E402
-from services.compute.warmup import freeze_heap  # noqa: E402
 from services.compute.batch import build_batch  # noqa: E402
 from services.compute.core.sequence import Sequence  # noqa: E402
 from services.compute.core.step import StepSample  # noqa: E402
 from services.compute.inflight import InFlight  # noqa: E402
 from services.compute.scheduling.kv_space import KVSpace  # noqa: E402
 from services.compute.scheduling.scheduler import Scheduler  # noqa: E402
+from services.compute.warmup import freeze_heap  # noqa: E402
 from shared.config import EngineConfig, SchedulerConfig  # noqa: E402
 from shared.demo_model import build_demo_tokenizer  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402
@@ -230,8 +230,9 @@ def _hf_batch(model, prompts: list[list[int]], new_tokens: int, cache: str = "dy
 
 
 def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
-                     args: argparse.Namespace) -> dict:
-    """schedule + build_batch + update per decode step, all requests running, fake tokens."""
+                     args: argparse.Namespace, freeze: bool = True) -> dict:
+    """schedule + build_batch + update per decode step, all requests running, fake tokens
+    (`freeze`: with the heap frozen once the requests run, as compute's is once started)."""
     cfg = EngineConfig(scheduler=SchedulerConfig(max_batched_tokens=args.max_batched_tokens,
                                                  max_running=args.max_running))
     sched = Scheduler(cfg.scheduler, KVSpace(cfg.scheduler, capacity))
@@ -251,7 +252,8 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
 
     while sched.waiting or any(s.pending > 1 for s in sched.running):  # prefill
         fake_step()
-    freeze_heap()  # as the compute service does once started
+    if freeze:
+        freeze_heap()
     running = len(sched.running)
     n_steps = min(args.overhead_steps, min(s.max_len - s.num_tokens for s in sched.running) - 1)
     moves0, times, cpu = sched.kv.stats.moves, [], []

@@ -466,3 +466,16 @@ def test_spec_sim_prints_the_best_k_per_batch(capsys):
     assert draft["b1 a0.9"]["speedup"] > draft["b1 a0.5"]["speedup"] > 1  # memory-bound
     assert draft["b128 a0.5"]["speedup"] < 1  # compute-bound: the draft's rows cost
     assert ngram["b1 a0.7"]["speedup"] > draft["b1 a0.7"]["speedup"]  # no draft steps
+
+
+def test_host_step_times_a_decode_step_with_the_heap_frozen_or_not():
+    import gc
+
+    from bench.host_step import one_run
+
+    out = one_run("default", 8, 5)
+    assert out["running"] == 8 and out["steps"] == 5 and out["mean"] > 0
+    frozen = gc.get_freeze_count()
+    one_run("frozen", 8, 5)
+    assert gc.get_freeze_count() > frozen  # measured as compute runs: start-up's heap frozen
+    gc.unfreeze()
