@@ -127,12 +127,15 @@ class GenerationDefaults:
             out[name] = API_DEFAULTS[name] if value is None else value
         return out
 
-    def max_tokens_for(self, requested: int | None, fallback: int) -> int:
+    def max_tokens_for(self, requested: int | None, fallback: int | None) -> int | None:
         """max_tokens of a request that asked for `requested` (None: none): that, else the
-        model's default, else `fallback` (the endpoint's); lowered to the cap, if any."""
+        model's default, else `fallback` (the endpoint's; None: up to the context); lowered to
+        the cap, if any."""
         value = requested if requested is not None else (
             self.max_tokens if self.max_tokens is not None else fallback)
-        return value if self.max_tokens_limit is None else min(value, self.max_tokens_limit)
+        if self.max_tokens_limit is None:
+            return value
+        return min(value or self.max_tokens_limit, self.max_tokens_limit)
 
     @property
     def values(self) -> dict[str, Any]:

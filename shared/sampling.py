@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's and vLLM's limit)
 
@@ -22,7 +22,7 @@ class SamplingParams:
     seed None means the engine draws one; the same seed gives the same output.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: what the context leaves after the prompt (fit_context)
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -49,12 +49,13 @@ class SamplingParams:
     early_stopping: bool | str = False  # beam search: True, False or "never" (transformers')
 
     def __post_init__(self):
-        _check(self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+               "max_tokens must be at least 1")
         _check(self.temperature >= 0, "temperature", "temperature must be >= 0")
         _check(self.top_k >= 0 or self.top_k == -1, "top_k", "top_k must be -1, 0 or positive")
         _check(0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1]")
         _check(0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1]")
-        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+        _check(0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
                "min_tokens must be between 0 and max_tokens")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty",
                "presence_penalty must be in [-2, 2]")
@@ -90,6 +91,22 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0)
+
+
+    def fit_context(self, prompt_len: int, context: int, lower: bool = False) -> SamplingParams:
+        """These params with max_tokens resolved against the room a context of `context`
+        tokens leaves after the prompt: None becomes the room; with `lower` (a default, not
+        the client's own value) a larger one is lowered to it. InvalidParams where the prompt
+        and max_tokens (or min_tokens) do not fit."""
+        room, n = context - prompt_len, self.max_tokens
+        if n is None or lower:
+            n = max(min(room, n or room), self.min_tokens, 1)
+        if n > room:
+            raise InvalidParams(
+                "max_tokens", f"This model's maximum context length is {context} tokens. "
+                f"However, you requested {prompt_len + n} tokens ({prompt_len} in the prompt, "
+                f"{n} for the completion). Please reduce the length of the prompt or max_tokens.")
+        return self if n == self.max_tokens else replace(self, max_tokens=n)
 
 
 def _check(ok: bool, param: str, message: str) -> None:

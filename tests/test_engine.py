@@ -118,3 +118,10 @@ def test_seeded_output_survives_moves_and_preemption(demo_model_dir, engine):
     assert run(tight, prompts, sp) == roomy
     stats = tight.stats()
     assert stats.moves > 0 and stats.preemptions > 0
+
+
+def test_max_tokens_none_runs_to_the_context(engine):
+    (seq,) = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=None, temperature=0,
+                                                          ignore_eos=True))
+    assert seq.num_tokens == engine.max_model_len and seq.finish_reason == "length"
+    assert seq.params.max_tokens == engine.max_model_len - len(PROMPTS[0])

@@ -105,6 +105,8 @@ def test_overrides_override_and_extend(tmp_path):
     capped = GenerationDefaults.load(model, "vllm", '{"max_new_tokens": 8}')
     assert capped.max_tokens == capped.max_tokens_limit == 8
     assert capped.max_tokens_for(None, 16) == 8 and capped.max_tokens_for(100, 16) == 8
+    assert capped.max_tokens_for(None, None) == 8  # chat's "up to the context", capped
+    assert GenerationDefaults().max_tokens_for(None, None) is None
     assert GenerationDefaults.load(model, "auto", "").values == \
         GenerationDefaults.load(model).values
     unset = GenerationDefaults.load(model, "auto", '{"temperature": null}')
@@ -332,3 +334,19 @@ def test_server_applies_the_models_generation_config(greedy_model):
         plain.wait_for_log("sampling defaults: none from the model (--generation-config vllm)")
     finally:
         plain.stop()
+
+
+def test_max_tokens_is_fitted_to_the_context_once_the_prompt_is_known():
+    """None: the room; a default is lowered to it; the client's own value beyond it is an
+    error, as is a min_tokens beyond it."""
+    from shared.sampling import InvalidParams
+
+    assert SamplingParams(max_tokens=None).fit_context(10, 64).max_tokens == 54
+    assert SamplingParams(max_tokens=100).fit_context(10, 64, lower=True).max_tokens == 54
+    assert SamplingParams(max_tokens=5).fit_context(10, 64, lower=True).max_tokens == 5
+    same = SamplingParams(max_tokens=54)
+    assert same.fit_context(10, 64) is same
+    with pytest.raises(InvalidParams, match="maximum context length is 64 tokens"):
+        SamplingParams(max_tokens=55).fit_context(10, 64)
+    with pytest.raises(InvalidParams):
+        SamplingParams(max_tokens=None, min_tokens=60).fit_context(10, 64)

@@ -297,14 +297,14 @@ def test_defaults_and_nulls(kind):
         assert req.add_generation_prompt == (kind == "chat")
     # without a model default: completions 16, chat up to the context (the tokenizer lowers it)
     assert PARSE[kind](BASE[kind], M).params.max_tokens == (16 if kind == "completion"
-                                                            else 2**31 - 1)
+                                                            else None)
 
 
 def test_logprobs_echo_and_max_tokens_zero():
     req = parse_completion({"prompt": "x", "logprobs": 5}, M)
     assert (req.params.logprobs, req.params.top_logprobs, req.params.prompt_logprobs) == (
         True, 5, None)
-    assert req.logprobs and req.top_logprobs == 5 and not req.echo
+    assert req.logprobs and req.params.top_logprobs == 5 and not req.echo
     # lm-eval's loglikelihood request: the prompt's logprobs, nothing generated
     req = parse_completion({"prompt": "x", "echo": True, "logprobs": 3, "max_tokens": 0}, M)
     assert req.echo and req.discard_output and req.max_tokens_given

@@ -100,12 +100,14 @@ class LLMEngine:
             raise InvalidParams("prompt", f"token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise InvalidParams("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in output_ids) or len(output_ids) >= params.max_tokens:
-            raise InvalidParams("output_ids", "resumed output must be token ids, fewer than "
-                                "max_tokens")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidParams("prompt", f"prompt has {len(prompt_ids)} tokens; the context "
                                 f"length is {self.max_model_len}")
+        if params.max_tokens is None:  # up to the context
+            params = params.fit_context(len(prompt_ids), self.max_model_len)
+        if any(not 0 <= t < vocab for t in output_ids) or len(output_ids) >= params.max_tokens:
+            raise InvalidParams("output_ids", "resumed output must be token ids, fewer than "
+                                "max_tokens")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidParams("request_id", f"request id {rid!r} is already in use")

@@ -139,7 +139,8 @@ class Registry:
     @staticmethod
     def _resume_choice(req: Inflight, c: ChoiceState) -> Resume | None:
         """The Resume of choice c, or None when it had all its tokens (it finishes here)."""
-        if len(c.token_ids) >= req.tokenize.params.max_tokens:
+        limit = req.tokenize.params.max_tokens  # None: the context's (compute knows it)
+        if limit is not None and len(c.token_ids) >= limit:
             req.deltas.put_nowait(Delta(req.request_id + c.id_suffix, finish_reason="length",
                                         num_prompt=c.num_prompt))
             return None

@@ -18,10 +18,10 @@
   max_tokens) take the model's defaults (`GenerationDefaults`, resolved at start-up from
   --generation-config), else the API's.
 * max_tokens: the given value, else the model's default, else 16 for completions (OpenAI's and
-  vLLM's default) and for chat the context: `max_tokens_given` tells which, so that for chat the
-  tokenizer lowers the default to `context_len - prompt_len` once the prompt is tokenized. A
-  server-wide cap (`GenerationDefaults.max_tokens_limit`) lowers any of them. Checking
-  prompt + max_tokens against the context length is the tokenizer's job. For chat,
+  vLLM's default) and for chat None (up to the context); a server-wide cap
+  (`GenerationDefaults.max_tokens_limit`) lowers any of them. The tokenizer fits it to the
+  context once the prompt is tokenized (`SamplingParams.fit_context`): a chat default is
+  lowered to the room, a given value larger than the room is a 400. For chat,
   `max_completion_tokens` and `max_tokens` are synonyms; giving both with different values is a
   400. Completions accept max_tokens 0 (with echo: the prompt's logprobs only, what lm-eval's
   loglikelihood requests send).
@@ -67,7 +67,6 @@ MAX_COUNT = 2**31 - 1  # token counts fit int32 everywhere downstream
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_SEED = 2**63 - MAX_N  # choice i samples with seed + i, which must stay below 2^63
 COMPLETION_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's and vLLM's default)
-CHAT_MAX_TOKENS = MAX_COUNT  # chat without max_tokens: up to the context (the tokenizer lowers it)
 NO_DEFAULTS = GenerationDefaults()
 
 _COMMON_KEYS = frozenset({
@@ -119,12 +118,12 @@ class GenerationRequest:
     n: int
     stream: bool
     include_usage: bool  # stream_options.include_usage
-    logprobs: bool  # return the chosen token's logprob (also params.logprobs)
+    logprobs: bool  # return the chosen token's logprob (and params.top_logprobs alternatives);
+    # compute computes them where params.logprobs (also for best_of's ranking)
     add_generation_prompt: bool  # chat (default True); False for completions
     user: str | None
     max_tokens_given: bool = True  # False: params.max_tokens is a default (for chat, an upper
     # bound the tokenizer lowers to the context left after the prompt)
-    top_logprobs: int = 0  # and the k most likely tokens at each position (params.top_logprobs)
     echo: bool = False  # completions: the prompt comes back before the completion (with
     # logprobs: its tokens' too, params.prompt_logprobs)
     discard_output: bool = False  # completions with max_tokens 0: compute generates one token
@@ -211,7 +210,7 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
         max_tokens, param = max_completion, "max_completion_tokens"
     return _finish(body, "chat", model, prompt_text=None, prompt_ids=None, messages=messages,
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
-                   max_param=param, defaults=defaults, fallback_max_tokens=CHAT_MAX_TOKENS,
+                   max_param=param, defaults=defaults, fallback_max_tokens=None,
                    add_generation_prompt=get_bool(body, "add_generation_prompt", True),
                    tools=tools.parse_tools(body, tool_parser), beam=parse_beam(body, n, n))
 
@@ -274,7 +273,7 @@ def _stream_fields(body: dict) -> tuple[bool, bool]:
     return stream, get_bool(options, "include_usage", False)
 
 
-def _sampling_params(body: dict, *, max_tokens: int, logprobs: bool, top_logprobs: int,
+def _sampling_params(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
                      prompt_logprobs: int | None, max_param: str,
                      defaults: GenerationDefaults, beam: dict) -> SamplingParams:
     """SamplingParams from the sampling fields, the model's `defaults` where they are unset;
@@ -329,7 +328,7 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_param: str,
-            defaults: GenerationDefaults, fallback_max_tokens: int, n: int, logprobs: bool,
+            defaults: GenerationDefaults, fallback_max_tokens: int | None, n: int, logprobs: bool,
             top_logprobs: int, prompt_logprobs: int | None = None, beam: dict,
             **fields: Any) -> GenerationRequest:
     """Validate the fields both endpoints share and build the request (`beam`: its beam
@@ -350,6 +349,6 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         check_beam(top_logprobs, fields.get("echo", False), grammar is not None)
     return GenerationRequest(
         kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
-        include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
+        include_usage=include_usage, logprobs=logprobs,
         user=get_str(body, "user"), max_tokens_given=max_tokens is not None, grammar=grammar,
         **fields)

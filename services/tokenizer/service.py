@@ -39,7 +39,7 @@ from shared.messages import (
 )
 from shared.model_config import ModelConfig, served_context
 from shared.routing import make_policy
-from shared.sampling import SamplingParams
+from shared.sampling import InvalidParams, SamplingParams
 from shared.tokenizer import encode, load_tokenizer
 from shared.transport import Receiver, Sender, Senders
 
@@ -123,19 +123,10 @@ class Tokenizer:
             raise PromptError(f"chat template failed: {e}") from None
         if not ids:
             raise PromptError("the prompt is empty after tokenization")
-        params = req.params
-        room = self.max_model_len - len(ids)
-        if req.max_tokens_auto:  # up to the context, at most the default max_tokens the
-            # gateway set (the model's, or 2^31 - 1); min_tokens beyond the room, or no room
-            # left: the check below
-            auto = max(min(room, params.max_tokens), params.min_tokens, 1)
-            params = dataclasses.replace(params, max_tokens=auto)
-        if room < params.max_tokens:
-            raise PromptError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
-                f"prompt, {params.max_tokens} for the completion). Please reduce the length "
-                f"of the prompt or max_tokens.")
+        try:  # a default max_tokens (max_tokens_auto) is lowered to the room, the client's not
+            params = req.params.fit_context(len(ids), self.max_model_len, req.max_tokens_auto)
+        except InvalidParams as e:
+            raise PromptError(str(e)) from None
         self.check_grammar(req.grammar)
         feats, quantiles = self.predict(text, ids, params.max_tokens)
         packed = int32s(ids)
