@@ -57,7 +57,7 @@ class Child:
     next_start: float = 0.0  # monotonic time of the pending restart; 0: none pending
     started_at: float = 0.0
     stderr_tail: collections.deque = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=20))
+        default_factory=lambda: collections.deque(maxlen=200))
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent,
@@ -76,8 +76,14 @@ class Child:
             self.proc.terminate()
 
     def last_error(self) -> str:
-        """The child's last non-empty stderr line (a traceback's last line is the error)."""
-        lines = [line for line in self.stderr_tail if line.strip()]
+        """The child's error: its last traceback's exception line, else its last non-empty
+        stderr line (what an extension prints at exit after a traceback is passed over)."""
+        lines = [line.rstrip() for line in self.stderr_tail if line.strip()]
+        starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+        if starts:
+            raised = [line for line in lines[starts[-1] + 1 :] if not line.startswith(" ")]
+            if raised:
+                return raised[0]
         return lines[-1].strip() if lines else "no output on stderr"
 
     def _forward_stderr(self, stream) -> None:

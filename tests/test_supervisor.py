@@ -180,3 +180,19 @@ def test_each_compute_rank_gets_its_device_and_share_of_cores(monkeypatch):
     assert env == {"PIPELLM_DATA_PARALLEL_RANK": "2", "CUDA_VISIBLE_DEVICES": "2",
                    "PIPELLM_THREADS": "4"}
     assert "PIPELLM_THREADS" not in compute_env(EngineConfig(model="unused", threads=2), 4, 2)
+
+
+def test_the_error_reported_is_the_traceback_s_not_the_noise_after_it():
+    from services.supervisor import Child
+
+    child = Child("compute", [], {})
+    child.stderr_tail.extend([
+        "2026-11-28 INFO pipellm.compute: starting\n", "Traceback (most recent call last):\n",
+        '  File "x.py", line 1, in <module>\n', "    bind()\n",
+        "zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:5')\n",
+        "nanobind: leaked 4 instances!\n", " - leaked instance 0x7f of type \"ir.attribute\"\n",
+        "See https://nanobind.readthedocs.io/en/latest/refleaks.html\n"])
+    assert child.last_error().startswith("zmq.error.ZMQError: Address already in use")
+    child.stderr_tail.clear()
+    child.stderr_tail.extend(["a line\n", "killed\n", "\n"])
+    assert child.last_error() == "killed"

@@ -1,27 +1,9 @@
-"""Sampling: a step's logits -> its sampled tokens, their logprobs and the top rows asked for.
+"""Sampling: a step's logits [S + R, vocab] -> its sampled tokens, their logprobs and top rows.
 
-The forward pass of a step returns logits [S + R, vocab]: row i < S is the next-token row of
-step.sampled[i]; the R rows after them score prompt tokens, span by span
-(ForwardBatch.prompt_spans, in order). `ModelRunner.launch` calls, in this order:
-
-    prompt_rows(logits[S:], spans)          -> PromptRows: each scored token's logprob and its
-                                               row's prompt_logprobs most likely tokens
-    suppress_stop_tokens(logits[:S], seqs)  min_tokens: a row's stop ids to -inf, IN PLACE, so
-                                               what follows sees it
-    top_rows(logits[:S], ks)                -> TopRows | None: the top_logprobs of the rows
-                                               that ask for them (ks[i] > 0)
-    sample(logits[:S], seqs, device)        -> (token ids [S] int64, logprobs [S] float32),
-                                               both on the device; penalties, logit_bias and
-                                               the grammars' masks (structured.py) first
-
-Invariants:
-- Nothing here waits for the device: host->device copies are non-blocking, results stay on
-  the device (`sample`) or are copied to pinned host memory without waiting (`to_host`).
-- Logprobs (chosen, top and prompt) are those of the model's own distribution: log_softmax
-  of its logits (sampled rows: after min_tokens masking), never of penalized or biased ones.
-- Penalties and logit_bias are computed out of place, in float32, and change only the rows
-  that ask for them; a step where no row asks does none of that work. A row's token depends
-  only on its own logits, params, seed and step, not on the batch (kernels.sampling).
+Rows i < S are step.sampled[i]'s next-token rows; the R after them score prompt spans. Called in
+the order prompt_rows, suppress_stop_tokens (in place), top_rows, sample. Nothing here waits for
+the device. Logprobs are the model's own (log_softmax after min_tokens masking only); penalties
+and logit_bias are out of place, in float32; a row's token never depends on its batch.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """N simulated replicas behind one router, on one virtual timeline.
 
-Each replica is an `LLMEngine` on the sim backend with its own `VirtualClock`, read as the time
-its last step ended (an idle replica's: when it last worked, or when its next request arrived).
-The caller drives the timeline in time order, as bench/virtual.py's `simulate` drives one
-engine: an arrival at `t` goes through `add(t, ...)` once no replica has a step left to start
-before `t`; otherwise `step()` runs the replica whose clock is earliest. So a step's
-scheduling sees every request that arrived by its start, a request that arrives while its
-replica is mid-step waits for that step's end, and the router sees a replica mid-step as it
-will be at the step's end (its admissions and finishes show from its start: at most one step
-early).
-
-A replica's load (`ReplicaLoad`) comes from its engine: running and waiting counts, the prefill
-backlog (`prefill_backlog`) and the KV capacity from the scheduler, as the engine publishes them
-(`EngineStats`), and `demand` the engine's (`Scheduler.demand`, what the server routes on: prompt +
-the median output length given what was generated, summed over its requests), kept as
-requests are added and finish from each one's prompt + predicted median at arrival. The two
-agree while no request outgrows its predicted median (always with oracle lengths, which end
-each request at its prediction); `engine_demand` asks the engine.
+Each replica is an `LLMEngine` on the sim backend with its own `VirtualClock`. Time runs in
+order: `add(t, ...)` once no replica has a step left to start before t, else `step()` runs the
+replica whose clock is earliest, so a step's scheduling sees every request that arrived by its
+start. A replica's `demand` is kept from each request's prompt + predicted median at arrival.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
-"""Constrained decoding in compute: grammars compiled off the loop, one xgrammar matcher per
-sequence (choice), the step's token bitmask, and the token each sampled row commits.
-
-    GrammarQueue(model)              requests waiting for their grammar, compiled in a thread
-    GrammarState(grammar, replay)    a sequence's matcher; `replay`: tokens it already generated
-                                     (a request resumed after a crash continues its grammar)
-    start_mask(seqs, drafts)         -> the step's bitmask being filled in a thread (the overlap
-                                     schedule: launched before the forward pass), or None; a
-                                     speculative verify's row j is masked as after its first
-                                     j drafts (each in the grammar: `valid_prefix`)
-    mask_logits(logits, seqs, mask)  -> logits [S, vocab] with every token the grammar of a row
-                                     forbids at -inf (rows without a grammar unchanged)
-
-A sequence's matcher advances in `Sequence.fill` (the host learns the token), and the next
-step's mask is filled from it; so a step with a grammar row waits for the step before it to be
-committed (the engine's `_reads_token_values`), and its mask is filled while its own forward
-pass runs (xgrammar releases the GIL). Preemption and recompute keep a sequence's
-output tokens, hence its matcher. When the grammar is complete the matcher accepts only the
-model's EOS ids and then terminates: the sequence ends with finish_reason "stop", whatever
-ignore_eos says; max_tokens first ends it with "length".
+"""Constrained decoding in compute: grammars compiled off the loop (`GrammarQueue`), one
+xgrammar matcher per sequence (`GrammarState`), the step's token bitmask (`start_mask`,
+`mask_logits`). A matcher advances only when the host learns a token (`Sequence.fill`), so a
+step with a grammar row waits for the step before it to be committed. A complete grammar
+accepts only EOS: the sequence ends with "stop" whatever ignore_eos says.
 """
 
 from __future__ import annotations

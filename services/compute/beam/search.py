@@ -1,18 +1,7 @@
 """`BeamSearch`: transformers' beam search (GenerationMixin._beam_search, greedy, one prompt)
-on the host, one decode step at a time.
-
-Each step, with g tokens generated so far, every candidate is a running beam extended by one
-of its row's K most likely tokens (K = max(2, 1 + stop ids) * W), scored by its cumulative
-log-probability; the K best over all beams, best first, are considered:
-- one that ends the beam (a stop id, or the length limit: g + 1 = max_new) and ranks among the
-  first W becomes a finished hypothesis, scored cum / (g + 1) ** length_penalty, unless the
-  search no longer takes any (see `open`) or early_stopping is True and W are finished; the W
-  best hypotheses are kept;
-- the W best that do not end continue as the running beams.
-The search stops when every one of the K candidates ends, when early_stopping is True and W
-hypotheses are finished, or when no running beam can beat the worst of W finished ones any
-more (transformers' heuristic: the best running score over g + 1, or over max_new with
-early_stopping "never" and a positive length penalty, to the length penalty).
+on the host, one decode step at a time, rule for rule: of the K best extensions over all beams,
+those among the first W that end become hypotheses (scored cum / length ** length_penalty), the
+W best that do not end go on; the search stops when transformers' would.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Contiguous slot allocator for a KV cache.
+"""Contiguous best-fit slot allocator for a KV cache (pure logic, O(#free blocks) per operation).
 
-The cache has ``capacity`` slots (one slot holds one token's K/V). Each request owns exactly one
-contiguous segment ``[start, start + size)``. Placement is best-fit: the smallest free block that
-holds the request, ties broken by lowest address, with the segment placed at the block's start.
-
-Pure logic: no torch, no I/O. Intended to be called every engine step with a few hundred live
-segments, so every operation is at most O(#free blocks) (plus a bisect into the free list).
-
-Invariants (verified by :meth:`KVAllocator.check`):
-  * allocated segments and free blocks are disjoint and together tile ``[0, capacity)`` exactly;
-  * every segment and free block has size >= 1;
-  * free blocks are fully coalesced: no two free blocks are adjacent;
-  * ``_free_starts`` is the sorted list of the keys of ``_free``;
-  * ``_reserved`` equals the sum of allocated segment sizes.
+One slot holds one token's K/V; each request owns one segment [start, start + size), placed at
+the start of the smallest free block that holds it (lowest address on ties). Invariants
+(`KVAllocator.check`): segments and free blocks, each of size >= 1, tile [0, capacity) without
+overlap; no two free blocks are adjacent; `_free_starts` is the sorted keys of `_free`;
+`_reserved` is the sum of segment sizes.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
-"""Prefix caching on contiguous segments: finished requests' KV kept while memory allows.
-Pure logic (no KV, no device): the scheduler copies a hit's K/V as a step move.
+"""Prefix caching on contiguous segments (pure logic: no KV, no device).
 
-A finished request's segment is not freed but shrunk to the tokens whose K/V it holds and kept
-as a cache entry, indexed by those tokens (`PrefixIndex`). A new request whose prompt starts
-with an entry's tokens gets a segment of its own and a copy of the common prefix's K/V (a device
-copy costs a small fraction of recomputing the tokens), so its prefill starts after the prefix.
-Entries are unreferenced: they count as free for admission, and the scheduler evicts them, least
-recently used first, whenever it needs their slots. Running requests are indexed too, by their
-prompt, once it is prefilled (`share`): requests arriving together with a common prefix (a
-shared system prompt under a burst) copy it from the first one while it still runs. Those are
-never evicted here; they leave the index when they finish (to come back as an entry), are
-preempted or aborted (`unshare`).
-
-Why copy rather than share: a sequence reading a shared read-only prefix range plus its own
-segment needs two ranges per sequence in every attention kernel, and reference counts that pin
-entries (they could then neither move nor be evicted while any reader runs). A copy keeps one
-contiguous range per sequence, keeps every entry movable and evictable at any step, and costs
-one memory-bound copy of the prefix per hit, far less than its prefill.
-
-Entries are the finished `Sequence` objects themselves: `kv_start`, `kv_reserved` (= their
-token count) and `num_cached` describe their segment like a running request's, so the
-compactor moves them like any segment. Invariant: the slots [kv_start, kv_start + len(tokens))
-of every indexed sequence hold the K/V of index.tokens[it] (once the steps in flight have run:
-every later copy is ordered after them on the device).
+Entries are finished `Sequence`s shrunk to the tokens whose K/V they hold, indexed by those
+tokens (`PrefixIndex`), counted as free and evicted least recently used first. Running requests
+are indexed by prompt once prefilled (`share`), never evicted here. A hit is copied into the new
+request's own segment as a step move. Invariant: the slots [kv_start, kv_start + len(tokens))
+of every indexed sequence hold the K/V of index.tokens[it] once the steps in flight have run.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """The hidden-state length head: remaining output length from the model's own hidden state.
 
-A request's features at a checkpoint (after prefill: the last prompt token's hidden state; then
-every k generated tokens: the newest token's) are the probe of the hidden state (r values: the
-hidden state itself, or for a wide model a fixed random Gaussian projection, the same seed on
-every replica) plus log prompt length, log max_tokens and log tokens generated so far. The
-targets are survival indicators of the *remaining* length: y_j = 1[remaining > EDGES[j]] for the
-length predictor's log-spaced bucket edges. A linear map fitted by ridge regression gives
-survival estimates S_j, made monotone, whose quantiles are the prediction (linear probability
-model: one solve, no iterations).
-
-There are two heads, one per stage (`STAGES`): "prefill" predicts right after prefill and
-learns from that checkpoint only (one row per request); "refine" predicts at every later
-checkpoint and learns from all of them, the one after prefill included. Pooled in one head, a
-long request's many refining rows would outweigh the one prefill row of every request
-(bench/length_predictor.py --lengths smollm2; docs/benchmarks.md has one head against two).
-
-Fitting needs only additive sufficient statistics of the rows seen, `HeadStats` (Xa^T Xa and
-Xa^T Y with Xa = [X, 1], and the number of requests), so any number of writers add their
-finished requests in any order and the result is the same; the stats live in Redis
-(`store.py`), each replica solves them itself. Ridge acts on standardized features, with the
-intercept unpenalized; each head has its own penalty (the head after prefill, with one row per
-request, needs more: RefinerConfig.l2).
+A ridge fit maps a checkpoint's features (the hidden-state probe, log prompt length, log
+max_tokens, log tokens generated) to survival estimates of the remaining length at the length
+predictor's bucket edges; their quantiles are the prediction. One head per stage (`STAGES`).
+Invariant: a fit depends only on additive statistics (`HeadStats`), added in any order.
 """
 
 from __future__ import annotations

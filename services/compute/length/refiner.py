@@ -1,22 +1,9 @@
 """The engine's hook for hidden-state length prediction (`--hidden-length`).
 
-The runner hands out, at every checkpoint (generated == 0: the last prompt token, right after
-prefill; then every `--length-refine-every` generated tokens), the probe of the row's hidden
-state (head.probe_matrix); the engine hands over a step's checkpoints in one call, so each
-head predicts them all in one matrix product. The refiner
-- replaces the request's `predicted_length` by the prediction of the checkpoint's stage's head
-  (once that head has learned from `min_requests` finished requests; until then the previous
-  prediction stays: the text predictor's prior after prefill), so the scheduler's growth,
-  future-peak admission and victim choice use the newest one;
-- keeps the checkpoint's probe, and when the request finishes ("stop" or "length": an aborted
-  request's length is unknown) queues it to be learned: one row per checkpoint, its target
-  the remaining length then, for each head that learns from it (`learns_from`).
-`tick` (once per engine step) syncs every `push_s` seconds: adds the queue up into statistics
-and pushes them to the stores, and every `refresh_s` seconds reloads and re-solves each head
-whose store has news (the refining head's statistics over a raw 576-d hidden state are 2.7 MB).
-With `background`, a worker thread does it off the step path, one sync at a time; the step
-thread only swaps the queue and reads the solved heads. A store error costs that update
-(logged), never a request.
+At every checkpoint a request's `predicted_length` becomes its stage's head's prediction (once
+that head has learned from `min_requests` requests), and its probe is kept to be learned when it
+finishes by "stop" or "length". `tick` syncs the statistics with the stores (with `background`,
+in a worker thread). A store error costs that update, never a request.
 """
 
 from __future__ import annotations

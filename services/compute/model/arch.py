@@ -1,20 +1,8 @@
-"""What the supported architectures store differently, brought to the decoder's one layout.
-
-  * Phi-3 stores q/k/v fused (`self_attn.qkv_proj`; GGUF `attn_qkv`) and gate/up fused
-    (`mlp.gate_up_proj`; GGUF `ffn_up`), in the order Llama's separate projections fuse to.
-    `split_fused` hands them over as Llama's names (row views), so that everything reading
-    weights (the decoder, SmoothQuant calibration) sees one layout.
-  * Qwen3 has an RMSNorm [head_dim] on every q and k head (`self_attn.q_norm`, `k_norm`),
-    applied before RoPE (`qk_norms`).
-  * Partial rotary (Phi-4-mini): each q and k head's rows (and bias, and norm weight) are
-    reordered as `rope.head_order` says (`qkv_rows`).
-  * OLMoE has one RMSNorm over the whole q projection [H * D] and one over the whole k
-    projection [Hkv * D] (not per head), then optionally clamps q, k, v to +-clip_qkv: the
-    q/k/v projection comes wrapped to apply them (`FullQKNorm`), before the attention's RoPE.
-  * Gemma 2 and 3 norm the attention's and the MLP's outputs too (sandwich norms): their
-    `post_attention_layernorm` is that output norm, and the MLP's input norm is
-    `pre_feedforward_layernorm` (Llama's `post_attention_layernorm`); `layer_norms` names them.
-  * The mixture-of-experts MLPs are read in `moe.py`.
+"""What the supported architectures store differently, brought to the decoder's one layout:
+Phi-3's fused q/k/v and gate/up (`split_fused`), Qwen3's per-head q/k norms (`qk_norms`),
+partial rotary's reordered q/k rows (`qkv_rows`), OLMoE's whole-q/k norms and q/k/v clamp
+(`FullQKNorm`), Gemma's sandwich norms (`layer_norms`); mixture-of-experts MLPs in `moe.py`.
+Invariant: everything that reads weights sees Llama's names and layout.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """Checkpoint tensors from a GGUF file, dequantized and renamed to Hugging Face names.
 
-llama.cpp's converter stores, for the `llama` architecture, the rows of each Q and K projection
-permuted from HF's rotate-half RoPE layout to its interleaved one: within every head, rows
-(0, d/2, 1, d/2+1, ...). `_unpermute` undoes that, so the model runs with the same RoPE as for
-a Hugging Face checkpoint. `qwen2`, `qwen3` and `phi3` run llama.cpp's NeoX (rotate-half) RoPE
-and are stored unpermuted (shared/gguf/hf.py ARCHITECTURES).
-
-Names follow gguf.constants.MODEL_TENSORS: what differs by architecture is Qwen3's per-head
-`attn_q_norm`/`attn_k_norm` and Phi-3's fused `attn_qkv` and `ffn_up` (gate and up, fused);
-Phi-3's `rope_factors_long`/`rope_factors_short` are RoPE parameters (read with the metadata,
-shared/gguf/hf.py), not weights. Mixture-of-experts files (`qwen3moe`, `olmoe`; Mixtral as `llama`)
-store the router as `ffn_gate_inp` [n_expert, hidden] and the experts stacked,
-`ffn_{gate,up,down}_exps` [n_expert, rows, cols]: each stack is split into the per-expert
-Hugging Face names (`model/moe.py`'s `expert_names`). Gemma files (`gemma2`, `gemma3`) hold
-their sandwich norms as `post_attention_norm` and `post_ffw_norm` (and `ffn_norm` is the MLP's
-input norm), every RMSNorm weight stored as the (1 + w) it scales by: kept so, as the HF
-loader folds them (weights.py).
-
-With `keep_int4`, the decoder's Q4_0/Q4_1 matrices are not dequantized: their blocks become an
-`Int4Weight` (the same values, 4 bits each, an fp16 scale and min per 32), served by the INT4
-GEMM. Block layout (ggml): Q4_1 = fp16 d, fp16 m, 16 bytes of nibbles; Q4_0 = fp16 d, 16 bytes;
-nibble j of a block is value j (low nibbles) or j + 16 (high); value = q * d + m (Q4_0:
-(q - 8) * d).
+Invariant: the tensors come out as weights.py loads the HF checkpoint (Gemma norms as 1 + w):
+llama.cpp's Q/K row permutation (`llama` files) undone, stacked experts split into per-expert
+names. With `keep_int4`, Q4_0/Q4_1 decoder matrices stay in their 4-bit blocks (`Int4Weight`).
 """
 
 from __future__ import annotations

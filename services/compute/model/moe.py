@@ -1,20 +1,8 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE): a router [E, hidden], softmax
-over the experts in float32, the top k per token (renormalized with `norm_topk_prob`), and E
-SwiGLU experts, each token's output the routing-weighted sum of its k experts' outputs.
-
-Three ways to run the experts, chosen at load (the kernels' backend is set before the model is
-built, `kernels/dispatch.py`):
-
-  * fused (`kernels/fused_moe.py`): CUDA tensors (or `--kernels triton`) with float experts:
-    the experts stacked as w13 [E, 2I, hidden] and w2 [E, hidden, I], one grouped GEMM launch
-    for every expert's gate_up and one for down, no host sync (CUDA-graph safe).
-  * grouped (the CPU path): the (token, slot) pairs sorted by expert, the tokens gathered once,
-    one GEMM per expert that has tokens on its contiguous run, the weighted rows scatter-added
-    back. Each expert is two of the quantization method's linear layers (`model/linear/`), so
-    --quantization int4 / fp8 / w8a8 quantize the experts as any projection.
-  * reference (`--kernels reference`): transformers' loop over the experts.
-
-The router stays float (as in vLLM) and runs F.linear.
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, OLMoE): a float router [E, hidden]
+(F.linear, never quantized), softmax in float32, the top k per token (renormalized with
+`norm_topk_prob`), each token's output the routing-weighted sum of its k SwiGLU experts'.
+The experts run fused (`kernels/fused_moe.py`: CUDA, float experts), grouped per expert (CPU,
+the quantization method's linear layers) or as transformers' loop (`--kernels reference`).
 """
 
 from __future__ import annotations

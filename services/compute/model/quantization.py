@@ -1,25 +1,8 @@
-"""Quantization methods (`--quantization`): which linear layer each decoder projection becomes
-and whether the activations entering it come quantized from the fused norm and SiLU kernels.
-
-The embedding and the norms stay in the model's dtype, and so does the LM head, as in vLLM's
-methods, but for int4 on an x86 CPU with AVX2 or better: there the head is INT8 blocks of 32
-(Q8_0, the format a 4-bit GGUF file stores its embedding in) times INT8 activations, as
-llama.cpp runs it. On a CPU at the `amx` level (kernels/cpu/isa.py), each int4 projection and
-that head also keep a bf16 copy for the steps with many rows (`linear/amx.py`).
-
-    none  float weights (a GGUF file's quantized tensors dequantized at load)
-    w8a8  per-channel INT8 weights, per-token INT8 activations (fused into add + RMSNorm and
-          SiLU x mul), INT32 accumulation
-    int4  group-wise INT4 weights: a GGUF file's Q4_0/Q4_1 tensors served from their own
-          blocks, other weights quantized at load (groups of --int4-group-size); float
-          activations, or on an x86 CPU with AVX2 or better INT8 ones per block of 32 (W4A8)
-    fp8   e4m3 weights and per-token activations, torch._scaled_mm: GPUs of compute capability
-          8.9+ (Ada, Hopper) in bfloat16, and CPUs (PyTorch's unaccelerated kernel)
-    auto  int4 for a GGUF file whose projections are Q4_0/Q4_1, else none
-
-Mixture-of-experts models: every method applies to the experts on CPU (each expert is two
-linear layers, `model/moe.py`); on a GPU the experts run the fused float kernel
-(`kernels/fused_moe.py`), so a quantization method is refused there (auto: none).
+"""Quantization methods (`--quantization` none, w8a8, int4, fp8, auto): which linear layer each
+decoder projection becomes, and whether its input activations come quantized from the fused
+norm and SiLU kernels. The embedding and norms keep the model's dtype; so does the LM head, but
+under int4 on an x86 CPU with AVX2 or better (Q8_0 blocks x INT8 activations). Mixture-of-experts
+experts take a method only on CPU; on a GPU it is refused (auto: none).
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Rotary position embedding (rotate-half layout, as HF Llama), with linear, llama3 and longrope
 scaling, on all of a head or (partial rotary, Phi-4-mini) on its first `rotary_dim` dims.
 
-LongRoPE (Phi-3). transformers picks the short or the long factors per forward call, by the
-length of the sequence so far (`longrope_frequency_update`: long once max(position) + 1 >
-original_max_position_embeddings); a sequence that crosses that length during generation
-keeps the K it cached with the short factors beside new K rotated with the long ones. Here the
-choice is made once per model, by the positions it serves, as vLLM and llama.cpp do: the long
-factors when `max_positions` (the served context, --max-model-len) exceeds
-original_max_position_embeddings, else the short ones. Both agree with transformers for every
-sequence that ends within the original length when served with max_positions <= it, and for
-every sequence whose prompt already exceeds it; in between (short prompt, long output, or a
-short sequence on a long-context server) they differ. The attention factor scales cos and sin
-in both cases, as in transformers.
-
-Partial rotary. The fused RoPE kernel turns pairs (i, i + head_dim / 2) of a whole head; HF
-turns pairs (i, i + rotary_dim / 2) of the first rotary_dim dims and passes the rest through.
-`head_order` permutes each q/k head's dims (their projection rows) so that HF's pairs become
-the kernel's, and the tables' extra columns are cos = 1, sin = 0 (the pass-through dims come
-out exactly as they went in). Scores q . k do not depend on the order of the dims.
+LongRoPE's short or long factors are chosen once per model, by `max_positions`. Partial rotary:
+`head_order` permutes each q/k head's dims so that HF's pairs are the fused kernel's, and the
+pass-through dims (cos 1, sin 0) come out exactly as they went in.
 """
 
 from __future__ import annotations

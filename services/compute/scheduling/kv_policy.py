@@ -1,19 +1,9 @@
 """KV policies: how much of the cache a request's segment holds, and what happens when it runs out.
 
-A policy is an object behind the small `KVPolicy` protocol; the scheduler asks it and never
-switches on its name. `make_policy(config)` builds the one `--kv-policy` names, with its
-settings from the SchedulerConfig.
-
-- `Predicted`: prompt + the `reserve_quantile` of the predicted output length, at most
-  `horizon` tokens ahead; a segment that runs out regrows to the `grow_quantile` of the length
-  given what it has generated (again at most the horizon ahead, at least `min_grow` more):
-  --kv-reserve-quantile, --kv-grow-quantile, --kv-reserve-horizon and --kv-min-grow.
-  Free space split into holes is closed by moving segments (a `Compactor`), and a victim is
-  chosen among those whose slots seq can actually use.
-- `MaxLength`: prompt + max_tokens, never grows (what static-batching servers reserve).
-- `Paged`: the vLLM baseline on a `PagedAllocator`: blocks for the tokens present, one more
-  block when a token crosses into it, a 1% watermark of blocks kept free at admission, the
-  newest request preempted when no block is left.
+Each policy is an object behind the `KVPolicy` protocol; the scheduler asks it and never
+switches on its name (`make_policy(config)` is the one place that reads it). `Predicted` sizes
+segments by the predicted length and regrows them, `MaxLength` reserves prompt + max_tokens and
+never grows, `Paged` is the vLLM baseline on a `PagedAllocator`.
 """
 
 from __future__ import annotations

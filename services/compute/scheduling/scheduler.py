@@ -1,25 +1,9 @@
 """Merged-step scheduler over the KV space (kv_space.py). Pure logic: no torch, sockets or Redis.
 
-Each step: every running request with one pending token contributes a decode token (growing,
-moving or, as a last resort, preempting to make room for it); then running requests still in
-prefill continue their chunks; then waiting requests are admitted FCFS while the token budget,
-the running limit and free KV allow. A prompt larger than the budget is prefilled in chunks.
-
-KV policies (how much a request's segment holds, how it grows, whom to preempt) are objects in
-`kv_policy.py`: `predicted` (segments sized by the predicted output length, moved to close holes
-rather than preempting), `max` (prompt + max_tokens) and `paged` (the vLLM baseline, blocks).
-Admission (`kv_admission`, estimators in `admission.py`): `fit` admits whenever the
-reservation fits; `peak` also requires the future KV peak to fit, with every running request's
-remaining length at the `kv_peak_quantile` of its predicted length (LightLLM's past-future
-estimate, with learned lengths); `aggregate` requires the `kv_peak_quantile` of the total future
-demand, over the requests' whole distributions, to fit; `auto` is `AUTO_PEAK` for the predicted
-policy and `fit` for the others (vLLM's greedy admission).
-`batching=static` is the static-batching baseline: admit only into an empty batch, then run it
-until every request in it has finished.
-With `enable_prefix_caching`, finished segments stay cached (`PrefixCache`): an admitted request
-whose prompt starts with a cached prefix gets that prefix's K/V copied into its segment (a step
-move) and prefills only the rest; entries are evicted, least recently used first, before
-anything is compacted or preempted for their slots.
+Each step: a decode token for every running request with one pending (growing, moving or, last,
+preempting to make room), then running prefills' next chunks, then waiting requests admitted
+FCFS while the token budget, the running limit, free KV and the admission rule allow. KV
+policies are in `kv_policy.py`, admission estimators in `admission.py`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""`SimRunner`: the ModelRunner interface (`capacity`, `execute(step)`) with no model behind it.
-
-Each step costs what the roofline `CostModel` says, either slept in real time (the compute
-service then paces like a GPU would) or added to a `VirtualClock` (the engine alone runs as
-fast as the CPU can schedule). No weights, no KV tensors, no torch.
-
-Tokens: a deterministic pseudo-random id per (request seed, output index), a splitmix64 hash
-mod vocab, that is never an EOS, BOS or stop token id of the request (the id is bumped past
-them). So an output ends by length: it runs to max_tokens (or the context length) without
-`ignore_eos`. Stop strings can still end a request in the full stack (the detokenizer checks
-the text). Logprobs are 0.0. A caller that knows a request's true output length (the virtual
-simulation) puts it in `runner.eos_at[request_id]`: the runner then samples a stop token of the
-request (its lowest stop id: EOS unless stop_token_ids are given) as output token number
-`eos_at`, as the real model would end it, so a request can ask for more `max_tokens` than it
-uses (what the `max` KV policy reserves for). With `ignore_eos` it runs on to max_tokens.
+"""`SimRunner`: the ModelRunner interface (`capacity`, `execute(step)`) with no model behind it:
+no weights, no KV tensors, no torch. A step costs what the roofline `CostModel` says, slept in
+real time or added to a `VirtualClock`. Tokens are a deterministic hash of (request seed, output
+index) that is never a stop id, so an output runs to max_tokens unless `eos_at` ends it (with
+the request's lowest stop id) first; logprobs are 0.0.
 """
 
 from __future__ import annotations
