@@ -127,6 +127,8 @@ class ChatTemplate:
         renders it. Raises ChatTemplateError when the messages are malformed or the template
         rejects them (e.g. `raise_exception("...")` for an unsupported role)."""
         chat = _clean_messages(messages)
+        if "developer" not in self.source:  # OpenAI's newer name for system (as llama.cpp)
+            chat = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in chat]
         variables = {**self.extra_tokens, "bos_token": self.bos_token,
                      "eos_token": self.eos_token}
         variables = {k: v for k, v in variables.items() if v is not None}

@@ -287,6 +287,9 @@ class ServiceConfig:
                                "(reproducible runs); unset: from the OS", group=SERVER)
     max_pending: int = setting(512, "requests in flight at the gateway before it answers 429",
                                group=SERVER)
+    strict_request_fields: bool = setting(False, "answer a request key the API does not know "
+                                          "with a 400; by default it is ignored and logged, "
+                                          "as vLLM does", group=SERVER)
     enable_auto_tool_choice: bool = setting(False, "tool_choice \"auto\": the model decides "
                                             "whether to call tools; its output is parsed by "
                                             "--tool-call-parser", group=SERVER)

@@ -201,3 +201,15 @@ def test_encoding_adds_no_second_bos(demo_model_dir):
     assert ids == auto.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                            return_dict=False)
     assert ids[:2] != [1, 1] and ids.count(1) == len(messages) + 1  # one <s> per turn, no extra
+
+
+def test_developer_messages_are_system_messages_unless_the_template_knows_them(
+        tmp_path, demo_model_dir):
+    """OpenAI's `developer` role is its newer name for `system` (llama.cpp maps it so too)."""
+    demo = load_chat_template(demo_model_dir)
+    as_system = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    as_developer = [{"role": "developer", "content": "be brief"}, as_system[1]]
+    assert demo.render(as_developer) == demo.render(as_system)
+    knows = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{# developer #}"
+    ct = load_chat_template(write_config(tmp_path, chat_template=knows))
+    assert ct.render(as_developer).startswith("[developer]be brief")

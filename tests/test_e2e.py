@@ -228,7 +228,7 @@ BAD = [
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": [999999]}, 400, None),  # token id outside the vocabulary
     ({"prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
-    ({"prompt": "x", "frobnicate": 1}, 400, None),
+    ({"prompt": "x", "request_id": "a b"}, 400, "request_id"),
 ]
 
 
@@ -242,6 +242,33 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(stack, payload, st
     code, body = stack.post("/v1/chat/completions", {"messages": []})
     assert code == 400 and body["error"]["param"] == "messages"
     assert stack.post("/v1/completions", {"prompt": "ok", "max_tokens": 2})[0] == 200
+
+
+def test_what_agent_frameworks_and_gateways_send(stack, client):
+    """A developer message (the system's newer name), a field this server does not know
+    (served, and logged), a request id in the body or the X-Request-Id header (the response's
+    id and that header), a priority; an id already in flight is a 400."""
+    user = {"role": "user", "content": "hi"}
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=4, temperature=0,
+        messages=[{"role": "developer", "content": "Be brief."}, user],
+        extra_body={"request_id": "trace-1", "frobnicate": 1, "priority": 5})
+    chat = raw.parse()
+    assert chat.id == "chatcmpl-trace-1" and raw.headers["x-request-id"] == "chatcmpl-trace-1"
+    as_system = client.chat.completions.create(
+        model=MODEL, max_tokens=4, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, user])
+    assert chat.choices[0].message.content == as_system.choices[0].message.content
+    stack.wait_for_log("chatcmpl-trace-1: fields present in the request but ignored: frobnicate")
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="x", max_tokens=2, extra_headers={"X-Request-Id": "abc-123"})
+    assert raw.headers["x-request-id"] == "abc-123" and raw.parse().id == "cmpl-abc-123"
+    with client.completions.create(model=MODEL, prompt="x", max_tokens=200, stream=True,
+                                   extra_body={"request_id": "twice"}) as first:
+        next(iter(first))
+        with pytest.raises(openai.BadRequestError, match="already in use"):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                      extra_body={"request_id": "twice"})
 
 
 def test_oversized_body_is_413(stack):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import typing
 
 import pytest
@@ -46,8 +47,9 @@ BASE = {"completion": {"model": M, "prompt": "hi"}, "chat": {"model": M, "messag
 
 
 def fail(kind: str, body, status=400) -> APIError:
+    """The 400 a strict server (--strict-request-fields) answers `body` with."""
     with pytest.raises(APIError) as info:
-        PARSE[kind](body, M)
+        PARSE[kind](body, M, strict=True)
     assert info.value.status == status
     assert info.value.body()["error"]["type"] == "invalid_request_error"
     return info.value
@@ -152,8 +154,8 @@ CHAT_ERRORS = [
     ({"messages": [{"role": "user"}]}, "messages[0].content", "is required"),
     ({"messages": MSG + [{"role": "tool", "content": "x"}]}, "messages[1].tool_call_id",
      "is required in tool messages"),
-    ({"messages": MSG + [{"role": "developer", "content": "x"}]}, "messages[1].role",
-     "`developer` messages are not supported"),
+    ({"messages": MSG + [{"role": "function", "content": "x"}]}, "messages[1].role",
+     "`function` messages are not supported"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", "unknown role"),
     ({"messages": [{"role": 3, "content": "x"}]}, "messages[0].role", "unknown role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "must be a string"),
@@ -207,6 +209,25 @@ def test_invalid_requests(kind, extra, param, text):
     assert text in err.message
     assert err.body() == {"error": {"message": err.message, "type": "invalid_request_error",
                                     "param": param, "code": None}}
+    if text.startswith("Unrecognized") and param != "stream_options":  # served by default
+        assert PARSE[kind]({**BASE[kind], **extra}, M).ignored == (param,)
+    else:
+        with pytest.raises(APIError, match=re.escape(err.message)):
+            PARSE[kind]({**BASE[kind], **extra}, M)
+
+
+@pytest.mark.parametrize("kind", PARSE)
+def test_a_client_request_id_names_the_request_and_priority_is_accepted(kind):
+    req = PARSE[kind]({**BASE[kind], "request_id": "trace-7:a", "priority": -3}, M)
+    assert req.request_id == "trace-7:a"
+    assert new_id(req.kind, req.request_id) == (
+        "chatcmpl-trace-7:a" if kind == "chat" else "cmpl-trace-7:a")
+    for bad in ("", "has space", "x" * 129, "naïve", 5):
+        with pytest.raises(APIError) as info:
+            PARSE[kind]({**BASE[kind], "request_id": bad}, M)
+        assert info.value.param == "request_id"
+    with pytest.raises(APIError, match="priority"):
+        PARSE[kind]({**BASE[kind], "priority": "high"}, M)
 
 
 @pytest.mark.parametrize("kind", PARSE)

@@ -62,12 +62,10 @@ def test_chat_fields_give_the_spec(body, want):
     assert chat(**body) == want
 
 
-def test_completions_take_structured_outputs_but_not_response_format():
+def test_completions_take_every_constraint_field_as_vllm_does():
     assert completion(structured_outputs={"regex": "a"}).kind == "regex"
     assert completion(guided_grammar="root ::= \"a\"").kind == "grammar"
-    with pytest.raises(APIError) as e:
-        completion(response_format={"type": "json_object"})
-    assert e.value.status == 400 and e.value.param == "response_format"
+    assert completion(response_format={"type": "json_object"}).kind == "json_object"
 
 
 @pytest.mark.parametrize("body, param", [

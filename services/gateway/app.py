@@ -18,14 +18,14 @@ from aiohttp import web
 
 from services.gateway import protocol, responses
 from services.gateway.access import Cors, api_key_middleware
-from services.gateway.errors import errors_as_json, not_found, unavailable
+from services.gateway.errors import bad_request, errors_as_json, not_found, unavailable
 from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
 from services.gateway.metrics import Metrics
 from services.gateway.pending import PendingLimit
 from services.gateway.stream import collect, stream
 from services.gateway.utility import Utility
-from services.gateway.validation import check_prompt_bytes, read_json_body
+from services.gateway.validation import check_prompt_bytes, check_request_id, read_json_body
 from shared import state
 from shared.chat_template import ChatTemplate
 from shared.config import ServiceConfig
@@ -34,6 +34,7 @@ from shared.messages import Abort, TokenizeRequest
 from shared.transport import AsyncFanout, AsyncSender
 
 log = logging.getLogger("pipellm.gateway")
+_REQUEST_ID = web.RequestKey("request_id", str)
 _PEER_WAIT_MS = 3000  # how long a request waits for a tokenizer worker to (re)connect
 
 
@@ -84,6 +85,7 @@ class Gateway:
         app = web.Application(client_max_size=self.svc.max_body_bytes, middlewares=middlewares)
         if cors.origins:
             app.on_response_prepare.append(cors.on_prepare)
+        app.on_response_prepare.append(_echo_request_id)
         Utility(self).add_routes(app.router)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -97,20 +99,29 @@ class Gateway:
         with self.pending.hold():  # 429 past --max-pending, before anything is awaited
             body = await read_json_body(request)
             return await self._generate(request, protocol.parse_completion(
-                body, self.model_name, defaults=self.defaults))
+                body, self.model_name, defaults=self.defaults,
+                strict=self.svc.strict_request_fields))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         with self.pending.hold():
             body = await read_json_body(request)
             return await self._generate(request, protocol.parse_chat(
-                body, self.model_name, defaults=self.defaults, tool_parser=self.tool_parser))
+                body, self.model_name, defaults=self.defaults, tool_parser=self.tool_parser,
+                strict=self.svc.strict_request_fields))
 
     async def _generate(self, request: web.Request, req: protocol.GenerationRequest):
         check_prompt_bytes(req.prompt_text, req.messages,
                            self.svc.prompt_bytes_limit(self.max_model_len))
         if not self.health.ok:
             raise unavailable(f"Not ready: {self.health.reason}")
-        rid = responses.new_id(req.kind)
+        given = check_request_id(request.headers.get("X-Request-Id"), "X-Request-Id")
+        rid = responses.new_id(req.kind, given or req.request_id)  # the header wins, as vLLM's
+        if rid in self.registry.requests:
+            raise bad_request(f"request id {rid!r} is already in use"[:300], "request_id")
+        request[_REQUEST_ID] = given or rid  # echoed in the X-Request-Id header
+        if req.ignored:
+            log.warning("%s: fields present in the request but ignored: %s", rid,
+                        ", ".join(req.ignored))
         try:
             pipe = self.redis.pipeline(transaction=False)
             state.set_request(pipe, rid, status="queued", queued_at=time.time(), n=req.generated,
@@ -209,3 +220,9 @@ class Gateway:
         if not raw:
             raise not_found(f"No request with id `{rid}`.", "request_id")
         return web.json_response({"id": rid, **state.decode_hash(raw)})
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """A generation's answer carries its id in the X-Request-Id header (the client's, if sent)."""
+    if _REQUEST_ID in request:
+        response.headers["X-Request-Id"] = request[_REQUEST_ID]

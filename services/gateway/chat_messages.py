@@ -1,49 +1,51 @@
-"""Chat messages of a request, validated: roles system, user, assistant (with `tool_calls`, its
-content then optional) and tool (with `tool_call_id`); content a string or text parts; the
-OpenAI fields we do not implement accepted only with the values that ask for nothing (what
-clients echo back), anything else a 400 naming it."""
+"""Chat messages of a request, validated: roles system (or developer, its newer name), user,
+assistant (with `tool_calls`, its content then optional) and tool (with `tool_call_id`);
+content a string or text parts; the OpenAI fields we do not implement accepted only with the
+values that ask for nothing (what clients echo back), anything else a 400 naming it; unknown
+keys ignored (or, strict, a 400)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from services.gateway.errors import bad_request
-from services.gateway.validation import json_type, same
+from services.gateway.validation import json_type, reject_unknown, same
 
-_ROLES = ("system", "user", "assistant", "tool")
-_OTHER_ROLES = ("developer", "function")  # OpenAI roles we do not implement
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_OTHER_ROLES = ("function",)  # OpenAI roles we do not implement
 # Message fields we do not implement; null (or an empty list) is what clients echo back.
 _MESSAGE_NEUTRAL: dict[str, tuple] = {"function_call": (), "audio": (), "refusal": (),
                                       "annotations": ([],)}
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id",
+                           *_MESSAGE_NEUTRAL})
 
 
-def parse_messages(messages: Any) -> tuple[dict, ...]:
-    """Validated chat messages as ({"role", "content": str[, "name"]}, ...)."""
+def parse_messages(messages: Any, ignored: list[str] | None = None) -> tuple[dict, ...]:
+    """Validated chat messages as ({"role", "content": str[, "name"]}, ...). Unknown keys of a
+    message go to `ignored`, or without that list are a 400 (validation.reject_unknown)."""
     if messages is None:
         raise bad_request("messages is required", "messages")
     if not isinstance(messages, list):
         raise bad_request(f"messages must be an array, got {json_type(messages)}", "messages")
     if not messages:
         raise bad_request("messages must not be empty", "messages")
-    return tuple(_parse_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+    return tuple(_parse_message(m, f"messages[{i}]", ignored) for i, m in enumerate(messages))
 
 
-def _parse_message(message: Any, where: str) -> dict:
+def _parse_message(message: Any, where: str, ignored: list[str] | None) -> dict:
     if not isinstance(message, dict):
         raise bad_request(f"{where} must be an object, got {json_type(message)}", where)
-    for key, value in message.items():
-        if key in ("role", "content", "name", "tool_calls", "tool_call_id"):
-            continue
-        if key not in _MESSAGE_NEUTRAL:
-            raise bad_request(f"Unrecognized argument in {where}: {key}"[:300], f"{where}.{key}")
-        if value is not None and not any(same(value, ok) for ok in _MESSAGE_NEUTRAL[key]):
+    reject_unknown(message, _MESSAGE_KEYS, ignored, where)
+    for key, harmless in _MESSAGE_NEUTRAL.items():
+        value = message.get(key)
+        if value is not None and not any(same(value, ok) for ok in harmless):
             raise bad_request(f"`{key}` in messages is not supported", f"{where}.{key}")
     role = message.get("role")
     if role is None:
         raise bad_request(f"{where} is missing `role`", f"{where}.role")
     if role not in _ROLES:
         what = f"`{role}` messages are not supported" if role in _OTHER_ROLES else (
-            f"unknown role {str(role)[:50]!r}; expected one of system, user, assistant, tool")
+            f"unknown role {str(role)[:50]!r}; expected one of {', '.join(_ROLES)}")
         raise bad_request(what, f"{where}.role")
     calls = _tool_calls(message.get("tool_calls"), role, f"{where}.tool_calls")
     content = message.get("content")

@@ -45,6 +45,7 @@ from services.gateway.chat_messages import parse_messages
 from services.gateway.errors import APIError, bad_request, not_found
 from services.gateway.validation import (
     MAX_TOKEN_ID,
+    check_request_id,
     get_bool,
     get_int,
     get_number,
@@ -75,6 +76,7 @@ _COMMON_KEYS = frozenset({
     # vLLM extensions we implement
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "logit_bias", *BEAM_KEYS,
+    "request_id", "priority",  # priority: accepted, not yet scheduled by
 })
 # SGLang/vLLM extras that the routers in front of replicas (vllm-router, sglang-router) add to
 # every body they forward, with the values they add: none asks for anything here (special tokens
@@ -100,7 +102,7 @@ _CHAT_NEUTRAL: dict[str, tuple] = {
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"} | structured.KEYS
                             | _COMPLETION_NEUTRAL.keys())
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs",
-                                      "add_generation_prompt"} | structured.CHAT_KEYS
+                                      "add_generation_prompt"} | structured.KEYS
                       | tools.KEYS | _CHAT_NEUTRAL.keys())
 
 
@@ -132,6 +134,8 @@ class GenerationRequest:
     # highest cumulative logprob; 0: n
     grammar: GrammarSpec | None = None  # structured output (gateway/structured.py)
     tools: tools.Tools | None = None  # chat: its tools and tool_choice (gateway/tools.py)
+    ignored: tuple[str, ...] = ()  # unknown keys served without them (logged)
+    request_id: str | None = None  # the client's: the response id is "chatcmpl-<it>" / "cmpl-"
 
     @property
     def generated(self) -> int:
@@ -162,11 +166,13 @@ class GenerationRequest:
             tools=None if self.tools is None else list(self.tools.specs))
 
 
-def parse_completion(body: Any, model_name: str, *,
-                     defaults: GenerationDefaults = NO_DEFAULTS) -> GenerationRequest:
+def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
+                     strict: bool = False) -> GenerationRequest:
     """Validate a `/v1/completions` body. `prompt` is a non-empty string, a list of one string,
-    a non-empty list of token ids or a list of one such list; batches are a 400."""
-    model = _check_body(body, model_name, COMPLETION_KEYS, _COMPLETION_NEUTRAL)
+    a non-empty list of token ids or a list of one such list; batches are a 400. Unknown keys
+    are ignored (listed in `ignored`), or with `strict` a 400."""
+    ignored = None if strict else []
+    model = _check_body(body, model_name, COMPLETION_KEYS, _COMPLETION_NEUTRAL, ignored)
     prompt_text, prompt_ids = _parse_prompt(body.get("prompt"))
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     best_of = get_int(body, "best_of", n, lo=1, hi=MAX_N)
@@ -186,15 +192,18 @@ def parse_completion(body: Any, model_name: str, *,
                    max_tokens=1 if max_tokens == 0 else max_tokens, max_param="max_tokens",
                    defaults=defaults, fallback_max_tokens=COMPLETION_MAX_TOKENS,
                    add_generation_prompt=False, beam=beam,
-                   best_of=best_of if best_of > n and not beam else 0)
+                   best_of=best_of if best_of > n and not beam else 0,
+                   ignored=tuple(ignored or ()))
 
 
 def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
-               tool_parser: str = "") -> GenerationRequest:
+               tool_parser: str = "", strict: bool = False) -> GenerationRequest:
     """Validate a `/v1/chat/completions` body. Messages: chat_messages.py. `tool_parser`:
-    --tool-call-parser when --enable-auto-tool-choice is on (tool_choice "auto" needs it)."""
-    model = _check_body(body, model_name, CHAT_KEYS, _CHAT_NEUTRAL)
-    messages = parse_messages(body.get("messages"))
+    --tool-call-parser when --enable-auto-tool-choice is on (tool_choice "auto" needs it).
+    Unknown keys are ignored (listed in `ignored`), or with `strict` a 400."""
+    ignored = None if strict else []
+    model = _check_body(body, model_name, CHAT_KEYS, _CHAT_NEUTRAL, ignored)
+    messages = parse_messages(body.get("messages"), ignored)
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
@@ -212,21 +221,25 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, defaults=defaults, fallback_max_tokens=None,
                    add_generation_prompt=get_bool(body, "add_generation_prompt", True),
-                   tools=tools.parse_tools(body, tool_parser), beam=parse_beam(body, n, n))
+                   tools=tools.parse_tools(body, tool_parser), beam=parse_beam(body, n, n),
+                   ignored=tuple(ignored or ()))
 
 
 def _check_body(body: Any, model_name: str, allowed: frozenset[str],
-                neutral: dict[str, tuple]) -> str:
-    """Body is an object with only known keys, no unsupported features, and names our model."""
-    reject_unsupported(check_model(body, model_name, allowed), neutral)
+                neutral: dict[str, tuple], ignored: list[str] | None) -> str:
+    """Body is an object that names our model, asks for no unsupported feature and has only
+    known keys (the others go to `ignored`; without that list they are a 400)."""
+    reject_unsupported(check_model(body, model_name, allowed, ignored), neutral)
     return model_name
 
 
-def check_model(body: Any, model_name: str, allowed: frozenset[str]) -> dict:
-    """`body`, once it is an object with only `allowed` keys that names our model (or none)."""
+def check_model(body: Any, model_name: str, allowed: frozenset[str],
+                ignored: list[str] | None = None) -> dict:
+    """`body`, once it is an object that names our model (or none), its keys not in `allowed`
+    appended to `ignored` (without that list: a 400)."""
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {json_type(body)}")
-    reject_unknown(body, allowed)
+    reject_unknown(body, allowed, ignored)
     model = get_str(body, "model", model_name)
     if model != model_name:
         raise not_found(f"The model `{model}` does not exist."[:300], "model", "model_not_found")
@@ -334,11 +347,12 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
     """Validate the fields both endpoints share and build the request (`beam`: its beam
     search fields, services/gateway/beam.py)."""
     stream, include_usage = _stream_fields(body)
+    get_int(body, "priority", 0, lo=-MAX_COUNT - 1, hi=MAX_COUNT)  # accepted, not yet used
     params = _sampling_params(  # best_of ranks choices by their logprobs: compute sends them
         body, logprobs=logprobs or fields.get("best_of", 0) > 0, top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs, max_param=max_param, defaults=defaults,
         max_tokens=defaults.max_tokens_for(max_tokens, fallback_max_tokens), beam=beam)
-    grammar = structured.parse_grammar(body, chat=kind == "chat")
+    grammar = structured.parse_grammar(body)
     calls = fields.get("tools") and fields["tools"].grammar()  # required or a named function
     if calls is not None:
         if grammar is not None:
@@ -351,4 +365,5 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
         include_usage=include_usage, logprobs=logprobs,
         user=get_str(body, "user"), max_tokens_given=max_tokens is not None, grammar=grammar,
+        request_id=check_request_id(get_str(body, "request_id"), "request_id"),
         **fields)

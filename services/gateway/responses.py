@@ -58,9 +58,10 @@ class Usage:
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
-def new_id(kind: str) -> str:
-    """A fresh response id: "cmpl-<hex>" for completions, "chatcmpl-<hex>" for chat."""
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+def new_id(kind: str, given: str | None = None) -> str:
+    """A response id: "cmpl-<given>" for completions, "chatcmpl-<given>" for chat (a fresh
+    hex id where the client gave none)."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + (given or uuid.uuid4().hex)
 
 
 def _logprob(value: float) -> float:

@@ -1,7 +1,7 @@
 """Structured-output fields of a request -> its GrammarSpec (shape checks only: the tokenizer
 compiles it, and a spec that does not compile is a 400 from there, before any compute).
 
-    response_format       chat: {"type": "text"} | {"type": "json_object"} |
+    response_format       {"type": "text"} | {"type": "json_object"} |
                           {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     structured_outputs    vLLM's extra field, both endpoints: exactly one of json (a schema,
                           object or JSON text), json_object (true), regex, choice (strings),
@@ -32,13 +32,12 @@ _SO_KINDS = {"json": "json_schema", "json_object": "json_object", "regex": "rege
 _SO_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
-KEYS = frozenset({"structured_outputs", "guided_whitespace_pattern", *GUIDED})
-CHAT_KEYS = KEYS | {"response_format"}
+KEYS = frozenset({"response_format", "structured_outputs", "guided_whitespace_pattern", *GUIDED})
 
 
-def parse_grammar(body: dict, chat: bool) -> GrammarSpec | None:
-    """The request's output constraint, or None for free text."""
-    specs = [s for s in (_response_format(body.get("response_format")) if chat else None,
+def parse_grammar(body: dict) -> GrammarSpec | None:
+    """The request's output constraint, or None for free text (either endpoint, as vLLM)."""
+    specs = [s for s in (_response_format(body.get("response_format")),
                          _structured_outputs(body.get("structured_outputs")),
                          *(_one(GUIDED[k], body[k], k) for k in GUIDED if body.get(k) is not None))
              if s is not None]

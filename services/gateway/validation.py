@@ -111,6 +111,16 @@ def get_str(body: dict, key: str, default: str | None = None) -> str | None:
     return value
 
 
+def check_request_id(value: str | None, param: str) -> str | None:
+    """A client's request id (the `request_id` field or the X-Request-Id header): 1 to 128
+    printable ASCII characters, no spaces (it names the request in logs and Redis keys)."""
+    if value is not None and not (0 < len(value) <= 128 and value.isascii()
+                                  and value.isprintable() and " " not in value):
+        raise bad_request(f"{param} must be 1 to 128 printable ASCII characters without "
+                          "spaces", param)
+    return value
+
+
 def token_ids(value: Any, param: str) -> tuple[int, ...]:
     """A JSON array of token ids (integers in [0, 2^31)) as a tuple."""
     if not isinstance(value, list):
@@ -141,11 +151,18 @@ def get_stop(body: dict) -> tuple[str, ...]:
     return tuple(items)
 
 
-def reject_unknown(body: dict, allowed: frozenset[str]) -> None:
-    """400 "unrecognized request argument supplied: X" for the first key not in `allowed`."""
+def reject_unknown(body: dict, allowed: frozenset[str], ignored: list[str] | None = None,
+                   where: str = "") -> None:
+    """Keys not in `allowed`: appended to `ignored` (as vLLM serves them: ignored, logged), or
+    without that list (strict) a 400 "Unrecognized request argument supplied: X" for the
+    first. `where`: the object's place in the body ("messages[0]"), "" for the body."""
     for key in body:
         if key not in allowed:
-            raise bad_request(f"Unrecognized request argument supplied: {key}"[:300], str(key))
+            name = f"{where}.{key}" if where else str(key)
+            if ignored is None:
+                raise bad_request(f"Unrecognized request argument supplied: {name}"[:300],
+                                  name)
+            ignored.append(name[:100])
 
 
 def reject_unsupported(body: dict, neutral: dict[str, tuple]) -> None:
