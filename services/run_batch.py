@@ -88,9 +88,9 @@ class BatchRunner:
         """Tokenize `item` and queue its choices in compute (or record why not)."""
         if item.error is not None:
             return
-        tokenize = item.req.tokenize_request(item.request_id, "", secrets.randbits(62), 0.0)
-        try:
-            requests = self.tokenizer.prepare(tokenize)
+        tokenize = item.req.tokenize_requests(item.request_id, "", secrets.randbits(62), 0.0)
+        try:  # every prompt's choices, in their index order
+            requests = [g for one in tokenize for g in self.tokenizer.prepare(one)]
         except (PromptError, InvalidParams) as exc:
             item.error = APIError(400, str(exc), param=getattr(exc, "param", None))
             return

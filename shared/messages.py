@@ -71,7 +71,9 @@ class TokenizeRequest:
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     stop: list[str] = field(default_factory=list)
-    n: int = 1
+    n: int = 1  # choices of this prompt
+    prompt_index: int = 0  # batched prompts: its place; its choices are prompt_index * n + j
+    num_prompts: int = 1  # prompts of the API request (each its own TokenizeRequest)
     max_tokens_auto: bool = False  # no max_tokens given: generate up to the context length
     arrival: float = 0.0  # gateway wall clock (time.time())
     resume: list[Resume] = field(default_factory=list)  # not empty: only these choices, resumed

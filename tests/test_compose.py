@@ -92,7 +92,7 @@ def _transport_calls(tree: ast.AST):
 
 def _advertises_gateway_addr() -> bool:
     """Whether the gateway sends its own `svc.addr("gateway")` as each request's reply_to
-    (a `reply_to=` keyword, or the reply address argument of `tokenize_request`)."""
+    (a `reply_to=` keyword, or the reply address argument of `tokenize_requests`)."""
     def is_gateway_addr(node) -> bool:
         return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                 and node.func.attr == "addr" and ast.literal_eval(node.args[0]) == "gateway")
@@ -103,7 +103,7 @@ def _advertises_gateway_addr() -> bool:
                     node.value):
                 return True
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "tokenize_request"
+                    and node.func.attr == "tokenize_requests"
                     and any(is_gateway_addr(a) for a in node.args[1:2])):
                 return True
     return False

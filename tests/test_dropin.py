@@ -208,7 +208,7 @@ def test_server_seed_makes_unseeded_requests_reproducible(demo_model_dir, redis_
 
     async def body(gw, client):
         req = protocol.parse_completion({"prompt": "x", "temperature": 1.0}, gw.model_name)
-        return [gw._tokenize_request(f"r{i}", req, gw.registry.add(f"r{i}", 1)).params.seed
+        return [gw._tokenize_requests(f"r{i}", req, gw.registry.add(f"r{i}", 1))[0].params.seed
                 for i in range(3)]
 
     a = with_gateway(demo_model_dir, redis_url, body, seed=5)

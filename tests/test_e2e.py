@@ -271,6 +271,31 @@ def test_what_agent_frameworks_and_gateways_send(stack, client):
                                       extra_body={"request_id": "twice"})
 
 
+def test_batched_prompts_answer_each_prompt_as_alone(client, demo_model_dir):
+    """A completion of several prompts (strings and token ids) answers prompt b's choice j at
+    index b * n + j, each as the prompt alone would get it (seeded), streamed or not; usage
+    counts every prompt once; echo and best_of work per prompt."""
+    tok = load_tokenizer(demo_model_dir)
+    prompts = ["Once upon a time", encode(tok, "The cat"), "A"]
+    kw = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=11, n=2)
+    batch = client.completions.create(prompt=prompts, **kw)
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [c.text for a in alone for c in a.choices]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    streamed = {}
+    for chunk in client.completions.create(prompt=prompts, stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(6)] == [c.text for c in batch.choices]
+    echoed = client.completions.create(prompt=prompts[::2], echo=True, best_of=3,
+                                       **{**kw, "n": 1})
+    assert [c.index for c in echoed.choices] == [0, 1]
+    texts = [c.text for c in echoed.choices]
+    assert texts[0].startswith(prompts[0]) and texts[1].startswith(prompts[2])
+
+
 def test_oversized_body_is_413(stack):
     code, body = stack.post("/v1/completions", b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}')
     assert code == 413 and body["error"]["code"] == "payload_too_large"

@@ -29,8 +29,8 @@ def _tokens(rid: str, ids: list[int]) -> Tokens:
 def registered(n: int = 2, max_tokens: int = 10):
     reg = Registry()
     req = reg.add("cmpl-1", n)
-    req.tokenize = TokenizeRequest("cmpl-1", "gw", SamplingParams(max_tokens=max_tokens),
-                                   prompt_text="hi", n=n)
+    req.tokenize = [TokenizeRequest("cmpl-1", "gw", SamplingParams(max_tokens=max_tokens),
+                                    prompt_text="hi", n=n)]
     return reg, req
 
 
@@ -46,7 +46,7 @@ def test_resume_continues_each_unfinished_choice_under_a_new_attempt():
         c.token_ids.extend(d.token_ids)
         c.finish_reason = d.finish_reason
     assert reg.resume(only_without_output=True) == []  # it has output: passed the tokenizer
-    ((got, tokenize, lost),) = reg.resume(only_without_output=False)
+    ((got, (tokenize,), lost),) = reg.resume(only_without_output=False)
     assert got is req and lost == ["cmpl-1:0"]  # choice 1 had finished
     (r,) = tokenize.resume
     assert (r.index, r.attempt, list(r.output_ids), r.sent_chars) == (0, 1, [5, 6], 2)
@@ -61,15 +61,15 @@ def test_resume_continues_each_unfinished_choice_under_a_new_attempt():
 def test_resume_gives_up_after_max_resumes_and_finishes_full_choices_itself():
     reg, req = registered(n=1, max_tokens=2)
     for _ in range(MAX_RESUMES):
-        ((_, tokenize, _),) = reg.resume(False)
+        ((_, (tokenize,), _),) = reg.resume(False)
         assert tokenize.resume[0].attempt == req.choices[0].attempt
     ((_, tokenize, lost),) = reg.resume(False)
-    assert tokenize is None and lost == [f"cmpl-1:0.{MAX_RESUMES}"]
+    assert tokenize == [] and lost == [f"cmpl-1:0.{MAX_RESUMES}"]
     assert req.deltas.get_nowait().error_status == 503
     reg, req = registered(n=1, max_tokens=2)
     req.choices[0].token_ids = [3, 4]  # all its tokens arrived, the final delta did not
     ((_, tokenize, _),) = reg.resume(False)
-    assert tokenize is None
+    assert tokenize == []
     d = req.deltas.get_nowait()
     assert (d.request_id, d.finish_reason) == ("cmpl-1:0.1", "length")
 

@@ -241,7 +241,8 @@ def test_chat_default_max_tokens_is_lowered_to_the_context(demo_model_dir):
     def prepared(content: str, defaults: GenerationDefaults) -> tuple[int, int]:
         req = parse_chat({"messages": [{"role": "user", "content": content}]}, "m",
                          defaults=defaults)
-        (gen,) = tok.prepare(Gateway._tokenize_request(gw, "r", req, inflight))
+        (one,) = Gateway._tokenize_requests(gw, "r", req, inflight)
+        (gen,) = tok.prepare(one)
         return gen.params.max_tokens, len(gen.prompt_ids)
 
     assert prepared("hi", GenerationDefaults(max_tokens=5))[0] == 5

@@ -247,7 +247,10 @@ def test_completions_keep_16_chat_goes_to_the_context():
 
     gw = SimpleNamespace(svc=SimpleNamespace(addr=lambda name: "ipc://x"), seeds=None)
     inflight = SimpleNamespace(arrival=0.0)
-    make = Gateway._tokenize_request
+    def make(*args):
+        (one,) = Gateway._tokenize_requests(*args)
+        return one
+
     chat = [{"role": "user", "content": "x"}]
     assert make(gw, "a", parse_completion({"prompt": "x"}, "m"), inflight).params.max_tokens == 16
     assert not make(gw, "a", parse_completion({"prompt": "x"}, "m"), inflight).max_tokens_auto

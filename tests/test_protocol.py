@@ -121,13 +121,12 @@ COMPLETION_ERRORS = [
     ({"prompt": None}, "prompt", "prompt is required"),
     ({"prompt": ""}, "prompt", "must not be empty"),
     ({"prompt": []}, "prompt", "must not be empty"),
-    ({"prompt": [[]]}, "prompt", "must not be empty"),
-    ({"prompt": [""]}, "prompt", "must not be empty"),
-    ({"prompt": ["a", "b"]}, "prompt", "batched prompts"),
-    ({"prompt": [[1], [2]]}, "prompt", "not supported yet"),
+    ({"prompt": [[]]}, "prompt[0]", "must not be empty"),
+    ({"prompt": [""]}, "prompt[0]", "must not be empty"),
+    ({"prompt": ["a", [2, "b"]]}, "prompt[1]", "token id"),
     ({"prompt": [1, "a"]}, "prompt", "token id"),
     ({"prompt": [-1]}, "prompt", "token id"),
-    ({"prompt": [True]}, "prompt", "must be a string"),
+    ({"prompt": [True]}, "prompt[0]", "must be a string"),
     ({"prompt": 5}, "prompt", "must be a string"),
     ({"prompt": {"a": 1}}, "prompt", "must be a string"),
     ({"logprobs": 21}, "logprobs", "between 0 and 20"),
@@ -266,7 +265,7 @@ def test_completion_all_fields():
     req = parse_completion({**BASE["completion"], **SAMPLING, "max_tokens": 50, "logprobs": 0,
                             "best_of": 2, "echo": False, "suffix": None, "logit_bias": {}}, M)
     check_common(req, "completion")
-    assert (req.prompt_text, req.prompt_ids, req.messages) == ("hi", None, None)
+    assert (req.prompts, req.messages, req.num_prompts) == (("hi",), None, 1)
     assert not req.add_generation_prompt and req.best_of == 0 and req.generated == 2
 
 
@@ -296,15 +295,29 @@ def test_chat_all_fields():
                             {"role": "user", "content": "a\nb"},
                             {"role": "assistant", "content": "ok"},
                             {"role": "user", "content": ""})
-    assert req.prompt_text is None and req.prompt_ids is None and not req.add_generation_prompt
+    assert req.prompts == () and req.num_prompts == 1 and not req.add_generation_prompt
 
 
-@pytest.mark.parametrize(("prompt", "text", "ids"), [
-    ("x", "x", None), (["x"], "x", None), ([1, 2, 3], None, (1, 2, 3)),
-    ([[4, 5]], None, (4, 5)), ([0], None, (0,))])
-def test_prompt_shapes(prompt, text, ids):
+@pytest.mark.parametrize(("prompt", "prompts"), [
+    ("x", ("x",)), (["x"], ("x",)), ([1, 2, 3], ((1, 2, 3),)), ([[4, 5]], ((4, 5),)),
+    ([0], ((0,),)), (["a", [7, 8], "b"], ("a", (7, 8), "b"))])
+def test_prompt_shapes(prompt, prompts):
     req = parse_completion({"prompt": prompt}, M)
-    assert (req.prompt_text, req.prompt_ids) == (text, ids)
+    assert req.prompts == prompts and req.num_prompts == len(prompts)
+
+
+def test_a_batch_becomes_one_tokenize_request_per_prompt():
+    req = parse_completion({"prompt": ["a", [7, 8]], "n": 2, "seed": 3}, M)
+    first, second = req.tokenize_requests("cmpl-1", "gw", 9, 0.0)
+    assert (first.prompt_text, first.prompt_ids, first.prompt_index) == ("a", None, 0)
+    assert (second.prompt_text, list(second.prompt_ids), second.prompt_index) == (None, [7, 8], 1)
+    assert first.num_prompts == second.num_prompts == 2 and first.n == second.n == 2
+    assert first.params.seed == second.params.seed == 3
+    for bad, param in ((["a", ""], "prompt[1]"), (["a", 5], "prompt[1]"),
+                       (["a"] * 1025, "prompt")):
+        with pytest.raises(APIError) as info:
+            parse_completion({"prompt": bad}, M)
+        assert info.value.param == param
 
 
 @pytest.mark.parametrize("kind", PARSE)
@@ -499,7 +512,7 @@ def parse_or_api_error(kind: str, body) -> None:
         assert 400 <= err.status < 500 and json.dumps(err.body())
         return
     assert isinstance(req.params, SamplingParams) and 1 <= req.n <= 16
-    assert (req.prompt_text is None) != (req.prompt_ids is None) or kind == "chat"
+    assert (len(req.prompts) >= 1) == (kind == "completion")
 
 
 @settings(max_examples=150, deadline=None)

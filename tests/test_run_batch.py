@@ -212,7 +212,8 @@ def test_auto_tool_choice_parses_calls_with_its_flags(demo_model_dir, tmp_path):
 def test_run_batch_answers_every_choice_as_the_server_does(demo_model_dir, tmp_path):
     """The same requests through `pipellm up` (one at a time, the official client) and through
     run-batch (all at once), both with n-gram speculation: beam search with n=2, a grammar,
-    n>1 sampling with a seed, greedy; every choice's text and finish reason agree."""
+    n>1 sampling with a seed, greedy, batched prompts (sampled, beams); every choice's text
+    and finish reason agree."""
     import openai
 
     from tests.stack import Stack
@@ -228,6 +229,10 @@ def test_run_batch_answers_every_choice_as_the_server_does(demo_model_dir, tmp_p
                    "seed": 11, "n": 3, "ignore_eos": True},
         "greedy": {"prompt": "a b c a b c a b", "max_tokens": 16, "temperature": 0,
                    "ignore_eos": True},
+        "batched": {"prompt": ["Once", [5, 6, 7]], "max_tokens": 8, "temperature": 0.8,
+                    "seed": 3, "n": 2, "ignore_eos": True},
+        "batched beams": {"prompt": ["The capital of", "x y"], "max_tokens": 6, "n": 2,
+                          "best_of": 2, "use_beam_search": True},
     }
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(line(k, b) + "\n" for k, b in bodies.items()))
@@ -252,6 +257,7 @@ def test_run_batch_answers_every_choice_as_the_server_does(demo_model_dir, tmp_p
             got = [(c["text"], c["finish_reason"]) for c in sorted(batch[key],
                                                                   key=lambda c: c["index"])]
             assert got == want, key
-            assert len(got) == body.get("n", 1), key
+            prompts = len(body["prompt"]) if isinstance(body["prompt"], list) else 1
+            assert len(got) == body.get("n", 1) * prompts, key
     finally:
         stack.stop()

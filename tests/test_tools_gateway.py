@@ -72,7 +72,7 @@ def test_history_with_calls_and_results_reaches_the_tokenizer():
                                                              "arguments": '{"a": 1}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
     req = parse_chat({"messages": messages, "tools": TOOLS, "tool_choice": "none"}, "m")
-    out = req.tokenize_request("r", "addr", 1, 0.0)
+    (out,) = req.tokenize_requests("r", "addr", 1, 0.0)
     assert [t.name for t in out.tools] == ["add", "now"] and out.grammar is None
     call = out.messages[1].tool_calls[0]
     assert (call.id, call.name, call.arguments) == ("call_1", "add", '{"a": 1}')

@@ -26,8 +26,8 @@ def choice_ids(req: GenerateRequest) -> list[str]:
     """The choices a request answers: itself, or a beam search's n choices of its API id."""
     if not req.params.beam_width:
         return [req.request_id]
-    api, (_, attempt) = state.api_id(req.request_id), state.choice_of(req.request_id)
-    return [state.choice_id(api, i, attempt) for i in range(req.params.beam_n)]
+    api, (first, attempt) = state.api_id(req.request_id), state.choice_of(req.request_id)
+    return [state.choice_id(api, first + i, attempt) for i in range(req.params.beam_n)]
 
 
 class ComputeCore:

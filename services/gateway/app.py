@@ -110,7 +110,7 @@ class Gateway:
                 strict=self.svc.strict_request_fields))
 
     async def _generate(self, request: web.Request, req: protocol.GenerationRequest):
-        check_prompt_bytes(req.prompt_text, req.messages,
+        check_prompt_bytes(req.prompts, req.messages,
                            self.svc.prompt_bytes_limit(self.max_model_len))
         if not self.health.ok:
             raise unavailable(f"Not ready: {self.health.reason}")
@@ -124,16 +124,17 @@ class Gateway:
                         ", ".join(req.ignored))
         try:
             pipe = self.redis.pipeline(transaction=False)
-            state.set_request(pipe, rid, status="queued", queued_at=time.time(), n=req.generated,
-                              model=req.model, kind=req.kind)
+            state.set_request(pipe, rid, status="queued", queued_at=time.time(),
+                              n=req.generated * req.num_prompts, model=req.model, kind=req.kind)
             await pipe.execute()
         except aioredis.RedisError:
             raise unavailable("Request state store (Redis) is unavailable.") from None
-        inflight = self.registry.add(rid, req.generated)
+        inflight = self.registry.add(rid, req.generated * req.num_prompts)
         try:
-            inflight.tokenize = self._tokenize_request(rid, req, inflight)
-            if not await self.to_tokenizer.send(inflight.tokenize, wait_ms=_PEER_WAIT_MS):
-                raise unavailable("No tokenizer worker is connected; retry shortly.")
+            inflight.tokenize = self._tokenize_requests(rid, req, inflight)
+            for tokenize in inflight.tokenize:
+                if not await self.to_tokenizer.send(tokenize, wait_ms=_PEER_WAIT_MS):
+                    raise unavailable("No tokenizer worker is connected; retry shortly.")
             if req.stream:
                 return await stream(self, request, req, inflight)
             return await collect(self, req, inflight)
@@ -144,11 +145,11 @@ class Gateway:
         finally:
             self.registry.remove(rid)
 
-    def _tokenize_request(self, rid: str, req: protocol.GenerationRequest,
-                          inflight: Inflight) -> TokenizeRequest:
+    def _tokenize_requests(self, rid: str, req: protocol.GenerationRequest,
+                           inflight: Inflight) -> list[TokenizeRequest]:
         # an unseeded request's seed is drawn here, so a resumed choice samples what it would
         seed = self.seeds.getrandbits(62) if self.seeds else secrets.randbits(62)
-        return req.tokenize_request(rid, self.svc.addr("gateway"), seed, inflight.arrival)
+        return req.tokenize_requests(rid, self.svc.addr("gateway"), seed, inflight.arrival)
 
     async def resume_lost(self, only_without_output: bool, ranks: set[int] | None = None) -> None:
         """A restarted service lost requests: each continues from what its client has (the
@@ -159,11 +160,10 @@ class Gateway:
         for inflight, tokenize, lost in self.registry.resume(only_without_output, keep):
             for rid in lost:
                 await self.to_control.send(Abort(rid))
-            if tokenize is None:
-                continue
-            connected = connected and await self.to_tokenizer.send(tokenize,
-                                                                   wait_ms=_PEER_WAIT_MS)
-            if not connected:
+            for one in tokenize:
+                connected = connected and await self.to_tokenizer.send(one,
+                                                                       wait_ms=_PEER_WAIT_MS)
+            if tokenize and not connected:
                 inflight.fail("No tokenizer worker is connected to resume the request; retry.")
 
     async def _routed_to(self, ranks: set[int]) -> set[str] | None:

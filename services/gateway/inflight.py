@@ -64,7 +64,7 @@ class Inflight:
     start: float = field(default_factory=time.monotonic)
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     choices: list[ChoiceState] = field(default_factory=list)
-    tokenize: TokenizeRequest | None = None
+    tokenize: list[TokenizeRequest] = field(default_factory=list)  # one per prompt
     resumes: int = 0
 
     def __post_init__(self):
@@ -110,36 +110,42 @@ class Registry:
         return list(self.requests)
 
     def resume(self, only_without_output: bool, keep=None) -> list[
-            tuple[Inflight, TokenizeRequest | None, list[str]]]:
+            tuple[Inflight, list[TokenizeRequest], list[str]]]:
         """Continue the requests a restart lost (only those without output yet: a tokenizer's
         restart; the others passed it; with `keep`, only the ids it holds). Per request: what
-        to send the tokenizers (None: it failed after MAX_RESUMES, or its choices all had their
+        to send the tokenizers (none: it failed after MAX_RESUMES, or its choices all had their
         tokens) and the choice ids of the lost attempts (to abort in compute, where they may
         still run)."""
         out = []
         for req in self.requests.values():
-            if req.tokenize is None or (only_without_output and req.got_output) or \
+            if not req.tokenize or (only_without_output and req.got_output) or \
                     (keep is not None and req.request_id not in keep):
                 continue
             lost = [req.request_id + c.id_suffix for c in req.choices if c.finish_reason is None]
             if req.resumes >= MAX_RESUMES:
                 req.fail(f"the request was lost {req.resumes + 1} times by restarting services")
-                out.append((req, None, lost))
+                out.append((req, [], lost))
                 continue
             req.resumes += 1
-            resumes = []
-            for c in req.choices:
-                if c.finish_reason is None:
-                    c.attempt += 1
-                    resumes.append(self._resume_choice(req, c))
-            resumes = [r for r in resumes if r is not None]
-            out.append((req, replace(req.tokenize, resume=resumes) if resumes else None, lost))
+            again = []
+            for tokenize in req.tokenize:  # each prompt's unfinished choices
+                first = tokenize.prompt_index * tokenize.n
+                resumes = []
+                for c in req.choices[first : first + tokenize.n]:
+                    if c.finish_reason is None:
+                        c.attempt += 1
+                        resumes.append(self._resume_choice(req, tokenize, c))
+                resumes = [r for r in resumes if r is not None]
+                if resumes:
+                    again.append(replace(tokenize, resume=resumes))
+            out.append((req, again, lost))
         return out
 
     @staticmethod
-    def _resume_choice(req: Inflight, c: ChoiceState) -> Resume | None:
+    def _resume_choice(req: Inflight, tokenize: TokenizeRequest, c: ChoiceState
+                       ) -> Resume | None:
         """The Resume of choice c, or None when it had all its tokens (it finishes here)."""
-        limit = req.tokenize.params.max_tokens  # None: the context's (compute knows it)
+        limit = tokenize.params.max_tokens  # None: the context's (compute knows it)
         if limit is not None and len(c.token_ids) >= limit:
             req.deltas.put_nowait(Delta(req.request_id + c.id_suffix, finish_reason="length",
                                         num_prompt=c.num_prompt))

@@ -64,6 +64,7 @@ from shared.messages import ChatMessage, TokenizeRequest, ToolCallMsg
 from shared.sampling import MAX_LOGPROBS, InvalidParams, SamplingParams
 
 MAX_N = 16
+MAX_PROMPTS = 1024  # prompts of one batched completion
 MAX_COUNT = 2**31 - 1  # token counts fit int32 everywhere downstream
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_SEED = 2**63 - MAX_N  # choice i samples with seed + i, which must stay below 2^63
@@ -112,8 +113,7 @@ class GenerationRequest:
 
     kind: str  # "completion" | "chat"
     model: str
-    prompt_text: str | None  # completions: the prompt as a string
-    prompt_ids: tuple[int, ...] | None  # completions: the prompt as token ids
+    prompts: tuple[str | tuple[int, ...], ...]  # completions: each a string or token ids
     messages: tuple[dict, ...] | None  # chat: [{"role", "content": str[, "name"]}, ...]
     params: SamplingParams  # per-choice parameters (seed as given)
     stop: tuple[str, ...]  # stop strings
@@ -139,12 +139,30 @@ class GenerationRequest:
 
     @property
     def generated(self) -> int:
-        """Choices generated: best_of, or n."""
+        """Choices generated per prompt: best_of, or n."""
         return self.best_of or self.n
 
-    def tokenize_request(self, request_id: str, reply_to: str, seed: int,
-                         arrival: float) -> TokenizeRequest:
-        """What goes to the tokenizers; `seed` is used when the request gave none."""
+    @property
+    def num_prompts(self) -> int:
+        """Prompts it generates for: a completion's batch, or one chat. Prompt b's choices
+        are b * generated .. (b + 1) * generated - 1 (answered as b * n + j, as vLLM)."""
+        return len(self.prompts) or 1
+
+    def tokenize_requests(self, request_id: str, reply_to: str, seed: int,
+                          arrival: float) -> list[TokenizeRequest]:
+        """What goes to the tokenizers, one per prompt; `seed` is used when the request gave
+        none (every prompt's choice j samples with seed + j)."""
+        one = self._tokenize_request(request_id, reply_to, seed, arrival)
+        if not self.prompts:
+            return [one]
+        return [dataclasses.replace(
+            one, prompt_index=b, num_prompts=len(self.prompts),
+            prompt_text=p if isinstance(p, str) else None,
+            prompt_ids=None if isinstance(p, str) else int32s(p))
+            for b, p in enumerate(self.prompts)]
+
+    def _tokenize_request(self, request_id: str, reply_to: str, seed: int,
+                          arrival: float) -> TokenizeRequest:
         messages = None
         if self.messages is not None:
             messages = [ChatMessage(m["role"], m["content"], [
@@ -154,10 +172,8 @@ class GenerationRequest:
         if params.seed is None:
             params = dataclasses.replace(params, seed=seed)
         return TokenizeRequest(
-            request_id=request_id, reply_to=reply_to, params=params,
-            prompt_text=self.prompt_text,
-            prompt_ids=None if self.prompt_ids is None else int32s(self.prompt_ids),
-            messages=messages, add_generation_prompt=self.add_generation_prompt,
+            request_id=request_id, reply_to=reply_to, params=params, messages=messages,
+            add_generation_prompt=self.add_generation_prompt,
             stop=list(self.stop), n=self.generated,
             # chat without max_tokens: up to the context (at most the model's default);
             # completions keep theirs (the model's default, else OpenAI's 16)
@@ -169,11 +185,11 @@ class GenerationRequest:
 def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
                      strict: bool = False) -> GenerationRequest:
     """Validate a `/v1/completions` body. `prompt` is a non-empty string, a list of one string,
-    a non-empty list of token ids or a list of one such list; batches are a 400. Unknown keys
-    are ignored (listed in `ignored`), or with `strict` a 400."""
+    a non-empty list of token ids, or a batch: a list of those. Unknown keys are ignored
+    (listed in `ignored`), or with `strict` a 400."""
     ignored = None if strict else []
     model = _check_body(body, model_name, COMPLETION_KEYS, _COMPLETION_NEUTRAL, ignored)
-    prompt_text, prompt_ids = _parse_prompt(body.get("prompt"))
+    prompts = _parse_prompts(body.get("prompt"))
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     best_of = get_int(body, "best_of", n, lo=1, hi=MAX_N)
     if best_of < n:
@@ -185,7 +201,7 @@ def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
     max_tokens = get_int(body, "max_tokens", lo=0, hi=MAX_COUNT)
-    return _finish(body, "completion", model, prompt_text=prompt_text, prompt_ids=prompt_ids,
+    return _finish(body, "completion", model, prompts=prompts,
                    messages=None, n=n, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
                    prompt_logprobs=logprobs if echo else None, echo=echo,
                    discard_output=max_tokens == 0,
@@ -217,7 +233,7 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
     param = "max_tokens"
     if max_completion is not None:
         max_tokens, param = max_completion, "max_completion_tokens"
-    return _finish(body, "chat", model, prompt_text=None, prompt_ids=None, messages=messages,
+    return _finish(body, "chat", model, prompts=(), messages=messages,
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, defaults=defaults, fallback_max_tokens=None,
                    add_generation_prompt=get_bool(body, "add_generation_prompt", True),
@@ -246,25 +262,28 @@ def check_model(body: Any, model_name: str, allowed: frozenset[str],
     return body
 
 
-def _parse_prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
-    """(prompt_text, None) or (None, prompt_ids) from the accepted `prompt` shapes."""
+def _parse_prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
+    """The prompts of the accepted `prompt` shapes: a string, a list of token ids, or a batch
+    (a list of strings and token-id lists, at most MAX_PROMPTS)."""
     if prompt is None:
         raise bad_request("prompt is required", "prompt")
     if isinstance(prompt, list) and prompt and not is_int(prompt[0]):
-        if len(prompt) > 1:
-            raise bad_request("batched prompts (a list of several prompts) are not supported "
-                              "yet; send one request per prompt", "prompt")
-        prompt = prompt[0]
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"a batch holds at most {MAX_PROMPTS} prompts, got "
+                              f"{len(prompt)}", "prompt")
+        return tuple(_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt))
+    return (_one_prompt(prompt, "prompt"),)
+
+
+def _one_prompt(prompt: Any, param: str) -> str | tuple[int, ...]:
+    if isinstance(prompt, str | list) and not prompt:
+        raise bad_request(f"{param} must not be empty", param)
     if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        return prompt, None
+        return prompt
     if isinstance(prompt, list):
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
-        return None, token_ids(prompt, "prompt")
-    raise bad_request("prompt must be a string, a list of token ids, or a list of one of "
-                      f"those, got {json_type(prompt)}", "prompt")
+        return token_ids(prompt, param)
+    raise bad_request(f"{param} must be a string or a list of token ids, or prompt a list of "
+                      f"those, got {json_type(prompt)}", param)
 
 
 def _stream_fields(body: dict) -> tuple[bool, bool]:

@@ -79,37 +79,42 @@ def _observe(gw, inflight: Inflight, c: ChoiceState, delta: Delta) -> None:
     m.tokens.inc(len(delta.token_ids))
 
 
-def _usage(choices: list[ChoiceState]) -> responses.Usage:
-    return responses.Usage(choices[0].num_prompt, sum(len(c.token_ids) for c in choices),
-                           choices[0].cached_tokens)
+def _usage(req: GenerationRequest, choices: list[ChoiceState]) -> responses.Usage:
+    """Every prompt's tokens (each counted once) and every choice's."""
+    firsts = choices[:: req.generated]  # each prompt's first choice
+    return responses.Usage(sum(c.num_prompt for c in firsts),
+                           sum(len(c.token_ids) for c in choices),
+                           sum(c.cached_tokens for c in firsts))
 
 
-def echo_text(tokenizer, req: GenerationRequest) -> str:
-    """The prompt as echoed before a completion: its text, or its token ids decoded."""
+def echo_texts(tokenizer, req: GenerationRequest) -> list[str]:
+    """Each prompt as echoed before its completions: its text, or its token ids decoded
+    ("" without echo)."""
     if not req.echo:
-        return ""
-    if req.prompt_text is not None:
-        return req.prompt_text
-    return tokenizer.decode(list(req.prompt_ids), skip_special_tokens=False)
+        return [""] * req.num_prompts
+    return [p if isinstance(p, str) else tokenizer.decode(list(p), skip_special_tokens=False)
+            for p in req.prompts]
 
 
 def final_answer(tokenizer, req: GenerationRequest, request_id: str,
                  choices: list[ChoiceState]) -> dict:
     """The non-streamed answer of finished `choices` (all that were generated, in index
-    order): with best_of, the n with the highest cumulative logprob, best first."""
-    answered = choices
-    if req.best_of:
-        answered = sorted(choices, key=lambda c: -c.cum_logprob)[: req.n]
-    echo = echo_text(tokenizer, req)
-    out = [responses.Choice(i, echo + "".join(c.text), c.finish_reason,
-                            c.logprobs if req.logprobs else None)
-           for i, c in enumerate(answered)]
+    order), prompt by prompt: with best_of, each prompt's n with the highest cumulative
+    logprob, best first."""
+    g, out = req.generated, []
+    for b, echo in enumerate(echo_texts(tokenizer, req)):
+        answered = choices[b * g : (b + 1) * g]
+        if req.best_of:
+            answered = sorted(answered, key=lambda c: -c.cum_logprob)[: req.n]
+        out += [responses.Choice(b * req.n + j, echo + "".join(c.text), c.finish_reason,
+                                 c.logprobs if req.logprobs else None)
+                for j, c in enumerate(answered)]
     if req.tools is not None and req.tools.mode != "none":
         for choice in out:
             choice.text, choice.tool_calls = req.tools.shaper().whole(choice.text)
             choice.finish_reason = _finish(choice.finish_reason, bool(choice.tool_calls))
     build = responses.chat_response if req.kind == "chat" else responses.completion_response
-    return build(request_id, req.model, int(time.time()), out, _usage(choices))
+    return build(request_id, req.model, int(time.time()), out, _usage(req, choices))
 
 
 async def collect(gw, req: GenerationRequest, inflight: Inflight) -> web.Response:
@@ -125,8 +130,8 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
     stream with an error event (the OpenAI client raises it), never silently."""
     resp: web.StreamResponse | None = None
     created = int(time.time())
-    echo = echo_text(gw.tokenizer, req)
-    sent_chars = [0] * req.n
+    echoes = echo_texts(gw.tokenizer, req)
+    sent_chars = [0] * len(inflight.choices)
     shapers = [req.tools.shaper() for _ in range(req.n)] if req.tools is not None else None
     try:
         async for c, delta, entries in _deltas(gw, req, inflight):
@@ -134,6 +139,7 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache"})
                 await resp.prepare(request)
+            echo = echoes[c.index // req.generated]
             if echo and not sent_chars[c.index]:  # a choice's first chunk carries the prompt
                 delta.text = echo + delta.text
             lp = None
@@ -153,7 +159,8 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
     else:
         if req.include_usage:
             await resp.write(responses.sse(responses.usage_chunk(
-                req.kind, inflight.request_id, req.model, created, _usage(inflight.choices))))
+                req.kind, inflight.request_id, req.model, created,
+                _usage(req, inflight.choices))))
     await resp.write(responses.SSE_DONE)
     await resp.write_eof()
     return resp

@@ -298,18 +298,19 @@ def _valid(text: str) -> bool:
         return False
 
 
-def check_prompt_bytes(prompt_text: str | None, messages: tuple[dict, ...] | None,
-                       limit: int) -> None:
-    """400 when the prompt (completion text, or the chat message contents together) is over
-    `limit` bytes of UTF-8: tokenizing it would keep a tokenizer worker from everyone else."""
-    texts = [prompt_text] if prompt_text is not None else [m["content"] for m in messages or ()]
+def check_prompt_bytes(prompts: tuple, messages: tuple[dict, ...] | None, limit: int) -> None:
+    """400 when the prompt (a completion's texts together, or the chat message contents) is
+    over `limit` bytes of UTF-8: tokenizing it would keep a tokenizer worker from everyone
+    else."""
+    texts = [p for p in prompts if isinstance(p, str)] if prompts else \
+        [m["content"] for m in messages or ()]
     chars = sum(map(len, texts))  # chars <= UTF-8 bytes <= 4 * chars: encode only if unsure
     if chars <= limit // 4 or (chars <= limit
                                and sum(len(t.encode("utf-8")) for t in texts) <= limit):
         return
     raise bad_request(f"The prompt is longer than {limit} bytes of UTF-8 text, the most this "
                       f"server accepts (its --max-prompt-bytes); send a shorter prompt",
-                      "prompt" if prompt_text is not None else "messages", "prompt_too_large")
+                      "prompt" if prompts else "messages", "prompt_too_large")
 
 
 async def read_json_body(request: web.Request) -> Any:

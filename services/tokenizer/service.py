@@ -131,23 +131,26 @@ class Tokenizer:
         feats, quantiles = self.predict(text, ids, params.max_tokens)
         packed = int32s(ids)
         route = Route(request_id="", reply_to=req.reply_to, num_prompt=len(ids),
-                      prompt_tail=int32s(ids[-_PROMPT_TAIL:]), stop=list(req.stop), n=req.n,
+                      prompt_tail=int32s(ids[-_PROMPT_TAIL:]), stop=list(req.stop),
+                      n=req.n * req.num_prompts,
                       length_features=feats,
                       prompt_ids=packed if params.prompt_logprobs is not None else None)
-        resumes = req.resume or [Resume(i, 0, array("i"), 0) for i in range(req.n)]
-        if params.beam_width:  # one search for all n choices: compute names them
-            resumes = [Resume(0, max(r.attempt for r in resumes), array("i"), 0)]
-        return [self._choice(req.request_id, r, packed, params, route, quantiles, req.grammar)
-                for r in resumes]
+        first = req.prompt_index * req.n  # its first choice's index in the API request
+        resumes = req.resume or [Resume(first + j, 0, array("i"), 0) for j in range(req.n)]
+        if params.beam_width:  # one search for all n choices: compute names them from first
+            resumes = [Resume(first, max(r.attempt for r in resumes), array("i"), 0)]
+        return [self._choice(req.request_id, r, r.index - first, packed, params, route,
+                             quantiles, req.grammar) for r in resumes]
 
     @staticmethod
-    def _choice(api: str, r: Resume, prompt: array, params: SamplingParams, route: Route,
-                quantiles: list[int] | None, grammar: GrammarSpec | None = None,
+    def _choice(api: str, r: Resume, j: int, prompt: array, params: SamplingParams,
+                route: Route, quantiles: list[int] | None, grammar: GrammarSpec | None = None,
                 ) -> GenerateRequest:
-        """Choice r.index of the request (seed + index: choices differ, resumes repeat)."""
+        """Choice r.index of the request, its prompt's choice j (seed + j: choices differ,
+        resumes repeat, a batch's prompt samples as it would alone)."""
         rid = state.choice_id(api, r.index, r.attempt)
         if params.seed is not None:
-            params = dataclasses.replace(params, seed=params.seed + r.index)
+            params = dataclasses.replace(params, seed=params.seed + j)
         if r.output_ids:  # its first delta, the prompt's logprobs with it, was delivered
             params = dataclasses.replace(params, prompt_logprobs=None)
         route = dataclasses.replace(route, request_id=rid, resume=r if r.attempt else None)
