@@ -121,31 +121,50 @@ class ChatTemplate:
             _compile(self.source).environment.parse(self.source))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, extra: dict | None = None,
+               continue_final: bool = False) -> str:
         """The prompt text for `messages` ({"role", "content", ...} dicts), as transformers'
-        `apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...)`
-        renders it. Raises ChatTemplateError when the messages are malformed or the template
-        rejects them (e.g. `raise_exception("...")` for an unsupported role)."""
+        `apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=...,
+        continue_final_message=..., **extra)` renders it (`extra`: vLLM's chat_template_kwargs,
+        such as enable_thinking). Raises ChatTemplateError when the messages are malformed or
+        the template rejects them (e.g. `raise_exception("...")` for an unsupported role)."""
         chat = _clean_messages(messages)
         if "developer" not in self.source:  # OpenAI's newer name for system (as llama.cpp)
             chat = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in chat]
         variables = {**self.extra_tokens, "bos_token": self.bos_token,
                      "eos_token": self.eos_token}
-        variables = {k: v for k, v in variables.items() if v is not None}
+        variables = {**(extra or {}), **{k: v for k, v in variables.items() if v is not None}}
         try:
-            return _compile(self.source).render(
+            text = _compile(self.source).render(
                 messages=chat, tools=tools, documents=None,
                 add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise ChatTemplateError(f"chat template failed on these messages: {exc}") from None
+        return _cut_after_final(text, chat[-1]) if continue_final else text
 
     def encode(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True
                ) -> list[int]:
         """Token ids of the rendered prompt (a `tokenizers.Tokenizer`), no special tokens added."""
         text = self.render(messages, add_generation_prompt)
         return encode(tokenizer, text, add_special_tokens=self.add_special_tokens)
+
+
+def _cut_after_final(text: str, final: dict) -> str:
+    """`text` ending where the final message's content does (transformers'
+    continue_final_message: what the template adds after it, its end-of-turn, is cut)."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ChatTemplateError("continue_final_message needs a final message with text")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the template does not render the "
+                                "final message's text as given")
+    kept = content.lstrip()  # its trailing spaces, where the template kept them
+    if text[at : at + len(kept)] == kept:
+        return text[: at + len(kept)]
+    return text[: at + len(content.strip())]
 
 
 def _clean_messages(messages: list[dict]) -> list[dict]:

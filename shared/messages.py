@@ -79,6 +79,11 @@ class TokenizeRequest:
     resume: list[Resume] = field(default_factory=list)  # not empty: only these choices, resumed
     grammar: GrammarSpec | None = None  # structured output: the constraint (checked here)
     tools: list[ToolSpec] | None = None  # chat: rendered by the chat template (tools=)
+    chat_template_kwargs: str = ""  # chat: a JSON object of extra template variables
+    continue_final_message: bool = False  # chat: the prompt ends inside the last message
+    truncate_prompt_tokens: int = 0  # > 0: keep only this many prompt tokens (the last ones
+    # with truncation_side "left", the first with "right")
+    truncation_side: str = "left"
 
 
 # --- tokenizer -> compute -------------------------------------------------------------------

@@ -43,13 +43,21 @@ class Stack:
         if self.redis is not None:
             self.redis.start()
             redis = ["--redis-url", self.redis.url]
-        argv = [sys.executable, "-m", "services.cli", "up", "--model", str(self.model_dir),
-                "--port", str(self.port), "--run-dir", self.run_dir, *redis,
-                "--heartbeat-s", "0.2", "--kv-cache-tokens", "20000", *self.extra]
-        self.log = open(os.path.join(self.run_dir, "up.log"), "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=self.new_session)
-        self.wait_healthy(timeout_s)
+        for attempt in range(3):  # a free port may be taken (an outgoing connection's) by then
+            argv = [sys.executable, "-m", "services.cli", "up", "--model", str(self.model_dir),
+                    "--port", str(self.port), "--run-dir", self.run_dir, *redis,
+                    "--heartbeat-s", "0.2", "--kv-cache-tokens", "20000", *self.extra]
+            self.log = open(os.path.join(self.run_dir, "up.log"), "w")  # noqa: SIM115
+            self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                         start_new_session=self.new_session)
+            try:
+                self.wait_healthy(timeout_s)
+                return self
+            except RuntimeError:
+                if attempt == 2 or "(--port): Address already in use" not in self.logs():
+                    raise
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
         return self
 
     def wait_healthy(self, timeout_s: float = 60) -> None:

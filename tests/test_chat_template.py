@@ -213,3 +213,25 @@ def test_developer_messages_are_system_messages_unless_the_template_knows_them(
     knows = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}{# developer #}"
     ct = load_chat_template(write_config(tmp_path, chat_template=knows))
     assert ct.render(as_developer).startswith("[developer]be brief")
+
+
+def test_template_kwargs_and_continue_final_message_as_transformers(tmp_path, demo_model_dir):
+    """vLLM's chat_template_kwargs are template variables; continue_final_message ends the
+    prompt inside the last message (transformers' apply_chat_template does the same)."""
+    from transformers import PreTrainedTokenizerFast
+
+    thinking = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>"
+                "{% if enable_thinking is false %}<think></think>{% endif %}{% endif %}")
+    ct = load_chat_template(write_config(tmp_path, chat_template=thinking))
+    chat = [{"role": "user", "content": "hi"}]
+    assert ct.render(chat).endswith("<assistant>")
+    assert ct.render(chat, extra={"enable_thinking": False}).endswith("<think></think>")
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(demo_model_dir / "tokenizer.json"))
+    hf.chat_template = thinking
+    partial = chat + [{"role": "assistant", "content": "The answer is "}]
+    want = hf.apply_chat_template(partial, tokenize=False, continue_final_message=True)
+    assert ct.render(partial, False, continue_final=True) == want
+    assert want.endswith("<assistant>The answer is ")
+    with pytest.raises(ChatTemplateError):
+        ct.render(chat + [{"role": "assistant", "content": ""}], False, continue_final=True)

@@ -296,6 +296,34 @@ def test_batched_prompts_answer_each_prompt_as_alone(client, demo_model_dir):
     assert texts[0].startswith(prompts[0]) and texts[1].startswith(prompts[2])
 
 
+def test_prompt_fields_evaluation_and_agent_clients_send(client, demo_model_dir):
+    """truncate_prompt_tokens keeps the last k prompt tokens; continue_final_message continues
+    the assistant's last message; chat_template_kwargs reach the template; continuous usage
+    stats put each choice's usage so far on every streamed chunk."""
+    long = "one two three four five six seven eight nine ten"
+    ids = encode(load_tokenizer(demo_model_dir), long)
+    kw = dict(model=MODEL, max_tokens=3, temperature=0)
+    for side, kept in (("left", ids[-4:]), ("right", ids[:4])):
+        cut = client.completions.create(prompt=long, **kw, extra_body={
+            "truncate_prompt_tokens": 4, "truncation_side": side})
+        assert cut.usage.prompt_tokens == 4
+        assert cut.choices[0].text == client.completions.create(prompt=kept, **kw
+                                                                ).choices[0].text
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1 2 3"}]
+    kw = dict(model=MODEL, max_tokens=4, temperature=0)
+    went_on = client.chat.completions.create(
+        messages=messages, extra_body={"continue_final_message": True,
+                                       "add_generation_prompt": False,
+                                       "chat_template_kwargs": {"enable_thinking": False}}, **kw)
+    fresh = client.chat.completions.create(messages=messages, **kw)
+    assert went_on.usage.prompt_tokens < fresh.usage.prompt_tokens  # no end of turn, no header
+    chunks = list(client.chat.completions.create(
+        messages=messages[:1], stream=True, stream_options={
+            "include_usage": True, "continuous_usage_stats": True}, **kw))
+    counts = [c.usage.completion_tokens for c in chunks[:-1] if c.choices]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens
+
+
 def test_oversized_body_is_413(stack):
     code, body = stack.post("/v1/completions", b'{"prompt": "' + b"a" * (9 * 2**20) + b'"}')
     assert code == 413 and body["error"]["code"] == "payload_too_large"

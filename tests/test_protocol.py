@@ -104,7 +104,7 @@ COMMON_ERRORS = [
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
     ({"stream": False, "stream_options": {}}, "stream_options", "only allowed when stream"),
     ({"stream": True, "stream_options": []}, "stream_options", "must be an object"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options",
+    ({"stream": True, "stream_options": {"continuous_usage": True}}, "stream_options",
      "Unrecognized"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "include_usage", "boolean"),
     ({"user": 5}, "user", "must be a string"),
@@ -527,3 +527,34 @@ def test_fuzz_known_keys(kind, data):
     keys = sorted(COMPLETION_KEYS if kind == "completion" else CHAT_KEYS)
     extra = data.draw(st.dictionaries(st.sampled_from(keys), json_values, max_size=4))
     parse_or_api_error(kind, {**BASE[kind], **extra})
+
+
+def test_prompt_making_fields_reach_the_tokenizer():
+    chat = parse_chat({**BASE["chat"], "chat_template_kwargs": {"enable_thinking": False},
+                       "continue_final_message": True, "truncate_prompt_tokens": 5,
+                       "truncation_side": "right"}, M)
+    (one,) = chat.tokenize_requests("c", "gw", 1, 0.0)
+    assert json.loads(one.chat_template_kwargs) == {"enable_thinking": False}
+    assert one.continue_final_message and not one.add_generation_prompt
+    assert (one.truncate_prompt_tokens, one.truncation_side) == (5, "right")
+    (plain,) = parse_completion({**BASE["completion"], "truncate_prompt_tokens": -1}, M
+                                ).tokenize_requests("c", "gw", 1, 0.0)
+    assert (plain.truncate_prompt_tokens, plain.truncation_side) == (-1, "left")
+    for kind, extra, param in [
+            ("chat", {"continue_final_message": True, "add_generation_prompt": True},
+             "continue_final_message"),
+            ("chat", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+            ("completion", {"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+            ("completion", {"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+            ("completion", {"truncation_side": "middle"}, "truncation_side")]:
+        assert fail(kind, {**BASE[kind], **extra}).param == param
+
+
+@pytest.mark.parametrize("kind", PARSE)
+def test_continuous_usage_stats_needs_include_usage(kind):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    req = PARSE[kind]({**BASE[kind], "stream": True, "stream_options": options}, M)
+    assert req.include_usage and req.continuous_usage
+    req = PARSE[kind]({**BASE[kind], "stream": True,
+                       "stream_options": {"continuous_usage_stats": True}}, M)
+    assert not req.continuous_usage

@@ -35,6 +35,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,7 @@ _COMMON_KEYS = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "logit_bias", *BEAM_KEYS,
     "request_id", "priority",  # priority: accepted, not yet scheduled by
+    "truncate_prompt_tokens", "truncation_side",
 })
 # SGLang/vLLM extras that the routers in front of replicas (vllm-router, sglang-router) add to
 # every body they forward, with the values they add: none asks for anything here (special tokens
@@ -87,7 +89,7 @@ _ROUTER_NEUTRAL: dict[str, tuple] = {
     "no_stop_trim": (False,), "skip_special_tokens": (True,), "return_hidden_states": (False,),
 }
 _CHAT_ROUTER_NEUTRAL: dict[str, tuple] = {
-    **_ROUTER_NEUTRAL, "continue_final_message": (False,), "separate_reasoning": (True, False),
+    **_ROUTER_NEUTRAL, "separate_reasoning": (True, False),
     "stream_reasoning": (True, False), "include_reasoning": (True, False),
 }
 # Known OpenAI fields we do not implement, with the values that ask for nothing (null is too).
@@ -103,7 +105,8 @@ _CHAT_NEUTRAL: dict[str, tuple] = {
 COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"} | structured.KEYS
                             | _COMPLETION_NEUTRAL.keys())
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs",
-                                      "add_generation_prompt"} | structured.KEYS
+                                      "add_generation_prompt", "continue_final_message",
+                                      "chat_template_kwargs"} | structured.KEYS
                       | tools.KEYS | _CHAT_NEUTRAL.keys())
 
 
@@ -136,6 +139,10 @@ class GenerationRequest:
     tools: tools.Tools | None = None  # chat: its tools and tool_choice (gateway/tools.py)
     ignored: tuple[str, ...] = ()  # unknown keys served without them (logged)
     request_id: str | None = None  # the client's: the response id is "chatcmpl-<it>" / "cmpl-"
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage):
+    # every chunk carries its choice's usage so far
+    prompt_options: dict = dataclasses.field(default_factory=dict)  # TokenizeRequest's fields
+    # of how the prompt is made: chat_template_kwargs, continue_final_message, truncation
 
     @property
     def generated(self) -> int:
@@ -179,7 +186,7 @@ class GenerationRequest:
             # completions keep theirs (the model's default, else OpenAI's 16)
             max_tokens_auto=self.kind == "chat" and not self.max_tokens_given,
             arrival=arrival, grammar=self.grammar,
-            tools=None if self.tools is None else list(self.tools.specs))
+            tools=None if self.tools is None else list(self.tools.specs), **self.prompt_options)
 
 
 def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
@@ -233,10 +240,21 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
     param = "max_tokens"
     if max_completion is not None:
         max_tokens, param = max_completion, "max_completion_tokens"
+    continue_final = get_bool(body, "continue_final_message", False)
+    add_generation_prompt = get_bool(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
+                          "true", "continue_final_message")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
+                          "chat_template_kwargs")
+    chat_options = {"continue_final_message": continue_final,
+                    "chat_template_kwargs": json.dumps(kwargs) if kwargs else ""}
     return _finish(body, "chat", model, prompts=(), messages=messages,
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, defaults=defaults, fallback_max_tokens=None,
-                   add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+                   add_generation_prompt=add_generation_prompt, chat_options=chat_options,
                    tools=tools.parse_tools(body, tool_parser), beam=parse_beam(body, n, n),
                    ignored=tuple(ignored or ()))
 
@@ -286,23 +304,38 @@ def _one_prompt(prompt: Any, param: str) -> str | tuple[int, ...]:
                       f"those, got {json_type(prompt)}", param)
 
 
-def _stream_fields(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage); stream_options is only allowed together with stream: true."""
+def _truncation(body: dict) -> dict:
+    """vLLM's truncate_prompt_tokens (-1: to the context; k >= 1: keep k prompt tokens) and
+    truncation_side ("left": the last k, its default; "right": the first k)."""
+    k = get_int(body, "truncate_prompt_tokens", 0, lo=-1, hi=MAX_COUNT)
+    if k == 0 and body.get("truncate_prompt_tokens") is not None:
+        raise bad_request("truncate_prompt_tokens must be -1 or at least 1",
+                          "truncate_prompt_tokens")
+    side = get_str(body, "truncation_side", "left")
+    if side not in ("left", "right"):
+        raise bad_request("truncation_side must be 'left' or 'right'", "truncation_side")
+    return {"truncate_prompt_tokens": k, "truncation_side": side}
+
+
+def _stream_fields(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats); stream_options is only allowed together
+    with stream: true."""
     stream = get_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if not isinstance(options, dict):
         raise bad_request(f"stream_options must be an object, got {json_type(options)}",
                           "stream_options")
     for key in options:
-        if key not in ("include_usage", "include_obfuscation"):
+        if key not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
             raise bad_request(f"Unrecognized stream_options argument supplied: {key}"[:300],
                               "stream_options")
     get_bool(options, "include_obfuscation", False)  # type-checked; we never obfuscate
-    return stream, get_bool(options, "include_usage", False)
+    usage = get_bool(options, "include_usage", False)
+    return stream, usage, usage and get_bool(options, "continuous_usage_stats", False)
 
 
 def _sampling_params(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
@@ -362,10 +395,10 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
 def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_param: str,
             defaults: GenerationDefaults, fallback_max_tokens: int | None, n: int, logprobs: bool,
             top_logprobs: int, prompt_logprobs: int | None = None, beam: dict,
-            **fields: Any) -> GenerationRequest:
+            chat_options: dict | None = None, **fields: Any) -> GenerationRequest:
     """Validate the fields both endpoints share and build the request (`beam`: its beam
-    search fields, services/gateway/beam.py)."""
-    stream, include_usage = _stream_fields(body)
+    search fields, services/gateway/beam.py; `chat_options`: how chat renders its prompt)."""
+    stream, include_usage, continuous_usage = _stream_fields(body)
     get_int(body, "priority", 0, lo=-MAX_COUNT - 1, hi=MAX_COUNT)  # accepted, not yet used
     params = _sampling_params(  # best_of ranks choices by their logprobs: compute sends them
         body, logprobs=logprobs or fields.get("best_of", 0) > 0, top_logprobs=top_logprobs,
@@ -382,7 +415,8 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         check_beam(top_logprobs, fields.get("echo", False), grammar is not None)
     return GenerationRequest(
         kind=kind, model=model, params=params, stop=get_stop(body), n=n, stream=stream,
-        include_usage=include_usage, logprobs=logprobs,
+        include_usage=include_usage, continuous_usage=continuous_usage, logprobs=logprobs,
         user=get_str(body, "user"), max_tokens_given=max_tokens is not None, grammar=grammar,
         request_id=check_request_id(get_str(body, "request_id"), "request_id"),
+        prompt_options={**(chat_options or {}), **_truncation(body)},
         **fields)

@@ -151,6 +151,9 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
             chunk = _tool_chunk(req, inflight, created, c, delta, lp, shaper) if shaper else \
                 _chunk(req, inflight, created, c, delta, lp)
             if chunk is not None:
+                if req.continuous_usage:  # vLLM's: this choice's tokens so far
+                    chunk["usage"] = responses.Usage(c.num_prompt, len(c.token_ids),
+                                                     c.cached_tokens).to_dict()
                 await resp.write(responses.sse(chunk))
     except APIError as e:
         if resp is None:

@@ -81,12 +81,21 @@ class Tokenizer:
             raise PromptError(str(e), e.param) from None
 
     def prompt(self, req: TokenizeRequest) -> tuple[str, list[int]]:
-        """(prompt text, or "" when given as ids; prompt token ids)."""
+        """(prompt text, or "" when given as ids; prompt token ids), truncated as asked."""
+        text, ids = self._prompt(req)
+        k = self.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+        if 0 < k < len(ids):
+            ids = ids[-k:] if req.truncation_side == "left" else ids[:k]
+        return text, ids
+
+    def _prompt(self, req: TokenizeRequest) -> tuple[str, list[int]]:
         if req.messages is not None:
             if self.template is None:
                 raise PromptError("this model has no chat template; use /v1/completions")
             messages = [_message(m) for m in req.messages]
-            text = self.template.render(messages, req.add_generation_prompt, self._tools(req))
+            extra = json.loads(req.chat_template_kwargs) if req.chat_template_kwargs else None
+            text = self.template.render(messages, req.add_generation_prompt, self._tools(req),
+                                        extra, req.continue_final_message)
             return text, encode(self.tok, text, add_special_tokens=False)
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
