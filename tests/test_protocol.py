@@ -192,7 +192,6 @@ CHAT_ERRORS = [
     ({"prompt": "x"}, "prompt", "Unrecognized"),
     ({"best_of": 1}, "best_of", "Unrecognized"),
     ({"echo": False}, "echo", "Unrecognized"),
-    ({"continue_final_message": True}, "continue_final_message", "is not supported"),
 ]
 
 ERROR_CASES = ([(k, *c) for k in PARSE for c in COMMON_ERRORS]
