@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from services.gateway.errors import APIError
 from services.gateway.pending import PendingLimit
-from services.gateway.protocol import MAX_SEED, parse_chat, parse_completion
+from services.gateway.protocol import parse_chat, parse_completion
+from services.gateway.request_fields import MAX_SEED
 from services.gateway.validation import (
     MAX_JSON_DEPTH,
     check_json_value,

@@ -4,11 +4,11 @@
 `APIError` (400 unless noted) naming the offending `param`. Rules:
 
 * JSON null means "absent" for every optional field.
-* Unknown keys -> "Unrecognized request argument supplied: X" (OpenAI's behaviour); vLLM extras
-  we do not implement are unknown too. Known OpenAI fields we do not implement -> "`X` is not
-  supported", unless given a harmless value (null, false, {}, "none", ...): never ignored.
-  So are the extras routers add to what they forward (no_stop_trim, skip_special_tokens, ...,
-  `_ROUTER_NEUTRAL`), with the values they add.
+* Unknown keys are ignored and listed in `GenerationRequest.ignored` (the gateway logs them, as
+  vLLM does); with `strict` they are a 400 "Unrecognized request argument supplied: X". Known
+  OpenAI fields we do not implement -> "`X` is not supported", unless given a harmless value
+  (null, false, {}, "none", ...). So are the extras routers add to what they forward
+  (no_stop_trim, skip_special_tokens, ..., `_ROUTER_NEUTRAL`), with the values they add.
 * Supported vLLM extras: top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
   stop_token_ids, and for chat add_generation_prompt. logit_bias: {"<token id>": bias in
   [-100, 100]}. Completions' best_of >= n: best_of choices generated, the n with the highest
@@ -25,9 +25,8 @@
   `max_completion_tokens` and `max_tokens` are synonyms; giving both with different values is a
   400. Completions accept max_tokens 0 (with echo: the prompt's logprobs only, what lm-eval's
   loglikelihood requests send).
-* Integers are bounded before anything reaches the wire codec: token counts (max_tokens,
-  max_completion_tokens, min_tokens, top_k) by 2^31 - 1, seed by 2^63 - 16 (the seed of choice i
-  is seed + i). (The body as a whole was checked by `validation.check_json_value`.)
+* The fields both endpoints parse alike (prompts, truncation, stream options, sampling):
+  request_fields.py. (The body as a whole was checked by `validation.check_json_value`.)
 * Logprobs: completions `logprobs` k in [0, 20] (the chosen tokens' logprobs and the k most
   likely alternatives; with `echo`, also the prompt's); chat `logprobs` true and `top_logprobs`.
 """
@@ -43,32 +42,31 @@ from services.gateway import structured, tools
 from services.gateway.beam import KEYS as BEAM_KEYS
 from services.gateway.beam import check_beam, parse_beam
 from services.gateway.chat_messages import parse_messages
-from services.gateway.errors import APIError, bad_request, not_found
+from services.gateway.errors import bad_request, not_found
+from services.gateway.request_fields import (
+    MAX_COUNT,
+    MAX_N,
+    parse_prompts,
+    sampling_params,
+    stream_fields,
+    truncation,
+)
 from services.gateway.validation import (
-    MAX_TOKEN_ID,
     check_request_id,
     get_bool,
     get_int,
-    get_number,
     get_stop,
     get_str,
-    is_int,
     json_type,
     reject_unknown,
     reject_unsupported,
-    token_ids,
 )
 from shared.codec import int32s
 from shared.generation_config import GenerationDefaults
 from shared.grammar import GrammarSpec
 from shared.messages import ChatMessage, TokenizeRequest, ToolCallMsg
-from shared.sampling import MAX_LOGPROBS, InvalidParams, SamplingParams
+from shared.sampling import MAX_LOGPROBS, SamplingParams
 
-MAX_N = 16
-MAX_PROMPTS = 1024  # prompts of one batched completion
-MAX_COUNT = 2**31 - 1  # token counts fit int32 everywhere downstream
-MAX_LOGIT_BIAS = 1024  # tokens one request may bias
-MAX_SEED = 2**63 - MAX_N  # choice i samples with seed + i, which must stay below 2^63
 COMPLETION_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's and vLLM's default)
 NO_DEFAULTS = GenerationDefaults()
 
@@ -196,7 +194,7 @@ def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults
     (listed in `ignored`), or with `strict` a 400."""
     ignored = None if strict else []
     model = _check_body(body, model_name, COMPLETION_KEYS, _COMPLETION_NEUTRAL, ignored)
-    prompts = _parse_prompts(body.get("prompt"))
+    prompts = parse_prompts(body.get("prompt"))
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     best_of = get_int(body, "best_of", n, lo=1, hi=MAX_N)
     if best_of < n:
@@ -280,127 +278,15 @@ def check_model(body: Any, model_name: str, allowed: frozenset[str],
     return body
 
 
-def _parse_prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
-    """The prompts of the accepted `prompt` shapes: a string, a list of token ids, or a batch
-    (a list of strings and token-id lists, at most MAX_PROMPTS)."""
-    if prompt is None:
-        raise bad_request("prompt is required", "prompt")
-    if isinstance(prompt, list) and prompt and not is_int(prompt[0]):
-        if len(prompt) > MAX_PROMPTS:
-            raise bad_request(f"a batch holds at most {MAX_PROMPTS} prompts, got "
-                              f"{len(prompt)}", "prompt")
-        return tuple(_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt))
-    return (_one_prompt(prompt, "prompt"),)
-
-
-def _one_prompt(prompt: Any, param: str) -> str | tuple[int, ...]:
-    if isinstance(prompt, str | list) and not prompt:
-        raise bad_request(f"{param} must not be empty", param)
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list):
-        return token_ids(prompt, param)
-    raise bad_request(f"{param} must be a string or a list of token ids, or prompt a list of "
-                      f"those, got {json_type(prompt)}", param)
-
-
-def _truncation(body: dict) -> dict:
-    """vLLM's truncate_prompt_tokens (-1: to the context; k >= 1: keep k prompt tokens) and
-    truncation_side ("left": the last k, its default; "right": the first k)."""
-    k = get_int(body, "truncate_prompt_tokens", 0, lo=-1, hi=MAX_COUNT)
-    if k == 0 and body.get("truncate_prompt_tokens") is not None:
-        raise bad_request("truncate_prompt_tokens must be -1 or at least 1",
-                          "truncate_prompt_tokens")
-    side = get_str(body, "truncation_side", "left")
-    if side not in ("left", "right"):
-        raise bad_request("truncation_side must be 'left' or 'right'", "truncation_side")
-    return {"truncate_prompt_tokens": k, "truncation_side": side}
-
-
-def _stream_fields(body: dict) -> tuple[bool, bool, bool]:
-    """(stream, include_usage, continuous_usage_stats); stream_options is only allowed together
-    with stream: true."""
-    stream = get_bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False, False
-    if not stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if not isinstance(options, dict):
-        raise bad_request(f"stream_options must be an object, got {json_type(options)}",
-                          "stream_options")
-    for key in options:
-        if key not in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
-            raise bad_request(f"Unrecognized stream_options argument supplied: {key}"[:300],
-                              "stream_options")
-    get_bool(options, "include_obfuscation", False)  # type-checked; we never obfuscate
-    usage = get_bool(options, "include_usage", False)
-    return stream, usage, usage and get_bool(options, "continuous_usage_stats", False)
-
-
-def _sampling_params(body: dict, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-                     prompt_logprobs: int | None, max_param: str,
-                     defaults: GenerationDefaults, beam: dict) -> SamplingParams:
-    """SamplingParams from the sampling fields, the model's `defaults` where they are unset;
-    range errors become 400s naming the field."""
-    stop_ids = body.get("stop_token_ids")
-    sampling = defaults.apply({
-        "temperature": get_number(body, "temperature", None),
-        "top_k": get_int(body, "top_k", None, hi=MAX_COUNT),
-        "top_p": get_number(body, "top_p", None),
-        "min_p": get_number(body, "min_p", None),
-        "repetition_penalty": get_number(body, "repetition_penalty", None),
-    })
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            **sampling,
-            seed=get_int(body, "seed", hi=MAX_SEED),
-            ignore_eos=get_bool(body, "ignore_eos", False),
-            min_tokens=get_int(body, "min_tokens", 0, hi=MAX_COUNT),
-            stop_token_ids=() if stop_ids is None else token_ids(stop_ids, "stop_token_ids"),
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            prompt_logprobs=prompt_logprobs,
-            presence_penalty=get_number(body, "presence_penalty", 0.0),
-            frequency_penalty=get_number(body, "frequency_penalty", 0.0),
-            logit_bias=_logit_bias(body.get("logit_bias")),
-            **beam,
-        )
-    except InvalidParams as exc:
-        param = max_param if exc.param == "max_tokens" else exc.param
-        raise APIError(400, str(exc), param=param) from exc
-
-
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias: {"<token id>": bias in [-100, 100], ...} -> ((id, bias), ...)."""
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise bad_request(f"logit_bias must be an object mapping token ids to biases, got "
-                          f"{json_type(value)}", "logit_bias")
-    if len(value) > MAX_LOGIT_BIAS:
-        raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
-    out = []
-    for key, bias in value.items():
-        if not (len(key) <= 10 and key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}"[:200],
-                              "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, int | float):
-            raise bad_request(f"logit_bias[{key!r}] must be a number", "logit_bias")
-        out.append((int(key), float(bias)))
-    return tuple(out)
-
-
 def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_param: str,
             defaults: GenerationDefaults, fallback_max_tokens: int | None, n: int, logprobs: bool,
             top_logprobs: int, prompt_logprobs: int | None = None, beam: dict,
             chat_options: dict | None = None, **fields: Any) -> GenerationRequest:
     """Validate the fields both endpoints share and build the request (`beam`: its beam
     search fields, services/gateway/beam.py; `chat_options`: how chat renders its prompt)."""
-    stream, include_usage, continuous_usage = _stream_fields(body)
+    stream, include_usage, continuous_usage = stream_fields(body)
     get_int(body, "priority", 0, lo=-MAX_COUNT - 1, hi=MAX_COUNT)  # accepted, not yet used
-    params = _sampling_params(  # best_of ranks choices by their logprobs: compute sends them
+    params = sampling_params(  # best_of ranks choices by their logprobs: compute sends them
         body, logprobs=logprobs or fields.get("best_of", 0) > 0, top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs, max_param=max_param, defaults=defaults,
         max_tokens=defaults.max_tokens_for(max_tokens, fallback_max_tokens), beam=beam)
@@ -418,5 +304,5 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         include_usage=include_usage, continuous_usage=continuous_usage, logprobs=logprobs,
         user=get_str(body, "user"), max_tokens_given=max_tokens is not None, grammar=grammar,
         request_id=check_request_id(get_str(body, "request_id"), "request_id"),
-        prompt_options={**(chat_options or {}), **_truncation(body)},
+        prompt_options={**(chat_options or {}), **truncation(body)},
         **fields)
