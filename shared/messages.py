@@ -84,6 +84,8 @@ class TokenizeRequest:
     truncate_prompt_tokens: int = 0  # > 0: keep only this many prompt tokens (the last ones
     # with truncation_side "left", the first with "right")
     truncation_side: str = "left"
+    include_stop_str_in_output: bool = False  # the detokenizer's (Route's)
+    skip_special_tokens: bool = True
 
 
 # --- tokenizer -> compute -------------------------------------------------------------------
@@ -102,6 +104,8 @@ class Route:
     prompt_ids: array | None = None  # int32, the whole prompt: only with prompt logprobs
     resume: Resume | None = None  # a resumed choice: the detokenizer replays its outputs
     cached_tokens: int = 0  # set by compute at admission: prompt tokens a prefix cache hit gave
+    include_stop_str_in_output: bool = False  # a matched stop string ends the text
+    skip_special_tokens: bool = True  # special tokens are left out of the text
 
 
 @message

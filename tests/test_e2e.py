@@ -145,6 +145,31 @@ def test_logit_bias_forces_a_token(client, demo_model_dir):
         client.completions.create(model=MODEL, prompt="x", logit_bias={"100000": 1})
 
 
+def test_stop_strings_tokens_and_special_tokens_in_the_text(client, demo_model_dir):
+    """As vLLM: a stop string or stop token is left out of the text unless
+    include_stop_str_in_output; special tokens are left out unless skip_special_tokens is
+    false (forced here with logit_bias on <s>, id 1)."""
+    tok = load_tokenizer(demo_model_dir)
+    kw = dict(model=MODEL, prompt="Once upon", temperature=0)
+    free = client.completions.create(max_tokens=8, extra_body={"ignore_eos": True}, **kw)
+    text = free.choices[0].text
+    stop = text[3:5]
+    for include in (False, True):
+        cut = client.completions.create(max_tokens=8, stop=[stop], **kw, extra_body={
+            "ignore_eos": True, "include_stop_str_in_output": include})
+        want = text[: text.index(stop) + (len(stop) if include else 0)]
+        assert (cut.choices[0].text, cut.choices[0].finish_reason) == (want, "stop")
+    ids = encode(tok, text)
+    for include in (False, True):
+        by_id = client.completions.create(max_tokens=8, **kw, extra_body={
+            "ignore_eos": True, "stop_token_ids": [ids[2]], "include_stop_str_in_output": include})
+        assert by_id.choices[0].text == decode(tok, ids[: 3 if include else 2])
+    for skip in (True, False):
+        forced = client.completions.create(max_tokens=2, logit_bias={"1": 100}, **kw,
+                                           extra_body={"skip_special_tokens": skip})
+        assert forced.choices[0].text == ("" if skip else "<s><s>")
+
+
 def test_length_predictor_learns_from_finished_requests(stack, demo_model_dir):
     """Tokenizer features -> route -> detokenizer learns at finish -> Redis -> predictions."""
     from shared.length_predictor import LengthPredictor, length_features, model_key

@@ -59,8 +59,9 @@ def fail(kind: str, body, status=400) -> APIError:
 COMMON_ERRORS = [
     ({"model": 5}, "model", "must be a string"),
     ({"foo": 1}, "foo", "Unrecognized request argument supplied: foo"),
-    ({"skip_special_tokens": False}, "skip_special_tokens", "is not supported"),
-    ({"no_stop_trim": True}, "no_stop_trim", "is not supported"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens", "must be a boolean"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens",
+     "is not supported"),
     ({"return_hidden_states": True}, "return_hidden_states", "is not supported"),
     ({"guided_json": []}, "guided_json", "must be a JSON schema object"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend",

@@ -92,8 +92,9 @@ class Detokenizer:
         return res
 
     def _open(self, route: Route, now: float) -> Stream:
-        s = Stream(route, IncrementalDetokenizer(self.tokenizer, list(route.prompt_tail)),
-                   StopMatcher(route.stop), now)
+        s = Stream(route, IncrementalDetokenizer(self.tokenizer, list(route.prompt_tail),
+                                                 route.skip_special_tokens),
+                   StopMatcher(route.stop, route.include_stop_str_in_output), now)
         r = route.resume
         if r is not None:  # replay what its client has: decoding and stop matching go on
             s.num_output = len(r.output_ids)  # from there, held-back text included
@@ -105,7 +106,10 @@ class Detokenizer:
         """A request's next output tokens: their text, stop strings, the finish."""
         fin = tokens.finish_reason
         s.num_output += len(tokens.token_ids)
-        text = s.detok.add(tokens.token_ids)
+        ids = tokens.token_ids
+        if fin == "stop" and not s.route.include_stop_str_in_output:
+            ids = ids[:-1]  # the stop token (EOS, a stop_token_id) is not text, as in vLLM
+        text = s.detok.add(ids)
         if fin is not None:
             text += s.detok.flush()
         emitted, matched = s.stops.feed(text)

@@ -49,6 +49,7 @@ from services.gateway.request_fields import (
     parse_prompts,
     sampling_params,
     stream_fields,
+    text_options,
     truncation,
 )
 from services.gateway.validation import (
@@ -77,14 +78,16 @@ _COMMON_KEYS = frozenset({
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "logit_bias", *BEAM_KEYS,
     "request_id", "priority",  # priority: accepted, not yet scheduled by
-    "truncate_prompt_tokens", "truncation_side",
+    "truncate_prompt_tokens", "truncation_side", "include_stop_str_in_output",
+    "no_stop_trim", "skip_special_tokens",
 })
 # SGLang/vLLM extras that the routers in front of replicas (vllm-router, sglang-router) add to
 # every body they forward, with the values they add: none asks for anything here (special tokens
 # are skipped, stop strings trimmed, no hidden states; without a reasoning parser the reasoning
 # flags change nothing either way).
 _ROUTER_NEUTRAL: dict[str, tuple] = {
-    "no_stop_trim": (False,), "skip_special_tokens": (True,), "return_hidden_states": (False,),
+    "return_hidden_states": (False,),
+    "spaces_between_special_tokens": (True,),
 }
 _CHAT_ROUTER_NEUTRAL: dict[str, tuple] = {
     **_ROUTER_NEUTRAL, "separate_reasoning": (True, False),
@@ -139,8 +142,9 @@ class GenerationRequest:
     request_id: str | None = None  # the client's: the response id is "chatcmpl-<it>" / "cmpl-"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage):
     # every chunk carries its choice's usage so far
-    prompt_options: dict = dataclasses.field(default_factory=dict)  # TokenizeRequest's fields
-    # of how the prompt is made: chat_template_kwargs, continue_final_message, truncation
+    options: dict = dataclasses.field(default_factory=dict)  # TokenizeRequest fields as parsed:
+    # how the prompt is made (template kwargs, continue_final_message, truncation) and its text
+    # (include_stop_str_in_output, skip_special_tokens)
 
     @property
     def generated(self) -> int:
@@ -184,7 +188,7 @@ class GenerationRequest:
             # completions keep theirs (the model's default, else OpenAI's 16)
             max_tokens_auto=self.kind == "chat" and not self.max_tokens_given,
             arrival=arrival, grammar=self.grammar,
-            tools=None if self.tools is None else list(self.tools.specs), **self.prompt_options)
+            tools=None if self.tools is None else list(self.tools.specs), **self.options)
 
 
 def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
@@ -304,5 +308,5 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         include_usage=include_usage, continuous_usage=continuous_usage, logprobs=logprobs,
         user=get_str(body, "user"), max_tokens_given=max_tokens is not None, grammar=grammar,
         request_id=check_request_id(get_str(body, "request_id"), "request_id"),
-        prompt_options={**(chat_options or {}), **truncation(body)},
+        options={**(chat_options or {}), **truncation(body), **text_options(body)},
         **fields)

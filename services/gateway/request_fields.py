@@ -64,6 +64,15 @@ def truncation(body: dict) -> dict:
     return {"truncate_prompt_tokens": k, "truncation_side": side}
 
 
+def text_options(body: dict) -> dict:
+    """How the output becomes text: include_stop_str_in_output (a matched stop string stays at
+    the end of the text; SGLang's no_stop_trim) and skip_special_tokens (true: special tokens
+    are left out), vLLM's."""
+    include = get_bool(body, "include_stop_str_in_output", False)
+    return {"include_stop_str_in_output": get_bool(body, "no_stop_trim", False) or include,
+            "skip_special_tokens": get_bool(body, "skip_special_tokens", True)}
+
+
 def stream_fields(body: dict) -> tuple[bool, bool, bool]:
     """(stream, include_usage, continuous_usage_stats); stream_options is only allowed together
     with stream: true."""

@@ -143,6 +143,8 @@ class Tokenizer:
                       prompt_tail=int32s(ids[-_PROMPT_TAIL:]), stop=list(req.stop),
                       n=req.n * req.num_prompts,
                       length_features=feats,
+                      include_stop_str_in_output=req.include_stop_str_in_output,
+                      skip_special_tokens=req.skip_special_tokens,
                       prompt_ids=packed if params.prompt_logprobs is not None else None)
         first = req.prompt_index * req.n  # its first choice's index in the API request
         resumes = req.resume or [Resume(first + j, 0, array("i"), 0) for j in range(req.n)]
