@@ -86,6 +86,7 @@ class TokenizeRequest:
     truncation_side: str = "left"
     include_stop_str_in_output: bool = False  # the detokenizer's (Route's)
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # the prompt's ids come back with the first delta
 
 
 # --- tokenizer -> compute -------------------------------------------------------------------
@@ -101,7 +102,8 @@ class Route:
     stop: list[str] = field(default_factory=list)
     n: int = 1  # choices of the API request this one belongs to
     length_features: list[int] = field(default_factory=list)  # the predictor learns at finish
-    prompt_ids: array | None = None  # int32, the whole prompt: only with prompt logprobs
+    prompt_ids: array | None = None  # int32, the whole prompt: with prompt logprobs, or asked
+    scores_prompt: bool = False  # prompt logprobs asked for (the first delta carries them)
     resume: Resume | None = None  # a resumed choice: the detokenizer replays its outputs
     cached_tokens: int = 0  # set by compute at admission: prompt tokens a prefix cache hit gave
     include_stop_str_in_output: bool = False  # a matched stop string ends the text

@@ -258,7 +258,7 @@ def test_prompt_logprob_pieces_join_onto_the_first_delta() -> None:
 
     detok = Detokenizer(TOKENIZERS["byte_bpe"], ttl_s=60)
     route = Route("r:0", "gw", num_prompt=5, prompt_tail=array("i", [1, 2, 3, 4, 5]),
-                  prompt_ids=array("i", [1, 2, 3, 4, 5]))
+                  prompt_ids=array("i", [1, 2, 3, 4, 5]), scores_prompt=True)
     assert not detok.handle(StepOutput([route], prompt=[piece(1, [2, 3])])).deltas
     top = Tokens("r:0", 5, array("i", [9]), array("f", [-0.1]), array("i", [9, 8]),
                  array("f", [-0.125, -3.0]))

@@ -170,6 +170,29 @@ def test_stop_strings_tokens_and_special_tokens_in_the_text(client, demo_model_d
         assert forced.choices[0].text == ("" if skip else "<s><s>")
 
 
+def test_token_ids_for_rl_trainers(client, demo_model_dir):
+    """return_token_ids: each choice's generated ids and its prompt's (completions: on the
+    choice; chat: at the top), streamed (the prompt's on a choice's first chunk) or not;
+    return_tokens_as_token_ids names logprob tokens "token_id:N"."""
+    tok = load_tokenizer(demo_model_dir)
+    kw = dict(model=MODEL, max_tokens=5, temperature=0, extra_body={
+        "return_token_ids": True, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    r = client.completions.create(prompt="Once upon", logprobs=1, **kw).model_dump()
+    (choice,) = r["choices"]
+    assert choice["prompt_token_ids"] == encode(tok, "Once upon")
+    assert decode(tok, choice["token_ids"]) == choice["text"] and len(choice["token_ids"]) == 5
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    ids, prompt = [], None
+    for chunk in client.completions.create(prompt="Once upon", stream=True, **kw):
+        c = chunk.model_dump()["choices"][0]
+        ids += c["token_ids"]
+        prompt = prompt or c.get("prompt_token_ids")
+    assert (ids, prompt) == (choice["token_ids"], choice["prompt_token_ids"])
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}],
+                                          **kw).model_dump()
+    assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 5
+
+
 def test_length_predictor_learns_from_finished_requests(stack, demo_model_dir):
     """Tokenizer features -> route -> detokenizer learns at finish -> Redis -> predictions."""
     from shared.length_predictor import LengthPredictor, length_features, model_key

@@ -127,8 +127,8 @@ class Detokenizer:
         delta = Delta(rid, emitted, tokens, fin, s.route.num_prompt, s.num_output)
         if first:
             delta.started_at, delta.cached_tokens = s.started_at, s.route.cached_tokens
-            if s.route.prompt_ids is not None:  # prompt logprobs asked for
-                delta.prompt_ids = s.route.prompt_ids
+            delta.prompt_ids = s.route.prompt_ids  # asked for, or with prompt logprobs
+            if s.route.scores_prompt:
                 delta.prompt = s.prompt or _no_logprobs(rid)
         res.send(s.route.reply_to, delta)
         if first:

@@ -36,6 +36,8 @@ class ChoiceState:
     cached_tokens: int = 0  # of the prompt's, from the prefix cache
     last: float = 0.0  # monotonic time of the last delta, for inter-token latency
     sent_role: bool = False
+    prompt_ids: array | None = None  # its prompt's ids, when asked for (return_token_ids)
+    sent_prompt_ids: bool = False
 
     def add(self, delta: Delta, entries: list[TokenLogprob]) -> None:
         """Take in the choice's next delta (`entries`: its logprob entries, if asked for)."""
@@ -45,6 +47,8 @@ class ChoiceState:
         self.logprobs.extend(entries)
         self.num_prompt = delta.num_prompt
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
+        if delta.prompt_ids is not None:
+            self.prompt_ids = delta.prompt_ids
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
 

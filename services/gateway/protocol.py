@@ -79,7 +79,7 @@ _COMMON_KEYS = frozenset({
     "logit_bias", *BEAM_KEYS,
     "request_id", "priority",  # priority: accepted, not yet scheduled by
     "truncate_prompt_tokens", "truncation_side", "include_stop_str_in_output",
-    "no_stop_trim", "skip_special_tokens",
+    "no_stop_trim", "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
 })
 # SGLang/vLLM extras that the routers in front of replicas (vllm-router, sglang-router) add to
 # every body they forward, with the values they add: none asks for anything here (special tokens
@@ -140,6 +140,8 @@ class GenerationRequest:
     tools: tools.Tools | None = None  # chat: its tools and tool_choice (gateway/tools.py)
     ignored: tuple[str, ...] = ()  # unknown keys served without them (logged)
     request_id: str | None = None  # the client's: the response id is "chatcmpl-<it>" / "cmpl-"
+    return_token_ids: bool = False  # vLLM's: choices carry their token ids, and their prompt's
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage):
     # every chunk carries its choice's usage so far
     options: dict = dataclasses.field(default_factory=dict)  # TokenizeRequest fields as parsed:
@@ -308,5 +310,8 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         include_usage=include_usage, continuous_usage=continuous_usage, logprobs=logprobs,
         user=get_str(body, "user"), max_tokens_given=max_tokens is not None, grammar=grammar,
         request_id=check_request_id(get_str(body, "request_id"), "request_id"),
-        options={**(chat_options or {}), **truncation(body), **text_options(body)},
+        options={**(chat_options or {}), **truncation(body), **text_options(body),
+                 "return_token_ids": get_bool(body, "return_token_ids", False)},
+        return_token_ids=get_bool(body, "return_token_ids", False),
+        tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),
         **fields)

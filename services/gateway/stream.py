@@ -35,13 +35,19 @@ async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
         if req.discard_output:  # the token, its logprob and alternatives
             delta.text, delta.tokens = "", None
             delta.finish_reason = delta.finish_reason and "length"
-        entries = logprob_entries(gw.token_text, req, delta)
+        entries = logprob_entries(_token_id_text if req.tokens_as_ids else gw.token_text, req,
+                                  delta)
         c.add(delta, entries)
         if delta.finish_reason is not None:
             open_choices -= 1
         yield c, delta, entries
     gw.metrics.requests.labels("finished").inc()
     gw.metrics.e2e.observe(time.monotonic() - inflight.start)
+
+
+def _token_id_text(token_id: int) -> str:
+    """A token as return_tokens_as_token_ids names it in logprobs (vLLM's)."""
+    return f"token_id:{token_id}"
 
 
 def logprob_entries(token_text, req: GenerationRequest, delta: Delta,
@@ -101,11 +107,12 @@ def final_answer(tokenizer, req: GenerationRequest, request_id: str,
     """The non-streamed answer of finished `choices` (all that were generated, in index
     order), prompt by prompt: with best_of, each prompt's n with the highest cumulative
     logprob, best first."""
-    g, out = req.generated, []
+    g, out, states = req.generated, [], []
     for b, echo in enumerate(echo_texts(tokenizer, req)):
         answered = choices[b * g : (b + 1) * g]
         if req.best_of:
             answered = sorted(answered, key=lambda c: -c.cum_logprob)[: req.n]
+        states += answered
         out += [responses.Choice(b * req.n + j, echo + "".join(c.text), c.finish_reason,
                                  c.logprobs if req.logprobs else None)
                 for j, c in enumerate(answered)]
@@ -114,7 +121,20 @@ def final_answer(tokenizer, req: GenerationRequest, request_id: str,
             choice.text, choice.tool_calls = req.tools.shaper().whole(choice.text)
             choice.finish_reason = _finish(choice.finish_reason, bool(choice.tool_calls))
     build = responses.chat_response if req.kind == "chat" else responses.completion_response
-    return build(request_id, req.model, int(time.time()), out, _usage(req, choices))
+    answer = build(request_id, req.model, int(time.time()), out, _usage(req, choices))
+    if req.return_token_ids:
+        for entry, c in zip(answer["choices"], states, strict=True):
+            _add_token_ids(answer, entry, req, c.token_ids, c.prompt_ids)
+    return answer
+
+
+def _add_token_ids(out: dict, choice: dict, req: GenerationRequest, token_ids,
+                   prompt_ids) -> None:
+    """vLLM's return_token_ids: the choice's generated ids, and its prompt's (a completion
+    choice's own field; chat's at the top), where known."""
+    choice["token_ids"] = list(token_ids)
+    if prompt_ids is not None:
+        (out if req.kind == "chat" else choice)["prompt_token_ids"] = list(prompt_ids)
 
 
 async def collect(gw, req: GenerationRequest, inflight: Inflight) -> web.Response:
@@ -150,6 +170,11 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
             shaper = shapers and shapers[c.index]
             chunk = _tool_chunk(req, inflight, created, c, delta, lp, shaper) if shaper else \
                 _chunk(req, inflight, created, c, delta, lp)
+            if chunk is not None and req.return_token_ids:
+                first = c.prompt_ids is not None and not c.sent_prompt_ids
+                _add_token_ids(chunk, chunk["choices"][0], req, delta.token_ids,
+                               c.prompt_ids if first else None)
+                c.sent_prompt_ids = c.sent_prompt_ids or first
             if chunk is not None:
                 if req.continuous_usage:  # vLLM's: this choice's tokens so far
                     chunk["usage"] = responses.Usage(c.num_prompt, len(c.token_ids),

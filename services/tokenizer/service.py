@@ -145,7 +145,9 @@ class Tokenizer:
                       length_features=feats,
                       include_stop_str_in_output=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens,
-                      prompt_ids=packed if params.prompt_logprobs is not None else None)
+                      prompt_ids=packed if params.prompt_logprobs is not None
+                      or req.return_token_ids else None,
+                      scores_prompt=params.prompt_logprobs is not None)
         first = req.prompt_index * req.n  # its first choice's index in the API request
         resumes = req.resume or [Resume(first + j, 0, array("i"), 0) for j in range(req.n)]
         if params.beam_width:  # one search for all n choices: compute names them from first
