@@ -27,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from shared.gguf.hf import tokenizer_config
 from shared.gguf.reader import is_gguf, open_gguf
+from shared.messages import ChatMessage
 from shared.tokenizer import encode
 
 CONFIG_FILE = "tokenizer_config.json"
@@ -165,6 +166,22 @@ def _cut_after_final(text: str, final: dict) -> str:
     if text[at : at + len(kept)] == kept:
         return text[: at + len(kept)]
     return text[: at + len(content.strip())]
+
+
+def template_message(m: ChatMessage) -> dict:
+    """A chat message as templates take it: assistant calls' arguments as objects (HF's
+    convention; the API sends JSON text), None fields left out by `render`."""
+    calls = [{"id": c.id, "type": "function", "function": {
+        "name": c.name, "arguments": _json_or_text(c.arguments)}} for c in m.tool_calls]
+    return {"role": m.role, "content": m.content, "tool_calls": calls or None,
+            "tool_call_id": m.tool_call_id, "name": m.name}
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _clean_messages(messages: list[dict]) -> list[dict]:

@@ -52,7 +52,7 @@ class ToolSpec:
 @message
 class Resume:
     """A choice to continue after a restart of compute, the detokenizer or a tokenizer lost
-    it: its next attempt and what its client already has (state.choice_id names it)."""
+    it: its next attempt and what its client already has (shared.choice.ChoiceId names it)."""
 
     index: int
     attempt: int  # >= 1

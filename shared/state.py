@@ -44,22 +44,6 @@ def req_key(request_id: str) -> str:
     return f"{PREFIX}req:{request_id}"
 
 
-def api_id(request_id: str) -> str:
-    """The API request a choice belongs to: choice ids are '<api id>:<index>', and after the
-    choice was resumed (a service restart lost it) '<api id>:<index>.<attempt>'."""
-    return request_id.rsplit(":", 1)[0]
-
-
-def choice_id(api: str, index: int, attempt: int = 0) -> str:
-    return f"{api}:{index}" if attempt == 0 else f"{api}:{index}.{attempt}"
-
-
-def choice_of(request_id: str) -> tuple[int, int]:
-    """(choice index, attempt) of a choice id."""
-    index, _, attempt = request_id.rsplit(":", 1)[1].partition(".")
-    return int(index), int(attempt or 0)
-
-
 def set_request(pipe, request_id: str, ttl_s: int | None = None, **fields: Any) -> None:
     """Queue an update of a request's hash; with ttl_s, it expires that long after now."""
     key = req_key(request_id)

@@ -16,7 +16,7 @@ from services.gateway.inflight import MAX_RESUMES, Registry
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import parse_completion
 from services.gateway.stream import stream
-from shared import state
+from shared.choice import ChoiceId, api_id
 from shared.demo_model import build_demo_tokenizer
 from shared.messages import Delta, DeltaBatch, Resume, Route, StepOutput, TokenizeRequest, Tokens
 from shared.redis_server import free_port
@@ -41,7 +41,7 @@ def test_resume_continues_each_unfinished_choice_under_a_new_attempt():
                                    finish_reason="stop")]))
     for _ in range(2):
         d = req.deltas.get_nowait()
-        c = req.choices[state.choice_of(d.request_id)[0]]
+        c = req.choices[ChoiceId.parse(d.request_id).index]
         c.text.append(d.text)
         c.token_ids.extend(d.token_ids)
         c.finish_reason = d.finish_reason
@@ -54,8 +54,9 @@ def test_resume_continues_each_unfinished_choice_under_a_new_attempt():
     # late deltas of the lost attempt are dropped; the new attempt's pass
     reg.dispatch(DeltaBatch([Delta("cmpl-1:0", "late"), Delta("cmpl-1:0.1", "c")]))
     assert req.deltas.get_nowait().request_id == "cmpl-1:0.1" and req.deltas.empty()
-    assert state.choice_id("cmpl-1", 0, 1) == "cmpl-1:0.1"
-    assert state.api_id("cmpl-1:0.1") == "cmpl-1"
+    assert str(ChoiceId("cmpl-1", 0, 1)) == "cmpl-1:0.1" and str(ChoiceId("c", 2)) == "c:2"
+    assert ChoiceId.parse("cmpl-1:0.1") == ("cmpl-1", 0, 1) and api_id("cmpl-1:0.1") == "cmpl-1"
+    assert api_id("cmpl-1") == "cmpl-1" and ChoiceId.parse("cmpl-1") == ("cmpl-1", 0, 0)
 
 
 def test_resume_gives_up_after_max_resumes_and_finishes_full_choices_itself():

@@ -24,6 +24,7 @@ from services.gateway.validation import (
     parse_json_body,
 )
 from shared.config import ServiceConfig, auto_tokenizer_workers
+from shared.messages import ChatMessage
 from shared.settings import add_config_args
 
 
@@ -178,22 +179,22 @@ def test_largest_seed_leaves_room_for_every_choice():
 # -- the prompt-size cap -----------------------------------------------------------------------
 
 def test_prompt_bytes_counts_utf8_bytes_exactly():
-    check_prompt_bytes("a" * 100, None, 100)
-    check_prompt_bytes("é" * 50, None, 100)  # 100 bytes
+    check_prompt_bytes(("a" * 100,), None, 100)
+    check_prompt_bytes(("é" * 40, (5, 6), "a" * 20), None, 100)  # 100 bytes, ids not counted
     with pytest.raises(APIError) as info:
-        check_prompt_bytes("é" * 50 + "a", None, 100)
+        check_prompt_bytes(("é" * 50, "a"), None, 100)  # a batch's texts together
     err = info.value
     assert err.status == 400 and err.param == "prompt" and err.code == "prompt_too_large"
     assert "100 bytes" in err.message and "--max-prompt-bytes" in err.message
     with pytest.raises(APIError):
-        check_prompt_bytes("a" * 10**6, None, 100)
+        check_prompt_bytes(("a" * 10**6,), None, 100)
 
 
 def test_prompt_bytes_sums_chat_message_contents():
-    msgs = ({"role": "system", "content": "🌍" * 10}, {"role": "user", "content": "a" * 60})
-    check_prompt_bytes(None, msgs, 100)  # 40 + 60
+    msgs = (ChatMessage("system", "🌍" * 10), ChatMessage("user", "a" * 60))
+    check_prompt_bytes((), msgs, 100)  # 40 + 60
     with pytest.raises(APIError) as info:
-        check_prompt_bytes(None, msgs, 99)
+        check_prompt_bytes((), msgs, 99)
     assert info.value.param == "messages"
 
 

@@ -38,6 +38,7 @@ from services.gateway.responses import (
     usage_chunk,
 )
 from shared.generation_config import GenerationDefaults
+from shared.messages import ChatMessage
 from shared.sampling import SamplingParams
 
 M = "demo"
@@ -217,11 +218,11 @@ def test_invalid_requests(kind, extra, param, text):
 
 @pytest.mark.parametrize("kind", PARSE)
 def test_a_client_request_id_names_the_request_and_priority_is_accepted(kind):
-    req = PARSE[kind]({**BASE[kind], "request_id": "trace-7:a", "priority": -3}, M)
-    assert req.request_id == "trace-7:a"
+    req = PARSE[kind]({**BASE[kind], "request_id": "trace-7.a", "priority": -3}, M)
+    assert req.request_id == "trace-7.a"
     assert new_id(req.kind, req.request_id) == (
-        "chatcmpl-trace-7:a" if kind == "chat" else "cmpl-trace-7:a")
-    for bad in ("", "has space", "x" * 129, "naïve", 5):
+        "chatcmpl-trace-7.a" if kind == "chat" else "cmpl-trace-7.a")
+    for bad in ("", "has space", "x" * 129, "naïve", 5, "a:0"):
         with pytest.raises(APIError) as info:
             PARSE[kind]({**BASE[kind], "request_id": bad}, M)
         assert info.value.param == "request_id"
@@ -291,10 +292,9 @@ def test_chat_all_fields():
                       "service_tier": "auto", "modalities": ["text"],
                       "parallel_tool_calls": None}, M)
     check_common(req, "chat")
-    assert req.messages == ({"role": "system", "content": "be brief", "name": "sys"},
-                            {"role": "user", "content": "a\nb"},
-                            {"role": "assistant", "content": "ok"},
-                            {"role": "user", "content": ""})
+    assert req.messages == (ChatMessage("system", "be brief", name="sys"),
+                            ChatMessage("user", "a\nb"), ChatMessage("assistant", "ok"),
+                            ChatMessage("user", ""))
     assert req.prompts == () and req.num_prompts == 1 and not req.add_generation_prompt
 
 

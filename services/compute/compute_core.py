@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from services.compute.engine import LLMEngine
 from services.compute.structured import GrammarQueue
-from shared import state
+from shared.choice import ChoiceId, api_id
 from shared.length_dist import LengthDist
 from shared.messages import GenerateRequest, Route, StepOutput, Tokens
 from shared.sampling import InvalidParams
@@ -26,8 +26,8 @@ def choice_ids(req: GenerateRequest) -> list[str]:
     """The choices a request answers: itself, or a beam search's n choices of its API id."""
     if not req.params.beam_width:
         return [req.request_id]
-    api, (first, attempt) = state.api_id(req.request_id), state.choice_of(req.request_id)
-    return [state.choice_id(api, first + i, attempt) for i in range(req.params.beam_n)]
+    first = ChoiceId.parse(req.request_id)
+    return [str(first._replace(index=first.index + i)) for i in range(req.params.beam_n)]
 
 
 class ComputeCore:
@@ -61,7 +61,7 @@ class ComputeCore:
     def abort(self, request_id: str) -> None:
         """End a request, given its id or its API id (every choice); one not here yet is
         dropped when it arrives."""
-        ids = [r for r in self.routes if r == request_id or state.api_id(r) == request_id]
+        ids = [r for r in self.routes if r == request_id or api_id(r) == request_id]
         for rid in ids:
             self.engine.abort(rid)
             self.routes.pop(rid, None)
@@ -103,7 +103,7 @@ class ComputeCore:
         """Into the engine, unless aborted meanwhile; `grammar`: its LoadedGrammar, or the
         error that its compile raised (a GrammarError: the client's 400)."""
         rid = req.request_id
-        if self.early_aborts.pop(rid, None) or self.early_aborts.pop(state.api_id(rid), None):
+        if self.early_aborts.pop(rid, None) or self.early_aborts.pop(api_id(rid), None):
             return
         try:
             if isinstance(grammar, Exception):

@@ -19,6 +19,7 @@ import zmq
 from services.detokenizer.incremental import IncrementalDetokenizer
 from services.detokenizer.stop import StopMatcher
 from shared import state
+from shared.choice import api_id
 from shared.config import EngineConfig, ServiceConfig
 from shared.length_predictor import LengthPredictor, model_key
 from shared.messages import Abort, Delta, DeltaBatch, Route, StepOutput, Tokens
@@ -69,7 +70,7 @@ class Detokenizer:
         for route in out.routes:
             if route.request_id not in self.streams:
                 self.streams[route.request_id] = self._open(route, now)
-                res.updates.append((state.api_id(route.request_id),
+                res.updates.append((api_id(route.request_id),
                                     {"status": "running", "started_at": now}, None))
         for piece in out.prompt:
             stream = self.streams.get(piece.request_id)
@@ -85,7 +86,7 @@ class Detokenizer:
                 self._tokens(stream, tokens, res, now)
         for rid, reply_to, message in out.errors:
             res.send(reply_to, Delta(rid, error=message, error_status=400))
-            res.updates.append((state.api_id(rid), {"status": "failed", "error": message},
+            res.updates.append((api_id(rid), {"status": "failed", "error": message},
                                 self.ttl_s))
         for rid in out.aborted:
             self.streams.pop(rid, None)
@@ -132,13 +133,13 @@ class Detokenizer:
                 delta.prompt = s.prompt or _no_logprobs(rid)
         res.send(s.route.reply_to, delta)
         if first:
-            res.updates.append((state.api_id(rid), {"first_token_at": now}, None))
+            res.updates.append((api_id(rid), {"first_token_at": now}, None))
         if fin is not None:
             del self.streams[rid]
             self._finished(s, fin, res, now)
 
     def _finished(self, s: Stream, reason: str, res: Outputs, now: float) -> None:
-        api = state.api_id(s.route.request_id)
+        api = api_id(s.route.request_id)
         done = self.finished_choices.get(api, 0) + 1
         fields = {"prompt_tokens": s.route.num_prompt, "finish_reason": reason}
         if done == s.route.n:

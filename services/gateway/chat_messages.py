@@ -10,6 +10,7 @@ from typing import Any
 
 from services.gateway.errors import bad_request
 from services.gateway.validation import json_type, reject_unknown, same
+from shared.messages import ChatMessage, ToolCallMsg
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _OTHER_ROLES = ("function",)  # OpenAI roles we do not implement
@@ -20,9 +21,10 @@ _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_i
                            *_MESSAGE_NEUTRAL})
 
 
-def parse_messages(messages: Any, ignored: list[str] | None = None) -> tuple[dict, ...]:
-    """Validated chat messages as ({"role", "content": str[, "name"]}, ...). Unknown keys of a
-    message go to `ignored`, or without that list are a 400 (validation.reject_unknown)."""
+def parse_messages(messages: Any, ignored: list[str] | None = None
+                   ) -> tuple[ChatMessage, ...]:
+    """Validated chat messages, as they travel to the tokenizers. Unknown keys of a message go
+    to `ignored`, or without that list are a 400 (validation.reject_unknown)."""
     if messages is None:
         raise bad_request("messages is required", "messages")
     if not isinstance(messages, list):
@@ -32,7 +34,7 @@ def parse_messages(messages: Any, ignored: list[str] | None = None) -> tuple[dic
     return tuple(_parse_message(m, f"messages[{i}]", ignored) for i, m in enumerate(messages))
 
 
-def _parse_message(message: Any, where: str, ignored: list[str] | None) -> dict:
+def _parse_message(message: Any, where: str, ignored: list[str] | None) -> ChatMessage:
     if not isinstance(message, dict):
         raise bad_request(f"{where} must be an object, got {json_type(message)}", where)
     reject_unknown(message, _MESSAGE_KEYS, ignored, where)
@@ -49,28 +51,21 @@ def _parse_message(message: Any, where: str, ignored: list[str] | None) -> dict:
         raise bad_request(what, f"{where}.role")
     calls = _tool_calls(message.get("tool_calls"), role, f"{where}.tool_calls")
     content = message.get("content")
-    out = {"role": role, "content": "" if content is None and calls else
-           _content(content, f"{where}.content")}
-    if calls:
-        out["tool_calls"] = calls
     call_id = message.get("tool_call_id")
-    if role == "tool":
-        if not isinstance(call_id, str):
-            raise bad_request(f"{where}.tool_call_id (a string) is required in tool messages",
-                              f"{where}.tool_call_id")
-        out["tool_call_id"] = call_id
-    elif call_id is not None:
+    if role == "tool" and not isinstance(call_id, str):
+        raise bad_request(f"{where}.tool_call_id (a string) is required in tool messages",
+                          f"{where}.tool_call_id")
+    if role != "tool" and call_id is not None:
         raise bad_request("tool_call_id belongs to tool messages", f"{where}.tool_call_id")
     name = message.get("name")
-    if name is not None:
-        if not isinstance(name, str):
-            raise bad_request(f"{where}.name must be a string", f"{where}.name")
-        out["name"] = name
-    return out
+    if name is not None and not isinstance(name, str):
+        raise bad_request(f"{where}.name must be a string", f"{where}.name")
+    return ChatMessage(role, "" if content is None and calls else
+                       _content(content, f"{where}.content"), calls, call_id, name)
 
 
-def _tool_calls(calls: Any, role: str, where: str) -> list[tuple[str, str, str]]:
-    """An assistant message's calls as (id, name, arguments JSON text)."""
+def _tool_calls(calls: Any, role: str, where: str) -> list[ToolCallMsg]:
+    """An assistant message's calls (their arguments JSON text, as sent)."""
     if calls is None or calls == []:
         return []
     if role != "assistant":
@@ -86,7 +81,7 @@ def _tool_calls(calls: Any, role: str, where: str) -> list[tuple[str, str, str]]
             raise bad_request(f"{where}[{i}] must be {{\"id\", \"type\": \"function\", "
                               f"\"function\": {{\"name\", \"arguments\": string}}}}",
                               f"{where}[{i}]")
-        out.append((call["id"], fn["name"], fn["arguments"]))
+        out.append(ToolCallMsg(call["id"], fn["name"], fn["arguments"]))
     return out
 
 

@@ -3,7 +3,7 @@
 The gateway holds each request's HTTP connection, so what its client already has (tokens and
 text per choice) lives here, exactly as long as the stream can still be continued. When a
 restart of compute, the detokenizer or a tokenizer lost requests, `Registry.resume` turns that
-into Resume messages: the choice continues under a new attempt id (state.choice_id), and
+into Resume messages: the choice continues under a new attempt id (shared/choice.py), and
 deltas of an older attempt that arrive late are dropped.
 """
 
@@ -15,7 +15,7 @@ from array import array
 from dataclasses import dataclass, field, replace
 
 from services.gateway.responses import TokenLogprob
-from shared import state
+from shared.choice import ChoiceId, api_id
 from shared.messages import Delta, DeltaBatch, Resume, TokenizeRequest
 
 MAX_RESUMES = 3  # a request whose services keep dying is failed after this many resumptions
@@ -54,7 +54,7 @@ class ChoiceState:
 
     @property
     def id_suffix(self) -> str:
-        return state.choice_id("", self.index, self.attempt)
+        return str(ChoiceId("", self.index, self.attempt))
 
 
 @dataclass
@@ -98,11 +98,11 @@ class Registry:
 
     def dispatch(self, batch: DeltaBatch) -> None:
         for delta in batch.deltas:
-            req = self.requests.get(state.api_id(delta.request_id))
+            req = self.requests.get(api_id(delta.request_id))
             if req is None:  # its client is gone
                 continue
             if delta.request_id != req.request_id:  # a choice's: is it its current attempt?
-                index, attempt = state.choice_of(delta.request_id)
+                _, index, attempt = ChoiceId.parse(delta.request_id)
                 if index >= req.n or req.choices[index].attempt != attempt:
                     continue
             req.deltas.put_nowait(delta)

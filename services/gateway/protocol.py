@@ -65,7 +65,7 @@ from services.gateway.validation import (
 from shared.codec import int32s
 from shared.generation_config import GenerationDefaults
 from shared.grammar import GrammarSpec
-from shared.messages import ChatMessage, TokenizeRequest, ToolCallMsg
+from shared.messages import ChatMessage, TokenizeRequest
 from shared.sampling import MAX_LOGPROBS, SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's and vLLM's default)
@@ -118,7 +118,7 @@ class GenerationRequest:
     kind: str  # "completion" | "chat"
     model: str
     prompts: tuple[str | tuple[int, ...], ...]  # completions: each a string or token ids
-    messages: tuple[dict, ...] | None  # chat: [{"role", "content": str[, "name"]}, ...]
+    messages: tuple[ChatMessage, ...] | None  # chat
     params: SamplingParams  # per-choice parameters (seed as given)
     stop: tuple[str, ...]  # stop strings
     n: int
@@ -174,11 +174,7 @@ class GenerationRequest:
 
     def _tokenize_request(self, request_id: str, reply_to: str, seed: int,
                           arrival: float) -> TokenizeRequest:
-        messages = None
-        if self.messages is not None:
-            messages = [ChatMessage(m["role"], m["content"], [
-                ToolCallMsg(*c) for c in m.get("tool_calls", ())], m.get("tool_call_id"),
-                m.get("name")) for m in self.messages]
+        messages = None if self.messages is None else list(self.messages)
         params = self.params
         if params.seed is None:
             params = dataclasses.replace(params, seed=seed)

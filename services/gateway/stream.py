@@ -15,7 +15,7 @@ from services.gateway.errors import APIError
 from services.gateway.inflight import ChoiceState, Inflight
 from services.gateway.protocol import GenerationRequest
 from services.gateway.tool_parsers import CallArgs, CallStart, Content, ToolCall
-from shared import state
+from shared.choice import ChoiceId
 from shared.messages import Delta, Tokens
 
 
@@ -30,7 +30,7 @@ async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
         if delta.error is not None:
             gw.metrics.requests.labels("failed").inc()
             raise APIError(delta.error_status or 500, delta.error, param=delta.error_param)
-        c = choices[state.choice_of(delta.request_id)[0]]
+        c = choices[ChoiceId.parse(delta.request_id).index]
         _observe(gw, inflight, c, delta)
         if req.discard_output:  # the token, its logprob and alternatives
             delta.text, delta.tokens = "", None

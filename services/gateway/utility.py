@@ -26,7 +26,7 @@ from services.gateway.validation import (
     read_json_body,
     token_ids,
 )
-from shared.chat_template import ChatTemplateError
+from shared.chat_template import ChatTemplateError, template_message
 from shared.tokenizer import decode, encode
 
 TOKENIZE_KEYS = frozenset({"model", "prompt", "messages", "add_special_tokens",
@@ -76,16 +76,16 @@ class Utility:
         limit = self.gw.svc.prompt_bytes_limit(self.gw.max_model_len)
         if "prompt" in body:
             text = get_str(body, "prompt")
-            check_prompt_bytes(text, None, limit)
+            check_prompt_bytes((text,) if text else (), None, limit)
             return text
         messages = parse_messages(body["messages"])
-        check_prompt_bytes(None, messages, limit)
+        check_prompt_bytes((), messages, limit)
         if self.gw.template is None:
             raise bad_request("this model has no chat template (see --chat-template)",
                               "messages")
         try:
-            return self.gw.template.render(list(messages),
-                                        get_bool(body, "add_generation_prompt", True))
+            return self.gw.template.render([template_message(m) for m in messages],
+                                           get_bool(body, "add_generation_prompt", True))
         except ChatTemplateError as exc:
             raise bad_request(str(exc)[:500], "messages") from None
 

@@ -113,11 +113,12 @@ def get_str(body: dict, key: str, default: str | None = None) -> str | None:
 
 def check_request_id(value: str | None, param: str) -> str | None:
     """A client's request id (the `request_id` field or the X-Request-Id header): 1 to 128
-    printable ASCII characters, no spaces (it names the request in logs and Redis keys)."""
+    printable ASCII characters, no spaces, no ':' (it names the request in logs and Redis
+    keys, and its choices' ids append ':<index>': shared/choice.py)."""
     if value is not None and not (0 < len(value) <= 128 and value.isascii()
-                                  and value.isprintable() and " " not in value):
+                                  and value.isprintable() and not set(value) & {" ", ":"}):
         raise bad_request(f"{param} must be 1 to 128 printable ASCII characters without "
-                          "spaces", param)
+                          "spaces or ':'", param)
     return value
 
 
@@ -298,12 +299,12 @@ def _valid(text: str) -> bool:
         return False
 
 
-def check_prompt_bytes(prompts: tuple, messages: tuple[dict, ...] | None, limit: int) -> None:
+def check_prompt_bytes(prompts: tuple, messages: tuple | None, limit: int) -> None:
     """400 when the prompt (a completion's texts together, or the chat message contents) is
     over `limit` bytes of UTF-8: tokenizing it would keep a tokenizer worker from everyone
     else."""
     texts = [p for p in prompts if isinstance(p, str)] if prompts else \
-        [m["content"] for m in messages or ()]
+        [m.content for m in messages or ()]
     chars = sum(map(len, texts))  # chars <= UTF-8 bytes <= 4 * chars: encode only if unsure
     if chars <= limit // 4 or (chars <= limit
                                and sum(len(t.encode("utf-8")) for t in texts) <= limit):

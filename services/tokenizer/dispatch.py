@@ -18,6 +18,7 @@ from dataclasses import replace
 import redis
 
 from shared import state
+from shared.choice import api_id
 from shared.length_dist import LengthDist
 from shared.messages import GenerateRequest
 from shared.routing import NoHealthyReplica, ReplicaLoad, RouteInfo, RoutingPolicy
@@ -48,7 +49,7 @@ class Dispatcher:
             info = route_info(gens[0], self.default_len)
             routed = info.predicted_tokens
             prompt = sum(g.prefill_tokens for g in gens)
-            rank = self._route(info, len(gens), prompt, state.api_id(gens[0].request_id))
+            rank = self._route(info, len(gens), prompt, api_id(gens[0].request_id))
         for g in gens:
             self.senders[rank].send(replace(g, routed_tokens=routed) if routed else g)
         return rank

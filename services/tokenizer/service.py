@@ -23,13 +23,13 @@ import zmq
 
 from services.tokenizer.dispatch import Dispatcher
 from shared import state
-from shared.chat_template import ChatTemplateError, load_chat_template
+from shared.chat_template import ChatTemplateError, load_chat_template, template_message
+from shared.choice import ChoiceId
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
 from shared.grammar import GrammarError, GrammarSpec, validate
 from shared.length_predictor import LengthPredictor, length_features, model_key
 from shared.messages import (
-    ChatMessage,
     Delta,
     DeltaBatch,
     GenerateRequest,
@@ -92,7 +92,7 @@ class Tokenizer:
         if req.messages is not None:
             if self.template is None:
                 raise PromptError("this model has no chat template; use /v1/completions")
-            messages = [_message(m) for m in req.messages]
+            messages = [template_message(m) for m in req.messages]
             extra = json.loads(req.chat_template_kwargs) if req.chat_template_kwargs else None
             text = self.template.render(messages, req.add_generation_prompt, self._tools(req),
                                         extra, req.continue_final_message)
@@ -161,29 +161,13 @@ class Tokenizer:
                 ) -> GenerateRequest:
         """Choice r.index of the request, its prompt's choice j (seed + j: choices differ,
         resumes repeat, a batch's prompt samples as it would alone)."""
-        rid = state.choice_id(api, r.index, r.attempt)
+        rid = str(ChoiceId(api, r.index, r.attempt))
         if params.seed is not None:
             params = dataclasses.replace(params, seed=params.seed + j)
         if r.output_ids:  # its first delta, the prompt's logprobs with it, was delivered
             params = dataclasses.replace(params, prompt_logprobs=None)
         route = dataclasses.replace(route, request_id=rid, resume=r if r.attempt else None)
         return GenerateRequest(rid, prompt, params, route, quantiles, r.output_ids, grammar)
-
-
-def _message(m: ChatMessage) -> dict:
-    """A chat message as templates take it: assistant calls' arguments as objects (HF's
-    convention; the API sends JSON text), None fields left out by the template's renderer."""
-    calls = [{"id": c.id, "type": "function", "function": {
-        "name": c.name, "arguments": _json_or_text(c.arguments)}} for c in m.tool_calls]
-    return {"role": m.role, "content": m.content, "tool_calls": calls or None,
-            "tool_call_id": m.tool_call_id, "name": m.name}
-
-
-def _json_or_text(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
