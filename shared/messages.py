@@ -87,6 +87,7 @@ class TokenizeRequest:
     include_stop_str_in_output: bool = False  # the detokenizer's (Route's)
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # the prompt's ids come back with the first delta
+    bad_words: list[str] = field(default_factory=list)  # tokenized into params.bad_words_ids
 
 
 # --- tokenizer -> compute -------------------------------------------------------------------

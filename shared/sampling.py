@@ -41,6 +41,9 @@ class SamplingParams:
     # seen in prompt or output (the CTRL / HF rule)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]): added to
     # that token's logit before sampling (OpenAI's logit_bias; logprobs stay the model's)
+    allowed_token_ids: tuple[int, ...] = ()  # not empty: only these may be sampled
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences the output may not end
+    # with: a sequence's last token is banned where the output ends with the rest of it
     beam_width: int = 0  # > 0: beam search with this many beams (services/compute/beam/);
     # the sampling fields above but max_tokens, ignore_eos, stop_token_ids, min_tokens and
     # logprobs do not apply
@@ -84,8 +87,15 @@ class SamplingParams:
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether its logits are changed before sampling (penalties, logit_bias)."""
-        return self.has_penalties or bool(self.logit_bias)
+        """Whether its logits are changed before sampling (penalties, logit_bias, banned
+        tokens)."""
+        return self.reads_output or bool(self.logit_bias or self.allowed_token_ids)
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether sampling reads the tokens generated so far (penalties, bad words): a step
+        cannot be launched before the one in flight is committed, nor drafted ahead."""
+        return self.has_penalties or bool(self.bad_words_ids)
 
     @property
     def has_penalties(self) -> bool:

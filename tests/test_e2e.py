@@ -193,6 +193,28 @@ def test_token_ids_for_rl_trainers(client, demo_model_dir):
     assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 5
 
 
+def test_allowed_token_ids_and_bad_words(client, demo_model_dir):
+    """allowed_token_ids: only those are sampled; bad_words: a word the greedy output held is
+    never generated again, streamed or not (vLLM's semantics)."""
+    tok = load_tokenizer(demo_model_dir)
+    kw = dict(model=MODEL, prompt="Once upon", max_tokens=8, temperature=1.0, seed=3)
+    only = client.completions.create(**kw, extra_body={
+        "allowed_token_ids": [321, 322], "ignore_eos": True, "return_token_ids": True})
+    assert set(only.model_dump()["choices"][0]["token_ids"]) <= {321, 322}
+    greedy = dict(model=MODEL, prompt="Once upon", max_tokens=12, temperature=0)
+    body = {"ignore_eos": True, "return_token_ids": True}
+    free = client.completions.create(**greedy, extra_body=body).model_dump()["choices"][0]
+    # a generated token that is a word by itself, as a word that starts a text is tokenized
+    tid, word = next((t, w) for t in free["token_ids"] if (w := decode(tok, [t])).strip() == w
+                     and encode(tok, w, add_special_tokens=False) == [t])
+    banned = client.completions.create(**greedy, extra_body={**body, "bad_words": [word]})
+    out = banned.model_dump()["choices"][0]["token_ids"]
+    assert out != free["token_ids"] and tid not in out
+    with pytest.raises(openai.BadRequestError, match="allowed_token_ids"):
+        client.completions.create(model=MODEL, prompt="x",
+                                  extra_body={"allowed_token_ids": [10**6]})
+
+
 def test_length_predictor_learns_from_finished_requests(stack, demo_model_dir):
     """Tokenizer features -> route -> detokenizer learns at finish -> Redis -> predictions."""
     from shared.length_predictor import LengthPredictor, length_features, model_key

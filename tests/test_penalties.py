@@ -231,3 +231,28 @@ def test_logit_bias_is_validated(engine):
         SamplingParams(logit_bias=((5, 101.0),))
     with pytest.raises(InvalidParams, match="logit_bias"):
         engine.add_request([1, 2], greedy(logit_bias=((10**6, 1.0),)))
+
+
+def test_banned_tokens_against_a_python_reference():
+    """allowed_token_ids leaves only those; a bad word's last token is banned where the output
+    ends with the rest of the word; other rows are left as they are; logits are not modified."""
+    from services.compute.core.sequence import Sequence
+    from services.compute.sampling import _ban_tokens
+    from shared.length_dist import LengthDist
+
+    def seq(output, **params):
+        return Sequence("r", [1, 2] + output, SamplingParams(**params), seed=0, max_len=64,
+                        predicted_length=LengthDist.point(4), stop_ids=frozenset(), num_prompt=2)
+
+    rows = [seq([5, 6], allowed_token_ids=(3, 7)), seq([5, 6], bad_words_ids=((6, 9), (4,))),
+            seq([5, 8], bad_words_ids=((6, 9), (5, 8, 2))), seq([5, 6])]
+    logits = torch.randn(4, 12)
+    out = _ban_tokens(logits, rows)
+    want = logits.clone()
+    want[0, [i for i in range(12) if i not in (3, 7)]] = float("-inf")
+    want[1, [9, 4]] = float("-inf")
+    want[2, 2] = float("-inf")
+    torch.testing.assert_close(out, want)
+    assert torch.isfinite(logits).all()
+    assert SamplingParams(bad_words_ids=((1,),)).reads_output
+    assert not SamplingParams(allowed_token_ids=(1,)).reads_output

@@ -100,6 +100,8 @@ class LLMEngine:
             raise InvalidParams("prompt", f"token ids must be in [0, {vocab})")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise InvalidParams("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.allowed_token_ids):
+            raise InvalidParams("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidParams("prompt", f"prompt has {len(prompt_ids)} tokens; the context "
                                 f"length is {self.max_model_len}")
@@ -262,4 +264,4 @@ def _reads_token_values(step: ScheduledStep) -> bool:
     """Whether launching `step` reads sampled token values on the host (penalties count them,
     a grammar's mask follows them), so that it cannot be launched before the step in flight is
     committed."""
-    return any(s.params.has_penalties or s.grammar is not None for s in step.sampled)
+    return any(s.params.reads_output or s.grammar is not None for s in step.sampled)

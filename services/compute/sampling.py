@@ -55,7 +55,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], device: torch.device,
         logits = logits.float()
         if any(s.params.has_penalties for s in seqs):
             logits = _penalize(logits, seqs, device)
-        logits = _add_logit_bias(logits, seqs)
+        logits = _ban_tokens(_add_logit_bias(logits, seqs), seqs)
         if grammar:
             logits = mask_logits(logits if logits is not raw else logits.clone(), seqs, mask)
     return sample_kernel(logits, sampling_batch(seqs, device, offsets), raw)
@@ -84,6 +84,25 @@ def _add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     index = torch.tensor([rows, ids], dtype=torch.int64).to(logits.device, non_blocking=True)
     values = torch.tensor(biases, dtype=logits.dtype).to(logits.device, non_blocking=True)
     return logits.index_put((index[0], index[1]), values, accumulate=True)
+
+
+def _ban_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits [S, vocab] float with the tokens a row may not sample at -inf (out of place):
+    all but its allowed_token_ids, if any, and each bad word's last token where its output
+    ends with the rest of that word (vLLM's bad_words)."""
+    allowed = [(row, s.params.allowed_token_ids) for row, s in enumerate(seqs)
+               if s.params.allowed_token_ids]
+    banned = [(row, word[-1]) for row, s in enumerate(seqs) for word in s.params.bad_words_ids
+              if len(word) == 1 or s.output_ids[-(len(word) - 1):] == list(word[:-1])]
+    if not allowed and not banned:
+        return logits
+    add = torch.zeros(logits.shape, dtype=logits.dtype)
+    for row, ids in allowed:
+        add[row] = float("-inf")
+        add[row, list(ids)] = 0.0
+    for row, token in banned:
+        add[row, token] = float("-inf")
+    return logits + to_device(add, logits.device)
 
 
 def suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence],

@@ -46,6 +46,7 @@ from services.gateway.errors import bad_request, not_found
 from services.gateway.request_fields import (
     MAX_COUNT,
     MAX_N,
+    bad_words,
     parse_prompts,
     sampling_params,
     stream_fields,
@@ -80,6 +81,7 @@ _COMMON_KEYS = frozenset({
     "request_id", "priority",  # priority: accepted, not yet scheduled by
     "truncate_prompt_tokens", "truncation_side", "include_stop_str_in_output",
     "no_stop_trim", "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
+    "allowed_token_ids", "bad_words",
 })
 # SGLang/vLLM extras that the routers in front of replicas (vllm-router, sglang-router) add to
 # every body they forward, with the values they add: none asks for anything here (special tokens
@@ -307,7 +309,8 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         user=get_str(body, "user"), max_tokens_given=max_tokens is not None, grammar=grammar,
         request_id=check_request_id(get_str(body, "request_id"), "request_id"),
         options={**(chat_options or {}), **truncation(body), **text_options(body),
-                 "return_token_ids": get_bool(body, "return_token_ids", False)},
+                 "return_token_ids": get_bool(body, "return_token_ids", False),
+                 "bad_words": bad_words(body)},
         return_token_ids=get_bool(body, "return_token_ids", False),
         tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),
         **fields)

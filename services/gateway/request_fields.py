@@ -24,6 +24,7 @@ MAX_N = 16
 MAX_PROMPTS = 1024  # prompts of one batched completion
 MAX_COUNT = 2**31 - 1  # token counts fit int32 everywhere downstream
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_BAD_WORDS = 256
 MAX_SEED = 2**63 - MAX_N  # choice i samples with seed + i, which must stay below 2^63
 
 
@@ -121,6 +122,8 @@ def sampling_params(body: dict, *, max_tokens: int | None, logprobs: bool, top_l
             presence_penalty=get_number(body, "presence_penalty", 0.0),
             frequency_penalty=get_number(body, "frequency_penalty", 0.0),
             logit_bias=logit_bias(body.get("logit_bias")),
+            allowed_token_ids=() if body.get("allowed_token_ids") is None else
+            token_ids(body["allowed_token_ids"], "allowed_token_ids"),
             **beam,
         )
     except InvalidParams as exc:
@@ -146,3 +149,15 @@ def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
             raise bad_request(f"logit_bias[{key!r}] must be a number", "logit_bias")
         out.append((int(key), float(bias)))
     return tuple(out)
+
+
+def bad_words(body: dict) -> list[str]:
+    """vLLM's bad_words: words (strings) the output may not contain, at most MAX_BAD_WORDS."""
+    words = body.get("bad_words")
+    if words is None:
+        return []
+    if not (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)):
+        raise bad_request("bad_words must be an array of non-empty strings", "bad_words")
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(f"bad_words holds at most {MAX_BAD_WORDS} words", "bad_words")
+    return words

@@ -116,6 +116,17 @@ class Tokenizer:
             "name": t.name, "description": t.description,
             "parameters": json.loads(t.parameters)}} for t in req.tools]
 
+    def _word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids, as it starts a text and (where that is another token)
+        after a space, as vLLM tokenizes them."""
+        out = []
+        for word in words:
+            alone = tuple(encode(self.tok, word.lstrip(), add_special_tokens=False))
+            spaced = tuple(encode(self.tok, " " + word.lstrip(), add_special_tokens=False))
+            out += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone)
+                              else [])
+        return tuple(ids for ids in out if ids)
+
     def predict(self, text: str, ids: list[int], max_tokens: int,
                 ) -> tuple[list[int], list[int] | None]:
         """(length features, predicted quantiles; None without a predictor). With Redis down
@@ -136,6 +147,8 @@ class Tokenizer:
             params = req.params.fit_context(len(ids), self.max_model_len, req.max_tokens_auto)
         except InvalidParams as e:
             raise PromptError(str(e)) from None
+        if req.bad_words:
+            params = dataclasses.replace(params, bad_words_ids=self._word_ids(req.bad_words))
         self.check_grammar(req.grammar)
         feats, quantiles = self.predict(text, ids, params.max_tokens)
         packed = int32s(ids)

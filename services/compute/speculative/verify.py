@@ -29,7 +29,7 @@ class Speculation:
         reads their tokens (penalties), nor for a grammar's drafts a draft model would propose
         (unknown to the host until the step runs), nor while more than disable_by_batch_size
         requests run (`running`)."""
-        if seq.params.has_penalties or running > self.max_batch or \
+        if seq.params.reads_output or running > self.max_batch or \
                 (seq.grammar is not None and not self.host_drafts):
             return []
         limit = min(budget, seq.params.max_tokens - seq.num_output - 1,
