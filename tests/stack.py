@@ -55,6 +55,7 @@ class Stack:
                 return self
             except RuntimeError:
                 if attempt == 2 or "(--port): Address already in use" not in self.logs():
+                    self.stop()  # a fixture whose set-up fails is not torn down
                     raise
                 self.port = free_port()
                 self.url = f"http://127.0.0.1:{self.port}"
