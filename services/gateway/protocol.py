@@ -142,7 +142,6 @@ class GenerationRequest:
     tools: tools.Tools | None = None  # chat: its tools and tool_choice (gateway/tools.py)
     ignored: tuple[str, ...] = ()  # unknown keys served without them (logged)
     request_id: str | None = None  # the client's: the response id is "chatcmpl-<it>" / "cmpl-"
-    return_token_ids: bool = False  # vLLM's: choices carry their token ids, and their prompt's
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage):
     # every chunk carries its choice's usage so far
@@ -154,6 +153,11 @@ class GenerationRequest:
     def generated(self) -> int:
         """Choices generated per prompt: best_of, or n."""
         return self.best_of or self.n
+
+    @property
+    def return_token_ids(self) -> bool:
+        """vLLM's return_token_ids: choices carry their token ids, and their prompt's."""
+        return self.options.get("return_token_ids", False)
 
     @property
     def num_prompts(self) -> int:
@@ -311,6 +315,5 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         options={**(chat_options or {}), **truncation(body), **text_options(body),
                  "return_token_ids": get_bool(body, "return_token_ids", False),
                  "bad_words": bad_words(body)},
-        return_token_ids=get_bool(body, "return_token_ids", False),
         tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),
         **fields)

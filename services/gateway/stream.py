@@ -170,16 +170,17 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
             shaper = shapers and shapers[c.index]
             chunk = _tool_chunk(req, inflight, created, c, delta, lp, shaper) if shaper else \
                 _chunk(req, inflight, created, c, delta, lp)
-            if chunk is not None and req.return_token_ids:
+            if chunk is None:
+                continue
+            if req.return_token_ids:
                 first = c.prompt_ids is not None and not c.sent_prompt_ids
                 _add_token_ids(chunk, chunk["choices"][0], req, delta.token_ids,
                                c.prompt_ids if first else None)
                 c.sent_prompt_ids = c.sent_prompt_ids or first
-            if chunk is not None:
-                if req.continuous_usage:  # vLLM's: this choice's tokens so far
-                    chunk["usage"] = responses.Usage(c.num_prompt, len(c.token_ids),
-                                                     c.cached_tokens).to_dict()
-                await resp.write(responses.sse(chunk))
+            if req.continuous_usage:  # vLLM's: this choice's tokens so far
+                chunk["usage"] = responses.Usage(c.num_prompt, len(c.token_ids),
+                                                 c.cached_tokens).to_dict()
+            await resp.write(responses.sse(chunk))
     except APIError as e:
         if resp is None:
             raise
