@@ -387,6 +387,15 @@ def test_prompt_fields_evaluation_and_agent_clients_send(client, demo_model_dir)
                                        "chat_template_kwargs": {"enable_thinking": False}}, **kw)
     fresh = client.chat.completions.create(messages=messages, **kw)
     assert went_on.usage.prompt_tokens < fresh.usage.prompt_tokens  # no end of turn, no header
+    echoed = client.chat.completions.create(
+        messages=messages, extra_body={"continue_final_message": True, "echo": True,
+                                       "add_generation_prompt": False}, **kw)
+    assert echoed.choices[0].message.content == "1 2 3" + went_on.choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        messages=messages, stream=True, extra_body={
+            "continue_final_message": True, "echo": True, "add_generation_prompt": False}, **kw)
+        if c.choices)
+    assert streamed == echoed.choices[0].message.content
     chunks = list(client.chat.completions.create(
         messages=messages[:1], stream=True, stream_options={
             "include_usage": True, "continuous_usage_stats": True}, **kw))

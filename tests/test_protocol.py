@@ -193,7 +193,6 @@ CHAT_ERRORS = [
     ({"modalities": ["text", "audio"]}, "modalities", "not supported"),
     ({"prompt": "x"}, "prompt", "Unrecognized"),
     ({"best_of": 1}, "best_of", "Unrecognized"),
-    ({"echo": False}, "echo", "Unrecognized"),
 ]
 
 ERROR_CASES = ([(k, *c) for k in PARSE for c in COMMON_ERRORS]

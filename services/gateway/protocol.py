@@ -109,7 +109,7 @@ COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"} | struc
                             | _COMPLETION_NEUTRAL.keys())
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs",
                                       "add_generation_prompt", "continue_final_message",
-                                      "chat_template_kwargs"} | structured.KEYS
+                                      "chat_template_kwargs", "echo"} | structured.KEYS
                       | tools.KEYS | _CHAT_NEUTRAL.keys())
 
 
@@ -133,7 +133,8 @@ class GenerationRequest:
     max_tokens_given: bool = True  # False: params.max_tokens is a default (for chat, an upper
     # bound the tokenizer lowers to the context left after the prompt)
     echo: bool = False  # completions: the prompt comes back before the completion (with
-    # logprobs: its tokens' too, params.prompt_logprobs)
+    # logprobs: its tokens' too, params.prompt_logprobs); chat: a last assistant message's
+    # text comes back before its continuation (vLLM's)
     discard_output: bool = False  # completions with max_tokens 0: compute generates one token
     # (it always does), the answer leaves it out
     best_of: int = 0  # completions: generate this many choices (> n), answer the n with the
@@ -261,6 +262,7 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, defaults=defaults, fallback_max_tokens=None,
                    add_generation_prompt=add_generation_prompt, chat_options=chat_options,
+                   echo=get_bool(body, "echo", False),
                    tools=tools.parse_tools(body, tool_parser), beam=parse_beam(body, n, n),
                    ignored=tuple(ignored or ()))
 

@@ -94,10 +94,13 @@ def _usage(req: GenerationRequest, choices: list[ChoiceState]) -> responses.Usag
 
 
 def echo_texts(tokenizer, req: GenerationRequest) -> list[str]:
-    """Each prompt as echoed before its completions: its text, or its token ids decoded
-    ("" without echo)."""
+    """Each prompt as echoed before its completions: its text, or its token ids decoded; for
+    chat, the last message's text where it is the assistant's ("" without echo)."""
     if not req.echo:
         return [""] * req.num_prompts
+    if req.messages is not None:
+        last = req.messages[-1]
+        return [last.content if last.role == "assistant" else ""]
     return [p if isinstance(p, str) else tokenizer.decode(list(p), skip_special_tokens=False)
             for p in req.prompts]
 
