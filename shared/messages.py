@@ -89,6 +89,11 @@ class TokenizeRequest:
     return_token_ids: bool = False  # the prompt's ids come back with the first delta
     bad_words: list[str] = field(default_factory=list)  # tokenized into params.bad_words_ids
 
+    @property
+    def first_choice(self) -> int:
+        """The API request's index of this prompt's first choice."""
+        return self.prompt_index * self.n
+
 
 # --- tokenizer -> compute -------------------------------------------------------------------
 

@@ -133,7 +133,7 @@ class Registry:
             req.resumes += 1
             again = []
             for tokenize in req.tokenize:  # each prompt's unfinished choices
-                first = tokenize.prompt_index * tokenize.n
+                first = tokenize.first_choice
                 resumes = []
                 for c in req.choices[first : first + tokenize.n]:
                     if c.finish_reason is None:

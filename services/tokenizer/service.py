@@ -161,7 +161,7 @@ class Tokenizer:
                       prompt_ids=packed if params.prompt_logprobs is not None
                       or req.return_token_ids else None,
                       scores_prompt=params.prompt_logprobs is not None)
-        first = req.prompt_index * req.n  # its first choice's index in the API request
+        first = req.first_choice
         resumes = req.resume or [Resume(first + j, 0, array("i"), 0) for j in range(req.n)]
         if params.beam_width:  # one search for all n choices: compute names them from first
             resumes = [Resume(first, max(r.attempt for r in resumes), array("i"), 0)]

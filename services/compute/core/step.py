@@ -33,7 +33,6 @@ class WorkItem:
     kind: Work
     tokens: int
     samples: int
-    cached: int  # KV positions it adds to the sequence (a beam search's: one, in every lane)
     drafts: list[int] | tuple = ()  # VERIFY: d1..dk
     token_index: int = -1  # its first sampled token's index in seq.token_ids (set by
     # Scheduler.advance; -1: nothing to sample, the sequence finished since it was scheduled)
@@ -42,18 +41,23 @@ class WorkItem:
     def decode(cls, seq: Sequence, drafts: list[int] | None = None) -> WorkItem:
         if drafts:
             k = 1 + len(drafts)
-            return cls(seq, Work.VERIFY, k, k, k, drafts)
-        return cls(seq, Work.DECODE, 1, 1, 1)
+            return cls(seq, Work.VERIFY, k, k, drafts)
+        return cls(seq, Work.DECODE, 1, 1)
 
     @classmethod
     def beam(cls, seq: Sequence) -> WorkItem:
         n = len(seq.beams.running)
-        return cls(seq, Work.BEAM, n, n, 1)
+        return cls(seq, Work.BEAM, n, n)
 
     @classmethod
     def prefill(cls, seq: Sequence, n: int) -> WorkItem:
         """A chunk of n pending tokens; it samples where it ends them."""
-        return cls(seq, Work.PREFILL, n, int(n == seq.pending), n)
+        return cls(seq, Work.PREFILL, n, int(n == seq.pending))
+
+    @property
+    def cached(self) -> int:
+        """KV positions it adds to the sequence (a beam search's: one, in every lane)."""
+        return 1 if self.kind is Work.BEAM else self.tokens
 
     def decode_rows(self) -> list[tuple[int, int, int]]:
         """(KV start, token, position) of each row of a decode-kind item, attending to the
