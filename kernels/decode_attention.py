@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -35,13 +36,26 @@ import triton.language as tl
 from kernels.dispatch import cpu_extension, use_triton
 from kernels.kv_quant import FP8, KV_GROUP, kv_rows
 
-_BLOCK_N = 64  # KV rows per inner-loop chunk
-_MIN_SPLIT_TOKENS = 256  # a split covers at least this many tokens of the longest sequence
 _MAX_SPLITS = 64
 _TARGET_WAVES = 4  # split until B * n_kv_heads * num_splits >= this many waves of programs
 _DEFAULT_SMS = 132  # H100 SXM; used where no CUDA device can be asked
 # Tests (and experiments) force a split count: > 0 overrides the heuristic.
 _FORCED_SPLITS = int(os.environ.get("PIPELLM_DECODE_SPLITS", "0"))
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """One launch shape of the split kernel: KV rows per inner-loop chunk, warps, pipeline
+    stages, and the fewest tokens of the longest sequence that a split covers."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    min_split_tokens: int = 256
+
+
+# by the cache's kind; measured on an H200 (docs/benchmarks.md, bench/gpu_tune.py)
+TILINGS = {"16bit": Tiling(min_split_tokens=64), "int8": Tiling(), "fp8": Tiling()}
 
 
 @triton.jit
@@ -85,6 +99,15 @@ def _pv(p, v, USE_DOT: tl.constexpr, UPCAST_DOT: tl.constexpr):
 
 
 @triton.jit
+def _dequant(x, scales, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_GROUP: tl.constexpr):
+    """int8 x [BLOCK_N, D] times its groups' scales [BLOCK_N, D / KV_GROUP] -> fp32 [BLOCK_N, D]:
+    each scale loaded once and broadcast over its group (a per-value scale tile of fp32 would
+    hold 2 x BLOCK_N x D more registers)."""
+    x = tl.reshape(x.to(tl.float32), (BLOCK_N, HEAD_DIM // KV_GROUP, KV_GROUP))
+    return tl.reshape(x * scales.to(tl.float32)[:, :, None], (BLOCK_N, HEAD_DIM))
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, starts_ptr, lens_ptr,  # q [B, H, D]; k, v [capacity, Hkv, D]; [B] x2
     out_ptr, part_o_ptr, part_lse_ptr,  # out [B, H, D]; part_o [B, H, S, D]; part_lse [B, H, S]
@@ -119,7 +142,7 @@ def _decode_split_kernel(
                 mask=h_mask[:, None], other=0.0)  # [BLOCK_H, D]
     k_base = k_ptr + kvh * stride_kh + offs_d[None, :]  # [1, D]
     v_base = v_ptr + kvh * stride_vh + offs_d[None, :]
-    s_off = kvh * stride_sh + (offs_d // KV_GROUP)[None, :]  # [1, D]: each value's scale
+    s_off = kvh * stride_sh + tl.arange(0, HEAD_DIM // KV_GROUP)[None, :]  # [1, D / KV_GROUP]
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2
@@ -131,11 +154,11 @@ def _decode_split_kernel(
         k = tl.load(k_base + rows[:, None] * stride_kt, mask=t_mask[:, None], other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vt, mask=t_mask[:, None], other=0.0)
         if KV_INT8:  # dequantize in registers: int8 x its group's fp16 scale, in q's dtype
-            s_ptrs = rows[:, None] * stride_st + s_off  # [BLOCK_N, D]
-            k_sc = tl.load(ks_ptr + s_ptrs, mask=t_mask[:, None], other=0.0).to(tl.float32)
-            v_sc = tl.load(vs_ptr + s_ptrs, mask=t_mask[:, None], other=0.0).to(tl.float32)
-            k = (k.to(tl.float32) * k_sc).to(q.dtype)
-            v = (v.to(tl.float32) * v_sc).to(q.dtype)
+            s_ptrs = rows[:, None] * stride_st + s_off  # [BLOCK_N, D / KV_GROUP]
+            k_sc = tl.load(ks_ptr + s_ptrs, mask=t_mask[:, None], other=0.0)
+            v_sc = tl.load(vs_ptr + s_ptrs, mask=t_mask[:, None], other=0.0)
+            k = _dequant(k, k_sc, BLOCK_N, HEAD_DIM, KV_GROUP).to(q.dtype)
+            v = _dequant(v, v_sc, BLOCK_N, HEAD_DIM, KV_GROUP).to(q.dtype)
         if KV_FP8:  # e4m3 values, scale 1
             k = k.to(tl.float32).to(q.dtype)
             v = v.to(tl.float32).to(q.dtype)
@@ -191,16 +214,17 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _num_splits(batch: int, n_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+def _num_splits(batch: int, n_kv_heads: int, max_seq_len: int, device: torch.device,
+                min_split_tokens: int = Tiling.min_split_tokens) -> int:
     """Splits per sequence: enough programs for _TARGET_WAVES waves over the SMs, but each split
-    of the longest sequence keeps >= _MIN_SPLIT_TOKENS tokens; rounded down to a power of 2."""
+    of the longest sequence keeps >= min_split_tokens tokens; rounded down to a power of 2."""
     if _FORCED_SPLITS > 0:
         return _FORCED_SPLITS
     sms = _DEFAULT_SMS  # CPU (interpreter): plan as for an H100
     if device.type == "cuda" and torch.cuda.is_available():
         sms = _sm_count(torch.cuda.current_device() if device.index is None else device.index)
     want = triton.cdiv(_TARGET_WAVES * sms, batch * n_kv_heads)  # 1 once the batch fills it
-    cap = triton.cdiv(max_seq_len, _MIN_SPLIT_TOKENS)
+    cap = triton.cdiv(max_seq_len, min_split_tokens)
     splits = max(1, min(want, cap, _MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)  # round down to a power of 2
 
@@ -233,17 +257,23 @@ def _decode_attention_triton(
     v_scale: torch.Tensor | None = None,
     window: int = 0,  # > 0: only the last `window` keys (a Python int: a kernel constant)
     softcap: float = 0.0,  # > 0: scores capped to softcap * tanh(s / softcap) (a constant too)
+    tiling: Tiling | None = None,  # None: TILINGS' entry for the cache's kind
 ) -> torch.Tensor:  # [B, H, D], q.dtype
     _check_inputs(q, k_cache, v_cache, seq_starts, seq_lens)
     int8 = k_scale is not None
+    fp8 = k_cache.dtype == FP8
     if int8 and (k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1):
         raise ValueError("decode_attention: K and V scales need one layout, contiguous last dim")
     batch, n_heads, head_dim = q.shape
+    if tiling is None:
+        tiling = TILINGS["int8" if int8 else "fp8" if fp8 else "16bit"]
+        if head_dim > 128:  # halve the chunk: a [64, 256] tile spills registers on sm_90
+            tiling = replace(tiling, block_n=tiling.block_n // 2)
     n_kv_heads = k_cache.shape[1]
     group = n_heads // n_kv_heads
     if num_splits is None:  # a window caps the keys any sequence reads
         num_splits = _num_splits(batch, n_kv_heads, min(max_seq_len, window or max_seq_len),
-                                 q.device)
+                                 q.device, tiling.min_split_tokens)
     out = torch.empty((batch, n_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -260,15 +290,15 @@ def _decode_attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         scales[0].stride(0), scales[0].stride(1), scale * math.log2(math.e),
-        GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N, USE_DOT=use_dot,
-        UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16, DIRECT=num_splits == 1,
-        KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=k_cache.dtype == FP8, WINDOW=window,
-        SOFTCAP=float(softcap), num_warps=4, num_stages=2,
+        GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=tiling.block_n,
+        USE_DOT=use_dot, UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16,
+        DIRECT=num_splits == 1, KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=fp8, WINDOW=window,
+        SOFTCAP=float(softcap), num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, n_heads)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=head_dim, BLOCK_N=_BLOCK_N,
+            HEAD_DIM=head_dim, BLOCK_N=tiling.block_n,
             SPLITS_PAD=triton.next_power_of_2(num_splits), WINDOW=window, num_warps=4,
         )
     return out

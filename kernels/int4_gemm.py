@@ -98,60 +98,140 @@ def dequantize_int4(w: Int4Weight) -> torch.Tensor:
 
 
 @triton.jit
+def _nibbles(q, dtype: tl.constexpr):
+    """uint8 values 0..15 in `dtype` (through fp32: the interpreter turns uint8 into bf16 bit
+    patterns, not values)."""
+    return q.to(tl.float32).to(dtype)
+
+
+@triton.jit
 def _int4_gemm_kernel(
     x_ptr,  # [M, K] activations, row stride stride_x
     qw_ptr,  # [N, K // 2] uint8 packed weight
     s_ptr, m_ptr,  # [N, K // G] scales, mins
     bias_ptr,  # [N] (read when HAS_BIAS)
-    out_ptr,  # [M, N], contiguous, x's dtype
+    out_ptr,  # SPLIT_K == 1: [M, N] in x's dtype; else fp32 partial sums [SPLIT_K, M, N]
     M, N, K, stride_x,
-    G: tl.constexpr,  # group size; BLOCK_K divides it, so a K block has one group per row
+    G: tl.constexpr,  # group size, a multiple of BLOCK_K: a K block lies in one group
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for float32 activations (no TF32), else the default
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs along K; each takes every SPLIT_K-th K block
 ):
+    """Per K block, with s and m its group's scale and min per row n:
+    sum_k x[k] (q[n, k] s + m) = s (x_even . q_low + x_odd . q_high) + m sum_k x[k]:
+    the nibbles go into the dot as they are (0..15, exact in any float dtype) and the scale and
+    min apply once per block, so no dequantized weight tile is ever formed."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    rb = tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte offsets
+    split = tl.program_id(2)
+    rb = tl.arange(0, BLOCK_K // 2)  # [BK / 2] byte offsets: k = 2 rb (low), 2 rb + 1 (high)
     m_ok, n_ok = rm < M, rn < N
-    n_groups = K // G
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x + 2 * rb[None, :]  # [BM, BK / 2]
+    w_rows = qw_ptr + rn[:, None].to(tl.int64) * (K // 2) + rb[None, :]  # [BN, BK / 2]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (K % G == 0)
-        rk = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + rk[None, :],
-                    mask=m_ok[:, None], other=0.0)  # [BM, BK]
-        b = tl.load(qw_ptr + rn[:, None].to(tl.int64) * (K // 2) + k0 // 2 + rb[None, :],
-                    mask=n_ok[:, None], other=0)  # [BN, BK / 2] uint8
-        q = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K)  # [BN, BK]: k even, odd, ...
-        g = rn.to(tl.int64) * n_groups + k0 // G  # [BN]
+    for k0 in range(split * BLOCK_K, K, SPLIT_K * BLOCK_K):  # K % BLOCK_K == 0
+        x_even = tl.load(x_rows + k0, mask=m_ok[:, None], other=0.0)  # [BM, BK / 2]
+        x_odd = tl.load(x_rows + k0 + 1, mask=m_ok[:, None], other=0.0)
+        b = tl.load(w_rows + k0 // 2, mask=n_ok[:, None], other=0)  # [BN, BK / 2] uint8
+        dots = tl.dot(x_even, tl.trans(_nibbles(b & 0xF, x_even.dtype)), input_precision=PRECISION)
+        dots = tl.dot(x_odd, tl.trans(_nibbles(b >> 4, x_even.dtype)), dots,
+                      input_precision=PRECISION)  # [BM, BN]
+        g = rn.to(tl.int64) * (K // G) + k0 // G  # [BN]
         s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
         mn = tl.load(m_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) * s[:, None] + mn[:, None]).to(x.dtype)  # [BN, BK]
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)  # [BM]
+        acc += dots * s[None, :] + x_sum[:, None] * mn[None, :]
+    out = rm[:, None].to(tl.int64) * N + rn[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + split.to(tl.int64) * M * N + out, acc, mask=mask)
+
+
+@triton.jit
+def _split_k_sum_kernel(
+    part_ptr, bias_ptr, out_ptr,  # [SPLIT_K, M * N] fp32, [N], [M * N] in x's dtype
+    MN, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < MN
+    splits = tl.arange(0, SPLITS_PAD)  # SPLIT_K rounded up to a power of 2
+    acc = tl.sum(tl.load(part_ptr + splits[:, None] * MN + r[None, :],
+                         mask=(splits < SPLIT_K)[:, None] & ok[None, :], other=0.0), axis=0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(bias_ptr + r % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def int4_gemm_triton(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
-    """Triton implementation of `int4_gemm`."""
+@dataclass(frozen=True)
+class GemmTiling:
+    """One launch shape of `_int4_gemm_kernel`. split_k > 1 splits K over that many programs,
+    their fp32 partial sums added by `_split_k_sum_kernel`: at a few rows the N tiles alone are
+    too few programs to keep the memory system busy."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+SMALL_M = 16  # rows up to which the GEMV tiling (split along K) runs
+_TARGET_PROGRAMS = 4 * 132  # the GEMV tiling splits K until about this many programs (H100 SMs)
+
+
+TUNED: dict[tuple[int, int], GemmTiling] = {}  # (n, k) -> measured tiling for m <= SMALL_M
+
+
+def gemm_tiling(m: int, n: int, k: int, g: int) -> GemmTiling:
+    """The tiling for an [m, k] x [n, k]^T product with groups of g."""
+    if m > SMALL_M:
+        return GemmTiling(64, 64, min(g, 64))
+    if (n, k) in TUNED:
+        return TUNED[n, k]
+    block_k = min(g, 128)
+    tiles, blocks = triton.cdiv(n, 64), k // block_k
+    split = 1
+    while tiles * split < _TARGET_PROGRAMS and blocks >= 4 * split:
+        split *= 2
+    return GemmTiling(16, 64, block_k, split)
+
+
+def int4_gemm_triton(x: torch.Tensor, w: Int4Weight, bias=None,
+                     tiling: GemmTiling | None = None) -> torch.Tensor:
+    """Triton implementation of `int4_gemm` (tiling: `gemm_tiling`'s when None)."""
     (n, k), g = w.shape, w.group_size
     if x.shape[-1] != k:
         raise ValueError(f"K mismatch: activations {tuple(x.shape)}, INT4 weight {(n, k)}")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
-        block_m = 16 if x2.shape[0] <= 16 else 64
-        block_n = 32 if x2.shape[0] <= 16 else 64  # small batch: more programs over N
-        grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n))
-        _int4_gemm_kernel[grid](x2, w.packed, w.scales, w.mins,
-                                bias if bias is not None else out, out, x2.shape[0], n, k,
-                                x2.stride(0), G=g, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                                BLOCK_N=block_n, BLOCK_K=min(g, 64), num_warps=4,
-                                PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*x.shape[:-1], n)
+    t = tiling or gemm_tiling(m, n, k, g)
+    if g % t.block_k or t.block_k < 32:
+        raise ValueError(f"INT4 GEMM: block_k {t.block_k} must divide the group {g} and be >= 32")
+    part = out if t.split_k == 1 else torch.empty(t.split_k, m, n, dtype=torch.float32,
+                                                  device=x.device)
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
+    _int4_gemm_kernel[grid](x2, w.packed, w.scales, w.mins, bias if bias is not None else out,
+                            part, m, n, k, x2.stride(0), G=g, HAS_BIAS=bias is not None,
+                            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                            SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages)
+    if t.split_k > 1:
+        _split_k_sum_kernel[(triton.cdiv(m * n, 1024),)](
+            part, bias if bias is not None else out, out, m * n, n, HAS_BIAS=bias is not None,
+            SPLIT_K=t.split_k, SPLITS_PAD=triton.next_power_of_2(t.split_k), BLOCK=1024,
+            num_warps=4)
     return out.view(*x.shape[:-1], n)
 
 

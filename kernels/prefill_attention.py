@@ -40,7 +40,7 @@ from kernels.decode_attention import _tanh
 from kernels.dispatch import cpu_fast_path, use_triton
 from kernels.kv_quant import FP8, KV_GROUP, kv_rows
 
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: jit code may read it
 
 
 @triton.jit
@@ -234,7 +234,7 @@ def _prefill_attention_triton(
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out,
         cu_q_lens.to(torch.int32), seq_starts.to(torch.int32), ctx_lens.to(torch.int32),
-        *scales, scale * _LOG2E,
+        *scales, scale * _LOG2E.value,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         scales[0].stride(0), scales[0].stride(1),

@@ -11,6 +11,7 @@ import torch
 from kernels import dispatch
 from kernels.cpu import extension as cpu_extension
 from kernels.decode_attention import (
+    TILINGS,
     _decode_attention_triton,
     _num_splits,
     decode_attention,
@@ -193,6 +194,7 @@ def test_num_splits_heuristic():
     assert _num_splits(1, 8, 1024, cpu) == 4  # >= 256 tokens per split
     assert _num_splits(1, 8, 1 << 20, cpu) == 64  # capped, a power of 2
     assert _num_splits(16, 8, 1 << 20, cpu) == 4  # 4 waves of 132 SMs: ceil(528/128) -> 4
+    assert _num_splits(1, 8, 4096, cpu, TILINGS["16bit"].min_split_tokens) == 64  # shipped
 
 
 def test_rejects_bad_shapes():

@@ -9,10 +9,12 @@ import torch
 from kernels import dispatch
 from kernels.cpu import extension
 from kernels.int4_gemm import (
+    GemmTiling,
     Int4Blocks,
     Int4Cpu,
     Int4Weight,
     dequantize_int4,
+    gemm_tiling,
     int4_gemm,
     int4_gemm_ref,
     int4_gemm_triton,
@@ -85,6 +87,29 @@ def test_int4_gemm_triton_matches_reference_fp32(M, N, K, group, with_bias):
     bias = torch.randn(N) if with_bias else None
     torch.testing.assert_close(int4_gemm_triton(x, w, bias), int4_gemm_ref(x, w, bias),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tiling", [GemmTiling(16, 32, 32, split_k=2),
+                                    GemmTiling(16, 64, 32, split_k=4),  # N tiles past N
+                                    GemmTiling(16, 16, 32, split_k=3)])  # uneven K share
+@pytest.mark.parametrize("group", [32, 64])
+def test_split_k_tilings_match_the_reference(tiling, group):
+    w = quantize_int4(_weight(40, 512), group)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(40)
+    torch.testing.assert_close(int4_gemm_triton(x, w, bias, tiling), int4_gemm_ref(x, w, bias),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_tiling_splits_k_for_few_rows():
+    gemv = gemm_tiling(1, 4096, 4096, 128)
+    assert gemv.split_k > 1 and gemv.block_k == 128
+    assert gemm_tiling(1, 14336, 4096, 32).split_k < gemv.split_k  # more N tiles, fewer splits
+    assert gemm_tiling(17, 4096, 4096, 128).split_k == 1
+    assert gemm_tiling(1, 64, 96, 32).block_k == 32  # a K block lies in one group
+    with pytest.raises(ValueError, match="divide the group"):
+        int4_gemm_triton(torch.randn(1, 128), quantize_int4(_weight(8, 128), 32),
+                         tiling=GemmTiling(16, 16, 64))
 
 
 def test_int4_gemm_triton_bf16(interpreter_bf16_dot):

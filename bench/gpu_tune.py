@@ -1,0 +1,172 @@
+"""Launch shapes for the kernels that lost on the first GPU run, swept on the device: INT8-KV
+decode attention (batch 64, context 4096), one long sequence's decode attention (batch 1,
+context 4096) and the W4A16 GEMM at one row (4096x4096, 14336x4096, groups of 128) and at 256
+rows (4096x4096: the prefill tiling).
+
+Each candidate is timed replayed from a CUDA graph over cold copies of its inputs
+(bench/cuda_timing.py), beside the baseline the target names (the 16-bit kernel as it ships; the
+bf16 GEMM), and checked against the reference. The best candidate per case, with its ratio, is
+written as JSON to --out; `python -m bench.kernels --tilings FILE` runs the kernel table with
+them.
+
+    python -m bench.gpu_tune [--out tilings.json] [--quick]
+
+--quick: two candidates per case at tiny shapes under the interpreter (a smoke test; timings
+meaningless). The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+if "--quick" in sys.argv[1:] and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+from bench.cuda_timing import copies_for, graph_ms  # noqa: E402
+from kernels import dispatch  # noqa: E402
+from kernels.decode_attention import Tiling, decode_attention_reference  # noqa: E402
+from kernels.decode_attention import _decode_attention_triton as decode  # noqa: E402
+from kernels.int4_gemm import (  # noqa: E402
+    GemmTiling,
+    dequantize_int4,
+    int4_gemm_triton,
+    quantize_int4,
+)
+from kernels.kv_quant import quantize_kv  # noqa: E402
+
+
+def timer(cuda: bool):
+    def run(calls: list) -> float:
+        if cuda:
+            return graph_ms(calls)
+        t = time.perf_counter()
+        for fn in calls:
+            fn()
+        return 1e3 * (time.perf_counter() - t) / len(calls)
+    return run
+
+
+def decode_inputs(batch, ctx, heads, dt, dev, int8):
+    H, HKV, D = heads
+    q = torch.randn(batch, H, D, dtype=dt, device=dev)
+    k, v = (torch.randn(batch * ctx, HKV, D, dtype=dt, device=dev) for _ in range(2))
+    starts = torch.arange(batch, dtype=torch.int32, device=dev) * ctx
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    if int8:
+        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+        return (q, k, v, starts, lens), dict(k_scale=ks, v_scale=vs)
+    return (q, k, v, starts, lens), {}
+
+
+def sweep_decode(name, batch, ctx, int8, candidates, heads, dt, dev, run) -> dict:
+    """Candidates of the split kernel's tiling on one case; baseline: the 16-bit cache with the
+    shipped tiling."""
+    nbytes = batch * ctx * heads[1] * heads[2] * 2 * (1.25 if int8 else 2)
+    copies = copies_for(int(nbytes)) if dev.type == "cuda" else 1
+    sets = [decode_inputs(batch, ctx, heads, dt, dev, int8) for _ in range(copies)]
+    base_sets = [decode_inputs(batch, ctx, heads, dt, dev, False) for _ in range(copies)]
+    scale = heads[2] ** -0.5
+    base = run([lambda a=a: decode(*a, scale, ctx) for a, _ in base_sets])
+    want = decode_attention_reference(*sets[0][0], scale, **sets[0][1]).float()
+    rows = []
+    for t in candidates:
+        try:
+            got = decode(*sets[0][0], scale, ctx, tiling=t, **sets[0][1])
+            err = (got.float() - want).abs().max().item()
+            ms = run([lambda a=a, kw=kw, t=t: decode(*a, scale, ctx, tiling=t, **kw)
+                      for a, kw in sets])
+        except Exception as exc:  # a candidate that fails to compile is reported, not fatal
+            print(f"  {name} {t}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        gbs = nbytes / ms / 1e6
+        rows.append(dict(tiling=asdict(t), ms=round(ms, 4), gbs=round(gbs, 1),
+                         speedup=round(base / ms, 3), max_err=float(f"{err:.2e}")))
+        print(f"  {name} {t}: {ms:.4f} ms {gbs:7.1f} GB/s x{base / ms:5.2f} (err {err:.1e})",
+              flush=True)
+    best = min(rows, key=lambda r: r["ms"]) if rows else None
+    return dict(baseline_ms=round(base, 4), best=best, candidates=len(rows))
+
+
+def sweep_w4a16(m, n, k, group, candidates, dt, dev, run) -> dict:
+    w = torch.randn(n, k, dtype=dt, device=dev) * 0.02
+    x = torch.randn(m, k, dtype=dt, device=dev)
+    w4 = quantize_int4(w, group).to(dev, dt)
+    nbytes = w4.nbytes()
+    copies = copies_for(nbytes) if dev.type == "cuda" else 1
+    w4s = [w4] + [quantize_int4(torch.randn_like(w) * 0.02, group).to(dev, dt)
+                  for _ in range(copies - 1)]
+    wqs = [dequantize_int4(q).to(dt) for q in w4s]
+    base = run([lambda wq=wq: F.linear(x, wq) for wq in wqs])
+    want = F.linear(x.float(), wqs[0].float())
+    rows = []
+    for t in candidates:
+        try:
+            err = (int4_gemm_triton(x, w4, tiling=t).float() - want).abs().max().item()
+            ms = run([lambda q=q, t=t: int4_gemm_triton(x, q, tiling=t) for q in w4s])
+        except Exception as exc:
+            print(f"  w4a16 m{m} {n}x{k} {t}: {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        rows.append(dict(tiling=asdict(t), ms=round(ms, 4), gbs=round(nbytes / ms / 1e6, 1),
+                         speedup=round(base / ms, 3), max_err=float(f"{err:.2e}")))
+        print(f"  w4a16 m{m} {n}x{k} {t}: {ms:.4f} ms x{base / ms:5.2f} (err {err:.1e})",
+              flush=True)
+    best = min(rows, key=lambda r: r["ms"]) if rows else None
+    return dict(baseline_ms=round(base, 4), best=best, candidates=len(rows))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="tilings.json")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    dt = torch.bfloat16 if cuda else torch.float32
+    dispatch.set_backend("triton")
+    torch.manual_seed(0)
+    run = timer(cuda)
+    q = args.quick
+    heads, ctx = ((4, 2, 16), 128) if q else ((32, 8, 128), 4096)
+    dims = [(64, 64)] if q else [(4096, 4096), (14336, 4096)]
+    group = 32 if q else 128
+    # candidates that compile for sm_90 without spilling registers (cuobjdump on an AOT build)
+    int8_c = [Tiling(bn, w, st) for bn, w, st in itertools.product(
+        (32, 64), (4,) if q else (4, 8), (2,) if q else (2, 3))]
+    long_c = [Tiling(bn, w, 2, ms) for bn, w, ms in itertools.product(
+        (32,) if q else (32, 64), (4,) if q else (4, 8), (32, 64) if q else (64, 128, 256))]
+    blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (64, 128), (128, 64)]
+    gemv_c = [GemmTiling(16, bn, bk, sk, 4, st) for (bn, bk), sk, st in itertools.product(
+        blocks, (1, 2) if q else (1, 2, 4, 8, 16), (2,) if q else (2, 3))]
+    prefill_c = [GemmTiling(bm, bn, 32 if q else 64, 1, w) for bm, bn, w in (
+        [(64, 64, 4)] if q else [(64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8)])]
+    res = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"}
+    print(res["device"])
+    res["int8_decode_b64"] = sweep_decode("int8 b64", 2 if q else 64, ctx, True, int8_c, heads,
+                                          dt, dev, run)
+    res["decode_b1"] = sweep_decode("16-bit b1", 1, ctx, False, long_c, heads, dt, dev, run)
+    for n, k in dims:
+        res[f"w4a16_m1_{n}x{k}"] = sweep_w4a16(1, n, k, group, gemv_c, dt, dev, run)
+    n, k = dims[0]
+    res[f"w4a16_m256_{n}x{k}"] = sweep_w4a16(256, n, k, group, prefill_c, dt, dev, run)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps({name: (r["best"] or {}).get("speedup") if isinstance(r, dict) else r
+                      for name, r in res.items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Compile the Triton launches a CPU test makes for an H100/H200 (sm_90), without a GPU.
+
+`record_launches()` records every kernel launch made under the interpreter (its kernel and the
+arguments it was called with); `compile_sm90(specs)` compiles them for sm_90 through Triton's own
+compiler and ptxas in a process without the interpreter, and returns the register and local-memory
+(spill) use cuobjdump reads from each binary. What only the compiler rejects (globals that are not
+constexpr, unsupported ops) fails here, where the interpreter runs it happily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+          torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64",
+          torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+@dataclass
+class Launch:
+    fn: object  # the kernel's Python function
+    args: dict  # parameter name -> value
+    options: dict  # num_warps, num_stages
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Yields a list that fills with the Launch of every interpreted kernel launch."""
+    launches: list[Launch] = []
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        names = JITFunction(self.fn).arg_names  # the positional arguments come first
+        options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
+        positional = dict(zip(names[:len(args)], args, strict=True))
+        launches.append(Launch(self.fn, {**positional, **kwargs}, options))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording
+    try:
+        yield launches
+    finally:
+        InterpretedFunction.run = run
+
+
+def _signature(jit: JITFunction, args: dict) -> tuple[dict, dict]:
+    sig, consts = {}, {}
+    for p in jit.params:
+        v = args.get(p.name, p.default)
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + _TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[p.name] = "i1"
+        elif isinstance(v, int):
+            sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        else:
+            raise TypeError(f"{p.name}: no Triton type for {type(v).__name__}")
+    return sig, consts
+
+
+def spec(launch: Launch) -> dict:
+    """A launch as JSON: the kernel's module and name, its signature, constexprs and options."""
+    sig, consts = _signature(JITFunction(launch.fn), launch.args)
+    return dict(module=launch.fn.__module__, name=launch.fn.__name__, signature=sig,
+                constexprs=consts, options=launch.options)
+
+
+def compile_sm90(specs: list[dict]) -> list[dict]:
+    """Each spec compiled for sm_90 in a fresh process (kernels imported as compiled, not
+    interpreted, functions): {"regs", "spill" (stack bytes per thread)} or {"error"}."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    out = subprocess.run([sys.executable, "-m", "tests.sm90"], input=json.dumps(specs),
+                         capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _compile_one(s: dict) -> dict:
+    jit = getattr(importlib.import_module(s["module"]), s["name"])
+    try:
+        kernel = triton.compile(ASTSource(fn=jit, signature=s["signature"],
+                                          constexprs=s["constexprs"]),
+                                target=TARGET, options=s["options"])
+    except Exception as exc:  # reported per kernel, asserted by the test
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], check=True,
+                               capture_output=True, text=True).stdout
+    regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
+    return {"regs": regs, "spill": stack}
+
+
+if __name__ == "__main__":
+    print(json.dumps([_compile_one(s) for s in json.load(sys.stdin)]))

@@ -1,0 +1,90 @@
+"""Every Triton kernel bench/kernels.py runs, compiled for sm_90 (H100/H200) on the CPU: the
+launches are recorded under the interpreter at the benchmark's head and block sizes (few rows,
+so it stays quick) and compiled by Triton and ptxas in a process without the interpreter.
+
+Catches what only the compiler rejects (a global that is not constexpr broke Gemma's soft-cap
+prefill on the first GPU run that reached it), and register spills in the kernels of a decode
+step (the INT8-KV decode kernel spilled 536 bytes a thread and ran at 0.09x the 16-bit one).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from bench import kernels as bench_kernels
+from tests.sm90 import compile_sm90, record_launches, spec
+
+# The benchmark's constexpr-determining sizes (heads, head_dim, hidden, groups) with few rows.
+SHAPES = dict(heads=(32, 8, 128), hidden=4096, inter=1024, vocab=4096, copy_mib=1,
+              decode=[(2, 256), (1, 512), (2, 256)], prefill=[(1, 64, 0), (2, 16, 48)],
+              norm=[16, 4], tokens=8, sample=4,
+              moe=dict(hidden=512, inter=256, experts=8, top_k=2), moe_tokens=[1, 4, 16],
+              device=torch.device("cpu"), dtype=torch.bfloat16)
+ON_CUDA = {"UPCAST_DOT": False}  # constexprs the launchers set differently off CUDA
+# Kernels of a decode step, and the most local memory a thread of them may use at their shipped
+# launch shapes (the INT8 decode kernel at 255 registers keeps 8 bytes there).
+NO_SPILL = {"_decode_split_kernel", "_decode_combine_kernel", "_int4_gemm_kernel",
+            "_split_k_sum_kernel", "_rms_norm_kernel"}
+MAX_SPILL = 16
+
+
+def gemma_attention() -> None:
+    """Decode and prefill attention with Gemma's soft-cap and a sliding window (constexpr
+    branches no benchmark case takes)."""
+    i32 = dict(dtype=torch.int32)
+    q = torch.randn(2, 8, 256, dtype=torch.bfloat16)  # Gemma 2: 8 heads of 256, 4 KV heads
+    k, v = (torch.randn(64, 4, 256, dtype=torch.bfloat16) for _ in range(2))
+    starts, lens = torch.tensor([0, 32], **i32), torch.tensor([20, 32], **i32)
+    bench_kernels.decode_attention(q, k, v, starts, lens, window=16, softcap=50.0)
+    bench_kernels.prefill_attention(torch.randn(12, 8, 256, dtype=torch.bfloat16), k, v,
+                                    torch.tensor([0, 4, 12], **i32), starts, lens, window=16,
+                                    softcap=50.0)
+
+
+@functools.cache
+def compiled() -> list[tuple[dict, dict]]:
+    from kernels import dispatch
+
+    dispatch.set_backend("triton")
+    try:
+        with record_launches() as launches:
+            for build in bench_kernels.builders(SHAPES):
+                case = build()
+                if case["name"].startswith("w4a16_gemm_m16"):
+                    continue  # the same kernel as m1 at the larger tiling: below
+                case["tri"]()
+            x = torch.randn(32, 4096, dtype=torch.bfloat16)
+            w = bench_kernels.quantize_int4(torch.randn(64, 4096), 128).to("cpu", torch.bfloat16)
+            bench_kernels.int4_gemm_triton(x, w)  # the prefill tiling (more rows than SMALL_M)
+            gemma_attention()
+    finally:
+        dispatch.set_backend("auto")
+    specs, seen = [], set()
+    for launch in launches:
+        s = spec(launch)
+        s["constexprs"].update({k: v for k, v in ON_CUDA.items() if k in s["constexprs"]})
+        key = repr(s)
+        if key not in seen:
+            seen.add(key)
+            specs.append(s)
+    return list(zip(specs, compile_sm90(specs), strict=True))
+
+
+def test_every_kernel_compiles_for_sm90():
+    results = compiled()
+    names = {s["name"] for s, _ in results}
+    assert {"_decode_split_kernel", "_int4_gemm_kernel", "_split_k_sum_kernel"} <= names
+    failed = {s["name"]: r["error"] for s, r in results if "error" in r}
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("kernel", sorted(NO_SPILL))
+def test_decode_step_kernels_do_not_spill(kernel):
+    results = [(s, r) for s, r in compiled() if s["name"] == kernel and "error" not in r]
+    if not results:
+        pytest.skip(f"{kernel} not launched by bench/kernels.py's cases")
+    spills = {repr(s["constexprs"]): r for s, r in results if r["spill"] > MAX_SPILL}
+    assert not spills, spills
