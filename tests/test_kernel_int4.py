@@ -102,9 +102,10 @@ def test_split_k_tilings_match_the_reference(tiling, group):
 
 
 def test_gemm_tiling_splits_k_for_few_rows():
-    gemv = gemm_tiling(1, 4096, 4096, 128)
-    assert gemv.split_k > 1 and gemv.block_k == 128
-    assert gemm_tiling(1, 14336, 4096, 32).split_k < gemv.split_k  # more N tiles, fewer splits
+    assert gemm_tiling(1, 4096, 4096, 128) == GemmTiling(16, 64, 128, split_k=8)  # H200's best
+    assert gemm_tiling(16, 14336, 4096, 128).split_k == 8
+    assert gemm_tiling(1, 14336, 4096, 32).split_k == 16  # 128 K blocks of 32
+    assert gemm_tiling(1, 128, 256, 32).split_k == 2  # each split keeps >= 4 K blocks
     assert gemm_tiling(17, 4096, 4096, 128).split_k == 1
     assert gemm_tiling(1, 64, 96, 32).block_k == 32  # a K block lies in one group
     with pytest.raises(ValueError, match="divide the group"):
