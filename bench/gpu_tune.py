@@ -1,7 +1,7 @@
-"""Launch shapes for the kernels that lost on the first GPU run, swept on the device: INT8-KV
-decode attention (batch 64, context 4096), one long sequence's decode attention (batch 1,
-context 4096) and the W4A16 GEMM at one row (4096x4096, 14336x4096, groups of 128) and at 256
-rows (4096x4096: the prefill tiling).
+"""Launch shapes for the kernels that lost on the first GPU run, swept on the device: INT8- and
+FP8-KV decode attention (batch 64, context 4096), one long sequence's decode attention (batch 1,
+context 4096), the W4A16 GEMM at one row (4096x4096, 14336x4096, groups of 128), and at 16, 64
+and 256 rows the fused kernel against dequantize + cuBLAS (int4_gemm_triton's choice by rows).
 
 Each candidate is timed replayed from a CUDA graph over cold copies of its inputs
 (bench/cuda_timing.py), beside the baseline the target names (the 16-bit kernel as it ships; the
@@ -44,10 +44,11 @@ from kernels.decode_attention import _decode_attention_triton as decode  # noqa:
 from kernels.int4_gemm import (  # noqa: E402
     GemmTiling,
     dequantize_int4,
+    gemm_tiling,
     int4_gemm_triton,
     quantize_int4,
 )
-from kernels.kv_quant import quantize_kv  # noqa: E402
+from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
 
 
 def timer(cuda: bool):
@@ -61,25 +62,28 @@ def timer(cuda: bool):
     return run
 
 
-def decode_inputs(batch, ctx, heads, dt, dev, int8):
+def decode_inputs(batch, ctx, heads, dt, dev, kv):
+    """A decode case; kv: None (16-bit), "int8" or "fp8"."""
     H, HKV, D = heads
     q = torch.randn(batch, H, D, dtype=dt, device=dev)
     k, v = (torch.randn(batch * ctx, HKV, D, dtype=dt, device=dev) for _ in range(2))
     starts = torch.arange(batch, dtype=torch.int32, device=dev) * ctx
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    if int8:
+    if kv == "int8":
         (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
         return (q, k, v, starts, lens), dict(k_scale=ks, v_scale=vs)
+    if kv == "fp8":
+        k, v = to_fp8(k), to_fp8(v)
     return (q, k, v, starts, lens), {}
 
 
-def sweep_decode(name, batch, ctx, int8, candidates, heads, dt, dev, run) -> dict:
+def sweep_decode(name, batch, ctx, kv, candidates, heads, dt, dev, run) -> dict:
     """Candidates of the split kernel's tiling on one case; baseline: the 16-bit cache with the
     shipped tiling."""
-    nbytes = batch * ctx * heads[1] * heads[2] * 2 * (1.25 if int8 else 2)
+    nbytes = batch * ctx * heads[1] * heads[2] * 2 * {"int8": 1.25, "fp8": 1}.get(kv, 2)
     copies = copies_for(int(nbytes)) if dev.type == "cuda" else 1
-    sets = [decode_inputs(batch, ctx, heads, dt, dev, int8) for _ in range(copies)]
-    base_sets = [decode_inputs(batch, ctx, heads, dt, dev, False) for _ in range(copies)]
+    sets = [decode_inputs(batch, ctx, heads, dt, dev, kv) for _ in range(copies)]
+    base_sets = [decode_inputs(batch, ctx, heads, dt, dev, None) for _ in range(copies)]
     scale = heads[2] ** -0.5
     base = run([lambda a=a: decode(*a, scale, ctx) for a, _ in base_sets])
     want = decode_attention_reference(*sets[0][0], scale, **sets[0][1]).float()
@@ -103,6 +107,8 @@ def sweep_decode(name, batch, ctx, int8, candidates, heads, dt, dev, run) -> dic
 
 
 def sweep_w4a16(m, n, k, group, candidates, dt, dev, run) -> dict:
+    """Candidates of the W4A16 GEMM's tiling (None: int4_gemm_triton's own choice) against
+    cuBLAS bf16 on the dequantized weight."""
     w = torch.randn(n, k, dtype=dt, device=dev) * 0.02
     x = torch.randn(m, k, dtype=dt, device=dev)
     w4 = quantize_int4(w, group).to(dev, dt)
@@ -121,7 +127,8 @@ def sweep_w4a16(m, n, k, group, candidates, dt, dev, run) -> dict:
         except Exception as exc:
             print(f"  w4a16 m{m} {n}x{k} {t}: {type(exc).__name__}: {str(exc)[:200]}")
             continue
-        rows.append(dict(tiling=asdict(t), ms=round(ms, 4), gbs=round(nbytes / ms / 1e6, 1),
+        rows.append(dict(tiling=asdict(t) if t else "dequantize + cuBLAS", ms=round(ms, 4),
+                         gbs=round(nbytes / ms / 1e6, 1),
                          speedup=round(base / ms, 3), max_err=float(f"{err:.2e}")))
         print(f"  w4a16 m{m} {n}x{k} {t}: {ms:.4f} ms x{base / ms:5.2f} (err {err:.1e})",
               flush=True)
@@ -144,25 +151,29 @@ def main(argv=None) -> None:
     heads, ctx = ((4, 2, 16), 128) if q else ((32, 8, 128), 4096)
     dims = [(64, 64)] if q else [(4096, 4096), (14336, 4096)]
     group = 32 if q else 128
-    # candidates that compile for sm_90 without spilling registers (cuobjdump on an AOT build)
-    int8_c = [Tiling(bn, w, st) for bn, w, st in itertools.product(
-        (32, 64), (4,) if q else (4, 8), (2,) if q else (2, 3))]
-    long_c = [Tiling(bn, w, 2, ms) for bn, w, ms in itertools.product(
-        (32,) if q else (32, 64), (4,) if q else (4, 8), (32, 64) if q else (64, 128, 256))]
-    blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (64, 128), (128, 64)]
-    gemv_c = [GemmTiling(16, bn, bk, sk, 4, st) for (bn, bk), sk, st in itertools.product(
-        blocks, (1, 2) if q else (1, 2, 4, 8, 16), (2,) if q else (2, 3))]
-    prefill_c = [GemmTiling(bm, bn, 32 if q else 64, 1, w) for bm, bn, w in (
-        [(64, 64, 4)] if q else [(64, 64, 4), (64, 64, 8), (128, 64, 8), (64, 128, 8)])]
+    # candidates that compile for sm_90 without spilling much (tests/sm90.py, cuobjdump)
+    quant_c = [Tiling(bn, w) for bn, w in (
+        [(32, 4), (64, 4)] if q else [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8)])]
+    long_c = [Tiling(bn, 4, 2, ms) for bn, ms in itertools.product(
+        (32,) if q else (32, 64), (32, 64) if q else (32, 64, 256))]
+    blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (128, 64)]
+    gemv_c = [GemmTiling(16, bn, bk, sk) for (bn, bk), sk in itertools.product(
+        blocks, (1, 2) if q else (4, 8, 16))]
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"}
     print(res["device"])
-    res["int8_decode_b64"] = sweep_decode("int8 b64", 2 if q else 64, ctx, True, int8_c, heads,
-                                          dt, dev, run)
-    res["decode_b1"] = sweep_decode("16-bit b1", 1, ctx, False, long_c, heads, dt, dev, run)
+    batch = 2 if q else 64
+    res["int8_decode_b64"] = sweep_decode("int8 b64", batch, ctx, "int8", quant_c, heads, dt,
+                                          dev, run)
+    if not q or not cuda:  # e4m3 needs sm_89+ on CUDA
+        res["fp8_decode_b64"] = sweep_decode("fp8 b64", batch, ctx, "fp8", quant_c, heads, dt,
+                                             dev, run)
+    res["decode_b1"] = sweep_decode("16-bit b1", 1, ctx, None, long_c, heads, dt, dev, run)
     for n, k in dims:
         res[f"w4a16_m1_{n}x{k}"] = sweep_w4a16(1, n, k, group, gemv_c, dt, dev, run)
-    n, k = dims[0]
-    res[f"w4a16_m256_{n}x{k}"] = sweep_w4a16(256, n, k, group, prefill_c, dt, dev, run)
+    for m in (16, 64, 256):  # the fused kernel (gemm_tiling's) against dequantize + cuBLAS
+        n, k = dims[0]
+        res[f"w4a16_rows_m{m}_{n}x{k}"] = sweep_w4a16(
+            m, n, k, group, [gemm_tiling(m, n, k, group), None], dt, dev, run)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps({name: (r["best"] or {}).get("speedup") if isinstance(r, dict) else r
                       for name, r in res.items()}))

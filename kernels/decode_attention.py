@@ -55,7 +55,7 @@ class Tiling:
 
 
 # by the cache's kind; measured on an H200 (docs/benchmarks.md, bench/gpu_tune.py)
-TILINGS = {"16bit": Tiling(min_split_tokens=64), "int8": Tiling(), "fp8": Tiling()}
+TILINGS = {"16bit": Tiling(min_split_tokens=64), "int8": Tiling(block_n=32), "fp8": Tiling()}
 
 
 @triton.jit
@@ -108,6 +108,18 @@ def _dequant(x, scales, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_GROUP:
 
 
 @triton.jit
+def _int8_to_f16(x, scales, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 KV_GROUP: tl.constexpr):
+    """int8 x [BLOCK_N, D] times its groups' fp16 scales -> fp16, without a conversion
+    instruction: the bits 0x6400 | (x + 128) are the fp16 1024 + (x + 128), and subtracting 1152
+    leaves x exactly; the product rounds once, to fp16 (11 bits, finer than bf16's 8)."""
+    u = (x.to(tl.uint8, bitcast=True) ^ 0x80).to(tl.uint16) | 0x6400
+    x = u.to(tl.float16, bitcast=True) - 1152.0
+    x = tl.reshape(x, (BLOCK_N, HEAD_DIM // KV_GROUP, KV_GROUP))
+    return tl.reshape(x * scales[:, :, None], (BLOCK_N, HEAD_DIM))
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, starts_ptr, lens_ptr,  # q [B, H, D]; k, v [capacity, Hkv, D]; [B] x2
     out_ptr, part_o_ptr, part_lse_ptr,  # out [B, H, D]; part_o [B, H, S, D]; part_lse [B, H, S]
@@ -121,6 +133,7 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr = False,  # e4m3 K/V (kernels/kv_quant.py)
     WINDOW: tl.constexpr = 0,  # > 0: attend only the last WINDOW keys (sliding window)
     SOFTCAP: tl.constexpr = 0.0,  # > 0: scores s -> SOFTCAP * tanh(s / SOFTCAP)
+    F16: tl.constexpr = False,  # quantized K/V: the dots in fp16, q pre-scaled (see launcher)
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -140,6 +153,8 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_h  # [BLOCK_H] query heads
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=h_mask[:, None], other=0.0)  # [BLOCK_H, D]
+    if F16:  # the scale folded into q keeps it within fp16's range
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
     k_base = k_ptr + kvh * stride_kh + offs_d[None, :]  # [1, D]
     v_base = v_ptr + kvh * stride_vh + offs_d[None, :]
     s_off = kvh * stride_sh + tl.arange(0, HEAD_DIM // KV_GROUP)[None, :]  # [1, D / KV_GROUP]
@@ -157,12 +172,21 @@ def _decode_split_kernel(
             s_ptrs = rows[:, None] * stride_st + s_off  # [BLOCK_N, D / KV_GROUP]
             k_sc = tl.load(ks_ptr + s_ptrs, mask=t_mask[:, None], other=0.0)
             v_sc = tl.load(vs_ptr + s_ptrs, mask=t_mask[:, None], other=0.0)
-            k = _dequant(k, k_sc, BLOCK_N, HEAD_DIM, KV_GROUP).to(q.dtype)
-            v = _dequant(v, v_sc, BLOCK_N, HEAD_DIM, KV_GROUP).to(q.dtype)
+            if F16:
+                k = _int8_to_f16(k, k_sc, BLOCK_N, HEAD_DIM, KV_GROUP)
+                v = _int8_to_f16(v, v_sc, BLOCK_N, HEAD_DIM, KV_GROUP)
+            else:
+                k = _dequant(k, k_sc, BLOCK_N, HEAD_DIM, KV_GROUP).to(q.dtype)
+                v = _dequant(v, v_sc, BLOCK_N, HEAD_DIM, KV_GROUP).to(q.dtype)
         if KV_FP8:  # e4m3 values, scale 1
-            k = k.to(tl.float32).to(q.dtype)
-            v = v.to(tl.float32).to(q.dtype)
-        s = _qk(q, k, USE_DOT, UPCAST_DOT) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
+            if F16:  # one packed conversion (e4m3x2 -> f16x2 on sm_90)
+                k, v = k.to(tl.float16), v.to(tl.float16)
+            else:
+                k = k.to(tl.float32).to(q.dtype)
+                v = v.to(tl.float32).to(q.dtype)
+        s = _qk(q, k, USE_DOT, UPCAST_DOT)  # [BLOCK_H, BLOCK_N], log2 domain
+        if not F16:
+            s = s * qk_scale
         if SOFTCAP > 0:  # cap the true score: in the log2 domain the cap is SOFTCAP * log2(e)
             s = (SOFTCAP * 1.4426950408889634) * _tanh(s / (SOFTCAP * 1.4426950408889634))
         s = tl.where(t_mask[None, :], s, float("-inf"))
@@ -293,7 +317,8 @@ def _decode_attention_triton(
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=tiling.block_n,
         USE_DOT=use_dot, UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16,
         DIRECT=num_splits == 1, KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=fp8, WINDOW=window,
-        SOFTCAP=float(softcap), num_warps=tiling.num_warps, num_stages=tiling.num_stages,
+        SOFTCAP=float(softcap), F16=(int8 or fp8) and q.dtype in (torch.bfloat16, torch.float16),
+        num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if num_splits > 1:
         _decode_combine_kernel[(batch, n_heads)](

@@ -99,9 +99,19 @@ def dequantize_int4(w: Int4Weight) -> torch.Tensor:
 
 @triton.jit
 def _nibbles(q, dtype: tl.constexpr):
-    """uint8 values 0..15 in `dtype` (through fp32: the interpreter turns uint8 into bf16 bit
-    patterns, not values)."""
+    """uint8 values 0..15 as `dtype`, plus `_nibble_offset(dtype)`: bf16 and fp16 by their bits
+    alone (0x4300 | q is the bf16 128 + q, 0x6400 | q the fp16 1024 + q), no conversion
+    instruction (those run at a quarter of the rate and bound this kernel); fp32 converted."""
+    if dtype == tl.bfloat16:
+        return (q.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+    if dtype == tl.float16:
+        return (q.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
     return q.to(tl.float32).to(dtype)
+
+
+def _nibble_offset(dtype: torch.dtype) -> float:
+    """What `_nibbles` adds to each value in `dtype`."""
+    return {torch.bfloat16: 128.0, torch.float16: 1024.0}.get(dtype, 0.0)
 
 
 @triton.jit
@@ -113,6 +123,7 @@ def _int4_gemm_kernel(
     out_ptr,  # SPLIT_K == 1: [M, N] in x's dtype; else fp32 partial sums [SPLIT_K, M, N]
     M, N, K, stride_x,
     G: tl.constexpr,  # group size, a multiple of BLOCK_K: a K block lies in one group
+    OFFSET: tl.constexpr,  # `_nibble_offset` of x's dtype
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for float32 activations (no TF32), else the default
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -120,8 +131,9 @@ def _int4_gemm_kernel(
 ):
     """Per K block, with s and m its group's scale and min per row n:
     sum_k x[k] (q[n, k] s + m) = s (x_even . q_low + x_odd . q_high) + m sum_k x[k]:
-    the nibbles go into the dot as they are (0..15, exact in any float dtype) and the scale and
-    min apply once per block, so no dequantized weight tile is ever formed."""
+    the nibbles go into the dot as they are (0..15, exact in any float dtype; plus OFFSET, taken
+    back through the min: s (dots - OFFSET sum x) + m sum x) and the scale and min apply once per
+    block, so no dequantized weight tile is ever formed."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     split = tl.program_id(2)
@@ -141,7 +153,7 @@ def _int4_gemm_kernel(
         s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
         mn = tl.load(m_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
         x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)  # [BM]
-        acc += dots * s[None, :] + x_sum[:, None] * mn[None, :]
+        acc += dots * s[None, :] + x_sum[:, None] * (mn - OFFSET * s)[None, :]
     out = rm[:, None].to(tl.int64) * N + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
@@ -168,6 +180,35 @@ def _split_k_sum_kernel(
     tl.store(out_ptr + r, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _int4_dequant_kernel(
+    qw_ptr, s_ptr, m_ptr, out_ptr,  # [N, K // 2] uint8, [N, K // G] x2, [N, K] out
+    N, K, G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # G % BLOCK_K == 0
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    k0 = tl.program_id(1) * BLOCK_K
+    n_ok = rn < N
+    b = tl.load(qw_ptr + rn[:, None].to(tl.int64) * (K // 2) + k0 // 2
+                + tl.arange(0, BLOCK_K // 2)[None, :], mask=n_ok[:, None], other=0)
+    q = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K)  # k even, odd, ...
+    g = rn.to(tl.int64) * (K // G) + k0 // G  # [BN]
+    s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
+    mn = tl.load(m_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
+    w = q.to(tl.float32) * s[:, None] + mn[:, None]
+    tl.store(out_ptr + rn[:, None].to(tl.int64) * K + k0 + tl.arange(0, BLOCK_K)[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
+
+
+def dequantize_int4_triton(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] matrix `w` stands for, in `dtype` (each value rounded once from float32)."""
+    (n, k), g = w.shape, w.group_size
+    out = torch.empty(n, k, dtype=dtype, device=w.packed.device)
+    block_k = min(g, 128)
+    _int4_dequant_kernel[(triton.cdiv(n, 64), k // block_k)](
+        w.packed, w.scales, w.mins, out, n, k, G=g, BLOCK_N=64, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
 @dataclass(frozen=True)
 class GemmTiling:
     """One launch shape of `_int4_gemm_kernel`. split_k > 1 splits K over that many programs,
@@ -182,32 +223,34 @@ class GemmTiling:
     num_stages: int = 2
 
 
-SMALL_M = 16  # rows up to which the GEMV tiling (split along K) runs
-# The GEMV tiling splits K until about this many programs (16 per H100 SM), each keeping >= 4 K
-# blocks: split 8 for 4096x4096 and 14336x4096, the best split of bench/gpu_tune.py on an H200.
-_TARGET_PROGRAMS = 16 * 132
-
+SMALL_M = 16  # rows up to which the GEMV tiling (split along K) runs; above, dequantize + cuBLAS
+# The GEMV tiling: 128 columns by 64 of K a program, K split until about this many programs
+# (4 per H100 SM), each keeping >= 4 K blocks: split 16 for 4096x4096 and 8 for 14336x4096, the
+# fastest shapes of bench/gpu_tune.py on an H200 (docs/benchmarks.md).
+_GEMV_N, _GEMV_K, _TARGET_PROGRAMS = 128, 64, 4 * 132
 
 TUNED: dict[tuple[int, int], GemmTiling] = {}  # (n, k) -> measured tiling for m <= SMALL_M
 
 
 def gemm_tiling(m: int, n: int, k: int, g: int) -> GemmTiling:
-    """The tiling for an [m, k] x [n, k]^T product with groups of g."""
+    """The fused kernel's tiling for an [m, k] x [n, k]^T product with groups of g."""
     if m > SMALL_M:
         return GemmTiling(64, 64, min(g, 64))
     if (n, k) in TUNED:
         return TUNED[n, k]
-    block_k = min(g, 128)
-    tiles, blocks = triton.cdiv(n, 64), k // block_k
+    block_k = min(g, _GEMV_K)
+    tiles, blocks = triton.cdiv(n, _GEMV_N), k // block_k
     split = 1
     while tiles * split < _TARGET_PROGRAMS and blocks >= 8 * split:  # >= 4 blocks a split
         split *= 2
-    return GemmTiling(16, 64, block_k, split)
+    return GemmTiling(16, _GEMV_N, block_k, split)
 
 
 def int4_gemm_triton(x: torch.Tensor, w: Int4Weight, bias=None,
                      tiling: GemmTiling | None = None) -> torch.Tensor:
-    """Triton implementation of `int4_gemm` (tiling: `gemm_tiling`'s when None)."""
+    """Triton implementation of `int4_gemm`. Up to SMALL_M rows (or with a `tiling`) the fused
+    kernel; above, the weight dequantized into a scratch matrix and cuBLAS's GEMM (a prefill's
+    rows: the fused kernel ran at 0.04-0.06x cuBLAS bf16 there on an H200)."""
     (n, k), g = w.shape, w.group_size
     if x.shape[-1] != k:
         raise ValueError(f"K mismatch: activations {tuple(x.shape)}, INT4 weight {(n, k)}")
@@ -215,6 +258,8 @@ def int4_gemm_triton(x: torch.Tensor, w: Int4Weight, bias=None,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if tiling is None and m > SMALL_M:
+        return F.linear(x2, dequantize_int4_triton(w, x.dtype), bias).view(*x.shape[:-1], n)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
@@ -225,7 +270,8 @@ def int4_gemm_triton(x: torch.Tensor, w: Int4Weight, bias=None,
                                                   device=x.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
     _int4_gemm_kernel[grid](x2, w.packed, w.scales, w.mins, bias if bias is not None else out,
-                            part, m, n, k, x2.stride(0), G=g, HAS_BIAS=bias is not None,
+                            part, m, n, k, x2.stride(0), G=g,
+                            OFFSET=_nibble_offset(x.dtype), HAS_BIAS=bias is not None,
                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
                             SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages)

@@ -17,7 +17,7 @@ from kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
 )
-from kernels.kv_quant import dequantize_kv, quantize_kv
+from kernels.kv_quant import dequantize_kv, quantize_kv, to_fp8
 
 # the module (the package exports its public function under the same name)
 da = importlib.import_module("kernels.decode_attention")
@@ -102,10 +102,11 @@ def test_triton_matches_reference(group, head_dim, splits):
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("group,dtype", [(1, torch.float32), (4, torch.float32),
-                                         (4, torch.bfloat16)])
+                                         (1, torch.bfloat16), (4, torch.bfloat16),
+                                         (4, torch.float16)])
 def test_triton_reads_int8_kv_like_the_reference(group, dtype, splits):
-    """INT8 caches (kernels/kv_quant.py), dequantized in registers: the kernel against the
-    reference on the dequantized cache."""
+    """INT8 caches (kernels/kv_quant.py), dequantized in registers (in fp16 by their bits for
+    16-bit queries): the kernel against the reference on the dequantized cache."""
     q, k, v, starts, lens = make_case([1, 37, 300], N_HEADS // group, 64, seed=7 + group)
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     out = _decode_attention_triton(q.to(dtype), kq, vq, starts, lens, 0.125, 300,
@@ -219,6 +220,26 @@ def test_gpu_large(dtype, batch, max_len):
     for splits in (1, 7):
         out = _decode_attention_triton(q, k, v, starts, lens_t, 128**-0.5, max_len, splits)
         check(q, k, v, starts, lens_t, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_quantized_kv(kv, dtype):
+    """INT8 and FP8 caches on CUDA (their dots in fp16) at Llama-3-8B's heads, long and short
+    sequences, against the reference on the dequantized cache."""
+    q, k, v, starts, lens = make_case([4096, 1, 777, 2048], 8, 128, n_heads=32, seed=9)
+    if kv == "int8":
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        kd, vd = dequantize_kv(kq, ks), dequantize_kv(vq, vs)
+        extra = dict(k_scale=ks.cuda(), v_scale=vs.cuda())
+    else:
+        kq, vq = to_fp8(k), to_fp8(v)
+        kd, vd, extra = kq.float(), vq.float(), {}
+    args = [t.cuda() for t in (q.to(dtype), kq, vq, starts, lens)]
+    for splits in (None, 1, 7):
+        out = _decode_attention_triton(*args, 128**-0.5, 4096, splits, **extra)
+        check(q.to(dtype), kd, vd, starts, lens, out.cpu())
 
 
 # --- sliding window: the query at position len - 1 sees keys (len - 1 - window, len - 1] ------

@@ -7,13 +7,16 @@ import pytest
 import torch
 
 from kernels import dispatch
+from kernels import int4_gemm as int4_module
 from kernels.cpu import extension
 from kernels.int4_gemm import (
+    SMALL_M,
     GemmTiling,
     Int4Blocks,
     Int4Cpu,
     Int4Weight,
     dequantize_int4,
+    dequantize_int4_triton,
     gemm_tiling,
     int4_gemm,
     int4_gemm_ref,
@@ -101,10 +104,32 @@ def test_split_k_tilings_match_the_reference(tiling, group):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [32, 128])
+def test_dequantize_triton_is_the_reference_weight(dtype, group):
+    w = quantize_int4(_weight(70, 256), group).to("cpu", dtype)
+    want = dequantize_int4(w).to(dtype)
+    ulp = 0 if dtype == torch.float32 else 2**-7  # the interpreter's bf16 rounding may differ
+    torch.testing.assert_close(dequantize_int4_triton(w, dtype), want, rtol=ulp, atol=0)
+
+
+def test_more_rows_than_small_m_dequantize_and_multiply(monkeypatch):
+    """Above SMALL_M rows (without a tiling) the weight is dequantized and F.linear multiplies."""
+    w = quantize_int4(_weight(48, 128), 64)
+    x, bias = torch.randn(SMALL_M + 1, 128), torch.randn(48)
+    calls = []
+    monkeypatch.setattr(int4_module, "dequantize_int4_triton",
+                        lambda *a: calls.append(1) or dequantize_int4_triton(*a))
+    torch.testing.assert_close(int4_gemm_triton(x, w, bias), int4_gemm_ref(x, w, bias),
+                               rtol=1e-5, atol=1e-5)
+    int4_gemm_triton(x[:SMALL_M], w, bias)
+    assert calls == [1]
+
+
 def test_gemm_tiling_splits_k_for_few_rows():
-    assert gemm_tiling(1, 4096, 4096, 128) == GemmTiling(16, 64, 128, split_k=8)  # H200's best
+    assert gemm_tiling(1, 4096, 4096, 128) == GemmTiling(16, 128, 64, split_k=16)  # H200's best
     assert gemm_tiling(16, 14336, 4096, 128).split_k == 8
-    assert gemm_tiling(1, 14336, 4096, 32).split_k == 16  # 128 K blocks of 32
+    assert gemm_tiling(1, 14336, 4096, 32).block_k == 32
     assert gemm_tiling(1, 128, 256, 32).split_k == 2  # each split keeps >= 4 K blocks
     assert gemm_tiling(17, 4096, 4096, 128).split_k == 1
     assert gemm_tiling(1, 64, 96, 32).block_k == 32  # a K block lies in one group
