@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--served-model-name", default="", help="the model name requests give "
                        "(default: the model file's or directory's name)")
     add_config_args(batch, EngineConfig)
-    add_config_args(batch, ServiceConfig, only=("enable_auto_tool_choice", "tool_call_parser"))
+    add_config_args(batch, ServiceConfig, only=("enable_auto_tool_choice", "tool_call_parser",
+                                                "reasoning_parser",
+                                                "default_chat_template_kwargs"))
     service = sub.add_parser("service", help="run one service (what each container runs)")
     service.add_argument("service", choices=SERVICES)
     for p in (serve, service):
@@ -136,6 +138,7 @@ def _service(args: argparse.Namespace) -> int:
 def _run_batch(args: argparse.Namespace) -> int:
     from services.compute.backend import build_engine
     from services.compute.warmup import freeze_heap
+    from services.gateway.protocol import ChatSettings
     from services.run_batch import run_batch
     from services.tokenizer.service import Tokenizer
     from shared.model_config import served_name
@@ -144,14 +147,14 @@ def _run_batch(args: argparse.Namespace) -> int:
     with open(args.input_file, encoding="utf-8") as src:  # before loading: a typo fails fast
         lines = src.readlines()
     defaults = _log_generation_defaults(config)
-    svc = config_from_args(ServiceConfig, args)  # the tool-call flags (checked)
+    svc = config_from_args(ServiceConfig, args)  # the chat flags (checked)
     engine, tokenizer = build_engine(config), Tokenizer(config)
     freeze_heap()
     name = args.served_model_name or served_name(config.model)
     with open(args.output_file, "w", encoding="utf-8") as dst:
         n, failed, tokens, seconds = run_batch(
             engine, tokenizer, name, lines, dst, defaults=defaults,
-            tool_parser=svc.tool_call_parser if svc.enable_auto_tool_choice else "")
+            chat=ChatSettings.of(svc))
     print(f"run-batch: {n} requests ({failed} failed), {tokens} output tokens in "
           f"{seconds:.1f} s: {tokens / max(seconds, 1e-9):.1f} tok/s")
     return 0

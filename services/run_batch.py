@@ -53,12 +53,13 @@ class BatchRunner:
     at a finish), and each choice takes them in as the gateway does."""
 
     def __init__(self, engine, tokenizer: Tokenizer, model_name: str,
-                 defaults: GenerationDefaults | None = None, tool_parser: str = ""):
+                 defaults: GenerationDefaults | None = None,
+                 chat: protocol.ChatSettings = protocol.NO_CHAT):
         """`defaults`: the model's sampling defaults, applied as the gateway applies them;
-        `tool_parser`: --tool-call-parser with --enable-auto-tool-choice (tool_choice auto)."""
+        `chat`: the chat flags, as the gateway's."""
         self.core, self.tokenizer, self.model_name = ComputeCore(engine), tokenizer, model_name
         self.defaults = defaults or GenerationDefaults()
-        self.tool_parser = tool_parser
+        self.chat = chat
         self.detokenizer = Detokenizer(tokenizer.tok, ttl_s=0)
         self.live: dict[str, tuple[Item, ChoiceState]] = {}  # choice id -> its item and state
 
@@ -73,7 +74,7 @@ class BatchRunner:
             parse = URLS.get(obj.get("url"))
             if parse is None or obj.get("method", "POST") != "POST":
                 raise APIError(400, f"url must be POST {' or '.join(URLS)}", param="url")
-            extra = {"tool_parser": self.tool_parser} if parse is protocol.parse_chat else {}
+            extra = {"chat": self.chat} if parse is protocol.parse_chat else {}
             item.req = parse(obj.get("body"), self.model_name, defaults=self.defaults, **extra)
             if item.req.params.prompt_logprobs is not None:
                 raise APIError(400, "prompt logprobs (echo with logprobs) are not supported by "
@@ -157,11 +158,12 @@ class BatchRunner:
 
 
 def run_batch(engine, tokenizer: Tokenizer, model_name: str, src, dst, progress=sys.stderr,
-              defaults: GenerationDefaults | None = None, tool_parser: str = ""):
+              defaults: GenerationDefaults | None = None,
+              chat: protocol.ChatSettings = protocol.NO_CHAT):
     """Run the batch file `src` (lines) into `dst`; returns (requests, failed, tokens, s).
-    `defaults`: the model's sampling defaults (--generation-config); `tool_parser`: as the
-    gateway's (tool_choice auto)."""
-    runner = BatchRunner(engine, tokenizer, model_name, defaults, tool_parser)
+    `defaults`: the model's sampling defaults (--generation-config); `chat`: the chat flags,
+    as the gateway's."""
+    runner = BatchRunner(engine, tokenizer, model_name, defaults, chat)
     items = [runner.parse(line) for line in src if line.strip()]
     start = time.monotonic()
     for item in items:

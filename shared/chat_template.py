@@ -174,7 +174,7 @@ def template_message(m: ChatMessage) -> dict:
     calls = [{"id": c.id, "type": "function", "function": {
         "name": c.name, "arguments": _json_or_text(c.arguments)}} for c in m.tool_calls]
     return {"role": m.role, "content": m.content, "tool_calls": calls or None,
-            "tool_call_id": m.tool_call_id, "name": m.name}
+            "tool_call_id": m.tool_call_id, "name": m.name, "reasoning_content": m.reasoning}
 
 
 def _json_or_text(text: str):

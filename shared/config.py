@@ -296,6 +296,14 @@ class ServiceConfig:
     tool_call_parser: str = setting("", "how the model writes tool calls: hermes "
                                     "(<tool_call>{...}</tool_call>) or llama3_json",
                                     group=SERVER)
+    reasoning_parser: str = setting("", "split a reasoning model's chat answers into reasoning "
+                                    "and content: qwen3 (reasoning only after an opening "
+                                    "<think>) or deepseek_r1 (reasoning until </think>); "
+                                    "SGLang's deepseek-r1 and qwen3-thinking too", group=SERVER)
+    default_chat_template_kwargs: str = setting(
+        "", "a JSON object of chat template variables for every chat request (a request's "
+        "chat_template_kwargs win key by key), e.g. '{\"enable_thinking\": false}'",
+        group=SERVER)
     max_body_bytes: int = setting(8 * 2**20, "largest request body, else 413", group=SERVER)
     max_prompt_bytes: int = setting(0, "largest prompt (UTF-8 bytes of the prompt, or of all "
                                     "chat messages), else 400; 0: 16 bytes per token of the "
@@ -344,6 +352,17 @@ class ServiceConfig:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if self.reasoning_parser:
+            from shared.reasoning import parser
+
+            parser(self.reasoning_parser)  # ValueError naming the choices
+        if self.default_chat_template_kwargs:
+            try:
+                kwargs = json.loads(self.default_chat_template_kwargs)
+            except ValueError:
+                kwargs = None
+            if not isinstance(kwargs, dict):
+                raise ValueError("--default-chat-template-kwargs must be a JSON object")
         if self.tokenizer_workers < 0:
             raise ValueError("--tokenizer-workers must be 0 (automatic) or more")
         from shared.routing import POLICIES

@@ -36,6 +36,7 @@ class ChatMessage:
     tool_calls: list[ToolCallMsg] = field(default_factory=list)  # assistant: the calls it made
     tool_call_id: str | None = None  # role "tool": the call this message answers
     name: str | None = None
+    reasoning: str | None = None  # assistant: its reasoning, as a reasoning parser split it
 
 
 @message
@@ -88,6 +89,7 @@ class TokenizeRequest:
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # the prompt's ids come back with the first delta
     bad_words: list[str] = field(default_factory=list)  # tokenized into params.bad_words_ids
+    reasoning_parser: str = ""  # chat: the detokenizer splits reasoning off (shared/reasoning)
 
     @property
     def first_choice(self) -> int:
@@ -114,6 +116,7 @@ class Route:
     cached_tokens: int = 0  # set by compute at admission: prompt tokens a prefix cache hit gave
     include_stop_str_in_output: bool = False  # a matched stop string ends the text
     skip_special_tokens: bool = True  # special tokens are left out of the text
+    reasoning_parser: str = ""  # the output's reasoning goes to Delta.reasoning (shared/reasoning)
 
 
 @message
@@ -207,6 +210,7 @@ class Delta:
     cached_tokens: int = 0  # on a choice's first delta: its prompt tokens from the prefix cache
     prompt_ids: array | None = None  # on the first delta, with prompt logprobs: the prompt
     prompt: Tokens | None = None  # and its tokens' logprobs, from position 1
+    reasoning: str = ""  # with a reasoning parser: new reasoning text (before `text`'s)
 
     @property
     def token_ids(self) -> array:

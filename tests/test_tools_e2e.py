@@ -2,8 +2,10 @@
 built-in chatml_tools template renders the tools, `required` and a named function are enforced
 by a grammar (every call names a given tool and its arguments validate), `auto` parses the
 model's own output (hermes); streamed calls assemble to the non-streamed answer; tool results
-in the history are accepted; bad tools are 400s. Without a template that renders tools, or
-without --enable-auto-tool-choice, tools are 400s (tests/test_structured_e2e.py's stack)."""
+in the history are accepted; bad tools are 400s. The same server splits reasoning (qwen3's
+parser: SmolLM2 never opens `<think>`, so its answers stay content; a regex makes it think).
+Without a template that renders tools, or without --enable-auto-tool-choice, tools are 400s
+(tests/test_structured_e2e.py's stack)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ QUESTIONS = ["What's the weather in Paris?", "What is 12 plus 30?", "Is it cold 
 def client():
     s = Stack(default_model.fetch(), "--kv-cache-tokens", "8192", "--served-model-name", MODEL,
               "--chat-template", "chatml_tools", "--enable-auto-tool-choice",
-              "--tool-call-parser", "hermes")
+              "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
     s.start(timeout_s=300)
     yield openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0)
     s.stop()
@@ -135,3 +137,37 @@ def test_bad_tools_are_400s(client, kw, param):
         ask(client, "hi", **{"tools": TOOLS, **kw})
     assert e.value.body["param"] == param
     assert ask(client, "hi", tool_choice="none").choices[0].message.tool_calls is None
+
+
+THINKING = r"<think>[a-z ]{10,60}</think>\n\n[A-Z][a-z ]{5,60}\."
+
+
+def _think(client, extra=None, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Think, then greet me."}],
+        max_tokens=80, temperature=0, extra_body={"guided_regex": THINKING, **(extra or {})},
+        **kw)
+
+
+def test_reasoning_splits_streamed_and_whole(client):
+    whole = _think(client).choices[0].message
+    reasoning = whole.model_extra["reasoning"]
+    assert reasoning and whole.model_extra["reasoning_content"] == reasoning
+    assert "<think>" not in reasoning and "</think>" not in reasoning
+    assert whole.content.startswith("\n\n") and whole.content.endswith(".")
+    parts = {"reasoning": "", "content": ""}
+    for chunk in _think(client, stream=True):
+        delta = chunk.choices[0].delta
+        for key in parts:
+            parts[key] += (delta.model_extra.get(key) if key == "reasoning"
+                           else delta.content) or ""
+    assert parts == {"reasoning": reasoning, "content": whole.content}
+    dropped = _think(client, extra={"include_reasoning": False}).choices[0].message
+    assert dropped.content == whole.content and "reasoning" not in dropped.model_extra
+    plain = ask(client, QUESTIONS[0], tool_choice="none", max_tokens=8).choices[0].message
+    assert plain.content and plain.model_extra["reasoning"] is None  # never opened <think>
+    again = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": "Think, then greet me."},
+        {"role": "assistant", "content": whole.content, "reasoning_content": reasoning},
+        {"role": "user", "content": "Again."}])
+    assert again.choices[0].message.content is not None

@@ -1,9 +1,9 @@
 """The detokenizer process: everything after sampling.
 
 Per StepOutput from compute: incremental detokenization (never a broken character), stop
-strings (held back until they cannot match; a match tells compute to stop the request), finish
-reasons and usage counts, one batch of deltas per gateway, and one Redis pipeline of request
-state updates.
+strings (held back until they cannot match; a match tells compute to stop the request), the
+split into reasoning and content (a route's reasoning parser), finish reasons and usage
+counts, one batch of deltas per gateway, and one Redis pipeline of request state updates.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from shared.choice import api_id
 from shared.config import EngineConfig, ServiceConfig
 from shared.length_predictor import LengthPredictor, model_key
 from shared.messages import Abort, Delta, DeltaBatch, Route, StepOutput, Tokens
+from shared.reasoning import Splitter, parser
 from shared.tokenizer import load_tokenizer
 from shared.transport import Fanout, Receiver, Sender, Senders
 
@@ -37,7 +38,9 @@ class Stream:
     started_at: float
     num_output: int = 0
     prompt: Tokens | None = None  # scored prompt pieces joined, until the first token
-    skip: int = 0  # characters of text its client already has (a resumed choice), not re-sent
+    skip: int = 0  # characters (reasoning, then content) its client already has (a resumed
+    # choice), not re-sent
+    splitter: Splitter | None = None  # with a reasoning parser
 
 
 @dataclass
@@ -96,11 +99,14 @@ class Detokenizer:
         s = Stream(route, IncrementalDetokenizer(self.tokenizer, list(route.prompt_tail),
                                                  route.skip_special_tokens),
                    StopMatcher(route.stop, route.include_stop_str_in_output), now)
+        if route.reasoning_parser:
+            s.splitter = Splitter(parser(route.reasoning_parser))
         r = route.resume
-        if r is not None:  # replay what its client has: decoding and stop matching go on
-            s.num_output = len(r.output_ids)  # from there, held-back text included
+        if r is not None:  # replay what its client has: decoding, stop matching and the
+            s.num_output = len(r.output_ids)  # split go on from there, held-back text included
             emitted, _ = s.stops.feed(s.detok.add(list(r.output_ids)))
-            s.skip = max(r.sent_chars - len(emitted), 0)
+            reasoning, content = s.splitter.feed(emitted) if s.splitter else ("", emitted)
+            s.skip = max(r.sent_chars - len(reasoning) - len(content), 0)
         return s
 
     def _tokens(self, s: Stream, tokens: Tokens, res: Outputs, now: float) -> None:
@@ -120,12 +126,11 @@ class Detokenizer:
             fin = "stop"
         elif fin is not None:
             emitted += s.stops.flush()
-        if s.skip:
-            cut = min(s.skip, len(emitted))
-            emitted, s.skip = emitted[cut:], s.skip - cut
+        reasoning, content = _split(s, emitted, fin is not None)
         rid = s.route.request_id
         first = s.num_output == len(tokens.token_ids)
-        delta = Delta(rid, emitted, tokens, fin, s.route.num_prompt, s.num_output)
+        delta = Delta(rid, content, tokens, fin, s.route.num_prompt, s.num_output,
+                      reasoning=reasoning)
         if first:
             delta.started_at, delta.cached_tokens = s.started_at, s.route.cached_tokens
             delta.prompt_ids = s.route.prompt_ids  # asked for, or with prompt logprobs
@@ -152,6 +157,18 @@ class Detokenizer:
         res.counts.append((api, "completion_tokens", s.num_output))
         if s.route.length_features:  # "stop" or "length": aborted requests never get here
             res.lengths.append((s.route.length_features, s.num_output))
+
+
+def _split(s: Stream, text: str, final: bool) -> tuple[str, str]:
+    """(reasoning, content) of newly emitted text, less what a resumed client already has."""
+    reasoning, content = ("", text) if s.splitter is None else s.splitter.feed(text)
+    if final and s.splitter is not None:
+        more_r, more_c = s.splitter.flush()
+        reasoning, content = reasoning + more_r, content + more_c
+    for_reasoning = min(s.skip, len(reasoning))
+    for_content = min(s.skip - for_reasoning, len(content))
+    s.skip -= for_reasoning + for_content
+    return reasoning[for_reasoning:], content[for_content:]
 
 
 def _no_logprobs(rid: str) -> Tokens:

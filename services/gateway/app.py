@@ -62,7 +62,7 @@ class Gateway:
                              self._abort_ids, self.metrics)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
-        self.tool_parser = svc.tool_call_parser if svc.enable_auto_tool_choice else ""
+        self.chat_settings = protocol.ChatSettings.of(svc)
 
     def token_text(self, token_id: int) -> str:
         """One token as a string, as logprobs answers list it (cached)."""
@@ -106,7 +106,7 @@ class Gateway:
         with self.pending.hold():
             body = await read_json_body(request)
             return await self._generate(request, protocol.parse_chat(
-                body, self.model_name, defaults=self.defaults, tool_parser=self.tool_parser,
+                body, self.model_name, defaults=self.defaults, chat=self.chat_settings,
                 strict=self.svc.strict_request_fields))
 
     async def _generate(self, request: web.Request, req: protocol.GenerationRequest):

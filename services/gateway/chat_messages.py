@@ -1,5 +1,6 @@
 """Chat messages of a request, validated: roles system (or developer, its newer name), user,
-assistant (with `tool_calls`, its content then optional) and tool (with `tool_call_id`);
+assistant (with `tool_calls`, its content then optional; `reasoning_content` or `reasoning`)
+and tool (with `tool_call_id`);
 content a string or text parts; the OpenAI fields we do not implement accepted only with the
 values that ask for nothing (what clients echo back), anything else a 400 naming it; unknown
 keys ignored (or, strict, a 400)."""
@@ -17,8 +18,11 @@ _OTHER_ROLES = ("function",)  # OpenAI roles we do not implement
 # Message fields we do not implement; null (or an empty list) is what clients echo back.
 _MESSAGE_NEUTRAL: dict[str, tuple] = {"function_call": (), "audio": (), "refusal": (),
                                       "annotations": ([],)}
+# An assistant message's reasoning, as a reasoning parser answered it (vLLM's names; the
+# chat template sees it as `reasoning_content`, as Qwen3's and DeepSeek-R1's read it).
+_REASONING_KEYS = ("reasoning_content", "reasoning")
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id",
-                           *_MESSAGE_NEUTRAL})
+                           *_REASONING_KEYS, *_MESSAGE_NEUTRAL})
 
 
 def parse_messages(messages: Any, ignored: list[str] | None = None
@@ -61,7 +65,22 @@ def _parse_message(message: Any, where: str, ignored: list[str] | None) -> ChatM
     if name is not None and not isinstance(name, str):
         raise bad_request(f"{where}.name must be a string", f"{where}.name")
     return ChatMessage(role, "" if content is None and calls else
-                       _content(content, f"{where}.content"), calls, call_id, name)
+                       _content(content, f"{where}.content"), calls, call_id, name,
+                       _reasoning(message, role, where))
+
+
+def _reasoning(message: dict, role: str, where: str) -> str | None:
+    """An assistant message's reasoning (either name; null: none)."""
+    given = [(k, message[k]) for k in _REASONING_KEYS if message.get(k) is not None]
+    if not given:
+        return None
+    key, value = given[0]
+    if role != "assistant":
+        raise bad_request(f"`{key}` belongs to assistant messages", f"{where}.{key}")
+    if not isinstance(value, str):
+        raise bad_request(f"{where}.{key} must be a string, got {json_type(value)}",
+                          f"{where}.{key}")
+    return value
 
 
 def _tool_calls(calls: Any, role: str, where: str) -> list[ToolCallMsg]:

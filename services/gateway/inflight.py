@@ -28,6 +28,7 @@ class ChoiceState:
     index: int
     attempt: int = 0
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)  # with a reasoning parser
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -42,6 +43,8 @@ class ChoiceState:
     def add(self, delta: Delta, entries: list[TokenLogprob]) -> None:
         """Take in the choice's next delta (`entries`: its logprob entries, if asked for)."""
         self.text.append(delta.text)
+        if delta.reasoning:
+            self.reasoning.append(delta.reasoning)
         self.token_ids.extend(delta.token_ids)
         self.cum_logprob += sum(delta.logprobs)
         self.logprobs.extend(entries)
@@ -154,4 +157,5 @@ class Registry:
             req.deltas.put_nowait(Delta(req.request_id + c.id_suffix, finish_reason="length",
                                         num_prompt=c.num_prompt))
             return None
-        return Resume(c.index, c.attempt, array("i", c.token_ids), sum(map(len, c.text)))
+        return Resume(c.index, c.attempt, array("i", c.token_ids),
+                      sum(map(len, c.text)) + sum(map(len, c.reasoning)))

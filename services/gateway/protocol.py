@@ -91,10 +91,7 @@ _ROUTER_NEUTRAL: dict[str, tuple] = {
     "return_hidden_states": (False,),
     "spaces_between_special_tokens": (True,),
 }
-_CHAT_ROUTER_NEUTRAL: dict[str, tuple] = {
-    **_ROUTER_NEUTRAL, "separate_reasoning": (True, False),
-    "stream_reasoning": (True, False), "include_reasoning": (True, False),
-}
+_CHAT_ROUTER_NEUTRAL: dict[str, tuple] = {**_ROUTER_NEUTRAL, "stream_reasoning": (True, False)}
 # Known OpenAI fields we do not implement, with the values that ask for nothing (null is too).
 _COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",), **_ROUTER_NEUTRAL}
 _CHAT_NEUTRAL: dict[str, tuple] = {
@@ -109,7 +106,8 @@ COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"} | struc
                             | _COMPLETION_NEUTRAL.keys())
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs",
                                       "add_generation_prompt", "continue_final_message",
-                                      "chat_template_kwargs", "echo"} | structured.KEYS
+                                      "chat_template_kwargs", "echo", "include_reasoning",
+                                      "separate_reasoning"} | structured.KEYS
                       | tools.KEYS | _CHAT_NEUTRAL.keys())
 
 
@@ -146,9 +144,15 @@ class GenerationRequest:
     tokens_as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens "token_id:N"
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage):
     # every chunk carries its choice's usage so far
+    include_reasoning: bool = True  # chat with a reasoning parser: reasoning in the answer
     options: dict = dataclasses.field(default_factory=dict)  # TokenizeRequest fields as parsed:
     # how the prompt is made (template kwargs, continue_final_message, truncation) and its text
     # (include_stop_str_in_output, skip_special_tokens)
+
+    @property
+    def shows_reasoning(self) -> bool:
+        """Chat split by a reasoning parser, its reasoning in the answer."""
+        return bool(self.options.get("reasoning_parser")) and self.include_reasoning
 
     @property
     def generated(self) -> int:
@@ -226,11 +230,32 @@ def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults
                    ignored=tuple(ignored or ()))
 
 
+@dataclass(frozen=True)
+class ChatSettings:
+    """The server's chat flags, resolved once: the tool-call parser of tool_choice "auto"
+    (--tool-call-parser with --enable-auto-tool-choice), --reasoning-parser, and
+    --default-chat-template-kwargs (a request's own chat_template_kwargs win key by key)."""
+
+    tool_parser: str = ""
+    reasoning_parser: str = ""
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, svc) -> ChatSettings:
+        """From a ServiceConfig (its checks passed)."""
+        return cls(svc.tool_call_parser if svc.enable_auto_tool_choice else "",
+                   svc.reasoning_parser, json.loads(svc.default_chat_template_kwargs or "{}"))
+
+
+NO_CHAT = ChatSettings()
+
+
 def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
-               tool_parser: str = "", strict: bool = False) -> GenerationRequest:
-    """Validate a `/v1/chat/completions` body. Messages: chat_messages.py. `tool_parser`:
-    --tool-call-parser when --enable-auto-tool-choice is on (tool_choice "auto" needs it).
-    Unknown keys are ignored (listed in `ignored`), or with `strict` a 400."""
+               chat: ChatSettings = NO_CHAT, strict: bool = False) -> GenerationRequest:
+    """Validate a `/v1/chat/completions` body. Messages: chat_messages.py. `chat`: the
+    server's chat flags (a request's `separate_reasoning: false`, SGLang's, leaves the
+    reasoning in the content; `include_reasoning: false`, vLLM's, drops it). Unknown keys are
+    ignored (listed in `ignored`), or with `strict` a 400."""
     ignored = None if strict else []
     model = _check_body(body, model_name, CHAT_KEYS, _CHAT_NEUTRAL, ignored)
     messages = parse_messages(body.get("messages"), ignored)
@@ -256,14 +281,18 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
                           "chat_template_kwargs")
+    separate = get_bool(body, "separate_reasoning", True)
+    kwargs = {**chat.template_kwargs, **(kwargs or {})}
     chat_options = {"continue_final_message": continue_final,
-                    "chat_template_kwargs": json.dumps(kwargs) if kwargs else ""}
+                    "chat_template_kwargs": json.dumps(kwargs) if kwargs else "",
+                    "reasoning_parser": chat.reasoning_parser if separate else ""}
     return _finish(body, "chat", model, prompts=(), messages=messages,
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, defaults=defaults, fallback_max_tokens=None,
                    add_generation_prompt=add_generation_prompt, chat_options=chat_options,
                    echo=get_bool(body, "echo", False),
-                   tools=tools.parse_tools(body, tool_parser), beam=parse_beam(body, n, n),
+                   tools=tools.parse_tools(body, chat.tool_parser), beam=parse_beam(body, n, n),
+                   include_reasoning=get_bool(body, "include_reasoning", True),
                    ignored=tuple(ignored or ()))
 
 

@@ -37,6 +37,8 @@ class Choice:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list | None = None  # chat: tool_parsers.ToolCall (id, name, arguments)
+    reasoning: str | None = None  # chat with a reasoning parser (and include_reasoning)
+    has_reasoning: bool = False  # the fields are there (null without reasoning) when True
 
 
 @dataclass
@@ -134,6 +136,8 @@ def chat_response(req_id: str, model: str, created: int, choices: list[Choice],
 
 def _message(c: Choice) -> dict:
     out = {"role": "assistant", "content": c.text}
+    if c.has_reasoning:  # vLLM's name and its older one
+        out["reasoning"] = out["reasoning_content"] = c.reasoning or None
     if c.tool_calls:
         out["tool_calls"] = [tool_call(call) for call in c.tool_calls]
     return out
@@ -161,15 +165,19 @@ def completion_chunk(req_id: str, model: str, created: int, index: int, text: st
 
 def chat_chunk(req_id: str, model: str, created: int, index: int, delta_content: str | None,
                role: str | None, finish_reason: str | None, logprobs_entry: dict | None, *,
-               include_usage: bool = False, tool_calls: list[dict] | None = None) -> dict:
+               include_usage: bool = False, tool_calls: list[dict] | None = None,
+               reasoning: str = "") -> dict:
     """One streamed chat chunk. The first chunk of each choice should pass role="assistant"
     (and delta_content=""); None fields are left out of `delta`. `logprobs_entry` comes from
     `chat_logprobs`; `tool_calls`: the calls' deltas (a call's first: index, id, type and
     name; later ones: index and an arguments fragment). With `include_usage` the chunk
-    carries "usage": null."""
+    carries "usage": null. `reasoning`: new reasoning text (as `reasoning` and
+    `reasoning_content`)."""
     delta: dict = {}
     if role is not None:
         delta["role"] = role
+    if reasoning:
+        delta["reasoning"] = delta["reasoning_content"] = reasoning
     if delta_content is not None:
         delta["content"] = delta_content
     if tool_calls:

@@ -117,7 +117,9 @@ def final_answer(tokenizer, req: GenerationRequest, request_id: str,
             answered = sorted(answered, key=lambda c: -c.cum_logprob)[: req.n]
         states += answered
         out += [responses.Choice(b * req.n + j, echo + "".join(c.text), c.finish_reason,
-                                 c.logprobs if req.logprobs else None)
+                                 c.logprobs if req.logprobs else None,
+                                 reasoning="".join(c.reasoning),
+                                 has_reasoning=req.shows_reasoning)
                 for j, c in enumerate(answered)]
     if req.tools is not None and req.tools.mode != "none":
         for choice in out:
@@ -207,9 +209,10 @@ def _tool_chunk(req: GenerationRequest, inflight: Inflight, created: int, c: Cho
                 delta: Delta, lp: dict | None, shaper) -> dict | None:
     """The chat chunk of a delta of a choice with tools: its text through the choice's
     ToolShaper, as content and tool-call deltas; None when there is nothing to send yet."""
-    events = shaper.feed(delta.text)
+    events = shaper.feed(delta.text)  # the content: reasoning is never parsed for calls
     if delta.finish_reason is not None:
         events += shaper.finish()
+    reasoning = delta.reasoning if req.shows_reasoning else ""
     content = "".join(e.text for e in events if isinstance(e, Content))
     calls = []
     for e in events:
@@ -218,13 +221,14 @@ def _tool_chunk(req: GenerationRequest, inflight: Inflight, created: int, c: Cho
         elif isinstance(e, CallArgs):
             calls.append({"index": e.index, "function": {"arguments": e.fragment}})
     finish = _finish(delta.finish_reason, shaper.calls > 0)
-    if not (content or calls or finish or lp or not c.sent_role):
+    if not (content or calls or finish or lp or reasoning or not c.sent_role):
         return None
     role = None if c.sent_role else "assistant"
     c.sent_role = True
     return responses.chat_chunk(inflight.request_id, req.model, created, c.index,
                                 content if content or role else None, role, finish, lp,
-                                include_usage=req.include_usage, tool_calls=calls)
+                                include_usage=req.include_usage, tool_calls=calls,
+                                reasoning=reasoning)
 
 
 def _chunk(req: GenerationRequest, inflight: Inflight, created: int, c: ChoiceState,
@@ -232,9 +236,11 @@ def _chunk(req: GenerationRequest, inflight: Inflight, created: int, c: ChoiceSt
     if req.kind == "chat":
         role = None if c.sent_role else "assistant"
         c.sent_role = True
+        reasoning = delta.reasoning if req.shows_reasoning else ""
+        content = delta.text if delta.text or not reasoning or role else None
         return responses.chat_chunk(inflight.request_id, req.model, created, c.index,
-                                    delta.text, role, delta.finish_reason, lp,
-                                    include_usage=req.include_usage)
+                                    content, role, delta.finish_reason, lp,
+                                    include_usage=req.include_usage, reasoning=reasoning)
     return responses.completion_chunk(inflight.request_id, req.model, created, c.index,
                                       delta.text, delta.finish_reason, lp,
                                       include_usage=req.include_usage)

@@ -158,6 +158,7 @@ class Tokenizer:
                       length_features=feats,
                       include_stop_str_in_output=req.include_stop_str_in_output,
                       skip_special_tokens=req.skip_special_tokens,
+                      reasoning_parser=req.reasoning_parser,
                       prompt_ids=packed if params.prompt_logprobs is not None
                       or req.return_token_ids else None,
                       scores_prompt=params.prompt_logprobs is not None)
