@@ -37,14 +37,20 @@ class GrammarError(ValueError):
         self.param = param
 
 
+# JSON's whitespace between tokens unless a request gives a pattern: none, a space, or one
+# newline and up to 20 spaces or tabs (llama.cpp's JSON grammars' `space` rule). Any run of
+# whitespace, xgrammar's default, lets a small model fill max_tokens with it.
+BOUNDED_WHITESPACE = r"( |\n[ \t]{0,20})?"
+
+
 @message
 class GrammarSpec:
     """One request's output constraint as the client gave it. kind: json_schema, json_object,
     regex, choice or grammar; spec: the JSON schema (JSON text), the regex, the choices (a JSON
     list of strings) or the grammar (EBNF with `::=` rules, else Lark); unused for json_object.
-    whitespace: the JSON kinds' whitespace between tokens ("any", or "compact": only xgrammar's
-    ", " and ": "); whitespace_pattern: else a regex it must match (JSON kinds; None: no
-    pattern). param: the request field it came from (named in errors)."""
+    whitespace: the JSON kinds' whitespace between tokens ("any": BOUNDED_WHITESPACE, or
+    "compact": only xgrammar's ", " and ": "); whitespace_pattern: else a regex it must match
+    (JSON kinds; None: no pattern). param: the request field it came from (named in errors)."""
 
     kind: str
     spec: str = ""
@@ -85,8 +91,9 @@ def _grammar(spec: GrammarSpec):
         schema = spec.spec if spec.kind == "json_schema" else '{"type": "object"}'
         grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=spec.whitespace == "any",
                                                strict_mode=True)
-        if spec.whitespace_pattern is not None:
-            return json_with_whitespace(grammar, spec.whitespace_pattern)
+        if spec.whitespace == "any":
+            pattern = spec.whitespace_pattern
+            return json_with_whitespace(grammar, BOUNDED_WHITESPACE if pattern is None else pattern)
         return grammar
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.spec)

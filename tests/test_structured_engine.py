@@ -92,6 +92,21 @@ def test_json_schema_outputs_validate(demo_model_dir, tok, compiler, whitespace)
                                 re.sub(r'"(?:\\.|[^"\\])*"', "S", text)), text
 
 
+def test_json_whitespace_is_bounded_by_default():
+    """Without a pattern, JSON's whitespace between tokens is llama.cpp's: a space, or one
+    newline and up to 20 spaces or tabs; never a run of newlines (a small model's way to fill
+    max_tokens)."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from shared.grammar import _grammar
+
+    grammar = _grammar(GrammarSpec("json_object"))
+    for text in ('{"a": [1, 2]}', '{\n  "a": [\n\t\t1\n  ]\n}', '{"a":1}'):
+        assert accepts(grammar, text), text
+    for text in ('{"a":\n\n1}', '{"a":' + " " * 2 + "1}", '{\n' + " " * 21 + '"a":1}'):
+        assert not accepts(grammar, text), text
+
+
 @pytest.mark.parametrize("pattern, accepted", [
     ("[ ]?", ['{"a": [1, 2], "b": "x y"}', '{"a":[1,2],"b":"x y"}']),
     ("(\n *)?", ['{\n  "a":[1],\n  "b":"x"}', '{"a":[],"b":""}']),
