@@ -154,7 +154,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     with open(args.output_file, "w", encoding="utf-8") as dst:
         n, failed, tokens, seconds = run_batch(
             engine, tokenizer, name, lines, dst, defaults=defaults,
-            chat=ChatSettings.of(svc))
+            chat=ChatSettings.of(svc, tokenizer.template))
     print(f"run-batch: {n} requests ({failed} failed), {tokens} output tokens in "
           f"{seconds:.1f} s: {tokens / max(seconds, 1e-9):.1f} tok/s")
     return 0

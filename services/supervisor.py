@@ -28,7 +28,8 @@ import urllib.request
 
 import redis
 
-from shared import state
+from shared import state, tool_prompt
+from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, ServiceConfig
 from shared.generation_config import GenerationDefaults
 from shared.model_config import served_name
@@ -229,6 +230,8 @@ def banner(engine: EngineConfig, svc: ServiceConfig) -> str:
     if stats.get("startup"):  # what compute compiled and warmed before it reported ready
         lines.append(f"  compute: {stats['startup']}")
     lines.append(f"  {GenerationDefaults.of(engine).describe()}")  # --generation-config
+    lines.append("  " + tool_prompt.describe(svc, load_chat_template(engine.model,
+                                                                     engine.chat_template)))
     return "\n".join(lines)
 
 

@@ -290,12 +290,15 @@ class ServiceConfig:
     strict_request_fields: bool = setting(False, "answer a request key the API does not know "
                                           "with a 400; by default it is ignored and logged, "
                                           "as vLLM does", group=SERVER)
-    enable_auto_tool_choice: bool = setting(False, "tool_choice \"auto\": the model decides "
-                                            "whether to call tools; its output is parsed by "
-                                            "--tool-call-parser", group=SERVER)
+    enable_auto_tool_choice: bool | None = setting(
+        None, "tool_choice \"auto\": the model decides whether to call tools; its output is "
+        "parsed by --tool-call-parser; unset: on unless --tool-call-parser is given without "
+        "it (vLLM's rule)", group=SERVER)
     tool_call_parser: str = setting("", "how the model writes tool calls: hermes "
-                                    "(<tool_call>{...}</tool_call>) or llama3_json",
-                                    group=SERVER)
+                                    "(<tool_call>{...}</tool_call>) or llama3_json; empty: "
+                                    "the one its chat template writes (hermes where the "
+                                    "template renders no tools: they are then described in "
+                                    "the system message, llama.cpp's fallback)", group=SERVER)
     reasoning_parser: str = setting("", "split a reasoning model's chat answers into reasoning "
                                     "and content: qwen3 (reasoning only after an opening "
                                     "<think>) or deepseek_r1 (reasoning until </think>); "
@@ -350,8 +353,6 @@ class ServiceConfig:
     def __post_init__(self):
         if self.tool_call_parser not in ("", *TOOL_CALL_PARSERS):
             raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}")
-        if self.enable_auto_tool_choice and not self.tool_call_parser:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if self.reasoning_parser:
             from shared.reasoning import parser
 

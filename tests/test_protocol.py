@@ -182,7 +182,7 @@ CHAT_ERRORS = [
     ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
     ({"add_generation_prompt": "no"}, "add_generation_prompt", "boolean"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
-     "--enable-auto-tool-choice"),
+     '"auto" tool choice is off'),
     ({"tool_choice": "auto"}, "tool_choice", "tool_choice needs tools"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
     ({"response_format": {"type": "json"}}, "response_format.type", "must be 'text'"),

@@ -142,4 +142,5 @@ def test_bad_server_flags_fail_at_start_up():
         ServiceConfig(default_chat_template_kwargs="[1]")
     svc = ServiceConfig(reasoning_parser="deepseek-r1",
                         default_chat_template_kwargs='{"enable_thinking": true}')
-    assert ChatSettings.of(svc) == ChatSettings("", "deepseek-r1", {"enable_thinking": True})
+    assert ChatSettings.of(svc, None) == ChatSettings("hermes", "deepseek-r1",
+                                                      {"enable_thinking": True})

@@ -179,9 +179,10 @@ def test_text_held_back_at_the_end_of_an_output_is_flushed(engine, demo_model_di
 
 
 def test_auto_tool_choice_parses_calls_with_its_flags(demo_model_dir, tmp_path):
-    """--enable-auto-tool-choice --tool-call-parser hermes, as `pipellm serve` takes them: an
-    auto line's hermes call (forced here by a regex, the demo model being random) comes back
-    as tool_calls; without the flags, tool_choice auto is a 400."""
+    """The tool flags as `pipellm serve` takes them: with none, tool_choice auto is on and the
+    template's format (chatml_tools: hermes) parsed, so an auto line's hermes call (forced here
+    by a regex, the demo model being random) comes back as tool_calls; --tool-call-parser
+    without --enable-auto-tool-choice (vLLM's rule) makes auto a 400."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -191,7 +192,7 @@ def test_auto_tool_choice_parses_calls_with_its_flags(demo_model_dir, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text(line("auto", body, url="/v1/chat/completions") + "\n")
     answers = []
-    for flags in (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], []):
+    for flags in ([], ["--tool-call-parser", "hermes"]):
         dst = tmp_path / "out.jsonl"
         proc = subprocess.run([sys.executable, "-m", "services.cli", "run-batch", "-i", str(src),
                                "-o", str(dst), "--model", str(demo_model_dir),

@@ -177,12 +177,38 @@ def test_bad_constraints_are_400s_and_the_server_goes_on(client, extra, param):
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
-def test_tools_need_a_template_that_renders_them_and_auto_its_flag(client):
-    """This stack: SmolLM2's own template (no tools in it), no --enable-auto-tool-choice."""
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    for choice, param in (("required", "tools"), ("auto", "tool_choice"), (None, "tool_choice")):
-        kw = {} if choice is None else {"tool_choice": choice}
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=MODEL, max_tokens=5, tools=tools, **kw,
-                                           messages=[{"role": "user", "content": "hi"}])
-        assert e.value.body["param"] == param, e.value.body
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+        "required": ["city"], "additionalProperties": False}}}
+
+
+def test_tools_on_a_server_started_with_no_flags(client):
+    """This stack has no tool flags and SmolLM2's own template, which renders no tools: they
+    go into the system message (the Hermes format), auto is on with the hermes parser, and
+    required, named and auto work, streamed and not, with a tool result in the history."""
+    ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+    kw = dict(model=MODEL, max_tokens=80, temperature=0, tools=[WEATHER])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        msg = client.chat.completions.create(messages=ask, tool_choice=choice, **kw)
+        calls = msg.choices[0].message.tool_calls
+        assert calls and msg.choices[0].finish_reason == "tool_calls"
+        for call in calls:
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments),
+                                WEATHER["function"]["parameters"])
+    whole = client.chat.completions.create(messages=ask, **kw).choices[0]  # auto
+    assert whole.message.content or whole.message.tool_calls
+    streamed = {"content": "", "calls": 0}
+    for chunk in client.chat.completions.create(messages=ask, stream=True, **kw):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        streamed["content"] += (delta and delta.content) or ""
+        streamed["calls"] += len((delta and delta.tool_calls) or [])
+    assert streamed["content"] == (whole.message.content or "")
+    history = [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"}]
+    after = client.chat.completions.create(messages=history, tool_choice="none", **kw)
+    assert after.choices[0].message.content

@@ -121,6 +121,7 @@ def test_killed_embedded_redis_comes_back_with_its_data(demo_model_dir):
         code, body = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
         assert code == 200, body
         assert "redis exited with code -9" in log.read_text() and recovery < 30
+        assert "tools: described in the system message" in log.read_text()  # the banner
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)

@@ -123,3 +123,40 @@ def test_the_built_in_chatml_tools_template(demo_model_dir):
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>' in text
     assert text.count("<|im_start|>user") == 2 and "r1\n</tool_response>\n<tool_response>" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message(demo_model_dir):
+    """shared/tool_prompt.py (llama.cpp's fallback): the demo model's template renders no
+    tools, so the tools and the Hermes call format go into the system message (the request's
+    own kept before them), earlier calls into the assistant's text, consecutive tool results
+    into one user turn; the tokenizer renders that with the model's own template."""
+    from services.tokenizer.service import Tokenizer
+    from shared.config import EngineConfig
+    from shared.messages import ChatMessage, TokenizeRequest, ToolCallMsg, ToolSpec
+    from shared.sampling import SamplingParams
+    from shared.settings import with_settings
+    from shared.tool_prompt import tool_parser_for, with_tools
+
+    assert tool_parser_for("{{ '<|python_tag|>' }}") == "llama3_json"
+    assert tool_parser_for(None) == tool_parser_for("{{ messages }}") == "hermes"
+    tools = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
+    calls = {"role": "assistant", "content": "Adding.", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]}
+    out = with_tools([{"role": "system", "content": "Be brief."}, *MSG, calls,
+                      {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"}],
+                     tools)
+    assert out[0]["content"].startswith("Be brief.\n\nYou may call") and '"add"' in \
+        out[0]["content"]
+    assert out[-2]["content"] == ('Adding.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}'
+                                  "\n</tool_call>") and "tool_calls" not in out[-2]
+    assert out[-1] == {"role": "user", "content": "<tool_response>\nr1\n</tool_response>\n"
+                                                  "<tool_response>\nr2\n</tool_response>"}
+    tok = Tokenizer(with_settings(EngineConfig(), model=str(demo_model_dir)))
+    req = TokenizeRequest("r", "gw", SamplingParams(max_tokens=4), messages=[
+        ChatMessage("user", "2 + 3?"),
+        ChatMessage("assistant", "", [ToolCallMsg("1", "add", '{"a": 2, "b": 3}')]),
+        ChatMessage("tool", "5", tool_call_id="1")],
+        tools=[ToolSpec("add", "Add", json.dumps(ADD))])
+    text, ids = tok.prompt(req)
+    assert "<tools>" in text and '"name": "add", "arguments": {"a": 2, "b": 3}' in text
+    assert "<tool_response>\n5\n</tool_response>" in text and ids

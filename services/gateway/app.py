@@ -62,7 +62,7 @@ class Gateway:
                              self._abort_ids, self.metrics)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
-        self.chat_settings = protocol.ChatSettings.of(svc)
+        self.chat_settings = protocol.ChatSettings.of(svc, template)
 
     def token_text(self, token_id: int) -> str:
         """One token as a string, as logprobs answers list it (cached)."""

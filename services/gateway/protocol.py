@@ -68,6 +68,7 @@ from shared.generation_config import GenerationDefaults
 from shared.grammar import GrammarSpec
 from shared.messages import ChatMessage, TokenizeRequest
 from shared.sampling import MAX_LOGPROBS, SamplingParams
+from shared.tool_prompt import auto_tool_parser
 
 COMPLETION_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's and vLLM's default)
 NO_DEFAULTS = GenerationDefaults()
@@ -241,10 +242,11 @@ class ChatSettings:
     template_kwargs: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, svc) -> ChatSettings:
-        """From a ServiceConfig (its checks passed)."""
-        return cls(svc.tool_call_parser if svc.enable_auto_tool_choice else "",
-                   svc.reasoning_parser, json.loads(svc.default_chat_template_kwargs or "{}"))
+    def of(cls, svc, template) -> ChatSettings:
+        """From a ServiceConfig (its checks passed) and the model's chat template (None: it
+        has none): shared/tool_prompt.auto_tool_parser's rules."""
+        return cls(auto_tool_parser(svc, template and template.source), svc.reasoning_parser,
+                   json.loads(svc.default_chat_template_kwargs or "{}"))
 
 
 NO_CHAT = ChatSettings()

@@ -3,7 +3,7 @@ generated text turned into OpenAI `tool_calls`, whole or streamed. vLLM's rules:
 
     tool_choice "none"       the tools are rendered (the template's `tools=`), the output is text
     tool_choice "auto"       (the default with tools) the model decides; its output is parsed by
-                             --tool-call-parser (tool_parsers.py); needs --enable-auto-tool-choice
+                             the server's tool-call parser (tool_parsers.py; ChatSettings)
     tool_choice "required"   a grammar makes the output a JSON array of {"name", "parameters"},
                              one item per call (one at most without parallel_tool_calls): every
                              call names a given tool and its arguments validate
@@ -68,8 +68,8 @@ class Tools:
 
 
 def parse_tools(body: dict, auto_parser: str) -> Tools | None:
-    """The request's Tools, or None without tools; `auto_parser`: --tool-call-parser when
-    --enable-auto-tool-choice is on, else ""."""
+    """The request's Tools, or None without tools; `auto_parser`: the tool-call parser of
+    tool_choice "auto", "" where the server turned auto off."""
     raw, choice = body.get("tools"), body.get("tool_choice")
     parallel = get_bool(body, "parallel_tool_calls", True)
     if raw is None or raw == []:
@@ -84,8 +84,9 @@ def parse_tools(body: dict, auto_parser: str) -> Tools | None:
         raise bad_request("tool names must be unique", "tools")
     mode, named = _choice("auto" if choice is None else choice, names)
     if mode == "auto" and not auto_parser:
-        raise bad_request('"auto" tool choice needs the server started with '
-                          "--enable-auto-tool-choice and --tool-call-parser", "tool_choice")
+        raise bad_request('"auto" tool choice is off on this server (started with '
+                          "--tool-call-parser but not --enable-auto-tool-choice, or with "
+                          "--no-enable-auto-tool-choice)", "tool_choice")
     return Tools(specs, mode, named, parallel, auto_parser)
 
 

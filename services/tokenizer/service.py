@@ -41,6 +41,7 @@ from shared.model_config import ModelConfig, served_context
 from shared.routing import make_policy
 from shared.sampling import InvalidParams, SamplingParams
 from shared.tokenizer import encode, load_tokenizer
+from shared.tool_prompt import with_tools
 from shared.transport import Receiver, Sender, Senders
 
 log = logging.getLogger("pipellm.tokenizer")
@@ -94,8 +95,11 @@ class Tokenizer:
                 raise PromptError("this model has no chat template; use /v1/completions")
             messages = [template_message(m) for m in req.messages]
             extra = json.loads(req.chat_template_kwargs) if req.chat_template_kwargs else None
-            text = self.template.render(messages, req.add_generation_prompt, self._tools(req),
-                                        extra, req.continue_final_message)
+            tools = self._tools(req)
+            if tools and not self.template.renders_tools:  # the generic fallback
+                messages, tools = with_tools(messages, tools), None
+            text = self.template.render(messages, req.add_generation_prompt, tools, extra,
+                                        req.continue_final_message)
             return text, encode(self.tok, text, add_special_tokens=False)
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
@@ -108,10 +112,6 @@ class Tokenizer:
         """The request's tools as the template's `tools=` takes them (OpenAI's shape)."""
         if not req.tools:
             return None
-        if not self.template.renders_tools:
-            raise PromptError("this model's chat template does not render tools; start the "
-                              "server with a --chat-template that does (chatml_tools for "
-                              "ChatML models such as SmolLM2)", "tools")
         return [{"type": "function", "function": {
             "name": t.name, "description": t.description,
             "parameters": json.loads(t.parameters)}} for t in req.tools]
