@@ -266,7 +266,8 @@ class EngineConfig:
         parse_override(self.override_generation_config)  # a malformed one fails at start-up
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # services/gateway/tool_parsers.py's
+# services/gateway/tool_formats.PARSERS' names (tests/test_tool_formats.py checks it)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
 
 
 @dataclass(frozen=True)
@@ -295,7 +296,8 @@ class ServiceConfig:
         "parsed by --tool-call-parser; unset: on unless --tool-call-parser is given without "
         "it (vLLM's rule)", group=SERVER)
     tool_call_parser: str = setting("", "how the model writes tool calls: hermes "
-                                    "(<tool_call>{...}</tool_call>) or llama3_json; empty: "
+                                    "(<tool_call>{...}</tool_call>), llama3_json, mistral, "
+                                    "pythonic or qwen3_coder; empty: "
                                     "the one its chat template writes (hermes where the "
                                     "template renders no tools: they are then described in "
                                     "the system message, llama.cpp's fallback)", group=SERVER)

@@ -21,13 +21,17 @@ INSTRUCTIONS = (
     "\"arguments\": <args-json-object>}}\n</tool_call>")
 
 
+_FORMATS = (("[TOOL_CALLS]", "mistral"), ("<function=", "qwen3_coder"),
+            ("[func_name1(", "pythonic"), ("<|python_tag|>", "llama3_json"),
+            ("ipython", "llama3_json"))
+
+
 def tool_parser_for(source: str | None) -> str:
-    """The tool-call parser for a chat template: llama3_json for Llama 3's `<|python_tag|>`
-    and ipython turns, else hermes (the `<tool_call>` blocks of Qwen, Hermes and this module's
-    own fallback)."""
-    if source and ("<|python_tag|>" in source or "ipython" in source):
-        return "llama3_json"
-    return "hermes"
+    """The tool-call parser for a chat template, by the format it teaches: mistral's
+    `[TOOL_CALLS]`, Qwen3-Coder's `<function=`, the pythonic templates' `[func_name1(`, Llama
+    3's `<|python_tag|>` and ipython turns (llama3_json); else hermes (the `<tool_call>` JSON
+    blocks of Qwen, Hermes and this module's own fallback)."""
+    return next((name for mark, name in _FORMATS if source and mark in source), "hermes")
 
 
 def auto_tool_parser(svc, template_source: str | None) -> str:

@@ -298,6 +298,11 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
                    ignored=tuple(ignored or ()))
 
 
+def calls_keep_specials(fields: dict) -> bool:
+    """Whether the request's tool format needs special tokens in the text."""
+    return fields.get("tools") is not None and fields["tools"].reads_special_tokens
+
+
 def _check_body(body: Any, model_name: str, allowed: frozenset[str],
                 neutral: dict[str, tuple], ignored: list[str] | None) -> str:
     """Body is an object that names our model, asks for no unsupported feature and has only
@@ -346,6 +351,7 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         user=get_str(body, "user"), max_tokens_given=max_tokens is not None, grammar=grammar,
         request_id=check_request_id(get_str(body, "request_id"), "request_id"),
         options={**(chat_options or {}), **truncation(body), **text_options(body),
+                 **({"skip_special_tokens": False} if calls_keep_specials(fields) else {}),
                  "return_token_ids": get_bool(body, "return_token_ids", False),
                  "bad_words": bad_words(body)},
         tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),

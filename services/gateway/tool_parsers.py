@@ -110,6 +110,10 @@ class ToolParser:
 
     name: str
 
+    def __init__(self, specs=()):
+        """`specs`: the request's tools (ToolSpec), for formats that type values by schema."""
+        self.specs = {s.name: s for s in specs}
+
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole output; content None when empty or whitespace."""
         raise NotImplementedError

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.errors import bad_request
+from services.gateway.tool_formats import PARSERS
 from services.gateway.tool_parsers import (
-    PARSERS,
     CallArgs,
     CallStart,
     Content,
@@ -46,6 +46,12 @@ class Tools:
     named: str = ""
     parallel: bool = True
     parser: str = ""  # auto: --tool-call-parser
+
+    @property
+    def reads_special_tokens(self) -> bool:
+        """Auto with a format whose marker is a special token (Mistral's [TOOL_CALLS]): the
+        text keeps special tokens, as vLLM's mistral parser makes it."""
+        return self.mode == "auto" and self.parser == "mistral"
 
     def grammar(self) -> GrammarSpec | None:
         """The output constraint of required / named, else None."""
@@ -129,7 +135,8 @@ class ToolShaper:
 
     def __init__(self, tools: Tools):
         self.tools = tools
-        self.stream = PARSERS[tools.parser]().stream() if tools.mode == "auto" else None
+        self.parser = PARSERS[tools.parser](tools.specs) if tools.mode == "auto" else None
+        self.stream = self.parser.stream() if self.parser else None
         self.text = ""  # required: the array so far
         self.call_id = new_call_id()  # named
         self.calls = 0  # calls started (streaming)
@@ -137,7 +144,7 @@ class ToolShaper:
     def whole(self, text: str) -> tuple[str | None, list[ToolCall]]:
         mode = self.tools.mode
         if mode == "auto":
-            return PARSERS[self.tools.parser]().parse(text)
+            return self.parser.parse(text)
         if mode == "named":
             return None, [ToolCall(self.call_id, self.tools.named, text)]
         try:
