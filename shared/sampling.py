@@ -50,6 +50,8 @@ class SamplingParams:
     beam_n: int = 1  # beam search: the best hypotheses returned (<= beam_width)
     length_penalty: float = 1.0  # beam search: a hypothesis scores cum_logprob / len ** this
     early_stopping: bool | str = False  # beam search: True, False or "never" (transformers')
+    cache_salt: str = ""  # vLLM's: a prefix cache hit needs the same salt (prompts of other
+    # tenants never share KV)
 
     def __post_init__(self):
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",

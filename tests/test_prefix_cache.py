@@ -61,6 +61,25 @@ def test_a_finished_request_stays_cached_and_a_longer_prompt_copies_its_prefix()
     assert cache.stats.hit_tokens == 23 and cache.stats.query_tokens == 20 + 26
 
 
+def test_a_cache_salt_shares_prefixes_only_with_the_same_salt():
+    """vLLM's cache_salt: the same conversation under another salt (or none) is a miss; under
+    the same salt it is a hit of the same length an unsalted one gets."""
+    s = make()
+    a = seq("a", range(1, 21), cache_salt="tenant-1")
+    s.add(a)
+    run(s)
+    cache = s.kv.prefix_cache
+    for rid, salt, hit in (("b", "tenant-2", 0), ("c", "", 0), ("d", "tenant-1", 23)):
+        b = seq(rid, [*a.token_ids, 50, 51], cache_salt=salt)
+        s.add(b)
+        step = s.schedule()
+        assert b.cached_tokens == hit, rid
+        s.update(step, StepSample.of(step, [5] * len(step.sampled)))
+        run(s)
+    assert cache.stats.hit_tokens == 23
+    s.kv.allocator.check()
+
+
 def test_a_hit_never_covers_the_last_prompt_token_and_identical_prompts_are_cached_once():
     s = make()
     a = seq("a", range(1, 11), max_tokens=1)

@@ -82,7 +82,7 @@ _COMMON_KEYS = frozenset({
     "request_id", "priority",  # priority: accepted, not yet scheduled by
     "truncate_prompt_tokens", "truncation_side", "include_stop_str_in_output",
     "no_stop_trim", "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
-    "allowed_token_ids", "bad_words",
+    "allowed_token_ids", "bad_words", "cache_salt",
 })
 # SGLang/vLLM extras that the routers in front of replicas (vllm-router, sglang-router) add to
 # every body they forward, with the values they add: none asks for anything here (special tokens

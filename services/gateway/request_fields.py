@@ -124,11 +124,21 @@ def sampling_params(body: dict, *, max_tokens: int | None, logprobs: bool, top_l
             logit_bias=logit_bias(body.get("logit_bias")),
             allowed_token_ids=() if body.get("allowed_token_ids") is None else
             token_ids(body["allowed_token_ids"], "allowed_token_ids"),
+            cache_salt=cache_salt(body),
             **beam,
         )
     except InvalidParams as exc:
         param = max_param if exc.param == "max_tokens" else exc.param
         raise APIError(400, str(exc), param=param) from exc
+
+
+def cache_salt(body: dict) -> str:
+    """vLLM's cache_salt: a non-empty string (at most 256 characters here), or absent."""
+    salt = get_str(body, "cache_salt")
+    if salt is not None and not 0 < len(salt) <= 256:
+        raise bad_request("cache_salt must be a non-empty string of at most 256 characters",
+                          "cache_salt")
+    return salt or ""
 
 
 def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -1,14 +1,16 @@
 """Prefix caching on contiguous segments (pure logic: no KV, no device).
 
-Entries are finished `Sequence`s shrunk to the tokens whose K/V they hold, indexed by those
-tokens (`PrefixIndex`), counted as free and evicted least recently used first. Running requests
-are indexed by prompt once prefilled (`share`), never evicted here. A hit is copied into the new
-request's own segment as a step move. Invariant: the slots [kv_start, kv_start + len(tokens))
-of every indexed sequence hold the K/V of index.tokens[it] once the steps in flight have run.
+Entries are finished `Sequence`s shrunk to the tokens whose K/V they hold, indexed by those tokens
+(`PrefixIndex`; behind a key of its cache_salt where the request has one), counted as free and
+evicted least recently used first. Running requests are indexed by prompt once prefilled (`share`),
+never evicted here. A hit is copied into the new request's own segment as a step move. Invariant:
+the slots [kv_start, kv_start + len(tokens)) of every indexed sequence hold the K/V of
+index.tokens[it] (after a salt's key) once the steps in flight have run.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from services.compute.core.sequence import Sequence
@@ -41,7 +43,7 @@ class PrefixCache:
         the step in flight has run)."""
         if seq not in self.shared:
             self.shared.add(seq)
-            self.index.insert(seq, seq.token_ids[: seq.num_prompt])
+            self.index.insert(seq, _key(seq, seq.token_ids[: seq.num_prompt]))
 
     def unshare(self, seq: Sequence) -> None:
         """seq stops running: out of the index (its segment is freed or kept as an entry)."""
@@ -53,9 +55,9 @@ class PrefixCache:
         """Cache the finished seq's segment (it is no longer running): shrunk to its K/V, and
         replacing the entries it contains (a conversation's earlier turns)."""
         n = min(seq.num_cached, seq.num_tokens)
-        tokens = seq.token_ids[:n]
+        tokens = _key(seq, seq.token_ids[:n])
         entry, common = self.index.match(tokens) if n else (None, 0)
-        if n == 0 or common == n:  # nothing new: an entry already holds all of it
+        if n == 0 or common == len(tokens):  # nothing new: an entry already holds all of it
             self.allocator.free(seq.kv_start)
             return
         while entry is not None and entry not in self.shared and \
@@ -70,8 +72,9 @@ class PrefixCache:
     def lookup(self, seq: Sequence) -> tuple[Sequence | None, int]:
         """(the entry holding the longest prefix of seq's tokens, that length), at most all but
         seq's last token (the step must compute its logits); (None, 0) on a miss."""
-        entry, n = self.index.match(seq.token_ids[: seq.num_tokens - 1])
-        return (entry, n) if n else (None, 0)
+        entry, n = self.index.match(_key(seq, seq.token_ids[: seq.num_tokens - 1]))
+        n -= bool(seq.params.cache_salt)  # the salt's key matched too
+        return (entry, n) if n > 0 else (None, 0)
 
     def admitted(self, seq: Sequence, entry: Sequence | None, n: int) -> None:
         """Count seq's lookup, admitted with n tokens copied from `entry` (which is now the most
@@ -115,3 +118,13 @@ class PrefixCache:
     def entry_at(self, start: int) -> Sequence | None:
         """The entry whose segment starts at `start`, if any."""
         return next((e for e in self.entries() if e.kv_start == start), None)
+
+
+def _key(seq: Sequence, tokens: list[int]) -> list[int]:
+    """What the index keys seq's tokens by: with a cache_salt, a negative id derived from it
+    first (token ids are >= 0), so only requests with the same salt share a prefix."""
+    salt = seq.params.cache_salt
+    if not salt:
+        return tokens
+    digest = hashlib.blake2b(salt.encode(), digest_size=7).digest()
+    return [-1 - int.from_bytes(digest, "little"), *tokens]
