@@ -6,6 +6,8 @@
   template, as a chat request would be) -> `{"count", "max_model_len", "tokens", "token_strs"}`
   (`token_strs` with `"return_token_strs": true`, else null).
 - `POST /detokenize`: `{"tokens": [int, ...]}` -> `{"prompt": str}`.
+- `GET /tokenizer_info` -> the tokenizer's special tokens, chat template and context length, as
+  vLLM's (`--enable-tokenizer-info-endpoint` there; lm-eval's "remote" tokenizer reads it).
 - `GET /version` -> `{"version": str}`; `GET|POST /ping`: what /health answers.
 """
 
@@ -52,6 +54,7 @@ class Utility:
         router.add_post("/tokenize", self.tokenize)
         router.add_post("/detokenize", self.detokenize)
         router.add_get("/version", self.version)
+        router.add_get("/tokenizer_info", self.tokenizer_info)
         router.add_route("*", "/ping", self.gw.health_check)
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -100,6 +103,14 @@ class Utility:
             raise bad_request(f"token ids must be below the vocabulary size {vocab}", "tokens")
         text = await _off_loop(len(ids), decode, self.gw.tokenizer, ids)
         return web.json_response({"prompt": text})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        t = self.gw.template
+        tokens = {} if t is None else {"bos_token": t.bos_token, "eos_token": t.eos_token,
+                                       **t.extra_tokens}
+        return web.json_response({"tokenizer_class": "PreTrainedTokenizerFast", **tokens,
+                                  "chat_template": t and t.source,
+                                  "model_max_length": self.gw.max_model_len})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": version()})
