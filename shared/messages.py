@@ -90,6 +90,8 @@ class TokenizeRequest:
     return_token_ids: bool = False  # the prompt's ids come back with the first delta
     bad_words: list[str] = field(default_factory=list)  # tokenized into params.bad_words_ids
     reasoning_parser: str = ""  # chat: the detokenizer splits reasoning off (shared/reasoning)
+    thinking_token_budget: int = 0  # with a reasoning parser: its end forced after this many
+    # reasoning tokens (compute, SamplingParams.thinking_budget)
 
     @property
     def first_choice(self) -> int:

@@ -52,6 +52,11 @@ class SamplingParams:
     early_stopping: bool | str = False  # beam search: True, False or "never" (transformers')
     cache_salt: str = ""  # vLLM's: a prefix cache hit needs the same salt (prompts of other
     # tenants never share KV)
+    thinking_budget: int = 0  # > 0: after this many output tokens of reasoning its end marker
+    # (thinking_end_ids) is forced, token by token; reasoning starts with the output, or where
+    # thinking_start_ids is set, only if the output opens with it (shared/reasoning.py's rules)
+    thinking_end_ids: tuple[int, ...] = ()
+    thinking_start_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
@@ -95,9 +100,10 @@ class SamplingParams:
 
     @property
     def reads_output(self) -> bool:
-        """Whether sampling reads the tokens generated so far (penalties, bad words): a step
-        cannot be launched before the one in flight is committed, nor drafted ahead."""
-        return self.has_penalties or bool(self.bad_words_ids)
+        """Whether sampling reads the tokens generated so far (penalties, bad words, a thinking
+        budget): a step cannot be launched before the one in flight is committed, nor drafted
+        ahead."""
+        return self.has_penalties or bool(self.bad_words_ids) or self.thinking_budget > 0
 
     @property
     def has_penalties(self) -> bool:

@@ -144,3 +144,48 @@ def test_bad_server_flags_fail_at_start_up():
                         default_chat_template_kwargs='{"enable_thinking": true}')
     assert ChatSettings.of(svc, None) == ChatSettings("hermes", "deepseek-r1",
                                                       {"enable_thinking": True})
+
+
+def test_a_thinking_budget_forces_the_end_marker_token_by_token():
+    from services.compute.sampling import thinking_end_token
+    from shared.sampling import SamplingParams
+
+    end = (7, 8, 9)
+    p = SamplingParams(thinking_budget=4, thinking_end_ids=end)
+    assert thinking_end_token(p, [1, 2, 3]) is None  # within the budget
+    assert thinking_end_token(p, [1, 2, 3, 4]) == 7
+    assert thinking_end_token(p, [1, 2, 3, 4, 7]) == 8  # the marker goes on where it stands
+    assert thinking_end_token(p, [1, 2, 3, 4, 7, 8]) == 9
+    assert thinking_end_token(p, [1, 7, 8, 9, 5, 6]) is None  # ended by itself
+    opened = SamplingParams(thinking_budget=2, thinking_end_ids=end, thinking_start_ids=(5,))
+    assert thinking_end_token(opened, [6, 6, 6]) is None  # never opened: nothing to end
+    assert thinking_end_token(opened, [5, 6]) is None and thinking_end_token(opened,
+                                                                              [5, 6, 6]) == 7
+    assert not SamplingParams().reads_output and p.reads_output
+
+
+def test_a_thinking_budget_ends_the_reasoning_through_the_engine(demo_model_dir):
+    """The demo model (random weights) never writes </think> by itself: with a budget of 6
+    the tokens right after the sixth are </think>'s, and the text splits there."""
+    from services.compute.backend import build_engine
+    from shared.config import EngineConfig
+    from shared.sampling import SamplingParams
+    from shared.settings import with_settings
+
+    tok = build_demo_tokenizer()
+    end = tuple(tok.encode("</think>", add_special_tokens=False).ids)
+    engine = build_engine(with_settings(EngineConfig(), model=str(demo_model_dir),
+                                        kv_cache_tokens=2048))
+    params = SamplingParams(max_tokens=6 + len(end) + 4, temperature=0.8, seed=3,
+                            ignore_eos=True, thinking_budget=6, thinking_end_ids=end)
+    (seq,) = engine.generate([[1, 5, 9]], params)
+    assert tuple(seq.output_ids[6 : 6 + len(end)]) == end
+    reasoning, content = split(R1, tok.decode(seq.output_ids))
+    assert "</think>" not in reasoning + content and content
+
+
+def test_thinking_token_budget_needs_a_reasoning_parser():
+    with pytest.raises(APIError, match="--reasoning-parser"):
+        _chat({"thinking_token_budget": 10})
+    assert _chat({"thinking_token_budget": 10}, reasoning_parser="qwen3").options[
+        "thinking_token_budget"] == 10

@@ -92,6 +92,8 @@ def _ban_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     ends with the rest of that word (vLLM's bad_words)."""
     allowed = [(row, s.params.allowed_token_ids) for row, s in enumerate(seqs)
                if s.params.allowed_token_ids]
+    allowed += [(row, (token,)) for row, s in enumerate(seqs)
+                if (token := thinking_end_token(s.params, s.output_ids)) is not None]
     banned = [(row, word[-1]) for row, s in enumerate(seqs) for word in s.params.bad_words_ids
               if len(word) == 1 or s.output_ids[-(len(word) - 1):] == list(word[:-1])]
     if not allowed and not banned:
@@ -103,6 +105,27 @@ def _ban_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     for row, token in banned:
         add[row, token] = float("-inf")
     return logits + to_device(add, logits.device)
+
+
+def thinking_end_token(params, output: list[int]) -> int | None:
+    """The token a thinking budget forces next, or None: once the reasoning (the output from
+    its start, or after thinking_start_ids where set) holds thinking_budget tokens without its
+    end marker, the marker's next token (the longest tail of the output that begins it is
+    already there)."""
+    budget, end, start = params.thinking_budget, params.thinking_end_ids, params.thinking_start_ids
+    if budget <= 0 or not end or len(output) < budget:
+        return None
+    if start and list(output[: len(start)]) != list(start):
+        return None  # the output did not open a reasoning: nothing to end
+    tail = list(output[len(start):])
+    n = len(end)
+    if any(tail[i : i + n] == list(end) for i in range(len(tail) - n + 1)):
+        return None  # ended
+    if len(tail) < budget:
+        return None
+    done = next((k for k in range(min(n - 1, len(tail)), 0, -1) if tail[-k:] == list(end[:k])),
+                0)
+    return end[done]
 
 
 def suppress_stop_tokens(logits: torch.Tensor, seqs: list[Sequence],

@@ -108,7 +108,8 @@ COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"} | struc
 CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs",
                                       "add_generation_prompt", "continue_final_message",
                                       "chat_template_kwargs", "echo", "include_reasoning",
-                                      "separate_reasoning"} | structured.KEYS
+                                      "separate_reasoning", "thinking_token_budget"}
+                      | structured.KEYS
                       | tools.KEYS | _CHAT_NEUTRAL.keys())
 
 
@@ -284,10 +285,15 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
         raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
                           "chat_template_kwargs")
     separate = get_bool(body, "separate_reasoning", True)
+    budget = get_int(body, "thinking_token_budget", 0, lo=0, hi=MAX_COUNT)
+    if budget and not chat.reasoning_parser:
+        raise bad_request("thinking_token_budget needs the server started with "
+                          "--reasoning-parser", "thinking_token_budget")
     kwargs = {**chat.template_kwargs, **(kwargs or {})}
     chat_options = {"continue_final_message": continue_final,
                     "chat_template_kwargs": json.dumps(kwargs) if kwargs else "",
-                    "reasoning_parser": chat.reasoning_parser if separate else ""}
+                    "reasoning_parser": chat.reasoning_parser if separate else "",
+                    "thinking_token_budget": budget}
     return _finish(body, "chat", model, prompts=(), messages=messages,
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, defaults=defaults, fallback_max_tokens=None,

@@ -38,6 +38,7 @@ from shared.messages import (
     TokenizeRequest,
 )
 from shared.model_config import ModelConfig, served_context
+from shared.reasoning import parser
 from shared.routing import make_policy
 from shared.sampling import InvalidParams, SamplingParams
 from shared.tokenizer import encode, load_tokenizer
@@ -127,6 +128,14 @@ class Tokenizer:
                               else [])
         return tuple(ids for ids in out if ids)
 
+    def _thinking(self, params: SamplingParams, name: str, budget: int) -> SamplingParams:
+        """params with a thinking budget: the reasoning's markers as token ids."""
+        rule = parser(name)
+        ids = lambda text: tuple(encode(self.tok, text, add_special_tokens=False))  # noqa: E731
+        return dataclasses.replace(params, thinking_budget=budget, thinking_end_ids=ids(rule.end),
+                                   thinking_start_ids=() if rule.starts_in_reasoning
+                                   else ids(rule.start))
+
     def predict(self, text: str, ids: list[int], max_tokens: int,
                 ) -> tuple[list[int], list[int] | None]:
         """(length features, predicted quantiles; None without a predictor). With Redis down
@@ -149,6 +158,8 @@ class Tokenizer:
             raise PromptError(str(e)) from None
         if req.bad_words:
             params = dataclasses.replace(params, bad_words_ids=self._word_ids(req.bad_words))
+        if req.thinking_token_budget and req.reasoning_parser:
+            params = self._thinking(params, req.reasoning_parser, req.thinking_token_budget)
         self.check_grammar(req.grammar)
         feats, quantiles = self.predict(text, ids, params.max_tokens)
         packed = int32s(ids)
