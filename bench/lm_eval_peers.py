@@ -8,8 +8,8 @@ time. The target (issue 47): pipellm's scores equal vLLM's within the harness's 
 
     python -m bench.lm_eval_peers [--servers pipellm,pipellm-fp32,vllm-fp32]
 
-The last line printed is one JSON object: each server's scores, and pipellm's differences from
-vLLM's in units of the stderr.
+The last line printed is one JSON object: each server's scores, pipellm's differences from
+vLLM's (within the stderr or not), and the mean |loglikelihood gap| per answer choice.
 """
 
 from __future__ import annotations
@@ -101,9 +101,13 @@ def evaluate(url: str, tokenizer: Path, task_dir: str, batch_size: int) -> dict:
     out = simple_evaluate(model="local-completions", model_args=args,
                           tasks=["peers_capitals_mc", "peers_capitals_gen"],
                           batch_size=batch_size,
-                          task_manager=TaskManager(include_path=task_dir, include_defaults=False))
-    return {task: {k: round(float(v), 4) for k, v in m.items() if isinstance(v, int | float)}
-            for task, m in out["results"].items()}
+                          task_manager=TaskManager(include_path=task_dir, include_defaults=False),
+                          log_samples=True)
+    scores = {task: {k: round(float(v), 4) for k, v in m.items()
+                     if isinstance(v, int | float) and "," in k}
+              for task, m in out["results"].items()}
+    lls = [r[0][0] for s in out["samples"]["peers_capitals_mc"] for r in s["resps"]]
+    return {"scores": scores, "loglikelihoods": lls}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -129,19 +133,27 @@ def main(argv: list[str] | None = None) -> dict:
                 log(f"{name}: {scores[name]}")
         except servers.ServerError as exc:
             log(f"{name}: {exc}")
-    base = scores.get("vllm-fp32", {})
-    gaps = {}
+    base = scores.get("vllm-fp32")
+    gaps, ll_gaps = {}, {}
     for name, res in scores.items():
-        if name == "vllm-fp32" or not base:
+        if name == "vllm-fp32" or base is None:
             continue
-        for task, m in res.items():
-            metric = next(k for k in m if not k.endswith("stderr") and "_stderr," not in k)
-            err = m.get(metric.replace(",", "_stderr,"), 0.0) or 1e-9
-            gaps[f"{name}/{task}/{metric}"] = round((m[metric] - base[task][metric]) / err, 2)
+        for task, m in res["scores"].items():
+            for metric in (k for k in m if "_stderr," not in k):
+                err = m.get(metric.replace(",", "_stderr,")) or 0.0
+                diff = m[metric] - base["scores"][task][metric]
+                gaps[f"{name}/{task}/{metric}"] = dict(diff=round(diff, 4), stderr=err,
+                                                       within=abs(diff) <= err)
+        pairs = list(zip(res["loglikelihoods"], base["loglikelihoods"], strict=True))
+        ll_gaps[name] = round(sum(abs(a - b) for a, b in pairs) / len(pairs), 7)
     for key, gap in gaps.items():
-        log(f"{key}: {gap:+.2f} stderr from vllm-fp32 ({'within' if abs(gap) <= 1 else 'beyond'}"
-            f" one stderr)")
-    result = dict(machine=machine(), isa=isa(), scores=scores, gaps_in_stderr=gaps)
+        log(f"{key}: {gap['diff']:+.4f} from vllm-fp32 (stderr {gap['stderr']}: "
+            f"{'within' if gap['within'] else 'beyond'})")
+    for name, gap in ll_gaps.items():
+        log(f"{name}: mean |loglikelihood - vllm-fp32's| {gap} per choice")
+    result = dict(machine=machine(), isa=isa(),
+                  scores={n: r["scores"] for n, r in scores.items()}, gaps=gaps,
+                  mean_abs_loglikelihood_gap=ll_gaps)
     print(json.dumps(result))
     return result
 
