@@ -54,7 +54,8 @@ class SamplingParams:
     # tenants never share KV)
     thinking_budget: int = 0  # > 0: after this many output tokens of reasoning its end marker
     # (thinking_end_ids) is forced, token by token; reasoning starts with the output, or where
-    # thinking_start_ids is set, only if the output opens with it (shared/reasoning.py's rules)
+    # thinking_start_ids is set, only if the output opens with it (shared/reasoning.py's rules).
+    # A grammar starts once the end marker has come (compute/structured.ReasoningGate)
     thinking_end_ids: tuple[int, ...] = ()
     thinking_start_ids: tuple[int, ...] = ()
 

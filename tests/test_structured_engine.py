@@ -273,3 +273,49 @@ def test_speculation_keeps_the_grammar_and_the_tokens(demo_model_dir, tok, compi
     assert [(t, f) for t, f, _ in got] == [(t, f) for t, f, _ in want]
     stats = engine.stats()
     assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens, stats
+
+
+def test_the_grammar_starts_once_the_reasoning_has_ended(demo_model_dir, tok, compiler):
+    """A reasoning model's grammar (compute/structured.ReasoningGate): free tokens until the
+    end marker (forced here by a thinking budget of 6: the demo model never writes it), then
+    the regex; the split answer's content matches it whole, the reasoning need not."""
+    from shared.reasoning import parser, split
+
+    end = tuple(encode(tok, "</think>", add_special_tokens=False))
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=11, thinking_budget=6,
+                            thinking_end_ids=end)
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    out = _run(_engine(demo_model_dir), tok, compiler, GrammarSpec("regex", pattern), params)
+    free = 0
+    for text, finish, seq in out:
+        assert tuple(seq.output_ids[6 : 6 + len(end)]) == end, text
+        reasoning, content = split(parser("deepseek_r1"), text)
+        assert finish == "stop" and re.fullmatch(pattern, content), (text, finish)
+        free += not re.fullmatch(r"[0-9a-z-]*", reasoning)
+    assert free  # the reasoning was not held to the grammar
+
+
+def test_a_gate_with_an_opening_lets_the_grammar_take_an_output_that_never_opens():
+    from services.compute.structured import ReasoningGate
+
+    gate = ReasoningGate(start=(5, 6), end=(8,))
+    assert gate.feed(5) == [] and gate.opening == 1
+    assert gate.feed(7) == [5, 7] and gate.passed  # not the opening: the grammar takes both
+    gate = ReasoningGate(start=(5,), end=(8, 9))
+    assert [gate.feed(t) for t in (5, 1, 8, 9)] == [[], [], [], []] and gate.passed
+    assert gate.feed(3) == [3]
+    starts_inside = ReasoningGate(start=(), end=(8,))
+    assert starts_inside.feed(1) == [] and not starts_inside.passed
+
+
+def test_under_qwen3_an_output_that_never_opens_is_all_grammar(demo_model_dir, tok, compiler):
+    """qwen3's rule (thinking_start_ids set): the first token may open <think> or start the
+    grammar's answer; the demo model does not open it, so the whole output is the regex's."""
+    start = tuple(encode(tok, "<think>", add_special_tokens=False))[:1]  # one token, as Qwen3's
+    end = tuple(encode(tok, "</think>", add_special_tokens=False))
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=5, thinking_end_ids=end,
+                            thinking_start_ids=start)
+    pattern = r"(yes|no), (red|blue)!"
+    out = _run(_engine(demo_model_dir), tok, compiler, GrammarSpec("regex", pattern), params)
+    for text, finish, seq in out:
+        assert seq.grammar.gate.passed and finish == "stop" and re.fullmatch(pattern, text)

@@ -22,7 +22,7 @@ from services.compute.length.refiner import LengthRefiner
 from services.compute.length.store import memory_stores
 from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
-from services.compute.structured import GrammarState
+from services.compute.structured import GrammarState, ReasoningGate
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
 from shared.messages import Tokens
@@ -124,7 +124,8 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             max_len=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
             predicted_length=predicted_length, stop_ids=frozenset(stop), num_prompt=len(prompt_ids),
-            grammar=None if grammar is None else GrammarState(grammar, list(output_ids)),
+            grammar=None if grammar is None else GrammarState(
+                grammar, list(output_ids), _reasoning_gate(params)),
         )
         if params.beam_width:
             if not getattr(self.runner, "scores_tokens", True):
@@ -265,3 +266,12 @@ def _reads_token_values(step: ScheduledStep) -> bool:
     a grammar's mask follows them), so that it cannot be launched before the step in flight is
     committed."""
     return any(s.params.reads_output or s.grammar is not None for s in step.sampled)
+
+
+def _reasoning_gate(params: SamplingParams) -> ReasoningGate | None:
+    """Where a reasoning model's grammar starts: after its end marker. An opening marker must
+    be one token (Qwen3's and DeepSeek-R1's are): the grammar cannot follow an opening of
+    several that turns out not to be one, so such a grammar constrains the whole output."""
+    if not params.thinking_end_ids or len(params.thinking_start_ids) > 1:
+        return None
+    return ReasoningGate(params.thinking_start_ids, params.thinking_end_ids)

@@ -39,10 +39,41 @@ class GrammarQueue:
         return [(item, f.exception() or f.result()) for f, item in done]
 
 
-class GrammarState:
-    """A sequence's position in its grammar (xgrammar GrammarMatcher) of a LoadedGrammar."""
+class ReasoningGate:
+    """Where a reasoning model's output leaves its reasoning, token by token: the grammar
+    applies only after. `start` empty: the output starts in the reasoning; else it reasons only
+    if it opens with `start` (while it may still, `opening` is how many of its tokens came)."""
 
-    def __init__(self, grammar: LoadedGrammar, replay: list[int] = ()):
+    def __init__(self, start: tuple[int, ...], end: tuple[int, ...]):
+        self.start, self.end = start, end
+        self.opening = 0 if start else None
+        self.tail: list[int] = []  # the reasoning's last tokens (an end marker in progress)
+        self.passed = False
+
+    def feed(self, token: int) -> list[int]:
+        """Take the next output token; returns the tokens the grammar must now take (the ones
+        of an opening that turned out not to be one, then this one), [] while reasoning."""
+        if self.passed:
+            return [token]
+        if self.opening is not None:
+            if token == self.start[self.opening]:
+                self.opening += 1
+                if self.opening == len(self.start):
+                    self.opening = None  # opened: reasoning from here
+                return []
+            self.passed = True  # no reasoning: the grammar takes all of it
+            return [*self.start[: self.opening], token]
+        self.tail = (self.tail + [token])[-len(self.end):]
+        self.passed = self.tail == list(self.end)
+        return []
+
+
+class GrammarState:
+    """A sequence's position in its grammar (xgrammar GrammarMatcher) of a LoadedGrammar; with
+    a ReasoningGate, the grammar starts once the reasoning has ended."""
+
+    def __init__(self, grammar: LoadedGrammar, replay: list[int] = (),
+                 gate: ReasoningGate | None = None):
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(grammar.compiled)
@@ -50,12 +81,21 @@ class GrammarState:
         self.allowed = None if grammar.allowed is None else grammar.allowed.numpy()
         self.vocab_size = grammar.compiled.tokenizer_info.vocab_size
         self.rejected = False
+        self.gate = gate
         for token in replay:
             self.accept(token)
 
+    @property
+    def reasoning(self) -> bool:
+        return self.gate is not None and not self.gate.passed
+
     def accept(self, token: int) -> None:
-        """Advance by the committed `token`; a token the grammar forbids (which the mask makes
-        impossible) ends the sequence rather than the process."""
+        """Advance by the committed `token` (past the reasoning); a token the grammar forbids
+        (which the mask makes impossible) ends the sequence rather than the process."""
+        for t in self.gate.feed(token) if self.gate is not None else [token]:
+            self._accept(t)
+
+    def _accept(self, token: int) -> None:
         if not self.rejected and not self.matcher.accept_token(token):
             log.warning("token %d is not allowed by the request's grammar: ending it", token)
             self.rejected = True
@@ -63,10 +103,13 @@ class GrammarState:
     @property
     def done(self) -> bool:
         """Whether the output is complete (terminated) or cannot go on (rejected)."""
-        return self.rejected or self.matcher.is_terminated()
+        return self.rejected or (not self.reasoning and self.matcher.is_terminated())
 
     def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens`, in order, the grammar accepts from here (it stays here)."""
+        """How many of `tokens`, in order, the grammar accepts from here (it stays here);
+        none while reasoning (no drafts then)."""
+        if self.reasoning:
+            return 0
         n = 0
         while n < len(tokens) and not self.rejected and self.matcher.accept_token(tokens[n]):
             n += 1
@@ -86,10 +129,17 @@ class GrammarState:
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Row `row` of the step's bitmask int32 [S, ceil(vocab / 32)]: the tokens allowed
-        next."""
+        next (all while reasoning; before a possible opening, the grammar's and its next
+        token)."""
+        if self.reasoning and self.gate.opening is None:
+            bitmask[row] = -1
+            return
         self.matcher.fill_next_token_bitmask(bitmask, row)
         if self.allowed is not None:
             bitmask[row] &= self.allowed
+        if self.reasoning:  # the opening's next token stays possible
+            token = self.gate.start[self.gate.opening]
+            bitmask.view(np.uint32)[row, token >> 5] |= np.uint32(1 << (token & 31))
 
 
 _FILLER = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")

@@ -129,7 +129,8 @@ class Tokenizer:
         return tuple(ids for ids in out if ids)
 
     def _thinking(self, params: SamplingParams, name: str, budget: int) -> SamplingParams:
-        """params with a thinking budget: the reasoning's markers as token ids."""
+        """params with the reasoning's markers as token ids: for a thinking budget (0: none),
+        and for a grammar, which compute starts once the reasoning has ended."""
         rule = parser(name)
         ids = lambda text: tuple(encode(self.tok, text, add_special_tokens=False))  # noqa: E731
         return dataclasses.replace(params, thinking_budget=budget, thinking_end_ids=ids(rule.end),
@@ -158,7 +159,7 @@ class Tokenizer:
             raise PromptError(str(e)) from None
         if req.bad_words:
             params = dataclasses.replace(params, bad_words_ids=self._word_ids(req.bad_words))
-        if req.thinking_token_budget and req.reasoning_parser:
+        if req.reasoning_parser and (req.thinking_token_budget or req.grammar is not None):
             params = self._thinking(params, req.reasoning_parser, req.thinking_token_budget)
         self.check_grammar(req.grammar)
         feats, quantiles = self.predict(text, ids, params.max_tokens)
