@@ -61,7 +61,7 @@ COMMON_ERRORS = [
     ({"model": 5}, "model", "must be a string"),
     ({"foo": 1}, "foo", "Unrecognized request argument supplied: foo"),
     ({"skip_special_tokens": 0}, "skip_special_tokens", "must be a boolean"),
-    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens",
+    ({"spaces_between_special_tokens": "no"}, "spaces_between_special_tokens",
      "is not supported"),
     ({"return_hidden_states": True}, "return_hidden_states", "is not supported"),
     ({"guided_json": []}, "guided_json", "must be a JSON schema object"),
@@ -372,9 +372,13 @@ ROUTER_EXTRAS = {
 
 @pytest.mark.parametrize("kind", PARSE)
 def test_router_extras_are_accepted(kind):
-    """A body a router forwarded parses as the body the client sent."""
+    """A body a router forwarded parses as the body the client sent; so does one with
+    spaces_between_special_tokens either way (a slow tokenizer's option: ours are fast)."""
     body = {**BASE[kind], "max_tokens": 5, "temperature": 0.5}
     assert PARSE[kind]({**body, **ROUTER_EXTRAS[kind]}, M) == PARSE[kind](body, M)
+    for spaces in (True, False):
+        assert PARSE[kind]({**body, "spaces_between_special_tokens": spaces}, M) == \
+            PARSE[kind](body, M)
 
 
 @pytest.mark.parametrize(("kind", "schema"), [

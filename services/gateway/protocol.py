@@ -85,12 +85,12 @@ _COMMON_KEYS = frozenset({
     "allowed_token_ids", "bad_words", "cache_salt",
 })
 # SGLang/vLLM extras that the routers in front of replicas (vllm-router, sglang-router) add to
-# every body they forward, with the values they add: none asks for anything here (special tokens
-# are skipped, stop strings trimmed, no hidden states; without a reasoning parser the reasoning
-# flags change nothing either way).
+# every body they forward, with the values they add: none asks for anything here (no hidden
+# states; spaces_between_special_tokens is a slow tokenizer's option, and fast ones, which all of
+# ours are, join special tokens as they are either way, as vLLM's fast detokenizer does).
 _ROUTER_NEUTRAL: dict[str, tuple] = {
     "return_hidden_states": (False,),
-    "spaces_between_special_tokens": (True,),
+    "spaces_between_special_tokens": (True, False),
 }
 _CHAT_ROUTER_NEUTRAL: dict[str, tuple] = {**_ROUTER_NEUTRAL, "stream_reasoning": (True, False)}
 # Known OpenAI fields we do not implement, with the values that ask for nothing (null is too).
