@@ -212,3 +212,29 @@ def test_tools_on_a_server_started_with_no_flags(client):
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"}]
     after = client.chat.completions.create(messages=history, tool_choice="none", **kw)
     assert after.choices[0].message.content
+
+
+def test_the_openai_agents_sdk_calls_a_tool_on_a_server_with_no_flags(stack):
+    """OpenAI's Agents SDK, unchanged, on chat completions: an agent with one function tool,
+    its tool choice required for the first turn, calls it (arguments valid), gets the result
+    back in the history and answers; this stack has no tool flags."""
+    agents = pytest.importorskip("agents")
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"Sunny and 24 C in {city}."
+
+    agents.set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0)
+    agent = agents.Agent(
+        name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+        model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=200,
+                                            temperature=0, parallel_tool_calls=False),
+        reset_tool_choice=True)  # after the call: auto, so the agent can answer
+    result = asyncio.run(agents.Runner.run(agent, "What's the weather in Paris?", max_turns=4))
+    assert calls and all(isinstance(c, str) and c for c in calls)
+    assert isinstance(result.final_output, str)

@@ -99,6 +99,9 @@ def test_shapers():
     assert required.calls == 2
     cut = tools(tool_choice="required").shaper()
     assert cut.whole('[{"name": "ad') == ('[{"name": "ad', [])  # max_tokens: kept as text
+    content, calls = cut.whole('[\n{"name": "add", "parameters": {"a": 1}},\n{"name": "add", '
+                               '"parameters": {"a": 2}},\n{"name": "a')  # the closed calls
+    assert content is None and [json.loads(c.arguments) for c in calls] == [{"a": 1}, {"a": 2}]
     auto = tools().shaper()
     events = auto.feed("Hi. <tool_call>\n") + auto.feed('{"name": "now", "arguments": {}}\n'
                                                           "</tool_call>") + auto.finish()

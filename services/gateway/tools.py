@@ -149,8 +149,10 @@ class ToolShaper:
             return None, [ToolCall(self.call_id, self.tools.named, text)]
         try:
             items = json.loads(text)
-        except ValueError:  # cut off by max_tokens: what there is, as text
-            return text or None, []
+        except ValueError:  # cut off by max_tokens: the calls that closed, else the text
+            items = _closed_items(text)
+            if not items:
+                return text or None, []
         return None, [ToolCall(new_call_id(), it["name"], json.dumps(it["parameters"],
                                                                      ensure_ascii=False))
                       for it in items]
@@ -181,3 +183,21 @@ class ToolShaper:
     def _count(self, events: list) -> list:
         self.calls += sum(isinstance(e, CallStart) for e in events)
         return events
+
+
+_ITEM_GAP = re.compile(r"[\s,]*")
+
+
+def _closed_items(text: str) -> list:
+    """The complete items of a JSON array cut off anywhere (the grammar made each one a valid
+    call): a model that repeats its call until max_tokens still gets the calls it made."""
+    decoder, items = json.JSONDecoder(), []
+    pos = text.find("[") + 1
+    while pos > 0:
+        pos = _ITEM_GAP.match(text, pos).end()
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        items.append(item)
+    return items
