@@ -117,6 +117,13 @@ def outputs(answer: dict) -> list:
     return out
 
 
+def _gist(status: int, body: dict) -> str:
+    """An answer in a line: its error message, or its outputs."""
+    if status != 200:
+        return str((body.get("error") or {}).get("message", body))[:200]
+    return json.dumps(outputs(body))[:200]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--servers", default="pipellm-fp32,vllm-fp32")
@@ -147,7 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
             same = outputs(b1) == outputs(b2)
             same_text += same
         same_status += s1 == s2
-        rows.append(dict(request=name, status=[s1, s2], same_output=same))
+        row = dict(request=name, status=[s1, s2], same_output=same)
+        if s1 != s2 or same is False:  # what each said
+            row["answers"] = [_gist(s1, b1), _gist(s2, b2)]
+        rows.append(row)
         print(f"| {name} | {s1} | {s2} | {'-' if same is None else 'yes' if same else 'no'} |")
     result = dict(machine=machine(), isa=isa(), requests=len(CORPUS), same_status=same_status,
                   both_200=both_ok, same_output=same_text,
