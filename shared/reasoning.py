@@ -42,8 +42,9 @@ def parser(name: str) -> ReasoningParser:
                          f"{', '.join(sorted(PARSERS))}") from None
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest proper prefix of `marker` that `text` ends with."""
+def partial_marker(text: str, marker: str) -> int:
+    """Length of the longest proper prefix of `marker` that `text` ends with (what a stream
+    holds back: the marker may be arriving)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
             return n
@@ -83,7 +84,7 @@ class Splitter:
                 reasoning.append(buf[:i])
                 buf, self.state = buf[i + len(self.rule.end):], "content"
                 continue
-            keep = _partial_suffix(buf, self.rule.end)
+            keep = partial_marker(buf, self.rule.end)
             reasoning.append(buf[:len(buf) - keep])
             self.held = buf[len(buf) - keep:]
             break

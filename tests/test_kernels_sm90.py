@@ -58,7 +58,7 @@ def compiled() -> list[tuple[dict, dict]]:
                 case["tri"]()
             x = torch.randn(32, 4096, dtype=torch.bfloat16)
             w = bench_kernels.quantize_int4(torch.randn(64, 4096), 128).to("cpu", torch.bfloat16)
-            bench_kernels.int4_gemm_triton(x, w)  # the prefill tiling (more rows than SMALL_M)
+            bench_kernels.int4_gemm_triton(x, w)  # more rows than SMALL_M: the dequant kernel
             gemma_attention()
     finally:
         dispatch.set_backend("auto")

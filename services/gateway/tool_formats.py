@@ -26,12 +26,7 @@ import re
 
 from services.gateway import tool_parsers
 from services.gateway.tool_parsers import Event, StreamParser, ToolCall, ToolParser, new_call_id
-
-_WS = re.compile(r"\s*")
-
-
-def _content(text: str) -> str | None:
-    return text if text.strip() else None
+from shared.reasoning import partial_marker
 
 
 def _call(name: object, args: object) -> ToolCall | None:
@@ -55,7 +50,8 @@ class _Opening(ToolParser):
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         start = self.opening(text)
         calls = self.calls(text[start:]) if start is not None and start >= 0 else None
-        return (_content(text[:start]), calls) if calls else (_content(text), [])
+        content = tool_parsers._content
+        return (content(text[:start]), calls) if calls else (content(text), [])
 
     def stream(self) -> StreamParser:
         return _OpeningStream(self)
@@ -108,7 +104,7 @@ def _marker_opening(text: str, markers: tuple[str, ...]) -> int | None:
 
 def _marker_hold(text: str, markers: tuple[str, ...]) -> int:
     """Characters at the end of `text` that may begin a marker."""
-    return max(tool_parsers._partial(text, m) for m in markers)
+    return max(partial_marker(text, m) for m in markers)
 
 
 class MistralParser(_Opening):
@@ -154,7 +150,7 @@ class PythonicParser(_Opening):
     name = "pythonic"
 
     def opening(self, text: str) -> int | None:
-        start = _WS.match(text).end()
+        start = tool_parsers._WS.match(text).end()
         rest = text[start:]
         if not rest or _PY_START.startswith(rest):
             return None

@@ -30,6 +30,8 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from shared.reasoning import partial_marker
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _WS = re.compile(r"\s*")
@@ -97,11 +99,6 @@ def _make_call(obj: object, keys: tuple[str, ...]) -> ToolCall | None:
 
 def _hermes_call(body: str) -> ToolCall | None:
     return _make_call(_json(body), ("arguments",))
-
-
-def _partial(buf: str, tag: str) -> int:
-    """Length of the longest proper prefix of `tag` that `buf` ends with (0 if none)."""
-    return next((k for k in range(len(tag) - 1, 0, -1) if buf.endswith(tag[:k])), 0)
 
 
 class ToolParser:
@@ -220,7 +217,7 @@ class _HermesStream(StreamParser):
             self._buf, self._mode = buf[end + len(CLOSE):], "after"
             return True
         start = buf.find(OPEN)
-        keep = start if start >= 0 else len(buf) - _partial(buf, OPEN)
+        keep = start if start >= 0 else len(buf) - partial_marker(buf, OPEN)
         if self._mode == "text":
             self._say(buf[:keep], out)
         self._buf = buf[keep:]
