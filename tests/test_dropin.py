@@ -99,6 +99,9 @@ def test_api_key_guards_the_api_but_not_health(demo_model_dir, redis_url):
         right = openai.AsyncOpenAI(base_url=base, api_key="s3cret", max_retries=0)
         models = await right.models.list()
         bare = await client.post("/tokenize", json={"prompt": "hi"})
+        x_key = await client.get("/v1/models", headers={"x-api-key": "s3cret"})  # Anthropic's
+        x_wrong = await client.get("/v1/models", headers={"x-api-key": "s3cre"})
+        assert (x_key.status, x_wrong.status) == (200, 401)
         return (err.value.status_code, err.value.body, [m.id for m in models.data],
                 bare.status, (await client.get("/health")).status,
                 (await client.get("/metrics")).status, (await client.get("/version")).status)

@@ -1,7 +1,8 @@
 """Who may call the API: the API key (--api-key) and CORS (--allowed-origins), as middlewares.
 
 - API key: every path but the open ones (`/health`, `/ping`, `/metrics`, `/version`) needs
-  `Authorization: Bearer KEY`; otherwise 401 in OpenAI's error shape (code "invalid_api_key").
+  `Authorization: Bearer KEY` or (as Anthropic's clients send it) `x-api-key: KEY`; otherwise
+  401 (code "invalid_api_key").
   CORS preflights (OPTIONS) never need it: browsers send them without credentials.
 - CORS, as vLLM does it (default: any origin): an answer to a request with an `Origin` the list
   allows carries `Access-Control-Allow-Origin`; a preflight from one is answered here, 204,
@@ -22,14 +23,15 @@ _PREFLIGHT_MAX_AGE_S = "600"
 
 
 def api_key_middleware(key: str):
-    expected = f"Bearer {key}".encode()
+    bearer, bare = f"Bearer {key}".encode(), key.encode()
 
     @web.middleware
     async def check_api_key(request: web.Request, handler):
         if request.method == "OPTIONS" or request.path in OPEN_PATHS:
             return await handler(request)
         given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
+        alt = request.headers.get("x-api-key", "").encode()
+        if not (hmac.compare_digest(given, bearer) or hmac.compare_digest(alt, bare)):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer "
                            "<key>' with the key the server was started with.",
                            code="invalid_api_key")

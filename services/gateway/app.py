@@ -23,7 +23,7 @@ from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
 from services.gateway.metrics import Metrics
 from services.gateway.pending import PendingLimit
-from services.gateway.stream import collect, stream
+from services.gateway.stream import OPENAI, Answer
 from services.gateway.utility import Utility
 from services.gateway.validation import check_prompt_bytes, check_request_id, read_json_body
 from shared import state
@@ -36,6 +36,7 @@ from shared.transport import AsyncFanout, AsyncSender
 log = logging.getLogger("pipellm.gateway")
 _REQUEST_ID = web.RequestKey("request_id", str)
 _PEER_WAIT_MS = 3000  # how long a request waits for a tokenizer worker to (re)connect
+ERROR_SHAPES: dict = {}  # path prefix -> the error body of APIs not shaped as OpenAI's
 
 
 class Gateway:
@@ -76,7 +77,7 @@ class Gateway:
     def app(self) -> web.Application:
         """The aiohttp app. Middlewares, outermost first: CORS preflights, errors as JSON (so a
         401 is one too), the API key; CORS headers go on every answer as it is prepared."""
-        middlewares = [errors_as_json]
+        middlewares = [errors_as_json(ERROR_SHAPES)]
         if self.svc.api_key:
             middlewares.append(api_key_middleware(self.svc.api_key))
         cors = Cors(self.svc.origins())
@@ -109,7 +110,9 @@ class Gateway:
                 body, self.model_name, defaults=self.defaults, chat=self.chat_settings,
                 strict=self.svc.strict_request_fields))
 
-    async def _generate(self, request: web.Request, req: protocol.GenerationRequest):
+    async def _generate(self, request: web.Request, req: protocol.GenerationRequest,
+                        answer: Answer = OPENAI) -> web.StreamResponse:
+        """Record, send and answer a validated request, in `answer`'s API shape."""
         check_prompt_bytes(req.prompts, req.messages,
                            self.svc.prompt_bytes_limit(self.max_model_len))
         if not self.health.ok:
@@ -136,8 +139,8 @@ class Gateway:
                 if not await self.to_tokenizer.send(tokenize, wait_ms=_PEER_WAIT_MS):
                     raise unavailable("No tokenizer worker is connected; retry shortly.")
             if req.stream:
-                return await stream(self, request, req, inflight)
-            return await collect(self, req, inflight)
+                return await answer.stream(self, request, req, inflight)
+            return await answer.collect(self, req, inflight)
         except (asyncio.CancelledError, ConnectionResetError):
             self.metrics.requests.labels("aborted").inc()
             await self._abort_ids([rid], "aborted")

@@ -1,10 +1,12 @@
-"""OpenAI-shaped API errors: raise `APIError` anywhere in a handler; the `errors_as_json`
-middleware answers with its status and body (and turns any other failure into one)."""
+"""API errors: raise `APIError` anywhere in a handler; the `errors_as_json` middleware answers
+with its status and body (and turns any other failure into one), in OpenAI's shape or, under a
+path prefix given its own shape (Anthropic's /v1/messages), in that one."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
@@ -71,22 +73,32 @@ def unavailable(message: str = "The server is temporarily unavailable.",
     return APIError(503, message, param=param, code=code)
 
 
-@web.middleware
-async def errors_as_json(request: web.Request, handler):
-    """Every failure leaves as an OpenAI-style JSON error, never a stack trace."""
-    try:
-        return await handler(request)
-    except APIError as e:
-        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
-        return web.json_response(e.body(), status=e.status, headers=headers)
-    except web.HTTPException as e:
-        if e.status < 400:
+def errors_as_json(shapes: Mapping[str, Callable[[APIError], dict]] | None = None):
+    """The middleware: every failure leaves as a JSON error, never a stack trace; its body
+    is `APIError.body`, or `shapes[prefix](error)` for a path under one of the prefixes."""
+    shapes = dict(shapes or {})
+
+    def body(request: web.Request, err: APIError) -> dict:
+        shape = next((f for p, f in shapes.items() if request.path.startswith(p)), None)
+        return shape(err) if shape is not None else err.body()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except APIError as e:
+            headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+            return web.json_response(body(request, e), status=e.status, headers=headers)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            err = APIError(e.status, e.reason or "error", code=None)
+            return web.json_response(body(request, err), status=e.status)
+        except (asyncio.CancelledError, ConnectionResetError):
             raise
-        err = APIError(e.status, e.reason or "error", code=None)
-        return web.json_response(err.body(), status=e.status)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:  # a bug: log it, answer 500, keep serving
-        log.exception("unhandled error on %s", request.path)
-        err = APIError(500, "Internal server error.")
-        return web.json_response(err.body(), status=500)
+        except Exception:  # a bug: log it, answer 500, keep serving
+            log.exception("unhandled error on %s", request.path)
+            err = APIError(500, "Internal server error.")
+            return web.json_response(body(request, err), status=500)
+
+    return middleware

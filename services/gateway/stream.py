@@ -7,6 +7,8 @@ The stream's headers go out with the first delta, so an error that comes before 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -19,7 +21,7 @@ from shared.choice import ChoiceId
 from shared.messages import Delta, Tokens
 
 
-async def _deltas(gw, req: GenerationRequest, inflight: Inflight):
+async def deltas(gw, req: GenerationRequest, inflight: Inflight):
     """Yield (choice, delta, its logprob entries) until every choice finished; raise APIError
     on an error delta. With req.discard_output (max_tokens 0) the generated token is dropped
     here: the delta keeps only what the prompt contributes."""
@@ -143,7 +145,7 @@ def _add_token_ids(out: dict, choice: dict, req: GenerationRequest, token_ids,
 
 
 async def collect(gw, req: GenerationRequest, inflight: Inflight) -> web.Response:
-    async for _ in _deltas(gw, req, inflight):
+    async for _ in deltas(gw, req, inflight):
         pass
     return web.json_response(final_answer(gw.tokenizer, req, inflight.request_id,
                                           inflight.choices))
@@ -159,7 +161,7 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
     sent_chars = [0] * len(inflight.choices)
     shapers = [req.tools.shaper() for _ in range(req.n)] if req.tools is not None else None
     try:
-        async for c, delta, entries in _deltas(gw, req, inflight):
+        async for c, delta, entries in deltas(gw, req, inflight):
             if resp is None:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache"})
@@ -198,6 +200,19 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
     await resp.write(responses.SSE_DONE)
     await resp.write_eof()
     return resp
+
+
+@dataclass(frozen=True)
+class Answer:
+    """How an API answers a generation request once it is sent: `collect(gw, req, inflight)`
+    waits for every choice and returns one JSON response; `stream(gw, request, req,
+    inflight)` writes its SSE answer. Both read the request's Deltas through `deltas`."""
+
+    collect: Callable[..., Awaitable[web.StreamResponse]]
+    stream: Callable[..., Awaitable[web.StreamResponse]]
+
+
+OPENAI = Answer(collect, stream)  # /v1/completions and /v1/chat/completions
 
 
 def _finish(reason: str | None, called: bool) -> str | None:
