@@ -213,6 +213,7 @@ class Delta:
     prompt_ids: array | None = None  # on the first delta, with prompt logprobs: the prompt
     prompt: Tokens | None = None  # and its tokens' logprobs, from position 1
     reasoning: str = ""  # with a reasoning parser: new reasoning text (before `text`'s)
+    stop_string: str | None = None  # on the final delta: the stop string that ended it
 
     @property
     def token_ids(self) -> array:

@@ -130,7 +130,7 @@ class Detokenizer:
         rid = s.route.request_id
         first = s.num_output == len(tokens.token_ids)
         delta = Delta(rid, content, tokens, fin, s.route.num_prompt, s.num_output,
-                      reasoning=reasoning)
+                      reasoning=reasoning, stop_string=s.stops.stop)
         if first:
             delta.started_at, delta.cached_tokens = s.started_at, s.route.cached_tokens
             delta.prompt_ids = s.route.prompt_ids  # asked for, or with prompt logprobs

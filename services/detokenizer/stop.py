@@ -29,6 +29,7 @@ class StopMatcher:
         # all the text from the earliest position where a stop could still begin.
         self._pending = ""
         self._matched = False
+        self.stop: str | None = None  # the stop string matched, once one has
 
     @property
     def matched(self) -> bool:
@@ -64,6 +65,7 @@ class StopMatcher:
             # No stop starting before match[0] can still complete: the match is final.
             start, length = match
             self._matched = True
+            self.stop = buf[start : start + length]
             self._pending = ""
             return buf[: start + length if self._include else start], True
         self._pending = buf[hold:]

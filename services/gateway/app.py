@@ -21,6 +21,7 @@ from services.gateway.access import Cors, api_key_middleware
 from services.gateway.errors import bad_request, errors_as_json, not_found, unavailable
 from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
+from services.gateway.messages_api import MessagesAPI, error_body
 from services.gateway.metrics import Metrics
 from services.gateway.pending import PendingLimit
 from services.gateway.stream import OPENAI, Answer
@@ -36,7 +37,8 @@ from shared.transport import AsyncFanout, AsyncSender
 log = logging.getLogger("pipellm.gateway")
 _REQUEST_ID = web.RequestKey("request_id", str)
 _PEER_WAIT_MS = 3000  # how long a request waits for a tokenizer worker to (re)connect
-ERROR_SHAPES: dict = {}  # path prefix -> the error body of APIs not shaped as OpenAI's
+# path prefix -> the error body of APIs not shaped as OpenAI's
+ERROR_SHAPES: dict = {"/v1/messages": error_body}
 
 
 class Gateway:
@@ -88,6 +90,7 @@ class Gateway:
             app.on_response_prepare.append(cors.on_prepare)
         app.on_response_prepare.append(_echo_request_id)
         Utility(self).add_routes(app.router)
+        MessagesAPI(self).add_routes(app.router)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)

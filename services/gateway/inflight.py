@@ -32,6 +32,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
     cum_logprob: float = 0.0  # of its generated tokens (best_of ranks choices by it)
     num_prompt: int = 0
     cached_tokens: int = 0  # of the prompt's, from the prefix cache
@@ -54,6 +55,7 @@ class ChoiceState:
             self.prompt_ids = delta.prompt_ids
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+            self.stop_string = delta.stop_string
 
     @property
     def id_suffix(self) -> str:

@@ -1,0 +1,154 @@
+"""Anthropic messages and their content blocks -> OpenAI chat messages (dicts, as a chat body
+holds them; chat_messages.py validates them after).
+
+Invariants: the blocks' order is kept (a user message's text blocks between tool_result
+blocks become user messages between the `tool` messages); block fields the chat path has no
+use for (cache_control, citations, is_error) are dropped; a block kind that would change the
+answer if dropped (image, document) is a 400, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from services.gateway.errors import bad_request
+from services.gateway.validation import json_type
+
+_UNSERVED = {"image": "images are not supported", "document": "documents are not supported"}
+# assistant blocks of Anthropic's server tools in a history: their calls ran elsewhere
+_SERVER_BLOCKS = frozenset({"server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                            "code_execution_tool_result", "bash_code_execution_tool_result",
+                            "text_editor_code_execution_tool_result", "mcp_tool_use",
+                            "mcp_tool_result", "container_upload"})
+
+
+def chat_messages(system: Any, messages: Any, notes: list[str]) -> tuple[list[dict], bool]:
+    """(the chat messages, whether the last one is an assistant prefill to continue)."""
+    out = [] if system is None else [{"role": "system", "content": _system(system)}]
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty array, got "
+                          f"{json_type(messages)}", "messages")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object", where)
+        role, content = message.get("role"), message.get("content")
+        if role not in ("user", "assistant"):
+            raise bad_request(f'{where}.role must be "user" or "assistant"', f"{where}.role")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"{where}.content must be a string or an array of content "
+                              f"blocks, got {json_type(content)}", f"{where}.content")
+        blocks = [_block(b, f"{where}.content[{j}]") for j, b in enumerate(content)]
+        out += _user(blocks, where) if role == "user" else [_assistant(blocks, where, notes)]
+    last = out[-1]
+    prefill = (last["role"] == "assistant" and not last.get("tool_calls")
+               and bool(_text_of(last["content"]).strip()))
+    return out, prefill
+
+
+def _system(system: Any) -> str:
+    if isinstance(system, str):
+        return system
+    if not isinstance(system, list):
+        raise bad_request(f"system must be a string or an array of text blocks, got "
+                          f"{json_type(system)}", "system")
+    return "\n".join(_text(_block(b, f"system[{i}]"), f"system[{i}]")
+                     for i, b in enumerate(system))
+
+
+def _block(block: Any, where: str) -> tuple[str, dict, str]:
+    """(its type, the block, where it is), once it is an object with a string `type`."""
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise bad_request(f"{where} must be a content block: an object with a string `type`",
+                          where)
+    kind = block["type"]
+    if kind in _UNSERVED:
+        raise bad_request(_UNSERVED[kind], where)
+    return kind, block, where
+
+
+def _text(block: tuple[str, dict, str], where: str) -> str:
+    kind, b, _ = block
+    if kind != "text":
+        raise bad_request(f"{where}: expected a text block, got {kind[:40]!r}", where)
+    return _string(b, "text", where)
+
+
+def _string(b: dict, key: str, where: str) -> str:
+    value = b.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"{where}.{key} must be a string, got {json_type(value)}",
+                          f"{where}.{key}")
+    return value
+
+
+def _user(blocks: list[tuple[str, dict, str]], where: str) -> list[dict]:
+    """A user message's blocks: text runs as user messages, tool results as tool messages."""
+    out: list[dict] = []
+    texts: list[dict] = []
+    for kind, b, at in blocks:
+        if kind == "text":
+            texts.append({"type": "text", "text": _string(b, "text", at)})
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": texts})
+                texts = []
+            out.append({"role": "tool", "tool_call_id": _string(b, "tool_use_id", at),
+                        "content": _result(b.get("content"), at)})
+        else:
+            raise bad_request(f"content blocks of type {kind[:40]!r} are not supported in "
+                              "user messages", at)
+    if texts or not out:
+        out.append({"role": "user", "content": texts})
+    return out
+
+
+def _result(content: Any, where: str) -> str:
+    """A tool_result's content: a string or text blocks (joined by newlines); none is ""."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or an array of text blocks",
+                          f"{where}.content")
+    return "\n".join(_text(_block(b, f"{where}.content[{i}]"), f"{where}.content[{i}]")
+                     for i, b in enumerate(content))
+
+
+def _assistant(blocks: list[tuple[str, dict, str]], where: str, notes: list[str]) -> dict:
+    """An assistant message's blocks as one message: text, tool calls, reasoning."""
+    texts, calls, thinking = [], [], []
+    for kind, b, at in blocks:
+        if kind == "text":
+            texts.append({"type": "text", "text": _string(b, "text", at)})
+        elif kind == "tool_use":
+            args = b.get("input", {})
+            if not isinstance(args, dict):
+                raise bad_request(f"{at}.input must be an object", f"{at}.input")
+            calls.append({"id": _string(b, "id", at), "type": "function", "function": {
+                "name": _string(b, "name", at),
+                "arguments": json.dumps(args, ensure_ascii=False)}})
+        elif kind == "thinking":
+            thinking.append(_string(b, "thinking", at))
+        elif kind in _SERVER_BLOCKS:
+            notes.append(f"{at}: a {kind} block is left out (server tools are not run here)")
+        elif kind != "redacted_thinking":
+            raise bad_request(f"content blocks of type {kind[:40]!r} are not supported in "
+                              "assistant messages", at)
+    out: dict[str, Any] = {"role": "assistant",
+                           "content": texts if texts or not calls else None}
+    if calls:
+        out["tool_calls"] = calls
+    if thinking:
+        out["reasoning_content"] = "".join(thinking)
+    return out
+
+
+def _text_of(content: Any) -> str:
+    """The text of a chat message's content (a string or text parts)."""
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content)
+    return content or ""

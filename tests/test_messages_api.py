@@ -1,0 +1,394 @@
+"""Anthropic's Messages API without a server: the translation of a body into the chat path's
+request (each block kind, tools, tool_choice, thinking), the whole message, the SSE event
+sequence driven by hand-made Deltas, and the error shape under /v1/messages
+(tests/test_tools_e2e.py runs the API through the real services with the anthropic SDK)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from array import array
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from services.detokenizer.stop import StopMatcher
+from services.gateway.access import api_key_middleware
+from services.gateway.app import ERROR_SHAPES
+from services.gateway.errors import APIError, errors_as_json
+from services.gateway.inflight import ChoiceState
+from services.gateway.messages_api import message
+from services.gateway.messages_api.events import MessageEvents, sse
+from services.gateway.messages_api.request import parse_request
+from services.gateway.protocol import ChatSettings
+from shared.messages import Delta, Tokens
+
+CHAT = ChatSettings(tool_parser="hermes", reasoning_parser="qwen3")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"name": "get_weather", "description": "The weather", "input_schema": WEATHER}
+
+
+def parse(chat=CHAT, **body):
+    req, notes = parse_request({"model": "m", "max_tokens": 50, **body}, "m", chat=chat)
+    return req, notes
+
+
+def msgs(*messages, **body):
+    return parse(messages=list(messages), **body)[0].messages
+
+
+def test_system_and_text_blocks():
+    m = msgs({"role": "user", "content": [{"type": "text", "text": "a",
+                                            "cache_control": {"type": "ephemeral"}},
+                                           {"type": "text", "text": "b"}]},
+             system=[{"type": "text", "text": "S1", "cache_control": {"type": "ephemeral"}},
+                     {"type": "text", "text": "S2"}])
+    assert [(x.role, x.content) for x in m] == [("system", "S1\nS2"), ("user", "a\nb")]
+    assert msgs({"role": "user", "content": "hi"}, system="S")[0].content == "S"
+
+
+def test_tool_use_and_tool_result_blocks():
+    m = msgs({"role": "user", "content": "weather?"},
+             {"role": "assistant", "content": [
+                 {"type": "thinking", "thinking": "need a tool", "signature": "x"},
+                 {"type": "redacted_thinking", "data": "opaque"},
+                 {"type": "text", "text": "Let me look."},
+                 {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                  "input": {"city": "Paris"}}]},
+             {"role": "user", "content": [
+                 {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": False,
+                  "content": [{"type": "text", "text": "21C"}]},
+                 {"type": "text", "text": "and now?"}]},
+             tools=[TOOL])
+    assert [x.role for x in m] == ["user", "assistant", "tool", "user"]
+    a = m[1]
+    assert a.content == "Let me look." and a.reasoning == "need a tool"
+    assert [(c.id, c.name, json.loads(c.arguments)) for c in a.tool_calls] == [
+        ("toolu_1", "get_weather", {"city": "Paris"})]
+    assert (m[2].tool_call_id, m[2].content) == ("toolu_1", "21C")
+    assert m[3].content == "and now?"
+
+
+def test_a_call_alone_and_a_string_tool_result():
+    m = msgs({"role": "user", "content": "w"},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name":
+                                                "get_weather", "input": {"city": "X"}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                           "content": "sunny", "is_error": True}]},
+             tools=[TOOL])
+    assert m[1].content == "" and len(m[1].tool_calls) == 1
+    assert [(x.role, x.content) for x in m[2:]] == [("tool", "sunny")]
+
+
+def test_a_last_assistant_message_is_continued():
+    req, _ = parse(messages=[{"role": "user", "content": "Count"},
+                             {"role": "assistant", "content": "1, 2,"}])
+    assert req.options["continue_final_message"] and not req.add_generation_prompt
+    req, _ = parse(messages=[{"role": "user", "content": "Count"}])
+    assert not req.options["continue_final_message"] and req.add_generation_prompt
+
+
+@pytest.mark.parametrize("block, says", [
+    ({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "x"}},
+     "images are not supported"),
+    ({"type": "document", "source": {}}, "documents are not supported"),
+    ({"type": "video"}, "not supported"),
+    ({"text": "no type"}, "content block"),
+])
+def test_unserved_blocks_are_400s(block, says):
+    with pytest.raises(APIError) as e:
+        msgs({"role": "user", "content": [block]})
+    assert e.value.status == 400 and says in e.value.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": None}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),
+    ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
+    ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+    ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+    ({"model": "other"}, "model"),
+])
+def test_bad_bodies_are_400s(body, param):
+    full = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(APIError) as e:
+        parse_request({**full, **body}, "m", chat=CHAT)
+    assert e.value.param == param and e.value.status in (400, 404)
+
+
+def test_max_tokens_is_required_except_to_count():
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(APIError):
+        parse_request(body, "m")
+    req, _ = parse_request(body, "m", count_only=True)
+    assert req.messages[0].content == "x"
+
+
+@pytest.mark.parametrize("choice, mode, named, parallel", [
+    ({"type": "auto"}, "auto", "", True),
+    ({"type": "any"}, "required", "", True),
+    ({"type": "none"}, "none", "", True),
+    ({"type": "tool", "name": "get_weather"}, "named", "get_weather", True),
+    ({"type": "any", "disable_parallel_tool_use": True}, "required", "", False),
+    (None, "auto", "", True),
+])
+def test_tool_choice(choice, mode, named, parallel):
+    req, _ = parse(messages=[{"role": "user", "content": "x"}], tools=[TOOL],
+                   tool_choice=choice)
+    assert (req.tools.mode, req.tools.named, req.tools.parallel) == (mode, named, parallel)
+    assert [s.name for s in req.tools.specs] == ["get_weather"]
+    assert json.loads(req.tools.specs[0].parameters) == WEATHER
+    assert (req.grammar is not None) == (mode in ("required", "named"))
+
+
+def test_server_tools_are_skipped_with_a_note():
+    req, notes = parse(messages=[{"role": "user", "content": "x"}], tools=[
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+        {"type": "bash_20250124", "name": "bash"},
+        {**TOOL, "cache_control": {"type": "ephemeral"}, "type": "custom"}])
+    assert [s.name for s in req.tools.specs] == ["get_weather"]
+    assert len(notes) == 2 and "web_search_20250305" in notes[0]
+    req, _ = parse(messages=[{"role": "user", "content": "x"}], tool_choice={"type": "auto"},
+                   tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    assert req.tools is None
+
+
+def test_sampling_fields_stop_and_metadata():
+    req, _ = parse(messages=[{"role": "user", "content": "x"}], temperature=0.3, top_p=0.9,
+                   top_k=7, stop_sequences=["END", "\n\n"], stream=True,
+                   metadata={"user_id": "u-1"}, service_tier="auto", container=None,
+                   mcp_servers=[], something_new=1)
+    p = req.params
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.3, 0.9, 7, 50)
+    assert req.stop == ("END", "\n\n") and req.stream and req.user == "u-1"
+    assert not req.max_tokens_given  # a ceiling: lowered to the context's room
+    assert "something_new" in req.ignored
+    with pytest.raises(APIError):
+        parse_request({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                       "something_new": 1}, "m", strict=True)
+
+
+@pytest.mark.parametrize("thinking, chat, kwargs, budget", [
+    ({"type": "enabled", "budget_tokens": 1024}, CHAT, {"enable_thinking": True}, 1024),
+    ({"type": "enabled", "budget_tokens": 1024}, ChatSettings(), {"enable_thinking": True}, 0),
+    ({"type": "adaptive"}, CHAT, {"enable_thinking": True}, 0),
+    ({"type": "disabled"}, CHAT, {"enable_thinking": False}, 0),
+    (None, CHAT, None, 0),
+])
+def test_thinking(thinking, chat, kwargs, budget):
+    req, _ = parse(chat, messages=[{"role": "user", "content": "x"}], thinking=thinking)
+    got = req.options["chat_template_kwargs"]
+    assert (json.loads(got) if got else None) == kwargs
+    assert req.options["thinking_token_budget"] == budget
+
+
+# --- answers ---------------------------------------------------------------------------------
+
+def delta(text="", reasoning="", finish=None, n=1, stop=None, cached=0):
+    tokens = Tokens("r", 0, array("i", range(n)), array("f", [0.0] * n), finish_reason=finish)
+    return Delta("chatcmpl-abc", text, tokens, finish, num_prompt=20, num_output=0,
+                 reasoning=reasoning, stop_string=stop, cached_tokens=cached)
+
+
+def run(req, deltas):
+    """(events, the choice) after feeding `deltas` as the stream does."""
+    c, ev, out = ChoiceState(0), MessageEvents(req, "chatcmpl-abc"), []
+    for d in deltas:
+        c.add(d, [])
+        out += ev.feed(c, d)
+    return out, c
+
+
+def kinds(events) -> list[str]:
+    names = []
+    for kind, data in events:
+        if kind == "content_block_start":
+            kind += ":" + data["content_block"]["type"]
+        elif kind == "content_block_delta":
+            kind = data["delta"]["type"]
+        names.append(kind)
+    return [n for i, n in enumerate(names) if i == 0 or n != names[i - 1]]  # runs as one
+
+
+def snapshot(events) -> dict:
+    """The message the events assemble to, as the SDK's stream helper accumulates it."""
+    msg, bufs = None, {}
+    for kind, data in events:
+        if kind == "message_start":
+            msg = json.loads(json.dumps(data["message"]))
+        elif kind == "content_block_start":
+            assert data["index"] == len(msg["content"])
+            msg["content"].append(dict(data["content_block"]))
+        elif kind == "content_block_delta":
+            block, d = msg["content"][data["index"]], data["delta"]
+            if d["type"] == "input_json_delta":
+                bufs[data["index"]] = bufs.get(data["index"], "") + d["partial_json"]
+                block["input"] = json.loads(bufs[data["index"]] or "{}") if \
+                    _complete(bufs[data["index"]]) else block["input"]
+            else:
+                key = {"text_delta": "text", "thinking_delta": "thinking",
+                       "signature_delta": "signature"}[d["type"]]
+                block[key] = (block[key] + d[key]) if key != "signature" else d[key]
+        elif kind == "message_delta":
+            msg.update(data["delta"])
+            msg["usage"].update(data["usage"])
+    return msg
+
+
+def _complete(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def check_order(events) -> None:
+    """message_start first, message_stop last; blocks numbered in order, one open at once."""
+    assert events[0][0] == "message_start" and events[1][0] == "ping"
+    assert events[-1][0] == "message_stop" and events[-2][0] == "message_delta"
+    open_index, last = None, -1
+    for kind, data in events:
+        if kind == "content_block_start":
+            assert open_index is None and data["index"] == last + 1
+            open_index = last = data["index"]
+        elif kind == "content_block_delta":
+            assert data["index"] == open_index
+        elif kind == "content_block_stop":
+            assert data["index"] == open_index
+            open_index = None
+        elif kind == "message_delta":
+            assert open_index is None
+
+
+def test_text_only():
+    req, _ = parse(messages=[{"role": "user", "content": "hi"}])
+    ds = [delta("Hel", cached=16), delta("lo", n=2), delta("!", finish="stop")]
+    events, c = run(req, ds)
+    check_order(events)
+    assert kinds(events) == ["message_start", "ping", "content_block_start:text", "text_delta",
+                             "content_block_stop", "message_delta", "message_stop"]
+    whole = message(None, req, "chatcmpl-abc", [c])
+    assert snapshot(events) == whole
+    assert whole["id"] == "msg_abc" and whole["content"] == [{"type": "text", "text": "Hello!"}]
+    assert whole["stop_reason"] == "end_turn" and whole["stop_sequence"] is None
+    assert whole["usage"] == {"input_tokens": 4, "output_tokens": 4,
+                              "cache_read_input_tokens": 16, "cache_creation_input_tokens": 0}
+    assert sse(events[-1]) == b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+
+
+def test_thinking_then_text():
+    req, _ = parse(messages=[{"role": "user", "content": "hi"}])
+    ds = [delta(reasoning="let me "), delta(reasoning="think"), delta("\n\nHi", "", None),
+          delta(" there", finish="length")]
+    events, c = run(req, ds)
+    check_order(events)
+    assert kinds(events) == [
+        "message_start", "ping", "content_block_start:thinking", "thinking_delta",
+        "signature_delta", "content_block_stop", "content_block_start:text", "text_delta",
+        "content_block_stop", "message_delta", "message_stop"]
+    whole = message(None, req, "chatcmpl-abc", [c])
+    assert whole["content"] == [
+        {"type": "thinking", "thinking": "let me think", "signature": ""},
+        {"type": "text", "text": "\n\nHi there"}]
+    assert whole["stop_reason"] == "max_tokens" and snapshot(events) == whole
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("cut", [1, 7, 1000])
+def test_thinking_text_and_a_tool_use(cut):
+    req, _ = parse(messages=[{"role": "user", "content": "w"}], tools=[TOOL])
+    text = "Checking." + CALL
+    pieces = [text[i : i + cut] for i in range(0, len(text), cut)]
+    ds = [delta(reasoning="hmm")] + [delta(p) for p in pieces[:-1]] + \
+        [delta(pieces[-1], finish="stop")]
+    events, c = run(req, ds)
+    check_order(events)
+    assert kinds(events) == [
+        "message_start", "ping", "content_block_start:thinking", "thinking_delta",
+        "signature_delta", "content_block_stop", "content_block_start:text", "text_delta",
+        "content_block_stop", "content_block_start:tool_use", "input_json_delta",
+        "content_block_stop", "message_delta", "message_stop"]
+    pieces = [d["delta"]["partial_json"] for k, d in events
+              if k == "content_block_delta" and d["delta"]["type"] == "input_json_delta"]
+    assert json.loads("".join(pieces)) == {"city": "Paris"}
+    whole = message(None, req, "chatcmpl-abc", [c])
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use"]
+    use = whole["content"][2]
+    assert use["id"].startswith("toolu_") and use["input"] == {"city": "Paris"}
+    assert whole["stop_reason"] == "tool_use"
+    got = snapshot(events)
+    got["content"][2]["id"] = use["id"]  # each shaper names its calls
+    assert got == whole
+
+
+def test_a_named_tool_streams_its_input_in_pieces():
+    req, _ = parse(messages=[{"role": "user", "content": "w"}], tools=[TOOL],
+                   tool_choice={"type": "tool", "name": "get_weather"})
+    args = '{"city": "Oslo"}'
+    ds = [delta(args[i : i + 3]) for i in range(0, len(args), 3)]
+    ds[-1].finish_reason = "stop"
+    events, c = run(req, ds)
+    check_order(events)
+    pieces = [d["delta"]["partial_json"] for k, d in events if k == "content_block_delta"]
+    assert len(pieces) > 1 and json.loads("".join(pieces)) == {"city": "Oslo"}
+    assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    whole = message(None, req, "chatcmpl-abc", [c])
+    assert [b["input"] for b in whole["content"]] == [{"city": "Oslo"}]
+
+
+def test_stop_sequence_and_an_empty_answer():
+    req, _ = parse(messages=[{"role": "user", "content": "x"}], stop_sequences=["END"])
+    events, c = run(req, [delta("a b", finish="stop", stop="END")])
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    assert message(None, req, "chatcmpl-abc", [c])["stop_sequence"] == "END"
+    events, c = run(req, [delta("", finish="stop")])
+    check_order(events)
+    assert kinds(events) == ["message_start", "ping", "message_delta", "message_stop"]
+    assert message(None, req, "chatcmpl-abc", [c])["content"] == []
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+def test_errors_under_v1_messages_take_anthropics_shape():
+    asyncio.run(_errors())
+
+
+async def _errors():
+    async def fail(request):
+        raise APIError(int(request.query["status"]), "nope")
+
+    app = web.Application(middlewares=[errors_as_json(ERROR_SHAPES), api_key_middleware("k")])
+    app.router.add_post("/v1/messages", fail)
+    app.router.add_post("/v1/chat/completions", fail)
+    async with TestClient(TestServer(app)) as client:
+        r = await client.post("/v1/messages", headers={"x-api-key": "bad"})
+        assert r.status == 401 and await r.json() == {"type": "error", "error": {
+            "type": "authentication_error", "message": (await r.json())["error"]["message"]}}
+        for status, kind in [(400, "invalid_request_error"), (404, "not_found_error"),
+                             (413, "request_too_large"), (429, "rate_limit_error"),
+                             (500, "api_error"), (503, "overloaded_error")]:
+            r = await client.post(f"/v1/messages?status={status}", headers={"x-api-key": "k"})
+            assert r.status == status
+            assert await r.json() == {"type": "error", "error": {"type": kind,
+                                                                 "message": "nope"}}
+        r = await client.post("/v1/chat/completions?status=400",
+                              headers={"Authorization": "Bearer k"})
+        assert (await r.json())["error"]["type"] == "invalid_request_error"
+        assert "param" in (await r.json())["error"]  # OpenAI's shape elsewhere
+
+
+def test_the_matched_stop_string_is_known():
+    """What the detokenizer puts in Delta.stop_string (the stop_sequence answered)."""
+    m = StopMatcher(["c", "bcd", "zz"])
+    assert m.feed("ab") == ("a", False) and m.stop is None
+    assert m.feed("cx") == ("b", True) and m.stop == "c"
+    m = StopMatcher(["END"], include_stop_str_in_output=True)
+    assert m.feed("x EN") == ("x ", False)
+    assert m.feed("D y") == ("END", True) and m.stop == "END"
