@@ -156,10 +156,27 @@ def cpu_ext():
     return ext
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(8, 8, 64), (9, 3, 64), (8, 2, 32),
-                                                         (4, 1, 128)])
+@pytest.fixture(params=["generic", "avx2", "avx512"])
+def attention_level(cpu_ext, request):
+    """Each path of the C++ decode attention this CPU runs: its vectorized variants (chosen by
+    the kernels' ISA level, so the AVX2 one is tested on any x86 machine) and the generic code
+    (what INT8 caches and other head sizes take, selected here by choosing no level)."""
+    from kernels.cpu import isa
+
+    if request.param != "generic" and request.param not in isa.cpu_levels():
+        pytest.skip(f"this CPU does not run {request.param} ({isa.describe()})")
+    previous = cpu_ext.block_gemm_isa()
+    cpu_ext.set_block_gemm_isa("" if request.param == "generic" else request.param)
+    yield request.param
+    cpu_ext.set_block_gemm_isa(previous)
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [
+    (8, 8, 64), (9, 3, 64), (8, 2, 32), (4, 1, 128), (16, 2, 64), (6, 3, 16), (4, 2, 256),
+    (4, 2, 96)])  # 96: not a power of 2, the generic code at every level
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_kernel_matches_reference(cpu_ext, n_heads, n_kv_heads, head_dim, dtype):
+def test_cpu_kernel_matches_reference(attention_level, cpu_ext, n_heads, n_kv_heads, head_dim,
+                                      dtype):
     q, k, v, starts, lens = make_case([1, 7, 64, 300, 33], n_kv_heads, head_dim, dtype,
                                       n_heads=n_heads, seed=n_heads + head_dim)
     check(q, k, v, starts, lens, cpu_ext.decode_attention(q, k, v, starts, lens, 0.2), 0.2)
@@ -300,7 +317,7 @@ def test_public_function_window_triton(triton_backend):
 
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_window_matches_reference(cpu_ext, window, dtype):
+def test_cpu_kernel_window_matches_reference(attention_level, cpu_ext, window, dtype):
     q, k, v, starts, lens = make_case([1, 37, 300, 64], 2, 64, dtype, seed=window)
     kp, vp = poison_outside_window(k, v, starts, lens, window)
     out = cpu_ext.decode_attention(q, kp, vp, starts, lens, 0.2, window=window)
@@ -347,3 +364,12 @@ def test_softcap_every_path_matches_dense(cpu_ext, window, int8):
     for name, out in outs.items():
         torch.testing.assert_close(out.double(), exp, atol=1e-5, rtol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_cpu_softcap_at_every_level(attention_level, cpu_ext, window):
+    q, k, v, starts, lens = make_case([1, 37, 300], 2, 64, seed=41 + window)
+    q = q * 4
+    exp = dense_attention(q, k, v, starts, lens, 0.125, window, softcap=5.0)
+    out = cpu_ext.decode_attention(q, k, v, starts, lens, 0.125, window=window, softcap=5.0)
+    torch.testing.assert_close(out.double(), exp, atol=1e-5, rtol=1e-5)

@@ -51,7 +51,8 @@ NAME = "pipellm_cpu_kernels"
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "bindings.cpp", "decode_attention.cpp", "norm.cpp", "activation.cpp", "int8_quant.cpp",
     "rope.cpp", "block_gemm.cpp", "block_gemm_avx2.cpp", "block_gemm_avx512.cpp",
-    "block_gemm_avx512_vnni.cpp", "token_bitmask.cpp", "sampling.cpp", "sampling_filters.cpp")]
+    "block_gemm_avx512_vnni.cpp", "decode_attention_avx2.cpp", "decode_attention_avx512.cpp",
+    "token_bitmask.cpp", "sampling.cpp", "sampling_filters.cpp")]
 _FLAGS = ["-O3", *(["-march=x86-64-v3"] if isa.is_x86() else []), "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 

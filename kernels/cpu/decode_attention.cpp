@@ -8,7 +8,10 @@
 // min(len, window) keys, positions (len - 1 - window, len - 1]; the rows before are not read.
 // softcap > 0 (Gemma 2's attn_logit_softcapping): each score s = scale * q.k becomes
 // softcap * tanh(s / softcap) before the softmax; 0: none.
-// One work item per sequence: it walks the sequence's K rows (all kv heads: contiguous memory)
+// The vectorized variants (decode_attention_kernel.h, one per ISA level: the level the block
+// GEMMs run, set_block_gemm_isa) take float caches with a power-of-2 head_dim in [16, 256]; the
+// generic code below takes the rest (INT8 caches, other head sizes, a CPU below AVX2).
+// Generic path: one work item per sequence: it walks the sequence's K rows (all kv heads: contiguous memory)
 // once, scoring every query head h against kv head h / (H / Hkv) in fp32, then its V rows once.
 // Walking whole rows rather than one head's slice per item runs at ~90% of memory bandwidth,
 // 2x the per-(sequence, head) split. Items run in parallel on ATen's thread pool.
@@ -20,6 +23,10 @@
 #include <type_traits>
 #include <limits>
 #include <vector>
+
+#include "decode_attention.h"
+
+std::string block_gemm_isa();  // block_gemm.cpp: the ISA level chosen for this CPU
 
 namespace {
 
@@ -123,6 +130,21 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   });
 }
 
+// The vectorized variant for this call, or nullptr (decode_attention.h's limits).
+using Variant = void (*)(const pipellm::attention::Args&);
+Variant variant(int64_t D, bool int8) {
+  if (int8 || D < 16 || D > pipellm::attention::kMaxHeadDim || (D & (D - 1)) != 0) return nullptr;
+  const std::string level = block_gemm_isa();
+  if (level.rfind("avx512", 0) == 0) return pipellm::attention::run_avx512;
+  if (level == "avx2") return pipellm::attention::run_avx2;
+  return nullptr;
+}
+
+pipellm::attention::DType dtype_of(at::ScalarType t) {
+  using pipellm::attention::DType;
+  return t == at::kFloat ? DType::kFloat : t == at::kBFloat16 ? DType::kBFloat16 : DType::kHalf;
+}
+
 }  // namespace
 
 // k_scale, v_scale (INT8 caches): fp16 [capacity, Hkv, D / 8], the caches int8. window: 0 for
@@ -155,9 +177,18 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
     sc = Scales{ks.data_ptr<at::Half>(), vs.data_ptr<at::Half>(), ks.stride(0), ks.stride(1)};
   }
   auto starts = seq_starts.contiguous(), lens = seq_lens.contiguous();
-  auto out = torch::empty_like(q);
   const int32_t* st = starts.data_ptr<int32_t>();
   const int32_t* ln = lens.data_ptr<int32_t>();
+  if (const Variant run = variant(D, int8)) {
+    TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "caches must be q's dtype");
+    TORCH_CHECK(k_cache.stride(1) == D, "kv heads must be contiguous within a cache row");
+    auto out = torch::empty(q.sizes(), q.options());
+    run({q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+         k_cache.stride(0), st, ln, q.size(0), H, Hkv, D, static_cast<float>(scale),
+         static_cast<float>(softcap), window, out.data_ptr(), dtype_of(q.scalar_type())});
+    return out;
+  }
+  auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
     if (int8) {

@@ -1,0 +1,157 @@
+// The vectorized decode attention, a template over an ISA's float vector traits `V` (kLanes
+// floats: load from float / bf16 / fp16, fmadd, horizontal sum, exp), included by each
+// decode_attention_<isa>.cpp inside its target region. Same contract as decode_attention.cpp.
+//
+// Per sequence (one work item, sequences in parallel), per kv head: the scores of its query
+// group walk the head's K rows once (each row converted to float once, then one dot product
+// per query head), the softmax runs on vectors, and each query head sums its V rows with its
+// accumulators in registers (D / kLanes of them). Math in float32.
+#pragma once
+
+namespace {
+
+using pipellm::attention::Args;
+using pipellm::attention::DType;
+
+// sum_c x[c] * y[c] over NC vectors
+template <class V, int NC, typename T>
+inline float dot(const float* q, const T* k) {
+  typename V::F acc = V::mul(V::loadf(q), V::load(k));
+  for (int c = 1; c < NC; ++c) acc = V::fmadd(V::loadf(q + c * V::kLanes), V::load(k + c * V::kLanes), acc);
+  return V::sum(acc);
+}
+
+// s[i] = exp(s[i] - mx) for i < n; returns their sum
+template <class V>
+inline float exp_sum(float* s, int64_t n, float mx) {
+  typename V::F acc = V::fzero(), m = V::set1(mx);
+  int64_t i = 0;
+  for (; i + V::kLanes <= n; i += V::kLanes) {
+    const typename V::F e = V::exp(V::sub(V::loadf(s + i), m));
+    V::storef(s + i, e);
+    acc = V::add(acc, e);
+  }
+  float sum = V::sum(acc);
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - mx));
+  return sum;
+}
+
+// out[h0 + j] = inv[h0 + j] * sum_t p[h0 + j][t] * V[t] for j < G: heads h0.. of one kv head,
+// their G * NC accumulators in registers, each V row read once
+template <class V, int NC, int G, typename T>
+void weigh_v(const Args& a, const float* p, int64_t n, const float* inv, const T* v, int64_t h0,
+             T* out) {
+  constexpr int64_t D = NC * V::kLanes;
+  typename V::F acc[G][NC];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < NC; ++c) acc[j][c] = V::fzero();
+  const T* vh = v + (h0 / (a.H / a.Hkv)) * D;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* row = vh + t * a.row_stride;
+    typename V::F pt[G];
+    for (int j = 0; j < G; ++j) pt[j] = V::set1(p[(h0 + j) * n + t]);
+    for (int c = 0; c < NC; ++c) {
+      const typename V::F x = V::load(row + c * V::kLanes);
+      for (int j = 0; j < G; ++j) acc[j][c] = V::fmadd(pt[j], x, acc[j][c]);
+    }
+  }
+  for (int j = 0; j < G; ++j) {
+    float o[D];
+    const typename V::F scale = V::set1(inv[h0 + j]);
+    for (int c = 0; c < NC; ++c) V::storef(o + c * V::kLanes, V::mul(acc[j][c], scale));
+    T* oh = out + (h0 + j) * D;
+    for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(o[d]);
+  }
+}
+
+template <class V, int NC, typename T>
+void attend(const Args& a, const T* q, const T* k, const T* v, int64_t n, T* out,
+            std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& inv) {
+  constexpr int64_t D = NC * V::kLanes;
+  const int64_t H = a.H, group = a.H / a.Hkv, rs = a.row_stride;
+  qf.resize(H * D);
+  scores.resize(H * n);
+  inv.resize(H);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t d = 0; d < D; ++d)
+      qf[h * D + d] = static_cast<float>(q[h * a.q_sh + d]) * a.scale;
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {  // scores, 8 rows at a time: their 8 dots summed together
+    for (int64_t h = 0; h < H; ++h) {
+      const float* qh = qf.data() + h * D;
+      const T* kh = k + t * rs + (h / group) * D;
+      typename V::F acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = V::mul(V::loadf(qh), V::load(kh + i * rs));
+      for (int c = 1; c < NC; ++c) {
+        const typename V::F qc = V::loadf(qh + c * V::kLanes);
+        for (int i = 0; i < 8; ++i) acc[i] = V::fmadd(qc, V::load(kh + i * rs + c * V::kLanes), acc[i]);
+      }
+      V::sum8(acc, scores.data() + h * n + t);
+    }
+  }
+  for (; t < n; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      scores[h * n + t] = dot<V, NC>(qf.data() + h * D, k + t * rs + (h / group) * D);
+  if (a.softcap > 0.f)
+    for (int64_t i = 0; i < H * n; ++i) scores[i] = a.softcap * std::tanh(scores[i] / a.softcap);
+  for (int64_t h = 0; h < H; ++h) {  // softmax: p = exp(s - max) / sum, the 1 / sum kept
+    float* p = scores.data() + h * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
+    inv[h] = 1.f / exp_sum<V>(p, n, mx);
+  }
+  constexpr int64_t kHeads = std::max<int64_t>(1, 12 / NC);  // q heads a V row serves at once
+  for (int64_t h = 0; h < H;) {  // p . V: heads of one kv head together, in registers
+    const int64_t g = std::min({kHeads, group - h % group, int64_t{4}});
+    switch (g) {
+      case 4: weigh_v<V, NC, 4>(a, scores.data(), n, inv.data(), v, h, out); break;
+      case 3: weigh_v<V, NC, 3>(a, scores.data(), n, inv.data(), v, h, out); break;
+      case 2: weigh_v<V, NC, 2>(a, scores.data(), n, inv.data(), v, h, out); break;
+      default: weigh_v<V, NC, 1>(a, scores.data(), n, inv.data(), v, h, out);
+    }
+    h += g;
+  }
+}
+
+template <class V, int NC, typename T>
+void run_typed(const Args& a) {
+  const T* qp = static_cast<const T*>(a.q);
+  const T* kp = static_cast<const T*>(a.k);
+  const T* vp = static_cast<const T*>(a.v);
+  T* op = static_cast<T*>(a.out);
+  at::parallel_for(0, a.B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, inv;  // per-thread scratch
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = a.lens[b];
+      const int64_t skip = a.window > 0 && len > a.window ? len - a.window : 0;
+      const int64_t first = a.starts[b] + skip;
+      attend<V, NC, T>(a, qp + b * a.q_sb, kp + first * a.row_stride, vp + first * a.row_stride,
+                       len - skip, op + b * a.H * a.D, qf, scores, inv);
+    }
+  });
+}
+
+template <class V, int NC>
+void run_nc(const Args& a) {
+  switch (a.dtype) {
+    case DType::kFloat: return run_typed<V, NC, float>(a);
+    case DType::kBFloat16: return run_typed<V, NC, c10::BFloat16>(a);
+    case DType::kHalf: return run_typed<V, NC, c10::Half>(a);
+  }
+}
+
+// head_dim = NC * kLanes, NC a power of 2 from 1 up to kMaxHeadDim / kLanes
+template <class V>
+void run_isa(const Args& a) {
+  switch (a.D / V::kLanes) {
+    case 1: return run_nc<V, 1>(a);
+    case 2: return run_nc<V, 2>(a);
+    case 4: return run_nc<V, 4>(a);
+    case 8: return run_nc<V, 8>(a);
+    case 16: return run_nc<V, 16>(a);
+    case 32: return run_nc<V, 32>(a);
+    default: throw std::invalid_argument("decode attention: head_dim not a supported multiple");
+  }
+}
+
+}  // namespace
