@@ -18,6 +18,7 @@ from services.gateway.access import api_key_middleware
 from services.gateway.app import ERROR_SHAPES
 from services.gateway.errors import APIError, errors_as_json
 from services.gateway.inflight import ChoiceState
+from services.gateway.messages_api import events as event_stream
 from services.gateway.messages_api import message
 from services.gateway.messages_api.events import MessageEvents, sse
 from services.gateway.messages_api.request import parse_request
@@ -392,3 +393,31 @@ def test_the_matched_stop_string_is_known():
     m = StopMatcher(["END"], include_stop_str_in_output=True)
     assert m.feed("x EN") == ("x ", False)
     assert m.feed("D y") == ("END", True) and m.stop == "END"
+
+
+def test_a_ping_goes_out_after_silence(monkeypatch):
+    """A stream whose model is silent (a long prefill of a later choice, a slow step) still
+    sends a ping every PING_S, and none while events flow."""
+    monkeypatch.setattr(event_stream, "PING_S", 0.05)
+
+    class Resp:
+        def __init__(self):
+            self.out = []
+
+        async def write(self, data: bytes) -> None:
+            self.out.append(data)
+
+    async def go() -> list[bytes]:
+        resp = Resp()
+        writer = event_stream._Writer(resp)
+        pinger = asyncio.create_task(writer.keepalive())
+        for _ in range(4):  # busy: no pings
+            await writer.send([("ping_not", {"type": "x"})])
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.18)  # silent: about three
+        pinger.cancel()
+        return resp.out
+
+    out = asyncio.run(go())
+    assert out[:4] == [b'event: ping_not\ndata: {"type":"x"}\n\n'] * 4
+    assert 2 <= len(out[4:]) <= 4 and set(out[4:]) == {b'event: ping\ndata: {"type":"ping"}\n\n'}

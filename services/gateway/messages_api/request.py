@@ -14,6 +14,8 @@ max_tokens, the tools' and thinking's shapes); everything else is the chat path'
     stop_sequences, top_k, ...         stop, top_k, temperature, top_p, stream
     thinking enabled|adaptive|disabled chat_template_kwargs.enable_thinking, and with a
                                        reasoning parser thinking_token_budget = budget_tokens
+                                       (display "omitted": include_reasoning false)
+    output_config.format json_schema   response_format json_schema (the text follows it)
     metadata.user_id                   user
 
 max_tokens is required (>= 1) and is a ceiling: like a chat request without max_tokens, it is
@@ -33,7 +35,10 @@ from services.gateway.validation import is_int, json_type, reject_unknown
 
 KEYS = frozenset({"model", "messages", "system", "max_tokens", "metadata", "stop_sequences",
                   "stream", "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking",
-                  "service_tier", "container", "mcp_servers", "context_management"})
+                  "service_tier", "container", "mcp_servers", "context_management", "output_config",
+                  # accepted, no use here
+                  "cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id",
+                  "workspace_id"})
 _SAMPLING = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
              ("stream", "stream"), ("stop_sequences", "stop"))
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -85,6 +90,7 @@ def to_chat_body(body: dict, notes: list[str], *, reasoning: bool,
         out["tools"] = tools
     out.update(_tool_choice(body.get("tool_choice"), bool(tools)))
     out.update(_thinking(body.get("thinking"), reasoning))
+    out.update(_output(body.get("output_config")))
     return out
 
 
@@ -168,7 +174,7 @@ def _thinking(thinking: Any, reasoning: bool) -> dict:
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind == "disabled":
         return {"chat_template_kwargs": {"enable_thinking": False}}
-    if kind not in ("enabled", "adaptive"):
+    if kind not in ("enabled", "adaptive", "between_tools"):
         raise bad_request('thinking must be {"type": "enabled", "budget_tokens": N}, '
                           '{"type": "adaptive"} or {"type": "disabled"}', "thinking")
     budget = thinking.get("budget_tokens")
@@ -178,4 +184,25 @@ def _thinking(thinking: Any, reasoning: bool) -> dict:
     out: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": True}}
     if reasoning and kind == "enabled":
         out["thinking_token_budget"] = budget
+    if thinking.get("display") == "omitted":
+        out["include_reasoning"] = False
     return out
+
+
+def _output(config: Any) -> dict:
+    """output_config.format (a JSON schema the text must follow) as response_format;
+    `effort` is accepted and has no use here."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise bad_request(f"output_config must be an object, got {json_type(config)}",
+                          "output_config")
+    fmt = config.get("format")
+    if fmt is None:
+        return {}
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+            and isinstance(fmt.get("schema"), dict)):
+        raise bad_request('output_config.format must be {"type": "json_schema", "schema": '
+                          '{...}}', "output_config.format")
+    return {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "output", "schema": fmt["schema"]}}}
