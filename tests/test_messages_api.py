@@ -17,11 +17,12 @@ from services.detokenizer.stop import StopMatcher
 from services.gateway.access import api_key_middleware
 from services.gateway.app import ERROR_SHAPES
 from services.gateway.errors import APIError, errors_as_json
-from services.gateway.inflight import ChoiceState
+from services.gateway.inflight import ChoiceState, Inflight
 from services.gateway.messages_api import events as event_stream
 from services.gateway.messages_api import message
 from services.gateway.messages_api.events import MessageEvents, sse
 from services.gateway.messages_api.request import parse_request
+from services.gateway.metrics import Metrics
 from services.gateway.protocol import ChatSettings
 from shared.messages import Delta, Tokens
 
@@ -421,3 +422,62 @@ def test_a_ping_goes_out_after_silence(monkeypatch):
     out = asyncio.run(go())
     assert out[:4] == [b'event: ping_not\ndata: {"type":"x"}\n\n'] * 4
     assert 2 <= len(out[4:]) <= 4 and set(out[4:]) == {b'event: ping\ndata: {"type":"ping"}\n\n'}
+
+
+class _Gateway:
+    """What `stream` and `deltas` read of a Gateway."""
+
+    def __init__(self):
+        self.metrics, self.tokenizer = Metrics("m"), None
+
+    def token_text(self, token_id: int) -> str:
+        return str(token_id)
+
+
+def _serve_stream(sent: list[Delta]) -> tuple[int, str]:
+    """(status, body) of a /v1/messages stream whose request gets the deltas `sent`."""
+    req, _ = parse(messages=[{"role": "user", "content": "x"}], stream=True)
+
+    async def handler(request):
+        inflight = Inflight("chatcmpl-abc", 1)
+        for d in sent:
+            inflight.deltas.put_nowait(d)
+        return await event_stream.stream(_Gateway(), request, req, inflight)
+
+    async def go():
+        app = web.Application(middlewares=[errors_as_json(ERROR_SHAPES)])
+        app.router.add_post("/v1/messages", handler)
+        async with TestClient(TestServer(app)) as client:
+            r = await client.post("/v1/messages")
+            return r.status, await r.text()
+
+    return asyncio.run(go())
+
+
+def test_an_error_after_the_stream_started_is_an_error_event():
+    fail = Delta("chatcmpl-abc", error="compute restarted too often", error_status=503)
+    status, body = _serve_stream([delta("Hi"), fail])
+    assert status == 200
+    chunks = body.strip().split("\n\n")
+    assert chunks[0].startswith("event: message_start") and len(chunks) == 5  # start, ping,
+    # block start, text delta, error
+    assert chunks[-1] == 'event: error\ndata: {"type":"error","error":{"type":' \
+        '"overloaded_error","message":"compute restarted too often"}}'
+    status, body = _serve_stream([fail])  # before any output: a plain JSON error
+    assert status == 503 and json.loads(body) == {"type": "error", "error": {
+        "type": "overloaded_error", "message": "compute restarted too often"}}
+
+
+def test_chat_extensions_pass_through_and_output_config():
+    req, _ = parse(messages=[{"role": "user", "content": "x"}], seed=7, min_p=0.1,
+                   guided_regex="[a-z]+", chat_template_kwargs={"a": 1, "enable_thinking": True},
+                   thinking={"type": "disabled"})
+    assert (req.params.seed, req.params.min_p) == (7, 0.1) and req.grammar is not None
+    assert json.loads(req.options["chat_template_kwargs"]) == {"a": 1, "enable_thinking": False}
+    req, _ = parse(messages=[{"role": "user", "content": "x"}], output_config={
+        "effort": "low", "format": {"type": "json_schema", "schema": WEATHER}})
+    assert req.grammar is not None and json.loads(req.grammar.spec) == WEATHER
+    with pytest.raises(APIError) as e:
+        parse(messages=[{"role": "user", "content": "x"}],
+              output_config={"format": {"type": "regex"}})
+    assert e.value.param == "output_config.format"

@@ -213,13 +213,18 @@ def test_messages_text_answer(claude):
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens > 10
 
 
-@pytest.mark.parametrize("kw", [{}, {"tools": A_TOOLS, "tool_choice": {"type": "tool",
-                                                                       "name": "add"}},
-                                {"tools": A_TOOLS, "tool_choice": {"type": "auto"}}])
-def test_messages_stream_assembles_to_the_whole_answer(claude, kw):
-    args = dict(model=MODEL, max_tokens=60, extra_body=COLD,
-                messages=[{"role": "user", "content": QUESTIONS[1]}], **kw)
+@pytest.mark.parametrize("kw, blocks", [
+    ({}, ["text"]),
+    ({"tools": A_TOOLS, "tool_choice": {"type": "tool", "name": "add"}}, ["tool_use"]),
+    ({"tools": A_TOOLS, "tool_choice": {"type": "auto"}}, None),
+    ({"extra_body": {**COLD, "guided_regex": THINKING}, "max_tokens": 80,  # made to think
+      "messages": [{"role": "user", "content": "Think, then greet me."}]}, ["thinking", "text"]),
+])
+def test_messages_stream_assembles_to_the_whole_answer(claude, kw, blocks):
+    args = {"model": MODEL, "max_tokens": 60, "extra_body": COLD,
+            "messages": [{"role": "user", "content": QUESTIONS[1]}], **kw}
     whole = claude.messages.create(**args)
+    assert blocks is None or [b.type for b in whole.content] == blocks
     with claude.messages.stream(**args) as stream:
         types = [event.type for event in stream]
         streamed = stream.get_final_message()

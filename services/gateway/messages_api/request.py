@@ -17,6 +17,8 @@ max_tokens, the tools' and thinking's shapes); everything else is the chat path'
                                        (display "omitted": include_reasoning false)
     output_config.format json_schema   response_format json_schema (the text follows it)
     metadata.user_id                   user
+    seed, min_p, guided_regex, ...     the same (the chat path's extensions, EXTRAS); thinking's
+                                       enable_thinking wins over a chat_template_kwargs' own
 
 max_tokens is required (>= 1) and is a ceiling: like a chat request without max_tokens, it is
 lowered to the room the context leaves after the prompt (Claude Code asks for 32000).
@@ -28,7 +30,7 @@ import dataclasses
 import json
 from typing import Any
 
-from services.gateway import protocol
+from services.gateway import protocol, structured
 from services.gateway.errors import bad_request
 from services.gateway.messages_api.content import chat_messages
 from services.gateway.validation import is_int, json_type, reject_unknown
@@ -39,6 +41,12 @@ KEYS = frozenset({"model", "messages", "system", "max_tokens", "metadata", "stop
                   # accepted, no use here
                   "cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id",
                   "workspace_id"})
+# the chat path's extensions a request may add (vLLM's sampling extras, structured outputs,
+# template variables): passed through as they are
+EXTRAS = frozenset({"seed", "min_p", "repetition_penalty", "frequency_penalty",
+                    "presence_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                    "logit_bias", "request_id", "priority", "cache_salt", "chat_template_kwargs",
+                    *structured.KEYS})
 _SAMPLING = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
              ("stream", "stream"), ("stop_sequences", "stop"))
 _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
@@ -53,7 +61,7 @@ def parse_request(body: Any, model_name: str, *, defaults=protocol.NO_DEFAULTS,
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {json_type(body)}")
     ignored: list[str] | None = None if strict else []
-    reject_unknown(body, KEYS, ignored)
+    reject_unknown(body, KEYS | EXTRAS, ignored)
     notes: list[str] = []
     chat_body = to_chat_body(body, notes, reasoning=bool(chat.reasoning_parser),
                              count_only=count_only)
@@ -89,7 +97,12 @@ def to_chat_body(body: dict, notes: list[str], *, reasoning: bool,
     if tools:
         out["tools"] = tools
     out.update(_tool_choice(body.get("tool_choice"), bool(tools)))
-    out.update(_thinking(body.get("thinking"), reasoning))
+    out.update({k: v for k, v in body.items() if k in EXTRAS})
+    thinking = _thinking(body.get("thinking"), reasoning)
+    if isinstance(out.get("chat_template_kwargs"), dict) and "chat_template_kwargs" in thinking:
+        thinking["chat_template_kwargs"] = {**out["chat_template_kwargs"],
+                                            **thinking["chat_template_kwargs"]}
+    out.update(thinking)
     out.update(_output(body.get("output_config")))
     return out
 
