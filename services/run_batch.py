@@ -1,10 +1,11 @@
 """`pipellm run-batch -i requests.jsonl -o results.jsonl`: an OpenAI batch file through the
 engine in-process, without the services (vLLM's `run_batch`).
 
-Each input line is `{"custom_id", "method": "POST", "url": "/v1/completions" or
-"/v1/chat/completions", "body": {...}}`; each output line, in input order, is `{"id",
-"custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`. A line that
-cannot be served gets its 4xx and OpenAI error body there; the others run, all at once through
+Each input line is `{"custom_id", "method": "POST", "url": "/v1/completions",
+"/v1/chat/completions", "/v1/messages" (Anthropic's) or "/v1/responses" (not stored: no
+previous_response_id or background), "body": {...}}`; each output line, in input order, is
+`{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`. A line
+that cannot be served gets its 4xx and error body there; the others run, all at once through
 the engine's scheduler. The parts are the server's: the gateway's request parsing, choice
 bookkeeping and response shapes, the tokenizer's prompt preparation, compute's step message and
 the detokenizer itself; so an answer is what the server gives for the same request and seed.
@@ -17,13 +18,17 @@ import secrets
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.compute.compute_core import ComputeCore, choice_ids
 from services.detokenizer.service import Detokenizer
-from services.gateway import protocol, responses
+from services.gateway import messages_api, protocol, responses
 from services.gateway.errors import APIError
 from services.gateway.inflight import ChoiceState
+from services.gateway.messages_api.request import parse_request as parse_message
+from services.gateway.responses_api.request import parse_request as parse_response
+from services.gateway.responses_api.run import whole_response
 from services.gateway.stream import final_answer, logprob_entries
 from services.tokenizer.service import PromptError, Tokenizer
 from shared.generation_config import GenerationDefaults
@@ -31,8 +36,35 @@ from shared.messages import Delta, StepOutput
 from shared.sampling import InvalidParams
 from shared.tokenizer import decode
 
-URLS = {"/v1/completions": protocol.parse_completion,
-        "/v1/chat/completions": protocol.parse_chat}
+Answer = Callable[[list[ChoiceState]], dict]  # a finished item's choices -> its body
+
+
+def _openai(parse):
+    def one(body, model, defaults, chat, tok) -> tuple[protocol.GenerationRequest, Answer]:
+        extra = {"chat": chat} if parse is protocol.parse_chat else {}
+        req = parse(body, model, defaults=defaults, **extra)
+        return req, lambda choices: final_answer(tok, req, responses.new_id(req.kind), choices)
+    return one
+
+
+def _messages(body, model, defaults, chat, tok) -> tuple[protocol.GenerationRequest, Answer]:
+    req, _ = parse_message(body, model, defaults=defaults, chat=chat)
+    return req, lambda choices: messages_api.message(tok, req, responses.new_id("chat"),
+                                                     choices)
+
+
+def _responses(body, model, defaults, chat, tok) -> tuple[protocol.GenerationRequest, Answer]:
+    if isinstance(body, dict) and (body.get("previous_response_id") or body.get("background")):
+        raise APIError(400, "run-batch stores no responses: previous_response_id and "
+                       "background are not supported", param="previous_response_id")
+    parsed = parse_response(body, model, defaults=defaults, chat=chat)
+    rid = f"resp_{uuid.uuid4().hex}"
+    return parsed.req, lambda choices: whole_response(tok, parsed, rid, choices)
+
+
+URLS = {"/v1/completions": _openai(protocol.parse_completion),
+        "/v1/chat/completions": _openai(protocol.parse_chat),
+        "/v1/messages": _messages, "/v1/responses": _responses}
 
 
 @dataclass
@@ -42,6 +74,7 @@ class Item:
     custom_id: str | None
     request_id: str
     req: protocol.GenerationRequest | None = None
+    answer: Answer | None = None  # its body, once its choices finished
     error: APIError | None = None
     choices: dict[str, ChoiceState] = field(default_factory=dict)  # choice id, in index order
 
@@ -74,8 +107,8 @@ class BatchRunner:
             parse = URLS.get(obj.get("url"))
             if parse is None or obj.get("method", "POST") != "POST":
                 raise APIError(400, f"url must be POST {' or '.join(URLS)}", param="url")
-            extra = {"chat": self.chat} if parse is protocol.parse_chat else {}
-            item.req = parse(obj.get("body"), self.model_name, defaults=self.defaults, **extra)
+            item.req, item.answer = parse(obj.get("body"), self.model_name, self.defaults,
+                                          self.chat, self.tokenizer.tok)
             if item.req.params.prompt_logprobs is not None:
                 raise APIError(400, "prompt logprobs (echo with logprobs) are not supported by "
                                "run-batch", param="echo")
@@ -152,9 +185,8 @@ class BatchRunner:
                              "body": body}, "error": None}
 
     def _body(self, item: Item) -> dict:
-        """The answer the gateway gives (services/gateway/stream.final_answer)."""
-        return final_answer(self.tokenizer.tok, item.req, responses.new_id(item.req.kind),
-                            list(item.choices.values()))
+        """The answer the gateway gives (the API's own builder of it)."""
+        return item.answer(list(item.choices.values()))
 
 
 def run_batch(engine, tokenizer: Tokenizer, model_name: str, src, dst, progress=sys.stderr,

@@ -309,6 +309,13 @@ class ServiceConfig:
         "", "a JSON object of chat template variables for every chat request (a request's "
         "chat_template_kwargs win key by key), e.g. '{\"enable_thinking\": false}'",
         group=SERVER)
+    responses_store_ttl: int = setting(
+        7 * 86400, "seconds a stored /v1/responses response (store: true) stays in Redis "
+        "after its last write, for previous_response_id, GET and background polling",
+        group=SERVER)
+    responses_store_max_bytes: int = setting(
+        16 * 2**20, "largest stored response (its object, input and output); a larger one is "
+        "answered but not stored (its `store` says false)", group=SERVER)
     max_body_bytes: int = setting(8 * 2**20, "largest request body, else 413", group=SERVER)
     max_prompt_bytes: int = setting(0, "largest prompt (UTF-8 bytes of the prompt, or of all "
                                     "chat messages), else 400; 0: 16 bytes per token of the "

@@ -6,6 +6,11 @@
     pipellm:svc:<server>:<service>:<instance>   heartbeat, expires after a few missed beats
     pipellm:stats:<server>:<rank>   hash: a compute engine's gauges and counters (rank: its
                                  data-parallel rank); expires after a few missed beats
+    pipellm:resp:<id>            hash: a stored Responses API response (its object, request,
+                                 input items, state); expires --responses-store-ttl after its
+                                 last write
+    pipellm:resp:<id>:deltas     list: a background response's output, delta by delta
+    pipellm:resp-running:<server>   set: the background responses that server runs
 
 Several servers may share one Redis (behind a router): request ids are unique, the length
 predictor is shared on purpose, and heartbeats and engine stats are scoped by the server's
@@ -61,6 +66,18 @@ def set_route(pipe, request_id: str, rank: int) -> None:
     `rank` now, and `routed_<rank>` counts the times it went there."""
     incr_request(pipe, request_id, f"routed_{rank}", 1)
     pipe.hset(req_key(request_id), "rank", rank)
+
+
+def resp_key(response_id: str) -> str:
+    return f"{PREFIX}resp:{response_id}"
+
+
+def resp_deltas_key(response_id: str) -> str:
+    return f"{PREFIX}resp:{response_id}:deltas"
+
+
+def resp_running_key(server: str) -> str:
+    return f"{PREFIX}resp-running:{server}"
 
 
 def heartbeat(pipe, server: str, service: str, instance: str, ttl_s: float) -> None:

@@ -19,11 +19,30 @@ import pytest
 from shared.demo_model import ensure_demo_model
 from tests.hf_models import build_hf_model
 
+TOOLS_MODEL = "smol"  # the served name of `tools_stack`'s model
+
 
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo Llama checkpoint, built once per test session in a temporary directory."""
     return ensure_demo_model(tmp_path_factory.mktemp("demo") / "demo-llama")
+
+
+@pytest.fixture(scope="session")
+def tools_stack():
+    """One real server on the default model (SmolLM2) with the built-in tool-capable template,
+    auto tool choice (hermes) and qwen3's reasoning parser, shared by the end-to-end tests of
+    the chat, Messages and Responses APIs (tests/test_tools_e2e.py, test_responses_e2e.py).
+    A test that kills its services waits until it is healthy again."""
+    from shared import default_model
+    from tests.stack import Stack
+
+    s = Stack(default_model.fetch(), "--kv-cache-tokens", "8192", "--served-model-name",
+              TOOLS_MODEL, "--chat-template", "chatml_tools", "--enable-auto-tool-choice",
+              "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    s.start(timeout_s=300)
+    yield s
+    s.stop()
 
 
 @pytest.fixture

@@ -71,6 +71,11 @@ def results(demo_model_dir, tmp_path_factory, stop):
         line("regex", {"prompt": "x", "max_tokens": 20, "structured_outputs": {
             "regex": "[0-9]{4}"}}),
         line("bad-regex", {"prompt": "x", "structured_outputs": {"regex": "(["}}),
+        line("messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+                          "temperature": 0, "ignore_eos": True}, url="/v1/messages"),
+        line("responses", {"input": "hi", "max_output_tokens": 9, "temperature": 0,
+                           "ignore_eos": True}, url="/v1/responses"),
+        line("chained", {"input": "hi", "previous_response_id": "resp_1"}, url="/v1/responses"),
     ]
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
@@ -87,9 +92,9 @@ def test_one_output_line_per_input_line_in_order_and_a_closing_line(results):
     proc, out = results
     assert [o["custom_id"] for o in out] == [
         "greedy", "chat", None, "bad-url", "other-model", "too-long", "seeded", "best", "stopped",
-        "echo-ids", "json", "regex", "bad-regex"]
+        "echo-ids", "json", "regex", "bad-regex", "messages", "responses", "chained"]
     assert all(o["error"] is None and o["id"].startswith("batch_req_") for o in out)
-    assert proc.stdout.strip().startswith("run-batch: 13 requests (5 failed), ")
+    assert proc.stdout.strip().startswith("run-batch: 16 requests (6 failed), ")
     assert proc.stdout.strip().endswith("tok/s")
     assert "requests," in proc.stderr  # the progress bar
 
@@ -110,6 +115,21 @@ def test_answers_are_the_engines(results, engine, demo_model_dir):
     assert chat["object"] == "chat.completion"
     assert chat["choices"][0]["message"]["content"] == greedy_text(
         engine, tok, encode(tok, rendered, add_special_tokens=False), 9)
+
+
+def test_messages_and_responses_lines_answer_in_their_shapes(results):
+    """/v1/messages and /v1/responses lines: the chat line's greedy text, in Anthropic's and
+    the Responses API's bodies; a chained response (nothing is stored) is a 400."""
+    _, out = results
+    chat = out[1]["response"]["body"]["choices"][0]["message"]["content"]
+    msg = out[13]["response"]["body"]
+    assert msg["type"] == "message" and msg["content"] == [{"type": "text", "text": chat}]
+    assert msg["stop_reason"] == "max_tokens" and msg["usage"]["output_tokens"] == 9
+    resp = out[14]["response"]["body"]
+    assert resp["object"] == "response" and resp["status"] == "incomplete"
+    assert resp["output"][0]["content"][0]["text"] == chat
+    assert resp["usage"]["output_tokens"] == 9
+    assert out[15]["response"]["status_code"] == 400
 
 
 def test_bad_lines_get_their_errors(results):

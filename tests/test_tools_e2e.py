@@ -18,10 +18,9 @@ import jsonschema
 import openai
 import pytest
 
-from shared import default_model
-from tests.stack import Stack
+from tests.conftest import TOOLS_MODEL
 
-MODEL = "smol"
+MODEL = TOOLS_MODEL
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                             "unit": {"enum": ["C", "F"]}},
            "required": ["city", "unit"], "additionalProperties": False}
@@ -38,13 +37,8 @@ QUESTIONS = ["What's the weather in Paris?", "What is 12 plus 30?", "Is it cold 
 
 
 @pytest.fixture(scope="module")
-def stack():
-    s = Stack(default_model.fetch(), "--kv-cache-tokens", "8192", "--served-model-name", MODEL,
-              "--chat-template", "chatml_tools", "--enable-auto-tool-choice",
-              "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    s.start(timeout_s=300)
-    yield s
-    s.stop()
+def stack(tools_stack):
+    return tools_stack  # tests/conftest.py: shared with tests/test_responses_e2e.py
 
 
 @pytest.fixture(scope="module")

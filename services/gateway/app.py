@@ -24,6 +24,7 @@ from services.gateway.inflight import Inflight, Registry
 from services.gateway.messages_api import MessagesAPI, error_body
 from services.gateway.metrics import Metrics
 from services.gateway.pending import PendingLimit
+from services.gateway.responses_api import ResponsesAPI
 from services.gateway.stream import OPENAI, Answer
 from services.gateway.utility import Utility
 from services.gateway.validation import check_prompt_bytes, check_request_id, read_json_body
@@ -36,7 +37,7 @@ from shared.transport import AsyncFanout, AsyncSender
 
 log = logging.getLogger("pipellm.gateway")
 _REQUEST_ID = web.RequestKey("request_id", str)
-_PEER_WAIT_MS = 3000  # how long a request waits for a tokenizer worker to (re)connect
+PEER_WAIT_MS = 3000  # how long a request waits for a tokenizer worker to (re)connect
 # path prefix -> the error body of APIs not shaped as OpenAI's
 ERROR_SHAPES: dict = {"/v1/messages": error_body}
 
@@ -66,6 +67,7 @@ class Gateway:
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
         self.chat_settings = protocol.ChatSettings.of(svc, template)
+        self.responses_api = ResponsesAPI(self)
 
     def token_text(self, token_id: int) -> str:
         """One token as a string, as logprobs answers list it (cached)."""
@@ -91,6 +93,7 @@ class Gateway:
         app.on_response_prepare.append(_echo_request_id)
         Utility(self).add_routes(app.router)
         MessagesAPI(self).add_routes(app.router)
+        self.responses_api.add_routes(app.router)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -116,15 +119,33 @@ class Gateway:
     async def _generate(self, request: web.Request, req: protocol.GenerationRequest,
                         answer: Answer = OPENAI) -> web.StreamResponse:
         """Record, send and answer a validated request, in `answer`'s API shape."""
+        given = check_request_id(request.headers.get("X-Request-Id"), "X-Request-Id")
+        rid = responses.new_id(req.kind, given or req.request_id)  # the header wins, as vLLM's
+        request[_REQUEST_ID] = given or rid  # echoed in the X-Request-Id header
+        inflight = await self.submit(req, rid)
+        try:
+            if req.stream:
+                return await answer.stream(self, request, req, inflight)
+            return await answer.collect(self, req, inflight)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.requests.labels("aborted").inc()
+            await self._abort_ids([rid], "aborted")
+            raise
+        finally:
+            self.registry.remove(rid)
+
+    async def submit(self, req: protocol.GenerationRequest, rid: str,
+                     seed: int | None = None, send: bool = True) -> Inflight:
+        """Record the request as queued in Redis, register it under `rid` and send it to the
+        tokenizers (unseeded: with `seed`, else one drawn here; `send` False: its caller sends
+        `inflight.tokenize`). Its caller reads its deltas and removes it from the registry
+        when done; on an error here it is removed."""
         check_prompt_bytes(req.prompts, req.messages,
                            self.svc.prompt_bytes_limit(self.max_model_len))
         if not self.health.ok:
             raise unavailable(f"Not ready: {self.health.reason}")
-        given = check_request_id(request.headers.get("X-Request-Id"), "X-Request-Id")
-        rid = responses.new_id(req.kind, given or req.request_id)  # the header wins, as vLLM's
         if rid in self.registry.requests:
             raise bad_request(f"request id {rid!r} is already in use"[:300], "request_id")
-        request[_REQUEST_ID] = given or rid  # echoed in the X-Request-Id header
         if req.ignored:
             log.warning("%s: fields present in the request but ignored: %s", rid,
                         ", ".join(req.ignored))
@@ -137,24 +158,26 @@ class Gateway:
             raise unavailable("Request state store (Redis) is unavailable.") from None
         inflight = self.registry.add(rid, req.generated * req.num_prompts)
         try:
-            inflight.tokenize = self._tokenize_requests(rid, req, inflight)
-            for tokenize in inflight.tokenize:
-                if not await self.to_tokenizer.send(tokenize, wait_ms=_PEER_WAIT_MS):
+            inflight.tokenize = self._tokenize_requests(rid, req, inflight, seed)
+            for tokenize in inflight.tokenize if send else ():
+                if not await self.send_tokenize(tokenize):
                     raise unavailable("No tokenizer worker is connected; retry shortly.")
-            if req.stream:
-                return await answer.stream(self, request, req, inflight)
-            return await answer.collect(self, req, inflight)
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.metrics.requests.labels("aborted").inc()
-            await self._abort_ids([rid], "aborted")
-            raise
-        finally:
+        except BaseException:
             self.registry.remove(rid)
+            raise
+        return inflight
+
+    async def send_tokenize(self, tokenize: TokenizeRequest) -> bool:
+        """Send to a tokenizer worker, waiting up to PEER_WAIT_MS for one to (re)connect;
+        False if none did."""
+        return await self.to_tokenizer.send(tokenize, wait_ms=PEER_WAIT_MS)
 
     def _tokenize_requests(self, rid: str, req: protocol.GenerationRequest,
-                           inflight: Inflight) -> list[TokenizeRequest]:
+                           inflight: Inflight, seed: int | None = None
+                           ) -> list[TokenizeRequest]:
         # an unseeded request's seed is drawn here, so a resumed choice samples what it would
-        seed = self.seeds.getrandbits(62) if self.seeds else secrets.randbits(62)
+        if seed is None:
+            seed = self.seeds.getrandbits(62) if self.seeds else secrets.randbits(62)
         return req.tokenize_requests(rid, self.svc.addr("gateway"), seed, inflight.arrival)
 
     async def resume_lost(self, only_without_output: bool, ranks: set[int] | None = None) -> None:
@@ -167,8 +190,7 @@ class Gateway:
             for rid in lost:
                 await self.to_control.send(Abort(rid))
             for one in tokenize:
-                connected = connected and await self.to_tokenizer.send(one,
-                                                                       wait_ms=_PEER_WAIT_MS)
+                connected = connected and await self.send_tokenize(one)
             if tokenize and not connected:
                 inflight.fail("No tokenizer worker is connected to resume the request; retry.")
 

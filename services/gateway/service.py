@@ -56,10 +56,22 @@ async def read_deltas(gw: Gateway, inbox: AsyncReceiver) -> None:
             gw.registry.dispatch(msg)
 
 
+async def resume_background(gw: Gateway) -> None:
+    """Once the services are up, continue the background responses this server was running
+    when its gateway stopped (responses_api/jobs.py)."""
+    while not gw.health.ok:
+        await asyncio.sleep(0.1)
+    try:
+        await gw.responses_api.jobs.resume()
+    except Exception:  # the store is down: they stay in progress until a later restart
+        log.exception("could not continue the background responses")
+
+
 async def run(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     gw, inbox = build(engine_cfg, svc)
     tasks = [asyncio.create_task(read_deltas(gw, inbox)),
              asyncio.create_task(gw.health.run(svc.heartbeat_s))]
+    asyncio.create_task(resume_background(gw))  # noqa: RUF006 (ends by itself)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, svc.host, svc.port).start()

@@ -1,0 +1,305 @@
+"""An OpenAI Responses request body -> the chat body `protocol.parse_chat` validates -> a
+GenerationRequest. The translation checks only what is the Responses API's (items, tools,
+text.format, reasoning); the rest is the chat path's checks.
+
+    instructions                        a first system message (not carried to a next turn)
+    input: string                       one user message
+    input items: message (roles user,   messages (input_text / output_text parts joined;
+      system, developer, assistant)     input_image / input_file: a 400)
+      function_call                     an assistant tool call (consecutive ones: one message)
+      function_call_output              a `tool` message answering its call_id
+      reasoning                         the next assistant message's reasoning_content
+    previous_response_id                its stored input and output items come first
+    tools (function)                    function tools; built-in tools (web_search, file_search,
+                                        computer_use, ...) are skipped, noted in the answer
+    tool_choice                         auto | none | required | {"type": "function", "name"}
+    max_output_tokens                   max_tokens (without it: up to the context)
+    text.format json_schema|json_object response_format
+    reasoning.effort                    chat_template_kwargs reasoning_effort; "none" and
+                                        "minimal" also enable_thinking false
+    include message.output_text.logprobs, top_logprobs      logprobs (either), top_logprobs
+    temperature, top_p, parallel_tool_calls, user, stream  as in chat, and vLLM's extras
+    (top_k, seed, stop, min_p, ignore_eos, chat_template_kwargs, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from services.gateway import protocol
+from services.gateway.errors import bad_request
+from services.gateway.validation import json_type, reject_unknown
+
+KEYS = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "text",
+    "reasoning", "temperature", "top_p", "include", "top_logprobs", "store", "background",
+    "stream", "previous_response_id", "metadata", "parallel_tool_calls", "user", "truncation",
+    "service_tier", "prompt_cache_key", "safety_identifier", "max_tool_calls", "stream_options",
+    "conversation", "prompt", "prompt_cache_retention",
+    # vLLM's extras
+    "top_k", "seed", "stop", "min_p", "repetition_penalty", "request_id", "priority",
+    "ignore_eos", "min_tokens", "chat_template_kwargs",
+})
+_PASSED = ("temperature", "top_p", "top_k", "seed", "stop", "min_p", "repetition_penalty",
+           "parallel_tool_calls", "user", "stream", "request_id", "priority", "ignore_eos",
+           "min_tokens")
+_LOGPROBS = "message.output_text.logprobs"
+_INCLUDES = frozenset({_LOGPROBS, "reasoning.encrypted_content"})
+_NO_THINKING = ("none", "minimal")
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+    """A validated Responses request: what generates, and what the answer echoes."""
+
+    req: protocol.GenerationRequest
+    input_items: list[dict]  # the whole conversation before the output (for the next turn)
+    echo: dict  # the request fields a Response object repeats (instructions, tools, ...)
+    store: bool
+    background: bool
+    notes: list[str]  # what was skipped (built-in tools): logged, and in the answer's metadata
+
+
+def parse_request(body: Any, model_name: str, history: list[dict] | None = None, *,
+                  defaults=protocol.NO_DEFAULTS, chat=protocol.NO_CHAT,
+                  strict: bool = False) -> Parsed:
+    """`history`: the stored items of previous_response_id (its input and its output)."""
+    if not isinstance(body, dict):
+        raise bad_request(f"The request body must be a JSON object, got {json_type(body)}")
+    ignored: list[str] | None = None if strict else []
+    reject_unknown(body, KEYS, ignored)
+    for key in ("conversation", "prompt"):
+        if body.get(key) is not None:
+            raise bad_request(f"`{key}` is not supported; send `input` (and "
+                              "previous_response_id)", key)
+    items = (history or []) + input_items(body.get("input"))
+    notes: list[str] = []
+    chat_body = {"messages": _messages(body.get("instructions"), items)}
+    chat_body.update({k: body[k] for k in _PASSED if body.get(k) is not None})
+    if body.get("model") is not None:
+        chat_body["model"] = body["model"]
+    if body.get("max_output_tokens") is not None:
+        chat_body["max_tokens"] = body["max_output_tokens"]
+    tools = _tools(body.get("tools"), notes)
+    if tools:
+        chat_body["tools"] = tools
+        chat_body["tool_choice"] = _tool_choice(body.get("tool_choice"))
+    chat_body.update(_format(body.get("text")))
+    chat_body.update(_reasoning(body.get("reasoning"), body.get("chat_template_kwargs")))
+    chat_body.update(_include(body))
+    req = protocol.parse_chat(chat_body, model_name, defaults=defaults, chat=chat,
+                              strict=strict)
+    req = dataclasses.replace(req, ignored=req.ignored + tuple(ignored or ()))
+    background = _flag(body, "background", False)
+    store = _flag(body, "store", True)
+    if background and not store:
+        raise bad_request("background responses must be stored (store: true)", "background")
+    return Parsed(req, items, _echo(body), store, background, notes)
+
+
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{key} must be a boolean", key)
+    return value
+
+
+def input_items(raw: Any) -> list[dict]:
+    """`input` as a list of items (a string: one user message)."""
+    if raw is None:
+        raise bad_request("input is required", "input")
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": raw}]
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("input must be a string or a non-empty array of items", "input")
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise bad_request(f"input[{i}] must be an object, got {json_type(item)}",
+                              f"input[{i}]")
+    return [item if "type" in item else {"type": "message", **item} for item in raw]
+
+
+def _messages(instructions: Any, items: list[dict]) -> list[dict]:
+    """The chat messages of the instructions and the items, in order."""
+    out: list[dict] = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad_request("instructions must be a string", "instructions")
+        out.append({"role": "system", "content": instructions})
+    reasoning = None
+    for i, item in enumerate(items):
+        where, kind = f"input[{i}]", item.get("type")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"{where}.role must be user, system, developer or assistant",
+                                  f"{where}.role")
+            msg = {"role": role, "content": _text(item.get("content"), where)}
+            if role == "assistant" and reasoning is not None:
+                msg["reasoning_content"], reasoning = reasoning, None
+            out.append(msg)
+        elif kind == "function_call":
+            call = {"id": _str(item, "call_id", where), "type": "function", "function": {
+                "name": _str(item, "name", where), "arguments": _str(item, "arguments", where)}}
+            last = out[-1] if out else None
+            if last and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if reasoning is not None:
+                    out[-1]["reasoning_content"], reasoning = reasoning, None
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": _str(item, "call_id", where),
+                        "content": output if isinstance(output, str)
+                        else _text(output, f"{where}.output")})
+        elif kind == "reasoning":
+            reasoning = _reasoning_text(item)
+        else:
+            raise bad_request(f"{where}: input items of type {str(kind)[:40]!r} are not "
+                              "supported (message, function_call, function_call_output, "
+                              "reasoning)", f"{where}.type")
+    return out
+
+
+def _str(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"{where}.{key} (a string) is required", f"{where}.{key}")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts (input_text, output_text) joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or an array of parts",
+                          f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise bad_request(f"{kind} parts are not supported (text only)", at)
+        elif kind == "refusal":
+            texts.append(str(part.get("refusal", "")))
+        else:
+            raise bad_request(f"{at} must be an input_text or output_text part", at)
+    return "\n".join(texts)
+
+
+def _reasoning_text(item: dict) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        return ""
+    return "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+
+
+def _tools(raw: Any, notes: list[str]) -> list[dict]:
+    """Function tools as chat tools; the built-in ones this server cannot run are skipped."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise bad_request(f"tools must be an array, got {json_type(raw)}", "tools")
+    out = []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools[{i}] must be an object", f"tools[{i}]")
+        if tool.get("type") != "function":
+            notes.append(f"tools[{i}]: the built-in tool {str(tool.get('type'))[:40]!r} is "
+                         "not run by this server and was skipped")
+            continue
+        fn = {"name": tool.get("name"), "parameters": tool.get("parameters") or
+              {"type": "object", "properties": {}}}
+        if tool.get("description") is not None:
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(raw: Any) -> Any:
+    if raw is None or raw in ("auto", "none", "required"):
+        return raw or "auto"
+    if isinstance(raw, dict) and raw.get("type") == "function" and isinstance(
+            raw.get("name"), str):
+        return {"type": "function", "function": {"name": raw["name"]}}
+    raise bad_request("tool_choice must be auto, none, required or {\"type\": \"function\", "
+                      "\"name\"}", "tool_choice")
+
+
+def _format(text: Any) -> dict:
+    """text.format as response_format."""
+    if text is None:
+        return {}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object", "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if kind == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    raise bad_request("text.format.type must be text, json_object or json_schema",
+                      "text.format.type")
+
+
+def _reasoning(raw: Any, kwargs: Any) -> dict:
+    """reasoning.effort into the chat template's kwargs (a request's own win)."""
+    effort = raw.get("effort") if isinstance(raw, dict) else None
+    if effort is None:
+        return {"chat_template_kwargs": kwargs} if kwargs is not None else {}
+    if not isinstance(effort, str):
+        raise bad_request("reasoning.effort must be a string", "reasoning.effort")
+    out: dict[str, Any] = {"reasoning_effort": effort}
+    if effort in _NO_THINKING:
+        out["enable_thinking"] = False
+    return {"chat_template_kwargs": {**out, **(kwargs if isinstance(kwargs, dict) else {})}}
+
+
+def _include(body: dict) -> dict:
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise bad_request("include must be an array of strings", "include")
+    unknown = [x for x in include if x not in _INCLUDES]
+    if unknown:
+        raise bad_request(f"include: {unknown[0][:60]!r} is not supported", "include")
+    top = body.get("top_logprobs")
+    if _LOGPROBS not in include and not top:
+        return {}
+    return {"logprobs": True, **({"top_logprobs": top} if top is not None else {})}
+
+
+def _echo(body: dict) -> dict:
+    """What a Response object repeats of its request (OpenAI's defaults where absent)."""
+    return {
+        "instructions": body.get("instructions"),
+        "tools": [t for t in body.get("tools") or [] if isinstance(t, dict)],
+        "tool_choice": body.get("tool_choice") or "auto",
+        "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "previous_response_id": body.get("previous_response_id"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "text": body.get("text") or {"format": {"type": "text"}},
+        "reasoning": body.get("reasoning"), "metadata": body.get("metadata") or {},
+        "truncation": body.get("truncation") or "disabled", "user": body.get("user"),
+        "top_logprobs": body.get("top_logprobs"), "service_tier": "auto",
+        "store": body.get("store", True) is not False,
+        "background": bool(body.get("background")),
+    }
+
+
+def dump(items: list[dict]) -> str:
+    return json.dumps(items, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,162 @@
+"""OpenAI's Responses API without a server: the translation of a body into the chat path's
+request (input items, tools, text.format, reasoning, include), and the output's events driven
+by hand: their order, their sequence numbers, and that the events reassemble to the final
+output, the same every time (tests/test_responses_e2e.py runs it through the real services)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.errors import APIError
+from services.gateway.protocol import ChatSettings
+from services.gateway.responses_api.output import ResponseOutput
+from services.gateway.responses_api.request import parse_request
+from services.gateway.responses_api.run import new_object
+
+CHAT = ChatSettings(tool_parser="hermes", reasoning_parser="qwen3")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"type": "function", "name": "get_weather", "description": "The weather",
+        "parameters": WEATHER}
+
+
+def parse(history=None, **body):
+    return parse_request({"model": "m", **body}, "m", history, chat=CHAT)
+
+
+def roles(parsed):
+    return [(m.role, m.content) for m in parsed.req.messages]
+
+
+def test_a_string_input_and_instructions():
+    p = parse(input="hi", instructions="Be brief.")
+    assert roles(p) == [("system", "Be brief."), ("user", "hi")]
+    assert p.store and not p.background and p.input_items == [
+        {"type": "message", "role": "user", "content": "hi"}]  # instructions stay out
+
+
+def test_items_become_chat_messages():
+    p = parse(input=[
+        {"role": "developer", "content": "dev"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                        {"type": "input_text", "text": "b"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "think"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather",
+         "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather",
+         "arguments": "{\"city\": \"Oslo\"}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "done", "annotations": []}]}],
+        tools=[TOOL])
+    m = p.req.messages
+    assert [x.role for x in m] == ["developer", "user", "assistant", "tool", "assistant"]
+    assert m[1].content == "a\nb" and m[2].reasoning == "think"
+    assert [(c.id, c.name) for c in m[2].tool_calls] == [("c1", "get_weather"),
+                                                         ("c2", "get_weather")]
+    assert (m[3].tool_call_id, m[3].content) == ("c1", "sunny") and m[4].content == "done"
+
+
+def test_previous_items_come_first():
+    history = [{"type": "message", "role": "user", "content": "first"},
+               {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+                "content": [{"type": "output_text", "text": "one", "annotations": []}]}]
+    p = parse(history, input="second")
+    assert roles(p) == [("user", "first"), ("assistant", "one"), ("user", "second")]
+    assert p.input_items[:2] == history
+
+
+def test_tools_choice_format_reasoning_and_include():
+    p = parse(input="x", tools=[TOOL, {"type": "web_search_preview"}],
+              tool_choice={"type": "function", "name": "get_weather"},
+              reasoning={"effort": "minimal"}, include=["message.output_text.logprobs"],
+              top_logprobs=3, max_output_tokens=7, temperature=0.5)
+    assert [t.name for t in p.req.tools.specs] == ["get_weather"]
+    assert p.req.tools.mode == "named" and "web_search_preview" in p.notes[0]
+    assert p.req.logprobs and p.req.params.top_logprobs == 3
+    assert p.req.params.max_tokens == 7 and p.req.params.temperature == 0.5
+    kwargs = json.loads(p.req.options["chat_template_kwargs"])
+    assert kwargs == {"reasoning_effort": "minimal", "enable_thinking": False}
+    assert parse(input="x", text={"format": {"type": "json_object"}}).req.grammar is not None
+    schema = parse(input="x", text={"format": {"type": "json_schema", "name": "w",
+                                               "schema": WEATHER}}).req.grammar
+    assert json.loads(schema.spec) == WEATHER
+    assert parse(input="x", tools=[TOOL], tool_choice="required").req.tools.mode == "required"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "message", "role": "user",
+                 "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "file_search_call", "id": "x"}]}, "input[0].type"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": "x", "tool_choice": "sometimes", "tools": [TOOL]}, "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include"),
+    ({"input": "x", "background": True, "store": False}, "background"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+])
+def test_bad_bodies_are_400s_naming_the_field(body, param):
+    with pytest.raises(APIError) as err:
+        parse(**body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+# --- the output: events from deltas --------------------------------------------------------
+
+
+def run(deltas, **body):
+    """Feed (reasoning, text) pairs; return (events, the final Response object)."""
+    p = parse(input="x", **body)
+    obj = new_object("resp_abc", "m", p.echo, "in_progress")
+    out = ResponseOutput(p.req, obj)
+    events = out.start()
+    for i, (reasoning, text) in enumerate(deltas):
+        events += out.feed(reasoning, text, None, last=i == len(deltas) - 1)
+    events += out.finish("completed", {"input_tokens": 1, "output_tokens": 2})
+    return events, obj
+
+
+def test_text_only_events_in_order():
+    events, obj = run([("", "Hel"), ("", "lo")])
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert obj["status"] == "completed" and obj["output"][0]["content"][0]["text"] == "Hello"
+    assert events[-1]["response"]["output"] == obj["output"]
+
+
+def test_reasoning_then_text_then_a_call():
+    deltas = [("why ", ""), ("so", ""), ("", "Sure. "),
+              ("", "<tool_call>\n{\"name\": \"get_weather\", "),
+              ("", "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>")]
+    events, obj = run(deltas, tools=[TOOL])
+    kinds = [o["type"] for o in obj["output"]]
+    assert kinds == ["reasoning", "message", "function_call"]
+    assert obj["output"][0]["content"][0]["text"] == "why so"
+    call = obj["output"][2]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
+    args = "".join(e["delta"] for e in events
+                   if e["type"] == "response.function_call_arguments.delta")
+    assert args == call["arguments"]
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == done == [0, 1, 2]  # each item done before the next is added
+    order = [e["type"] for e in events if e["type"].startswith("response.output_item")]
+    assert order == ["response.output_item.added", "response.output_item.done"] * 3
+
+
+def test_the_same_deltas_give_the_same_events():
+    deltas = [("r", ""), ("", "a <tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+                          "{\"city\": \"X\"}}\n</tool_call>")]
+    first, _ = run(deltas, tools=[TOOL])
+    again, _ = run(deltas, tools=[TOOL])
+    strip = [{k: v for k, v in e.items() if k != "response"} for e in first]
+    assert strip == [{k: v for k, v in e.items() if k != "response"} for e in again]
+    assert first[-1]["response"]["output"] == again[-1]["response"]["output"]
