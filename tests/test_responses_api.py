@@ -5,15 +5,20 @@ output, the same every time (tests/test_responses_e2e.py runs it through the rea
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+import redis.asyncio as aioredis
 
 from services.gateway.errors import APIError
 from services.gateway.protocol import ChatSettings
 from services.gateway.responses_api.output import ResponseOutput
 from services.gateway.responses_api.request import parse_request
 from services.gateway.responses_api.run import new_object
+from services.gateway.responses_api.store import ResponseStore
+from shared import state
+from shared.redis_server import EmbeddedRedis
 
 CHAT = ChatSettings(tool_parser="hermes", reasoning_parser="qwen3")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -160,3 +165,31 @@ def test_the_same_deltas_give_the_same_events():
     strip = [{k: v for k, v in e.items() if k != "response"} for e in first]
     assert strip == [{k: v for k, v in e.items() if k != "response"} for e in again]
     assert first[-1]["response"]["output"] == again[-1]["response"]["output"]
+
+
+# --- the store: a real Redis -----------------------------------------------------------------
+
+
+def test_the_store_keeps_caps_expires_and_deletes():
+    async def main(url):
+        client = aioredis.Redis.from_url(url)
+        store = ResponseStore(client, ttl_s=100, max_bytes=2000, server="s1")
+        obj = new_object("resp_1", "m", parse(input="x").echo, "completed")
+        assert await store.save(obj, {"body": {"input": "x"}}, [{"type": "message"}])
+        got = await store.load("resp_1")
+        assert got["response"] == obj and got["state"] == "completed"
+        assert got["input"] == [{"type": "message"}] and got["request"]["body"]["input"] == "x"
+        assert 90 < await client.ttl(state.resp_key("resp_1")) <= 100
+        big = dict(obj, id="resp_2", instructions="x" * 3000)
+        assert not await store.save(big) and await store.load("resp_2") is None
+        await store.push("resp_1", {"t": "a"}, {"end": "completed"})
+        assert await store.records("resp_1", 1) == [{"end": "completed"}]
+        await store.running("resp_1", True)
+        assert await store.running_ids() == ["resp_1"]
+        assert await store.delete("resp_1") and not await store.delete("resp_1")
+        assert await store.load("resp_1") is None and await store.running_ids() == []
+        assert await store.records("resp_1") == []
+        await client.aclose()
+
+    with EmbeddedRedis() as r:
+        asyncio.run(main(r.url))

@@ -3,7 +3,8 @@ tools_stack) with the official openai SDK and the OpenAI Agents SDK: answers who
 streamed (the same at temperature 0), stored and retrieved, chained by previous_response_id,
 function calls forced by the grammar and answered, background responses polled, streamed again
 from any event, cancelled and deleted, and continued across a kill -9 of compute and of the
-gateway (the unit tests: tests/test_responses_api.py)."""
+gateway; and a streamed Anthropic message across a kill -9 of compute (the unit tests:
+tests/test_responses_api.py, tests/test_messages_api.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import signal
 import time
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -172,3 +174,22 @@ def test_a_background_response_survives_a_kill_9(tools_stack, client, service):
     assert events[-1].type == "response.incomplete"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == done.output_text
+
+
+def test_a_streamed_message_survives_a_kill_9_of_compute(tools_stack):
+    """/v1/messages streamed with the anthropic SDK: compute killed after some text, the
+    stream goes on (the gateway resumes it) and ends as Anthropic's does, every token once."""
+    claude = anthropic.Anthropic(base_url=tools_stack.url, api_key="-", max_retries=0)
+    text, killed = [], False
+    with claude.messages.stream(model=MODEL, max_tokens=120, extra_body={"temperature": 0},
+                                messages=[{"role": "user", "content": STORY}]) as stream:
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                text.append(event.delta.text)
+                if len(text) == 10 and not killed:
+                    _kill(tools_stack, "compute")
+                    killed = True
+        final = stream.get_final_message()
+    tools_stack.wait_healthy(timeout_s=180)
+    assert killed and final.stop_reason == "max_tokens" and final.usage.output_tokens == 120
+    assert final.content[0].text == "".join(text)
