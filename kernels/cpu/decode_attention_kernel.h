@@ -13,6 +13,13 @@ namespace {
 using pipellm::attention::Args;
 using pipellm::attention::DType;
 
+constexpr int64_t kAhead = 16;  // rows prefetched ahead of the one being read
+
+// The cache lines of `bytes` bytes from p into the cache (a row read kAhead rows from now).
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i);
+}
+
 // sum_c x[c] * y[c] over NC vectors
 template <class V, int NC, typename T>
 inline float dot(const float* q, const T* k) {
@@ -48,6 +55,7 @@ void weigh_v(const Args& a, const float* p, int64_t n, const float* inv, const T
   const T* vh = v + (h0 / (a.H / a.Hkv)) * D;
   for (int64_t t = 0; t < n; ++t) {
     const T* row = vh + t * a.row_stride;
+    if (t + kAhead < n) prefetch(row + kAhead * a.row_stride, D * sizeof(T));
     typename V::F pt[G];
     for (int j = 0; j < G; ++j) pt[j] = V::set1(p[(h0 + j) * n + t]);
     for (int c = 0; c < NC; ++c) {
@@ -77,6 +85,8 @@ void attend(const Args& a, const T* q, const T* k, const T* v, int64_t n, T* out
       qf[h * D + d] = static_cast<float>(q[h * a.q_sh + d]) * a.scale;
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {  // scores, 8 rows at a time: their 8 dots summed together
+    for (int64_t i = kAhead; i < kAhead + 8 && t + i < n; ++i)
+      prefetch(k + (t + i) * rs, a.Hkv * D * sizeof(T));
     for (int64_t h = 0; h < H; ++h) {
       const float* qh = qf.data() + h * D;
       const T* kh = k + t * rs + (h / group) * D;
