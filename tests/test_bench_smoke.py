@@ -479,3 +479,18 @@ def test_host_step_times_a_decode_step_with_the_heap_frozen_or_not():
     one_run("frozen", 8, 5)
     assert gc.get_freeze_count() > frozen  # measured as compute runs: start-up's heap frozen
     gc.unfreeze()
+
+
+def test_cpu_attention_quick(capsys):
+    """bench/cpu_attention.py: every path this CPU runs, timed, its speed against the generic
+    code's, in the JSON line."""
+    from bench import cpu_attention
+    from kernels.cpu import isa
+
+    out = cpu_attention.main(["--quick"])
+    assert last_json(capsys.readouterr().out) == out
+    paths = ["generic"] + [v for v in cpu_attention.VARIANTS if v in isa.cpu_levels()]
+    assert out["paths"] == paths and len(out["rows"]) == 1
+    row = out["rows"][0]
+    assert set(row["ms"]) == set(paths) and all(v > 0 for v in row["ms"].values())
+    assert row["speed"]["generic"] == 1.0

@@ -198,7 +198,9 @@ def usage_chunk(kind: str, req_id: str, model: str, created: int, usage: Usage) 
     return out
 
 
-def sse(obj: dict) -> bytes:
-    """One server-sent event: b"data: <json>\\n\\n" (compact, UTF-8, strict JSON)."""
+def sse(obj: dict, event: str | None = None) -> bytes:
+    """One server-sent event: b"data: <json>\\n\\n" (compact, UTF-8, strict JSON), after an
+    `event: <type>` line where the API names its events (Anthropic's, the Responses API's)."""
     data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return b"data: " + data.encode("utf-8") + b"\n\n"
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + data.encode("utf-8") + b"\n\n"

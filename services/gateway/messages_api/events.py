@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 
 from aiohttp import web
 
+from services.gateway import responses
 from services.gateway.errors import APIError
 from services.gateway.inflight import ChoiceState, Inflight
 from services.gateway.messages_api.answer import (
@@ -44,8 +44,7 @@ Event = tuple[str, dict]  # (event type, data)
 def sse(event: Event) -> bytes:
     """`event: <type>\\ndata: <json>\\n\\n`."""
     kind, data = event
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return f"event: {kind}\ndata: {text}\n\n".encode()
+    return responses.sse(data, kind)
 
 
 class MessageEvents:

@@ -10,12 +10,12 @@ can continue them).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from services.gateway import responses
 from services.gateway.errors import APIError
 from services.gateway.inflight import ChoiceState, Inflight
 from services.gateway.protocol import GenerationRequest
@@ -28,8 +28,7 @@ from shared.tokenizer import encode
 
 def sse(event: dict) -> bytes:
     """`event: <type>\\ndata: <json>\\n\\n`."""
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+    return responses.sse(event, event["type"])
 
 
 def new_object(response_id: str, model: str, echo: dict, status: str) -> dict:

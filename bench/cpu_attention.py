@@ -1,0 +1,105 @@
+"""The CPU decode attention of one SmolLM2-135M step (9 query heads, 3 KV heads, head_dim 64,
+30 layers), per code path of kernels/cpu/decode_attention.cpp: the generic code (what INT8
+caches and odd head sizes run, and every cache before the vectorized variants) against the
+vectorized variant of each ISA level this CPU runs (avx2, avx512: the same build, the level
+switched in process), for a batch of sequences decoding at one context length.
+
+Each of the 30 layers has its own K and V caches (random, in the activations' dtype) so that
+they stream from memory as a real step's do; a "step" is the 30 calls. Median of --reps steps
+after one warm-up; "speed" = generic ms / variant ms, and GB/s = KV bytes read / time.
+
+    python -m bench.cpu_attention [--batches 1,16,64] [--context 250,1000] [--dtype bfloat16]
+
+The last line printed is one JSON object with the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # also runnable as `python bench/cpu_attention.py`
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.common import machine  # noqa: E402
+from kernels.cpu import extension, isa  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+VARIANTS = ("avx2", "avx512")  # the ISA levels with a vectorized variant
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,16,64", help="sequences per step, comma-separated")
+    p.add_argument("--context", default="250,1000", help="tokens per sequence, comma-separated")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--reps", type=int, default=5, help="timed steps per case (median)")
+    p.add_argument("--quick", action="store_true", help="batch 4, context 64, 2 layers, 2 reps")
+    return p.parse_args(argv)
+
+
+def step_ms(ext, layers, q, starts, lens, reps: int) -> float:
+    def step():
+        for k, v in layers:
+            ext.decode_attention(q, k, v, starts, lens, HEAD_DIM ** -0.5)
+    step()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    batches = [4] if args.quick else [int(x) for x in args.batches.split(",")]
+    contexts = [64] if args.quick else [int(x) for x in args.context.split(",")]
+    n_layers, reps = (2, 2) if args.quick else (LAYERS, args.reps)
+    ext, dtype = extension(), getattr(torch, args.dtype)
+    assert ext is not None, "the C++ CPU kernels did not build (python -m kernels.cpu says why)"
+    here, previous = machine(), ext.block_gemm_isa()
+    paths = ["generic"] + [v for v in VARIANTS if v in isa.cpu_levels()]
+    print(f"{here}; {args.dtype} caches, {n_layers} layers, median ms of {reps} steps")
+    print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{p:>16}" for p in paths))
+    rows = []
+    for batch in batches:
+        for ctx in contexts:
+            g = torch.Generator().manual_seed(batch * ctx)
+            cap = batch * ctx
+            layers = [(torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
+                       torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(dtype))
+                      for _ in range(n_layers)]
+            q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
+            starts = torch.arange(batch, dtype=torch.int32) * ctx
+            lens = torch.full((batch,), ctx, dtype=torch.int32)
+            gbytes = 2 * cap * KV_HEADS * HEAD_DIM * dtype.itemsize * n_layers / 1e9
+            ms = {}
+            for path in paths:
+                ext.set_block_gemm_isa("" if path == "generic" else path)
+                ms[path] = step_ms(ext, layers, q, starts, lens, reps)
+            ext.set_block_gemm_isa(previous)
+            speed = {p: round(ms["generic"] / ms[p], 2) for p in paths}
+            print(f"{batch:>5} {ctx:>5} " + " ".join(
+                f"{ms[p]:7.2f} ms {speed[p]:4.2f}x" for p in paths))
+            rows.append({"batch": batch, "context": ctx, "ms": {p: round(v, 3) for p, v in
+                                                                  ms.items()},
+                         "gb_s": {p: round(gbytes / v * 1000, 1) for p, v in ms.items()},
+                         "speed": speed})
+    best = paths[-1]
+    out = {"bench": "cpu_attention", "machine": here, "dtype": args.dtype, "layers": n_layers,
+           "paths": paths, "rows": rows,
+           "speed_at_largest": rows[-1]["speed"][best] if rows else None}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
