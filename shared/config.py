@@ -13,12 +13,13 @@ import os
 from dataclasses import dataclass
 
 from shared.generation_config import parse_override
+from shared.lora import check_adapters, parse_lora_modules
 from shared.settings import setting
 from shared.speculative import SpeculativeConfig
 
-MODEL, SCHEDULING, QUANTIZATION, SERVER, WIRING, SIMULATOR = (
+MODEL, SCHEDULING, QUANTIZATION, SERVER, WIRING, SIMULATOR, LORA = (
     "model", "scheduling and KV cache", "quantization", "server", "services wiring",
-    "simulator (--backend sim)")
+    "simulator (--backend sim)", "LoRA adapters")
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,16 @@ class EngineConfig:
                                 "for a Q4_0/Q4_1 GGUF file, else none", group=QUANTIZATION)
     int4_group_size: int = setting(32, "int4: values per scale and min when pipellm quantizes "
                                    "a float weight (32, 64 or 128)", group=QUANTIZATION)
+    enable_lora: bool = setting(False, "serve LoRA adapters (--lora-modules) beside the base "
+                                "model's weights, requests naming one as their model",
+                                group=LORA)
+    lora_modules: str = setting("", "LoRA adapters (PEFT directories), whitespace-separated: "
+                                "name=path or a JSON object {\"name\", \"path\", "
+                                "\"base_model_name\"} (or a JSON list of them)", group=LORA)
+    max_loras: int = setting(1, "LoRA adapters resident at once (every --lora-modules adapter "
+                             "is: at least their number)", group=LORA)
+    max_lora_rank: int = setting(16, "largest LoRA rank served: an adapter over it is refused "
+                                 "at start-up", group=LORA)
     sim: SimConfig = setting(default_factory=SimConfig)
 
     def __post_init__(self):
@@ -264,6 +275,18 @@ class EngineConfig:
         if not self.generation_config:
             raise ValueError("--generation-config must be auto, vllm or a directory")
         parse_override(self.override_generation_config)  # a malformed one fails at start-up
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """--lora-modules parsed and every adapter's rank read now: a bad one fails at
+        start-up (shared/lora.py)."""
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.enable_lora:
+            check_adapters(parse_lora_modules(self.lora_modules), self.max_loras,
+                           self.max_lora_rank)
 
 
 # services/gateway/tool_formats.PARSERS' names (tests/test_tool_formats.py checks it)

@@ -58,6 +58,8 @@ class SamplingParams:
     # A grammar starts once the end marker has come (compute/structured.ReasoningGate)
     thinking_end_ids: tuple[int, ...] = ()
     thinking_start_ids: tuple[int, ...] = ()
+    lora_name: str = ""  # the LoRA adapter to generate with (--lora-modules' name); "": the
+    # base model
 
     def __post_init__(self):
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",

@@ -18,6 +18,7 @@ from services.compute.core.batch import ForwardBatch
 from services.compute.core.sequence import UNSAMPLED, Sequence
 from services.compute.core.step import ScheduledStep, Work, WorkItem
 from services.compute.inflight import InFlight
+from services.compute.lora.groups import LoraGroups
 
 
 def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None = None,
@@ -50,6 +51,7 @@ def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None
         max_decode_len=max(rows.dec_lens, default=0),
         max_chunk_len=max(rows.chunks, default=0),
         prompt_spans=rows.spans,
+        lora=LoraGroups.of(rows.adapters, device) if rows.any_adapter else None,
     )
 
 
@@ -71,6 +73,8 @@ class _Rows:
     pre_starts: list[int] = field(default_factory=list)
     pre_lens: list[int] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)
+    adapters: list[str] = field(default_factory=list)  # each row's LoRA adapter ("": the base)
+    any_adapter: bool = False
 
     def decode(self, item: WorkItem) -> None:
         """Rows attending to their KV through position c (every one sampled)."""
@@ -84,6 +88,7 @@ class _Rows:
             self.slots.append(start + c)
             self.dec_starts.append(start)
             self.dec_lens.append(c + 1)
+        self._adapter(item.seq, len(self.ids) - len(self.adapters))
 
     def prefill(self, item: WorkItem) -> None:
         """A chunk of n tokens from position c; its last row sampled if it ends the prompt,
@@ -106,8 +111,15 @@ class _Rows:
         self.pre_starts.append(seq.kv_start)
         self.pre_lens.append(c + n)
         self.chunks.append(n)
+        self._adapter(seq, n)
         if item.samples:
             self.logits.append(len(self.ids) - 1)
+
+    def _adapter(self, seq: Sequence, n: int) -> None:
+        """seq's n new rows belong to its LoRA adapter."""
+        name = seq.params.lora_name
+        self.adapters += [name] * n
+        self.any_adapter |= bool(name)
 
 
 def _late_rows(seqs: list[Sequence], prev: InFlight | None) -> list[int]:

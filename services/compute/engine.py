@@ -70,6 +70,8 @@ class LLMEngine:
         self.config = config
         self.runner = runner
         self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
+        # the LoRA adapters requests may name (SamplingParams.lora_name)
+        self.lora_names = getattr(getattr(runner, "model", None), "lora_names", frozenset())
         self.kv = KVSpace(config.scheduler, self.runner.capacity)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Sequence] = {}
@@ -102,6 +104,8 @@ class LLMEngine:
             raise InvalidParams("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.allowed_token_ids):
             raise InvalidParams("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab})")
+        if params.lora_name and params.lora_name not in self.lora_names:
+            raise InvalidParams("model", f"The model `{params.lora_name}` does not exist.")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidParams("prompt", f"prompt has {len(prompt_ids)} tokens; the context "
                                 f"length is {self.max_model_len}")

@@ -25,12 +25,14 @@ from services.compute.inflight import InFlight
 from services.compute.kv.kv_cache import KVCache
 from services.compute.kv.sizing import gpu_kv_budget
 from services.compute.length.head import is_checkpoint, probe_dim, probe_matrix
+from services.compute.lora.attach import attach_adapters
 from services.compute.model import quantization, smoothing
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
 from services.compute.structured import start_mask
 from shared.config import EngineConfig
 from shared.gguf.reader import is_gguf
+from shared.lora import parse_lora_modules
 from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -137,7 +139,7 @@ class ModelRunner:
         out = InFlight(step)
         if self.drafter is not None:  # its tokens into the verify rows, then the target's
             out.drafts = self.drafter.propose(step, batch)
-        if self.graphs is not None and self.graphs.fits(batch):
+        if self.graphs is not None and batch.lora is None and self.graphs.fits(batch):
             logits, hidden = self.graphs.run(batch)  # [S, vocab], [S, hidden]
         else:
             logits, hidden = self.model.forward_hidden(batch, self.kv)  # [S + R, ...]
@@ -178,13 +180,17 @@ def _configure_torch(config: EngineConfig) -> None:
 def _load_model(config: EngineConfig, model_config: ModelConfig, device: torch.device,
                 dtype: torch.dtype, max_model_len: int
                 ) -> tuple[quantization.Quantization, LlamaModel]:
-    """The quantization method (--quantization) and the model, its weights loaded for it."""
+    """The quantization method (--quantization) and the model, its weights loaded for it,
+    with the --lora-modules adapters beside them."""
     quant = quantization.resolve(config.quantization, config.model, device, dtype,
                                  config.int4_group_size)
     weights = load_weights(config.model, dtype, device, keep_int4=quant.keeps_gguf_blocks)
     if quant.int8_activations:  # W8A8: SmoothQuant, calibrated at load
         smoothing.smooth(model_config, weights, device)
-    return quant, LlamaModel(model_config, weights, device, max_model_len, quant)
+    model = LlamaModel(model_config, weights, device, max_model_len, quant)
+    if config.enable_lora:
+        attach_adapters(model, parse_lora_modules(config.lora_modules), config.max_lora_rank)
+    return quant, model
 
 
 def _draft_model(config: EngineConfig, target: ModelConfig, device: torch.device,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from services.compute.core.sequence import Sequence
+from services.compute.lora.groups import LoraGroups
 
 
 @dataclass
@@ -33,3 +34,4 @@ class ForwardBatch:
     max_chunk_len: int
     prompt_spans: list[tuple[Sequence, int, int]]  # (seq, first prompt position scored, count):
     # the R prompt rows in order; row j of a span scores token_ids[position + j]
+    lora: LoraGroups | None = None  # the rows of each LoRA adapter; None: all base rows

@@ -1,11 +1,12 @@
 """Prefix caching on contiguous segments (pure logic: no KV, no device).
 
 Entries are finished `Sequence`s shrunk to the tokens whose K/V they hold, indexed by those tokens
-(`PrefixIndex`; behind a key of its cache_salt where the request has one), counted as free and
-evicted least recently used first. Running requests are indexed by prompt once prefilled (`share`),
-never evicted here. A hit is copied into the new request's own segment as a step move. Invariant:
-the slots [kv_start, kv_start + len(tokens)) of every indexed sequence hold the K/V of
-index.tokens[it] (after a salt's key) once the steps in flight have run.
+(`PrefixIndex`; behind keys of its cache_salt and its LoRA adapter where it has them), counted as
+free and evicted least recently used first. Running requests are indexed by prompt once
+prefilled (`share`), never evicted here. A hit is copied into the new request's own segment as
+a step move. Invariant: the slots [kv_start, kv_start + len(tokens)) of every indexed sequence
+hold the K/V of index.tokens[it] (after the salt's and adapter's keys) once the steps in flight
+have run.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class PrefixCache:
         """(the entry holding the longest prefix of seq's tokens, that length), at most all but
         seq's last token (the step must compute its logits); (None, 0) on a miss."""
         entry, n = self.index.match(_key(seq, seq.token_ids[: seq.num_tokens - 1]))
-        n -= bool(seq.params.cache_salt)  # the salt's key matched too
+        n -= len(_scope(seq))  # the salt's and the adapter's keys matched too
         return (entry, n) if n > 0 else (None, 0)
 
     def admitted(self, seq: Sequence, entry: Sequence | None, n: int) -> None:
@@ -121,10 +122,17 @@ class PrefixCache:
 
 
 def _key(seq: Sequence, tokens: list[int]) -> list[int]:
-    """What the index keys seq's tokens by: with a cache_salt, a negative id derived from it
-    first (token ids are >= 0), so only requests with the same salt share a prefix."""
-    salt = seq.params.cache_salt
-    if not salt:
-        return tokens
-    digest = hashlib.blake2b(salt.encode(), digest_size=7).digest()
-    return [-1 - int.from_bytes(digest, "little"), *tokens]
+    """What the index keys seq's tokens by: `_scope`'s ids first, so only requests with the
+    same cache_salt and the same LoRA adapter share a prefix."""
+    return [*_scope(seq), *tokens]
+
+
+def _scope(seq: Sequence) -> list[int]:
+    """Negative ids (token ids are >= 0) derived from seq's cache_salt and its LoRA adapter,
+    those it has: K/V computed under other weights or for another tenant never match."""
+    scope = []
+    for key in (seq.params.cache_salt, seq.params.lora_name and f"\0lora:{seq.params.lora_name}"):
+        if key:
+            digest = hashlib.blake2b(key.encode(), digest_size=7).digest()
+            scope.append(-1 - int.from_bytes(digest, "little"))
+    return scope

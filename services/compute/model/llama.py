@@ -33,6 +33,7 @@ from kernels import (
 from kernels.int8_quant import quantize_int8
 from services.compute.core.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
+from services.compute.lora.linear import LoraLinear
 from services.compute.model.arch import full_qk_norm, fuse, layer_norms, qk_norms, qkv_rows
 from services.compute.model.moe import mlp_layers
 from services.compute.model.quantization import Quantization
@@ -84,6 +85,7 @@ class LlamaModel:
         self.embed_scale = (None if cfg.embed_scale == 1 else
                             torch.tensor(cfg.embed_scale, dtype=self.embed.dtype, device=device))
         self.act = _activation(cfg.hidden_act, self.int8_act)
+        self.lora_names: frozenset[str] = frozenset()  # adapters served (lora/attach.py)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -119,7 +121,7 @@ class LlamaModel:
             # the router reads float rows: a sparse layer's experts quantize their own input
             x, residual = self._norm(h, residual, layer.ln_mlp,
                                      self.int8_act and layer.moe is None)
-            h = layer.moe(x) if layer.moe is not None else layer.down(self.act(layer.gate_up(x)))
+            h = layer.moe(x) if layer.moe is not None else self._mlp(layer, x, batch)
             h = self._post_norm(h, layer.post_mlp)
         rows = batch.logits_indices
         last, _ = self._norm(h[rows], residual[rows], self.norm)  # [S, hidden]
@@ -162,7 +164,7 @@ class LlamaModel:
                    kv: KVCache) -> torch.Tensor:
         c = self.cfg
         T = batch.input_ids.shape[0]  # x may be an Int8Activation (W8A8)
-        qkv = layer.qkv(x)
+        qkv = _project(layer.qkv, x, batch)
         q, k, v = qkv.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                              c.num_kv_heads * c.head_dim], dim=-1)
         q, k = q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim)
@@ -186,8 +188,19 @@ class LlamaModel:
                                            max_q_len=batch.max_chunk_len, k_scale=k_scale,
                                            v_scale=v_scale, window=window, softcap=cap))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return layer.o(out.reshape(T, -1))
+        return _project(layer.o, out.reshape(T, -1), batch)
 
+    def _mlp(self, layer: LayerWeights, x, batch: ForwardBatch) -> torch.Tensor:
+        """The dense MLP: down(act(gate_up(x)))."""
+        return _project(layer.down, self.act(_project(layer.gate_up, x, batch)), batch)
+
+
+def _project(linear, x, batch: ForwardBatch) -> torch.Tensor:
+    """linear(x), plus the LoRA delta of each adapter the step has rows of where the
+    projection serves adapters (a draft model's do not)."""
+    if batch.lora is None or not isinstance(linear, LoraLinear):
+        return linear(x)
+    return linear(x, batch.lora)
 
 
 def _activation(hidden_act: str, int8: bool):

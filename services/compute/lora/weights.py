@@ -1,0 +1,76 @@
+"""A PEFT LoRA directory's factors, fused the way the decoder fuses its projections.
+
+PEFT stores, per targeted module, lora_A [r, in] and lora_B [out, r] under names like
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`. The decoder runs q/k/v as
+one projection (and gate/up as one): an adapter's parts of a fused projection become one pair,
+A = the parts' A stacked [k r, in] and B block-diagonal [out, k r] (a part not targeted is a
+zero block, so its columns get no delta), then transposed for `LoraLinear` and scaled.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from shared.lora import TARGETS, AdapterConfig, LoraError
+from shared.model_config import ModelConfig
+
+_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+def read_factors(path: str | Path) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """{(layer, PEFT module name): {"A": [r, in], "B": [out, r]}} of the adapter at `path`
+    (adapter_model.safetensors, else adapter_model.bin)."""
+    path = Path(path)
+    file = path / "adapter_model.safetensors"
+    if file.exists():
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(file))
+    elif (path / "adapter_model.bin").exists():
+        tensors = torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise LoraError(f"LoRA adapter {path}: no adapter_model.safetensors or .bin")
+    factors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = _NAME.search(name)
+        if m is None or m.group(2) not in TARGETS:
+            raise LoraError(f"LoRA adapter {path}: tensor {name} is not a factor of a "
+                            f"supported projection ({', '.join(TARGETS)})")
+        factors.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
+    return factors
+
+
+def part_sizes(cfg: ModelConfig) -> dict[str, list[int]]:
+    """Output rows of each part of the decoder's fused projections."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    return {"qkv": [q, kv, kv], "o": [cfg.hidden_size], "gate_up": [inter, inter],
+            "down": [cfg.hidden_size]}
+
+
+def fuse(factors: dict[tuple[int, str], dict[str, torch.Tensor]], config: AdapterConfig,
+         cfg: ModelConfig, layer: int, projection: str, dtype: torch.dtype
+         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(A^T [in, k r] in `dtype`, B * scaling [out, k r] in float32) of `projection` ("qkv",
+    "o", "gate_up" or "down") of `layer`, B's rows in HF's order of the fused output (the
+    caller reorders them as the decoder does, then transposes); None where the adapter
+    targets none of its parts."""
+    sizes = part_sizes(cfg)[projection]
+    parts = [(i, factors.get((layer, n))) for n, (p, i) in TARGETS.items() if p == projection]
+    parts = [(i, f) for i, f in parts if f is not None]
+    if not parts:
+        return None
+    r = config.rank
+    a = torch.cat([f["A"].float() for _, f in parts])  # [k r, in]
+    b = torch.zeros(sum(sizes), r * len(parts))
+    for j, (i, f) in enumerate(parts):
+        if f["A"].shape[0] != r or f["B"].shape != (sizes[i], r):
+            raise LoraError(f"LoRA layer {layer} {projection}: factors {tuple(f['A'].shape)}, "
+                            f"{tuple(f['B'].shape)} do not fit rank {r} and {sizes[i]} rows")
+        lo = sum(sizes[:i])
+        b[lo : lo + sizes[i], j * r : (j + 1) * r] = f["B"].float()
+    b *= config.scaling
+    return a.t().contiguous().to(dtype), b

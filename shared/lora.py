@@ -1,0 +1,146 @@
+"""LoRA adapters as served: `--lora-modules` parsed into `LoraModule`s, and a PEFT directory's
+`adapter_config.json` read into an `AdapterConfig` (shared: the settings check ranks at
+start-up, the gateway lists the names, compute loads the weights).
+
+`--lora-modules` takes vLLM's forms, separated by whitespace: `name=path`, or a JSON object
+`{"name": ..., "path": ..., "base_model_name": ...}`; a JSON list of such objects also works.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# PEFT's module names -> (the decoder's fused projection, the part of it): every part a
+# projection has must come from the same adapter config; a part not targeted adds nothing
+TARGETS = {
+    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
+}
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served (a bad directory, an unsupported option, a rank over
+    --max-lora-rank)."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapter as --lora-modules names it: requests pick it by `name`."""
+
+    name: str
+    path: str
+    base_model_name: str = ""  # empty: the served model
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """What a PEFT adapter_config.json says of a LoRA adapter. Invariant: rank >= 1 and every
+    target in `TARGETS`; the delta of a target is x @ A^T @ B^T * scaling."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    targets: frozenset[str]  # PEFT module names (q_proj, ..., down_proj)
+
+    @property
+    def scaling(self) -> float:
+        """alpha / r, or alpha / sqrt(r) with rsLoRA (PEFT's rule)."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    @classmethod
+    def read(cls, path: str | Path) -> AdapterConfig:
+        """The config of the PEFT directory `path`; LoraError where it is not one pipellm
+        serves."""
+        file = Path(path) / "adapter_config.json"
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, ValueError) as exc:
+            raise LoraError(f"LoRA adapter {path}: cannot read {file.name}: {exc}") from exc
+        if raw.get("peft_type", "LORA") != "LORA":
+            raise LoraError(f"LoRA adapter {path}: peft_type {raw['peft_type']} is not LORA")
+        for option in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save",
+                       "fan_in_fan_out"):
+            if raw.get(option):
+                raise LoraError(f"LoRA adapter {path}: {option} is not supported")
+        rank = int(raw.get("r", 8))
+        targets = _targets(raw.get("target_modules"), path)
+        if rank < 1:
+            raise LoraError(f"LoRA adapter {path}: rank must be >= 1, not {rank}")
+        return cls(rank=rank, alpha=float(raw.get("lora_alpha", 8)),
+                   use_rslora=bool(raw.get("use_rslora", False)), targets=targets)
+
+
+def _targets(spec, path) -> frozenset[str]:
+    """target_modules (a list of module names, or PEFT's regex over full module names) as
+    the names of TARGETS it covers; LoraError for a target that is none of them."""
+    if isinstance(spec, str):
+        if spec == "all-linear":
+            return frozenset(TARGETS)
+        return frozenset(n for n in TARGETS
+                         if re.fullmatch(spec, f"model.layers.0.self_attn.{n}")
+                         or re.fullmatch(spec, f"model.layers.0.mlp.{n}"))
+    names = frozenset(spec or ())
+    unknown = names - set(TARGETS)
+    if unknown or not names:
+        raise LoraError(f"LoRA adapter {path}: target modules {sorted(unknown) or '(none)'} "
+                        f"are not supported (only {', '.join(TARGETS)})")
+    return names
+
+
+def parse_lora_modules(text: str) -> list[LoraModule]:
+    """--lora-modules' value as LoraModules, in order; ValueError on a malformed one or a name
+    given twice."""
+    text = text.strip()
+    if not text:
+        return []
+    if text.startswith("["):
+        items = json.loads(text)
+    else:
+        items = [json.loads(t) if t.startswith("{") else t for t in _split(text)]
+    modules = []
+    for item in items:
+        if isinstance(item, dict):
+            if not item.get("name") or not item.get("path"):
+                raise ValueError(f"--lora-modules: {item} needs a name and a path")
+            modules.append(LoraModule(str(item["name"]), str(item["path"]),
+                                      str(item.get("base_model_name") or "")))
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {item!r} is not name=path")
+            modules.append(LoraModule(name, path))
+    names = [m.name for m in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules: a name is given twice: {names}")
+    return modules
+
+
+def _split(text: str) -> list[str]:
+    """Whitespace-separated items, a JSON object kept whole."""
+    items, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "{") - (ch == "}")
+        if ch.isspace() and depth == 0:
+            if cur:
+                items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return items + [cur] if cur else items
+
+
+def check_adapters(modules: list[LoraModule], max_loras: int, max_lora_rank: int) -> None:
+    """Start-up's check of --lora-modules against --max-loras and --max-lora-rank: LoraError
+    naming the first adapter that does not fit."""
+    if len(modules) > max_loras:
+        raise LoraError(f"--lora-modules names {len(modules)} adapters; --max-loras is "
+                        f"{max_loras} (all adapters are resident: raise --max-loras)")
+    for m in modules:
+        rank = AdapterConfig.read(m.path).rank
+        if rank > max_lora_rank:
+            raise LoraError(f"LoRA adapter {m.name!r} ({m.path}) has rank {rank}, over "
+                            f"--max-lora-rank {max_lora_rank}")

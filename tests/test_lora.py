@@ -1,0 +1,193 @@
+"""LoRA adapters (issue 49): token-exact greedy output of each adapter against PEFT's
+`merge_and_unload()` of it in transformers (float32, a tiny random Llama), one adapter alone
+and mixed with the base and another adapter in one batch (chunked prefill); prefix caching
+never shared across adapters; the delta beside a quantized (INT4) base layer; start-up checks.
+
+Two random adapters, built here with PEFT (its B factors are zeros at init: set randomly):
+A is rank 8 on every projection, B rank 16 with rsLoRA on q, v and down only.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services.compute.backend import build_engine
+from services.compute.lora.groups import LoraGroups
+from services.compute.lora.linear import LoraLinear
+from services.compute.model.linear import Int4Linear
+from shared.config import EngineConfig
+from shared.lora import AdapterConfig, LoraError, LoraModule, parse_lora_modules
+from shared.sampling import InvalidParams, SamplingParams
+from shared.settings import with_settings
+from tests.test_engine_vs_hf import hf_greedy, make_prompts
+
+MAX_NEW = 12
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {  # name -> (rank, alpha, use_rslora, target modules, seed)
+    "A": (8, 16, False, ALL, 1),
+    "B": (16, 8, True, ["q_proj", "v_proj", "down_proj"], 2),
+}
+
+
+def build_adapter(base_dir, out_dir, rank, alpha, rslora, targets, seed):
+    """A random PEFT LoRA adapter of the model at `base_dir`, saved to `out_dir`; returns the
+    base with it merged (`merge_and_unload`), float32."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora,
+                                            target_modules=targets, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5 / rank ** 0.5)
+    model.save_pretrained(out_dir)
+    return model.merge_and_unload().eval()
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tmp_path_factory):
+    """(base dir, {adapter name: dir}, {"" and each adapter: HF's greedy outputs}, prompts)."""
+    from tests.hf_models import build_hf_model
+
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = root / "base"
+    base = build_hf_model(base_dir, "llama", initializer_range=0.1, num_key_value_heads=2)
+    prompts = [p[:40] for p in make_prompts(base.config.vocab_size, seed=3)[:8]]
+    expected = {"": hf_greedy(base, prompts, MAX_NEW)}
+    dirs = {}
+    for name, (rank, alpha, rslora, targets, seed) in ADAPTERS.items():
+        dirs[name] = root / name
+        merged = build_adapter(base_dir, dirs[name], rank, alpha, rslora, targets, seed)
+        expected[name] = hf_greedy(merged, prompts, MAX_NEW)
+    return base_dir, dirs, expected, prompts
+
+
+def lora_engine(base_dir, dirs, **cfg):
+    modules = " ".join(f"{n}={d}" for n, d in dirs.items())
+    config = with_settings(EngineConfig(), model=str(base_dir), device="cpu", dtype="float32",
+                           enable_lora=True, lora_modules=modules, max_loras=len(dirs),
+                           max_lora_rank=16, **cfg)
+    return build_engine(config)
+
+
+def run(engine, requests: list[tuple[list[int], str]], arrive_every: int = 1):
+    """Greedy outputs of (prompt, adapter) requests, added one every `arrive_every` steps (4
+    up front) and run to completion."""
+    outputs, rids, queue, step = {}, [], list(requests), 0
+    while queue or engine.has_work():
+        if queue and (len(rids) < 4 or step % arrive_every == 0):
+            prompt, name = queue.pop(0)
+            rids.append(engine.add_request(prompt, SamplingParams(
+                max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, lora_name=name)))
+        for ev in engine.step().outputs:
+            outputs.setdefault(ev.request_id, []).extend(ev.token_ids)
+        engine.kv.allocator.check()
+        step += 1
+    return [outputs[r] for r in rids]
+
+
+def test_adapters_change_the_output(lora_setup):
+    _, _, expected, _ = lora_setup
+    assert expected["A"] != expected[""] and expected["B"] != expected[""]
+    assert expected["A"] != expected["B"]
+
+
+@pytest.mark.parametrize("name", ["", "A", "B"])
+def test_each_adapter_alone_matches_peft_merged(lora_setup, name):
+    base_dir, dirs, expected, prompts = lora_setup
+    engine = lora_engine(base_dir, dirs)
+    assert run(engine, [(p, name) for p in prompts]) == expected[name]
+
+
+def test_mixed_batch_chunked_prefill(lora_setup):
+    """Base, A and B rows in the same steps, prompts chunked over several steps: every request
+    gets the tokens it gets alone."""
+    base_dir, dirs, expected, prompts = lora_setup
+    engine = lora_engine(base_dir, dirs,
+                         max_batched_tokens=24, max_running=8)
+    names = ["", "A", "B"]
+    requests = [(p, names[(i + k) % 3]) for k in range(3) for i, p in enumerate(prompts)]
+    got = run(engine, requests, arrive_every=2)
+    for (prompt, name), out in zip(requests, got, strict=True):
+        assert out == expected[name][prompts.index(prompt)], (name, prompts.index(prompt))
+
+
+def test_prefix_cache_not_shared_across_adapters(lora_setup):
+    base_dir, dirs, expected, prompts = lora_setup
+    engine = lora_engine(base_dir, dirs,
+                         enable_prefix_caching=True)
+    i = max(range(len(prompts)), key=lambda j: len(prompts[j]))  # 40 tokens
+    hits = []
+    for name in ["", "A", "B", "A"]:
+        before = engine.stats().prefix_hits
+        assert run(engine, [(prompts[i], name)]) == [expected[name][i]]
+        hits.append(engine.stats().prefix_hits - before)
+    assert hits[:3] == [0, 0, 0]  # the base's cached prompt serves neither adapter
+    assert hits[3] > 0  # A's own cached prompt serves A
+
+
+def test_unknown_adapter_is_refused(lora_setup):
+    base_dir, dirs, _, prompts = lora_setup
+    engine = lora_engine(base_dir, {"A": dirs["A"]})
+    with pytest.raises(InvalidParams, match="does not exist"):
+        engine.add_request(prompts[0], SamplingParams(lora_name="B"))
+
+
+def test_rank_over_max_is_refused_at_startup(lora_setup):
+    base_dir, dirs, _, _ = lora_setup
+    with pytest.raises(LoraError, match="rank 16, over --max-lora-rank 8"):
+        with_settings(EngineConfig(), model=str(base_dir), enable_lora=True, max_loras=2,
+                      lora_modules=f"A={dirs['A']} B={dirs['B']}", max_lora_rank=8)
+    with pytest.raises(ValueError, match="--max-loras"):
+        with_settings(EngineConfig(), model=str(base_dir), enable_lora=True,
+                      lora_modules=f"A={dirs['A']} B={dirs['B']}")
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        with_settings(EngineConfig(), model=str(base_dir), lora_modules=f"A={dirs['A']}")
+
+
+def test_adapter_config(lora_setup):
+    _, dirs, _, _ = lora_setup
+    a, b = AdapterConfig.read(dirs["A"]), AdapterConfig.read(dirs["B"])
+    assert (a.rank, a.scaling, a.targets) == (8, 2.0, frozenset(ALL))
+    assert (b.rank, b.scaling) == (16, 8 / 4)  # rsLoRA: alpha / sqrt(r)
+
+
+def test_parse_lora_modules():
+    obj = {"name": "c", "path": "/p/c", "base_model_name": "base"}
+    text = f"a=/p/a  b=/p/b {json.dumps(obj)}"
+    assert parse_lora_modules(text) == [LoraModule("a", "/p/a"), LoraModule("b", "/p/b"),
+                                        LoraModule("c", "/p/c", "base")]
+    assert parse_lora_modules(json.dumps([obj])) == [LoraModule("c", "/p/c", "base")]
+    assert parse_lora_modules("") == []
+    with pytest.raises(ValueError, match="twice"):
+        parse_lora_modules("a=/x a=/y")
+    with pytest.raises(ValueError, match="name=path"):
+        parse_lora_modules("a")
+
+
+def test_delta_beside_an_int4_base_layer():
+    """The INT4 layer serves as is; each adapter's rows get exactly their delta added, base
+    rows nothing, whether a group's rows are one run (a slice) or scattered."""
+    torch.manual_seed(0)
+    base = Int4Linear(torch.randn(48, 64))
+    layer = LoraLinear(base)
+    factors = {n: (torch.randn(64, r), torch.randn(r, 48)) for n, r in (("A", 4), ("B", 8))}
+    for n, (a, b) in factors.items():
+        layer.add(n, a, b)
+    x = torch.randn(7, 64)
+    names = ["", "A", "A", "B", "", "B", "A"]
+    got = layer(x, LoraGroups.of(names, torch.device("cpu")))
+    want = base(x)
+    for i, n in enumerate(names):
+        if n:
+            a, b = factors[n]
+            want[i] += x[i] @ a @ b
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert LoraGroups.of(["", ""], torch.device("cpu")) is None
+    torch.testing.assert_close(layer(x), base(x))
