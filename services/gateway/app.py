@@ -32,6 +32,7 @@ from shared import state
 from shared.chat_template import ChatTemplate
 from shared.config import ServiceConfig
 from shared.generation_config import GenerationDefaults
+from shared.lora import LoraModule
 from shared.messages import Abort, TokenizeRequest
 from shared.transport import AsyncFanout, AsyncSender
 
@@ -49,11 +50,14 @@ class Gateway:
     def __init__(self, svc: ServiceConfig, model_name: str, max_model_len: int, tokenizer,
                  redis_client: aioredis.Redis, to_tokenizer: AsyncSender,
                  to_control: AsyncSender | AsyncFanout, template: ChatTemplate | None = None,
-                 defaults: GenerationDefaults | None = None):
+                 defaults: GenerationDefaults | None = None, adapters: tuple[LoraModule, ...] = ()):
         """`template`: the chat template /tokenize renders messages with (the tokenizers
         render generation requests' own). `defaults`: the model's sampling defaults, for
-        requests that leave fields unset (--generation-config)."""
+        requests that leave fields unset (--generation-config). `adapters`: the LoRA adapters
+        a request may name as its model (--lora-modules)."""
         self.svc, self.model_name, self.max_model_len = svc, model_name, max_model_len
+        self.adapters = adapters
+        self.adapter_names = frozenset(a.name for a in adapters)
         self.defaults = defaults or GenerationDefaults()
         self.tokenizer, self.template = tokenizer, template
         self.seeds = random.Random(svc.seed) if svc.seed is not None else None
@@ -107,14 +111,14 @@ class Gateway:
             body = await read_json_body(request)
             return await self._generate(request, protocol.parse_completion(
                 body, self.model_name, defaults=self.defaults,
-                strict=self.svc.strict_request_fields))
+                strict=self.svc.strict_request_fields, adapters=self.adapter_names))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         with self.pending.hold():
             body = await read_json_body(request)
             return await self._generate(request, protocol.parse_chat(
                 body, self.model_name, defaults=self.defaults, chat=self.chat_settings,
-                strict=self.svc.strict_request_fields))
+                strict=self.svc.strict_request_fields, adapters=self.adapter_names))
 
     async def _generate(self, request: web.Request, req: protocol.GenerationRequest,
                         answer: Answer = OPENAI) -> web.StreamResponse:
@@ -225,9 +229,13 @@ class Gateway:
             pass
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "pipellm", "max_model_len": self.max_model_len}]})
+        """The served model, then its LoRA adapters (vLLM's cards: `parent` the base model,
+        `root` the adapter's path)."""
+        base = {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "pipellm", "max_model_len": self.max_model_len}
+        return web.json_response({"object": "list", "data": [base] + [{
+            **base, "id": a.name, "root": a.path, "parent": a.base_model_name or self.model_name}
+            for a in self.adapters]})
 
     async def health_check(self, request: web.Request) -> web.Response:
         if self.health.ok:

@@ -203,12 +203,15 @@ class GenerationRequest:
 
 
 def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
-                     strict: bool = False) -> GenerationRequest:
+                     strict: bool = False, adapters: frozenset[str] = frozenset(),
+                     ) -> GenerationRequest:
     """Validate a `/v1/completions` body. `prompt` is a non-empty string, a list of one string,
     a non-empty list of token ids, or a batch: a list of those. Unknown keys are ignored
-    (listed in `ignored`), or with `strict` a 400."""
+    (listed in `ignored`), or with `strict` a 400. `model` names `model_name` or one of the
+    LoRA `adapters` (then params.lora_name)."""
     ignored = None if strict else []
-    model = _check_body(body, model_name, COMPLETION_KEYS, _COMPLETION_NEUTRAL, ignored)
+    model = _check_body(body, model_name, COMPLETION_KEYS, _COMPLETION_NEUTRAL, ignored,
+                        adapters)
     prompts = parse_prompts(body.get("prompt"))
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     best_of = get_int(body, "best_of", n, lo=1, hi=MAX_N)
@@ -229,7 +232,7 @@ def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults
                    defaults=defaults, fallback_max_tokens=COMPLETION_MAX_TOKENS,
                    add_generation_prompt=False, beam=beam,
                    best_of=best_of if best_of > n and not beam else 0,
-                   ignored=tuple(ignored or ()))
+                   ignored=tuple(ignored or ()), lora_name=_lora_name(model, model_name))
 
 
 @dataclass(frozen=True)
@@ -254,13 +257,14 @@ NO_CHAT = ChatSettings()
 
 
 def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
-               chat: ChatSettings = NO_CHAT, strict: bool = False) -> GenerationRequest:
+               chat: ChatSettings = NO_CHAT, strict: bool = False,
+               adapters: frozenset[str] = frozenset()) -> GenerationRequest:
     """Validate a `/v1/chat/completions` body. Messages: chat_messages.py. `chat`: the
     server's chat flags (a request's `separate_reasoning: false`, SGLang's, leaves the
     reasoning in the content; `include_reasoning: false`, vLLM's, drops it). Unknown keys are
-    ignored (listed in `ignored`), or with `strict` a 400."""
+    ignored (listed in `ignored`), or with `strict` a 400. `model` as for parse_completion."""
     ignored = None if strict else []
-    model = _check_body(body, model_name, CHAT_KEYS, _CHAT_NEUTRAL, ignored)
+    model = _check_body(body, model_name, CHAT_KEYS, _CHAT_NEUTRAL, ignored, adapters)
     messages = parse_messages(body.get("messages"), ignored)
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     logprobs = get_bool(body, "logprobs", False)
@@ -301,7 +305,7 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
                    echo=get_bool(body, "echo", False),
                    tools=tools.parse_tools(body, chat.tool_parser), beam=parse_beam(body, n, n),
                    include_reasoning=get_bool(body, "include_reasoning", True),
-                   ignored=tuple(ignored or ()))
+                   ignored=tuple(ignored or ()), lora_name=_lora_name(model, model_name))
 
 
 def calls_keep_specials(fields: dict) -> bool:
@@ -310,38 +314,51 @@ def calls_keep_specials(fields: dict) -> bool:
 
 
 def _check_body(body: Any, model_name: str, allowed: frozenset[str],
-                neutral: dict[str, tuple], ignored: list[str] | None) -> str:
-    """Body is an object that names our model, asks for no unsupported feature and has only
-    known keys (the others go to `ignored`; without that list they are a 400)."""
-    reject_unsupported(check_model(body, model_name, allowed, ignored), neutral)
-    return model_name
+                neutral: dict[str, tuple], ignored: list[str] | None,
+                adapters: frozenset[str] = frozenset()) -> str:
+    """The model the body names (`model_name` or one of the LoRA `adapters`), once it is an
+    object that names one, asks for no unsupported feature and has only known keys (the others
+    go to `ignored`; without that list they are a 400)."""
+    reject_unsupported(check_model(body, model_name, allowed, ignored, adapters), neutral)
+    return get_str(body, "model", model_name)
 
 
 def check_model(body: Any, model_name: str, allowed: frozenset[str],
-                ignored: list[str] | None = None) -> dict:
-    """`body`, once it is an object that names our model (or none), its keys not in `allowed`
-    appended to `ignored` (without that list: a 400)."""
+                ignored: list[str] | None = None, adapters: frozenset[str] = frozenset(),
+                ) -> dict:
+    """`body`, once it is an object that names our model, one of its LoRA `adapters` or none,
+    its keys not in `allowed` appended to `ignored` (without that list: a 400). An unknown
+    model is a 404 model_not_found."""
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {json_type(body)}")
     reject_unknown(body, allowed, ignored)
     model = get_str(body, "model", model_name)
-    if model != model_name:
+    if model != model_name and model not in adapters:
         raise not_found(f"The model `{model}` does not exist."[:300], "model", "model_not_found")
     return body
+
+
+def _lora_name(model: str, model_name: str) -> str:
+    """The LoRA adapter a request names as its `model` ("" for the base model)."""
+    return "" if model == model_name else model
 
 
 def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_param: str,
             defaults: GenerationDefaults, fallback_max_tokens: int | None, n: int, logprobs: bool,
             top_logprobs: int, prompt_logprobs: int | None = None, beam: dict,
-            chat_options: dict | None = None, **fields: Any) -> GenerationRequest:
+            chat_options: dict | None = None, lora_name: str = "",
+            **fields: Any) -> GenerationRequest:
     """Validate the fields both endpoints share and build the request (`beam`: its beam
-    search fields, services/gateway/beam.py; `chat_options`: how chat renders its prompt)."""
+    search fields, services/gateway/beam.py; `chat_options`: how chat renders its prompt;
+    `lora_name`: the adapter it generates with)."""
     stream, include_usage, continuous_usage = stream_fields(body)
     get_int(body, "priority", 0, lo=-MAX_COUNT - 1, hi=MAX_COUNT)  # accepted, not yet used
     params = sampling_params(  # best_of ranks choices by their logprobs: compute sends them
         body, logprobs=logprobs or fields.get("best_of", 0) > 0, top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs, max_param=max_param, defaults=defaults,
         max_tokens=defaults.max_tokens_for(max_tokens, fallback_max_tokens), beam=beam)
+    if lora_name:
+        params = dataclasses.replace(params, lora_name=lora_name)
     grammar = structured.parse_grammar(body)
     calls = fields.get("tools") and fields["tools"].grammar()  # required or a named function
     if calls is not None:

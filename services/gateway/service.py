@@ -15,6 +15,7 @@ from services.gateway.app import Gateway
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, ServiceConfig
 from shared.generation_config import GenerationDefaults
+from shared.lora import parse_lora_modules
 from shared.messages import DeltaBatch
 from shared.model_config import served_context, served_name
 from shared.tokenizer import load_tokenizer
@@ -33,7 +34,9 @@ def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncR
                  AsyncFanout([AsyncSender(ctx, svc.addr("control", r))
                               for r in range(svc.data_parallel_size)]),
                  load_chat_template(engine_cfg.model, engine_cfg.chat_template),
-                 GenerationDefaults.of(engine_cfg))
+                 GenerationDefaults.of(engine_cfg),
+                 tuple(parse_lora_modules(engine_cfg.lora_modules)) if engine_cfg.enable_lora
+                 else ())
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
 
 

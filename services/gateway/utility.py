@@ -58,7 +58,8 @@ class Utility:
         router.add_route("*", "/ping", self.gw.health_check)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = check_model(await read_json_body(request), self.gw.model_name, TOKENIZE_KEYS)
+        body = check_model(await read_json_body(request), self.gw.model_name, TOKENIZE_KEYS,
+                           adapters=self.gw.adapter_names)
         if body.get("continue_final_message"):
             raise bad_request("continue_final_message is not supported", "continue_final_message")
         text = self._text(body)
@@ -94,7 +95,7 @@ class Utility:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = check_model(await read_json_body(request), self.gw.model_name,
-                           DETOKENIZE_KEYS)
+                           DETOKENIZE_KEYS, adapters=self.gw.adapter_names)
         if "tokens" not in body:
             raise bad_request("tokens is required", "tokens")
         ids = list(token_ids(body["tokens"], "tokens"))

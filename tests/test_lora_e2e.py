@@ -1,0 +1,62 @@
+"""LoRA through a real server (issue 49), with the official openai client: a request names the
+adapter as its `model` and gets PEFT's merged model's greedy tokens; the base model still
+answers as itself; /v1/models lists the adapter under the base; an unknown model is a 404
+model_not_found."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from tests.stack import Stack
+from tests.test_engine_vs_hf import hf_greedy
+from tests.test_lora import ALL, build_adapter
+
+MODEL, MAX_NEW = "demo", 8
+
+
+@pytest.fixture(scope="module")
+def lora_stack(demo_model_dir, tmp_path_factory):
+    """(the stack, its client, the adapter's dir, {"demo" and "A": HF's greedy outputs}, the
+    prompts)."""
+    from transformers import AutoModelForCausalLM
+
+    adapter = tmp_path_factory.mktemp("lora") / "A"
+    merged = build_adapter(demo_model_dir, adapter, 8, 16, True, ALL, 1)
+    base = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    prompts = [[1, 40, 41, 42, 43, 44], [1, 7, 300, 9]]
+    expected = {MODEL: hf_greedy(base, prompts, MAX_NEW), "A": hf_greedy(merged, prompts, MAX_NEW)}
+    stack = Stack(demo_model_dir, "--served-model-name", MODEL, "--dtype", "float32",
+                  "--enable-lora", "--lora-modules", f"A={adapter}", "--max-lora-rank", "8").start()
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        yield stack, client, adapter, expected, prompts
+    finally:
+        stack.stop()
+
+
+def test_adapter_named_as_model(lora_stack):
+    _, client, _, expected, prompts = lora_stack
+    assert expected["A"] != expected[MODEL]
+    for model in ("A", MODEL):
+        for prompt, want in zip(prompts, expected[model], strict=True):
+            r = client.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True}).model_dump()
+            assert r["model"] == model
+            assert r["choices"][0]["token_ids"] == want, model
+
+
+def test_models_lists_the_adapter(lora_stack):
+    _, client, adapter, _, _ = lora_stack
+    cards = {m.id: m.model_dump() for m in client.models.list().data}
+    assert list(cards) == [MODEL, "A"]
+    assert cards["A"]["parent"] == MODEL and cards["A"]["root"] == str(adapter)
+
+
+def test_unknown_model_is_404(lora_stack):
+    _, client, _, _, _ = lora_stack
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="B", prompt="hi", max_tokens=2)
+    assert err.value.code == "model_not_found"
