@@ -3,7 +3,8 @@ tools_stack) with the official openai SDK and the OpenAI Agents SDK: answers who
 streamed (the same at temperature 0), stored and retrieved, chained by previous_response_id,
 function calls forced by the grammar and answered, background responses polled, streamed again
 from any event, cancelled and deleted, and continued across a kill -9 of compute and of the
-gateway; and a streamed Anthropic message across a kill -9 of compute (the unit tests:
+gateway; and a streamed Anthropic message and a streamed chat answer split by the reasoning
+parser across a kill -9 of compute (the unit tests:
 tests/test_responses_api.py, tests/test_messages_api.py)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -193,3 +195,26 @@ def test_a_streamed_message_survives_a_kill_9_of_compute(tools_stack):
     tools_stack.wait_healthy(timeout_s=180)
     assert killed and final.stop_reason == "max_tokens" and final.usage.output_tokens == 120
     assert final.content[0].text == "".join(text)
+
+
+def test_a_split_reasoning_stream_survives_a_kill_9_of_compute(tools_stack, client):
+    """A chat answer made to think (a regex; SmolLM2 never opens <think> itself), streamed with
+    qwen3's reasoning parser: compute killed inside the reasoning, the stream goes on, the
+    split stays exact (no tags, nothing twice) and the whole still matches the grammar."""
+    thinking = r"<think>[a-z ]{30,60}</think>\n\n[A-Z][a-z ]{5,30}\."
+    parts, killed = {"reasoning": "", "content": ""}, False
+    for chunk in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Think, then greet me."}],
+            max_tokens=200, temperature=0, stream=True,
+            extra_body={"guided_regex": thinking}):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is None:
+            continue
+        parts["reasoning"] += delta.model_extra.get("reasoning") or ""
+        parts["content"] += delta.content or ""
+        if len(parts["reasoning"]) >= 6 and not killed:
+            _kill(tools_stack, "compute")
+            killed = True
+    tools_stack.wait_healthy(timeout_s=180)
+    assert killed and "<think>" not in parts["reasoning"] and "</think>" not in parts["content"]
+    assert re.fullmatch(thinking, f"<think>{parts['reasoning']}</think>{parts['content']}")
