@@ -2,10 +2,11 @@
 // floats: load from float / bf16 / fp16, fmadd, horizontal sum, exp), included by each
 // decode_attention_<isa>.cpp inside its target region. Same contract as decode_attention.cpp.
 //
-// Per sequence (one work item, sequences in parallel), per kv head: the scores of its query
-// group walk the head's K rows once (each row converted to float once, then one dot product
-// per query head), the softmax runs on vectors, and each query head sums its V rows with its
-// accumulators in registers (D / kLanes of them). Math in float32.
+// Per sequence (one work item, sequences in parallel; its rows are contiguous in the cache):
+// the scores walk its K rows in order, 8 rows at a time, every query head's 8 dot products
+// summed horizontally together (sum8); the softmax runs on vectors; then for each kv head, up
+// to 4 of its query heads at once sum its V rows with their accumulators in registers, each V
+// row read once per group. Rows are prefetched kAhead rows ahead. Math in float32.
 #pragma once
 
 namespace {
