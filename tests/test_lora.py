@@ -1,7 +1,8 @@
 """LoRA adapters (issue 49): token-exact greedy output of each adapter against PEFT's
 `merge_and_unload()` of it in transformers (float32, a tiny random Llama), one adapter alone
-and mixed with the base and another adapter in one batch (chunked prefill); prefix caching
-never shared across adapters; the delta beside a quantized (INT4) base layer; start-up checks.
+and mixed with the base and another adapter in one batch (chunked prefill; with an INT4 base,
+an INT8 KV cache and preemption, against each request alone); prefix caching never shared
+across adapters; the delta beside a quantized (INT4) base layer; start-up checks.
 
 Two random adapters, built here with PEFT (its B factors are zeros at init: set randomly):
 A is rank 8 on every projection, B rank 16 with rsLoRA on q, v and down only.
@@ -116,6 +117,26 @@ def test_mixed_batch_chunked_prefill(lora_setup):
     got = run(engine, requests, arrive_every=2)
     for (prompt, name), out in zip(requests, got, strict=True):
         assert out == expected[name][prompts.index(prompt)], (name, prompts.index(prompt))
+
+
+def test_mixed_batch_int4_base_int8_kv_preemption(lora_setup):
+    """An INT4 base (kept in its blocks, the deltas beside it), an INT8 KV cache too small for
+    the batch (requests preempted and recomputed): every request of a mixed batch still gets
+    the tokens it gets alone, and each adapter changes the output."""
+    base_dir, dirs, _, prompts = lora_setup
+    engine = lora_engine(base_dir, dirs, quantization="int4", kv_cache_dtype="int8",
+                         kv_cache_tokens=160, max_batched_tokens=32, max_running=16,
+                         default_predicted_len=2, kv_min_grow=4)
+    names = ["", "A", "B"]
+    requests = [(p, names[(i + k) % 3]) for k in range(3) for i, p in enumerate(prompts)]
+    alone = {(tuple(p), n): run(engine, [(p, n)])[0] for p, n in requests}
+    assert engine.stats().preemptions == 0
+    got = run(engine, requests, arrive_every=1)
+    assert engine.stats().preemptions > 0
+    for (prompt, name), out in zip(requests, got, strict=True):
+        assert out == alone[(tuple(prompt), name)], (name, prompts.index(prompt))
+    longest = tuple(max(prompts, key=len))
+    assert len({tuple(alone[(longest, n)]) for n in names}) == 3
 
 
 def test_prefix_cache_not_shared_across_adapters(lora_setup):
