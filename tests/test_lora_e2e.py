@@ -60,3 +60,20 @@ def test_unknown_model_is_404(lora_stack):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="B", prompt="hi", max_tokens=2)
     assert err.value.code == "model_not_found"
+
+
+def test_chat_and_responses_name_the_adapter(lora_stack):
+    """The chat path and the Responses API take the adapter's name too (and answer with it);
+    the adapter's answer differs from the base's."""
+    _, client, _, _, _ = lora_stack
+    texts = {}
+    for model in ("A", MODEL):
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Once upon a time"}],
+            max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True})
+        assert chat.model == model
+        texts[model] = chat.choices[0].message.content
+        resp = client.responses.create(model=model, input="Once upon a time",
+                                       max_output_tokens=4, temperature=0, store=False)
+        assert resp.model == model and resp.status in ("completed", "incomplete")
+    assert texts["A"] != texts[MODEL]

@@ -43,7 +43,7 @@ class MessagesAPI:
         gw = self.gw
         req, notes = parse_request(body, gw.model_name, defaults=gw.defaults,
                                    chat=gw.chat_settings, strict=gw.svc.strict_request_fields,
-                                   count_only=count_only)
+                                   count_only=count_only, adapters=gw.adapter_names)
         for note in notes:
             log.info("/v1/messages: %s", note)
         return req

@@ -54,10 +54,12 @@ _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 def parse_request(body: Any, model_name: str, *, defaults=protocol.NO_DEFAULTS,
                   chat: protocol.ChatSettings = protocol.NO_CHAT, strict: bool = False,
-                  count_only: bool = False) -> tuple[protocol.GenerationRequest, list[str]]:
+                  count_only: bool = False, adapters: frozenset[str] = frozenset(),
+                  ) -> tuple[protocol.GenerationRequest, list[str]]:
     """(the validated request, notes for the log: what was skipped). `count_only`:
     /v1/messages/count_tokens' body (no max_tokens). Unknown keys are ignored (the gateway
-    logs them), or with `strict` a 400, as on the chat path."""
+    logs them), or with `strict` a 400, as on the chat path; `model` may name one of the LoRA
+    `adapters`."""
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {json_type(body)}")
     ignored: list[str] | None = None if strict else []
@@ -66,7 +68,7 @@ def parse_request(body: Any, model_name: str, *, defaults=protocol.NO_DEFAULTS,
     chat_body = to_chat_body(body, notes, reasoning=bool(chat.reasoning_parser),
                              count_only=count_only)
     req = protocol.parse_chat(chat_body, model_name, defaults=defaults, chat=chat,
-                              strict=strict)
+                              strict=strict, adapters=adapters)
     # a ceiling, lowered to the context's room by the tokenizer (max_tokens_auto)
     return dataclasses.replace(req, max_tokens_given=False,
                                ignored=req.ignored + tuple(ignored or ())), notes

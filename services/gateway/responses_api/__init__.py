@@ -50,7 +50,8 @@ class ResponsesAPI:
     def parse(self, body: dict, history: list[dict] | None) -> Parsed:
         gw = self.gw
         parsed = parse_request(body, gw.model_name, history, defaults=gw.defaults,
-                               chat=gw.chat_settings, strict=gw.svc.strict_request_fields)
+                               chat=gw.chat_settings, strict=gw.svc.strict_request_fields,
+                               adapters=gw.adapter_names)
         for note in parsed.notes:
             log.info("/v1/responses: %s", note)
         return parsed

@@ -64,8 +64,9 @@ class Parsed:
 
 def parse_request(body: Any, model_name: str, history: list[dict] | None = None, *,
                   defaults=protocol.NO_DEFAULTS, chat=protocol.NO_CHAT,
-                  strict: bool = False) -> Parsed:
-    """`history`: the stored items of previous_response_id (its input and its output)."""
+                  strict: bool = False, adapters: frozenset[str] = frozenset()) -> Parsed:
+    """`history`: the stored items of previous_response_id (its input and its output);
+    `model` may name one of the LoRA `adapters`."""
     if not isinstance(body, dict):
         raise bad_request(f"The request body must be a JSON object, got {json_type(body)}")
     ignored: list[str] | None = None if strict else []
@@ -90,7 +91,7 @@ def parse_request(body: Any, model_name: str, history: list[dict] | None = None,
     chat_body.update(_reasoning(body.get("reasoning"), body.get("chat_template_kwargs")))
     chat_body.update(_include(body))
     req = protocol.parse_chat(chat_body, model_name, defaults=defaults, chat=chat,
-                              strict=strict)
+                              strict=strict, adapters=adapters)
     req = dataclasses.replace(req, ignored=req.ignored + tuple(ignored or ()))
     background = _flag(body, "background", False)
     store = _flag(body, "store", True)
