@@ -284,6 +284,8 @@ class EngineConfig:
             raise ValueError("--max-loras and --max-lora-rank must be at least 1")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        if self.enable_lora and self.backend == BackendName.SIM:
+            raise ValueError("--enable-lora is not modelled by the simulator (--backend sim)")
         if self.enable_lora:
             check_adapters(parse_lora_modules(self.lora_modules), self.max_loras,
                            self.max_lora_rank)

@@ -144,3 +144,9 @@ def check_adapters(modules: list[LoraModule], max_loras: int, max_lora_rank: int
         if rank > max_lora_rank:
             raise LoraError(f"LoRA adapter {m.name!r} ({m.path}) has rank {rank}, over "
                             f"--max-lora-rank {max_lora_rank}")
+
+
+def adapter_scope(model_key: str, lora_name: str) -> str:
+    """The key statistics learned of a model's outputs are kept under (the length
+    predictor's features): the model's, or for an adapter's requests, the model's and its."""
+    return f"{model_key}\x1flora:{lora_name}" if lora_name else model_key

@@ -20,7 +20,8 @@ from services.compute.lora.groups import LoraGroups
 from services.compute.lora.linear import LoraLinear
 from services.compute.model.linear import Int4Linear
 from shared.config import EngineConfig
-from shared.lora import AdapterConfig, LoraError, LoraModule, parse_lora_modules
+from shared.length_predictor import length_features
+from shared.lora import AdapterConfig, LoraError, LoraModule, adapter_scope, parse_lora_modules
 from shared.sampling import InvalidParams, SamplingParams
 from shared.settings import with_settings
 from tests.test_engine_vs_hf import hf_greedy, make_prompts
@@ -170,6 +171,16 @@ def test_rank_over_max_is_refused_at_startup(lora_setup):
                       lora_modules=f"A={dirs['A']} B={dirs['B']}")
     with pytest.raises(ValueError, match="needs --enable-lora"):
         with_settings(EngineConfig(), model=str(base_dir), lora_modules=f"A={dirs['A']}")
+    with pytest.raises(ValueError, match="simulator"):
+        with_settings(EngineConfig(), backend="sim", enable_lora=True)
+
+
+def test_length_features_per_adapter():
+    """The length predictor learns an adapter's output lengths apart from the base's."""
+    feats = {n: tuple(length_features("Tell me a story", [1, 2, 3], 64, adapter_scope("m", n)))
+             for n in ("", "A", "B")}
+    assert adapter_scope("m", "") == "m"
+    assert len(set(feats.values())) == 3
 
 
 def test_adapter_config(lora_setup):

@@ -58,6 +58,9 @@ class Gateway:
         self.svc, self.model_name, self.max_model_len = svc, model_name, max_model_len
         self.adapters = adapters
         self.adapter_names = frozenset(a.name for a in adapters)
+        if model_name in self.adapter_names:
+            raise ValueError(f"--lora-modules: adapter name {model_name!r} is the served "
+                             "model's name")
         self.defaults = defaults or GenerationDefaults()
         self.tokenizer, self.template = tokenizer, template
         self.seeds = random.Random(svc.seed) if svc.seed is not None else None

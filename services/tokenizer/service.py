@@ -29,6 +29,7 @@ from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
 from shared.grammar import GrammarError, GrammarSpec, validate
 from shared.length_predictor import LengthPredictor, length_features, model_key
+from shared.lora import adapter_scope
 from shared.messages import (
     Delta,
     DeltaBatch,
@@ -137,11 +138,12 @@ class Tokenizer:
                                    thinking_start_ids=() if rule.starts_in_reasoning
                                    else ids(rule.start))
 
-    def predict(self, text: str, ids: list[int], max_tokens: int,
+    def predict(self, text: str, ids: list[int], max_tokens: int, lora_name: str = "",
                 ) -> tuple[list[int], list[int] | None]:
         """(length features, predicted quantiles; None without a predictor). With Redis down
-        the predictor answers its default (and logs it)."""
-        feats = length_features(text, ids, max_tokens, self.model)
+        the predictor answers its default (and logs it). The features of a LoRA adapter's
+        requests are its own (learned apart from the base's and other adapters')."""
+        feats = length_features(text, ids, max_tokens, adapter_scope(self.model, lora_name))
         if self.predictor is None:
             return feats, None
         return feats, list(self.predictor.predict(feats, max_tokens).values)
@@ -162,7 +164,7 @@ class Tokenizer:
         if req.reasoning_parser and (req.thinking_token_budget or req.grammar is not None):
             params = self._thinking(params, req.reasoning_parser, req.thinking_token_budget)
         self.check_grammar(req.grammar)
-        feats, quantiles = self.predict(text, ids, params.max_tokens)
+        feats, quantiles = self.predict(text, ids, params.max_tokens, params.lora_name)
         packed = int32s(ids)
         route = Route(request_id="", reply_to=req.reply_to, num_prompt=len(ids),
                       prompt_tail=int32s(ids[-_PROMPT_TAIL:]), stop=list(req.stop),
