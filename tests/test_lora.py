@@ -154,6 +154,25 @@ def test_prefix_cache_not_shared_across_adapters(lora_setup):
     assert hits[3] > 0  # A's own cached prompt serves A
 
 
+def test_lora_requests_info(lora_setup):
+    """vLLM's lora_requests_info: the adapters of the running and the waiting requests, summed
+    over engines by the gateway's metrics."""
+    from services.gateway.metrics import _lora_info
+
+    base_dir, dirs, _, prompts = lora_setup
+    engine = lora_engine(base_dir, dirs, max_running=1)
+    for name in ("B", "", "A"):
+        engine.add_request(prompts[2], SamplingParams(max_tokens=2, lora_name=name))
+    engine.step()
+    info = engine.lora_info()
+    assert info == {"lora_running": "B", "lora_waiting": "A", "max_lora": "2"}
+    (family,) = _lora_info([info, {"lora_running": "A", "lora_waiting": "", "max_lora": "2"}])
+    (sample,) = family.samples
+    assert sample.labels == {"max_lora": "2", "running_lora_adapters": "A,B",
+                             "waiting_lora_adapters": "A"}
+    assert list(_lora_info([{"running": "1"}])) == []
+
+
 def test_unknown_adapter_is_refused(lora_setup):
     base_dir, dirs, _, prompts = lora_setup
     engine = lora_engine(base_dir, {"A": dirs["A"]})

@@ -5,6 +5,8 @@ model_not_found."""
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 import torch
@@ -53,6 +55,17 @@ def test_models_lists_the_adapter(lora_stack):
     cards = {m.id: m.model_dump() for m in client.models.list().data}
     assert list(cards) == [MODEL, "A"]
     assert cards["A"]["parent"] == MODEL and cards["A"]["root"] == str(adapter)
+
+
+def test_metrics_lora_requests_info(lora_stack):
+    stack = lora_stack[0]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the engine's stats come with its next heartbeat
+        _, text = stack.get("/metrics")
+        if "vllm:lora_requests_info{" in text:
+            break
+        time.sleep(0.2)
+    assert 'vllm:lora_requests_info{max_lora="1"' in text
 
 
 def test_unknown_model_is_404(lora_stack):

@@ -226,6 +226,19 @@ class LLMEngine:
             requests=self._added, tokens=self._tokens, **prefix,
             **_speculation(s.speculation))
 
+    def lora_info(self) -> dict[str, str]:
+        """vLLM's lora_requests_info labels: the LoRA adapters of the running and of the
+        waiting requests (comma-separated, sorted) and --max-loras; {} without --enable-lora."""
+        if not self.config.enable_lora:
+            return {}
+        s = self.scheduler
+
+        def names(seqs) -> str:
+            return ",".join(sorted({q.params.lora_name for q in seqs} - {""}))
+
+        return {"lora_running": names(s.running), "lora_waiting": names(s.waiting),
+                "max_lora": str(self.config.max_loras)}
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  ) -> list[Sequence]:
         """Run prompts to completion; returns their finished sequences, in prompt order."""

@@ -90,6 +90,7 @@ class ComputeService:
             pipe = self.redis.pipeline(transaction=True)  # demand and pending change together
             state.set_stats(pipe, self.svc.server, rank, {
                 **vars(self.engine.stats()), **self.engine.runner.summary,
+                **self.engine.lora_info(),
                 "max_model_len": self.engine.max_model_len, "startup": self.startup,
                 "enable_prefix_caching": self.engine.config.scheduler.enable_prefix_caching,
                 "rank": rank}, ttl_s=max(60.0, 10 * self.svc.heartbeat_s))

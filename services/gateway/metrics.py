@@ -10,6 +10,8 @@ label, as vLLM's data parallelism exports them).
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -157,6 +159,25 @@ def _vllm(engines: list[dict[str, str]], stats: dict[str, str], model: str):
                    stats.get("prefix_queries"), labels)
     yield _counter("vllm:prefix_cache_hits", "prompt tokens whose KV the prefix cache gave",
                    stats.get("prefix_hits"), labels)
+    yield from _lora_info(engines)
+
+
+def _lora_info(engines: list[dict[str, str]]):
+    """vLLM's vllm:lora_requests_info (with --enable-lora): the adapters of the running and of
+    the waiting requests over all engines, as labels; the value is the time it was taken."""
+    if not any("max_lora" in e for e in engines):
+        return
+    info = GaugeMetricFamily("vllm:lora_requests_info", "running and waiting LoRA adapters",
+                             labels=["max_lora", "running_lora_adapters",
+                                     "waiting_lora_adapters"])
+
+    def union(key: str) -> str:
+        return ",".join(sorted({n for e in engines for n in e.get(key, "").split(",") if n}))
+
+    max_lora = max(int(_num(e.get("max_lora"))) for e in engines)
+    info.add_metric([str(max_lora), union("lora_running"),
+                     union("lora_waiting")], time.time())
+    yield info
 
 
 def _per_engine(engines: list[dict[str, str]]):
