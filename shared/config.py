@@ -334,6 +334,9 @@ class ServiceConfig:
         "", "a JSON object of chat template variables for every chat request (a request's "
         "chat_template_kwargs win key by key), e.g. '{\"enable_thinking\": false}'",
         group=SERVER)
+    allow_runtime_lora_updating: bool = setting(
+        False, "with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=true works too)", group=LORA)
     responses_store_ttl: int = setting(
         7 * 86400, "seconds a stored /v1/responses response (store: true) stays in Redis "
         "after its last write, for previous_response_id, GET and background polling",

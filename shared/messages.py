@@ -3,6 +3,7 @@
     gateway --TokenizeRequest--> tokenizer --GenerateRequest--> compute --StepOutput--> detokenizer
     detokenizer --DeltaBatch--> gateway (the one named in the request's route)
     gateway --Abort--> compute control        detokenizer --Abort(reason="stop")--> compute control
+    gateway --LoraUpdate--> every compute's control (adapters loaded / unloaded at run time)
     tokenizer --DeltaBatch (error)--> gateway
 
 Token id fields hold `array('i')` (packed int32 on the wire); build them with `codec.int32s`.
@@ -147,6 +148,15 @@ class Abort:
 
     request_id: str
     reason: str = "abort"
+
+
+@message
+class LoraUpdate:
+    """Load the LoRA adapter at `path` as `name` (the gateway checked it), or with no path
+    unload it: to every compute (`--allow-runtime-lora-updating`)."""
+
+    name: str
+    path: str = ""
 
 
 # --- compute -> detokenizer -----------------------------------------------------------------

@@ -72,9 +72,9 @@ def lora_setup(tmp_path_factory):
 
 def lora_engine(base_dir, dirs, **cfg):
     modules = " ".join(f"{n}={d}" for n, d in dirs.items())
+    cfg = {"max_loras": len(dirs), **cfg}
     config = with_settings(EngineConfig(), model=str(base_dir), device="cpu", dtype="float32",
-                           enable_lora=True, lora_modules=modules, max_loras=len(dirs),
-                           max_lora_rank=16, **cfg)
+                           enable_lora=True, lora_modules=modules, max_lora_rank=16, **cfg)
     return build_engine(config)
 
 
@@ -165,12 +165,40 @@ def test_lora_requests_info(lora_setup):
         engine.add_request(prompts[2], SamplingParams(max_tokens=2, lora_name=name))
     engine.step()
     info = engine.lora_info()
-    assert info == {"lora_running": "B", "lora_waiting": "A", "max_lora": "2"}
+    assert info == {"lora_running": "B", "lora_waiting": "A", "max_lora": "2",
+                    "lora_loaded": "A,B"}
     (family,) = _lora_info([info, {"lora_running": "A", "lora_waiting": "", "max_lora": "2"}])
     (sample,) = family.samples
     assert sample.labels == {"max_lora": "2", "running_lora_adapters": "A,B",
                              "waiting_lora_adapters": "A"}
     assert list(_lora_info([{"running": "1"}])) == []
+
+
+def test_load_and_unload_at_run_time(lora_setup):
+    """An adapter loaded into a running engine serves PEFT's merged tokens; one unloaded while
+    its request runs refuses new requests at once, finishes that one with its weights, then
+    drops them."""
+    base_dir, dirs, expected, prompts = lora_setup
+    engine = lora_engine(base_dir, {"A": dirs["A"]}, max_loras=2)
+    engine.load_lora(LoraModule("B", str(dirs["B"])))
+    assert run(engine, [(prompts[3], "B")]) == [expected["B"][3]]
+    outputs = {}
+    rid = engine.add_request(prompts[3], SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
+                                                        ignore_eos=True, lora_name="A"))
+    for _ in range(3):
+        for ev in engine.step().outputs:
+            outputs.setdefault(ev.request_id, []).extend(ev.token_ids)
+    engine.unload_lora("A")
+    with pytest.raises(InvalidParams, match="does not exist"):
+        engine.add_request(prompts[0], SamplingParams(lora_name="A"))
+    qkv = engine.runner.model.layers[0].qkv
+    assert "A" in qkv.adapters  # its request still runs with it
+    while engine.has_work():
+        for ev in engine.step().outputs:
+            outputs.setdefault(ev.request_id, []).extend(ev.token_ids)
+    engine.tick()
+    assert outputs[rid] == expected["A"][3]
+    assert set(qkv.adapters) == {"B"} and engine.lora_names == {"B"}
 
 
 def test_unknown_adapter_is_refused(lora_setup):

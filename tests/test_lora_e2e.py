@@ -1,7 +1,7 @@
 """LoRA through a real server (issue 49), with the official openai client: a request names the
 adapter as its `model` and gets PEFT's merged model's greedy tokens; the base model still
 answers as itself; /v1/models lists the adapter under the base; an unknown model is a 404
-model_not_found."""
+model_not_found; an adapter loaded and unloaded at run time while a stream runs."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def lora_stack(demo_model_dir, tmp_path_factory):
     prompts = [[1, 40, 41, 42, 43, 44], [1, 7, 300, 9]]
     expected = {MODEL: hf_greedy(base, prompts, MAX_NEW), "A": hf_greedy(merged, prompts, MAX_NEW)}
     stack = Stack(demo_model_dir, "--served-model-name", MODEL, "--dtype", "float32",
-                  "--enable-lora", "--lora-modules", f"A={adapter}", "--max-lora-rank", "8").start()
+                  "--enable-lora", "--lora-modules", f"A={adapter}", "--max-lora-rank", "8",
+                  "--max-loras", "2", "--allow-runtime-lora-updating").start()
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
     try:
         yield stack, client, adapter, expected, prompts
@@ -65,7 +66,7 @@ def test_metrics_lora_requests_info(lora_stack):
         if "vllm:lora_requests_info{" in text:
             break
         time.sleep(0.2)
-    assert 'vllm:lora_requests_info{max_lora="1"' in text
+    assert 'vllm:lora_requests_info{max_lora="2"' in text
 
 
 def test_unknown_model_is_404(lora_stack):
@@ -90,3 +91,40 @@ def test_chat_and_responses_name_the_adapter(lora_stack):
                                        max_output_tokens=4, temperature=0, store=False)
         assert resp.model == model and resp.status in ("completed", "incomplete")
     assert texts["A"] != texts[MODEL]
+
+
+def test_load_and_unload_at_run_time(lora_stack, tmp_path):
+    """POST /v1/load_lora_adapter: served once the call returns (PEFT's merged tokens), listed;
+    a stream of the other adapter runs through the load and the unload uncut; after
+    /v1/unload_lora_adapter the name is a 404. Refused: a name in use, a rank over
+    --max-lora-rank, an unknown name to unload."""
+    stack, client, _, expected, prompts = lora_stack
+    path = tmp_path / "C"
+    merged = build_adapter(stack.model_dir, path, 4, 8, False, ["q_proj", "v_proj"], 5)
+    want = hf_greedy(merged, prompts[:1], MAX_NEW)[0]
+    stream = client.completions.create(model="A", prompt=prompts[0], max_tokens=MAX_NEW,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    first = next(iter(stream))
+    assert stack.post("/v1/load_lora_adapter", {"lora_name": "C", "lora_path": str(path)})[0] \
+        == 200
+    assert [m.id for m in client.models.list().data] == [MODEL, "A", "C"]
+    r = client.completions.create(model="C", prompt=prompts[0], max_tokens=MAX_NEW,
+                                  temperature=0, extra_body={"ignore_eos": True,
+                                                             "return_token_ids": True})
+    assert r.model_dump()["choices"][0]["token_ids"] == want
+    assert stack.post("/v1/unload_lora_adapter", {"lora_name": "C"})[0] == 200
+    ids = first.model_dump()["choices"][0]["token_ids"]
+    for chunk in stream:
+        ids += chunk.model_dump()["choices"][0]["token_ids"] if chunk.choices else []
+    assert ids == expected["A"][0]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="C", prompt="hi", max_tokens=2)
+    assert stack.post("/v1/unload_lora_adapter", {"lora_name": "C"})[0] == 404
+    assert stack.post("/v1/load_lora_adapter", {"lora_name": "A", "lora_path": str(path)})[0] \
+        == 400
+    big = tmp_path / "big"
+    build_adapter(stack.model_dir, big, 16, 16, False, ["q_proj"], 6)
+    status, body = stack.post("/v1/load_lora_adapter", {"lora_name": "big",
+                                                        "lora_path": str(big)})
+    assert status == 400 and "max-lora-rank" in str(body)

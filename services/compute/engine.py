@@ -25,6 +25,7 @@ from services.compute.scheduling.scheduler import Scheduler
 from services.compute.structured import GrammarState, ReasoningGate
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
+from shared.lora import LoraModule
 from shared.messages import Tokens
 from shared.sampling import InvalidParams, SamplingParams
 
@@ -72,6 +73,7 @@ class LLMEngine:
         self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
         # the LoRA adapters requests may name (SamplingParams.lora_name)
         self.lora_names = getattr(getattr(runner, "model", None), "lora_names", frozenset())
+        self._unloading: set[str] = set()  # unloaded adapters some request still uses
         self.kv = KVSpace(config.scheduler, self.runner.capacity)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.requests: dict[str, Sequence] = {}
@@ -161,6 +163,8 @@ class LLMEngine:
         step does it, and an idle server between polls."""
         if self.lengths is not None:
             self.lengths.tick()
+        if self._unloading:
+            self._drop_unloaded()
 
     def step(self) -> StepResult:
         """Schedule and launch one merged step; return the tokens committed meanwhile: this
@@ -226,6 +230,37 @@ class LLMEngine:
             requests=self._added, tokens=self._tokens, **prefix,
             **_speculation(s.speculation))
 
+    def load_lora(self, module: LoraModule) -> None:
+        """Serve adapter `module` from now on (loaded at run time; LoraError if it cannot be
+        served). A name still being unloaded is replaced at once."""
+        from services.compute.lora.attach import attach_adapters, detach_adapter
+
+        model = self.runner.model
+        if module.name in model.lora_names:
+            self._unloading.discard(module.name)
+            detach_adapter(model, module.name)
+        attach_adapters(model, [module], self.config.max_lora_rank)
+        self.lora_names = model.lora_names - self._unloading
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`: requests naming it are refused from now on; its weights
+        go once no request of it is left (the ones running finish with them)."""
+        self.lora_names = self.lora_names - {name}
+        self._unloading.add(name)
+        self._drop_unloaded()
+
+    def _drop_unloaded(self) -> None:
+        """Detach the adapters being unloaded that no request (held, or in the step in
+        flight) uses any more."""
+        from services.compute.lora.attach import detach_adapter
+
+        used = {s.params.lora_name for s in self.requests.values()}
+        if self._inflight is not None:
+            used |= {item.seq.params.lora_name for item in self._inflight[0].items}
+        for name in self._unloading - used:
+            detach_adapter(self.runner.model, name)
+            self._unloading.discard(name)
+
     def lora_info(self) -> dict[str, str]:
         """vLLM's lora_requests_info labels: the LoRA adapters of the running and of the
         waiting requests (comma-separated, sorted) and --max-loras; {} without --enable-lora."""
@@ -237,7 +272,8 @@ class LLMEngine:
             return ",".join(sorted({q.params.lora_name for q in seqs} - {""}))
 
         return {"lora_running": names(s.running), "lora_waiting": names(s.waiting),
-                "max_lora": str(self.config.max_loras)}
+                "max_lora": str(self.config.max_loras),
+                "lora_loaded": ",".join(sorted(self.lora_names))}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  ) -> list[Sequence]:

@@ -7,6 +7,7 @@ StepOutput. Only token ids, logprobs and finish reasons leave this process.
 
 from __future__ import annotations
 
+import logging
 import time
 from functools import partial
 
@@ -21,8 +22,11 @@ from services.compute.structured import GrammarQueue
 from services.compute.warmup import freeze_heap, warm_up
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
-from shared.messages import Abort, GenerateRequest
+from shared.lora import LoraError, LoraModule
+from shared.messages import Abort, GenerateRequest, LoraUpdate
 from shared.transport import Receiver, Sender
+
+log = logging.getLogger(__name__)
 
 
 class ComputeService:
@@ -68,6 +72,8 @@ class ComputeService:
             for msg in self.control.drain():
                 if isinstance(msg, Abort):
                     self.core.abort(msg.request_id)
+                elif isinstance(msg, LoraUpdate):
+                    self.update_lora(msg)
             for msg in self.inbox.drain():
                 if isinstance(msg, GenerateRequest):
                     if msg.routed_tokens:
@@ -77,6 +83,18 @@ class ComputeService:
         notices = self.core.notices()
         if notices is not None:
             self.outbox.send(notices)
+
+    def update_lora(self, msg: LoraUpdate) -> None:
+        """Load or unload an adapter; the next stats say which are loaded (the gateway waits
+        for them). An adapter that fails to load is logged and stays out."""
+        try:
+            if msg.path:
+                self.engine.load_lora(LoraModule(msg.name, msg.path))
+            else:
+                self.engine.unload_lora(msg.name)
+        except (LoraError, OSError, RuntimeError) as e:
+            log.error("LoRA adapter %r (%s) not loaded: %s", msg.name, msg.path, e)
+        self._next_stats = 0.0  # publish at once
 
     def beat(self) -> None:
         """Every heartbeat period: expire stale early aborts, publish engine stats."""

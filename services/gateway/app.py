@@ -21,6 +21,7 @@ from services.gateway.access import Cors, api_key_middleware
 from services.gateway.errors import bad_request, errors_as_json, not_found, unavailable
 from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
+from services.gateway.lora_api import LoraAPI
 from services.gateway.messages_api import MessagesAPI, error_body
 from services.gateway.metrics import Metrics
 from services.gateway.pending import PendingLimit
@@ -50,17 +51,19 @@ class Gateway:
     def __init__(self, svc: ServiceConfig, model_name: str, max_model_len: int, tokenizer,
                  redis_client: aioredis.Redis, to_tokenizer: AsyncSender,
                  to_control: AsyncSender | AsyncFanout, template: ChatTemplate | None = None,
-                 defaults: GenerationDefaults | None = None, adapters: tuple[LoraModule, ...] = ()):
+                 defaults: GenerationDefaults | None = None, adapters: tuple[LoraModule, ...] = (),
+                 lora_api: tuple[int, int] | None = None):
         """`template`: the chat template /tokenize renders messages with (the tokenizers
         render generation requests' own). `defaults`: the model's sampling defaults, for
         requests that leave fields unset (--generation-config). `adapters`: the LoRA adapters
-        a request may name as its model (--lora-modules)."""
+        a request may name as its model (--lora-modules); `lora_api`: (--max-loras,
+        --max-lora-rank) where adapters are loaded and unloaded at run time (lora_api.py)."""
         self.svc, self.model_name, self.max_model_len = svc, model_name, max_model_len
-        self.adapters = adapters
-        self.adapter_names = frozenset(a.name for a in adapters)
+        self.set_adapters(adapters)
         if model_name in self.adapter_names:
             raise ValueError(f"--lora-modules: adapter name {model_name!r} is the served "
                              "model's name")
+        self.lora_api = None if lora_api is None else LoraAPI(self, *lora_api)
         self.defaults = defaults or GenerationDefaults()
         self.tokenizer, self.template = tokenizer, template
         self.seeds = random.Random(svc.seed) if svc.seed is not None else None
@@ -104,10 +107,17 @@ class Gateway:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
+        if self.lora_api is not None:
+            self.lora_api.add_routes(app.router)
         app.router.add_get("/health", self.health_check)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/v1/requests/{request_id}", self.request_state)
         return app
+
+    def set_adapters(self, adapters: tuple[LoraModule, ...]) -> None:
+        """The LoRA adapters requests may name from now on."""
+        self.adapters = adapters
+        self.adapter_names = frozenset(a.name for a in adapters)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         with self.pending.hold():  # 429 past --max-pending, before anything is awaited

@@ -12,6 +12,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from services.gateway.app import Gateway
+from services.gateway.lora_api import runtime_updates_allowed
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, ServiceConfig
 from shared.generation_config import GenerationDefaults
@@ -36,7 +37,9 @@ def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncR
                  load_chat_template(engine_cfg.model, engine_cfg.chat_template),
                  GenerationDefaults.of(engine_cfg),
                  tuple(parse_lora_modules(engine_cfg.lora_modules)) if engine_cfg.enable_lora
-                 else ())
+                 else (),
+                 (engine_cfg.max_loras, engine_cfg.max_lora_rank) if engine_cfg.enable_lora
+                 and runtime_updates_allowed(svc.allow_runtime_lora_updating) else None)
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
 
 

@@ -52,3 +52,13 @@ def attach_adapters(model, modules: list[LoraModule], max_lora_rank: int) -> Non
                 getattr(layer, p).add(module.name, a.to(device),
                                       b.t().contiguous().to(device=device, dtype=dtype))
     model.lora_names = frozenset(model.lora_names | {m.name for m in modules})
+
+
+def detach_adapter(model, name: str) -> None:
+    """Stop serving adapter `name` on `model` (its factors dropped from every projection)."""
+    for layer in model.layers:
+        for p in PROJECTIONS:
+            linear = getattr(layer, p)
+            if isinstance(linear, LoraLinear):
+                linear.adapters.pop(name, None)
+    model.lora_names = model.lora_names - {name}
