@@ -24,6 +24,7 @@ from shared.lora import AdapterConfig, LoraError, LoraModule
 from shared.messages import LoraUpdate
 
 LOAD_TIMEOUT_S = 60.0
+SEND_WAIT_MS = 1000
 
 
 def runtime_updates_allowed(flag: bool) -> bool:
@@ -59,7 +60,7 @@ class LoraAPI:
             if rank > self.max_lora_rank:
                 raise bad_request(f"LoRA adapter '{name}' has rank {rank}, over "
                                   f"--max-lora-rank {self.max_lora_rank}", "lora_path")
-            await gw.to_control.send(LoraUpdate(name, path))
+            await self._send(LoraUpdate(name, path))
             await self._until_loaded(name)
             gw.set_adapters((*gw.adapters, LoraModule(name, path)))
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
@@ -72,8 +73,13 @@ class LoraAPI:
                 raise not_found(f"The lora adapter '{name}' cannot be found.", "lora_name",
                                 "model_not_found")
             gw.set_adapters(tuple(a for a in gw.adapters if a.name != name))
-            await gw.to_control.send(LoraUpdate(name))
+            await self._send(LoraUpdate(name))
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def _send(self, update: LoraUpdate) -> None:
+        """To every compute; 503 where one does not take it within a second."""
+        if not await self.gw.to_control.send(update, SEND_WAIT_MS):
+            raise unavailable("A compute process is not connected; retry.")
 
     async def _until_loaded(self, name: str) -> None:
         """Wait until every compute's published stats list `name` as loaded; 503 after
