@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# PEFT's module names -> (the decoder's fused projection, the part of it): every part a
-# projection has must come from the same adapter config; a part not targeted adds nothing
+# PEFT's module names -> (the decoder's fused projection, the part of its output rows): a
+# part an adapter does not target gets no delta
 TARGETS = {
     "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
     "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
