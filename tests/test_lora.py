@@ -2,7 +2,8 @@
 `merge_and_unload()` of it in transformers (float32, a tiny random Llama), one adapter alone
 and mixed with the base and another adapter in one batch (chunked prefill; with an INT4 base,
 an INT8 KV cache and preemption, against each request alone); prefix caching never shared
-across adapters; the delta beside a quantized (INT4) base layer; start-up checks.
+across adapters; the delta beside a quantized (INT4) base layer; a GGUF base (F32 and Q4_0
+blocks); adapters loaded and unloaded at run time; start-up checks.
 
 Two random adapters, built here with PEFT (its B factors are zeros at init: set randomly):
 A is rank 8 on every projection, B rank 16 with rsLoRA on q, v and down only.
@@ -270,3 +271,25 @@ def test_delta_beside_an_int4_base_layer():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert LoraGroups.of(["", ""], torch.device("cpu")) is None
     torch.testing.assert_close(layer(x), base(x))
+
+
+def test_gguf_base(tmp_path):
+    """A PEFT adapter over a GGUF base (the same weights written as llama.cpp's converter
+    does, q and k rows permuted): PEFT's merged tokens on an F32 file; over Q4_0 blocks (served
+    as INT4 as they are) the adapter still changes the output, alone as in a mixed batch."""
+    from tests.gguf_files import Q, write_gguf
+    from tests.hf_models import build_hf_model
+
+    base = build_hf_model(tmp_path / "hf", "llama", with_tokenizer=True, initializer_range=0.1,
+                          num_key_value_heads=2)
+    merged = build_adapter(tmp_path / "hf", tmp_path / "A", 8, 16, True, ALL, 1)
+    prompts = [[1, 5, 9, 200, 17], [1] + list(range(100, 130))]
+    want = hf_greedy(merged, prompts, MAX_NEW)
+    f32 = write_gguf(tmp_path / "f32.gguf", base, Q.F32)
+    engine = lora_engine(f32, {"A": tmp_path / "A"})
+    assert run(engine, [(p, "A") for p in prompts]) == want
+    q4 = write_gguf(tmp_path / "q4.gguf", base, Q.Q4_0)
+    engine = lora_engine(q4, {"A": tmp_path / "A"}, quantization="int4")
+    alone = [run(engine, [(p, n)])[0] for p in prompts for n in ("", "A")]
+    assert alone[0] != alone[1]
+    assert run(engine, [(p, n) for p in prompts for n in ("", "A")]) == alone
