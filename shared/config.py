@@ -232,11 +232,15 @@ class EngineConfig:
                                 group=LORA)
     lora_modules: str = setting("", "LoRA adapters (PEFT directories), whitespace-separated: "
                                 "name=path or a JSON object {\"name\", \"path\", "
-                                "\"base_model_name\"} (or a JSON list of them)", group=LORA)
+                                "\"base_model_name\"} (or a JSON list of them)", group=LORA,
+                                many=True)
     max_loras: int = setting(1, "LoRA adapters resident at once (every --lora-modules adapter "
                              "is: at least their number)", group=LORA)
     max_lora_rank: int = setting(16, "largest LoRA rank served: an adapter over it is refused "
                                  "at start-up", group=LORA)
+    max_cpu_loras: int | None = setting(None, "vLLM's host cache of adapters: accepted (at least "
+                                        "--max-loras); every adapter is resident on the device",
+                                        group=LORA)
     sim: SimConfig = setting(default_factory=SimConfig)
 
     def __post_init__(self):
@@ -282,6 +286,8 @@ class EngineConfig:
         start-up (shared/lora.py)."""
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError("--max-loras and --max-lora-rank must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("--max-cpu-loras must be at least --max-loras")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         if self.enable_lora and self.backend == BackendName.SIM:

@@ -24,13 +24,15 @@ _METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
 def setting(default=dataclasses.MISSING, help: str = "", *, group: str = "", alias: str = "",
-            default_factory=dataclasses.MISSING, flat: bool = False):
+            default_factory=dataclasses.MISSING, flat: bool = False, many: bool = False):
     """A config field: its default, the one-line help of its flag, its --help group, and
     `alias`, the flag vLLM users know it by (without the dashes). `flat`, for a field holding
-    a config class: its settings keep their own names, not prefixed with the field's."""
+    a config class: its settings keep their own names, not prefixed with the field's. `many`,
+    for a str setting: its flag takes one or more values (vLLM's nargs="+"), joined by a
+    space."""
     return dataclasses.field(default=default, default_factory=default_factory,
                              metadata={"help": help, "group": group, "alias": alias,
-                                       "flat": flat})
+                                       "flat": flat, "many": many})
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type,
@@ -55,8 +57,16 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type,
             group.add_argument(*flags, dest=dest, action=argparse.BooleanOptionalAction,
                                default=default, help=help.replace("%", "%%"))
         else:
+            many = {"nargs": "+", "action": _JoinValues} if f.metadata.get("many") else {}
             group.add_argument(*flags, dest=dest, type=typ, default=default,
-                               help=help.replace("%", "%%"), metavar=_METAVARS[typ])
+                               help=help.replace("%", "%%"), metavar=_METAVARS[typ], **many)
+
+
+class _JoinValues(argparse.Action):
+    """A `many` setting's values, joined by a space."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, " ".join(values))
 
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides):

@@ -219,6 +219,8 @@ def test_rank_over_max_is_refused_at_startup(lora_setup):
                       lora_modules=f"A={dirs['A']} B={dirs['B']}")
     with pytest.raises(ValueError, match="needs --enable-lora"):
         with_settings(EngineConfig(), model=str(base_dir), lora_modules=f"A={dirs['A']}")
+    with pytest.raises(ValueError, match="--max-cpu-loras"):
+        with_settings(EngineConfig(), max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="simulator"):
         with_settings(EngineConfig(), backend="sim", enable_lora=True)
 
@@ -236,6 +238,22 @@ def test_adapter_config(lora_setup):
     a, b = AdapterConfig.read(dirs["A"]), AdapterConfig.read(dirs["B"])
     assert (a.rank, a.scaling, a.targets) == (8, 2.0, frozenset(ALL))
     assert (b.rank, b.scaling) == (16, 8 / 4)  # rsLoRA: alpha / sqrt(r)
+
+
+def test_lora_modules_flag_takes_several_values(lora_setup):
+    """vLLM's `--lora-modules A=path '{"name": "B", ...}'`: one flag, several values."""
+    import argparse
+
+    from shared.settings import add_config_args, config_from_args
+
+    base_dir, dirs, _, _ = lora_setup
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, EngineConfig)
+    args = parser.parse_args(["--model", str(base_dir), "--enable-lora", "--max-loras", "2",
+                              "--lora-modules", f"A={dirs['A']}",
+                              json.dumps({"name": "B", "path": str(dirs["B"])})])
+    config = config_from_args(EngineConfig, args)
+    assert [m.name for m in parse_lora_modules(config.lora_modules)] == ["A", "B"]
 
 
 def test_parse_lora_modules():
