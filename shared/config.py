@@ -234,13 +234,13 @@ class EngineConfig:
                                 "name=path or a JSON object {\"name\", \"path\", "
                                 "\"base_model_name\"} (or a JSON list of them)", group=LORA,
                                 many=True)
-    max_loras: int = setting(1, "LoRA adapters resident at once (every --lora-modules adapter "
-                             "is: at least their number)", group=LORA)
+    max_loras: int = setting(1, "LoRA adapters the running batch holds requests of: a request "
+                             "of another adapter waits its turn in line", group=LORA)
     max_lora_rank: int = setting(16, "largest LoRA rank served: an adapter over it is refused "
                                  "at start-up", group=LORA)
-    max_cpu_loras: int | None = setting(None, "vLLM's host cache of adapters: accepted (at least "
-                                        "--max-loras); every adapter is resident on the device",
-                                        group=LORA)
+    max_cpu_loras: int | None = setting(None, "LoRA adapters loaded at once (--lora-modules and "
+                                        "loaded at run time), at least --max-loras; unset: any "
+                                        "number (each is resident on the device)", group=LORA)
     sim: SimConfig = setting(default_factory=SimConfig)
 
     def __post_init__(self):
@@ -293,7 +293,7 @@ class EngineConfig:
         if self.enable_lora and self.backend == BackendName.SIM:
             raise ValueError("--enable-lora is not modelled by the simulator (--backend sim)")
         if self.enable_lora:
-            check_adapters(parse_lora_modules(self.lora_modules), self.max_loras,
+            check_adapters(parse_lora_modules(self.lora_modules), self.max_cpu_loras,
                            self.max_lora_rank)
 
 

@@ -133,12 +133,13 @@ def _split(text: str) -> list[str]:
     return items + [cur] if cur else items
 
 
-def check_adapters(modules: list[LoraModule], max_loras: int, max_lora_rank: int) -> None:
-    """Start-up's check of --lora-modules against --max-loras and --max-lora-rank: LoraError
-    naming the first adapter that does not fit."""
-    if len(modules) > max_loras:
-        raise LoraError(f"--lora-modules names {len(modules)} adapters; --max-loras is "
-                        f"{max_loras} (all adapters are resident: raise --max-loras)")
+def check_adapters(modules: list[LoraModule], max_cpu_loras: int | None,
+                   max_lora_rank: int) -> None:
+    """Start-up's check of --lora-modules against --max-cpu-loras and --max-lora-rank:
+    LoraError naming the first adapter that does not fit."""
+    if max_cpu_loras is not None and len(modules) > max_cpu_loras:
+        raise LoraError(f"--lora-modules names {len(modules)} adapters; --max-cpu-loras is "
+                        f"{max_cpu_loras}")
     for m in modules:
         rank = AdapterConfig.read(m.path).rank
         if rank > max_lora_rank:

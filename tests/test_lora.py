@@ -141,6 +141,28 @@ def test_mixed_batch_int4_base_int8_kv_preemption(lora_setup):
     assert len({tuple(alone[(longest, n)]) for n in names}) == 3
 
 
+def test_max_loras_caps_the_adapters_of_the_running_batch(lora_setup):
+    """--max-loras 1: base requests run beside one adapter's; a request of the other adapter
+    waits in line until the first adapter's requests have left. Outputs unchanged."""
+    base_dir, dirs, expected, prompts = lora_setup
+    engine = lora_engine(base_dir, dirs, max_loras=1)
+    names = ["A", "", "B", "A", ""]
+    requests = [(prompts[i], n) for i, n in enumerate(names)]
+    rids = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
+                                                 ignore_eos=True, lora_name=n))
+            for p, n in requests]
+    outputs, seen = {}, []
+    while engine.has_work():
+        for ev in engine.step().outputs:
+            outputs.setdefault(ev.request_id, []).extend(ev.token_ids)
+        running = {s.params.lora_name for s in engine.scheduler.running} - {""}
+        assert len(running) <= 1
+        seen.append(running)
+    assert {"A"} in seen and {"B"} in seen
+    for rid, (prompt, name) in zip(rids, requests, strict=True):
+        assert outputs[rid] == expected[name][prompts.index(prompt)]
+
+
 def test_prefix_cache_not_shared_across_adapters(lora_setup):
     base_dir, dirs, expected, prompts = lora_setup
     engine = lora_engine(base_dir, dirs,
@@ -214,8 +236,8 @@ def test_rank_over_max_is_refused_at_startup(lora_setup):
     with pytest.raises(LoraError, match="rank 16, over --max-lora-rank 8"):
         with_settings(EngineConfig(), model=str(base_dir), enable_lora=True, max_loras=2,
                       lora_modules=f"A={dirs['A']} B={dirs['B']}", max_lora_rank=8)
-    with pytest.raises(ValueError, match="--max-loras"):
-        with_settings(EngineConfig(), model=str(base_dir), enable_lora=True,
+    with pytest.raises(LoraError, match="--max-cpu-loras is 1"):
+        with_settings(EngineConfig(), model=str(base_dir), enable_lora=True, max_cpu_loras=1,
                       lora_modules=f"A={dirs['A']} B={dirs['B']}")
     with pytest.raises(ValueError, match="needs --enable-lora"):
         with_settings(EngineConfig(), model=str(base_dir), lora_modules=f"A={dirs['A']}")

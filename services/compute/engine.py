@@ -75,7 +75,8 @@ class LLMEngine:
         self.lora_names = getattr(getattr(runner, "model", None), "lora_names", frozenset())
         self._unloading: set[str] = set()  # unloaded adapters some request still uses
         self.kv = KVSpace(config.scheduler, self.runner.capacity)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv,
+                                   config.max_loras if config.enable_lora else None)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         mode = config.overlap_schedule

@@ -52,11 +52,11 @@ class Gateway:
                  redis_client: aioredis.Redis, to_tokenizer: AsyncSender,
                  to_control: AsyncSender | AsyncFanout, template: ChatTemplate | None = None,
                  defaults: GenerationDefaults | None = None, adapters: tuple[LoraModule, ...] = (),
-                 lora_api: tuple[int, int] | None = None):
+                 lora_api: tuple[int | None, int] | None = None):
         """`template`: the chat template /tokenize renders messages with (the tokenizers
         render generation requests' own). `defaults`: the model's sampling defaults, for
         requests that leave fields unset (--generation-config). `adapters`: the LoRA adapters
-        a request may name as its model (--lora-modules); `lora_api`: (--max-loras,
+        a request may name as its model (--lora-modules); `lora_api`: (--max-cpu-loras,
         --max-lora-rank) where adapters are loaded and unloaded at run time (lora_api.py)."""
         self.svc, self.model_name, self.max_model_len = svc, model_name, max_model_len
         self.set_adapters(adapters)

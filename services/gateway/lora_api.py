@@ -4,8 +4,8 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=true):
     POST /v1/load_lora_adapter    {"lora_name", "lora_path"}   200 once every compute serves it
     POST /v1/unload_lora_adapter  {"lora_name"}                200; requests naming it 404
 
-A load is checked here first (its adapter_config.json, --max-lora-rank, --max-loras, a name
-not in use), then sent to every compute, and answered once each one's stats list it. An unload
+A load is checked here first (its adapter_config.json, --max-lora-rank, --max-cpu-loras, a
+name not in use), then sent to every compute, and answered once each one's stats list it. An unload
 takes the name out of the API at once; compute drops the weights when its last request of the
 adapter has finished, so no stream is cut.
 """
@@ -34,8 +34,9 @@ def runtime_updates_allowed(flag: bool) -> bool:
 
 
 class LoraAPI:
-    def __init__(self, gw, max_loras: int, max_lora_rank: int):
-        self.gw, self.max_loras, self.max_lora_rank = gw, max_loras, max_lora_rank
+    def __init__(self, gw, max_cpu_loras: int | None, max_lora_rank: int):
+        """`max_cpu_loras`: the most adapters loaded at once (None: any number)."""
+        self.gw, self.max_cpu_loras, self.max_lora_rank = gw, max_cpu_loras, max_lora_rank
         self._lock = asyncio.Lock()  # one update at a time
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
@@ -50,9 +51,10 @@ class LoraAPI:
             if name == gw.model_name or name in gw.adapter_names:
                 raise bad_request(f"The lora adapter '{name}' has already been loaded.",
                                   "lora_name")
-            if len(gw.adapters) >= self.max_loras:
-                raise bad_request(f"{len(gw.adapters)} LoRA adapters are loaded, --max-loras "
-                                  f"is {self.max_loras}: unload one first", "lora_name")
+            limit = self.max_cpu_loras
+            if limit is not None and len(gw.adapters) >= limit:
+                raise bad_request(f"{len(gw.adapters)} LoRA adapters are loaded, "
+                                  f"--max-cpu-loras is {limit}: unload one first", "lora_name")
             try:
                 rank = AdapterConfig.read(path).rank
             except LoraError as e:

@@ -38,7 +38,7 @@ def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncR
                  GenerationDefaults.of(engine_cfg),
                  tuple(parse_lora_modules(engine_cfg.lora_modules)) if engine_cfg.enable_lora
                  else (),
-                 (engine_cfg.max_loras, engine_cfg.max_lora_rank) if engine_cfg.enable_lora
+                 (engine_cfg.max_cpu_loras, engine_cfg.max_lora_rank) if engine_cfg.enable_lora
                  and runtime_updates_allowed(svc.allow_runtime_lora_updating) else None)
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
 

@@ -27,9 +27,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVSpace):
-        """`kv`: the KV space built from the same config."""
-        self.config, self.kv = config, kv
+    def __init__(self, config: SchedulerConfig, kv: KVSpace, max_loras: int | None = None):
+        """`kv`: the KV space built from the same config. `max_loras`: the most LoRA adapters
+        the running batch may hold requests of (--max-loras; None: any number)."""
+        self.config, self.kv, self.max_loras = config, kv, max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.stats = SchedulerStats()
@@ -103,6 +104,8 @@ class Scheduler:
                 len(self.running) < self.config.max_running:
             seq = self.waiting[0]
             if peak is not None and not peak.fits(seq):
+                break
+            if not self._adapter_fits(seq):  # it waits, in line, for an adapter to leave
                 break
             if not self._admit(seq, step):
                 break
@@ -199,6 +202,15 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:  # preempted while its last step was in flight
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether seq's LoRA adapter (if any) may join the running batch: one of its
+        adapters already, or fewer than max_loras there."""
+        name = seq.params.lora_name
+        if not name or self.max_loras is None:
+            return True
+        running = {s.params.lora_name for s in self.running} - {""}
+        return name in running or len(running) < self.max_loras
 
     def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
         # a beam search's segment: a lane of max_len slots per beam
