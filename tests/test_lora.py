@@ -224,6 +224,25 @@ def test_load_and_unload_at_run_time(lora_setup):
     assert set(qkv.adapters) == {"B"} and engine.lora_names == {"B"}
 
 
+@pytest.mark.parametrize("other", [{"intermediate_size": 96}, {"num_hidden_layers": 3}],
+                         ids=["shapes", "layers"])
+def test_adapter_of_another_model_is_refused(lora_setup, tmp_path, other):
+    """At start-up with a clear error; loaded at run time, with nothing of it attached."""
+    from tests.hf_models import build_hf_model
+
+    base_dir, dirs, expected, prompts = lora_setup
+    build_hf_model(tmp_path / "other", "llama", num_key_value_heads=2, **other)
+    build_adapter(tmp_path / "other", tmp_path / "X", 8, 16, False, ALL, 3)
+    with pytest.raises(LoraError, match="do not fit|another model"):
+        lora_engine(base_dir, {"X": tmp_path / "X"})
+    engine = lora_engine(base_dir, {"A": dirs["A"]}, max_loras=2)
+    with pytest.raises(LoraError):
+        engine.load_lora(LoraModule("X", str(tmp_path / "X")))
+    assert engine.lora_names == {"A"}
+    assert set(engine.runner.model.layers[1].gate_up.adapters) == {"A"}
+    assert run(engine, [(prompts[3], "A")]) == [expected["A"][3]]
+
+
 def test_unknown_adapter_is_refused(lora_setup):
     base_dir, dirs, _, prompts = lora_setup
     engine = lora_engine(base_dir, {"A": dirs["A"]})

@@ -22,7 +22,7 @@ from services.compute.structured import GrammarQueue
 from services.compute.warmup import freeze_heap, warm_up
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
-from shared.lora import LoraError, LoraModule
+from shared.lora import LoraModule
 from shared.messages import Abort, GenerateRequest, LoraUpdate
 from shared.transport import Receiver, Sender
 
@@ -92,7 +92,7 @@ class ComputeService:
                 self.engine.load_lora(LoraModule(msg.name, msg.path))
             else:
                 self.engine.unload_lora(msg.name)
-        except (LoraError, OSError, RuntimeError) as e:
+        except (ValueError, OSError, RuntimeError) as e:  # LoraError is a ValueError
             log.error("LoRA adapter %r (%s) not loaded: %s", msg.name, msg.path, e)
         self._next_stats = 0.0  # publish at once
 

@@ -31,27 +31,44 @@ def attach_adapters(model, modules: list[LoraModule], max_lora_rank: int) -> Non
             base = getattr(layer, p)
             if base is not None and not isinstance(base, LoraLinear):
                 setattr(layer, p, LoraLinear(base))
-    dtype, device = model.embed.dtype, model.embed.device
     for module in modules:
-        config = AdapterConfig.read(module.path)
-        if config.rank > max_lora_rank:
-            raise LoraError(f"LoRA adapter {module.name!r} ({module.path}) has rank "
-                            f"{config.rank}, over --max-lora-rank {max_lora_rank}")
-        factors = read_factors(module.path)
-        for i, layer in enumerate(model.layers):
-            for p in PROJECTIONS:
-                fused = fuse(factors, config, cfg, i, p, dtype)
-                if fused is None:
-                    continue
-                if getattr(layer, p) is None:
-                    raise LoraError(f"LoRA adapter {module.name!r} targets the MLP of layer "
-                                    f"{i}, a mixture-of-experts layer: not supported")
-                a, b = fused
-                if p == "qkv":  # the decoder's head order (partial rotary)
-                    b = qkv_rows(cfg, b, None)[0]
-                getattr(layer, p).add(module.name, a.to(device),
-                                      b.t().contiguous().to(device=device, dtype=dtype))
+        pairs = _factor_pairs(model, module, max_lora_rank)  # all read before any is added
+        for linear, a, b in pairs:
+            linear.add(module.name, a, b)
     model.lora_names = frozenset(model.lora_names | {m.name for m in modules})
+
+
+def _factor_pairs(model, module: LoraModule, max_lora_rank: int) -> list[tuple]:
+    """(LoraLinear, A^T, B^T) of every projection `module` targets, on the model's device and
+    in its dtype; LoraError where the adapter does not fit the model."""
+    cfg, dtype, device = model.cfg, model.embed.dtype, model.embed.device
+    config = AdapterConfig.read(module.path)
+    if config.rank > max_lora_rank:
+        raise LoraError(f"LoRA adapter {module.name!r} ({module.path}) has rank "
+                        f"{config.rank}, over --max-lora-rank {max_lora_rank}")
+    factors = read_factors(module.path)
+    if any(i >= cfg.num_layers for i, _ in factors):
+        raise LoraError(f"LoRA adapter {module.name!r} has factors of layers the model (of "
+                        f"{cfg.num_layers}) has not: an adapter of another model?")
+    pairs = []
+    for i, layer in enumerate(model.layers):
+        for p in PROJECTIONS:
+            fused = fuse(factors, config, cfg, i, p, dtype)
+            if fused is None:
+                continue
+            linear = getattr(layer, p)
+            if linear is None:
+                raise LoraError(f"LoRA adapter {module.name!r} targets the MLP of layer {i}, "
+                                "a mixture-of-experts layer: not supported")
+            a, b = fused
+            if p == "qkv":  # the decoder's head order (partial rotary)
+                b = qkv_rows(cfg, b, None)[0]
+            a, b = a.to(device), b.t().contiguous().to(device=device, dtype=dtype)
+            if a.shape[0] != linear.in_features or b.shape[1] != linear.out_features:
+                raise LoraError(f"LoRA adapter {module.name!r}: layer {i} {p} factors "
+                                f"{tuple(a.shape)} x {tuple(b.shape)} do not fit the model")
+            pairs.append((linear, a, b))
+    return pairs
 
 
 def detach_adapter(model, name: str) -> None:
