@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 
+from tests.hf_models import build_hf_model
 from tests.stack import Stack
 from tests.test_engine_vs_hf import hf_greedy
 from tests.test_lora import ALL, build_adapter
@@ -128,3 +129,10 @@ def test_load_and_unload_at_run_time(lora_stack, tmp_path):
     status, body = stack.post("/v1/load_lora_adapter", {"lora_name": "big",
                                                         "lora_path": str(big)})
     assert status == 400 and "max-lora-rank" in str(body)
+    other = tmp_path / "other"
+    build_hf_model(other, "llama", num_key_value_heads=2, num_hidden_layers=3)
+    build_adapter(other, tmp_path / "X", 4, 8, False, ["q_proj"], 7)
+    status, body = stack.post("/v1/load_lora_adapter", {"lora_name": "X",
+                                                        "lora_path": str(tmp_path / "X")})
+    assert status == 400 and "an adapter of another model?" in str(body), body
+    assert [m.id for m in client.models.list().data] == [MODEL, "A"]

@@ -7,6 +7,7 @@ StepOutput. Only token ids, logprobs and finish reasons leave this process.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from functools import partial
@@ -50,6 +51,8 @@ class ComputeService:
         self.poller.register(self.control.sock, zmq.POLLIN)
         state.Heartbeat(redis_client, svc.server, "compute", svc.heartbeat_s, rank=rank)
         self._next_stats = 0.0
+        self.lora_failed: dict[str, list[str]] = {}  # the last adapter that failed to load:
+        # its path and why
         self.received = [0, 0]  # routed KV tokens, tokens to prefill: since the last stats
         try:
             state.reset_pending(redis_client, svc.server, rank)
@@ -86,14 +89,16 @@ class ComputeService:
 
     def update_lora(self, msg: LoraUpdate) -> None:
         """Load or unload an adapter; the next stats say which are loaded (the gateway waits
-        for them). An adapter that fails to load is logged and stays out."""
+        for them), and why the last one that failed to load did not (it stays out)."""
         try:
             if msg.path:
                 self.engine.load_lora(LoraModule(msg.name, msg.path))
+                self.lora_failed.pop(msg.name, None)
             else:
                 self.engine.unload_lora(msg.name)
         except (ValueError, OSError, RuntimeError) as e:  # LoraError is a ValueError
             log.error("LoRA adapter %r (%s) not loaded: %s", msg.name, msg.path, e)
+            self.lora_failed = {msg.name: [msg.path, str(e)]}
         self._next_stats = 0.0  # publish at once
 
     def beat(self) -> None:
@@ -109,6 +114,7 @@ class ComputeService:
             state.set_stats(pipe, self.svc.server, rank, {
                 **vars(self.engine.stats()), **self.engine.runner.summary,
                 **self.engine.lora_info(),
+                **({"lora_failed": json.dumps(self.lora_failed)} if self.lora_failed else {}),
                 "max_model_len": self.engine.max_model_len, "startup": self.startup,
                 "enable_prefix_caching": self.engine.config.scheduler.enable_prefix_caching,
                 "rank": rank}, ttl_s=max(60.0, 10 * self.svc.heartbeat_s))

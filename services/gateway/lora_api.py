@@ -13,6 +13,7 @@ adapter has finished, so no stream is cut.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
@@ -63,7 +64,7 @@ class LoraAPI:
                 raise bad_request(f"LoRA adapter '{name}' has rank {rank}, over "
                                   f"--max-lora-rank {self.max_lora_rank}", "lora_path")
             await self._send(LoraUpdate(name, path))
-            await self._until_loaded(name)
+            await self._until_loaded(name, path)
             gw.set_adapters((*gw.adapters, LoraModule(name, path)))
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -83,13 +84,17 @@ class LoraAPI:
         if not await self.gw.to_control.send(update, SEND_WAIT_MS):
             raise unavailable("A compute process is not connected; retry.")
 
-    async def _until_loaded(self, name: str) -> None:
-        """Wait until every compute's published stats list `name` as loaded; 503 after
-        LOAD_TIMEOUT_S (compute logs why it could not load it)."""
+    async def _until_loaded(self, name: str, path: str) -> None:
+        """Wait until every compute's published stats list `name` as loaded; a 400 with the
+        reason where one could not load it, a 503 after LOAD_TIMEOUT_S."""
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while time.monotonic() < deadline:
             await self.gw.health.refresh()
             engines = self.gw.metrics.engines
+            for e in engines:
+                failed = json.loads(e.get("lora_failed") or "{}").get(name)
+                if failed is not None and failed[0] == path:
+                    raise bad_request(failed[1], "lora_path")
             if engines and all(name in e.get("lora_loaded", "").split(",") for e in engines):
                 return
             await asyncio.sleep(0.05)

@@ -69,7 +69,8 @@ def fuse(factors: dict[tuple[int, str], dict[str, torch.Tensor]], config: Adapte
     for j, (i, f) in enumerate(parts):
         if f["A"].shape[0] != r or f["B"].shape != (sizes[i], r):
             raise LoraError(f"LoRA layer {layer} {projection}: factors {tuple(f['A'].shape)}, "
-                            f"{tuple(f['B'].shape)} do not fit rank {r} and {sizes[i]} rows")
+                            f"{tuple(f['B'].shape)} do not fit rank {r} and {sizes[i]} rows "
+                            "(an adapter of another model?)")
         lo = sum(sizes[:i])
         b[lo : lo + sizes[i], j * r : (j + 1) * r] = f["B"].float()
     b *= config.scaling
