@@ -179,6 +179,8 @@ class Tokens:
     top_ids: array = field(default_factory=lambda: array("i"))  # int32 [n * k], row-major
     top_logprobs: array = field(default_factory=lambda: array("f"))  # float32 [n * k]
     finish_reason: str | None = None
+    ranks: array = field(default_factory=lambda: array("i"))  # int32 [n], prompt rows only:
+    # each token's rank in its row's distribution (1: the most likely), as vLLM reports it
 
     @property
     def k(self) -> int:

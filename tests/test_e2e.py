@@ -193,6 +193,35 @@ def test_token_ids_for_rl_trainers(client, demo_model_dir):
     assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 5
 
 
+def test_ranked_prompt_logprobs_as_vllm_gives_them(client, demo_model_dir):
+    """vLLM's prompt_logprobs: [None, then per prompt token {id: {logprob, rank,
+    decoded_token}} of the token and its k most likely]; chat's at the top (also on a stream's
+    first chunk), a completion choice's its own, with echo's values where both are asked."""
+    tok = load_tokenizer(demo_model_dir)
+    kw = dict(model=MODEL, max_tokens=2, temperature=0)
+    r = client.completions.create(prompt="Once upon a time", logprobs=2, echo=True,
+                                  extra_body={"prompt_logprobs": 2}, **kw).model_dump()
+    ranked, echo = r["choices"][0]["prompt_logprobs"], r["choices"][0]["logprobs"]
+    ids = encode(tok, "Once upon a time")
+    assert ranked[0] is None and len(ranked) == len(ids)
+    for i, (tok_id, row) in enumerate(zip(ids[1:], ranked[1:], strict=True), start=1):
+        mine = row[str(tok_id)]
+        assert abs(mine["logprob"] - echo["token_logprobs"][i]) < 1e-5
+        assert mine["decoded_token"] == decode(tok, [tok_id], skip_special_tokens=False)
+        ranks = sorted(v["rank"] for v in row.values())
+        # the 2 most likely, and the token itself: a third entry unless it is one of them
+        assert ranks[:2] == [1, 2] and (mine["rank"] <= 2) == (len(row) == 2)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}],
+                                          extra_body={"prompt_logprobs": 1}, **kw).model_dump()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert chat["prompt_logprobs"][0] is None and chat["choices"][0]["logprobs"] is None
+    assert all(min(v["rank"] for v in row.values()) == 1 for row in chat["prompt_logprobs"][1:])
+    first = next(iter(client.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}], stream=True,
+        extra_body={"prompt_logprobs": 1}, **kw))).model_dump()
+    assert first["prompt_logprobs"] == chat["prompt_logprobs"]
+
+
 def test_allowed_token_ids_and_bad_words(client, demo_model_dir):
     """allowed_token_ids: only those are sampled; bad_words: a word the greedy output held is
     never generated again, streamed or not (vLLM's semantics)."""

@@ -103,6 +103,10 @@ def test_prompt_and_top_logprobs_match_hf(hf, cfg):
             want = ref[torch.arange(P - 1), torch.tensor(prompt[1:])]
             assert torch.allclose(torch.tensor(seq.prompt_logprobs), want, atol=1e-4)
             check_top(got_pieces, ref[: P - 1])
+            ranks = torch.tensor([r for p in got_pieces for r in p.ranks])
+            rows = ref[: P - 1]  # a rank: 1 + the tokens likelier than it (near-ties either way)
+            assert ((rows > want[:, None] + 1e-4).sum(-1) + 1 <= ranks).all()
+            assert (ranks <= (rows > want[:, None] - 1e-4).sum(-1) + 1).all()
             assert [t for p in got_pieces for t in p.token_ids] == prompt[1:]
             assert all(p.k == K for p in got_pieces)
         # generated tokens: greedy = HF's argmax, logprobs and top k from the same rows

@@ -37,12 +37,14 @@ class TopRows:
 @dataclass
 class PromptRows:
     """Scored prompt tokens, span by span (ForwardBatch.prompt_spans): chosen [R] logprobs
-    of the prompt tokens, ids/values [R, max k] their rows' k most likely tokens (host)."""
+    of the prompt tokens and ranks [R] their ranks (1: the most likely), ids/values [R, max k]
+    their rows' k most likely tokens (host)."""
 
     spans: list[tuple[Sequence, int, int]]
     chosen: torch.Tensor
     ids: torch.Tensor
     values: torch.Tensor
+    ranks: torch.Tensor
 
 
 @dataclass
@@ -106,13 +108,15 @@ def _prompt_records(p: PromptRows) -> list[Tokens]:
     """One record per span: the scored prompt tokens from its first scored position, their
     logprobs and their rows' top k."""
     chosen, ids, values = p.chosen.tolist(), p.ids.tolist(), p.values.tolist()
+    ranks = p.ranks.tolist()
     out, row = [], 0
     for seq, start, n in p.spans:
         k = seq.params.prompt_logprobs
         out.append(Tokens(seq.request_id, start, int32s(seq.token_ids[start : start + n]),
                           float32s(chosen[row : row + n]),
                           int32s(i for r in range(row, row + n) for i in ids[r][:k]),
-                          float32s(v for r in range(row, row + n) for v in values[r][:k])))
+                          float32s(v for r in range(row, row + n) for v in values[r][:k]),
+                          ranks=int32s(ranks[row : row + n])))
         row += n
     return out
 

@@ -159,4 +159,6 @@ def prompt_rows(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) ->
     logprobs = logits.float().log_softmax(-1)  # [R, vocab]
     index = to_device(torch.tensor(targets, dtype=torch.int64)[:, None], logits.device)
     ids, values = _top_k(logprobs, max(seq.params.prompt_logprobs for seq, _, _ in spans))
-    return PromptRows(spans, to_host(logprobs.gather(1, index)[:, 0]), ids, values)
+    chosen = logprobs.gather(1, index)  # [R, 1]
+    ranks = (logprobs > chosen).sum(-1, dtype=torch.int32) + 1
+    return PromptRows(spans, to_host(chosen[:, 0]), ids, values, to_host(ranks))

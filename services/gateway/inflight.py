@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from services.gateway.responses import TokenLogprob
 from shared.choice import ChoiceId, api_id
-from shared.messages import Delta, DeltaBatch, Resume, TokenizeRequest
+from shared.messages import Delta, DeltaBatch, Resume, TokenizeRequest, Tokens
 
 MAX_RESUMES = 3  # a request whose services keep dying is failed after this many resumptions
 
@@ -39,6 +39,7 @@ class ChoiceState:
     last: float = 0.0  # monotonic time of the last delta, for inter-token latency
     sent_role: bool = False
     prompt_ids: array | None = None  # its prompt's ids, when asked for (return_token_ids)
+    prompt_tokens: Tokens | None = None  # its prompt's logprobs, when asked for
     sent_prompt_ids: bool = False
 
     def add(self, delta: Delta, entries: list[TokenLogprob]) -> None:
@@ -53,6 +54,8 @@ class ChoiceState:
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if delta.prompt_ids is not None:
             self.prompt_ids = delta.prompt_ids
+        if delta.prompt is not None:
+            self.prompt_tokens = delta.prompt
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.stop_string = delta.stop_string

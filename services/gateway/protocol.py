@@ -82,7 +82,7 @@ _COMMON_KEYS = frozenset({
     "request_id", "priority",  # priority: accepted, not yet scheduled by
     "truncate_prompt_tokens", "truncation_side", "include_stop_str_in_output",
     "no_stop_trim", "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
-    "allowed_token_ids", "bad_words", "cache_salt",
+    "allowed_token_ids", "bad_words", "cache_salt", "prompt_logprobs",
 })
 # SGLang/vLLM extras that the routers in front of replicas (vllm-router, sglang-router) add to
 # every body they forward, with the values they add: none asks for anything here (no hidden
@@ -147,6 +147,8 @@ class GenerationRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage):
     # every chunk carries its choice's usage so far
     include_reasoning: bool = True  # chat with a reasoning parser: reasoning in the answer
+    ranked_prompt_logprobs: bool = False  # vLLM's prompt_logprobs: the prompt's logprobs in
+    # its ranked shape (chat: top-level; completions: per choice)
     options: dict = dataclasses.field(default_factory=dict)  # TokenizeRequest fields as parsed:
     # how the prompt is made (template kwargs, continue_final_message, truncation) and its text
     # (include_stop_str_in_output, skip_special_tokens)
@@ -224,9 +226,15 @@ def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     echo = get_bool(body, "echo", False)
     max_tokens = get_int(body, "max_tokens", lo=0, hi=MAX_COUNT)
+    ranked = get_int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    echoed = logprobs if echo else None
+    if None not in (ranked, echoed) and ranked != echoed:
+        raise bad_request("prompt_logprobs and echo with logprobs ask for different numbers of "
+                          "alternatives; give one", "prompt_logprobs")
     return _finish(body, "completion", model, prompts=prompts,
                    messages=None, n=n, logprobs=logprobs is not None, top_logprobs=logprobs or 0,
-                   prompt_logprobs=logprobs if echo else None, echo=echo,
+                   prompt_logprobs=echoed if echoed is not None else ranked, echo=echo,
+                   ranked_prompt_logprobs=ranked is not None,
                    discard_output=max_tokens == 0,
                    max_tokens=1 if max_tokens == 0 else max_tokens, max_param="max_tokens",
                    defaults=defaults, fallback_max_tokens=COMPLETION_MAX_TOKENS,
@@ -298,7 +306,9 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
                     "chat_template_kwargs": json.dumps(kwargs) if kwargs else "",
                     "reasoning_parser": chat.reasoning_parser if separate else "",
                     "thinking_token_budget": budget}
+    ranked = get_int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
     return _finish(body, "chat", model, prompts=(), messages=messages,
+                   prompt_logprobs=ranked, ranked_prompt_logprobs=ranked is not None,
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, defaults=defaults, fallback_max_tokens=None,
                    add_generation_prompt=add_generation_prompt, chat_options=chat_options,

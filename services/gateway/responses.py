@@ -143,6 +143,25 @@ def _message(c: Choice) -> dict:
     return out
 
 
+def ranked_logprobs(token_text, prompt_ids, t) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs: [None (nothing scores the first token), then per prompt token
+    {"<id>": {"logprob", "rank", "decoded_token"}} of the token itself and its row's k most
+    likely (ranks 1..k)]. `t`: the prompt's Tokens record (None: none came)."""
+    if t is None or prompt_ids is None:
+        return None
+    k, out = t.k, [None]
+    for i, (tok, lp) in enumerate(zip(t.token_ids, t.logprobs, strict=True)):
+        rank = t.ranks[i] if len(t.ranks) > i else None
+        row = {str(tok): {"logprob": _logprob(lp), "rank": rank,
+                          "decoded_token": token_text(tok)}}
+        for j in range(k):
+            alt = t.top_ids[i * k + j]
+            row.setdefault(str(alt), {"logprob": _logprob(t.top_logprobs[i * k + j]),
+                                      "rank": j + 1, "decoded_token": token_text(alt)})
+        out.append(row)
+    return out
+
+
 def tool_call(call, index: int | None = None) -> dict:
     """OpenAI's tool call object (in a stream's delta, with its index)."""
     out = {"id": call.id, "type": "function",

@@ -58,7 +58,8 @@ def logprob_entries(token_text, req: GenerationRequest, delta: Delta,
     delta), then its generated tokens' (when asked for). `token_text(id)`: a token's string.
     The one place compute's Tokens records turn into the shape OpenAI's answers take."""
     out = []
-    if delta.prompt is not None and delta.prompt_ids is not None:
+    if req.echo and req.kind == "completion" and delta.prompt is not None \
+            and delta.prompt_ids is not None:
         out.append(responses.TokenLogprob(token_text(delta.prompt_ids[0]), None))
         out += _rows(token_text, delta.prompt)
     if req.logprobs and delta.tokens is not None:
@@ -129,10 +130,32 @@ def final_answer(tokenizer, req: GenerationRequest, request_id: str,
             choice.finish_reason = _finish(choice.finish_reason, bool(choice.tool_calls))
     build = responses.chat_response if req.kind == "chat" else responses.completion_response
     answer = build(request_id, req.model, int(time.time()), out, _usage(req, choices))
+    if req.ranked_prompt_logprobs:
+        text = _cached_text(tokenizer)
+        for entry, c in zip(answer["choices"], states, strict=True):
+            _add_ranked(answer, entry, req, text, c)
     if req.return_token_ids:
         for entry, c in zip(answer["choices"], states, strict=True):
             _add_token_ids(answer, entry, req, c.token_ids, c.prompt_ids)
     return answer
+
+
+def _cached_text(tokenizer):
+    texts: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if token_id not in texts:
+            texts[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return texts[token_id]
+    return text
+
+
+def _add_ranked(out: dict, choice: dict, req: GenerationRequest, token_text,
+                c: ChoiceState) -> None:
+    """vLLM's prompt_logprobs, of the choice's prompt: chat's at the top, a completion
+    choice's its own."""
+    ranked = responses.ranked_logprobs(token_text, c.prompt_ids, c.prompt_tokens)
+    (out if req.kind == "chat" else choice)["prompt_logprobs"] = ranked
 
 
 def _add_token_ids(out: dict, choice: dict, req: GenerationRequest, token_ids,
@@ -179,6 +202,8 @@ async def stream(gw, request: web.Request, req: GenerationRequest,
                 _chunk(req, inflight, created, c, delta, lp)
             if chunk is None:
                 continue
+            if req.ranked_prompt_logprobs and delta.prompt is not None:
+                _add_ranked(chunk, chunk["choices"][0], req, gw.token_text, c)
             if req.return_token_ids:
                 first = c.prompt_ids is not None and not c.sent_prompt_ids
                 _add_token_ids(chunk, chunk["choices"][0], req, delta.token_ids,
