@@ -136,3 +136,25 @@ def test_load_and_unload_at_run_time(lora_stack, tmp_path):
                                                         "lora_path": str(tmp_path / "X")})
     assert status == 400 and "an adapter of another model?" in str(body), body
     assert [m.id for m in client.models.list().data] == [MODEL, "A"]
+
+
+def test_kill_compute_mid_stream_keeps_the_adapter(lora_stack):
+    """kill -9 of compute while an adapter's stream runs: the restarted compute (its
+    --lora-modules loaded again) resumes it with the adapter, token for token the
+    uninterrupted answer."""
+    import os
+    import signal
+
+    stack, client, _, _, prompts = lora_stack
+    kw = dict(model="A", prompt=prompts[0], max_tokens=300, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    want = client.completions.create(**kw).model_dump()["choices"][0]["token_ids"]
+    old = stack.pid("compute")
+    ids, killed = [], False
+    for chunk in client.completions.create(stream=True, **kw):
+        ids += chunk.model_dump()["choices"][0]["token_ids"] if chunk.choices else []
+        if not killed:
+            os.kill(old, signal.SIGKILL)
+            killed = True
+    assert stack.pid("compute") != old and "restarted; resum" in stack.logs()
+    assert ids == want
