@@ -151,3 +151,17 @@ def adapter_scope(model_key: str, lora_name: str) -> str:
     """The key statistics learned of a model's outputs are kept under (the length
     predictor's features): the model's, or for an adapter's requests, the model's and its."""
     return f"{model_key}\x1flora:{lora_name}" if lora_name else model_key
+
+
+def runtime_adapters(client, server: str) -> list[LoraModule]:
+    """The adapters loaded at run time on `server` (shared.state.lora_key, a sync Redis
+    client), in name order; [] where Redis does not answer."""
+    import redis
+
+    from shared.state import decode_hash, lora_key
+
+    try:
+        loaded = decode_hash(client.hgetall(lora_key(server)))
+    except redis.RedisError:
+        return []
+    return [LoraModule(name, path) for name, path in sorted(loaded.items())]

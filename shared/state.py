@@ -85,6 +85,12 @@ def heartbeat(pipe, server: str, service: str, instance: str, ttl_s: float) -> N
              px=int(ttl_s * 1000))
 
 
+def lora_key(server: str) -> str:
+    """Hash of the LoRA adapters loaded at run time on `server`: name -> path (every service
+    start loads them: a restarted compute, a restarted gateway lists them)."""
+    return f"{PREFIX}lora:{server}"
+
+
 def stats_key(server: str, rank: int = 0) -> str:
     return f"{PREFIX}stats:{server}:{rank}"
 

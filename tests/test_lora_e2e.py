@@ -158,3 +158,30 @@ def test_kill_compute_mid_stream_keeps_the_adapter(lora_stack):
             killed = True
     assert stack.pid("compute") != old and "restarted; resum" in stack.logs()
     assert ids == want
+
+
+def test_runtime_adapter_survives_a_compute_restart(lora_stack, tmp_path):
+    """An adapter loaded at run time is kept in Redis: a compute killed and restarted loads it
+    again before it is healthy, and it still answers with PEFT's merged tokens."""
+    import os
+    import signal
+
+    stack, client, _, _, prompts = lora_stack
+    path = tmp_path / "D"
+    want = hf_greedy(build_adapter(stack.model_dir, path, 4, 8, False, ALL, 8), prompts[:1],
+                     MAX_NEW)[0]
+    assert stack.post("/v1/load_lora_adapter", {"lora_name": "D", "lora_path": str(path)})[0] \
+        == 200
+    old = stack.pid("compute")
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while stack.pid("compute") == old or stack.get("/health")[0] != 200:
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.2)
+    try:
+        r = client.completions.create(model="D", prompt=prompts[0], max_tokens=MAX_NEW,
+                                      temperature=0, extra_body={"ignore_eos": True,
+                                                                 "return_token_ids": True})
+        assert r.model_dump()["choices"][0]["token_ids"] == want
+    finally:
+        assert stack.post("/v1/unload_lora_adapter", {"lora_name": "D"})[0] == 200

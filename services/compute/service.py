@@ -23,7 +23,7 @@ from services.compute.structured import GrammarQueue
 from services.compute.warmup import freeze_heap, warm_up
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
-from shared.lora import LoraModule
+from shared.lora import LoraModule, runtime_adapters
 from shared.messages import Abort, GenerateRequest, LoraUpdate
 from shared.transport import Receiver, Sender
 
@@ -129,6 +129,20 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     stores = partial(redis_stores, state.fast_client(svc.redis_url), engine_cfg.model) \
         if svc.length_predictor else None  # else each compute process learns alone
     engine = build_engine(engine_cfg, length_stores=stores)
+    client = redis.Redis.from_url(svc.redis_url)
+    if engine_cfg.enable_lora:
+        load_runtime_adapters(engine, client, svc.server)
     startup = warm_up(engine)  # before the heartbeat starts: /health is green only after it
     freeze_heap()
-    ComputeService(engine, svc, redis.Redis.from_url(svc.redis_url), startup).run()
+    ComputeService(engine, svc, client, startup).run()
+
+
+def load_runtime_adapters(engine: LLMEngine, client: redis.Redis, server: str) -> None:
+    """The adapters loaded at run time before this compute (re)started (lora_api.py), those
+    --lora-modules does not name; one that fails is logged and left out."""
+    for module in runtime_adapters(client, server):
+        if module.name not in engine.lora_names:
+            try:
+                engine.load_lora(module)
+            except (ValueError, OSError, RuntimeError) as e:
+                log.error("LoRA adapter %r (%s) not loaded: %s", module.name, module.path, e)

@@ -4,6 +4,9 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING=true):
     POST /v1/load_lora_adapter    {"lora_name", "lora_path"}   200 once every compute serves it
     POST /v1/unload_lora_adapter  {"lora_name"}                200; requests naming it 404
 
+Adapters loaded at run time are kept in Redis (shared.state.lora_key): a restarted compute
+loads them again before it is healthy, a restarted gateway lists them.
+
 A load is checked here first (its adapter_config.json, --max-lora-rank, --max-cpu-loras, a
 name not in use), then sent to every compute, and answered once each one's stats list it. An unload
 takes the name out of the API at once; compute drops the weights when its last request of the
@@ -17,10 +20,12 @@ import json
 import os
 import time
 
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from services.gateway.errors import bad_request, not_found, unavailable
 from services.gateway.validation import get_str, read_json_body
+from shared import state
 from shared.lora import AdapterConfig, LoraError, LoraModule
 from shared.messages import LoraUpdate
 
@@ -65,6 +70,7 @@ class LoraAPI:
                                   f"--max-lora-rank {self.max_lora_rank}", "lora_path")
             await self._send(LoraUpdate(name, path))
             await self._until_loaded(name, path)
+            await self._record(gw.redis.hset(state.lora_key(gw.svc.server), name, path))
             gw.set_adapters((*gw.adapters, LoraModule(name, path)))
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -76,8 +82,17 @@ class LoraAPI:
                 raise not_found(f"The lora adapter '{name}' cannot be found.", "lora_name",
                                 "model_not_found")
             gw.set_adapters(tuple(a for a in gw.adapters if a.name != name))
+            await self._record(gw.redis.hdel(state.lora_key(gw.svc.server), name))
             await self._send(LoraUpdate(name))
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    @staticmethod
+    async def _record(write) -> None:
+        """Note the change in Redis, for the services that start later; 503 without Redis."""
+        try:
+            await write
+        except aioredis.RedisError:
+            raise unavailable("Redis is unavailable.") from None
 
     async def _send(self, update: LoraUpdate) -> None:
         """To every compute; 503 where one does not take it within a second."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import redis
 import redis.asyncio as aioredis
 import zmq.asyncio
 from aiohttp import web
@@ -16,7 +17,7 @@ from services.gateway.lora_api import runtime_updates_allowed
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, ServiceConfig
 from shared.generation_config import GenerationDefaults
-from shared.lora import parse_lora_modules
+from shared.lora import LoraModule, parse_lora_modules, runtime_adapters
 from shared.messages import DeltaBatch
 from shared.model_config import served_context, served_name
 from shared.tokenizer import load_tokenizer
@@ -36,11 +37,20 @@ def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncR
                               for r in range(svc.data_parallel_size)]),
                  load_chat_template(engine_cfg.model, engine_cfg.chat_template),
                  GenerationDefaults.of(engine_cfg),
-                 tuple(parse_lora_modules(engine_cfg.lora_modules)) if engine_cfg.enable_lora
-                 else (),
+                 lora_adapters(engine_cfg, svc),
                  (engine_cfg.max_cpu_loras, engine_cfg.max_lora_rank) if engine_cfg.enable_lora
                  and runtime_updates_allowed(svc.allow_runtime_lora_updating) else None)
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
+
+
+def lora_adapters(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[LoraModule, ...]:
+    """With --enable-lora: --lora-modules', then those loaded at run time (lora_api.py)."""
+    if not engine_cfg.enable_lora:
+        return ()
+    modules = parse_lora_modules(engine_cfg.lora_modules)
+    names = {m.name for m in modules}
+    client = redis.Redis.from_url(svc.redis_url)
+    return (*modules, *(m for m in runtime_adapters(client, svc.server) if m.name not in names))
 
 
 def redis_client(svc: ServiceConfig) -> aioredis.Redis:
