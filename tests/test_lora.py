@@ -320,14 +320,20 @@ def test_delta_beside_an_int4_base_layer():
     for n, (a, b) in factors.items():
         layer.add(n, a, b)
     x = torch.randn(7, 64)
-    names = ["", "A", "A", "B", "", "B", "A"]
-    got = layer(x, LoraGroups.of(names, torch.device("cpu")))
-    want = base(x)
-    for i, n in enumerate(names):
-        if n:
-            a, b = factors[n]
-            want[i] += x[i] @ a @ b
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    cases = {"scattered": ["", "A", "A", "B", "", "B", "A"],
+             "one run": ["", "B", "A", "A", "C", "", ""],  # rows 1 .. 4 (C not on this layer)
+             "every row": ["B", "A", "A", "B", "A", "B", "C"]}
+    for case, names in cases.items():
+        lora = LoraGroups.of(names, torch.device("cpu"))
+        assert (lora.span is not None, lora.inverse is not None) == (
+            case == "one run", case == "every row")
+        got = layer(x, lora)
+        want = base(x)
+        for i, n in enumerate(names):
+            if n in factors:  # C is not served on this layer: its rows get the base output
+                a, b = factors[n]
+                want[i] += x[i] @ a @ b
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert LoraGroups.of(["", ""], torch.device("cpu")) is None
     torch.testing.assert_close(layer(x), base(x))
 
