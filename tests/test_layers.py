@@ -1,10 +1,10 @@
 """Compute's import picture: every arrow points down a floor (or stays in its room).
 
 Floors, lowest first: `core/` (the types every room uses), then `kv/`, then `model/`,
-`length/`, `speculative/` (the proposers) and `beam/`, then `scheduling/` and the grammars
-(`structured`), then the step's device-side helpers, then the runners, the engine, and the
-process and backend wiring on top (and the simulated cluster of engines, `sim_cluster`). A
-module may import its own room or lower floors.
+`length/`, `speculative/` (the proposers) and `beam/`, then `scheduling/`, the grammars
+(`structured`) and the LoRA adapters' loading (`lora`), then the step's device-side helpers,
+then the runners, the engine, and the process and backend wiring on top (and the simulated
+cluster of engines, `sim_cluster`). A module may import its own room or lower floors.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ FLOORS = {
     "core": 0,
     "kv": 1,
     "model": 2, "length": 2, "speculative": 2, "beam": 2,
-    "scheduling": 3, "inflight": 3, "structured": 3,
+    "scheduling": 3, "inflight": 3, "structured": 3, "lora": 3,
     "batch": 4, "cuda_graphs": 4, "sampling": 4, "drafter": 4,
     "runner": 5, "sim": 5,
     "engine": 6,

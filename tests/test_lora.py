@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from services.compute.backend import build_engine
-from services.compute.lora.groups import LoraGroups
-from services.compute.lora.linear import LoraLinear
+from services.compute.core.lora_groups import LoraGroups
 from services.compute.model.linear import Int4Linear
+from services.compute.model.linear.lora import LoraLinear
 from shared.config import EngineConfig
 from shared.length_predictor import length_features
 from shared.lora import AdapterConfig, LoraError, LoraModule, adapter_scope, parse_lora_modules

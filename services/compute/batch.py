@@ -15,10 +15,10 @@ import torch
 
 from kernels import to_device
 from services.compute.core.batch import ForwardBatch
+from services.compute.core.lora_groups import LoraGroups
 from services.compute.core.sequence import UNSAMPLED, Sequence
 from services.compute.core.step import ScheduledStep, Work, WorkItem
 from services.compute.inflight import InFlight
-from services.compute.lora.groups import LoraGroups
 
 
 def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None = None,

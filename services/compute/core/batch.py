@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.compute.core.lora_groups import LoraGroups
 from services.compute.core.sequence import Sequence
-from services.compute.lora.groups import LoraGroups
 
 
 @dataclass

@@ -8,9 +8,9 @@ MLP targets on a mixture-of-experts layer.
 
 from __future__ import annotations
 
-from services.compute.lora.linear import LoraLinear
 from services.compute.lora.weights import fuse, read_factors
 from services.compute.model.arch import qkv_rows
+from services.compute.model.linear.lora import LoraLinear
 from shared.lora import AdapterConfig, LoraError, LoraModule
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")

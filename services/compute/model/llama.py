@@ -33,8 +33,8 @@ from kernels import (
 from kernels.int8_quant import quantize_int8
 from services.compute.core.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
-from services.compute.lora.linear import LoraLinear
 from services.compute.model.arch import full_qk_norm, fuse, layer_norms, qk_norms, qkv_rows
+from services.compute.model.linear.lora import LoraLinear
 from services.compute.model.moe import mlp_layers
 from services.compute.model.quantization import Quantization
 from services.compute.model.rope import RotaryEmbedding

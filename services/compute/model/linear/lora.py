@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from services.compute.lora.groups import LoraGroups
+from services.compute.core.lora_groups import LoraGroups
 
 
 class LoraLinear:
