@@ -167,11 +167,18 @@ def _add_token_ids(out: dict, choice: dict, req: GenerationRequest, token_ids,
         (out if req.kind == "chat" else choice)["prompt_token_ids"] = list(prompt_ids)
 
 
-async def collect(gw, req: GenerationRequest, inflight: Inflight) -> web.Response:
-    async for _ in deltas(gw, req, inflight):
-        pass
-    return web.json_response(final_answer(gw.tokenizer, req, inflight.request_id,
-                                          inflight.choices))
+def collector(build) -> Callable[..., Awaitable[web.Response]]:
+    """An Answer's `collect`: wait for every choice, then answer `build(tokenizer, req,
+    request_id, choices)` as JSON (final_answer, or another API's builder of that shape)."""
+    async def collect(gw, req: GenerationRequest, inflight: Inflight) -> web.Response:
+        async for _ in deltas(gw, req, inflight):
+            pass
+        return web.json_response(build(gw.tokenizer, req, inflight.request_id,
+                                       inflight.choices))
+    return collect
+
+
+collect = collector(final_answer)
 
 
 async def stream(gw, request: web.Request, req: GenerationRequest,

@@ -33,7 +33,7 @@ from services.gateway.messages_api.answer import (
     usage,
 )
 from services.gateway.protocol import GenerationRequest
-from services.gateway.stream import Answer, deltas
+from services.gateway.stream import Answer, collector, deltas
 from services.gateway.tool_parsers import CallArgs, CallStart, Content
 from shared.messages import Delta
 
@@ -146,11 +146,7 @@ class _Writer:
                     await self.send([("ping", {"type": "ping"})])
 
 
-async def collect(gw, req: GenerationRequest, inflight: Inflight) -> web.Response:
-    async for _ in deltas(gw, req, inflight):
-        pass
-    return web.json_response(message(gw.tokenizer, req, inflight.request_id,
-                                     inflight.choices))
+collect = collector(message)
 
 
 async def stream(gw, request: web.Request, req: GenerationRequest,
