@@ -113,9 +113,7 @@ class Jobs:
     async def snapshot(self, record: dict) -> dict:
         """A running background response as it stands: its output so far."""
         obj = record["response"]
-        out = ResponseOutput(self.parse(record["request"]["body"],
-                                        record["request"]["history"]).req,
-                             dict(obj, output=[]))
+        out = replay(self.parse, record)
         for r in await self.store.records(obj["id"]):
             if "end" not in r:
                 feed(out, r)
@@ -145,13 +143,20 @@ class Jobs:
             await self.start(run, attempt, records)
 
 
+def replay(parse, record: dict, **fields) -> ResponseOutput:
+    """A stored response's output before its first delta (its request parsed again, its
+    object with `fields` changed), to feed its records to."""
+    request = record["request"]
+    return ResponseOutput(parse(request["body"], request["history"]).req,
+                          dict(record["response"], output=[], **fields))
+
+
 async def follow(request: web.Request, store: ResponseStore, parse, response_id: str,
                  after: int) -> web.StreamResponse:
     """Stream a background response's events with sequence_number > `after`: those its
     records give now, then new ones as they are written, until its end."""
     record = await store.load(response_id)
-    out = ResponseOutput(parse(record["request"]["body"], record["request"]["history"]).req,
-                         dict(record["response"], output=[], status="in_progress"))
+    out = replay(parse, record, status="in_progress")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)

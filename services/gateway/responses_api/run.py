@@ -60,6 +60,11 @@ def end_record(tokenizer, c: ChoiceState) -> dict:
                            min(n_reasoning, len(c.token_ids)))}
 
 
+def failed_record(e: APIError) -> dict:
+    """How an error ends its response (response.failed)."""
+    return {"end": "failed", "usage": None, "error": {"code": e.type, "message": e.message}}
+
+
 def whole_response(tokenizer, parsed: Parsed, response_id: str,
                    choices: list[ChoiceState]) -> dict:
     """The Response object of a finished request (one choice), without HTTP (run-batch)."""
@@ -130,8 +135,7 @@ class Run:
         except APIError as e:
             if not started:
                 raise
-            events = self.finish({"end": "failed", "usage": None,
-                                  "error": {"code": e.type, "message": e.message}})
+            events = self.finish(failed_record(e))
         for event in events:
             await resp.write(sse(event))
         await resp.write_eof()
@@ -147,8 +151,7 @@ class Run:
                 feed(self.out, record)
             end = self.end_record(inflight)
         except APIError as e:
-            end = {"end": "failed", "usage": None,
-                   "error": {"code": e.type, "message": e.message}}
+            end = failed_record(e)
         except asyncio.CancelledError:
             end = {"end": "cancelled", "usage": None}
         self.finish(end)
