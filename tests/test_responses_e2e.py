@@ -9,7 +9,6 @@ tests/test_responses_api.py, tests/test_messages_api.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -22,6 +21,7 @@ import openai
 import pytest
 
 from tests.conftest import TOOLS_MODEL as MODEL
+from tests.test_structured_e2e import run_weather_agent
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
            "required": ["city"], "additionalProperties": False}
@@ -126,24 +126,8 @@ def test_the_agents_sdk_over_the_responses_api(tools_stack):
     ends with its output (stop_on_first_tool: after a tool result this 135M model repeats
     `<tool_response>` until max_output_tokens, which the SDK raises on as `incomplete`; a
     tool result answered by the model is test_a_forced_function_call_and_its_output's)."""
-    agents = pytest.importorskip("agents")
-    calls = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"Sunny and 24 C in {city}."
-
-    agents.set_tracing_disabled(True)
-    client = openai.AsyncOpenAI(base_url=tools_stack.url + "/v1", api_key="-", max_retries=0)
-    agent = agents.Agent(
-        name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
-        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
-        model_settings=agents.ModelSettings(tool_choice="required", max_tokens=200,
-                                            temperature=0, parallel_tool_calls=False),
-        tool_use_behavior="stop_on_first_tool")
-    result = asyncio.run(agents.Runner.run(agent, "What's the weather in Paris?", max_turns=4))
+    calls, result = run_weather_agent(tools_stack.url, "OpenAIResponsesModel", MODEL,
+                                      tool_use_behavior="stop_on_first_tool")
     assert len(calls) == 1 and calls[0]
     assert result.final_output == f"Sunny and 24 C in {calls[0]}."
 

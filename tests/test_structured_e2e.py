@@ -214,10 +214,11 @@ def test_tools_on_a_server_started_with_no_flags(client):
     assert after.choices[0].message.content
 
 
-def test_the_openai_agents_sdk_calls_a_tool_on_a_server_with_no_flags(stack):
-    """OpenAI's Agents SDK, unchanged, on chat completions: an agent with one function tool,
-    its tool choice required for the first turn, calls it (arguments valid), gets the result
-    back in the history and answers; this stack has no tool flags."""
+def run_weather_agent(url: str, model_class: str, model: str = MODEL, **agent_kw):
+    """OpenAI's Agents SDK, unchanged: an agent with one function tool (get_weather), its
+    tool choice required for the first turn, asked for the weather in Paris through
+    `agents.<model_class>` on the server at `url` serving `model`. Returns (the cities it
+    was called with, the run's result)."""
     agents = pytest.importorskip("agents")
     calls = []
 
@@ -228,13 +229,21 @@ def test_the_openai_agents_sdk_calls_a_tool_on_a_server_with_no_flags(stack):
         return f"Sunny and 24 C in {city}."
 
     agents.set_tracing_disabled(True)
-    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
     agent = agents.Agent(
         name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
-        model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model=getattr(agents, model_class)(model=model, openai_client=client),
         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=200,
                                             temperature=0, parallel_tool_calls=False),
-        reset_tool_choice=True)  # after the call: auto, so the agent can answer
+        **agent_kw)
     result = asyncio.run(agents.Runner.run(agent, "What's the weather in Paris?", max_turns=4))
+    return calls, result
+
+
+def test_the_openai_agents_sdk_calls_a_tool_on_a_server_with_no_flags(stack):
+    """On chat completions: the agent calls its tool (arguments valid), gets the result back
+    in the history and answers; this stack has no tool flags."""
+    calls, result = run_weather_agent(stack.url, "OpenAIChatCompletionsModel",
+                                      reset_tool_choice=True)  # then auto: it may answer
     assert calls and all(isinstance(c, str) and c for c in calls)
     assert isinstance(result.final_output, str)
