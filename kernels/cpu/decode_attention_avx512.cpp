@@ -4,6 +4,7 @@
 
 #ifdef PIPELLM_X86
 PIPELLM_TARGET_BEGIN("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+#include "decode_attention_simd.h"
 namespace {
 
 struct Avx512F {
@@ -25,43 +26,28 @@ struct Avx512F {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static float sum(F v) {
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  static __m256 fold(F v) {  // the sums of v's two halves
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }
-  // out[i] = sum(v[i]) for i < 8: each folded to 8 lanes, then as Avx2F::sum8
+  static float sum(F v) { return hsum(fold(v)); }
+  // out[i] = sum(v[i]) for i < 8
   static void sum8(const F* v, float* out) {
     __m256 h[8];
-    for (int i = 0; i < 8; ++i)
-      h[i] = _mm256_add_ps(_mm512_castps512_ps256(v[i]),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[i]), 1)));
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(h[4], h[5]), _mm256_hadd_ps(h[6], h[7]));
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20),
-                                        _mm256_permute2f128_ps(a, b, 0x31)));
+    for (int i = 0; i < 8; ++i) h[i] = fold(v[i]);
+    _mm256_storeu_ps(out, hsum8(h));
   }
-  // e^x for x <= 0: as Avx2F::exp (decode_attention_avx2.cpp)
+  // e^x for x <= 0 (decode_attention_simd.h)
   static F exp(F x) {
-    const F lo = set1(-87.3f);
-    const __mmask16 small = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    const F n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504f)),
+    const __mmask16 small = _mm512_cmp_ps_mask(x, set1(kExpMin), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, set1(kExpMin));
+    const F n = _mm512_roundscale_ps(mul(x, set1(kLog2e)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    F r = _mm512_fnmadd_ps(n, set1(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), r);
-    F y = set1(1.9875691500e-4f);
-    y = fmadd(y, r, set1(1.3981999507e-3f));
-    y = fmadd(y, r, set1(8.3334519073e-3f));
-    y = fmadd(y, r, set1(4.1665795894e-2f));
-    y = fmadd(y, r, set1(1.6666665459e-1f));
-    y = fmadd(y, r, set1(5.0000001201e-1f));
-    y = fmadd(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, set1(1.f)));
+    const F r = _mm512_fnmadd_ps(n, set1(kLn2Lo), _mm512_fnmadd_ps(n, set1(kLn2Hi), x));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
                                                          _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~small), _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~small),
+                               mul(exp_poly<Avx512F>(r), _mm512_castsi512_ps(e)));
   }
 };
 
