@@ -7,6 +7,9 @@ switched in process), for a batch of sequences decoding at one context length.
 Each of the 30 layers has its own K and V caches (random, in the activations' dtype) so that
 they stream from memory as a real step's do; a "step" is the 30 calls. Median of --reps steps
 after one warm-up; "speed" = generic ms / variant ms, and GB/s = KV bytes read / time.
+"spread" times the best path again on the same number of rows spread as ShareGPT's contexts
+are (lognormal, tenfold between sequences, in random order): its ms / the equal lengths' ms,
+1.0 where the threads share a varied batch evenly.
 
     python -m bench.cpu_attention [--batches 1,16,64] [--context 250,1000] [--dtype bfloat16]
 
@@ -58,6 +61,28 @@ def step_ms(ext, layers, q, starts, lens, reps: int) -> float:
     return statistics.median(times)
 
 
+def make_layers(lens: list[int], dtype, n_layers: int, seed: int):
+    """Per layer (K, V) caches holding sequences of `lens` back to back; q, starts, lens."""
+    g = torch.Generator().manual_seed(seed)
+    cap = sum(lens)
+    layers = [(torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
+               torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(dtype))
+              for _ in range(n_layers)]
+    q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=g).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    starts = (torch.cumsum(lens_t, 0) - lens_t).to(torch.int32)
+    return layers, q, starts, lens_t
+
+
+def spread_lengths(batch: int, ctx: int, seed: int) -> list[int]:
+    """`batch` lengths of total batch * ctx, lognormal (sigma 0.8) as ShareGPT's contexts."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.empty(batch).log_normal_(0.0, 0.8, generator=g)
+    lens = (w / w.sum() * batch * ctx).round().clamp(min=1).to(torch.int64)
+    lens[0] += batch * ctx - int(lens.sum())
+    return lens.clamp(min=1).tolist()
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     batches = [4] if args.quick else [int(x) for x in args.batches.split(",")]
@@ -69,31 +94,27 @@ def main(argv: list[str] | None = None) -> dict:
     paths = ["generic"] + [v for v in VARIANTS if v in isa.cpu_levels()]
     print(f"{here}; {args.dtype} caches, {n_layers} layers, median ms of {reps} steps")
     print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{p:>16}" for p in paths))
-    rows = []
+    rows, best = [], paths[-1]
     for batch in batches:
         for ctx in contexts:
-            g = torch.Generator().manual_seed(batch * ctx)
+            layers, q, starts, lens = make_layers([ctx] * batch, dtype, n_layers, batch * ctx)
             cap = batch * ctx
-            layers = [(torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
-                       torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(dtype))
-                      for _ in range(n_layers)]
-            q = torch.randn(batch, HEADS, HEAD_DIM, generator=g).to(dtype)
-            starts = torch.arange(batch, dtype=torch.int32) * ctx
-            lens = torch.full((batch,), ctx, dtype=torch.int32)
             gbytes = 2 * cap * KV_HEADS * HEAD_DIM * dtype.itemsize * n_layers / 1e9
             ms = {}
             for path in paths:
                 ext.set_block_gemm_isa("" if path == "generic" else path)
                 ms[path] = step_ms(ext, layers, q, starts, lens, reps)
+            spread = make_layers(spread_lengths(batch, ctx, batch + ctx), dtype, n_layers, 1)
+            ext.set_block_gemm_isa("" if best == "generic" else best)
+            spread_ratio = round(step_ms(ext, *spread, reps) / ms[best], 2)
             ext.set_block_gemm_isa(previous)
             speed = {p: round(ms["generic"] / ms[p], 2) for p in paths}
             print(f"{batch:>5} {ctx:>5} " + " ".join(
-                f"{ms[p]:7.2f} ms {speed[p]:4.2f}x" for p in paths))
+                f"{ms[p]:7.2f} ms {speed[p]:4.2f}x" for p in paths) + f"  spread {spread_ratio}")
             rows.append({"batch": batch, "context": ctx, "ms": {p: round(v, 3) for p, v in
                                                                   ms.items()},
                          "gb_s": {p: round(gbytes / v * 1000, 1) for p, v in ms.items()},
-                         "speed": speed})
-    best = paths[-1]
+                         "speed": speed, "spread": spread_ratio})
     out = {"bench": "cpu_attention", "machine": here, "dtype": args.dtype, "layers": n_layers,
            "paths": paths, "rows": rows,
            "speed_at_largest": rows[-1]["speed"][best] if rows else None}

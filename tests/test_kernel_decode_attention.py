@@ -182,6 +182,18 @@ def test_cpu_kernel_matches_reference(attention_level, cpu_ext, n_heads, n_kv_he
     check(q, k, v, starts, lens, cpu_ext.decode_attention(q, k, v, starts, lens, 0.2), 0.2)
 
 
+def test_cpu_kernel_shares_a_varied_batch_among_threads(attention_level, cpu_ext):
+    """Many sequences of lengths from 1 to 400 in random order, taken longest first from a
+    shared counter by every thread (decode_attention_schedule.h): each output row is its own
+    sequence's, with a window (fewer rows read than the length) and without."""
+    g = torch.Generator().manual_seed(11)
+    lens = torch.randint(1, 401, (41,), generator=g).tolist()
+    q, k, v, starts, lens_t = make_case(lens, 3, 64, torch.bfloat16, n_heads=9, seed=11)
+    for window in (0, 50):
+        out = cpu_ext.decode_attention(q, k, v, starts, lens_t, 0.125, None, None, window)
+        check(q, k, v, starts, lens_t, out, 0.125, window)
+
+
 def test_cpu_kernel_reads_strided_queries(cpu_ext):
     """q as the engine passes it: rows of a wider [T, H, D] view (the decode rows of a step)."""
     q, k, v, starts, lens = make_case([5, 80, 2], 2, 64, seed=7)

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "decode_attention.h"
+#include "decode_attention_schedule.h"
 
 std::string block_gemm_isa();  // block_gemm.cpp: the ISA level chosen for this CPU
 
@@ -110,23 +111,22 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const cache_t* kp = k_cache.data_ptr<cache_t>();
   const cache_t* vp = v_cache.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, acc;  // per-thread scratch
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = ln[b];
-      const int64_t skip = window > 0 && len > window ? len - window : 0;  // rows out of window
-      const int64_t first = st[b] + skip;
-      Scales seq = sc;  // this sequence's scales start at its first row
-      if (seq.k) {
-        seq.k += first * sc.row_stride;
-        seq.v += first * sc.row_stride;
-      }
-      attend_one<scalar_t, cache_t>(qp + b * q.stride(0), q.stride(1),
-                                    kp + first * k_cache.stride(0), vp + first * k_cache.stride(0),
-                                    k_cache.stride(0), k_cache.stride(1), seq, group, len - skip,
-                                    H, D, static_cast<float>(scale), static_cast<float>(softcap),
-                                    op + b * out.stride(0), out.stride(1), qf, scores, acc);
+  struct Scratch {  // one thread's buffers
+    std::vector<float> qf, scores, acc;
+  };
+  pipellm::attention::for_each_sequence<Scratch>(ln, B, window, [&](int64_t b, Scratch& s) {
+    const int64_t n = pipellm::attention::rows_read(ln, b, window);
+    const int64_t first = st[b] + ln[b] - n;  // rows out of the window skipped
+    Scales seq = sc;  // this sequence's scales start at its first row
+    if (seq.k) {
+      seq.k += first * sc.row_stride;
+      seq.v += first * sc.row_stride;
     }
+    attend_one<scalar_t, cache_t>(qp + b * q.stride(0), q.stride(1),
+                                  kp + first * k_cache.stride(0), vp + first * k_cache.stride(0),
+                                  k_cache.stride(0), k_cache.stride(1), seq, group, n, H, D,
+                                  static_cast<float>(scale), static_cast<float>(softcap),
+                                  op + b * out.stride(0), out.stride(1), s.qf, s.scores, s.acc);
   });
 }
 

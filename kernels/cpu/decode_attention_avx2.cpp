@@ -1,5 +1,6 @@
 // The decode attention for AVX2 + FMA + F16C: 8 floats a vector (decode_attention_kernel.h).
 #include "decode_attention.h"
+#include "decode_attention_schedule.h"
 #include "isa_target.h"
 
 #ifdef PIPELLM_X86

@@ -1,5 +1,6 @@
 // The decode attention for AVX-512 F/BW/VL/DQ: 16 floats a vector (decode_attention_kernel.h).
 #include "decode_attention.h"
+#include "decode_attention_schedule.h"
 #include "isa_target.h"
 
 #ifdef PIPELLM_X86

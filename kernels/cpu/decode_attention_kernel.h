@@ -2,7 +2,7 @@
 // floats: load from float / bf16 / fp16, fmadd, horizontal sum, exp), included by each
 // decode_attention_<isa>.cpp inside its target region. Same contract as decode_attention.cpp.
 //
-// Per sequence (one work item, sequences in parallel; its rows are contiguous in the cache):
+// Per sequence (one work item, decode_attention_schedule.h; its rows are contiguous in the cache):
 // the scores walk its K rows in order, 8 rows at a time, every query head's 8 dot products
 // summed horizontally together (sum8); the softmax runs on vectors; then for each kv head, up
 // to 4 of its query heads at once sum its V rows with their accumulators in registers, each V
@@ -124,21 +124,21 @@ void attend(const Args& a, const T* q, const T* k, const T* v, int64_t n, T* out
   }
 }
 
+struct Scratch {  // one thread's buffers
+  std::vector<float> qf, scores, inv;
+};
+
 template <class V, int NC, typename T>
 void run_typed(const Args& a) {
   const T* qp = static_cast<const T*>(a.q);
   const T* kp = static_cast<const T*>(a.k);
   const T* vp = static_cast<const T*>(a.v);
   T* op = static_cast<T*>(a.out);
-  at::parallel_for(0, a.B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, inv;  // per-thread scratch
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = a.lens[b];
-      const int64_t skip = a.window > 0 && len > a.window ? len - a.window : 0;
-      const int64_t first = a.starts[b] + skip;
-      attend<V, NC, T>(a, qp + b * a.q_sb, kp + first * a.row_stride, vp + first * a.row_stride,
-                       len - skip, op + b * a.H * a.D, qf, scores, inv);
-    }
+  pipellm::attention::for_each_sequence<Scratch>(a.lens, a.B, a.window, [&](int64_t b, Scratch& s) {
+    const int64_t n = pipellm::attention::rows_read(a.lens, b, a.window);
+    const int64_t first = a.starts[b] + a.lens[b] - n;
+    attend<V, NC, T>(a, qp + b * a.q_sb, kp + first * a.row_stride, vp + first * a.row_stride, n,
+                     op + b * a.H * a.D, s.qf, s.scores, s.inv);
   });
 }
 

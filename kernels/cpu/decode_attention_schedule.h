@@ -1,0 +1,40 @@
+// How the decode attention's sequences are shared among threads, for the generic path and
+// every vectorized variant: one sequence is one work item, taken longest first from a shared
+// counter, so each thread stays busy until the last items (a static split of the batch into
+// contiguous halves is off by as much as the longer half's extra rows, and ShareGPT's lengths
+// differ tenfold within a batch).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+namespace pipellm::attention {
+
+// The rows sequence b reads: its length, or the window where one is set and shorter.
+inline int64_t rows_read(const int32_t* lens, int64_t b, int64_t window) {
+  return window > 0 ? std::min<int64_t>(lens[b], window) : lens[b];
+}
+
+// fn(b, scratch) for every sequence b of [0, B), each once, in parallel; `Scratch` is one
+// thread's buffers, made once per thread and reused for every sequence it runs.
+template <class Scratch, class F>
+void for_each_sequence(const int32_t* lens, int64_t B, int64_t window, const F& fn) {
+  std::vector<int64_t> order(B);
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return rows_read(lens, x, window) > rows_read(lens, y, window);
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(B, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i = next.fetch_add(1); i < B; i = next.fetch_add(1)) fn(order[i], scratch);
+  });
+}
+
+}  // namespace pipellm::attention
