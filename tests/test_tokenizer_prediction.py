@@ -43,6 +43,28 @@ def test_prediction_is_attached_to_every_choice(demo_model_dir):
         assert 20 <= LengthDist(tuple(warm)).median <= 80  # learned ~40
 
 
+def test_a_length_only_max_tokens_can_end_is_that_point_and_is_not_learned(demo_model_dir):
+    """ignore_eos with no stop string or stop token: exactly max_tokens (what benchmarks send);
+    the request carries no features, so the detokenizer teaches the predictor nothing from it.
+    A stop string can still end it early: predicted and learned as usual."""
+    cfg = EngineConfig(model=str(demo_model_dir))
+    with EmbeddedRedis() as r:
+        predictor = LengthPredictor(redis.Redis.from_url(r.url), model_key(cfg.model),
+                                    strict=True)
+        tok = Tokenizer(cfg, predictor)
+        fixed = TokenizeRequest("r1", "ipc://gw", SamplingParams(max_tokens=700, ignore_eos=True),
+                                prompt_text="summarize this")
+        (gen,) = tok.prepare(fixed)
+        assert LengthDist(tuple(gen.predicted_length)) == LengthDist.point(700)
+        assert not gen.route.length_features
+        stopped = TokenizeRequest("r2", "ipc://gw", SamplingParams(max_tokens=700,
+                                                                   ignore_eos=True),
+                                  prompt_text="summarize this", stop=["."])
+        (gen,) = tok.prepare(stopped)
+        assert LengthDist(tuple(gen.predicted_length)) == LengthDist.point(128)  # the default
+        assert gen.route.length_features
+
+
 def test_min_tokens_beyond_the_room_is_a_prompt_error_not_a_crash(demo_model_dir):
     """Found by the hostile-input tests: chat without max_tokens fills the context, and a
     min_tokens larger than the room left used to raise InvalidParams and kill the worker."""

@@ -28,6 +28,7 @@ from shared.choice import ChoiceId
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
 from shared.grammar import GrammarError, GrammarSpec, validate
+from shared.length_dist import LengthDist
 from shared.length_predictor import LengthPredictor, length_features, model_key
 from shared.lora import adapter_scope
 from shared.messages import (
@@ -138,15 +139,21 @@ class Tokenizer:
                                    thinking_start_ids=() if rule.starts_in_reasoning
                                    else ids(rule.start))
 
-    def predict(self, text: str, ids: list[int], max_tokens: int, lora_name: str = "",
+    def predict(self, text: str, ids: list[int], params: SamplingParams, req: TokenizeRequest,
                 ) -> tuple[list[int], list[int] | None]:
         """(length features, predicted quantiles; None without a predictor). With Redis down
         the predictor answers its default (and logs it). The features of a LoRA adapter's
-        requests are its own (learned apart from the base's and other adapters')."""
-        feats = length_features(text, ids, max_tokens, adapter_scope(self.model, lora_name))
+        requests are its own (learned apart from the base's and other adapters'). A request
+        that only max_tokens can end (ignore_eos, no stop string, stop token or grammar) is
+        known to make exactly max_tokens: its prediction is that point, and it has no features
+        (its length is the client's choice, not the model's: the predictor does not learn it)."""
+        if params.ignore_eos and not (req.stop or params.stop_token_ids or req.grammar):
+            return [], list(LengthDist.point(params.max_tokens).values)
+        feats = length_features(text, ids, params.max_tokens,
+                                adapter_scope(self.model, params.lora_name))
         if self.predictor is None:
             return feats, None
-        return feats, list(self.predictor.predict(feats, max_tokens).values)
+        return feats, list(self.predictor.predict(feats, params.max_tokens).values)
 
     def prepare(self, req: TokenizeRequest) -> list[GenerateRequest]:
         try:
@@ -164,7 +171,7 @@ class Tokenizer:
         if req.reasoning_parser and (req.thinking_token_budget or req.grammar is not None):
             params = self._thinking(params, req.reasoning_parser, req.thinking_token_budget)
         self.check_grammar(req.grammar)
-        feats, quantiles = self.predict(text, ids, params.max_tokens, params.lora_name)
+        feats, quantiles = self.predict(text, ids, params, req)
         packed = int32s(ids)
         route = Route(request_id="", reply_to=req.reply_to, num_prompt=len(ids),
                       prompt_tail=int32s(ids[-_PROMPT_TAIL:]), stop=list(req.stop),
