@@ -55,6 +55,8 @@ def parser() -> argparse.ArgumentParser:
     a("--warmup-requests", "--num-warmups", dest="warmup_requests", type=int, default=0)
     a("--ignore-eos", action="store_true", help="send ignore_eos (max_tokens = the sample's "
       "output length); always on for the random dataset and throughput mode")
+    a("--lora-modules", nargs="+", default=None, metavar="NAME", help="LoRA adapters the "
+      "server serves: each request names one of them as its model, at random (seeded)")
     a("--temperature", type=float, default=None)
     a("--top-p", type=float, default=None)
     a("--top-k", type=int, default=None)
@@ -148,7 +150,7 @@ def config(args: argparse.Namespace, ep: Endpoint, label: str) -> dict:
             "endpoint": ep.path, "dataset_name": args.dataset_name, "mode": mode,
             "ignore_eos": ep.ignore_eos, "seed": args.seed,
             "trace_time_scale": args.trace_time_scale if mode == "trace" else None,
-            "warmup_requests": args.warmup_requests}
+            "warmup_requests": args.warmup_requests, "lora_modules": args.lora_modules}
 
 
 def _sweep(args, cfg, items, meta, sweep_cfg, percentiles, metrics, slos) -> int:

@@ -34,6 +34,7 @@ class WorkItem:
     prompt_len: int
     output_len: int
     arrival_s: float | None = None  # trace replay: seconds after the trace's first request
+    model: str = ""  # the model (a LoRA adapter) it names; "" for the endpoint's
 
 
 def default_data_dir() -> Path:

@@ -122,7 +122,8 @@ async def _one(s: aiohttp.ClientSession, ep: Endpoint, item: WorkItem, sem,
                bar: Progress) -> RequestRecord:
     arrived = time.perf_counter()
     async with sem:
-        rec = await client.send(s, ep, item.prompt, item.prompt_len, item.output_len)
+        rec = await client.send(s, replace(ep, model=item.model) if item.model else ep,
+                                item.prompt, item.prompt_len, item.output_len)
     rec.queue_time = rec.start_time - arrived
     bar.update(rec.success)
     return rec

@@ -9,7 +9,9 @@ the same lengths, with ignore_eos). The default is `trace` for the Azure dataset
 from __future__ import annotations
 
 import argparse
+import random
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -101,6 +103,9 @@ def build(args: argparse.Namespace, ep: Endpoint, max_model_len: int | None,
         items = fill_prompts(items, pm, args.seed)
         if mode_of(args) == "throughput":
             items = [items[0]] * len(items)
+    if args.lora_modules:  # as vllm bench serve: each request names one, at random
+        rng = random.Random(args.seed)
+        items = [replace(w, model=rng.choice(args.lora_modules)) for w in items]
     return items, offsets(args, items)
 
 

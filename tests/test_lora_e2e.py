@@ -77,6 +77,26 @@ def test_unknown_model_is_404(lora_stack):
     assert err.value.code == "model_not_found"
 
 
+def test_load_generator_spreads_requests_over_adapters(lora_stack, tmp_path):
+    """pipellm-bench --lora-modules (as vllm bench serve's): each request names one of the
+    adapters as its model; an unknown one in the list fails its requests with the 404."""
+    import json
+
+    from loadgen import cli
+
+    stack = lora_stack[0]
+    base = ["--base-url", stack.url, "--dataset-name", "random", "--random-input-len", "8",
+            "--random-output-len", "4", "--num-prompts", "8", "--ignore-eos", "--disable-tqdm",
+            "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    assert cli.main([*base, "--lora-modules", "A", MODEL]) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert (r["completed"], r["lora_modules"]) == (8, ["A", MODEL])
+    cli.main([*base, "--lora-modules", "A", "B"])
+    r = json.loads((tmp_path / "r.json").read_text())
+    failed = [e for e in r["errors"] if e]
+    assert 0 < len(failed) < 8 and all("HTTP 404" in e for e in failed)  # seeded: both drawn
+
+
 def test_chat_and_responses_name_the_adapter(lora_stack):
     """The chat path and the Responses API take the adapter's name too (and answer with it);
     the adapter's answer differs from the base's."""
