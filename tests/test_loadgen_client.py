@@ -108,7 +108,9 @@ def test_stream_timing_usage_and_text(server):
         assert rec.success and rec.error == ""
         assert rec.output_tokens == 4 and rec.prompt_len == fake_tokens("hello there")
         assert rec.generated_text == "t0t1t2t3"
-        assert len(rec.itl) == 3 and all(g > 0.003 for g in rec.itl)
+        # the server sleeps 5 ms between chunks: one late chunk shortens the next gap, never
+        # the span from the first to the last
+        assert len(rec.itl) == 3 and all(g >= 0 for g in rec.itl) and sum(rec.itl) > 0.014
         assert 0.004 < rec.ttft < rec.latency
         assert rec.latency >= rec.ttft + sum(rec.itl) - 1e-6
 
