@@ -1,6 +1,9 @@
-"""LoRA adapters as served: `--lora-modules` parsed into `LoraModule`s, and a PEFT directory's
-`adapter_config.json` read into an `AdapterConfig` (shared: the settings check ranks at
-start-up, the gateway lists the names, compute loads the weights).
+"""LoRA adapters as served: `--lora-modules` parsed into `LoraModule`s, and an adapter's
+settings read into an `AdapterConfig` (shared: the settings check ranks at start-up, the
+gateway lists the names, compute loads the weights). An adapter is a PEFT directory
+(`adapter_config.json`) or a GGUF LoRA file as llama.cpp's `convert_lora_to_gguf.py` writes it
+(`general.type` "adapter", `adapter.type` "lora", `adapter.lora.alpha`, tensors
+`blk.N.<matrix>.weight.lora_a` / `.lora_b`).
 
 `--lora-modules` takes vLLM's forms, separated by whitespace: `name=path`, or a JSON object
 `{"name": ..., "path": ..., "base_model_name": ...}`; a JSON list of such objects also works.
@@ -20,6 +23,11 @@ TARGETS = {
     "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "o_proj": ("o", 0),
     "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "down_proj": ("down", 0),
 }
+# llama.cpp's names of the matrices of TARGETS (blk.N.<name>.weight)
+GGUF_TARGETS = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+                "attn_output": "o_proj", "ffn_gate": "gate_proj", "ffn_up": "up_proj",
+                "ffn_down": "down_proj"}
+_GGUF_FACTOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
 
 
 class LoraError(ValueError):
@@ -38,13 +46,17 @@ class LoraModule:
 
 @dataclass(frozen=True)
 class AdapterConfig:
-    """What a PEFT adapter_config.json says of a LoRA adapter. Invariant: rank >= 1 and every
-    target in `TARGETS`; the delta of a target is x @ A^T @ B^T * scaling."""
+    """What a PEFT adapter_config.json (or a GGUF LoRA file's metadata and tensor shapes) says
+    of a LoRA adapter. Invariant: rank >= 1 and every target in `TARGETS`; the delta of a
+    target is x @ A^T @ B^T * scaling."""
 
     rank: int
     alpha: float
     use_rslora: bool
     targets: frozenset[str]  # PEFT module names (q_proj, ..., down_proj)
+    # B rows of q_proj and k_proj in llama.cpp's order (each head's rotate-half pairs
+    # interleaved: a GGUF file of architecture `llama`); the fusing restores HF's order
+    llama_qk_rows: bool = False
 
     @property
     def scaling(self) -> float:
@@ -53,8 +65,14 @@ class AdapterConfig:
 
     @classmethod
     def read(cls, path: str | Path) -> AdapterConfig:
-        """The config of the PEFT directory `path`; LoraError where it is not one pipellm
-        serves."""
+        """The config of the PEFT directory or GGUF LoRA file `path`; LoraError where it is
+        not one pipellm serves."""
+        from shared.gguf.reader import is_gguf
+
+        if is_gguf(path):
+            return _gguf_config(path)
+        if Path(path).is_file():
+            raise LoraError(f"LoRA adapter {path}: neither a PEFT directory nor a GGUF file")
         file = Path(path) / "adapter_config.json"
         try:
             raw = json.loads(file.read_text())
@@ -89,6 +107,65 @@ def _targets(spec, path) -> frozenset[str]:
         raise LoraError(f"LoRA adapter {path}: target modules {sorted(unknown) or '(none)'} "
                         f"are not supported (only {', '.join(TARGETS)})")
     return names
+
+
+def open_gguf_adapter(path: str | Path):
+    """The parsed GGUF file `path` (shared.gguf.reader.GGUFFile) once checked to be a LoRA
+    adapter pipellm serves: LoraError for another GGUF file (a model), an unknown
+    architecture, an activated LoRA (aLoRA) or tensors of a type it cannot dequantize."""
+    from shared.gguf.hf import ARCHITECTURES
+    from shared.gguf.reader import GGUFError, open_gguf
+
+    try:
+        gguf = open_gguf(path)
+        gguf.check_types()
+    except (GGUFError, OSError) as exc:
+        raise LoraError(f"LoRA adapter {path}: {exc}") from None
+    kind = (gguf.get("general.type"), gguf.get("adapter.type"))
+    if kind != ("adapter", "lora"):
+        raise LoraError(f"LoRA adapter {path}: a GGUF file that is not a LoRA adapter "
+                        f"(general.type {kind[0]!r}, adapter.type {kind[1]!r}; a model file?)")
+    arch = gguf.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise LoraError(f"LoRA adapter {path}: architecture {arch!r} is not supported "
+                        f"(supported: {', '.join(ARCHITECTURES)})")
+    if gguf.get("adapter.alora.invocation_tokens"):
+        raise LoraError(f"LoRA adapter {path}: activated LoRA (aLoRA) is not supported")
+    return gguf
+
+
+def gguf_factor(name: str, path: str | Path) -> tuple[int, str, str]:
+    """(layer, PEFT module name, "A" or "B") of a GGUF LoRA tensor `blk.N.attn_q.weight.lora_a`;
+    LoraError for any other tensor (norms, embeddings, a projection outside TARGETS)."""
+    m = _GGUF_FACTOR.fullmatch(name)
+    if m is None or m.group(2) not in GGUF_TARGETS:
+        raise LoraError(f"LoRA adapter {path}: tensor {name} is not a factor of a supported "
+                        f"projection ({', '.join(GGUF_TARGETS)})")
+    return int(m.group(1)), GGUF_TARGETS[m.group(2)], m.group(3).upper()
+
+
+def _gguf_config(path: str | Path) -> AdapterConfig:
+    """A GGUF LoRA file's config: the rank from its tensors' shapes (one for all), alpha from
+    adapter.lora.alpha (absent or 0: llama.cpp's scale 1, i.e. alpha = rank), no rsLoRA (GGUF
+    has no such key), the targets the modules present."""
+    from shared.gguf.hf import ARCHITECTURES
+
+    gguf = open_gguf_adapter(path)
+    ranks, targets = set(), set()
+    for name, info in gguf.tensors.items():
+        _, module, factor = gguf_factor(name, path)
+        targets.add(module)
+        ranks.add(info.shape[0] if factor == "A" else info.shape[-1])
+    if len(ranks) != 1:
+        raise LoraError(f"LoRA adapter {path}: ranks {sorted(ranks) or '(no factors)'}: one "
+                        "rank for every factor is supported")
+    rank = ranks.pop()
+    if rank < 1:
+        raise LoraError(f"LoRA adapter {path}: rank must be >= 1, not {rank}")
+    alpha = float(gguf.get("adapter.lora.alpha") or rank)
+    permuted = ARCHITECTURES[gguf.get("general.architecture")][1]
+    return AdapterConfig(rank=rank, alpha=alpha, use_rslora=False, targets=frozenset(targets),
+                         llama_qk_rows=permuted)
 
 
 def parse_lora_modules(text: str) -> list[LoraModule]:

@@ -1,4 +1,5 @@
-"""A PEFT LoRA directory's factors, fused the way the decoder fuses its projections.
+"""A LoRA adapter's factors (a PEFT directory, or a GGUF LoRA file: gguf_adapter.py), fused
+the way the decoder fuses its projections.
 
 PEFT stores, per targeted module, lora_A [r, in] and lora_B [out, r] under names like
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`. The decoder runs q/k/v as
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from services.compute.lora.gguf_adapter import hf_rows, read_gguf_factors
+from shared.gguf.reader import is_gguf
 from shared.lora import TARGETS, AdapterConfig, LoraError
 from shared.model_config import ModelConfig
 
@@ -22,7 +25,10 @@ _NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.de
 
 def read_factors(path: str | Path) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
     """{(layer, PEFT module name): {"A": [r, in], "B": [out, r]}} of the adapter at `path`
-    (adapter_model.safetensors, else adapter_model.bin)."""
+    (adapter_model.safetensors, else adapter_model.bin; or a GGUF LoRA file, its q/k B rows in
+    llama.cpp's order where `AdapterConfig.llama_qk_rows`)."""
+    if is_gguf(path):
+        return read_gguf_factors(path)
     path = Path(path)
     file = path / "adapter_model.safetensors"
     if file.exists():
@@ -59,19 +65,26 @@ def fuse(factors: dict[tuple[int, str], dict[str, torch.Tensor]], config: Adapte
     caller reorders them as the decoder does, then transposes); None where the adapter
     targets none of its parts."""
     sizes = part_sizes(cfg)[projection]
-    parts = [(i, factors.get((layer, n))) for n, (p, i) in TARGETS.items() if p == projection]
-    parts = [(i, f) for i, f in parts if f is not None]
+    parts = [(i, n, factors.get((layer, n))) for n, (p, i) in TARGETS.items() if p == projection]
+    parts = [(i, n, f) for i, n, f in parts if f is not None]
     if not parts:
         return None
     r = config.rank
-    a = torch.cat([f["A"].float() for _, f in parts])  # [k r, in]
+    a = torch.cat([f["A"].float() for _, _, f in parts])  # [k r, in]
     b = torch.zeros(sum(sizes), r * len(parts))
-    for j, (i, f) in enumerate(parts):
+    for j, (i, name, f) in enumerate(parts):
         if f["A"].shape[0] != r or f["B"].shape != (sizes[i], r):
             raise LoraError(f"LoRA layer {layer} {projection}: factors {tuple(f['A'].shape)}, "
                             f"{tuple(f['B'].shape)} do not fit rank {r} and {sizes[i]} rows "
                             "(an adapter of another model?)")
         lo = sum(sizes[:i])
-        b[lo : lo + sizes[i], j * r : (j + 1) * r] = f["B"].float()
+        b[lo : lo + sizes[i], j * r : (j + 1) * r] = _hf_b(f["B"].float(), name, config, cfg)
     b *= config.scaling
     return a.t().contiguous().to(dtype), b
+
+
+def _hf_b(b: torch.Tensor, name: str, config: AdapterConfig, cfg: ModelConfig) -> torch.Tensor:
+    """B of PEFT module `name` with its rows in HF's order (llama.cpp's q/k order undone)."""
+    if config.llama_qk_rows and name in ("q_proj", "k_proj"):
+        return hf_rows(b, cfg.num_heads if name == "q_proj" else cfg.num_kv_heads)
+    return b
