@@ -15,12 +15,17 @@ Triton faster). Shapes: 32 heads, 8 KV heads, head_dim 128, hidden 4096, interme
 128256; the fused MoE at Qwen3-30B-A3B's (hidden 2048, expert intermediate 768, 128 experts, top-8;
 router: random weights, softmax, top-k, renormalized) at 1, 16 and 256 tokens, its bytes the
 experts its tokens touch (distinct ids x the expert's w13 + w2) plus x, the output and the routing;
+segmented LoRA (SGMV: every adapter group's y[rows] += x[rows] @ A @ B in two launches) on the q/o
+(4096 -> 4096, one shape) and fused gate_up (4096 -> 28672) projections at rank 16, 64 and 256 rows
+split evenly over 4 and 16 adapters, rows in random order, against the per-group loop the caller
+otherwise runs (`lora_delta_reference`: per group a gather, two float32 matmuls, a write back),
+its bytes x's rows, the adapters' A and B, y's rows read and written;
 gated activations (SiLU x mul, GELU-tanh x mul) at T=4096. Targets, printed PASS/MISS: decode
 attention >= 85% of peak at batch 64, context 4096; fused add+RMSNorm >= 70% of peak at T=4096;
 prefill attention at 2k tokens within 1.3x of SDPA flash; INT8 KV decode attention (the baseline:
 the same kernel on the 16-bit cache) >= 1.5x its speed at batch 64, context 4096; one 4096-token
 sequence's decode attention >= 60% of peak; INT4 weight-only GEMM >= 2x the bf16 GEMM at batch 1;
-none for the fused MoE or the activations.
+none for the fused MoE, LoRA or the activations.
 
     python -m bench.kernels [--quick]
 
@@ -74,6 +79,7 @@ from kernels.int4_gemm import (  # noqa: E402
     quantize_int4,
 )
 from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
+from kernels.lora import lora_delta_, lora_delta_reference  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402
 from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref  # noqa: E402
 from kernels.rope import rope_kv_write, rope_kv_write_ref  # noqa: E402
@@ -84,11 +90,13 @@ from services.compute.model.rope import RotaryEmbedding  # noqa: E402
 FULL = dict(heads=(32, 8, 128), hidden=4096, inter=14336, vocab=128256, copy_mib=1024,
             decode=[(64, 4096), (1, 4096), (256, 4096)], prefill=[(1, 2048, 0), (4, 512, 1536)],
             norm=[4096, 64], tokens=4096, sample=256,
-            moe=dict(hidden=2048, inter=768, experts=128, top_k=8), moe_tokens=[1, 16, 256])
+            moe=dict(hidden=2048, inter=768, experts=128, top_k=8), moe_tokens=[1, 16, 256],
+            lora=dict(rank=16, rows=[64, 256], adapters=[4, 16]))
 QUICK = dict(heads=(4, 2, 16), hidden=256, inter=512, vocab=1000, copy_mib=16,
              decode=[(2, 64), (1, 64), (3, 64)], prefill=[(1, 64, 0), (2, 16, 48)],
              norm=[16, 4], tokens=16, sample=8,
-             moe=dict(hidden=64, inter=32, experts=8, top_k=2), moe_tokens=[1, 4, 16])
+             moe=dict(hidden=64, inter=32, experts=8, top_k=2), moe_tokens=[1, 4, 16],
+             lora=dict(rank=16, rows=[8, 32], adapters=[2, 4]))
 DECODE_PCT, NORM_PCT, PREFILL_RATIO = 85.0, 70.0, 1.3  # decode: the GPU-path issue
 INT8_SPEEDUP = 1.5  # INT8 KV decode attention against the 16-bit kernel (GPU round two)
 PAGE = 16  # vLLM's default block size, for the paged decode attention baseline
@@ -318,6 +326,28 @@ def case_fused_moe(s: dict, T: int) -> dict:
                 base=lambda: fused_moe_ref(x, w13, w2, weights, ids), check=max_err)
 
 
+def case_lora(s: dict, proj: str, T: int, adapters: int) -> dict:
+    """Segmented LoRA on a q/o ([hidden, hidden]) or gate_up ([hidden, 2 inter]) projection:
+    T rows in random order, split evenly over `adapters` groups (one slot each), against the
+    per-group loop. Each side updates its own copy of y; the check compares the first deltas."""
+    dt, dev, rank = s["dtype"], s["device"], s["lora"]["rank"]
+    d_in, d_out = s["hidden"], s["hidden"] if proj == "q_o" else 2 * s["inter"]
+    x = torch.randn(T, d_in, dtype=dt, device=dev)
+    a = torch.randn(adapters, d_in, rank, dtype=dt, device=dev) * d_in**-0.5
+    b = torch.randn(adapters, rank, d_out, dtype=dt, device=dev) * rank**-0.5
+    y0 = torch.randn(T, d_out, dtype=dt, device=dev)
+    y_tri, y_base = y0.clone(), y0.clone()
+    starts = torch.arange(adapters + 1, device=dev) * T // adapters  # int64, even groups
+    args = (x, a, b, torch.randperm(T, device=dev), starts, torch.arange(adapters, device=dev),
+            triton.cdiv(T, adapters))
+    work = (x.numel() + a.numel() + b.numel() + 2 * y0.numel()) * x.element_size()
+    delta = lambda y: y.float() - y0.float()  # noqa: E731
+    return dict(name=f"lora_{proj}_r{rank}_t{T}_a{adapters}", unit="GB/s", work=work,
+                tri=lambda: (lora_delta_(y_tri, *args), y_tri)[1],
+                base=lambda: (lora_delta_reference(y_base, *args), y_base)[1],
+                check=lambda p, q: max_err(delta(p), delta(q)))
+
+
 def case_sample(s: dict, B: int) -> dict:
     """Rows mixed: top-k 50 on even rows, top-p 0.9 on rows not divisible by 3 (both, either or
     neither), temperature 0.8, float32 logits as the model returns them."""
@@ -374,6 +404,8 @@ def builders(s: dict) -> list:
             p(case_rope, s, s["tokens"]), p(case_silu, s, s["tokens"]),
             p(case_gelu, s, s["tokens"]),
             *(p(case_fused_moe, s, t) for t in s["moe_tokens"]),
+            *(p(case_lora, s, proj, t, n) for proj in ("q_o", "gate_up")
+              for t in s["lora"]["rows"] for n in s["lora"]["adapters"]),
             p(case_sample, s, s["sample"])]
 
 
@@ -459,9 +491,12 @@ def main(argv: list[str] | None = None) -> None:
     moe = {t: res.get(f"fused_moe_e{m['experts']}k{m['top_k']}_t{t}", {}).get("speedup")
            for t in s["moe_tokens"]}
     print(f"fused MoE speed vs the per-expert loop, by tokens: {moe}")
+    lora = {k: v.get("speedup") for k, v in res.items() if k.startswith("lora_")}
+    print(f"LoRA SGMV speed vs the per-group loop: {lora}")
     print(json.dumps(dict(device=device, torch=torch.__version__, triton=triton.__version__,
                           quick=args.quick, timings_meaningful=cuda, peak_gbs=round(peak, 1),
                           paged_attn_slowdown=paged, fused_moe_speedup_vs_loop=moe,
+                          lora_speedup_vs_loop=lora,
                           kernels=res,
                           targets={k: v[1] for k, v in tg.items()})))
 
