@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import block_gemm_extension, use_triton
 
 MAX_RANK = 256  # the largest padded rank R the kernels take
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -254,8 +254,19 @@ def lora_delta_(y, x, a, b, rows, starts, slots, max_rows: int) -> None:
     group g is rows[starts[g]:starts[g+1]]), starts [G+1] int64 (starts[0] = 0, nondecreasing,
     starts[G] = n), slots [G] int64 in [0, S), max_rows = max group size (a host int, so that a
     launch needs no device sync). The product is accumulated in float32 and added to y once
-    (y's rows outside `rows` untouched). Triton where `use_triton(y)`, else the reference."""
+    (y's rows outside `rows` untouched). Triton where `use_triton(y)`; on a CPU the C++ kernel
+    (kernels/cpu/lora.cpp: an AVX2 or AVX-512 level, R and out multiples of 16, contiguous
+    rows); else the reference."""
     if use_triton(y):
         lora_delta_triton(y, x, a, b, rows, starts, slots, max_rows)
+    elif (ext := block_gemm_extension(y)) is not None and _cpu_kernel_takes(y, x, a, b):
+        ext.lora_delta(y, x, a, b, rows, starts, slots)
     else:
         lora_delta_reference(y, x, a, b, rows, starts, slots, max_rows)
+
+
+def _cpu_kernel_takes(y, x, a, b) -> bool:
+    """Whether kernels/cpu/lora.cpp's vectorized variants take these operands."""
+    return (a.shape[2] % 16 == 0 and y.shape[1] % 16 == 0 and y.stride(1) == 1
+            and x.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
+            and x.dtype == a.dtype == b.dtype and x.dtype in _DTYPES and y.dtype in _DTYPES)

@@ -198,3 +198,57 @@ def test_triton_large_gpu(d_out, rank, sizes):
     lora_delta_triton(y, x, a, b, rows, starts, slots, max_rows)
     torch.testing.assert_close(y.float(), want.float(), rtol=2**-7, atol=2e-2)
     assert torch.equal(others(y, rows), others(y0, rows))
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def cpu_level(request):
+    """The C++ kernel (kernels/cpu/lora.cpp) at each ISA level this CPU runs: its variant is
+    chosen by the block GEMMs' level, so the AVX2 one is tested on any x86 machine."""
+    from kernels.cpu import extension, isa
+
+    ext = extension()
+    assert ext is not None, "the C++ CPU kernels did not build (see the log)"
+    if request.param not in isa.cpu_levels():
+        pytest.skip(f"this CPU does not run {request.param} ({isa.describe()})")
+    previous = ext.block_gemm_isa()
+    ext.set_block_gemm_isa(request.param)
+    yield ext
+    ext.set_block_gemm_isa(previous)
+
+
+CPU_DTYPES = [*DTYPES, (torch.float16, torch.float16), (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize(("x_dtype", "y_dtype"), CPU_DTYPES)
+@pytest.mark.parametrize("T,d_in,d_out,rank,sizes", [
+    (12, 32, 48, 16, [3, 0, 1, 4]),  # decode-like, an empty group
+    (40, 72, 80, 48, [12, 0, 13, 5]),  # R of 3 vectors (avx512), blocks of 4 rows + a ragged one
+    (64, 96, 208, 64, [20, 10, 7, 27]),  # out past one chunk with a ragged last chunk
+    (9, 40, 16, 80, [9]),  # R past one chunk, one group of every row
+])
+def test_cpu_kernel_matches_reference(cpu_level, T, d_in, d_out, rank, sizes, x_dtype, y_dtype):
+    y, x, a, b, rows, starts, slots, max_rows = make_case(T, d_in, d_out, rank, sizes, x_dtype,
+                                                          y_dtype, seed=T + rank)
+    want, y0 = y.clone(), y.clone()
+    lora_delta_reference(want, x, a, b, rows, starts, slots, max_rows)
+    cpu_level.lora_delta(y, x, a, b, rows, starts, slots)
+    tol = TOL[torch.float32] if y_dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(y.float(), want.float(), **tol)
+    assert not torch.equal(y[rows], y0[rows])
+    assert torch.equal(others(y, rows), others(y0, rows))
+
+
+def test_cpu_kernel_through_the_public_function_and_its_checks(cpu_level):
+    """lora_delta_ on CPU tensors runs the C++ kernel where it takes the operands (R a multiple
+    of 16), the reference where not (R 8); bad groups are an error, not a write out of range."""
+    for rank in (16, 8):
+        y, x, a, b, rows, starts, slots, max_rows = make_case(20, 64, 32, rank, [5, 6], seed=rank)
+        want = y.clone()
+        lora_delta_reference(want, x, a, b, rows, starts, slots, max_rows)
+        lora_delta_(y, x, a, b, rows, starts, slots, max_rows)
+        torch.testing.assert_close(y, want, **TOL[torch.float32])
+    y, x, a, b, rows, starts, slots, _ = make_case(20, 64, 32, 16, [5, 6])
+    for bad in (dict(rows=rows + 20), dict(slots=slots + 3), dict(starts=starts.flip(0))):
+        args = dict(rows=rows, starts=starts, slots=slots) | bad
+        with pytest.raises(RuntimeError, match="out of range|starts|slots"):
+            cpu_level.lora_delta(y, x, a, b, args["rows"], args["starts"], args["slots"])

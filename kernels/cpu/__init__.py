@@ -24,7 +24,10 @@ One module, one source per concept (bindings.cpp declares and binds them all):
     block_gemm.cpp        q4_gemm, q8_gemm: 4- and 8-bit weight blocks x INT8 activations, one
                           kernel per ISA level (block_gemm_<isa>.cpp)  kernels/int4_gemm.py,
                                                                         kernels/q8_gemm.py
+    lora.cpp              lora_delta: the segmented LoRA delta, one variant per ISA level
+                          (lora_<isa>.cpp)                          kernels/lora.py
     common.h              the row kernels' shared helpers
+    simd_<isa>.h          the float vector traits the vectorized kernels are templates over
 
 One build for every x86 CPU from AVX2 up (`-march=x86-64-v3`, never -march=native, so a build or
 a Docker image made on one CPU runs on another): the block GEMMs are compiled once per ISA level
@@ -52,7 +55,8 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "bindings.cpp", "decode_attention.cpp", "norm.cpp", "activation.cpp", "int8_quant.cpp",
     "rope.cpp", "block_gemm.cpp", "block_gemm_avx2.cpp", "block_gemm_avx512.cpp",
     "block_gemm_avx512_vnni.cpp", "decode_attention_avx2.cpp", "decode_attention_avx512.cpp",
-    "token_bitmask.cpp", "sampling.cpp", "sampling_filters.cpp")]
+    "token_bitmask.cpp", "sampling.cpp", "sampling_filters.cpp", "lora.cpp", "lora_avx2.cpp",
+    "lora_avx512.cpp")]
 _FLAGS = ["-O3", *(["-march=x86-64-v3"] if isa.is_x86() else []), "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 

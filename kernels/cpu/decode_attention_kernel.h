@@ -36,7 +36,7 @@ inline float exp_sum(float* s, int64_t n, float mx) {
   int64_t i = 0;
   for (; i + V::kLanes <= n; i += V::kLanes) {
     const typename V::F e = V::exp(V::sub(V::loadf(s + i), m));
-    V::storef(s + i, e);
+    V::store(s + i, e);
     acc = V::add(acc, e);
   }
   float sum = V::sum(acc);
@@ -67,7 +67,7 @@ void weigh_v(const Args& a, const float* p, int64_t n, const float* inv, const T
   for (int j = 0; j < G; ++j) {
     float o[D];
     const typename V::F scale = V::set1(inv[h0 + j]);
-    for (int c = 0; c < NC; ++c) V::storef(o + c * V::kLanes, V::mul(acc[j][c], scale));
+    for (int c = 0; c < NC; ++c) V::store(o + c * V::kLanes, V::mul(acc[j][c], scale));
     T* oh = out + (h0 + j) * D;
     for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(o[d]);
   }

@@ -1,5 +1,5 @@
-// What the vectorized decode attention's ISA traits share (decode_attention_<isa>.cpp include
-// it inside their target regions: AVX2 at least): the constants and polynomial of Cephes'
+// What the ISA traits of simd_avx2.h and simd_avx512.h share (included inside their target
+// regions: AVX2 at least): the constants and polynomial of Cephes'
 // expf, and the horizontal sums of 8-float vectors (AVX-512 folds its vectors to them).
 #pragma once
 

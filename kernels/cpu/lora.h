@@ -1,0 +1,29 @@
+// The segmented LoRA delta's interface between lora.cpp (tensor checks, the choice of ISA) and
+// its vectorized variants (lora_<isa>.cpp, each the template of lora_kernel.h compiled for one
+// instruction set). Raw pointers only. Contract: kernels/lora.py's lora_delta_.
+#pragma once
+
+#include <cstdint>
+
+namespace pipellm::lora {
+
+enum class DType { kFloat, kBFloat16, kHalf };
+
+struct Args {
+  void* y;        // [T, out], row stride y_rs (elements), dtype y_dtype
+  const void* x;  // [T, in], row stride x_rs, dtype x_dtype (a's and b's too)
+  const void* a;  // [S, in, R] contiguous
+  const void* b;  // [S, R, out] contiguous
+  const int64_t* rows;    // [n]: group g is rows[starts[g] .. starts[g + 1])
+  const int64_t* starts;  // [G + 1]
+  const int64_t* slots;   // [G]: the group's adapter, an index into a and b
+  int64_t y_rs, x_rs, in, R, out, G;
+  DType y_dtype, x_dtype;
+  float* h;  // [n, R] float32 scratch: x[rows] @ a[slot]
+};
+
+// R and out multiples of 16 (both ISAs' vectors divide them).
+void run_avx2(const Args& args);
+void run_avx512(const Args& args);
+
+}  // namespace pipellm::lora
