@@ -245,7 +245,8 @@ def lora_delta_reference(y, x, a, b, rows, starts, slots, max_rows: int) -> None
         y[idx] = (y[idx].float() + delta).to(y.dtype)
 
 
-def lora_delta_(y, x, a, b, rows, starts, slots, max_rows: int) -> None:
+def lora_delta_(y, x, a, b, rows, starts, slots, max_rows: int,
+                part_ends: list[int] | None = None) -> None:
     """In place, for each group g (0 <= g < G):
          y[rows[starts[g]:starts[g+1]]] += (x[those rows] @ a[slots[g]]) @ b[slots[g]]
     y [T, out] (float32/bf16/fp16), x [T, in] (float32/bf16/fp16, may differ from y's dtype),
@@ -254,13 +255,15 @@ def lora_delta_(y, x, a, b, rows, starts, slots, max_rows: int) -> None:
     group g is rows[starts[g]:starts[g+1]]), starts [G+1] int64 (starts[0] = 0, nondecreasing,
     starts[G] = n), slots [G] int64 in [0, S), max_rows = max group size (a host int, so that a
     launch needs no device sync). The product is accumulated in float32 and added to y once
-    (y's rows outside `rows` untouched). Triton where `use_triton(y)`; on a CPU the C++ kernel
-    (kernels/cpu/lora.cpp: an AVX2 or AVX-512 level, R and out multiples of 16, contiguous
-    rows); else the reference."""
+    (y's rows outside `rows` untouched). `part_ends`: where b is block-diagonal, the ends of
+    its P column blocks (out = part_ends[-1]; part j's rows of b j R/P .. (j + 1) R/P, zeros
+    elsewhere, which the CPU kernel does not read). Triton where `use_triton(y)`; on a CPU
+    the C++ kernel (kernels/cpu/lora.cpp: an AVX2 or AVX-512 level, R and out multiples of
+    16, contiguous rows); else the reference."""
     if use_triton(y):
         lora_delta_triton(y, x, a, b, rows, starts, slots, max_rows)
     elif (ext := block_gemm_extension(y)) is not None and _cpu_kernel_takes(y, x, a, b):
-        ext.lora_delta(y, x, a, b, rows, starts, slots)
+        ext.lora_delta(y, x, a, b, rows, starts, slots, part_ends or [y.shape[1]])
     else:
         lora_delta_reference(y, x, a, b, rows, starts, slots, max_rows)
 

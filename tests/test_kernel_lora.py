@@ -231,7 +231,7 @@ def test_cpu_kernel_matches_reference(cpu_level, T, d_in, d_out, rank, sizes, x_
                                                           y_dtype, seed=T + rank)
     want, y0 = y.clone(), y.clone()
     lora_delta_reference(want, x, a, b, rows, starts, slots, max_rows)
-    cpu_level.lora_delta(y, x, a, b, rows, starts, slots)
+    cpu_level.lora_delta(y, x, a, b, rows, starts, slots, [d_out])
     tol = TOL[torch.float32] if y_dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
     torch.testing.assert_close(y.float(), want.float(), **tol)
     assert not torch.equal(y[rows], y0[rows])
@@ -251,4 +251,27 @@ def test_cpu_kernel_through_the_public_function_and_its_checks(cpu_level):
     for bad in (dict(rows=rows + 20), dict(slots=slots + 3), dict(starts=starts.flip(0))):
         args = dict(rows=rows, starts=starts, slots=slots) | bad
         with pytest.raises(RuntimeError, match="out of range|starts|slots"):
-            cpu_level.lora_delta(y, x, a, b, args["rows"], args["starts"], args["slots"])
+            cpu_level.lora_delta(y, x, a, b, args["rows"], args["starts"], args["slots"], [32])
+
+
+@pytest.mark.parametrize("ends", [[96, 128, 160], [128, 192, 256]])
+def test_cpu_kernel_reads_only_the_part_blocks_of_b(cpu_level, ends):
+    """b block-diagonal over the output's parts (a fused q/k/v, 16 rows of b each): the kernel
+    given the parts equals the reference on that b, parts aligned to its column chunks or not;
+    where they are aligned (64 columns), values off the blocks are not read at all."""
+    y, x, a, b, rows, starts, slots, max_rows = make_case(30, 64, ends[-1], 48, [7, 11, 4],
+                                                          torch.bfloat16, torch.bfloat16, seed=5)
+    rp = 16
+    block = torch.zeros(48, ends[-1], dtype=torch.bool)
+    for j, (lo, hi) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        block[j * rp : (j + 1) * rp, lo:hi] = True
+    diag = b * block
+    want, got, skipped = y.clone(), y.clone(), y.clone()
+    lora_delta_reference(want, x, a, diag, rows, starts, slots, max_rows)
+    cpu_level.lora_delta(got, x, a, diag, rows, starts, slots, ends)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+    lora_delta_(y, x, a, diag, rows, starts, slots, max_rows, ends)  # the public function too
+    torch.testing.assert_close(y.float(), want.float(), rtol=2**-7, atol=1e-3)
+    if ends[0] % 64 == 0:
+        cpu_level.lora_delta(skipped, x, a, b, rows, starts, slots, ends)  # b off-block unread
+        torch.testing.assert_close(skipped.float(), want.float(), rtol=2**-7, atol=1e-3)

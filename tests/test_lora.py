@@ -214,14 +214,15 @@ def test_load_and_unload_at_run_time(lora_setup):
     engine.unload_lora("A")
     with pytest.raises(InvalidParams, match="does not exist"):
         engine.add_request(prompts[0], SamplingParams(lora_name="A"))
-    qkv = engine.runner.model.layers[0].qkv
-    assert "A" in qkv.adapters  # its request still runs with it
+    model = engine.runner.model
+    assert "A" in model.lora_slots  # its request still runs with it
     while engine.has_work():
         for ev in engine.step().outputs:
             outputs.setdefault(ev.request_id, []).extend(ev.token_ids)
     engine.tick()
     assert outputs[rid] == expected["A"][3]
-    assert set(qkv.adapters) == {"B"} and engine.lora_names == {"B"}
+    assert model.lora_slots == {"B": 0} and engine.lora_names == {"B"}
+    assert model.layers[0].qkv.a.shape[0] == 1  # A's slot dropped from the stacks
 
 
 @pytest.mark.parametrize("other", [{"intermediate_size": 96}, {"num_hidden_layers": 3}],
@@ -239,7 +240,8 @@ def test_adapter_of_another_model_is_refused(lora_setup, tmp_path, other):
     with pytest.raises(LoraError):
         engine.load_lora(LoraModule("X", str(tmp_path / "X")))
     assert engine.lora_names == {"A"}
-    assert set(engine.runner.model.layers[1].gate_up.adapters) == {"A"}
+    assert engine.runner.model.lora_slots == {"A": 0}
+    assert engine.runner.model.layers[1].gate_up.a.shape[0] == 1
     assert run(engine, [(prompts[3], "A")]) == [expected["A"][3]]
 
 
@@ -312,29 +314,34 @@ def test_parse_lora_modules():
 
 def test_delta_beside_an_int4_base_layer():
     """The INT4 layer serves as is; each adapter's rows get exactly their delta added, base
-    rows nothing, whether a group's rows are one run (a slice) or scattered."""
+    rows and the rows of an adapter not on this layer nothing, in any order; a dropped slot
+    takes its factors with it and the slots after it move down."""
     torch.manual_seed(0)
     base = Int4Linear(torch.randn(48, 64))
     layer = LoraLinear(base)
-    factors = {n: (torch.randn(64, r), torch.randn(r, 48)) for n, r in (("A", 4), ("B", 8))}
-    for n, (a, b) in factors.items():
-        layer.add(n, a, b)
+    factors = {n: (torch.randn(64, r), torch.randn(r, 48)) for n, r in (("A", 4), ("B", 20))}
+    for n in ("A", "B", "C"):  # C does not target this projection: zeros in its slot
+        layer.append(factors.get(n), torch.empty(0))
+    assert layer.a.shape == (3, 64, 32) and layer.targeted == {0, 1}  # rank padded to 32
     x = torch.randn(7, 64)
-    cases = {"scattered": ["", "A", "A", "B", "", "B", "A"],
-             "one run": ["", "B", "A", "A", "C", "", ""],  # rows 1 .. 4 (C not on this layer)
-             "every row": ["B", "A", "A", "B", "A", "B", "C"]}
-    for case, names in cases.items():
-        lora = LoraGroups.of(names, torch.device("cpu"))
-        assert (lora.span is not None, lora.inverse is not None) == (
-            case == "one run", case == "every row")
-        got = layer(x, lora)
-        want = base(x)
-        for i, n in enumerate(names):
-            if n in factors:  # C is not served on this layer: its rows get the base output
-                a, b = factors[n]
-                want[i] += x[i] @ a @ b
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-    assert LoraGroups.of(["", ""], torch.device("cpu")) is None
+
+    def check(slots: dict[str, int]) -> None:
+        for names in (["", "A", "A", "B", "", "B", "A"], ["B", "A", "A", "B", "A", "B", "C"],
+                      ["", "C", "", "", "C", "", ""]):
+            names = [n if n in slots else "" for n in names]
+            lora = LoraGroups.of(names, slots, torch.device("cpu"))
+            want = base(x)
+            for i, n in enumerate(names):
+                if n in factors:
+                    a, b = factors[n]
+                    want[i] += x[i] @ a @ b
+            torch.testing.assert_close(layer(x, lora), want, rtol=1e-5, atol=1e-4)
+
+    check({"A": 0, "B": 1, "C": 2})
+    layer.drop(0)
+    assert layer.a.shape[0] == 2 and layer.targeted == {0}
+    check({"B": 0, "C": 1})
+    assert LoraGroups.of(["", ""], {}, torch.device("cpu")) is None
     torch.testing.assert_close(layer(x), base(x))
 
 

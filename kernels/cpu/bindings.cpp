@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 using torch::Tensor;
 
@@ -37,7 +38,7 @@ Tensor q8_gemm(Tensor x, Tensor qs, Tensor d, Tensor corr, int64_t n,
                std::optional<Tensor> bias);
 // lora.cpp
 void lora_delta(Tensor y, Tensor x, Tensor a, Tensor b, Tensor rows, Tensor starts,
-                Tensor slots);
+                Tensor slots, std::vector<int64_t> part_ends);
 // sampling.cpp
 std::tuple<Tensor, Tensor> sample_rows(Tensor logits, std::optional<Tensor> raw_logits,
                                        Tensor temperature, Tensor top_p, Tensor min_p,
@@ -59,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_delta", &lora_delta,
         "in place: y[rows of group g] += (x[those rows] @ a[slots[g]]) @ b[slots[g]]",
         py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("rows"),
-        py::arg("starts"), py::arg("slots"));
+        py::arg("starts"), py::arg("slots"), py::arg("part_ends"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up: [..., 2I] -> [..., I]", py::arg("gate_up"));
   m.def("quantize_int8", &quantize_int8, "per-token INT8: (int8 [T, K], scales [T])",
         py::arg("x"));

@@ -2,12 +2,14 @@
 // contract as its lora_delta_, lora_delta_reference its reference), in place on y:
 //   for each group g: y[rows[starts[g] .. starts[g + 1])] += (x[those rows] @ a[slots[g]]) @ b[slots[g]]
 // y [T, out] float32 / bf16 / fp16; x [T, in] and a [S, in, R], b [S, R, out] in one dtype of
-// those; rows, starts, slots int64. Runs the vectorized variant of the level the block GEMMs
+// those; rows, starts, slots int64; part_ends: where b is block-diagonal, the ends of its
+// column blocks (kernels/lora.py). Runs the vectorized variant of the level the block GEMMs
 // run (set_block_gemm_isa: avx2 or an avx512 level), which needs R and out multiples of 16;
 // kernels/lora.py sends other calls to the reference.
 #include <torch/extension.h>
 
 #include <string>
+#include <vector>
 
 #include "lora.h"
 
@@ -25,7 +27,8 @@ pipellm::lora::DType dtype_of(at::ScalarType t) {
 }  // namespace
 
 void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b,
-                torch::Tensor rows, torch::Tensor starts, torch::Tensor slots) {
+                torch::Tensor rows, torch::Tensor starts, torch::Tensor slots,
+                std::vector<int64_t> part_ends) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && a.dim() == 3 && b.dim() == 3, "bad ranks");
   TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1 && a.is_contiguous() && b.is_contiguous(),
               "rows of y and x, and a and b, must be contiguous");
@@ -34,7 +37,11 @@ void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor
               "a [S, in, R] and b [S, R, out] do not fit x and y");
   TORCH_CHECK(x.scalar_type() == a.scalar_type() && a.scalar_type() == b.scalar_type(),
               "x, a and b must share a dtype");
-  TORCH_CHECK(R % 16 == 0 && out % 16 == 0, "R and out must be multiples of 16");
+  const int64_t P = static_cast<int64_t>(part_ends.size());
+  TORCH_CHECK(P >= 1 && R % (16 * P) == 0 && out % 16 == 0 && part_ends.back() == out,
+              "R / parts and out must be multiples of 16, the last part ending at out");
+  for (int64_t j = 0; j < P; ++j)
+    TORCH_CHECK(part_ends[j] > (j ? part_ends[j - 1] : 0), "part_ends must increase");
   TORCH_CHECK(rows.scalar_type() == at::kLong && starts.scalar_type() == at::kLong &&
               slots.scalar_type() == at::kLong && rows.is_contiguous() &&
               starts.is_contiguous() && slots.is_contiguous() && starts.size(0) == G + 1,
@@ -52,8 +59,8 @@ void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor
   TORCH_CHECK(avx512 || level == "avx2", "lora_delta: no vectorized level on this CPU");
   auto h = torch::empty({rows.size(0), R}, x.options().dtype(at::kFloat));
   const pipellm::lora::Args args{
-      y.data_ptr(), x.data_ptr(), a.data_ptr(), b.data_ptr(), rp, sp, gp, y.stride(0),
-      x.stride(0), in, R,
+      y.data_ptr(), x.data_ptr(), a.data_ptr(), b.data_ptr(), rp, sp, gp, part_ends.data(), P,
+      y.stride(0), x.stride(0), in, R,
       out, G, dtype_of(y.scalar_type()), dtype_of(x.scalar_type()), h.data_ptr<float>()};
   (avx512 ? pipellm::lora::run_avx512 : pipellm::lora::run_avx2)(args);
 }

@@ -17,12 +17,14 @@ struct Args {
   const int64_t* rows;    // [n]: group g is rows[starts[g] .. starts[g + 1])
   const int64_t* starts;  // [G + 1]
   const int64_t* slots;   // [G]: the group's adapter, an index into a and b
-  int64_t y_rs, x_rs, in, R, out, G;
+  const int64_t* part_ends;  // [P]: b is block-diagonal, part j holding out columns
+                             // part_ends[j - 1] .. part_ends[j] and rows j R/P .. (j + 1) R/P
+  int64_t P, y_rs, x_rs, in, R, out, G;
   DType y_dtype, x_dtype;
   float* h;  // [n, R] float32 scratch: x[rows] @ a[slot]
 };
 
-// R and out multiples of 16 (both ISAs' vectors divide them).
+// R / P and out multiples of 16 (both ISAs' vectors divide them).
 void run_avx2(const Args& args);
 void run_avx512(const Args& args);
 

@@ -4,7 +4,8 @@
 //   shrink: for each group and block of kMR of its rows, h[rows] = x[rows] @ a[slot], R in
 //           chunks of up to kNR vectors, accumulators in registers;
 //   expand: for each group and chunk of kNR vectors of out, every block of kMR of its rows
-//           y[rows] += h[rows] @ b[slot], accumulated in registers, y read and written once.
+//           y[rows] += h[rows] @ b[slot], accumulated in registers, y read and written once;
+//           only b's rows of the parts the chunk's columns are in (the rest are zeros).
 // Math in float32; y rounded once.
 #pragma once
 
@@ -50,12 +51,13 @@ void shrink_chunk(const Args& a, const T* as, int64_t i0, int64_t m, int64_t c0)
 
 // y[rows[i0 .. i0 + m)][o0 .. o0 + NR lanes) += h[those rows] @ b_s[:, same columns]
 template <class V, int NR, typename T, typename Y>
-void expand_chunk(const Args& a, const T* bs, int64_t i0, int64_t m, int64_t o0) {
+void expand_chunk(const Args& a, const T* bs, int64_t i0, int64_t m, int64_t o0, int64_t k0,
+                  int64_t k1) {
   typename V::F acc[kMR][NR];
   for (int64_t r = 0; r < kMR; ++r)
     for (int c = 0; c < NR; ++c) acc[r][c] = V::fzero();
   const float* hr = a.h + i0 * a.R;
-  for (int64_t k = 0; k < a.R; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     typename V::F w[NR];
     for (int c = 0; c < NR; ++c) w[c] = V::load(bs + k * a.out + o0 + c * V::kLanes);
     for (int64_t r = 0; r < kMR; ++r) {  // rows past m read row m - 1's h (not stored)
@@ -68,6 +70,16 @@ void expand_chunk(const Args& a, const T* bs, int64_t i0, int64_t m, int64_t o0)
     for (int c = 0; c < NR; ++c)
       V::store(yr + c * V::kLanes, V::add(V::load(yr + c * V::kLanes), acc[r][c]));
   }
+}
+
+// The rows [k0, k1) of b that columns [o0, o1) read: those of the parts they are in.
+inline std::pair<int64_t, int64_t> part_rows(const Args& a, int64_t o0, int64_t o1) {
+  const int64_t rp = a.R / a.P;
+  int64_t first = 0;
+  while (a.part_ends[first] <= o0) ++first;
+  int64_t last = first;
+  while (a.part_ends[last] < o1) ++last;
+  return {first * rp, (last + 1) * rp};
 }
 
 // f(nr) with nr vectors (1 .. kNR) a compile-time constant
@@ -104,10 +116,12 @@ void run_typed(const Args& a) {
     for (int64_t j = lo; j < hi; ++j) {
       const int64_t g = j / chunks, o0 = (j % chunks) * width;
       const T* bg = bs + a.slots[g] * a.R * a.out;
-      with_width<V>(std::min(width, a.out - o0) / V::kLanes, [&](auto nr) {
+      const int64_t o1 = std::min(a.out, o0 + width);
+      const auto [k0, k1] = part_rows(a, o0, o1);
+      with_width<V>((o1 - o0) / V::kLanes, [&](auto nr) {
         for (int64_t i0 = a.starts[g]; i0 < a.starts[g + 1]; i0 += kMR)
-          expand_chunk<V, decltype(nr)::value, T, Y>(a, bg, i0,
-                                                     std::min(kMR, a.starts[g + 1] - i0), o0);
+          expand_chunk<V, decltype(nr)::value, T, Y>(
+              a, bg, i0, std::min(kMR, a.starts[g + 1] - i0), o0, k0, k1);
       });
     }
   });

@@ -9,6 +9,7 @@ graphs capture."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -22,9 +23,10 @@ from services.compute.inflight import InFlight
 
 
 def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None = None,
-                ) -> ForwardBatch:
+                lora_slots: Mapping[str, int] | None = None) -> ForwardBatch:
     """The step's inputs on `device`. Tokens still UNSAMPLED (sampled by `prev`, the step in
-    flight) are read from prev's ids on the device."""
+    flight) are read from prev's ids on the device. `lora_slots`: the served LoRA adapters'
+    slots (the model's), for a step with adapter rows."""
     rows = _Rows()
     for item in step.items:  # decode-kind items first (ScheduledStep)
         if item.kind is Work.PREFILL:
@@ -51,7 +53,7 @@ def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None
         max_decode_len=max(rows.dec_lens, default=0),
         max_chunk_len=max(rows.chunks, default=0),
         prompt_spans=rows.spans,
-        lora=LoraGroups.of(rows.adapters, device) if rows.any_adapter else None,
+        lora=LoraGroups.of(rows.adapters, lora_slots, device) if rows.any_adapter else None,
     )
 
 

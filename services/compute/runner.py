@@ -135,7 +135,7 @@ class ModelRunner:
         sampled, offsets = step.sampled, step.offsets
         # the grammars' bitmask, filled while the forward runs
         mask = start_mask(sampled, {it.seq: it.drafts for it in step.of(Work.VERIFY)})
-        batch = build_batch(step, self.device, prev)
+        batch = build_batch(step, self.device, prev, self.model.lora_slots)
         out = InFlight(step)
         if self.drafter is not None:  # its tokens into the verify rows, then the target's
             out.drafts = self.drafter.propose(step, batch)

@@ -1,7 +1,9 @@
-"""A step's rows grouped by adapter (built with its ForwardBatch by services/compute/batch.py)."""
+"""A step's rows grouped by LoRA adapter (built with its ForwardBatch by
+services/compute/batch.py), in the layout kernels/lora.py's lora_delta_ takes."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -9,39 +11,35 @@ import torch
 
 @dataclass(frozen=True)
 class LoraGroups:
-    """The step's adapter rows, gathered adapter by adapter: `rows` [n] int64 on the device
-    lists them (base rows are in none), group (name, lo, hi) being rows[lo:hi], increasing.
-    `span` (start, end) where rows is exactly start .. end - 1 (the adapter rows are one run
-    of the batch, groups in order): then a projection reads and adds to a slice, no gather or
-    scatter. `inverse` [T] where every row of the batch is an adapter row: batch row i is
-    rows[inverse[i]] (the deltas come back by a gather, not a scatter). Never empty (a step
-    without adapter rows has no LoraGroups)."""
+    """Group g is rows[starts[g]:starts[g + 1]] (int64 on the device; base rows are in none),
+    its adapter the one at slots[g] of every LoraLinear's stacks (the model's `lora_slots`);
+    `max_rows` is the largest group, `active` the slots present. Never empty (a step without
+    adapter rows has no LoraGroups)."""
 
     rows: torch.Tensor
-    groups: tuple[tuple[str, int, int], ...]
-    span: tuple[int, int] | None
-    inverse: torch.Tensor | None = None
+    starts: torch.Tensor
+    slots: torch.Tensor
+    max_rows: int
+    active: frozenset[int]
 
     @classmethod
-    def of(cls, names: list[str], device: torch.device) -> LoraGroups | None:
-        """The groups of a step whose row i belongs to adapter names[i] ("" for the base);
-        None where every row is a base row."""
+    def of(cls, names: list[str], slot_of: Mapping[str, int], device: torch.device,
+           ) -> LoraGroups | None:
+        """The groups of a step whose row i belongs to adapter names[i] ("" for the base), each
+        adapter's slot `slot_of[name]`; None where every row is a base row. One copy to the
+        device."""
         by_name: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             if name:
                 by_name.setdefault(name, []).append(i)
         if not by_name:
             return None
-        rows, groups = [], []
+        rows, starts, slots = [], [0], []
         for name, group in by_name.items():
-            groups.append((name, len(rows), len(rows) + len(group)))
             rows += group
-        span = (rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else None
-        inverse = None
-        if span is None and len(rows) == len(names):
-            inverse = [0] * len(rows)
-            for k, i in enumerate(rows):
-                inverse[i] = k
-        index = torch.tensor(rows + (inverse or []), dtype=torch.int64).to(device)
-        return cls(index[: len(rows)], tuple(groups), span,
-                   None if inverse is None else index[len(rows) :])
+            starts.append(len(rows))
+            slots.append(slot_of[name])
+        n, G = len(rows), len(slots)
+        data = torch.tensor(rows + starts + slots, dtype=torch.int64).to(device)
+        return cls(data[:n], data[n : n + G + 1], data[n + G + 1 :],
+                   max(len(g) for g in by_name.values()), frozenset(slots))

@@ -8,7 +8,7 @@ MLP targets on a mixture-of-experts layer.
 
 from __future__ import annotations
 
-from services.compute.lora.weights import fuse, read_factors
+from services.compute.lora.weights import fuse, part_sizes, read_factors
 from services.compute.model.arch import qkv_rows
 from services.compute.model.linear.lora import LoraLinear
 from shared.lora import AdapterConfig, LoraError, LoraModule
@@ -17,8 +17,9 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def attach_adapters(model, modules: list[LoraModule], max_lora_rank: int) -> None:
-    """Wrap `model`'s projections (once) and load every adapter of `modules` onto them, in the
-    model's dtype and on its device. LoraError for an adapter that cannot be served."""
+    """Wrap `model`'s projections (once) and give every adapter of `modules` the next slot of
+    every projection's stacks (`model.lora_slots`), in the model's dtype and on its device.
+    LoraError for an adapter that cannot be served (then none of `modules` is added)."""
     if not modules:
         return
     cfg = model.cfg
@@ -30,17 +31,22 @@ def attach_adapters(model, modules: list[LoraModule], max_lora_rank: int) -> Non
         for p in PROJECTIONS:
             base = getattr(layer, p)
             if base is not None and not isinstance(base, LoraLinear):
-                setattr(layer, p, LoraLinear(base))
-    for module in modules:
-        pairs = _factor_pairs(model, module, max_lora_rank)  # all read before any is added
-        for linear, a, b in pairs:
-            linear.add(module.name, a, b)
-    model.lora_names = frozenset(model.lora_names | {m.name for m in modules})
+                setattr(layer, p, LoraLinear(base, tuple(part_sizes(cfg)[p])))
+    fused = [_factor_pairs(model, m, max_lora_rank) for m in modules]  # all read before any
+    for module, pairs in zip(modules, fused, strict=True):
+        for i, layer in enumerate(model.layers):
+            for p in PROJECTIONS:
+                linear = getattr(layer, p)
+                if isinstance(linear, LoraLinear):
+                    linear.append(pairs.get((i, p)), model.embed)
+        model.lora_slots[module.name] = len(model.lora_slots)
 
 
-def _factor_pairs(model, module: LoraModule, max_lora_rank: int) -> list[tuple]:
-    """(LoraLinear, A^T, B^T) of every projection `module` targets, on the model's device and
-    in its dtype; LoraError where the adapter does not fit the model."""
+def _factor_pairs(model, module: LoraModule, max_lora_rank: int,
+                  ) -> dict[tuple[int, str], tuple]:
+    """{(layer, projection): (A^T [in, r], B^T [r, out])} of every projection `module`
+    targets, on the model's device and in its dtype; LoraError where the adapter does not fit
+    the model."""
     cfg, dtype, device = model.cfg, model.embed.dtype, model.embed.device
     config = AdapterConfig.read(module.path)
     if config.rank > max_lora_rank:
@@ -50,7 +56,7 @@ def _factor_pairs(model, module: LoraModule, max_lora_rank: int) -> list[tuple]:
     if any(i >= cfg.num_layers for i, _ in factors):
         raise LoraError(f"LoRA adapter {module.name!r} has factors of layers the model (of "
                         f"{cfg.num_layers}) has not: an adapter of another model?")
-    pairs = []
+    pairs = {}
     for i, layer in enumerate(model.layers):
         for p in PROJECTIONS:
             fused = fuse(factors, config, cfg, i, p, dtype)
@@ -67,15 +73,17 @@ def _factor_pairs(model, module: LoraModule, max_lora_rank: int) -> list[tuple]:
             if a.shape[0] != linear.in_features or b.shape[1] != linear.out_features:
                 raise LoraError(f"LoRA adapter {module.name!r}: layer {i} {p} factors "
                                 f"{tuple(a.shape)} x {tuple(b.shape)} do not fit the model")
-            pairs.append((linear, a, b))
+            pairs[i, p] = (a, b)
     return pairs
 
 
 def detach_adapter(model, name: str) -> None:
-    """Stop serving adapter `name` on `model` (its factors dropped from every projection)."""
+    """Stop serving adapter `name` on `model`: its slot dropped from every projection's stacks,
+    the slots after it renumbered."""
+    slot = model.lora_slots.pop(name)
     for layer in model.layers:
         for p in PROJECTIONS:
             linear = getattr(layer, p)
             if isinstance(linear, LoraLinear):
-                linear.adapters.pop(name, None)
-    model.lora_names = model.lora_names - {name}
+                linear.drop(slot)
+    model.lora_slots = {n: s - (s > slot) for n, s in model.lora_slots.items()}

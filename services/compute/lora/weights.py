@@ -61,24 +61,29 @@ def fuse(factors: dict[tuple[int, str], dict[str, torch.Tensor]], config: Adapte
          cfg: ModelConfig, layer: int, projection: str, dtype: torch.dtype
          ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(A^T [in, k r] in `dtype`, B * scaling [out, k r] in float32) of `projection` ("qkv",
-    "o", "gate_up" or "down") of `layer`, B's rows in HF's order of the fused output (the
-    caller reorders them as the decoder does, then transposes); None where the adapter
-    targets none of its parts."""
+    "o", "gate_up" or "down") of `layer`, k its parts (`part_sizes`), part j's factors in
+    columns j r .. (j + 1) r (zeros for a part the adapter does not target), B's rows in HF's
+    order of the fused output (the caller reorders them as the decoder does, then transposes);
+    None where the adapter targets none of its parts."""
     sizes = part_sizes(cfg)[projection]
-    parts = [(i, n, factors.get((layer, n))) for n, (p, i) in TARGETS.items() if p == projection]
-    parts = [(i, n, f) for i, n, f in parts if f is not None]
-    if not parts:
+    names = [n for n, (p, _) in TARGETS.items() if p == projection]  # in part order
+    present = [factors[layer, n] for n in names if (layer, n) in factors]
+    if not present:
         return None
-    r = config.rank
-    a = torch.cat([f["A"].float() for _, _, f in parts])  # [k r, in]
-    b = torch.zeros(sum(sizes), r * len(parts))
-    for j, (i, name, f) in enumerate(parts):
-        if f["A"].shape[0] != r or f["B"].shape != (sizes[i], r):
+    r, k = config.rank, len(sizes)
+    a = torch.zeros(k * r, present[0]["A"].shape[1])
+    b = torch.zeros(sum(sizes), k * r)
+    for j, name in enumerate(names):
+        f = factors.get((layer, name))
+        if f is None:
+            continue
+        if f["A"].shape != (r, a.shape[1]) or f["B"].shape != (sizes[j], r):
             raise LoraError(f"LoRA layer {layer} {projection}: factors {tuple(f['A'].shape)}, "
-                            f"{tuple(f['B'].shape)} do not fit rank {r} and {sizes[i]} rows "
+                            f"{tuple(f['B'].shape)} do not fit rank {r} and {sizes[j]} rows "
                             "(an adapter of another model?)")
-        lo = sum(sizes[:i])
-        b[lo : lo + sizes[i], j * r : (j + 1) * r] = _hf_b(f["B"].float(), name, config, cfg)
+        lo = sum(sizes[:j])
+        a[j * r : (j + 1) * r] = f["A"].float()
+        b[lo : lo + sizes[j], j * r : (j + 1) * r] = _hf_b(f["B"].float(), name, config, cfg)
     b *= config.scaling
     return a.t().contiguous().to(dtype), b
 

@@ -85,7 +85,13 @@ class LlamaModel:
         self.embed_scale = (None if cfg.embed_scale == 1 else
                             torch.tensor(cfg.embed_scale, dtype=self.embed.dtype, device=device))
         self.act = _activation(cfg.hidden_act, self.int8_act)
-        self.lora_names: frozenset[str] = frozenset()  # adapters served (lora/attach.py)
+        # adapters served -> their slot in every LoraLinear's stacks (lora/attach.py)
+        self.lora_slots: dict[str, int] = {}
+
+    @property
+    def lora_names(self) -> frozenset[str]:
+        """The LoRA adapters served."""
+        return frozenset(self.lora_slots)
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."

@@ -1,62 +1,86 @@
 """A projection with LoRA adapters beside it: the base layer (dense, INT4, FP8, ... as the
 quantization method built it, untouched) computes every row; each adapter present in the step
-adds its delta to its own rows only."""
+adds its delta to its own rows only, all groups in one kernel call (kernels/lora.py)."""
 
 from __future__ import annotations
 
 import torch
 
+from kernels.lora import lora_delta_
 from services.compute.core.lora_groups import LoraGroups
+
+RANK_MULTIPLE = 16  # stacks' rank padded to a multiple of this (the CPU kernel's vectors)
 
 
 class LoraLinear:
-    """y = base(x), then for each group of rows of adapter n: y[rows] += (x[rows] @ A_n) @ B_n.
+    """y = base(x), then for each group of rows of the adapter in slot s:
+    y[rows] += (x[rows] @ a[s]) @ b[s].
 
-    A_n [in, R] and B_n [R, out] are the adapter's fused factors in the activation dtype, its
-    scaling folded into B_n (`weights.fuse`). A projection an adapter does not target has no
-    entry for it: its rows get the base output. Called as the base layer is, `layer(x)`, or
-    with the step's groups, `layer(x, lora)`: the adapter rows are gathered once, each group's
-    delta written into one buffer, added back once (CPU steps are bound by the ops' count)."""
+    a [S, in, P Rp] and b [S, P Rp, out] stack every served adapter's fused factors
+    (`weights.fuse`: scaling folded into b) in the activation dtype, slot s the adapter's index
+    in the model's `lora_slots`. The output's P parts (`part_sizes`: q, k, v of a fused qkv)
+    each have Rp columns of a and rows of b (the largest rank, a multiple of RANK_MULTIPLE):
+    b is zero outside each part's block, which the CPU kernel skips. An adapter of a smaller
+    rank, or not targeting a part, has zeros there; one targeting none of this projection is
+    not in `targeted`. Called as the base layer is, `layer(x)`, or with the step's groups,
+    `layer(x, lora)`."""
 
-    def __init__(self, base):
+    def __init__(self, base, part_sizes: tuple[int, ...] = ()):
         self.base = base
         self.out_features, self.in_features = base.out_features, base.in_features
-        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        sizes = part_sizes or (self.out_features,)
+        if sum(sizes) != self.out_features:
+            raise ValueError(f"parts {sizes} do not add up to {self.out_features} outputs")
+        self.part_ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+        self.a: torch.Tensor | None = None  # None until an adapter is added
+        self.b: torch.Tensor | None = None
+        self.targeted: set[int] = set()  # slots whose adapter targets this projection
 
-    def add(self, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Serve adapter `name` on this projection: a [in, R], b [R, out]."""
-        if a.shape[0] != self.in_features or b.shape[1] != self.out_features:
-            raise ValueError(f"LoRA {name}: factors {tuple(a.shape)} x {tuple(b.shape)} do "
-                             f"not fit a [{self.out_features}, {self.in_features}] projection")
-        self.adapters[name] = (a, b)
+    def append(self, factors: tuple[torch.Tensor, torch.Tensor] | None, like: torch.Tensor,
+               ) -> None:
+        """Give the next slot (S) an adapter's factors a [in, P r], b [P r, out] (part j's in
+        columns / rows j r .. (j + 1) r), or zeros (None: it does not target this projection);
+        `like` gives the dtype and device."""
+        P, S = len(self.part_ends), 0 if self.a is None else self.a.shape[0]
+        if factors is not None and (factors[0].shape[0] != self.in_features
+                                    or factors[1].shape[1] != self.out_features
+                                    or factors[0].shape[1] % P):
+            raise ValueError(f"LoRA factors {tuple(factors[0].shape)} x "
+                             f"{tuple(factors[1].shape)} do not fit a [{self.out_features}, "
+                             f"{self.in_features}] projection of {P} parts")
+        r = 0 if factors is None else factors[0].shape[1] // P
+        old = 0 if self.a is None else self.a.shape[2] // P
+        rp = max(old, -(-r // RANK_MULTIPLE) * RANK_MULTIPLE)
+        a = like.new_zeros(S + 1, self.in_features, P * rp)
+        b = like.new_zeros(S + 1, P * rp, self.out_features)
+        for j in range(P):  # part j: columns of a, rows of b j rp .. j rp + its rank
+            if self.a is not None:
+                a[:S, :, j * rp : j * rp + old] = self.a[:, :, j * old : (j + 1) * old]
+                b[:S, j * rp : j * rp + old] = self.b[:, j * old : (j + 1) * old]
+            if factors is not None:
+                a[S, :, j * rp : j * rp + r] = factors[0][:, j * r : (j + 1) * r]
+                b[S, j * rp : j * rp + r] = factors[1][j * r : (j + 1) * r]
+        if factors is not None:
+            self.targeted.add(S)
+        self.a, self.b = a, b
+
+    def drop(self, slot: int) -> None:
+        """Remove slot `slot`; the slots after it move down by one."""
+        keep = [s for s in range(self.a.shape[0]) if s != slot]
+        self.a, self.b = self.a[keep].contiguous(), self.b[keep].contiguous()
+        self.targeted = {s - (s > slot) for s in self.targeted if s != slot}
 
     def nbytes(self) -> int:
-        """The base layer's bytes and every adapter's."""
-        return self.base.nbytes() + sum(t.numel() * t.element_size()
-                                         for ab in self.adapters.values() for t in ab)
+        """The base layer's bytes and the stacks'."""
+        stacks = 0 if self.a is None else sum(t.numel() * t.element_size()
+                                               for t in (self.a, self.b))
+        return self.base.nbytes() + stacks
 
     def __call__(self, x: torch.Tensor, lora: LoraGroups | None = None) -> torch.Tensor:
         y = self.base(x)
-        if lora is None:
+        if lora is None or lora.active.isdisjoint(self.targeted):
             return y
-        served = [(self.adapters.get(name), lo, hi) for name, lo, hi in lora.groups]
-        if all(ab is None for ab, _, _ in served):
-            return y
-        xs = x[lora.span[0] : lora.span[1]] if lora.span else x.index_select(0, lora.rows)
-        delta = y.new_empty(xs.shape[0], self.out_features)  # [n adapter rows, out]
-        for ab, lo, hi in served:
-            if ab is None:
-                delta[lo:hi].zero_()
-            elif ab[1].dtype == delta.dtype:
-                a, b = ab
-                torch.mm(xs[lo:hi].to(a.dtype) @ a, b, out=delta[lo:hi])
-            else:  # a base layer answering in another dtype than the activations'
-                a, b = ab
-                delta[lo:hi] = (xs[lo:hi].to(a.dtype) @ a) @ b
-        if lora.span:
-            y[lora.span[0] : lora.span[1]] += delta
-        elif lora.inverse is not None:  # every row an adapter row: a gather (faster on CPU)
-            y += delta.index_select(0, lora.inverse)
-        else:
-            y.index_add_(0, lora.rows, delta)
+        x = x if x.dtype == self.a.dtype else x.to(self.a.dtype)
+        lora_delta_(y, x, self.a, self.b, lora.rows, lora.starts, lora.slots, lora.max_rows,
+                    self.part_ends)
         return y
