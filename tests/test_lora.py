@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.compute.backend import build_engine
-from services.compute.core.lora_groups import LoraGroups
+from services.compute.core.lora_groups import DENSE_ROWS, LoraGroups
 from services.compute.model.linear import Int4Linear
 from services.compute.model.linear.lora import LoraLinear
 from shared.config import EngineConfig
@@ -106,6 +106,26 @@ def test_each_adapter_alone_matches_peft_merged(lora_setup, name):
     base_dir, dirs, expected, prompts = lora_setup
     engine = lora_engine(base_dir, dirs)
     assert run(engine, [(p, name) for p in prompts]) == expected[name]
+
+
+def test_long_prefill_matches_peft_merged(lora_setup, tmp_path):
+    """Prompts longer than DENSE_ROWS: their prefill rows go to GEMMs on a slice (the decode
+    rows to the kernel); A and B still give PEFT's merged model's tokens, B in the same steps
+    as the base."""
+    from transformers import AutoModelForCausalLM
+
+    base_dir, dirs, _, _ = lora_setup
+    g = torch.Generator().manual_seed(4)
+    prompts = [[1] + torch.randint(5, 200, (DENSE_ROWS + 40,), generator=g).tolist(),
+               [1] + torch.randint(5, 200, (DENSE_ROWS + 5,), generator=g).tolist()]
+    engine = lora_engine(base_dir, dirs)
+    for name, (rank, alpha, rslora, targets, seed) in ADAPTERS.items():
+        merged = build_adapter(base_dir, tmp_path / name, rank, alpha, rslora, targets, seed)
+        want = hf_greedy(merged, prompts, MAX_NEW)
+        assert run(engine, [(p, name) for p in prompts]) == want, name
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    got = run(engine, [(prompts[0], ""), (prompts[1], "B")])
+    assert got[0] == hf_greedy(base, prompts[:1], MAX_NEW)[0]
 
 
 def test_mixed_batch_chunked_prefill(lora_setup):
@@ -314,8 +334,9 @@ def test_parse_lora_modules():
 
 def test_delta_beside_an_int4_base_layer():
     """The INT4 layer serves as is; each adapter's rows get exactly their delta added, base
-    rows and the rows of an adapter not on this layer nothing, in any order; a dropped slot
-    takes its factors with it and the slots after it move down."""
+    rows and the rows of an adapter not on this layer nothing, in any order, and a long run of
+    one adapter (a prefill chunk: GEMMs on its slice) as the rest; a dropped slot takes its
+    factors with it and the slots after it move down."""
     torch.manual_seed(0)
     base = Int4Linear(torch.randn(48, 64))
     layer = LoraLinear(base)
@@ -323,21 +344,27 @@ def test_delta_beside_an_int4_base_layer():
     for n in ("A", "B", "C"):  # C does not target this projection: zeros in its slot
         layer.append(factors.get(n), torch.empty(0))
     assert layer.a.shape == (3, 64, 32) and layer.targeted == {0, 1}  # rank padded to 32
-    x = torch.randn(7, 64)
+    long = ["B"] * 5 + ["A"] * DENSE_ROWS + ["", "B", "A"] + ["C"] * DENSE_ROWS
+    x = torch.randn(len(long), 64)
 
     def check(slots: dict[str, int]) -> None:
         for names in (["", "A", "A", "B", "", "B", "A"], ["B", "A", "A", "B", "A", "B", "C"],
-                      ["", "C", "", "", "C", "", ""]):
+                      ["", "C", "", "", "C", "", ""], long):
             names = [n if n in slots else "" for n in names]
             lora = LoraGroups.of(names, slots, torch.device("cpu"))
-            want = base(x)
+            rows = x[: len(names)]
+            want = base(rows)
             for i, n in enumerate(names):
                 if n in factors:
                     a, b = factors[n]
-                    want[i] += x[i] @ a @ b
-            torch.testing.assert_close(layer(x, lora), want, rtol=1e-5, atol=1e-4)
+                    want[i] += rows[i] @ a @ b
+            torch.testing.assert_close(layer(rows, lora), want, rtol=1e-5, atol=1e-4)
 
     check({"A": 0, "B": 1, "C": 2})
+    lora = LoraGroups.of(long, {"A": 0, "B": 1, "C": 2}, torch.device("cpu"))
+    assert lora.dense == ((0, 5, 5 + DENSE_ROWS), (2, 8 + DENSE_ROWS, 8 + 2 * DENSE_ROWS))
+    assert lora.rows.tolist() == [0, 1, 2, 3, 4, 6 + DENSE_ROWS, 7 + DENSE_ROWS]
+    assert lora.slots.tolist() == [1, 0] and lora.active == {0, 1, 2}
     layer.drop(0)
     assert layer.a.shape[0] == 2 and layer.targeted == {0}
     check({"B": 0, "C": 1})

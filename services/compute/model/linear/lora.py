@@ -1,6 +1,7 @@
 """A projection with LoRA adapters beside it: the base layer (dense, INT4, FP8, ... as the
 quantization method built it, untouched) computes every row; each adapter present in the step
-adds its delta to its own rows only, all groups in one kernel call (kernels/lora.py)."""
+adds its delta to its own rows only: long runs of one adapter (a prefill chunk) by GEMMs on
+their slice, the other groups all in one kernel call (kernels/lora.py)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,11 @@ class LoraLinear:
         if lora is None or lora.active.isdisjoint(self.targeted):
             return y
         x = x if x.dtype == self.a.dtype else x.to(self.a.dtype)
-        lora_delta_(y, x, self.a, self.b, lora.rows, lora.starts, lora.slots, lora.max_rows,
-                    self.part_ends)
+        for slot, lo, hi in lora.dense:  # long runs: two GEMMs on their slice
+            if slot in self.targeted:
+                h = (x[lo:hi] @ self.a[slot]).to(y.dtype)
+                y[lo:hi].addmm_(h, self.b[slot].to(y.dtype))
+        if lora.rows is not None:
+            lora_delta_(y, x, self.a, self.b, lora.rows, lora.starts, lora.slots,
+                        lora.max_rows, self.part_ends)
         return y
