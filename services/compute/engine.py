@@ -11,6 +11,7 @@ This class runs in-process for `pipellm generate`; the compute service wraps the
 
 from __future__ import annotations
 
+import functools
 import itertools
 import secrets
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from services.compute.core.sequence import SeqStatus, Sequence
 from services.compute.core.step import ScheduledStep
 from services.compute.length.refiner import LengthRefiner
 from services.compute.length.store import memory_stores
+from services.compute.pooling import embed
 from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
 from services.compute.structured import GrammarState, ReasoningGate
@@ -27,6 +29,7 @@ from shared.config import EngineConfig
 from shared.length_dist import LengthDist
 from shared.lora import LoraModule
 from shared.messages import Tokens
+from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams, SamplingParams
 
 
@@ -285,6 +288,15 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return seqs
+
+    @functools.cached_property
+    def pooling(self) -> PoolingConfig:
+        """How `embed` pools: the model directory's sentence-transformers config, read once."""
+        return PoolingConfig.from_dir(self.config.model)
+
+    def embed(self, prompts: list[list[int]], dimensions: int | None = None):
+        """[N, dim] float32 pooled embeddings of whole prompts (services/compute/pooling)."""
+        return embed(self, prompts, self.pooling, dimensions)
 
 
 def prefill_backlog(scheduler: Scheduler) -> int:

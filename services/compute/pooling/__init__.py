@@ -1,0 +1,11 @@
+"""The pooling runner's core: whole prompts' pooled embeddings through the generation model.
+
+`embed(engine, prompts, pooling, dimensions)` (embedder.py) batches the prompts up to the token
+budget, runs their prefill (forward.py: the final-normed hidden states, no logits), pools them
+(pool.py) and frees the KV slots it took.
+"""
+
+from services.compute.pooling.embedder import embed
+from services.compute.pooling.pool import finish, pool
+
+__all__ = ["embed", "finish", "pool"]

@@ -1,0 +1,94 @@
+"""Pooled embeddings of whole token-id prompts through an LLMEngine's model.
+
+Prompts are checked first (none empty, none over the context, ids in the vocabulary:
+InvalidParams), then run in batches of at most `max_batched_tokens` prompt tokens (a longer
+prompt runs alone), each batch one prefill-only forward into KV slots taken from the engine's
+allocator (a batch whose prompts do not all fit runs the head that does) and freed before the
+next batch, whatever happens. Requests the engine is running keep their slots: the pooled
+prompts only use free ones. Result: [N, dim] float32 on the CPU, in prompt order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from services.compute.pooling.forward import hidden_states, prefill_batch
+from services.compute.pooling.pool import finish, pool
+from shared.pooling import PoolingConfig
+from shared.sampling import InvalidParams
+
+
+def embed(engine, prompts: list[list[int]], pooling: PoolingConfig,
+          dimensions: int | None = None) -> torch.Tensor:
+    """[len(prompts), dim] float32: each prompt pooled by `pooling`, truncated to `dimensions`
+    (None: the hidden size), normalized when `pooling.normalize`."""
+    runner = engine.runner
+    if getattr(runner, "simulated", False):
+        raise ValueError("pooling needs a model: the sim backend has none")
+    hidden = engine.model_config.hidden_size
+    try:
+        dim = pooling.output_dim(dimensions)
+        if dim is not None and dim > hidden:
+            raise ValueError(f"dimensions must be <= the hidden size {hidden}, got {dim}")
+    except ValueError as e:
+        raise InvalidParams("dimensions", str(e)) from None
+    check_prompts(prompts, engine.max_model_len, engine.model_config.vocab_size)
+    if not prompts:
+        return torch.zeros(0, dim or hidden)
+    out, budget = [], engine.config.scheduler.max_batched_tokens
+    while prompts:
+        group = next(batches(prompts, budget))
+        vectors = _run_group(engine, group, pooling, dim)
+        out.append(vectors)
+        prompts = prompts[len(vectors):]
+    return torch.cat(out)
+
+
+def _run_group(engine, group: list[list[int]], pooling: PoolingConfig,
+               dim: int | None) -> torch.Tensor:
+    """The pooled vectors of the longest head of `group` whose prompts get free KV slots
+    (RuntimeError when not even the first does); the slots are freed before returning."""
+    allocator, runner, starts = engine.kv.allocator, engine.runner, []
+    try:
+        for p in group:
+            start = allocator.allocate(len(p))
+            if start is None:
+                break
+            starts.append(start)
+        if not starts:
+            raise RuntimeError(f"no {len(group[0])} free KV slots for a pooled prompt")
+        group = group[:len(starts)]
+        batch = prefill_batch(group, starts, runner.device)
+        rows = hidden_states(runner.model, batch, runner.kv)
+        vectors = pool(rows, [len(p) for p in group], pooling.mode)
+        return finish(vectors, pooling.normalize, dim).cpu()
+    finally:
+        for start in starts:
+            allocator.free(start)
+
+
+def check_prompts(prompts: list[list[int]], max_len: int, vocab: int) -> None:
+    """InvalidParams for an empty prompt, one over `max_len` tokens or an id outside the vocab."""
+    for i, p in enumerate(prompts):
+        if not p:
+            raise InvalidParams("input", f"prompt {i} is empty: pooling needs at least one token")
+        if len(p) > max_len:
+            raise InvalidParams("input", f"prompt {i} has {len(p)} tokens, over the context of "
+                                f"{max_len}")
+        if min(p) < 0 or max(p) >= vocab:
+            raise InvalidParams("input", f"prompt {i} has a token id outside 0..{vocab - 1}")
+
+
+def batches(prompts: list[list[int]], budget: int) -> Iterator[list[list[int]]]:
+    """Consecutive groups of `prompts` of at most `budget` tokens each (a longer prompt alone)."""
+    group, tokens = [], 0
+    for p in prompts:
+        if group and tokens + len(p) > budget:
+            yield group
+            group, tokens = [], 0
+        group.append(p)
+        tokens += len(p)
+    if group:
+        yield group

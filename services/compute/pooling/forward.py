@@ -1,0 +1,56 @@
+"""A prefill-only forward for pooling: every row's final-normed hidden state, no logits.
+
+It builds the same ForwardBatch the engine's prefill steps use (no decodes; one chunk per
+prompt covering the whole prompt at positions 0..n-1, its K/V written to the contiguous slots
+starting at that prompt's `start`) and runs the model's own layers. It mirrors
+LlamaModel.forward_hidden but norms every row and skips the LM head, which over every row of a
+mean-pooled batch would cost a [T, vocab] matrix. The caller owns the slots: they hold the
+prompts' K/V afterwards, until it frees them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import to_device
+from services.compute.core.batch import ForwardBatch
+
+
+def prefill_batch(prompts: list[list[int]], starts: list[int], device: torch.device
+                  ) -> ForwardBatch:
+    """The ForwardBatch of whole-prompt prefill chunks (`starts[i]`: prompt i's first slot)."""
+    lens = [len(p) for p in prompts]
+    ids = [t for p in prompts for t in p]
+    pos = [j for n in lens for j in range(n)]
+    slots = [s + j for s, n in zip(starts, lens, strict=True) for j in range(n)]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    T, P = len(ids), len(prompts)
+    flat = to_device(torch.tensor(ids + pos + slots + [T - 1], dtype=torch.int64), device)
+    meta = to_device(torch.tensor(cu + starts + lens, dtype=torch.int32), device)
+    empty = meta[:0]
+    return ForwardBatch(
+        input_ids=flat[:T], positions=flat[T:2 * T], slots=flat[2 * T:3 * T],
+        logits_indices=flat[3 * T:], num_decodes=0, decode_starts=empty, decode_lens=empty,
+        prefill_cu=meta[:P + 1], prefill_starts=meta[P + 1:2 * P + 1],
+        prefill_lens=meta[2 * P + 1:], max_decode_len=0, max_chunk_len=max(lens),
+        prompt_spans=[])
+
+
+@torch.inference_mode()
+def hidden_states(model, batch: ForwardBatch, kv) -> torch.Tensor:
+    """[T, hidden] final-normed hidden states of every row of `batch` (model: a LlamaModel)."""
+    h = F.embedding(batch.input_ids, model.embed)
+    if model.embed_scale is not None:
+        h = h * model.embed_scale
+    residual = None
+    for i, layer in enumerate(model.layers):
+        x, residual = model._norm(h, residual, layer.ln_attn, model.int8_act)
+        h = model._post_norm(model._attention(i, layer, x, batch, kv), layer.post_attn)
+        x, residual = model._norm(h, residual, layer.ln_mlp,
+                                  model.int8_act and layer.moe is None)
+        h = layer.moe(x) if layer.moe is not None else model._mlp(layer, x, batch)
+        h = model._post_norm(h, layer.post_mlp)
+    return model._norm(h, residual, model.norm)[0]

@@ -1,0 +1,35 @@
+"""Pooling the hidden states of whole prompts into one vector each, then Matryoshka truncation
+and L2 normalization. Pure tensor math: rows of prompt i are hidden[cu[i]:cu[i+1]], every
+prompt has at least one row."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pool(hidden: torch.Tensor, lens: list[int], mode: str) -> torch.Tensor:
+    """[N, H] float32 from `hidden` [sum(lens), H]: each prompt's last row ("last"), the mean of
+    its rows ("mean") or its first row ("cls")."""
+    if not lens or min(lens) < 1:
+        raise ValueError("every pooled prompt needs at least one token")
+    counts = torch.tensor(lens, device=hidden.device)
+    ends = torch.cumsum(counts, 0)
+    if mode == "last":
+        return hidden[ends - 1].float()
+    if mode == "cls":
+        return hidden[ends - counts].float()
+    if mode == "mean":
+        owner = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), counts)
+        sums = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        sums.index_add_(0, owner, hidden.float())
+        return sums / counts.unsqueeze(1).float()
+    raise ValueError(f"unknown pooling mode {mode!r}")
+
+
+def finish(vectors: torch.Tensor, normalize: bool, dimensions: int | None) -> torch.Tensor:
+    """`vectors` [N, H] truncated to their first `dimensions` columns (None: all), then
+    L2-normalized when `normalize` (Matryoshka: truncate first, so each row stays unit)."""
+    if dimensions is not None:
+        vectors = vectors[:, :dimensions]
+    return F.normalize(vectors, p=2, dim=1) if normalize else vectors

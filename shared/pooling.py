@@ -1,0 +1,81 @@
+"""How an embedding model pools: the sentence-transformers config of a model directory.
+
+`PoolingConfig.from_dir` reads `modules.json` (the module list: a `Pooling` module, an optional
+`Normalize` one) and the pooling module's `config.json` (`pooling_mode_lasttoken` / `_mean` /
+`_cls_token`). Invariants: `mode` is one of MODES; `dimension` is the model's full embedding width
+when known (0: unknown); `matryoshka_dims` lists the widths `dimensions` may truncate to (empty:
+any width in 1..dimension). A directory without `modules.json` pools by the last token and
+normalizes (Qwen3-Embedding's and vLLM's default for decoder embedders).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+MODES = ("last", "mean", "cls")
+_MODE_KEYS = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+              "pooling_mode_cls_token": "cls"}
+_POOLING = "sentence_transformers.models.Pooling"
+_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """One pooling mode, whether the pooled vector is L2-normalized, and its width limits."""
+
+    mode: str = "last"
+    normalize: bool = True
+    dimension: int = 0
+    matryoshka_dims: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"pooling mode {self.mode!r}: expected one of {MODES}")
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> PoolingConfig:
+        """The pooling of the model directory `path` (see the module docstring)."""
+        path = Path(path)
+        modules_file = path / "modules.json"
+        if not modules_file.is_file():
+            return cls()
+        modules = json.loads(modules_file.read_text())
+        pooling = [m for m in modules if m.get("type") == _POOLING]
+        if len(pooling) != 1:
+            raise ValueError(f"{modules_file}: expected one {_POOLING} module, got {len(pooling)}")
+        pool_cfg = json.loads((path / pooling[0]["path"] / "config.json").read_text())
+        modes = [mode for key, mode in _MODE_KEYS.items() if pool_cfg.get(key)]
+        if len(modes) != 1:
+            on = sorted(k for k, v in pool_cfg.items() if k.startswith("pooling_mode") and v)
+            raise ValueError(f"{path}: expected one of the modes {sorted(_MODE_KEYS)}, got {on}")
+        dims = _matryoshka_dims(path)
+        return cls(mode=modes[0], normalize=any(m.get("type") == _NORMALIZE for m in modules),
+                   dimension=int(pool_cfg.get("word_embedding_dimension", 0)),
+                   matryoshka_dims=dims)
+
+    def output_dim(self, dimensions: int | None) -> int | None:
+        """The width a request for `dimensions` gets (None: the full width); ValueError when
+        the model cannot give it."""
+        if dimensions is None:
+            return None
+        if dimensions < 1 or (self.dimension and dimensions > self.dimension):
+            raise ValueError(f"dimensions must be in 1..{self.dimension or 'hidden size'}, "
+                             f"got {dimensions}")
+        if self.matryoshka_dims and dimensions not in self.matryoshka_dims:
+            raise ValueError(f"dimensions {dimensions} not supported; the model's Matryoshka "
+                             f"widths are {list(self.matryoshka_dims)}")
+        return dimensions
+
+
+def _matryoshka_dims(path: Path) -> tuple[int, ...]:
+    """The Matryoshka widths `config_sentence_transformers.json` or `config.json` declare
+    (`matryoshka_dimensions`), if any."""
+    for name in ("config_sentence_transformers.json", "config.json"):
+        f = path / name
+        if f.is_file():
+            dims = json.loads(f.read_text()).get("matryoshka_dimensions")
+            if dims:
+                return tuple(sorted(int(d) for d in dims))
+    return ()
