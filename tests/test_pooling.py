@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 
 from services.compute.backend import build_engine
 from services.compute.pooling import finish, pool
+from services.compute.pooling.forward import hidden_states, prefill_batch
 from shared.config import EngineConfig
 from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams
@@ -99,6 +101,21 @@ def test_matches_sentence_transformers(embedder, dimensions):
     # the sentences' vectors differ: a pooling of the wrong rows would not match
     assert cosines(ours.numpy()[:-1], ours.numpy()[1:]).min() < 0.99
     assert eng.kv.allocator.free_slots == eng.kv.allocator.capacity  # the slots came back
+
+
+def test_hidden_states_match_the_model_forward(embedder):
+    """The prefill-only forward's rows equal LlamaModel.forward_hidden's final-normed ones (it
+    mirrors that loop without the LM head)."""
+    eng, _, ids, _ = embedder
+    runner, group = eng.runner, ids[:6]
+    lens = [len(p) for p in group]
+    starts = [sum(lens[:i]) for i in range(len(group))]
+    batch = prefill_batch(group, starts, runner.device)
+    rows = hidden_states(runner.model, batch, runner.kv)
+    everything = torch.arange(sum(lens))
+    _, ref = runner.model.forward_hidden(replace(batch, logits_indices=everything), runner.kv)
+    assert rows.shape == (sum(lens), 64)
+    assert torch.allclose(rows, ref, atol=1e-5)
 
 
 def test_busy_kv_cache(embedder):
