@@ -117,6 +117,17 @@ class LlamaModel:
     def forward_hidden(self, batch: ForwardBatch, kv: KVCache,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`, and the final-normed hidden states the logits came from: [S, hidden]."""
+        last = self.normed_hidden(batch, kv, batch.logits_indices)  # [S, hidden]
+        logits = self.lm_head(last).float()
+        if self.cfg.final_softcap:  # Gemma 2: cap * tanh(logits / cap)
+            cap = self.cfg.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits, last
+
+    def normed_hidden(self, batch: ForwardBatch, kv: KVCache,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the layers of one merged step, writing its K/V into `kv`; the final-normed
+        hidden states of `rows` (None: every row): [len(rows) or T, hidden]."""
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -129,13 +140,9 @@ class LlamaModel:
                                      self.int8_act and layer.moe is None)
             h = layer.moe(x) if layer.moe is not None else self._mlp(layer, x, batch)
             h = self._post_norm(h, layer.post_mlp)
-        rows = batch.logits_indices
-        last, _ = self._norm(h[rows], residual[rows], self.norm)  # [S, hidden]
-        logits = self.lm_head(last).float()
-        if self.cfg.final_softcap:  # Gemma 2: cap * tanh(logits / cap)
-            cap = self.cfg.final_softcap
-            logits = torch.tanh(logits / cap) * cap
-        return logits, last
+        if rows is not None:
+            h, residual = h[rows], residual[rows]
+        return self._norm(h, residual, self.norm)[0]
 
     def weight_bytes(self) -> int:
         """Bytes the weights take as served (embedding, norms, projections, experts, LM

@@ -2,16 +2,14 @@
 
 It builds the same ForwardBatch the engine's prefill steps use (no decodes; one chunk per
 prompt covering the whole prompt at positions 0..n-1, its K/V written to the contiguous slots
-starting at that prompt's `start`) and runs the model's own layers. It mirrors
-LlamaModel.forward_hidden but norms every row and skips the LM head, which over every row of a
-mean-pooled batch would cost a [T, vocab] matrix. The caller owns the slots: they hold the
-prompts' K/V afterwards, until it frees them.
+starting at that prompt's `start`) through LlamaModel.normed_hidden: every row normed, no LM
+head (over every row of a mean-pooled batch it would cost a [T, vocab] matrix). The caller owns
+the slots: they hold the prompts' K/V afterwards, until it frees them.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import to_device
 from services.compute.core.batch import ForwardBatch
@@ -42,15 +40,4 @@ def prefill_batch(prompts: list[list[int]], starts: list[int], device: torch.dev
 @torch.inference_mode()
 def hidden_states(model, batch: ForwardBatch, kv) -> torch.Tensor:
     """[T, hidden] final-normed hidden states of every row of `batch` (model: a LlamaModel)."""
-    h = F.embedding(batch.input_ids, model.embed)
-    if model.embed_scale is not None:
-        h = h * model.embed_scale
-    residual = None
-    for i, layer in enumerate(model.layers):
-        x, residual = model._norm(h, residual, layer.ln_attn, model.int8_act)
-        h = model._post_norm(model._attention(i, layer, x, batch, kv), layer.post_attn)
-        x, residual = model._norm(h, residual, layer.ln_mlp,
-                                  model.int8_act and layer.moe is None)
-        h = layer.moe(x) if layer.moe is not None else model._mlp(layer, x, batch)
-        h = model._post_norm(h, layer.post_mlp)
-    return model._norm(h, residual, model.norm)[0]
+    return model.normed_hidden(batch, kv)
