@@ -132,8 +132,8 @@ def report(runs: dict[str, dict[str, list[float]]]) -> dict:
     print("|---|" + "---|" * (len(WORKLOADS) + 1))
     for s, m in med.items():
         cells = [f"{m[wl]:.1f}" if wl in m else "failed" for wl in WORKLOADS]
-        ratio = m["lora4"] / m["base"] if {"lora4", "base"} <= m.keys() else None
-        print(f"| {s} | " + " | ".join(cells) + f" | {ratio if ratio is None else round(ratio, 2)} |")
+        ratio = round(m["lora4"] / m["base"], 2) if {"lora4", "base"} <= m.keys() else None
+        print(f"| {s} | " + " | ".join(cells) + f" | {ratio} |")
     p, v = med.get("pipellm", {}), med.get("vllm-bf16", {})
     out = {"lora4_vs_base": round(p["lora4"] / p["base"], 3) if {"lora4", "base"} <= p.keys()
            else None,

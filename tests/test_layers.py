@@ -3,8 +3,9 @@
 Floors, lowest first: `core/` (the types every room uses), then `kv/`, then `model/`,
 `length/`, `speculative/` (the proposers) and `beam/`, then `scheduling/`, the grammars
 (`structured`) and the LoRA adapters' loading (`lora`), then the step's device-side helpers
-(and `pooling`, which builds a prefill-only batch of its own), then the runners, the engine, and the process and backend wiring on top (and the simulated
-cluster of engines, `sim_cluster`). A module may import its own room or lower floors.
+(and `pooling`, which builds a prefill-only batch of its own), then the runners, the engine,
+and the process and backend wiring on top (and the simulated cluster of engines,
+`sim_cluster`). A module may import its own room or lower floors.
 """
 
 from __future__ import annotations
