@@ -253,8 +253,9 @@ def test_length_predictor_learns_from_finished_requests(stack, demo_model_dir):
     before = sum(predictor.counts())
     for i in range(12):
         for prompt, n in ((f"zebra quickly please {i}", 2), (f"write a long story {i}", 40)):
+            # min_tokens, not ignore_eos: a length only max_tokens can end teaches nothing
             status, body = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": n,
-                                                          "ignore_eos": True})
+                                                          "min_tokens": n})
             assert status == 200 and body["usage"]["completion_tokens"] == n
     deadline = time.monotonic() + 5  # the detokenizer writes Redis after streaming the end
     while sum(predictor.counts()) < before + 24 and time.monotonic() < deadline:

@@ -183,7 +183,7 @@ def test_two_servers_behind_vllm_router(demo_model_dir, tmp_path):
         for turn in ("The wind turns north. What now?", "A storm ahead: which heading?"):
             # a long request on the conversation's replica: load alone would pick the other
             busy = chat([*conversation, {"role": "user", "content": "Recite the log."}],
-                        max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+                        max_tokens=400, stream=True, extra_body={"min_tokens": 400})
             next(iter(busy))
             assert router.metric("running_requests", servers[home].url) == 1 and \
                 router.metric("running_requests", servers[other].url) == 0
@@ -200,7 +200,7 @@ def test_two_servers_behind_vllm_router(demo_model_dir, tmp_path):
         with ThreadPoolExecutor(len(FRESH)) as pool:
             texts = list(pool.map(lambda p: client.completions.create(
                 model=model, prompt=p, max_tokens=16, temperature=0,
-                extra_body={"ignore_eos": True}).choices[0].text, FRESH))
+                extra_body={"min_tokens": 16}).choices[0].text, FRESH))
         assert all(texts)
         delta = served(servers, before, len(FRESH))
         assert sum(delta) == len(FRESH) and min(delta) >= 1, delta
