@@ -41,12 +41,13 @@ def create(client, text=HELLO, **kw):
                                    **{"max_output_tokens": 60, "temperature": 0, **kw})
 
 
-def wait(client, rid: str, timeout_s: float = 300):
-    """Poll a background response until it ends."""
+def wait(client, rid: str, timeout_s: float = 300,
+         until=lambda r: r.status not in ("queued", "in_progress")):
+    """Poll a background response until `until` (default: until it ends)."""
     deadline = time.monotonic() + timeout_s
     while True:
         r = client.responses.retrieve(rid)
-        if r.status not in ("queued", "in_progress"):
+        if until(r):
             return r
         assert time.monotonic() < deadline, f"{rid} still {r.status}"
         time.sleep(0.2)
@@ -110,8 +111,9 @@ def test_background_polled_replayed_cancelled_and_deleted(client):
     everything = list(client.responses.retrieve(b.id, stream=True))
     text = "".join(e.delta for e in everything if e.type == "response.output_text.delta")
     assert text == done.output_text and everything[-1].response.output_text == text
-    long = create(client, STORY, background=True, max_output_tokens=2000)
-    time.sleep(0.5)
+    long = create(client, STORY, background=True, max_output_tokens=6000)
+    running = wait(client, long.id, until=lambda r: r.output_text)  # generating: cancel it
+    assert running.status == "in_progress"
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled" and wait(client, long.id).status == "cancelled"
     client.responses.delete(b.id)
