@@ -185,9 +185,10 @@ def _load_model(config: EngineConfig, model_config: ModelConfig, device: torch.d
     quant = quantization.resolve(config.quantization, config.model, device, dtype,
                                  config.int4_group_size)
     weights = load_weights(config.model, dtype, device, keep_int4=quant.keeps_gguf_blocks)
-    if quant.int8_activations:  # W8A8: SmoothQuant, calibrated at load
-        smoothing.smooth(model_config, weights, device)
+    scales = smoothing.smooth(model_config, weights, device) \
+        if quant.int8_activations else None  # W8A8: SmoothQuant, calibrated at load
     model = LlamaModel(model_config, weights, device, max_model_len, quant)
+    model.smoothing = scales
     if config.enable_lora:
         attach_adapters(model, parse_lora_modules(config.lora_modules), config.max_lora_rank)
     return quant, model

@@ -1,12 +1,17 @@
 """Serving LoRA adapters on a built LlamaModel: its dense projections wrapped in LoraLinear,
 each adapter's fused factors added to them.
 
-Not served (refused here with the reason): W8A8 bases (SmoothQuant rescales the activations and
-the up projection, which an adapter's factors would have to follow), OLMoE's full q/k norm, and
-MLP targets on a mixture-of-experts layer.
+On a W8A8 base the factors follow SmoothQuant (model.smoothing): a projection sees x / s, so
+A's input rows are scaled by s; the up projection's outputs are divided by the down
+projection's s, so B's rows of the up part are too.
+
+Not served (refused here with the reason): OLMoE's full q/k norm, and MLP targets on a
+mixture-of-experts layer.
 """
 
 from __future__ import annotations
+
+import torch
 
 from services.compute.lora.weights import fuse, part_sizes, read_factors
 from services.compute.model.arch import qkv_rows
@@ -23,8 +28,6 @@ def attach_adapters(model, modules: list[LoraModule], max_lora_rank: int) -> Non
     if not modules:
         return
     cfg = model.cfg
-    if model.quant.int8_activations:
-        raise LoraError("LoRA adapters are not supported with --quantization w8a8 yet")
     if cfg.qk_norm_full:
         raise LoraError("LoRA adapters are not supported for OLMoE's full q/k norm yet")
     for layer in model.layers:
@@ -67,6 +70,8 @@ def _factor_pairs(model, module: LoraModule, max_lora_rank: int,
                 raise LoraError(f"LoRA adapter {module.name!r} targets the MLP of layer {i}, "
                                 "a mixture-of-experts layer: not supported")
             a, b = fused
+            if model.smoothing is not None:
+                a, b = _follow_smoothing(a, b, model.smoothing[i], p, cfg)
             if p == "qkv":  # the decoder's head order (partial rotary)
                 b = qkv_rows(cfg, b, None)[0]
             a, b = a.to(device), b.t().contiguous().to(device=device, dtype=dtype)
@@ -75,6 +80,20 @@ def _factor_pairs(model, module: LoraModule, max_lora_rank: int,
                                 f"{tuple(a.shape)} x {tuple(b.shape)} do not fit the model")
             pairs[i, p] = (a, b)
     return pairs
+
+
+def _follow_smoothing(a: torch.Tensor, b: torch.Tensor, scales: dict[str, torch.Tensor],
+                      projection: str, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A^T [in, k r], B [out, k r]) of `projection` for inputs divided by its site's s (and,
+    for gate_up, outputs of the up part divided by the down projection's s)."""
+    s = scales.get(projection)
+    if s is not None:
+        a = (a.float() * s.float().cpu()[:, None]).to(a.dtype)
+    if projection == "gate_up" and "down" in scales:
+        inter = cfg.intermediate_size
+        b = b.clone()
+        b[inter:] /= scales["down"].float().cpu()[:, None]
+    return a, b
 
 
 def detach_adapter(model, name: str) -> None:

@@ -87,6 +87,9 @@ class LlamaModel:
         self.act = _activation(cfg.hidden_act, self.int8_act)
         # adapters served -> their slot in every LoraLinear's stacks (lora/attach.py)
         self.lora_slots: dict[str, int] = {}
+        # W8A8: each layer's SmoothQuant scales per site (smoothing.smooth), which adapters'
+        # factors follow; None when the weights were not smoothed
+        self.smoothing: list[dict[str, torch.Tensor]] | None = None
 
     @property
     def lora_names(self) -> frozenset[str]:

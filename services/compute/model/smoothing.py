@@ -63,26 +63,32 @@ def activation_absmax(cfg: ModelConfig, weights: dict[str, torch.Tensor],
              if getattr(layer, site) is not None} for layer in model.layers]
 
 
-def smooth(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> None:
+def smooth(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device
+           ) -> list[dict[str, torch.Tensor]]:
     """Rescale `weights` (HF names, float) in place as above; the float model they make
-    computes the same function."""
+    computes the same function. Returns each layer's s [in] per site ("qkv", "gate_up",
+    "down"; a MoE layer only "qkv"): what a LoRA adapter's factors must follow."""
     absmax = activation_absmax(cfg, weights, device)
+    scales = []
     for i, stats in enumerate(absmax):
         p = f"model.layers.{i}."
         qkv = [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
         gate_up = [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]
-        _fold(weights, stats["qkv"], qkv, f"{p}input_layernorm.weight", rows=False)
-        if cfg.is_moe_layer(i):  # the experts quantize their inputs unsmoothed
-            continue
-        _fold(weights, stats["gate_up"], gate_up, f"{p}{mlp_norm(cfg)}.weight", rows=False)
-        _fold(weights, stats["down"], [f"{p}mlp.down_proj.weight"], f"{p}mlp.up_proj.weight",
-              rows=True)
+        layer = {"qkv": _fold(weights, stats["qkv"], qkv, f"{p}input_layernorm.weight",
+                              rows=False)}
+        if not cfg.is_moe_layer(i):  # the experts quantize their inputs unsmoothed
+            layer["gate_up"] = _fold(weights, stats["gate_up"], gate_up,
+                                     f"{p}{mlp_norm(cfg)}.weight", rows=False)
+            layer["down"] = _fold(weights, stats["down"], [f"{p}mlp.down_proj.weight"],
+                                  f"{p}mlp.up_proj.weight", rows=True)
+        scales.append(layer)
+    return scales
 
 
 def _fold(weights: dict[str, torch.Tensor], x_absmax: torch.Tensor, consumers: list[str],
-          producer: str, rows: bool) -> None:
+          producer: str, rows: bool) -> torch.Tensor:
     """Scale the consumers' input columns by s and divide the producer by s: its weight
-    (a norm's [in]) or, with `rows`, its output rows (a projection's [in, ...])."""
+    (a norm's [in]) or, with `rows`, its output rows (a projection's [in, ...]); s [in]."""
     w_absmax = torch.stack([weights[n].float().abs().amax(0) for n in consumers]).amax(0)
     s = x_absmax.clamp(min=1e-5) ** ALPHA / w_absmax.clamp(min=1e-5) ** (1 - ALPHA)
     s = s.clamp(min=1e-5).to(x_absmax.device)
@@ -90,3 +96,4 @@ def _fold(weights: dict[str, torch.Tensor], x_absmax: torch.Tensor, consumers: l
         weights[n] = (weights[n].float() * s[None, :]).to(weights[n].dtype)
     inv = (1 / s)[:, None] if rows else 1 / s
     weights[producer] = (weights[producer].float() * inv).to(weights[producer].dtype)
+    return s

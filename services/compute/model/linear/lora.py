@@ -1,4 +1,4 @@
-"""A projection with LoRA adapters beside it: the base layer (dense, INT4, FP8, ... as the
+"""A projection with LoRA adapters beside it: the base layer (dense, INT4, FP8, W8A8, ... as the
 quantization method built it, untouched) computes every row; each adapter present in the step
 adds its delta to its own rows only: long runs of one adapter (a prefill chunk) by GEMMs on
 their slice, the other groups all in one kernel call (kernels/lora.py)."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.int8_quant import Int8Activation
 from kernels.lora import lora_delta_
 from services.compute.core.lora_groups import LoraGroups
 
@@ -81,6 +82,8 @@ class LoraLinear:
         y = self.base(x)
         if lora is None or lora.active.isdisjoint(self.targeted):
             return y
+        if isinstance(x, Int8Activation):  # a W8A8 base's input: the delta runs in float
+            x = x.dequantize()
         x = x if x.dtype == self.a.dtype else x.to(self.a.dtype)
         for slot, lo, hi in lora.dense:  # long runs: two GEMMs on their slice
             if slot in self.targeted:
