@@ -110,6 +110,13 @@ def _check_model(config: EngineConfig) -> None:
 
     load_tokenizer(config.model)
     load_chat_template(config.model, config.chat_template)
+    if config.pooling:
+        from shared.pooling import PoolingConfig
+
+        if is_gguf(config.model):
+            raise ValueError("--runner pooling serves Hugging Face directories; GGUF "
+                             "embedding models are not served yet")
+        PoolingConfig.from_dir(config.model)  # a malformed sentence-transformers config
     if config.backend == "torch" and is_gguf(config.model):
         check_gguf(config.model)
 

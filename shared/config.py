@@ -68,6 +68,23 @@ class BackendName(enum.StrEnum):
     SIM = "sim"  # a modelled GPU, no weights
 
 
+class RunnerName(enum.StrEnum):
+    """--runner: what the server serves (vLLM's flag): generation, or pooled embeddings
+    (services/compute/pooling; the gateway's /v1/embeddings)."""
+
+    GENERATE = "generate"
+    POOLING = "pooling"
+
+
+class ConvertName(enum.StrEnum):
+    """--convert (vLLM's): what a generation model's checkpoint is served as; embed: a pooling
+    server (the same as --runner pooling). classify and reward are not served yet."""
+
+    AUTO = "auto"
+    NONE = "none"
+    EMBED = "embed"
+
+
 class Batching(enum.StrEnum):
     """--batching: merged (dynamic) steps, or the static-batching baseline."""
 
@@ -191,6 +208,13 @@ class EngineConfig:
     threads: int = setting(0, "torch CPU threads in compute; 0: one per core", group=MODEL)
     backend: BackendName = setting(BackendName.TORCH, "torch (run the model) or sim (a modelled "
                                    "GPU, no weights)", group=MODEL)
+    runner: RunnerName = setting(RunnerName.GENERATE, "generate (chat, completions, ...) or "
+                                 "pooling (embeddings of the model's last hidden states, pooled "
+                                 "as its sentence-transformers config says: /v1/embeddings "
+                                 "only)", group=MODEL)
+    convert: ConvertName = setting(ConvertName.AUTO, "vLLM's: embed serves the model as an "
+                                   "embedder (the same as --runner pooling); auto or none: as "
+                                   "--runner says", group=MODEL)
     scheduler: SchedulerConfig = setting(default_factory=SchedulerConfig, flat=True)
     kv_cache_tokens: int = setting(0, "KV cache slots (tokens); 0: sized from memory",
                                    group=SCHEDULING)
@@ -247,6 +271,7 @@ class EngineConfig:
         """The scheduler's own settings are checked by SchedulerConfig; here what they must
         agree on with the engine's."""
         _choice("backend", BackendName, self.backend)
+        self._check_runner()
         if self.scheduler.speculative_config and self.backend == BackendName.SIM:
             raise ValueError("--speculative-config is not modelled by the simulator "
                              "(--backend sim)")
@@ -280,6 +305,29 @@ class EngineConfig:
             raise ValueError("--generation-config must be auto, vllm or a directory")
         parse_override(self.override_generation_config)  # a malformed one fails at start-up
         self._check_lora()
+
+    @property
+    def pooling(self) -> bool:
+        """Whether this server serves pooled embeddings, not generation (--runner pooling or
+        --convert embed)."""
+        return self.runner == RunnerName.POOLING or self.convert == ConvertName.EMBED
+
+    def _check_runner(self) -> None:
+        """--runner and --convert parsed; what a pooling server cannot do fails at start-up."""
+        _choice("runner", RunnerName, self.runner)
+        if self.convert in ("classify", "reward"):
+            raise ValueError(f"--convert {self.convert} is not served yet (only embed)")
+        _choice("convert", ConvertName, self.convert)
+        if not self.pooling:
+            return
+        for flag, on in (("--backend sim", self.backend == BackendName.SIM),
+                         ("--speculative-config", bool(self.scheduler.speculative_config)),
+                         ("--enable-lora", self.enable_lora),
+                         ("--enable-prefix-caching", self.scheduler.enable_prefix_caching),
+                         ("--hidden-length", self.hidden_length)):
+            if on:
+                raise ValueError(f"{flag} does not go with --runner pooling (embeddings run "
+                                 "prefill only)")
 
     def _check_lora(self) -> None:
         """--lora-modules parsed and every adapter's rank read now: a bad one fails at

@@ -5,6 +5,8 @@
     gateway --Abort--> compute control        detokenizer --Abort(reason="stop")--> compute control
     gateway --LoraUpdate--> every compute's control (adapters loaded / unloaded at run time)
     tokenizer --DeltaBatch (error)--> gateway
+    --runner pooling: gateway --EmbedRequest (texts or ids)--> tokenizer --EmbedRequest (ids)-->
+    compute --EmbedResult--> gateway (the one in reply_to; a tokenizer's refusal too)
 
 Token id fields hold `array('i')` (packed int32 on the wire); build them with `codec.int32s`.
 """
@@ -239,3 +241,34 @@ class Delta:
 @message
 class DeltaBatch:
     deltas: list[Delta]
+
+
+# --- the pooling runner: gateway -> tokenizer -> compute -> gateway --------------------------
+
+@message
+class EmbedRequest:
+    """One /v1/embeddings request (--runner pooling). From the gateway it holds `texts` or
+    `inputs`; the tokenizer sends it on to compute with `inputs` only: each input's token ids
+    (special tokens added, truncated, checked against the context and the vocabulary)."""
+
+    request_id: str
+    reply_to: str  # address of the gateway that owns the request
+    inputs: list[array] = field(default_factory=list)  # int32 token ids, one array per input
+    texts: list[str] | None = None  # text inputs, tokenized by the tokenizer
+    dimensions: int = 0  # > 0: Matryoshka truncation to this width
+    truncate_prompt_tokens: int = 0  # > 0: keep each input's last this many tokens; -1: the
+    # context length's
+
+
+@message
+class EmbedResult:
+    """The answer to an EmbedRequest: its vectors, row-major float32 [len(num_tokens), dim],
+    and each input's token count; or an error (a 400 names its field in error_param)."""
+
+    request_id: str
+    vectors: array = field(default_factory=lambda: array("f"))  # float32
+    dim: int = 0
+    num_tokens: array = field(default_factory=lambda: array("i"))  # int32, per input
+    error: str | None = None
+    error_status: int = 0
+    error_param: str | None = None

@@ -128,7 +128,8 @@ def test_socket_roles_match_the_design():
     assert socket_roles() == {
         "gateway": {"tokenizer": "bind", "control": "connect", "gateway": "bind"},
         "tokenizer": {"tokenizer": "connect", "compute": "connect", "gateway": "connect"},
-        "compute": {"compute": "bind", "control": "bind", "detokenizer": "connect"},
+        "compute": {"compute": "bind", "control": "bind", "detokenizer": "connect",
+                    "gateway": "connect"},
         "detokenizer": {"detokenizer": "bind", "control": "connect", "gateway": "connect"},
     }
 

@@ -22,7 +22,7 @@ FLOORS = {
     "batch": 4, "cuda_graphs": 4, "sampling": 4, "drafter": 4, "pooling": 4,
     "runner": 5, "sim": 5,
     "engine": 6,
-    "backend": 7, "warmup": 7, "compute_core": 7,
+    "backend": 7, "warmup": 7, "compute_core": 7, "embed_core": 7,
     "service": 8, "sim_cluster": 8,
 }
 

@@ -2,7 +2,9 @@
 
 Each turn drains requests and control messages (without waiting while the engine has work),
 runs one merged step, and sends everything the step produced to the detokenizer as one
-StepOutput. Only token ids, logprobs and finish reasons leave this process.
+StepOutput. Only token ids, logprobs and finish reasons leave this process. A pooling
+server's EmbedRequests run between steps (embed_core.py), their EmbedResults straight to the
+gateway that asked (the detokenizer has nothing to do with them).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import zmq
 
 from services.compute.backend import build_engine
 from services.compute.compute_core import ComputeCore
+from services.compute.embed_core import EmbedCore
 from services.compute.engine import LLMEngine
 from services.compute.length.store import redis_stores
 from services.compute.structured import GrammarQueue
@@ -24,8 +27,8 @@ from services.compute.warmup import freeze_heap, warm_up
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
 from shared.lora import LoraModule, runtime_adapters
-from shared.messages import Abort, GenerateRequest, LoraUpdate
-from shared.transport import Receiver, Sender
+from shared.messages import Abort, EmbedRequest, GenerateRequest, LoraUpdate
+from shared.transport import Receiver, Sender, Senders
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ class ComputeService:
         """`startup`: what start-up compiled and warmed (warmup.warm_up), for the banner."""
         # the grammar compiler loads from start-up on, not at the first request that needs it
         self.core = ComputeCore(engine, GrammarQueue(engine.config.model))
+        self.embeds = EmbedCore(engine)
         self.engine = engine
         self.svc, self.redis, self.startup = svc, redis_client, startup
         ctx = zmq.Context.instance()
@@ -46,6 +50,7 @@ class ComputeService:
         self.inbox = Receiver(ctx, svc.addr("compute", rank), bind=True)
         self.control = Receiver(ctx, svc.addr("control", rank), bind=True)
         self.outbox = Sender(ctx, svc.addr("detokenizer"))
+        self.replies = Senders(ctx)  # EmbedResults, to the gateway each request names
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.sock, zmq.POLLIN)
         self.poller.register(self.control.sock, zmq.POLLIN)
@@ -61,8 +66,10 @@ class ComputeService:
 
     def run(self, stop=lambda: False) -> None:
         while not stop():  # idle: wait for messages (briefly while grammars compile)
-            self.poll(timeout_ms=0 if self.core.has_work() else
+            self.poll(timeout_ms=0 if self.core.has_work() or self.embeds.has_work() else
                       1 if self.core.compiling() else 50)
+            for reply_to, result in self.embeds.run():
+                self.replies.send(reply_to, result)
             if self.core.has_work():
                 self.outbox.send(self.core.step())
             else:
@@ -83,6 +90,8 @@ class ComputeService:
                         self.received[0] += msg.routed_tokens
                         self.received[1] += msg.prefill_tokens
                     self.core.submit(msg)
+                elif isinstance(msg, EmbedRequest):
+                    self.embeds.submit(msg)
         notices = self.core.notices()
         if notices is not None:
             self.outbox.send(notices)

@@ -18,6 +18,8 @@ from aiohttp import web
 
 from services.gateway import protocol, responses
 from services.gateway.access import Cors, api_key_middleware
+from services.gateway.embeddings_api import EmbeddingsAPI, refuse_generation
+from services.gateway.embeddings_request import EmbeddingSettings
 from services.gateway.errors import bad_request, errors_as_json, not_found, unavailable
 from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
@@ -52,12 +54,15 @@ class Gateway:
                  redis_client: aioredis.Redis, to_tokenizer: AsyncSender,
                  to_control: AsyncSender | AsyncFanout, template: ChatTemplate | None = None,
                  defaults: GenerationDefaults | None = None, adapters: tuple[LoraModule, ...] = (),
-                 lora_api: tuple[int | None, int] | None = None):
+                 lora_api: tuple[int | None, int] | None = None,
+                 embeddings: EmbeddingSettings | None = None):
         """`template`: the chat template /tokenize renders messages with (the tokenizers
         render generation requests' own). `defaults`: the model's sampling defaults, for
         requests that leave fields unset (--generation-config). `adapters`: the LoRA adapters
         a request may name as its model (--lora-modules); `lora_api`: (--max-cpu-loras,
-        --max-lora-rank) where adapters are loaded and unloaded at run time (lora_api.py)."""
+        --max-lora-rank) where adapters are loaded and unloaded at run time (lora_api.py).
+        `embeddings`: the served embedder on a pooling server (--runner pooling), else None:
+        /v1/embeddings is then a 400 (embeddings_api.py)."""
         self.svc, self.model_name, self.max_model_len = svc, model_name, max_model_len
         self.set_adapters(adapters)
         if model_name in self.adapter_names:
@@ -78,6 +83,7 @@ class Gateway:
         self._token_texts: dict[int, str] = {}
         self.chat_settings = protocol.ChatSettings.of(svc, template)
         self.responses_api = ResponsesAPI(self)
+        self.embeddings_api = EmbeddingsAPI(self, embeddings)
 
     def token_text(self, token_id: int) -> str:
         """One token as a string, as logprobs answers list it (cached)."""
@@ -94,6 +100,8 @@ class Gateway:
         middlewares = [errors_as_json(ERROR_SHAPES)]
         if self.svc.api_key:
             middlewares.append(api_key_middleware(self.svc.api_key))
+        if self.embeddings_api.settings.pooling:
+            middlewares.append(refuse_generation())
         cors = Cors(self.svc.origins())
         if cors.origins:
             middlewares.insert(0, cors.preflight)
@@ -104,6 +112,7 @@ class Gateway:
         Utility(self).add_routes(app.router)
         MessagesAPI(self).add_routes(app.router)
         self.responses_api.add_routes(app.router)
+        self.embeddings_api.add_routes(app.router)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -210,6 +219,7 @@ class Gateway:
                 connected = connected and await self.send_tokenize(one)
             if tokenize and not connected:
                 inflight.fail("No tokenizer worker is connected to resume the request; retry.")
+        await self.embeddings_api.resend()
 
     async def _routed_to(self, ranks: set[int]) -> set[str] | None:
         """Ids of the requests in flight that the tokenizers routed to one of `ranks`, or not

@@ -13,13 +13,15 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from services.gateway.app import Gateway
+from services.gateway.embeddings_request import EmbeddingSettings
 from services.gateway.lora_api import runtime_updates_allowed
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, ServiceConfig
 from shared.generation_config import GenerationDefaults
 from shared.lora import LoraModule, parse_lora_modules, runtime_adapters
-from shared.messages import DeltaBatch
-from shared.model_config import served_context, served_name
+from shared.messages import DeltaBatch, EmbedResult
+from shared.model_config import ModelConfig, served_context, served_name
+from shared.pooling import PoolingConfig
 from shared.tokenizer import load_tokenizer
 from shared.transport import AsyncFanout, AsyncReceiver, AsyncSender
 
@@ -39,8 +41,18 @@ def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncR
                  GenerationDefaults.of(engine_cfg),
                  lora_adapters(engine_cfg, svc),
                  (engine_cfg.max_cpu_loras, engine_cfg.max_lora_rank) if engine_cfg.enable_lora
-                 and runtime_updates_allowed(svc.allow_runtime_lora_updating) else None)
+                 and runtime_updates_allowed(svc.allow_runtime_lora_updating) else None,
+                 embedding_settings(engine_cfg))
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
+
+
+def embedding_settings(engine_cfg: EngineConfig) -> EmbeddingSettings | None:
+    """What /v1/embeddings checks requests against on a pooling server; None otherwise."""
+    if not engine_cfg.pooling:
+        return None
+    return EmbeddingSettings(True, PoolingConfig.from_dir(engine_cfg.model),
+                             ModelConfig.from_path(engine_cfg.model).hidden_size,
+                             served_context(engine_cfg))
 
 
 def lora_adapters(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[LoraModule, ...]:
@@ -70,6 +82,8 @@ async def read_deltas(gw: Gateway, inbox: AsyncReceiver) -> None:
         msg = await inbox.recv()
         if isinstance(msg, DeltaBatch):
             gw.registry.dispatch(msg)
+        elif isinstance(msg, EmbedResult):
+            gw.embeddings_api.deliver(msg)
 
 
 async def resume_background(gw: Gateway) -> None:

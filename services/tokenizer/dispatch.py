@@ -20,7 +20,7 @@ import redis
 from shared import state
 from shared.choice import api_id
 from shared.length_dist import LengthDist
-from shared.messages import GenerateRequest
+from shared.messages import EmbedRequest, GenerateRequest
 from shared.routing import NoHealthyReplica, ReplicaLoad, RouteInfo, RoutingPolicy
 from shared.transport import Sender
 
@@ -39,6 +39,7 @@ class Dispatcher:
         self.loads = [ReplicaLoad() for _ in senders]
         self.live: set[int] = set()  # ranks whose heartbeat is there
         self._next_scan = 0.0
+        self._turn = 0  # embeddings requests: the next live compute's turn
 
     def send(self, gens: list[GenerateRequest]) -> int:
         """Send one request's choices to one compute; returns its rank."""
@@ -52,6 +53,17 @@ class Dispatcher:
             rank = self._route(info, len(gens), prompt, api_id(gens[0].request_id))
         for g in gens:
             self.senders[rank].send(replace(g, routed_tokens=routed) if routed else g)
+        return rank
+
+    def send_embed(self, req: EmbedRequest) -> int:
+        """Send an embeddings request to a live compute, taking turns (its work is one step's
+        prefill, over before the loads are published again); returns its rank."""
+        rank = 0
+        if len(self.senders) > 1:
+            self._scan_liveness()
+            live = sorted(r for r in self.live if r < len(self.senders)) or [0]
+            rank, self._turn = live[self._turn % len(live)], self._turn + 1
+        self.senders[rank].send(req)
         return rank
 
     def _route(self, info: RouteInfo, count: int, prompt: int, api: str) -> int:

@@ -22,6 +22,7 @@ import redis
 import zmq
 
 from services.tokenizer.dispatch import Dispatcher
+from services.tokenizer.embed import EmbedInputError, prepare_embed
 from shared import state
 from shared.chat_template import ChatTemplateError, load_chat_template, template_message
 from shared.choice import ChoiceId
@@ -34,6 +35,8 @@ from shared.lora import adapter_scope
 from shared.messages import (
     Delta,
     DeltaBatch,
+    EmbedRequest,
+    EmbedResult,
     GenerateRequest,
     Resume,
     Route,
@@ -232,3 +235,19 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
                 err = Delta(msg.request_id, error="internal error in the tokenizer",
                             error_status=500)
                 replies.send(msg.reply_to, DeltaBatch([err]))
+        elif isinstance(msg, EmbedRequest):
+            embed(tokenizer, msg, outbox, replies)
+
+
+def embed(tokenizer: Tokenizer, msg: EmbedRequest, outbox: Dispatcher, replies: Senders) -> None:
+    """An embeddings request's inputs as token ids to a compute, or its refusal to its gateway."""
+    try:
+        outbox.send_embed(prepare_embed(tokenizer.tok, msg, tokenizer.max_model_len,
+                                        tokenizer.vocab_size))
+    except EmbedInputError as e:
+        replies.send(msg.reply_to, EmbedResult(msg.request_id, error=str(e), error_status=400,
+                                               error_param=e.param))
+    except Exception:  # a bug costs one request, not the worker
+        log.exception("embeddings request %s failed in the tokenizer", msg.request_id)
+        replies.send(msg.reply_to, EmbedResult(msg.request_id, error="internal error in the "
+                                               "tokenizer", error_status=500))

@@ -1,0 +1,77 @@
+"""The pooling runner's requests in compute: EmbedRequests in, EmbedResults out.
+
+Requests queue as they arrive and run between engine steps: all those queued that ask for the
+same width go through `LLMEngine.embed` together, which batches their inputs up to the token
+budget (--max-batched-tokens) per forward. Should a joined run fail (an input the tokenizer let
+through that the engine refuses), each request of it runs alone, so only the bad one gets the
+error. Errors: InvalidParams is a 400 on its field; no room in the KV cache for an input (a
+RuntimeError) a 400 on `input`; anything else a 500, logged. Never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+
+import numpy as np
+
+from services.compute.engine import LLMEngine
+from shared.messages import EmbedRequest, EmbedResult
+from shared.sampling import InvalidParams
+
+log = logging.getLogger(__name__)
+
+
+class EmbedCore:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.queue: list[EmbedRequest] = []
+
+    def submit(self, req: EmbedRequest) -> None:
+        self.queue.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    def run(self) -> list[tuple[str, EmbedResult]]:
+        """(reply address, result) of every queued request, in arrival order per width."""
+        by_width: dict[int, list[EmbedRequest]] = {}
+        for req in self.queue:
+            by_width.setdefault(req.dimensions, []).append(req)
+        self.queue = []
+        out = []
+        for group in by_width.values():
+            results = self._run(group)
+            if len(group) > 1 and any(r.error is not None for r in results):
+                results = [self._run([req])[0] for req in group]
+            out.extend((req.reply_to, r) for req, r in zip(group, results, strict=True))
+        return out
+
+    def _run(self, group: list[EmbedRequest]) -> list[EmbedResult]:
+        """The results of `group` (one width) from one embed call; on a failure, each the
+        same error."""
+        prompts = [list(ids) for req in group for ids in req.inputs]
+        try:
+            vectors = self.engine.embed(prompts, group[0].dimensions or None)
+        except InvalidParams as e:
+            return [_error(req, str(e), 400, e.param) for req in group]
+        except RuntimeError as e:  # an input over the KV cache's free slots
+            return [_error(req, f"{e} (this server's --kv-cache-tokens)", 400, "input")
+                    for req in group]
+        except Exception:
+            log.exception("embeddings failed for %s", ", ".join(r.request_id for r in group))
+            return [_error(req, "internal error in compute", 500, None) for req in group]
+        rows = np.ascontiguousarray(vectors.numpy(), dtype=np.float32)
+        out, at = [], 0
+        for req in group:
+            n = len(req.inputs)
+            flat = array("f")
+            flat.frombytes(rows[at:at + n].tobytes())
+            out.append(EmbedResult(req.request_id, flat, rows.shape[1],
+                                   array("i", (len(ids) for ids in req.inputs))))
+            at += n
+        return out
+
+
+def _error(req: EmbedRequest, message: str, status: int, param: str | None) -> EmbedResult:
+    return EmbedResult(req.request_id, error=message, error_status=status, error_param=param)

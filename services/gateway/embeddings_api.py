@@ -1,0 +1,141 @@
+"""The pooling runner's API (--runner pooling): OpenAI's `POST /v1/embeddings`, and the
+generation APIs a pooling server refuses.
+
+A request (embeddings_request.py) goes to the tokenizers as an EmbedRequest; the tokenizer
+that takes it tokenizes its texts and sends it to a compute, which answers this gateway (the
+request's `reply_to`) with an EmbedResult: the vectors (float32) and each input's token count,
+or an error. The request waits on its Inflight's queue in the gateway's registry, so an outage
+fails it as any other request (health.py); a restart of a service resends every embeddings
+request in flight (`resend`: they are idempotent, a late duplicate answer is dropped).
+
+On a generation server /v1/embeddings is a 400; on a pooling server the chat, completions,
+Messages and Responses APIs are (`refuse_generation`), as vLLM answers them.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import secrets
+import sys
+from array import array
+
+from aiohttp import web
+
+from services.gateway.embeddings_request import (
+    EmbeddingSettings,
+    EmbeddingsRequest,
+    parse_embeddings,
+)
+from services.gateway.errors import APIError, bad_request, unavailable
+from services.gateway.validation import read_json_body
+from shared.codec import int32s
+from shared.messages import Delta, EmbedRequest, EmbedResult
+
+log = logging.getLogger("pipellm.gateway")
+# path prefix -> the API's name in a pooling server's refusal
+GENERATION_APIS = {"/v1/chat/completions": "Chat Completions API",
+                   "/v1/completions": "Completions API", "/v1/messages": "Messages API",
+                   "/v1/responses": "Responses API"}
+
+
+class EmbeddingsAPI:
+    def __init__(self, gw, settings: EmbeddingSettings | None = None):
+        self.gw, self.settings = gw, settings or EmbeddingSettings()
+        self.sent: dict[str, EmbedRequest] = {}  # in flight, by request id: what to resend
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/v1/embeddings", self.embeddings)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        gw = self.gw
+        with gw.pending.hold():  # 429 past --max-pending
+            if not self.settings.pooling:
+                raise bad_request("The model does not support Embeddings API: this server "
+                                  "generates (start one with --runner pooling)", "model")
+            ignored = None if gw.svc.strict_request_fields else []
+            req = parse_embeddings(await read_json_body(request), gw.model_name, self.settings,
+                                   max_text_bytes=gw.svc.prompt_bytes_limit(gw.max_model_len),
+                                   ignored=ignored)
+            if ignored:
+                log.warning("embeddings: fields present in the request but ignored: %s",
+                            ", ".join(ignored))
+            result = await self._run(req)
+            return web.json_response(answer(result, req))
+
+    async def _run(self, req: EmbeddingsRequest) -> EmbedResult:
+        """Send `req` on and wait for its EmbedResult; an error as an APIError."""
+        gw = self.gw
+        if not gw.health.ok:
+            raise unavailable(f"Not ready: {gw.health.reason}")
+        rid = f"embd-{secrets.token_hex(12)}"
+        msg = EmbedRequest(rid, gw.svc.addr("gateway"),
+                           inputs=[int32s(ids) for ids in req.ids or ()], texts=
+                           None if req.texts is None else list(req.texts),
+                           dimensions=req.dimensions or 0,
+                           truncate_prompt_tokens=req.truncate_prompt_tokens)
+        inflight = gw.registry.add(rid, 1)
+        self.sent[rid] = msg
+        try:
+            if not await gw.send_tokenize(msg):
+                raise unavailable("No tokenizer worker is connected; retry shortly.")
+            result = await inflight.deltas.get()
+        finally:
+            gw.registry.remove(rid)
+            self.sent.pop(rid, None)
+        if isinstance(result, Delta):  # failed by the health monitor: a service is down
+            raise APIError(result.error_status or 503, result.error or "failed")
+        if result.error is not None:
+            raise APIError(result.error_status or 500, result.error, param=result.error_param)
+        return result
+
+    def deliver(self, result: EmbedResult) -> None:
+        """An EmbedResult from a tokenizer or compute, to its request (if still waiting)."""
+        inflight = self.gw.registry.requests.get(result.request_id)
+        if inflight is not None:
+            inflight.deltas.put_nowait(result)
+
+    async def resend(self) -> None:
+        """Every embeddings request in flight again (a service restarted: it may be lost)."""
+        for msg in list(self.sent.values()):
+            if not await self.gw.send_tokenize(msg):
+                inflight = self.gw.registry.requests.get(msg.request_id)
+                if inflight is not None:
+                    inflight.fail("No tokenizer worker is connected to resume the request.")
+
+
+def answer(result: EmbedResult, req: EmbeddingsRequest) -> dict:
+    """OpenAI's embeddings response: one embedding per input, in input order."""
+    dim, count = result.dim, len(result.num_tokens)
+    data = []
+    for i in range(count):
+        row = result.vectors[i * dim:(i + 1) * dim]
+        data.append({"object": "embedding", "index": i,
+                     "embedding": encode_base64(row) if req.encoding_format == "base64"
+                     else row.tolist()})
+    tokens = sum(result.num_tokens)
+    return {"object": "list", "data": data, "model": req.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def encode_base64(row: array) -> str:
+    """A vector as OpenAI's base64: its little-endian float32 bytes."""
+    if sys.byteorder != "little":
+        row = array("f", row)
+        row.byteswap()
+    return base64.b64encode(row.tobytes()).decode("ascii")
+
+
+def refuse_generation():
+    """A pooling server's middleware: the generation APIs are a 400 (in their own error
+    shape: the errors middleware outside it shapes it)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        for prefix, api in GENERATION_APIS.items():
+            if request.path == prefix or request.path.startswith(prefix + "/"):
+                raise bad_request(f"The model does not support {api}: this server runs "
+                                  "--runner pooling (it serves /v1/embeddings)", "model")
+        return await handler(request)
+
+    return middleware

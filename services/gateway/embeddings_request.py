@@ -1,0 +1,142 @@
+"""OpenAI's `POST /v1/embeddings` body, validated: every failure a 400 naming its field.
+
+- `input`: a string, a list of strings, a list of token ids, or a list of lists of token ids;
+  none empty, at most MAX_INPUTS of them (OpenAI's and vLLM's 2048), each text at most the
+  prompt size limit (--max-prompt-bytes).
+- `encoding_format`: "float" (default) or "base64" (each vector's little-endian float32 bytes).
+- `dimensions`: a Matryoshka width the model gives (EmbeddingSettings.check_dimensions).
+- `truncate_prompt_tokens` (vLLM's): keep each input's last k tokens; -1: the context length.
+- `user` is accepted and ignored; other keys as --strict-request-fields says.
+Token ids are checked against the vocabulary and the context by the tokenizer service.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.errors import APIError, bad_request
+from services.gateway.protocol import check_model
+from services.gateway.validation import get_int, get_str, is_int, json_type, token_ids
+from shared.pooling import PoolingConfig
+
+MAX_INPUTS = 2048
+KEYS = frozenset({"model", "input", "encoding_format", "dimensions", "user",
+                  "truncate_prompt_tokens"})
+FORMATS = ("float", "base64")
+
+
+@dataclass(frozen=True)
+class EmbeddingSettings:
+    """What the gateway knows of the served embedder: whether this is a pooling server, its
+    pooling (Matryoshka widths) and its full width, the context length."""
+
+    pooling: bool = False
+    config: PoolingConfig = dataclasses.field(default_factory=PoolingConfig)
+    hidden_size: int = 0
+    max_model_len: int = 0
+
+    def check_dimensions(self, dimensions: int | None) -> None:
+        """400 on `dimensions` when the model cannot give that width."""
+        if dimensions is None:
+            return
+        try:
+            self.config.output_dim(dimensions)
+        except ValueError as e:
+            raise bad_request(str(e), "dimensions") from None
+        if self.hidden_size and dimensions > self.hidden_size:
+            raise bad_request(f"dimensions must be at most the model's width "
+                              f"{self.hidden_size}, got {dimensions}", "dimensions")
+
+
+@dataclass(frozen=True)
+class EmbeddingsRequest:
+    """A validated embeddings request: `texts` or `ids` (the other None)."""
+
+    model: str
+    texts: tuple[str, ...] | None
+    ids: tuple[tuple[int, ...], ...] | None
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    truncate_prompt_tokens: int = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.texts if self.texts is not None else self.ids)
+
+
+def parse_embeddings(body: Any, model_name: str, settings: EmbeddingSettings, *,
+                     max_text_bytes: int, ignored: list[str] | None = None,
+                     ) -> EmbeddingsRequest:
+    """The validated request (`ignored`: where unknown keys go; None: they are a 400)."""
+    body = check_model(body, model_name, KEYS, ignored)
+    get_str(body, "user")
+    fmt = get_str(body, "encoding_format", "float")
+    if fmt not in FORMATS:
+        raise bad_request(f"encoding_format must be 'float' or 'base64', got {fmt!r}"[:200],
+                          "encoding_format")
+    dimensions = get_int(body, "dimensions", lo=1)
+    settings.check_dimensions(dimensions)
+    texts, ids = parse_input(body.get("input"), max_text_bytes)
+    return EmbeddingsRequest(get_str(body, "model", model_name), texts, ids, fmt, dimensions,
+                             truncation(body, settings.max_model_len))
+
+
+def truncation(body: dict, max_model_len: int) -> int:
+    """truncate_prompt_tokens: 0 (absent), -1 (to the context) or 1..the context length."""
+    k = get_int(body, "truncate_prompt_tokens", 0, lo=-1)
+    if k == 0 and body.get("truncate_prompt_tokens") is not None:
+        raise bad_request("truncate_prompt_tokens must be -1 or at least 1",
+                          "truncate_prompt_tokens")
+    if max_model_len and k > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                          f"({max_model_len}). Please, select a smaller truncation size.",
+                          "truncate_prompt_tokens")
+    return k
+
+
+def parse_input(value: Any, max_text_bytes: int
+                ) -> tuple[tuple[str, ...] | None, tuple[tuple[int, ...], ...] | None]:
+    """(texts, None) or (None, token id lists) of the accepted `input` shapes."""
+    if value is None:
+        raise bad_request("input is required", "input")
+    if isinstance(value, str):
+        return (_text(value, "input", max_text_bytes),), None
+    if not isinstance(value, list):
+        raise bad_request(f"input must be a string, a list of strings, a list of token ids or "
+                          f"a list of lists of token ids, got {json_type(value)}", "input")
+    if not value:
+        raise bad_request("input must not be empty", "input")
+    if is_int(value[0]):
+        return None, (_ids(value, "input"),)
+    if len(value) > MAX_INPUTS:
+        raise bad_request(f"input holds at most {MAX_INPUTS} items, got {len(value)}", "input")
+    if isinstance(value[0], str):
+        return tuple(_text(v, f"input[{i}]", max_text_bytes) for i, v in enumerate(value)), None
+    return None, tuple(_ids(v, f"input[{i}]") for i, v in enumerate(value))
+
+
+def _text(value: Any, param: str, max_bytes: int) -> str:
+    if not isinstance(value, str):
+        raise bad_request(f"{param} must be a string like the other inputs, got "
+                          f"{json_type(value)}", "input")
+    if not value:
+        raise bad_request(f"{param} must not be an empty string", "input")
+    if len(value) > max_bytes // 4 and len(value.encode("utf-8")) > max_bytes:
+        raise bad_request(f"{param} is longer than {max_bytes} bytes of UTF-8 text, the most "
+                          "this server accepts (its --max-prompt-bytes)", "input")
+    return value
+
+
+def _ids(value: Any, param: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise bad_request(f"{param} must be a list of token ids like the other inputs, got "
+                          f"{json_type(value)}", "input")
+    if not value:
+        raise bad_request(f"{param} must not be empty", "input")
+    try:
+        return token_ids(value, param)
+    except APIError as e:  # every input's error names the field `input`
+        e.param = "input"
+        raise

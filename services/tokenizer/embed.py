@@ -1,0 +1,51 @@
+"""The tokenizer's part of an embeddings request (--runner pooling): text inputs to token ids
+as the sentence-transformers model would get them (no chat template; the special tokens the
+tokenizer adds by default, BOS/EOS as its post-processor says), then each input truncated as
+asked and checked against the context and the vocabulary. A failure is a PromptError naming
+`input` (a 400); what passes goes to compute as an EmbedRequest of token ids only."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shared.codec import int32s
+from shared.messages import EmbedRequest
+
+
+class EmbedInputError(ValueError):
+    """An input that cannot be embedded (a 400 on `param`)."""
+
+    def __init__(self, message: str, param: str = "input"):
+        super().__init__(message)
+        self.param = param
+
+
+def prepare_embed(tok, req: EmbedRequest, max_model_len: int, vocab_size: int) -> EmbedRequest:
+    """`req` with `inputs` the token ids of every input (texts tokenized) and `texts` None."""
+    if req.texts is not None:
+        encodings = tok.encode_batch(req.texts, add_special_tokens=True)
+        inputs = [e.ids for e in encodings]
+    else:
+        inputs = [list(ids) for ids in req.inputs]
+    k = max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+    out = []
+    for i, ids in enumerate(inputs):
+        if 0 < k < len(ids):
+            ids = ids[-k:]
+        check_input(i, ids, max_model_len, vocab_size)
+        out.append(int32s(ids))
+    return replace(req, inputs=out, texts=None)
+
+
+def check_input(i: int, ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """EmbedInputError for an input with no tokens, over the context or outside the vocab."""
+    if not ids:
+        raise EmbedInputError(f"input {i} has no tokens after tokenization")
+    if len(ids) > max_model_len:
+        raise EmbedInputError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {len(ids)} tokens in the input for embedding generation (input {i}). "
+            "Please reduce the length of the input, or set truncate_prompt_tokens.")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise EmbedInputError(f"input {i} has a token id outside the vocabulary "
+                              f"[0, {vocab_size})")

@@ -1,0 +1,148 @@
+"""`--runner pooling` end to end: a real stack on a tiny random Qwen3 embedder with
+sentence-transformers configs (last token, normalized, Matryoshka widths), driven by the
+official openai SDK, unchanged. Every vector matches SentenceTransformer.encode of the same
+sentence (cosine >= 0.999), as floats and as base64; bad input is a 400 naming its field, and
+the server answers afterwards; a generation request to a pooling server is a 400."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from tests.hf_models import build_hf_model
+from tests.stack import Stack
+from tests.test_pooling import cosines, sentences, write_st_config
+
+sentence_transformers = pytest.importorskip("sentence_transformers")
+openai = pytest.importorskip("openai")
+
+MAX_LEN = 512
+WIDTHS = [16, 32, 64]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(openai client, model name, SentenceTransformer, stack) of one pooling server."""
+    path = tmp_path_factory.mktemp("embedder")
+    build_hf_model(path, "qwen3", with_tokenizer=True, initializer_range=0.2, seed=3)
+    write_st_config(path, 64, "last")
+    (path / "config_sentence_transformers.json").write_text(
+        json.dumps({"matryoshka_dimensions": WIDTHS}))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "pad_token": "</s>"}))
+    st = sentence_transformers.SentenceTransformer(str(path), device="cpu")
+    stack = Stack(path, "--runner", "pooling", "--max-model-len", str(MAX_LEN),
+                  "--kv-cache-tokens", "4096", "--dtype", "float32",
+                  "--served-model-name", "embedder")
+    stack.start(timeout_s=300)
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="any", max_retries=0)
+    yield client, "embedder", st, stack
+    stack.stop()
+
+
+def vectors(response) -> np.ndarray:
+    """The response's vectors: floats, or base64 strings when asked for explicitly (the SDK
+    decodes the base64 it asks for itself, by default, into floats)."""
+    assert [d.index for d in response.data] == list(range(len(response.data)))
+    return np.array([np.frombuffer(base64.b64decode(d.embedding), "<f4")
+                     if isinstance(d.embedding, str) else d.embedding
+                     for d in response.data], dtype=np.float32)
+
+
+def test_fifty_sentences_float_and_base64(served):
+    client, model, st, _ = served
+    texts = sentences()
+    ref = st.encode(texts, batch_size=8, convert_to_numpy=True)
+    for fmt in ("float", "base64"):
+        r = client.embeddings.create(model=model, input=texts, encoding_format=fmt)
+        ours = vectors(r)
+        assert ours.shape == (50, 64)
+        cos = cosines(ours, ref)
+        assert cos.min() >= 0.999, (fmt, cos.argmin(), cos.min())
+    tokens = sum(len(st.tokenizer(t)["input_ids"]) for t in texts)
+    assert (r.usage.prompt_tokens, r.usage.total_tokens) == (tokens, tokens)
+    assert r.model == model and r.object == "list"
+
+
+def test_one_string_token_ids_and_dimensions(served):
+    client, model, st, _ = served
+    texts = sentences(5, seed=1)
+    one = vectors(client.embeddings.create(model=model, input=texts[0]))  # SDK: base64
+    assert cosines(one, st.encode(texts[:1]))[0] >= 0.999
+    ids = [st.tokenizer(t)["input_ids"] for t in texts]
+    by_ids = vectors(client.embeddings.create(model=model, input=ids[1],
+                                              encoding_format="float"))
+    assert cosines(by_ids, st.encode(texts[1:2]))[0] >= 0.999
+    many = vectors(client.embeddings.create(model=model, input=ids))
+    assert cosines(many, st.encode(texts)).min() >= 0.999
+    for fmt in ("float", "base64"):
+        small = vectors(client.embeddings.create(model=model, input=texts, dimensions=16,
+                                                 encoding_format=fmt))
+        ref = st.encode(texts, truncate_dim=16)
+        assert small.shape == (5, 16) and cosines(small, ref).min() >= 0.999
+        assert np.allclose(np.linalg.norm(small, axis=1), 1, atol=1e-4)
+
+
+def test_truncate_prompt_tokens(served):
+    client, model, st, _ = served
+    long = " ".join(["river mountain seven blue"] * 200)
+    ids = st.tokenizer(long)["input_ids"]
+    assert len(ids) > MAX_LEN
+    r = client.embeddings.create(model=model, input=long, extra_body={
+        "truncate_prompt_tokens": 10}, encoding_format="float")
+    assert r.usage.prompt_tokens == 10
+    tail = client.embeddings.create(model=model, input=ids[-10:], encoding_format="float")
+    assert cosines(vectors(r), vectors(tail))[0] >= 0.9999
+    r = client.embeddings.create(model=model, input=long, extra_body={
+        "truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == MAX_LEN
+
+
+SDK_ARGS = ("model", "input", "encoding_format", "dimensions", "user")
+BAD = {
+    "empty list": ({"input": []}, "input"),
+    "empty string": ({"input": ""}, "input"),
+    "an empty string among others": ({"input": ["a", ""]}, "input"),
+    "too many inputs": ({"input": ["a"] * 2049}, "input"),
+    "over the context": ({"input": " ".join(["blue"] * 2 * MAX_LEN)}, "input"),
+    "token ids over the context": ({"input": [5] * (MAX_LEN + 1)}, "input"),
+    "token id out of vocab": ({"input": [[5, 6], [5, 10**6]]}, "input"),
+    "mixed input": ({"input": ["a", [5]]}, "input"),
+    "not a Matryoshka width": ({"input": "a", "dimensions": 12}, "dimensions"),
+    "dimensions 0": ({"input": "a", "dimensions": 0}, "dimensions"),
+    "dimensions over the width": ({"input": "a", "dimensions": 65}, "dimensions"),
+    "encoding_format": ({"input": "a", "encoding_format": "hex"}, "encoding_format"),
+    "truncate over the context": ({"input": "a", "truncate_prompt_tokens": MAX_LEN + 1},
+                                  "truncate_prompt_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_a_400(served, case):
+    client, model, _, stack = served
+    body, param = BAD[case]
+    body = {"model": model, **body}
+    status, answer = stack.post("/v1/embeddings", body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and answer["error"]["type"] == \
+        "invalid_request_error", answer
+    assert "Traceback" not in answer["error"]["message"]
+    sdk = {k: v for k, v in body.items() if k in SDK_ARGS}
+    with pytest.raises(openai.BadRequestError):
+        client.embeddings.create(**sdk, extra_body={k: v for k, v in body.items()
+                                                    if k not in SDK_ARGS})
+    assert len(client.embeddings.create(model=model, input="still here").data) == 1
+
+
+def test_generation_apis_are_a_400_and_models_lists_it(served):
+    client, model, _, stack = served
+    with pytest.raises(openai.BadRequestError, match="Chat Completions API"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="Completions API"):
+        client.completions.create(model=model, prompt="hi")
+    assert [m.id for m in client.models.list().data] == [model]
+    assert stack.get("/health")[0] == 200
