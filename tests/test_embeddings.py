@@ -1,0 +1,215 @@
+"""The pooling runner's pieces without sockets: the /v1/embeddings body's parsing and answer,
+the tokenizer's preparation, compute's EmbedCore (on a fake engine), the messages on the wire,
+and the --runner / --convert settings."""
+
+from __future__ import annotations
+
+import base64
+from array import array
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from services.cli import build_parser
+from services.compute.embed_core import EmbedCore
+from services.gateway.embeddings_api import answer, encode_base64
+from services.gateway.embeddings_request import (
+    MAX_INPUTS,
+    EmbeddingSettings,
+    EmbeddingsRequest,
+    parse_embeddings,
+)
+from services.gateway.errors import APIError
+from services.tokenizer.embed import EmbedInputError, prepare_embed
+from shared import codec
+from shared.config import EngineConfig
+from shared.messages import EmbedRequest, EmbedResult
+from shared.pooling import PoolingConfig
+from shared.sampling import InvalidParams
+from shared.settings import config_from_args, with_settings
+
+SETTINGS = EmbeddingSettings(True, PoolingConfig(matryoshka_dims=(16, 32, 64)), 64, 100)
+
+
+def parse(body: dict, strict: bool = True) -> EmbeddingsRequest:
+    return parse_embeddings({"model": "m", **body}, "m", SETTINGS, max_text_bytes=1000,
+                            ignored=None if strict else [])
+
+
+def rejects(body: dict, param: str, match: str = "") -> APIError:
+    with pytest.raises(APIError) as info:
+        parse(body)
+    assert (info.value.status, info.value.param) == (400, param), info.value
+    assert match in info.value.message
+    return info.value
+
+
+def test_the_four_input_shapes():
+    assert parse({"input": "hi"}).texts == ("hi",)
+    assert parse({"input": ["a", "b"]}).texts == ("a", "b")
+    r = parse({"input": [1, 2, 3]})
+    assert (r.texts, r.ids, r.count) == (None, ((1, 2, 3),), 1)
+    assert parse({"input": [[1], [2, 3]]}).ids == ((1,), (2, 3))
+    r = parse({"input": "x", "encoding_format": "base64", "dimensions": 16,
+               "truncate_prompt_tokens": -1, "user": "someone"})
+    assert (r.encoding_format, r.dimensions, r.truncate_prompt_tokens) == ("base64", 16, -1)
+    assert parse({"input": "x", "truncate_prompt_tokens": 100}).truncate_prompt_tokens == 100
+    assert parse({"input": ["a"] * MAX_INPUTS}).count == MAX_INPUTS
+
+
+@pytest.mark.parametrize("body,param,match", [
+    ({}, "input", "required"),
+    ({"input": ""}, "input", "empty"),
+    ({"input": []}, "input", "empty"),
+    ({"input": ["a", ""]}, "input", "empty"),
+    ({"input": [[1], []]}, "input", "empty"),
+    ({"input": ["a"] * (MAX_INPUTS + 1)}, "input", "2048"),
+    ({"input": [[1]] * (MAX_INPUTS + 1)}, "input", "2048"),
+    ({"input": ["a", [1]]}, "input", "string"),
+    ({"input": [[1], "a"]}, "input", "token ids"),
+    ({"input": [1, "a"]}, "input", "token id"),
+    ({"input": [[1, -1]]}, "input", "token id"),
+    ({"input": [1, 2.5]}, "input", "token id"),
+    ({"input": 5}, "input", "must be a string"),
+    ({"input": {"a": 1}}, "input", "must be a string"),
+    ({"input": "x" * 1001}, "input", "1000 bytes"),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format", "base64"),
+    ({"input": "x", "dimensions": 0}, "dimensions", "at least 1"),
+    ({"input": "x", "dimensions": 12}, "dimensions", "Matryoshka"),
+    ({"input": "x", "dimensions": "16"}, "dimensions", "integer"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "-1"),
+    ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "at least"),
+    ({"input": "x", "truncate_prompt_tokens": 101}, "truncate_prompt_tokens", "max_model_len"),
+    ({"input": "x", "stream": True}, "stream", "Unrecognized"),
+])
+def test_bad_bodies_are_400s_naming_the_field(body, param, match):
+    rejects(body, param, match)
+
+
+def test_unknown_model_unknown_keys_and_widths():
+    with pytest.raises(APIError) as info:
+        parse({"input": "x", "model": "other"})
+    assert info.value.status == 404
+    assert parse({"input": "x", "stream": True}, strict=False).texts == ("x",)
+    anywidth = EmbeddingSettings(True, PoolingConfig(), 64, 100)
+    ok = parse_embeddings({"input": "x", "dimensions": 12}, "m", anywidth, max_text_bytes=99)
+    assert ok.dimensions == 12
+    with pytest.raises(APIError, match="at most the model's width 64"):
+        parse_embeddings({"input": "x", "dimensions": 65}, "m", anywidth, max_text_bytes=99)
+
+
+def test_answer_float_and_base64():
+    rows = np.array([[0.5, -1.25, 3.0], [1e-3, 2.0, -0.0]], dtype=np.float32)
+    result = EmbedResult("r", array("f", rows.ravel()), 3, array("i", [4, 7]))
+    req = parse({"input": ["a", "b"]})
+    out = answer(result, req)
+    assert out["object"] == "list" and out["model"] == "m"
+    assert out["usage"] == {"prompt_tokens": 11, "total_tokens": 11}
+    assert [d["index"] for d in out["data"]] == [0, 1]
+    assert np.array_equal(np.array([d["embedding"] for d in out["data"]], np.float32), rows)
+    b64 = answer(result, parse({"input": ["a", "b"], "encoding_format": "base64"}))
+    decoded = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in b64["data"]]
+    assert np.array_equal(np.stack(decoded), rows)
+    assert encode_base64(array("f", [1.0])) == base64.b64encode(b"\x00\x00\x80\x3f").decode()
+
+
+def test_tokenizer_prepares_ids(demo_model_dir):
+    tok = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+    texts = ["hello world", "a b c d e f g"]
+    req = prepare_embed(tok, EmbedRequest("r", "addr", texts=texts), 100, 1000)
+    assert req.texts is None
+    assert [list(i) for i in req.inputs] == [tok.encode(t).ids for t in texts]
+    assert all(i.typecode == "i" for i in req.inputs)
+    long = tok.encode(texts[1]).ids
+    cut = prepare_embed(tok, EmbedRequest("r", "a", texts=texts[1:], truncate_prompt_tokens=3),
+                        100, 1000)
+    assert list(cut.inputs[0]) == long[-3:]
+    whole = prepare_embed(tok, EmbedRequest("r", "a", inputs=[array("i", range(9))],
+                                            truncate_prompt_tokens=-1), 5, 1000)
+    assert list(whole.inputs[0]) == [4, 5, 6, 7, 8]
+    with pytest.raises(EmbedInputError, match="maximum context length is 5"):
+        prepare_embed(tok, EmbedRequest("r", "a", inputs=[array("i", range(6))]), 5, 1000)
+    with pytest.raises(EmbedInputError, match="vocabulary"):
+        prepare_embed(tok, EmbedRequest("r", "a", inputs=[array("i", [1, 1000])]), 5, 1000)
+    with pytest.raises(EmbedInputError, match="no tokens"):
+        prepare_embed(tok, EmbedRequest("r", "a", inputs=[array("i")]), 5, 1000)
+
+
+class FakeEngine:
+    """embed: each prompt's vector is [len, first id, 0, ...] truncated to `dimensions`; a
+    prompt holding id 13 is refused (as the engine refuses a bad prompt)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def embed(self, prompts, dimensions=None):
+        self.calls.append((len(prompts), dimensions))
+        if any(13 in p for p in prompts):
+            raise InvalidParams("input", "unlucky token")
+        if any(14 in p for p in prompts):
+            raise RuntimeError("no 3 free KV slots for a pooled prompt")
+        out = torch.zeros(len(prompts), 4)
+        for i, p in enumerate(prompts):
+            out[i, 0], out[i, 1] = len(p), p[0]
+        return out[:, :dimensions] if dimensions else out
+
+
+def test_embed_core_batches_by_width_and_isolates_errors():
+    engine = FakeEngine()
+    core = EmbedCore(engine)
+    ids = lambda *p: [array("i", x) for x in p]  # noqa: E731
+    core.submit(EmbedRequest("a", "gw1", ids([1, 2], [3])))
+    core.submit(EmbedRequest("b", "gw2", ids([5, 6, 7]), dimensions=2))
+    core.submit(EmbedRequest("c", "gw1", ids([9])))
+    out = dict((r.request_id, (to, r)) for to, r in core.run())
+    assert sorted(engine.calls) == [(1, 2), (3, None)]  # a and c in one call
+    assert not core.has_work()
+    to, a = out["a"]
+    assert to == "gw1" and a.dim == 4 and list(a.num_tokens) == [2, 1]
+    assert list(a.vectors)[:2] == [2, 1] and list(a.vectors)[4:6] == [1, 3]
+    assert out["b"][0] == "gw2" and out["b"][1].dim == 2 and list(out["b"][1].vectors) == [3, 5]
+    assert list(out["c"][1].vectors)[:2] == [1, 9]
+    core.submit(EmbedRequest("ok", "gw", ids([1])))
+    core.submit(EmbedRequest("bad", "gw", ids([13])))
+    core.submit(EmbedRequest("full", "gw", ids([14])))
+    out = {r.request_id: r for _, r in core.run()}
+    assert out["ok"].error is None and list(out["ok"].vectors)[:2] == [1, 1]
+    assert (out["bad"].error_status, out["bad"].error_param) == (400, "input")
+    assert (out["full"].error_status, out["full"].error_param) == (400, "input")
+    assert "KV" in out["full"].error
+
+
+def test_messages_round_trip():
+    req = EmbedRequest("r", "ipc://x", [array("i", [1, 2]), array("i", [3])], dimensions=8)
+    assert codec.decode(codec.encode(req)) == req
+    texts = EmbedRequest("r", "ipc://x", texts=["a", "b"], truncate_prompt_tokens=-1)
+    assert codec.decode(codec.encode(texts)) == texts
+    res = EmbedResult("r", array("f", [0.5, -2.0]), 2, array("i", [3]))
+    back = codec.decode(codec.encode(res))
+    assert back == res and back.vectors.typecode == "f"
+    err = EmbedResult("r", error="bad", error_status=400, error_param="input")
+    assert codec.decode(codec.encode(err)) == err
+
+
+def test_runner_and_convert_settings(monkeypatch):
+    def engine(*argv) -> EngineConfig:
+        args = build_parser().parse_args(["serve", *argv])
+        return config_from_args(EngineConfig, args)
+
+    assert not engine().pooling and engine().runner == "generate"
+    assert engine("--runner", "pooling").pooling
+    assert engine("--convert", "embed").pooling
+    assert not engine("--convert", "none").pooling
+    monkeypatch.setenv("PIPELLM_RUNNER", "pooling")
+    assert engine().pooling
+    for bad, match in ((dict(runner="draft"), "--runner must be one of"),
+                       (dict(convert="classify"), "not served yet"),
+                       (dict(convert="reward"), "not served yet"),
+                       (dict(convert="x"), "--convert must be one of"),
+                       (dict(runner="pooling", backend="sim"), "--backend sim"),
+                       (dict(runner="pooling", enable_prefix_caching=True), "prefix-caching"),
+                       (dict(convert="embed", hidden_length=True), "--hidden-length")):
+        with pytest.raises(ValueError, match=match):
+            with_settings(EngineConfig(), **bad)

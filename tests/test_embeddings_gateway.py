@@ -1,0 +1,151 @@
+"""/v1/embeddings in the gateway, in process, with a real Redis and real zmq sockets and a fake
+tokenizer behind it: the request's way out and its answer's way back, the APIs each runner
+refuses, the resend after a service restarts and the failure after a long outage."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from array import array
+
+import pytest
+import redis
+import zmq
+import zmq.asyncio
+from aiohttp.test_utils import TestClient, TestServer
+
+from services.gateway import health
+from services.gateway.service import build
+from shared import codec, state
+from shared.config import EngineConfig, ServiceConfig
+from shared.messages import EmbedRequest, EmbedResult
+from shared.redis_server import EmbeddedRedis
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with EmbeddedRedis() as r:
+        yield r.url
+
+
+def run_gateway(model_dir, url: str, body, runner: str = "pooling"):
+    """body(gw, client, fake tokenizer's PULL socket) against a gateway whose services all
+    beat, on a fresh Redis."""
+    client_redis = redis.Redis.from_url(url)
+    client_redis.flushall()
+    for s in state.SERVICES:
+        state.heartbeat(client_redis, "default", s, "a", 30)
+
+    async def main():
+        cfg = ServiceConfig(redis_url=url, run_dir=tempfile.mkdtemp(prefix="pl-"))
+        gw, inbox = build(EngineConfig(model=str(model_dir), runner=runner), cfg)
+        from services.gateway.service import read_deltas
+
+        reader = asyncio.create_task(read_deltas(gw, inbox))
+        tokenizer = zmq.asyncio.Context.instance().socket(zmq.PULL)
+        tokenizer.connect(cfg.addr("tokenizer"))
+        await gw.health.refresh()
+        try:
+            async with TestClient(TestServer(gw.app())) as client:
+                return await body(gw, client, tokenizer)
+        finally:
+            reader.cancel()
+            tokenizer.close(0)
+
+    return asyncio.run(main())
+
+
+def reply(to: str, result: EmbedResult) -> None:
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.connect(to)
+    sock.send(codec.encode(result))
+    sock.close(linger=1000)
+
+
+def test_a_request_and_its_answer(demo_model_dir, redis_url):
+    async def body(gw, client, tokenizer):
+        post = asyncio.create_task(client.post("/v1/embeddings", json={
+            "input": ["a b", "c"], "dimensions": 2}))
+        msg = codec.decode(await tokenizer.recv())
+        reply(msg.reply_to, EmbedResult(msg.request_id, array("f", [1, 2, 3, 4]), 2,
+                                        array("i", [3, 2])))
+        r = await post
+        ok = (r.status, await r.json(), msg)
+        post = asyncio.create_task(client.post("/v1/embeddings", json={"input": [1, 2]}))
+        msg = codec.decode(await tokenizer.recv())
+        reply(msg.reply_to, EmbedResult(msg.request_id, error="input 0 is bad",
+                                        error_status=400, error_param="input"))
+        r = await post
+        return ok, (r.status, await r.json(), msg), len(gw.registry)
+
+    (status, answer, sent), (bad_status, bad, sent_ids), left = run_gateway(
+        demo_model_dir, redis_url, body)
+    assert isinstance(sent, EmbedRequest) and sent.texts == ["a b", "c"] and sent.dimensions == 2
+    assert status == 200 and [d["embedding"] for d in answer["data"]] == [[1, 2], [3, 4]]
+    assert answer["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    assert sent_ids.texts is None and [list(i) for i in sent_ids.inputs] == [[1, 2]]
+    assert bad_status == 400 and bad["error"]["param"] == "input"
+    assert left == 0
+
+
+def test_each_runner_refuses_the_others_apis(demo_model_dir, redis_url):
+    async def generation(gw, client, tokenizer):
+        r = await client.post("/v1/embeddings", json={"input": "x"})
+        return r.status, await r.json()
+
+    status, answer = run_gateway(demo_model_dir, redis_url, generation, runner="generate")
+    assert status == 400 and "does not support Embeddings API" in answer["error"]["message"]
+
+    async def pooling(gw, client, tokenizer):
+        out = {}
+        for path, payload in (("/v1/chat/completions", {"messages": []}),
+                              ("/v1/completions", {"prompt": "x"}),
+                              ("/v1/messages", {"messages": [], "max_tokens": 4}),
+                              ("/v1/responses", {"input": "x"})):
+            r = await client.post(path, json=payload)
+            out[path] = (r.status, await r.json())
+        r = await client.get("/v1/models")
+        out["models"] = (r.status, await r.json())
+        out["health"] = (await client.get("/health")).status
+        return out
+
+    out = run_gateway(demo_model_dir, redis_url, pooling)
+    assert out["/v1/chat/completions"][0] == 400
+    assert "does not support Chat Completions API" in \
+        out["/v1/chat/completions"][1]["error"]["message"]
+    assert "does not support Completions API" in out["/v1/completions"][1]["error"]["message"]
+    assert out["/v1/messages"][0] == 400 and out["/v1/messages"][1]["type"] == "error"
+    assert out["/v1/responses"][0] == 400
+    assert out["models"][0] == 200 and len(out["models"][1]["data"]) == 1
+    assert out["health"] == 200
+
+
+def test_resent_after_a_restart_failed_after_an_outage(demo_model_dir, redis_url, monkeypatch):
+    monkeypatch.setattr(health, "RESUME_TIMEOUT_S", 0.05)
+
+    async def body(gw, client, tokenizer):
+        post = asyncio.create_task(client.post("/v1/embeddings", json={"input": "x"}))
+        first = codec.decode(await tokenizer.recv())  # taken, never answered: lost
+        state.heartbeat(redis.Redis.from_url(redis_url), "default", "compute", "b", 30)
+        await gw.health.refresh()  # a new compute instance: what the old one held is lost
+        again = codec.decode(await tokenizer.recv())
+        reply(again.reply_to, EmbedResult(again.request_id, array("f", [0.5]), 1,
+                                          array("i", [1])))
+        reply(again.reply_to, EmbedResult(again.request_id, array("f", [9.0]), 1,
+                                          array("i", [1])))  # a late duplicate: dropped
+        r = await post
+        resent = (first, again, r.status, await r.json())
+        post = asyncio.create_task(client.post("/v1/embeddings", json={"input": "y"}))
+        await tokenizer.recv()
+        client_redis = redis.Redis.from_url(redis_url)
+        client_redis.delete(*client_redis.keys(state.PREFIX + "svc:default:compute:*"))
+        await gw.health.refresh()
+        await asyncio.sleep(0.1)
+        await gw.health.refresh()
+        r = await post
+        return resent, (r.status, await r.json())
+
+    (first, again, status, answer), (failed, error) = run_gateway(demo_model_dir, redis_url, body)
+    assert first == again and status == 200
+    assert answer["data"][0]["embedding"] == [0.5]
+    assert failed == 503 and "compute" in error["error"]["message"]
