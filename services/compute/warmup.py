@@ -39,6 +39,8 @@ def warm_up(engine: LLMEngine) -> str:
               SamplingParams(max_tokens=2, top_k=50, top_p=0.9, seed=0, ignore_eos=True)]
     try:
         LLMEngine(engine.config, engine.runner).generate(prompts, params)
+        if engine.config.pooling:  # the prefill-only forward and the pooling, once
+            engine.embed(prompts)
     except InvalidParams as e:  # an engine too small for it still serves what fits
         log.warning("warm-up skipped (%s): the first request may be slow", e)
         return "; ".join([*done, "warm-up skipped"])

@@ -18,6 +18,7 @@ import base64
 import logging
 import secrets
 import sys
+import time
 from array import array
 
 from aiohttp import web
@@ -76,17 +77,22 @@ class EmbeddingsAPI:
                            truncate_prompt_tokens=req.truncate_prompt_tokens)
         inflight = gw.registry.add(rid, 1)
         self.sent[rid] = msg
+        outcome = "aborted"  # the client left, unless it gets an answer
         try:
             if not await gw.send_tokenize(msg):
+                outcome = "failed"
                 raise unavailable("No tokenizer worker is connected; retry shortly.")
             result = await inflight.deltas.get()
+            outcome = "failed" if isinstance(result, Delta) or result.error else "finished"
         finally:
             gw.registry.remove(rid)
             self.sent.pop(rid, None)
+            gw.metrics.requests.labels(outcome).inc()
         if isinstance(result, Delta):  # failed by the health monitor: a service is down
             raise APIError(result.error_status or 503, result.error or "failed")
         if result.error is not None:
             raise APIError(result.error_status or 500, result.error, param=result.error_param)
+        gw.metrics.e2e.observe(time.monotonic() - inflight.start)
         return result
 
     def deliver(self, result: EmbedResult) -> None:
