@@ -1,8 +1,9 @@
-"""`--runner pooling` end to end: a real stack on a tiny random Qwen3 embedder with
-sentence-transformers configs (last token, normalized, Matryoshka widths), driven by the
-official openai SDK, unchanged. Every vector matches SentenceTransformer.encode of the same
-sentence (cosine >= 0.999), as floats and as base64; bad input is a 400 naming its field, and
-the server answers afterwards; a generation request to a pooling server is a 400."""
+"""`--runner pooling` end to end: real stacks on a tiny random Qwen3 embedder with
+sentence-transformers configs (last token, normalized, Matryoshka widths) and a Llama one
+(mean pooling, `--convert embed`), driven by the official openai SDK, unchanged. Every vector
+matches SentenceTransformer.encode of the same sentence (cosine >= 0.999), as floats and as
+base64; bad input is a 400 naming its field, and the server answers afterwards; a generation
+request to a pooling server is a 400."""
 
 from __future__ import annotations
 
@@ -23,25 +24,41 @@ MAX_LEN = 512
 WIDTHS = [16, 32, 64]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(openai client, model name, SentenceTransformer, stack) of one pooling server."""
-    path = tmp_path_factory.mktemp("embedder")
-    build_hf_model(path, "qwen3", with_tokenizer=True, initializer_range=0.2, seed=3)
-    write_st_config(path, 64, "last")
-    (path / "config_sentence_transformers.json").write_text(
-        json.dumps({"matryoshka_dimensions": WIDTHS}))
+def embedder(path, arch: str, mode: str, widths: list[int] | None, *flags: str):
+    """A tiny random `arch` model with sentence-transformers configs at `path`, served with
+    `flags`: (openai client, model name, SentenceTransformer, stack)."""
+    build_hf_model(path, arch, with_tokenizer=True, initializer_range=0.2, seed=3)
+    write_st_config(path, 64, mode)
+    if widths:
+        (path / "config_sentence_transformers.json").write_text(
+            json.dumps({"matryoshka_dimensions": widths}))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
          "pad_token": "</s>"}))
     st = sentence_transformers.SentenceTransformer(str(path), device="cpu")
-    stack = Stack(path, "--runner", "pooling", "--max-model-len", str(MAX_LEN),
-                  "--kv-cache-tokens", "4096", "--dtype", "float32",
-                  "--served-model-name", "embedder")
+    stack = Stack(path, *flags, "--max-model-len", str(MAX_LEN), "--kv-cache-tokens", "4096",
+                  "--dtype", "float32", "--served-model-name", "embedder")
     stack.start(timeout_s=300)
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="any", max_retries=0)
-    yield client, "embedder", st, stack
-    stack.stop()
+    return client, "embedder", st, stack
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A pooling server on a Qwen3 embedder: last token, normalized, Matryoshka widths."""
+    out = embedder(tmp_path_factory.mktemp("qwen3"), "qwen3", "last", WIDTHS,
+                   "--runner", "pooling")
+    yield out
+    out[3].stop()
+
+
+@pytest.fixture(scope="module")
+def llama_served(tmp_path_factory):
+    """One on a Llama embedder (mean pooling, normalized, any width), by vLLM's --convert."""
+    out = embedder(tmp_path_factory.mktemp("llama"), "llama", "mean", None,
+                   "--convert", "embed")
+    yield out
+    out[3].stop()
 
 
 def vectors(response) -> np.ndarray:
@@ -66,6 +83,18 @@ def test_fifty_sentences_float_and_base64(served):
     tokens = sum(len(st.tokenizer(t)["input_ids"]) for t in texts)
     assert (r.usage.prompt_tokens, r.usage.total_tokens) == (tokens, tokens)
     assert r.model == model and r.object == "list"
+
+
+def test_mean_pooling_llama(llama_served):
+    client, model, st, _ = llama_served
+    texts = sentences(seed=2)
+    for fmt, width in (("float", None), ("base64", 24)):
+        extra = {} if width is None else {"dimensions": width}
+        ours = vectors(client.embeddings.create(model=model, input=texts, encoding_format=fmt,
+                                                **extra))
+        ref = st.encode(texts, batch_size=8, truncate_dim=width)
+        assert ours.shape == (50, width or 64)
+        assert cosines(ours, ref).min() >= 0.999, fmt
 
 
 def test_one_string_token_ids_and_dimensions(served):
