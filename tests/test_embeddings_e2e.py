@@ -54,9 +54,10 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_served(tmp_path_factory):
-    """One on a Llama embedder (mean pooling, normalized, any width), by vLLM's --convert."""
+    """One on a Llama embedder (mean pooling, normalized, any width), by vLLM's --convert,
+    with two compute processes (the tokenizer gives them requests in turn)."""
     out = embedder(tmp_path_factory.mktemp("llama"), "llama", "mean", None,
-                   "--convert", "embed")
+                   "--convert", "embed", "--data-parallel-size", "2")
     yield out
     out[3].stop()
 
@@ -95,6 +96,10 @@ def test_mean_pooling_llama(llama_served):
         ref = st.encode(texts, batch_size=8, truncate_dim=width)
         assert ours.shape == (50, width or 64)
         assert cosines(ours, ref).min() >= 0.999, fmt
+    ref = st.encode(texts[:8])
+    for i in range(8):  # one at a time: each compute answers some
+        one = vectors(client.embeddings.create(model=model, input=texts[i]))
+        assert cosines(one, ref[i:i + 1])[0] >= 0.999
 
 
 def test_one_string_token_ids_and_dimensions(served):
