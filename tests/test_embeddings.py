@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 
 from services.cli import build_parser
 from services.compute.embed_core import EmbedCore
+from services.compute.pooling import NoKVRoom
 from services.gateway.embeddings_api import answer, encode_base64
 from services.gateway.embeddings_request import (
     MAX_INPUTS,
@@ -149,7 +150,9 @@ class FakeEngine:
         if any(13 in p for p in prompts):
             raise InvalidParams("input", "unlucky token")
         if any(14 in p for p in prompts):
-            raise RuntimeError("no 3 free KV slots for a pooled prompt")
+            raise NoKVRoom("no 3 free KV slots for a pooled prompt")
+        if any(15 in p for p in prompts):
+            raise RuntimeError("a bug")
         out = torch.zeros(len(prompts), 4)
         for i, p in enumerate(prompts):
             out[i, 0], out[i, 1] = len(p), p[0]
@@ -179,6 +182,9 @@ def test_embed_core_batches_by_width_and_isolates_errors():
     assert (out["bad"].error_status, out["bad"].error_param) == (400, "input")
     assert (out["full"].error_status, out["full"].error_param) == (400, "input")
     assert "KV" in out["full"].error
+    core.submit(EmbedRequest("bug", "gw", ids([15])))
+    (_, bug), = core.run()
+    assert (bug.error_status, bug.error) == (500, "internal error in compute")
 
 
 def test_messages_round_trip():

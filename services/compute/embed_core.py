@@ -4,8 +4,8 @@ Requests queue as they arrive and run between engine steps: all those queued tha
 same width go through `LLMEngine.embed` together, which batches their inputs up to the token
 budget (--max-batched-tokens) per forward. Should a joined run fail (an input the tokenizer let
 through that the engine refuses), each request of it runs alone, so only the bad one gets the
-error. Errors: InvalidParams is a 400 on its field; no room in the KV cache for an input (a
-RuntimeError) a 400 on `input`; anything else a 500, logged. Never raises.
+error. Errors: InvalidParams is a 400 on its field; no room in the KV cache for an input
+(NoKVRoom) a 400 on `input`; anything else a 500, logged. Never raises.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from array import array
 import numpy as np
 
 from services.compute.engine import LLMEngine
+from services.compute.pooling import NoKVRoom
 from shared.messages import EmbedRequest, EmbedResult
 from shared.sampling import InvalidParams
 
@@ -53,24 +54,28 @@ class EmbedCore:
         prompts = [list(ids) for req in group for ids in req.inputs]
         try:
             vectors = self.engine.embed(prompts, group[0].dimensions or None)
+            return _results(group, np.ascontiguousarray(vectors.numpy(), dtype=np.float32))
         except InvalidParams as e:
             return [_error(req, str(e), 400, e.param) for req in group]
-        except RuntimeError as e:  # an input over the KV cache's free slots
+        except NoKVRoom as e:  # an input over the KV cache's free slots
             return [_error(req, f"{e} (this server's --kv-cache-tokens)", 400, "input")
                     for req in group]
         except Exception:
             log.exception("embeddings failed for %s", ", ".join(r.request_id for r in group))
             return [_error(req, "internal error in compute", 500, None) for req in group]
-        rows = np.ascontiguousarray(vectors.numpy(), dtype=np.float32)
-        out, at = [], 0
-        for req in group:
-            n = len(req.inputs)
-            flat = array("f")
-            flat.frombytes(rows[at:at + n].tobytes())
-            out.append(EmbedResult(req.request_id, flat, rows.shape[1],
-                                   array("i", (len(ids) for ids in req.inputs))))
-            at += n
-        return out
+
+
+def _results(group: list[EmbedRequest], rows: np.ndarray) -> list[EmbedResult]:
+    """Each request's rows of `rows` [inputs of the group, dim] as its EmbedResult."""
+    out, at = [], 0
+    for req in group:
+        n = len(req.inputs)
+        flat = array("f")
+        flat.frombytes(rows[at:at + n].tobytes())
+        out.append(EmbedResult(req.request_id, flat, rows.shape[1],
+                               array("i", (len(ids) for ids in req.inputs))))
+        at += n
+    return out
 
 
 def _error(req: EmbedRequest, message: str, status: int, param: str | None) -> EmbedResult:

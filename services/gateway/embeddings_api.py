@@ -29,6 +29,7 @@ from services.gateway.embeddings_request import (
     parse_embeddings,
 )
 from services.gateway.errors import APIError, bad_request, unavailable
+from services.gateway.inflight import MAX_RESUMES
 from services.gateway.validation import read_json_body
 from shared.codec import int32s
 from shared.messages import Delta, EmbedRequest, EmbedResult
@@ -102,12 +103,19 @@ class EmbeddingsAPI:
             inflight.deltas.put_nowait(result)
 
     async def resend(self) -> None:
-        """Every embeddings request in flight again (a service restarted: it may be lost)."""
+        """Every embeddings request in flight again (a service restarted: it may be lost); one
+        lost more than MAX_RESUMES times (it may be what crashes a service) fails instead."""
         for msg in list(self.sent.values()):
+            inflight = self.gw.registry.requests.get(msg.request_id)
+            if inflight is None:
+                continue
+            if inflight.resumes >= MAX_RESUMES:
+                inflight.fail(f"the request was lost {inflight.resumes + 1} times by "
+                              "restarting services")
+                continue
+            inflight.resumes += 1
             if not await self.gw.send_tokenize(msg):
-                inflight = self.gw.registry.requests.get(msg.request_id)
-                if inflight is not None:
-                    inflight.fail("No tokenizer worker is connected to resume the request.")
+                inflight.fail("No tokenizer worker is connected to resume the request.")
 
 
 def answer(result: EmbedResult, req: EmbeddingsRequest) -> dict:

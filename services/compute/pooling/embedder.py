@@ -20,6 +20,11 @@ from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams
 
 
+class NoKVRoom(RuntimeError):
+    """Not even the first prompt of a batch gets free KV slots (it is longer than the free
+    space: the cache is too small for it, or held by running requests)."""
+
+
 def embed(engine, prompts: list[list[int]], pooling: PoolingConfig,
           dimensions: int | None = None) -> torch.Tensor:
     """[len(prompts), dim] float32: each prompt pooled by `pooling`, truncated to `dimensions`
@@ -49,7 +54,7 @@ def embed(engine, prompts: list[list[int]], pooling: PoolingConfig,
 def _run_group(engine, group: list[list[int]], pooling: PoolingConfig,
                dim: int | None) -> torch.Tensor:
     """The pooled vectors of the longest head of `group` whose prompts get free KV slots
-    (RuntimeError when not even the first does); the slots are freed before returning."""
+    (NoKVRoom when not even the first does); the slots are freed before returning."""
     allocator, runner, starts = engine.kv.allocator, engine.runner, []
     try:
         for p in group:
@@ -58,7 +63,7 @@ def _run_group(engine, group: list[list[int]], pooling: PoolingConfig,
                 break
             starts.append(start)
         if not starts:
-            raise RuntimeError(f"no {len(group[0])} free KV slots for a pooled prompt")
+            raise NoKVRoom(f"no {len(group[0])} free KV slots for a pooled prompt")
         group = group[:len(starts)]
         batch = prefill_batch(group, starts, runner.device)
         rows = hidden_states(runner.model, batch, runner.kv)
