@@ -245,8 +245,27 @@ def lora_delta_reference(y, x, a, b, rows, starts, slots, max_rows: int) -> None
         y[idx] = (y[idx].float() + delta).to(y.dtype)
 
 
+def vnni_pack(t: torch.Tensor) -> torch.Tensor:
+    """[S, K, N] -> [S, K / 2, N, 2]: rows k and k + 1 interleaved, the layout AMX's BF16 tiles
+    read a GEMM's B operand in (K even)."""
+    S, K, N = t.shape
+    return t.view(S, K // 2, 2, N).transpose(2, 3).contiguous()
+
+
+def cpu_packed(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(vnni_pack(a), vnni_pack(b)) where the CPU kernel would run them on AMX tiles (bf16
+    stacks on a CPU at the `amx` level, the C++ kernels in use); else None."""
+    from kernels.cpu import isa
+
+    if a.dtype != torch.bfloat16 or a.device.type != "cpu" or a.shape[1] % 32 \
+            or block_gemm_extension(a) is None or isa.selected() != "amx":
+        return None
+    return vnni_pack(a), vnni_pack(b)
+
+
 def lora_delta_(y, x, a, b, rows, starts, slots, max_rows: int,
-                part_ends: list[int] | None = None) -> None:
+                part_ends: list[int] | None = None,
+                packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """In place, for each group g (0 <= g < G):
          y[rows[starts[g]:starts[g+1]]] += (x[those rows] @ a[slots[g]]) @ b[slots[g]]
     y [T, out] (float32/bf16/fp16), x [T, in] (float32/bf16/fp16, may differ from y's dtype),
@@ -259,11 +278,13 @@ def lora_delta_(y, x, a, b, rows, starts, slots, max_rows: int,
     its P column blocks (out = part_ends[-1]; part j's rows of b j R/P .. (j + 1) R/P, zeros
     elsewhere, which the CPU kernel does not read). Triton where `use_triton(y)`; on a CPU
     the C++ kernel (kernels/cpu/lora.cpp: an AVX2 or AVX-512 level, R and out multiples of
-    16, contiguous rows); else the reference."""
+    16, contiguous rows; `packed`, cpu_packed's copies of a and b: AMX tiles); else the
+    reference."""
     if use_triton(y):
         lora_delta_triton(y, x, a, b, rows, starts, slots, max_rows)
     elif (ext := block_gemm_extension(y)) is not None and _cpu_kernel_takes(y, x, a, b):
-        ext.lora_delta(y, x, a, b, rows, starts, slots, part_ends or [y.shape[1]])
+        ext.lora_delta(y, x, a, b, rows, starts, slots, part_ends or [y.shape[1]],
+                       *(packed or ()))
     else:
         lora_delta_reference(y, x, a, b, rows, starts, slots, max_rows)
 

@@ -12,10 +12,12 @@ from kernels import dispatch
 from kernels.lora import (
     MAX_RANK,
     Tiling,
+    cpu_packed,
     lora_delta_,
     lora_delta_reference,
     lora_delta_triton,
     tiling_for,
+    vnni_pack,
 )
 
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
@@ -275,3 +277,61 @@ def test_cpu_kernel_reads_only_the_part_blocks_of_b(cpu_level, ends):
     if ends[0] % 64 == 0:
         cpu_level.lora_delta(skipped, x, a, b, rows, starts, slots, ends)  # b off-block unread
         torch.testing.assert_close(skipped.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,d_in,d_out,rank,sizes,ends", [
+    (12, 64, 48, 16, [3, 0, 1, 4], [48]),  # decode-like, an empty group
+    (40, 96, 80, 48, [12, 0, 13, 5], [32, 64, 80]),  # 3 parts, a ragged last column block
+    (40, 96, 192, 48, [12, 0, 13, 5], [64, 128, 192]),  # 3 parts of whole column blocks
+    (64, 128, 208, 64, [20, 10, 7, 27], [208]),  # groups past one block of 16 rows, 4 C tiles
+    (9, 32, 16, 80, [9], [16]),  # R past 4 C tiles
+])
+def test_cpu_amx_tiles_match_reference(T, d_in, d_out, rank, sizes, ends, y_dtype):
+    """The kernel's AMX variant (kernels/cpu/lora_amx.cpp: bf16 x, a and b given packed too),
+    on a CPU with AMX: the reference within h's rounding to bf16 (b block-diagonal over the
+    parts; where they are whole blocks of 64 columns, its off-part values are not read), rows
+    outside the groups untouched; it is what ran (its float32 y differs from the AVX-512
+    variant's, which keeps h in float32)."""
+    from kernels.cpu import extension, isa
+
+    if "amx" not in isa.cpu_levels():
+        pytest.skip(f"this CPU has no AMX ({isa.describe()})")
+    ext = extension()
+    y, x, a, b, rows, starts, slots, max_rows = make_case(T, d_in, d_out, rank, sizes,
+                                                          torch.bfloat16, y_dtype, seed=T + rank)
+    rp, block = rank // len(ends), torch.zeros(rank, d_out, dtype=torch.bool)
+    for j, (lo, hi) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        block[j * rp : (j + 1) * rp, lo:hi] = True
+    diag = b * block
+    given = b if all(e % 64 == 0 for e in ends) else diag
+    want, got, plain = y.clone(), y.clone(), y.clone()
+    lora_delta_reference(want, x, a, diag, rows, starts, slots, max_rows)
+    previous = ext.block_gemm_isa()
+    ext.set_block_gemm_isa("avx512")
+    try:
+        ext.lora_delta(got, x, a, given, rows, starts, slots, ends, vnni_pack(a),
+                       vnni_pack(given))
+        ext.lora_delta(plain, x, a, diag, rows, starts, slots, ends)
+    finally:
+        ext.set_block_gemm_isa(previous)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2e-2)
+    assert torch.equal(others(got, rows), others(y, rows))
+    if y_dtype == torch.float32:
+        assert not torch.equal(got, plain)
+
+
+def test_vnni_pack_and_when_the_cpu_gets_packed_stacks():
+    """vnni_pack interleaves pairs of rows; cpu_packed gives packed bf16 stacks at the amx level
+    only, never float32 ones."""
+    from kernels.cpu import isa
+
+    t = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)
+    p = vnni_pack(t)
+    assert p.shape == (2, 2, 3, 2)
+    for s, k, n in [(0, 0, 0), (1, 3, 2), (1, 2, 1)]:
+        assert p[s, k // 2, n, k % 2] == t[s, k, n]
+    a, b = torch.randn(2, 64, 16), torch.randn(2, 16, 32)
+    assert cpu_packed(a, b) is None
+    packed = cpu_packed(a.bfloat16(), b.bfloat16())
+    assert (packed is not None) == (isa.selected() == "amx")

@@ -74,9 +74,9 @@ def lora_setup(tmp_path_factory):
 
 def lora_engine(base_dir, dirs, **cfg):
     modules = " ".join(f"{n}={d}" for n, d in dirs.items())
-    cfg = {"max_loras": len(dirs), **cfg}
-    config = with_settings(EngineConfig(), model=str(base_dir), device="cpu", dtype="float32",
-                           enable_lora=True, lora_modules=modules, max_lora_rank=16, **cfg)
+    cfg = {"max_loras": len(dirs), "dtype": "float32", **cfg}
+    config = with_settings(EngineConfig(), model=str(base_dir), device="cpu", enable_lora=True,
+                           lora_modules=modules, max_lora_rank=16, **cfg)
     return build_engine(config)
 
 
@@ -403,6 +403,24 @@ def test_w8a8_base_factors_follow_smoothquant(lora_setup, monkeypatch):
     unfollowed = _prompt_logprob_deltas(lora_engine(base_dir, dirs, quantization="w8a8"),
                                         prompts)
     assert torch.nn.functional.cosine_similarity(unfollowed["A"], want["A"], dim=0) < 0.9
+
+
+def test_bf16_base_on_amx_tiles(lora_setup):
+    """A bfloat16 model on a CPU at the `amx` level: its projections' stacks are packed for the
+    kernel's AMX variant, and what each adapter changes in the prompts' log-probabilities is
+    what it changes in float32; a mixed batch gives every request its tokens alone."""
+    from kernels.cpu import isa
+
+    if isa.selected() != "amx":
+        pytest.skip(f"the kernels do not run the amx level here ({isa.describe()})")
+    base_dir, dirs, _, prompts = lora_setup
+    want = _prompt_logprob_deltas(lora_engine(base_dir, dirs), prompts)
+    engine = lora_engine(base_dir, dirs, dtype="bfloat16")
+    assert all(layer.qkv.packed is not None for layer in engine.runner.model.layers)
+    for name, got in _prompt_logprob_deltas(engine, prompts).items():
+        assert torch.nn.functional.cosine_similarity(got, want[name], dim=0) > 0.99, name
+    alone = [run(engine, [(p, n)])[0] for p in prompts[:3] for n in ("", "A", "B")]
+    assert run(engine, [(p, n) for p in prompts[:3] for n in ("", "A", "B")]) == alone
 
 
 def test_gguf_base(tmp_path):

@@ -38,7 +38,8 @@ Tensor q8_gemm(Tensor x, Tensor qs, Tensor d, Tensor corr, int64_t n,
                std::optional<Tensor> bias);
 // lora.cpp
 void lora_delta(Tensor y, Tensor x, Tensor a, Tensor b, Tensor rows, Tensor starts,
-                Tensor slots, std::vector<int64_t> part_ends);
+                Tensor slots, std::vector<int64_t> part_ends, std::optional<Tensor> a_vnni,
+                std::optional<Tensor> b_vnni);
 // sampling.cpp
 std::tuple<Tensor, Tensor> sample_rows(Tensor logits, std::optional<Tensor> raw_logits,
                                        Tensor temperature, Tensor top_p, Tensor min_p,
@@ -60,7 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_delta", &lora_delta,
         "in place: y[rows of group g] += (x[those rows] @ a[slots[g]]) @ b[slots[g]]",
         py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("rows"),
-        py::arg("starts"), py::arg("slots"), py::arg("part_ends"));
+        py::arg("starts"), py::arg("slots"), py::arg("part_ends"),
+        py::arg("a_vnni") = py::none(), py::arg("b_vnni") = py::none());
   m.def("silu_mul", &silu_mul, "silu(gate) * up: [..., 2I] -> [..., I]", py::arg("gate_up"));
   m.def("quantize_int8", &quantize_int8, "per-token INT8: (int8 [T, K], scales [T])",
         py::arg("x"));

@@ -5,9 +5,12 @@
 // those; rows, starts, slots int64; part_ends: where b is block-diagonal, the ends of its
 // column blocks (kernels/lora.py). Runs the vectorized variant of the level the block GEMMs
 // run (set_block_gemm_isa: avx2 or an avx512 level), which needs R and out multiples of 16;
+// given a and b packed too (a_vnni, b_vnni: kernels/lora.py's cpu_packed, which gives them at
+// the amx level), bf16 x and a CPU whose AMX tiles this process may use, AMX (lora_amx.cpp).
 // kernels/lora.py sends other calls to the reference.
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,7 +31,8 @@ pipellm::lora::DType dtype_of(at::ScalarType t) {
 
 void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b,
                 torch::Tensor rows, torch::Tensor starts, torch::Tensor slots,
-                std::vector<int64_t> part_ends) {
+                std::vector<int64_t> part_ends, std::optional<torch::Tensor> a_vnni,
+                std::optional<torch::Tensor> b_vnni) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && a.dim() == 3 && b.dim() == 3, "bad ranks");
   TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1 && a.is_contiguous() && b.is_contiguous(),
               "rows of y and x, and a and b, must be contiguous");
@@ -62,5 +66,13 @@ void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor
       y.data_ptr(), x.data_ptr(), a.data_ptr(), b.data_ptr(), rp, sp, gp, part_ends.data(), P,
       y.stride(0), x.stride(0), in, R,
       out, G, dtype_of(y.scalar_type()), dtype_of(x.scalar_type()), h.data_ptr<float>()};
+  if (avx512 && a_vnni && b_vnni && x.scalar_type() == at::kBFloat16 && in % 32 == 0 &&
+      pipellm::lora::amx_ready()) {
+    TORCH_CHECK(a_vnni->is_contiguous() && b_vnni->is_contiguous() &&
+                a_vnni->numel() == a.numel() && b_vnni->numel() == b.numel() &&
+                a_vnni->scalar_type() == at::kBFloat16 && b_vnni->scalar_type() == at::kBFloat16,
+                "a_vnni and b_vnni must be a and b packed (kernels/lora.py's vnni_pack)");
+    return pipellm::lora::run_amx(args, a_vnni->data_ptr(), b_vnni->data_ptr());
+  }
   (avx512 ? pipellm::lora::run_avx512 : pipellm::lora::run_avx2)(args);
 }

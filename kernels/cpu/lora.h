@@ -27,5 +27,10 @@ struct Args {
 // R / P and out multiples of 16 (both ISAs' vectors divide them).
 void run_avx2(const Args& args);
 void run_avx512(const Args& args);
+// AMX tiles (lora_amx.cpp): x, a and b bf16, `in` a multiple of 32, a and b also given packed
+// in pairs of rows (a_vnni [S, in / 2, R, 2], b_vnni [S, R / 2, out, 2]); only where
+// amx_ready(): the CPU has AMX-BF16 and Linux gave this process its tile state.
+void run_amx(const Args& args, const void* a_vnni, const void* b_vnni);
+bool amx_ready();
 
 }  // namespace pipellm::lora

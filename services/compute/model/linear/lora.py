@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels.int8_quant import Int8Activation
-from kernels.lora import lora_delta_
+from kernels.lora import cpu_packed, lora_delta_
 from services.compute.core.lora_groups import LoraGroups
 
 RANK_MULTIPLE = 16  # stacks' rank padded to a multiple of this (the CPU kernel's vectors)
@@ -37,6 +37,7 @@ class LoraLinear:
         self.a: torch.Tensor | None = None  # None until an adapter is added
         self.b: torch.Tensor | None = None
         self.targeted: set[int] = set()  # slots whose adapter targets this projection
+        self.packed = None  # the stacks as the CPU kernel's AMX tiles read them, where it does
 
     def append(self, factors: tuple[torch.Tensor, torch.Tensor] | None, like: torch.Tensor,
                ) -> None:
@@ -64,18 +65,19 @@ class LoraLinear:
                 b[S, j * rp : j * rp + r] = factors[1][j * r : (j + 1) * r]
         if factors is not None:
             self.targeted.add(S)
-        self.a, self.b = a, b
+        self.a, self.b, self.packed = a, b, cpu_packed(a, b)
 
     def drop(self, slot: int) -> None:
         """Remove slot `slot`; the slots after it move down by one."""
         keep = [s for s in range(self.a.shape[0]) if s != slot]
         self.a, self.b = self.a[keep].contiguous(), self.b[keep].contiguous()
+        self.packed = cpu_packed(self.a, self.b)
         self.targeted = {s - (s > slot) for s in self.targeted if s != slot}
 
     def nbytes(self) -> int:
         """The base layer's bytes and the stacks'."""
         stacks = 0 if self.a is None else sum(t.numel() * t.element_size()
-                                               for t in (self.a, self.b))
+                                               for t in (self.a, self.b, *(self.packed or ())))
         return self.base.nbytes() + stacks
 
     def __call__(self, x: torch.Tensor, lora: LoraGroups | None = None) -> torch.Tensor:
@@ -91,5 +93,5 @@ class LoraLinear:
                 y[lo:hi].addmm_(h, self.b[slot].to(y.dtype))
         if lora.rows is not None:
             lora_delta_(y, x, self.a, self.b, lora.rows, lora.starts, lora.slots,
-                        lora.max_rows, self.part_ends)
+                        lora.max_rows, self.part_ends, self.packed)
         return y
