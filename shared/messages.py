@@ -258,6 +258,7 @@ class EmbedRequest:
     dimensions: int = 0  # > 0: Matryoshka truncation to this width
     truncate_prompt_tokens: int = 0  # > 0: keep each input's last this many tokens; -1: the
     # context length's
+    add_special_tokens: bool = True  # texts: the tokenizer's special tokens (BOS/EOS) added
 
 
 @message

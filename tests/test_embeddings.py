@@ -57,6 +57,8 @@ def test_the_four_input_shapes():
                "truncate_prompt_tokens": -1, "user": "someone"})
     assert (r.encoding_format, r.dimensions, r.truncate_prompt_tokens) == ("base64", 16, -1)
     assert parse({"input": "x", "truncate_prompt_tokens": 100}).truncate_prompt_tokens == 100
+    assert parse({"input": "x"}).add_special_tokens
+    assert not parse({"input": "x", "add_special_tokens": False}).add_special_tokens
     assert parse({"input": ["a"] * MAX_INPUTS}).count == MAX_INPUTS
 
 
@@ -84,6 +86,7 @@ def test_the_four_input_shapes():
     ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "at least"),
     ({"input": "x", "truncate_prompt_tokens": 101}, "truncate_prompt_tokens", "max_model_len"),
     ({"input": "x", "stream": True}, "stream", "Unrecognized"),
+    ({"input": "x", "add_special_tokens": 1}, "add_special_tokens", "boolean"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(body, param, match):
     rejects(body, param, match)
@@ -123,6 +126,11 @@ def test_tokenizer_prepares_ids(demo_model_dir):
     assert req.texts is None
     assert [list(i) for i in req.inputs] == [tok.encode(t).ids for t in texts]
     assert all(i.typecode == "i" for i in req.inputs)
+    bare = prepare_embed(tok, EmbedRequest("r", "a", texts=texts, add_special_tokens=False),
+                         100, 1000)
+    assert [list(i) for i in bare.inputs] == [tok.encode(t, add_special_tokens=False).ids
+                                              for t in texts]
+    assert len(bare.inputs[0]) < len(req.inputs[0])  # the demo tokenizer adds BOS
     long = tok.encode(texts[1]).ids
     cut = prepare_embed(tok, EmbedRequest("r", "a", texts=texts[1:], truncate_prompt_tokens=3),
                         100, 1000)

@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.gateway import health
+from services.gateway import embeddings_api, health
 from services.gateway.service import build
 from shared import codec, state
 from shared.config import EngineConfig, ServiceConfig
@@ -149,3 +149,20 @@ def test_resent_after_a_restart_failed_after_an_outage(demo_model_dir, redis_url
     assert first == again and status == 200
     assert answer["data"][0]["embedding"] == [0.5]
     assert failed == 503 and "compute" in error["error"]["message"]
+
+
+def test_a_request_lost_too_often_fails(demo_model_dir, redis_url, monkeypatch):
+    monkeypatch.setattr(embeddings_api, "MAX_RESUMES", 1)
+
+    async def body(gw, client, tokenizer):
+        post = asyncio.create_task(client.post("/v1/embeddings", json={"input": "x"}))
+        sent = [codec.decode(await tokenizer.recv())]
+        for instance in ("b", "c"):  # two restarts: resent once, then failed
+            state.heartbeat(redis.Redis.from_url(redis_url), "default", "compute", instance, 30)
+            await gw.health.refresh()
+        sent.append(codec.decode(await tokenizer.recv()))
+        r = await post
+        return len(sent), r.status, await r.json()
+
+    count, status, answer = run_gateway(demo_model_dir, redis_url, body)
+    assert count == 2 and status == 503 and "lost 2 times" in answer["error"]["message"]

@@ -75,7 +75,8 @@ class EmbeddingsAPI:
                            inputs=[int32s(ids) for ids in req.ids or ()], texts=
                            None if req.texts is None else list(req.texts),
                            dimensions=req.dimensions or 0,
-                           truncate_prompt_tokens=req.truncate_prompt_tokens)
+                           truncate_prompt_tokens=req.truncate_prompt_tokens,
+                           add_special_tokens=req.add_special_tokens)
         inflight = gw.registry.add(rid, 1)
         self.sent[rid] = msg
         outcome = "aborted"  # the client left, unless it gets an answer

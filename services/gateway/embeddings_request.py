@@ -6,6 +6,7 @@
 - `encoding_format`: "float" (default) or "base64" (each vector's little-endian float32 bytes).
 - `dimensions`: a Matryoshka width the model gives (EmbeddingSettings.check_dimensions).
 - `truncate_prompt_tokens` (vLLM's): keep each input's last k tokens; -1: the context length.
+- `add_special_tokens` (vLLM's, default true): texts get the tokenizer's special tokens.
 - `user` is accepted and ignored; other keys as --strict-request-fields says.
 Token ids are checked against the vocabulary and the context by the tokenizer service.
 """
@@ -18,12 +19,19 @@ from typing import Any
 
 from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import check_model
-from services.gateway.validation import get_int, get_str, is_int, json_type, token_ids
+from services.gateway.validation import (
+    get_bool,
+    get_int,
+    get_str,
+    is_int,
+    json_type,
+    token_ids,
+)
 from shared.pooling import PoolingConfig
 
 MAX_INPUTS = 2048
 KEYS = frozenset({"model", "input", "encoding_format", "dimensions", "user",
-                  "truncate_prompt_tokens"})
+                  "truncate_prompt_tokens", "add_special_tokens"})
 FORMATS = ("float", "base64")
 
 
@@ -60,6 +68,7 @@ class EmbeddingsRequest:
     encoding_format: str = "float"
     dimensions: int | None = None
     truncate_prompt_tokens: int = 0
+    add_special_tokens: bool = True
 
     @property
     def count(self) -> int:
@@ -80,7 +89,8 @@ def parse_embeddings(body: Any, model_name: str, settings: EmbeddingSettings, *,
     settings.check_dimensions(dimensions)
     texts, ids = parse_input(body.get("input"), max_text_bytes)
     return EmbeddingsRequest(get_str(body, "model", model_name), texts, ids, fmt, dimensions,
-                             truncation(body, settings.max_model_len))
+                             truncation(body, settings.max_model_len),
+                             get_bool(body, "add_special_tokens", True))
 
 
 def truncation(body: dict, max_model_len: int) -> int:

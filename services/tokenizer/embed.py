@@ -23,7 +23,7 @@ class EmbedInputError(ValueError):
 def prepare_embed(tok, req: EmbedRequest, max_model_len: int, vocab_size: int) -> EmbedRequest:
     """`req` with `inputs` the token ids of every input (texts tokenized) and `texts` None."""
     if req.texts is not None:
-        encodings = tok.encode_batch(req.texts, add_special_tokens=True)
+        encodings = tok.encode_batch(req.texts, add_special_tokens=req.add_special_tokens)
         inputs = [e.ids for e in encodings]
     else:
         inputs = [list(ids) for ids in req.inputs]
