@@ -71,9 +71,9 @@ class EmbeddingsAPI:
         if not gw.health.ok:
             raise unavailable(f"Not ready: {gw.health.reason}")
         rid = f"embd-{secrets.token_hex(12)}"
+        texts = None if req.texts is None else list(req.texts)
         msg = EmbedRequest(rid, gw.svc.addr("gateway"),
-                           inputs=[int32s(ids) for ids in req.ids or ()], texts=
-                           None if req.texts is None else list(req.texts),
+                           inputs=[int32s(ids) for ids in req.ids or ()], texts=texts,
                            dimensions=req.dimensions or 0,
                            truncate_prompt_tokens=req.truncate_prompt_tokens,
                            add_special_tokens=req.add_special_tokens)
