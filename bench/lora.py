@@ -14,7 +14,7 @@ core, as in bench/vs_peers.py. Reported: output tok/s per (server, workload), me
 rounds; each LoRA workload's ratio to the same server's base; pipellm's ratio to vLLM's.
 Targets: pipellm lora4 >= 0.85x its base; pipellm ahead of vLLM on every LoRA workload.
 
-    python -m bench.lora [--rounds 1] [--servers pipellm,vllm-bf16] [--quick]
+    python -m bench.lora [--rounds 1] [--servers pipellm,pipellm-avx2,vllm-bf16] [--quick]
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -42,7 +42,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--servers", default="pipellm,vllm-bf16", help="of pipellm, vllm-bf16")
+    p.add_argument("--servers", default="pipellm,vllm-bf16",
+                   help="of pipellm, pipellm-avx2 (its AVX2 kernels), vllm-bf16")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="1 round, 8 prompts, lora4 only")
@@ -134,12 +135,13 @@ def report(runs: dict[str, dict[str, list[float]]]) -> dict:
         cells = [f"{m[wl]:.1f}" if wl in m else "failed" for wl in WORKLOADS]
         ratio = round(m["lora4"] / m["base"], 2) if {"lora4", "base"} <= m.keys() else None
         print(f"| {s} | " + " | ".join(cells) + f" | {ratio} |")
-    p, v = med.get("pipellm", {}), med.get("vllm-bf16", {})
-    out = {"lora4_vs_base": round(p["lora4"] / p["base"], 3) if {"lora4", "base"} <= p.keys()
-           else None,
-           "vs_vllm": {wl: round(p[wl] / v[wl], 2) for wl in WORKLOADS
-                       if wl in p and wl in v}}
-    print(f"pipellm lora4 / base: {out['lora4_vs_base']} (target >= 0.85); pipellm / vLLM: "
+    v = med.get("vllm-bf16", {})
+    ours = [s for s in med if s.startswith("pipellm")]
+    out = {"lora4_vs_base": {s: round(med[s]["lora4"] / med[s]["base"], 3) for s in ours
+                             if {"lora4", "base"} <= med[s].keys()},
+           "vs_vllm": {s: {wl: round(med[s][wl] / v[wl], 2) for wl in WORKLOADS
+                           if wl in med[s] and wl in v} for s in ours if v}}
+    print(f"lora4 / base: {out['lora4_vs_base']} (target >= 0.85); pipellm / vLLM: "
           f"{out['vs_vllm']} (target > 1 on the LoRA workloads)")
     return {**out, "tok_s": med}
 
