@@ -113,10 +113,7 @@ def _check_model(config: EngineConfig) -> None:
     if config.pooling:
         from shared.pooling import PoolingConfig
 
-        if is_gguf(config.model):
-            raise ValueError("--runner pooling serves Hugging Face directories; GGUF "
-                             "embedding models are not served yet")
-        PoolingConfig.from_dir(config.model)  # a malformed sentence-transformers config
+        PoolingConfig.resolve(config.model, config.pooler_config)  # a malformed config
     if config.backend == "torch" and is_gguf(config.model):
         check_gguf(config.model)
 

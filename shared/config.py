@@ -215,6 +215,9 @@ class EngineConfig:
     convert: ConvertName = setting(ConvertName.AUTO, "vLLM's: embed serves the model as an "
                                    "embedder (the same as --runner pooling); auto or none: as "
                                    "--runner says", group=MODEL)
+    pooler_config: str = setting("", "vLLM's JSON over the model's pooling (a pooling server): "
+                                 '{"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}',
+                                 group=MODEL)
     scheduler: SchedulerConfig = setting(default_factory=SchedulerConfig, flat=True)
     kv_cache_tokens: int = setting(0, "KV cache slots (tokens); 0: sized from memory",
                                    group=SCHEDULING)

@@ -5,16 +5,23 @@
 `_cls_token`). Invariants: `mode` is one of MODES; `dimension` is the model's full embedding width
 when known (0: unknown); `matryoshka_dims` lists the widths `dimensions` may truncate to (empty:
 any width in 1..dimension). A directory without `modules.json` pools by the last token and
-normalizes (Qwen3-Embedding's and vLLM's default for decoder embedders).
+normalizes (Qwen3-Embedding's and vLLM's default for decoder embedders). `from_gguf` reads a
+GGUF file's `{arch}.pooling_type` as llama.cpp does (mean, cls or last; absent or none: last)
+and normalizes (llama.cpp's default for /v1/embeddings). `resolve` is what a server uses:
+either, then vLLM's `--pooler-config` JSON (`pooling_type`, `normalize`) over it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 MODES = ("last", "mean", "cls")
+# llama.cpp's enum llama_pooling_type -> a mode (0 none and 4 rank: no single vector; last)
+_GGUF_MODES = {1: "mean", 2: "cls", 3: "last"}
+# vLLM's --pooler-config pooling_type -> a mode
+_VLLM_TYPES = {"LAST": "last", "MEAN": "mean", "CLS": "cls"}
 _MODE_KEYS = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
               "pooling_mode_cls_token": "cls"}
 _POOLING = "sentence_transformers.models.Pooling"
@@ -54,6 +61,40 @@ class PoolingConfig:
         return cls(mode=modes[0], normalize=any(m.get("type") == _NORMALIZE for m in modules),
                    dimension=int(pool_cfg.get("word_embedding_dimension", 0)),
                    matryoshka_dims=dims)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> PoolingConfig:
+        """The pooling of the GGUF file `path` (see the module docstring)."""
+        from shared.gguf.reader import open_gguf
+
+        f = open_gguf(path)
+        arch = f.require("general.architecture")
+        return cls(mode=_GGUF_MODES.get(int(f.get(f"{arch}.pooling_type", 0)), "last"),
+                   dimension=int(f.get(f"{arch}.embedding_length", 0)))
+
+    @classmethod
+    def resolve(cls, model: str | Path, pooler_config: str = "") -> PoolingConfig:
+        """A server's pooling: the model's (a GGUF file's or a directory's), then the fields
+        of vLLM's --pooler-config JSON over it (ValueError for one it cannot serve)."""
+        from shared.gguf.reader import is_gguf
+
+        base = cls.from_gguf(model) if is_gguf(model) else cls.from_dir(model)
+        if not pooler_config:
+            return base
+        try:
+            fields = json.loads(pooler_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--pooler-config is not JSON: {e}") from None
+        unknown = sorted(set(fields) - {"pooling_type", "normalize"}) \
+            if isinstance(fields, dict) else [fields]
+        if unknown:
+            raise ValueError(f"--pooler-config takes pooling_type and normalize; got {unknown}")
+        kind = str(fields.get("pooling_type", "")).upper()
+        if kind and kind not in _VLLM_TYPES:
+            raise ValueError(f"--pooler-config pooling_type {kind!r}: expected one of "
+                             f"{sorted(_VLLM_TYPES)}")
+        return replace(base, mode=_VLLM_TYPES.get(kind, base.mode),
+                       normalize=bool(fields.get("normalize", base.normalize)))
 
     def output_dim(self, dimensions: int | None) -> int | None:
         """The width a request for `dimensions` gets (None: the full width); ValueError when

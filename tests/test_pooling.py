@@ -175,3 +175,32 @@ def test_config_from_dir(tmp_path):
         cfg.output_dim(12)
     with pytest.raises(ValueError):
         PoolingConfig(mode="max")
+
+
+def test_gguf_embedder_pools_as_its_metadata_says(tmp_path):
+    """A GGUF file pools as its `{arch}.pooling_type` says (llama.cpp's: 1 mean), normalized;
+    the engine on it matches SentenceTransformer on the same weights as an HF directory; vLLM's
+    --pooler-config overrides the mode and normalization; no pooling_type: the last token."""
+    from tests.gguf_files import Q, write_gguf
+
+    hf_dir = tmp_path / "hf"
+    model = build_hf_model(hf_dir, "llama", with_tokenizer=True, initializer_range=0.2, seed=4)
+    write_st_config(hf_dir, 64, "mean")
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "pad_token": "</s>"}))
+    gguf = write_gguf(tmp_path / "embed.gguf", model, Q.F32, meta={"llama.pooling_type": 1})
+    assert PoolingConfig.resolve(gguf) == PoolingConfig("mean", True, 64)
+    st = sentence_transformers.SentenceTransformer(str(hf_dir), device="cpu")
+    texts = sentences(20, seed=1)
+    eng = build_engine(with_settings(EngineConfig(), model=str(gguf), device="cpu",
+                                     dtype="float32", max_model_len=512, kv_cache_tokens=2048))
+    ours = eng.embed([st.tokenizer(t)["input_ids"] for t in texts]).numpy()
+    assert cosines(ours, st.encode(texts, convert_to_numpy=True)).min() >= 0.999
+    assert PoolingConfig.resolve(gguf, '{"pooling_type": "LAST", "normalize": false}') == \
+        PoolingConfig("last", False, 64)
+    plain = write_gguf(tmp_path / "plain.gguf", model, Q.F32)
+    assert PoolingConfig.resolve(plain).mode == "last"
+    for bad in ("{", '{"pooling_type": "MAX"}', '{"dimensions": 8}', "[1]"):
+        with pytest.raises(ValueError, match="pooler-config"):
+            PoolingConfig.resolve(gguf, bad)

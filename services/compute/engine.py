@@ -291,8 +291,8 @@ class LLMEngine:
 
     @functools.cached_property
     def pooling(self) -> PoolingConfig:
-        """How `embed` pools: the model directory's sentence-transformers config, read once."""
-        return PoolingConfig.from_dir(self.config.model)
+        """How `embed` pools: the model's (shared/pooling.py), read once."""
+        return PoolingConfig.resolve(self.config.model, self.config.pooler_config)
 
     def embed(self, prompts: list[list[int]], dimensions: int | None = None):
         """[N, dim] float32 pooled embeddings of whole prompts (services/compute/pooling)."""

@@ -50,7 +50,8 @@ def embedding_settings(engine_cfg: EngineConfig) -> EmbeddingSettings | None:
     """What /v1/embeddings checks requests against on a pooling server; None otherwise."""
     if not engine_cfg.pooling:
         return None
-    return EmbeddingSettings(True, PoolingConfig.from_dir(engine_cfg.model),
+    return EmbeddingSettings(True, PoolingConfig.resolve(engine_cfg.model,
+                                                         engine_cfg.pooler_config),
                              ModelConfig.from_path(engine_cfg.model).hidden_size,
                              served_context(engine_cfg))
 
