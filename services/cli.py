@@ -114,6 +114,12 @@ def _check_model(config: EngineConfig) -> None:
         from shared.pooling import PoolingConfig
 
         PoolingConfig.resolve(config.model, config.pooler_config)  # a malformed config
+    from shared.scoring import ScoringConfig
+
+    scoring = ScoringConfig.from_dir(config.model, config.hf_overrides, config.convert)
+    if scoring.scores and not config.pooling:
+        raise ValueError(f"{config.model} is a sequence classification model: serve it with "
+                         "--runner pooling (/score, /rerank, /classify)")
     if config.backend == "torch" and is_gguf(config.model):
         check_gguf(config.model)
 

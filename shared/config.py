@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shared.generation_config import parse_override
 from shared.lora import check_adapters, parse_lora_modules
+from shared.scoring import names_classifier, parse_overrides
 from shared.settings import setting
 from shared.speculative import SpeculativeConfig
 
@@ -78,11 +79,13 @@ class RunnerName(enum.StrEnum):
 
 class ConvertName(enum.StrEnum):
     """--convert (vLLM's): what a generation model's checkpoint is served as; embed: a pooling
-    server (the same as --runner pooling). classify and reward are not served yet."""
+    server (the same as --runner pooling); classify: a pooling server scoring with the
+    checkpoint's sequence classification head (shared/scoring.py). reward is not served yet."""
 
     AUTO = "auto"
     NONE = "none"
     EMBED = "embed"
+    CLASSIFY = "classify"
 
 
 class Batching(enum.StrEnum):
@@ -213,8 +216,13 @@ class EngineConfig:
                                  "as its sentence-transformers config says: /v1/embeddings "
                                  "only)", group=MODEL)
     convert: ConvertName = setting(ConvertName.AUTO, "vLLM's: embed serves the model as an "
-                                   "embedder (the same as --runner pooling); auto or none: as "
-                                   "--runner says", group=MODEL)
+                                   "embedder (the same as --runner pooling), classify as a "
+                                   "classifier / cross-encoder (its score head); auto or none: "
+                                   "as --runner says", group=MODEL)
+    hf_overrides: str = setting("", "vLLM's JSON over the model's config.json, for scoring "
+                                "only (a pooling server): architectures, num_labels, id2label, "
+                                "classifier_from_token, is_original_qwen3_reranker (a "
+                                "Qwen3-Reranker's yes/no rule)", group=MODEL)
     pooler_config: str = setting("", "vLLM's JSON over the model's pooling (a pooling server): "
                                  '{"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": true}',
                                  group=MODEL)
@@ -311,18 +319,25 @@ class EngineConfig:
 
     @property
     def pooling(self) -> bool:
-        """Whether this server serves pooled embeddings, not generation (--runner pooling or
-        --convert embed)."""
-        return self.runner == RunnerName.POOLING or self.convert == ConvertName.EMBED
+        """Whether this server serves pooled embeddings and scores, not generation (--runner
+        pooling, --convert embed or classify, or --hf-overrides naming a classification
+        architecture, as vLLM picks its runner)."""
+        return (self.runner == RunnerName.POOLING
+                or self.convert in (ConvertName.EMBED, ConvertName.CLASSIFY)
+                or names_classifier(self.hf_overrides))
 
     def _check_runner(self) -> None:
         """--runner and --convert parsed; what a pooling server cannot do fails at start-up."""
         _choice("runner", RunnerName, self.runner)
-        if self.convert in ("classify", "reward"):
-            raise ValueError(f"--convert {self.convert} is not served yet (only embed)")
+        if self.convert == "reward":
+            raise ValueError("--convert reward is not served yet (only embed and classify)")
         _choice("convert", ConvertName, self.convert)
         if not self.pooling:
+            if self.hf_overrides:
+                raise ValueError("--hf-overrides goes with --runner pooling (it names a "
+                                 "scoring head)")
             return
+        parse_overrides(self.hf_overrides)  # a malformed one fails at start-up
         for flag, on in (("--backend sim", self.backend == BackendName.SIM),
                          ("--speculative-config", bool(self.scheduler.speculative_config)),
                          ("--enable-lora", self.enable_lora),

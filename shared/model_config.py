@@ -25,6 +25,7 @@ from shared.model_config_gemma import (
 )
 from shared.model_config_moe import MOE_ARCHITECTURES, QWEN3_MOE, moe_fields, moe_window
 from shared.model_config_rope import PHI3, rope
+from shared.scoring import SEQ_CLS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -277,6 +278,8 @@ def _architecture(f: _Fields) -> str:
                 f"no 'architectures' field and model_type {model_type!r} is not supported; "
                 f"supported model types: {', '.join(_ARCH_BY_MODEL_TYPE)}"
             )
+    if arch.endswith(SEQ_CLS) and arch.replace(SEQ_CLS, "ForCausalLM") in SUPPORTED_ARCHITECTURES:
+        arch = arch.replace(SEQ_CLS, "ForCausalLM")  # its decoder; the head: shared/scoring.py
     if arch not in SUPPORTED_ARCHITECTURES:
         raise f.error(
             f"architecture {arch!r} is not supported; "

@@ -216,10 +216,16 @@ def test_runner_and_convert_settings(monkeypatch):
     assert engine("--runner", "pooling").pooling
     assert engine("--convert", "embed").pooling
     assert not engine("--convert", "none").pooling
+    assert engine("--convert", "classify").pooling
+    assert engine("--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"]}'
+                  ).pooling
     monkeypatch.setenv("PIPELLM_RUNNER", "pooling")
     assert engine().pooling
     for bad, match in ((dict(runner="draft"), "--runner must be one of"),
-                       (dict(convert="classify"), "not served yet"),
+                       (dict(hf_overrides='{"architectures": ["X"]}'), "--runner pooling"),
+                       (dict(runner="pooling", hf_overrides='{"vocab_size": 3}'),
+                        "not supported"),
+                       (dict(runner="pooling", hf_overrides="[1"), "not valid JSON"),
                        (dict(convert="reward"), "not served yet"),
                        (dict(convert="x"), "--convert must be one of"),
                        (dict(runner="pooling", backend="sim"), "--backend sim"),

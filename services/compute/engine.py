@@ -22,6 +22,7 @@ from services.compute.core.step import ScheduledStep
 from services.compute.length.refiner import LengthRefiner
 from services.compute.length.store import memory_stores
 from services.compute.pooling import embed
+from services.compute.pooling.scoring import ScoringHead, classify
 from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
 from services.compute.structured import GrammarState, ReasoningGate
@@ -31,6 +32,7 @@ from shared.lora import LoraModule
 from shared.messages import Tokens
 from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams, SamplingParams
+from shared.scoring import ScoringConfig
 
 
 @dataclass(frozen=True)
@@ -297,6 +299,18 @@ class LLMEngine:
     def embed(self, prompts: list[list[int]], dimensions: int | None = None):
         """[N, dim] float32 pooled embeddings of whole prompts (services/compute/pooling)."""
         return embed(self, prompts, self.pooling, dimensions)
+
+    @functools.cached_property
+    def scoring(self) -> ScoringHead:
+        """The model's scoring head (shared/scoring.py says which), built once."""
+        config = ScoringConfig.from_dir(self.config.model, self.config.hf_overrides,
+                                        self.config.convert)
+        return ScoringHead(self.runner.model, config, self.model_config.final_softcap)
+
+    def classify(self, prompts: list[list[int]]):
+        """[N, k] float32 logits of the scoring head over whole prompts' last tokens (k: the
+        labels; 1 for a yes/no reranker: logit[yes] - logit[no])."""
+        return classify(self, prompts, self.scoring)
 
 
 def prefill_backlog(scheduler: Scheduler) -> int:

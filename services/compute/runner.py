@@ -29,11 +29,13 @@ from services.compute.lora.attach import attach_adapters
 from services.compute.model import quantization, smoothing
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
+from services.compute.pooling.scoring import yes_no_rows
 from services.compute.structured import start_mask
 from shared.config import EngineConfig
 from shared.gguf.reader import is_gguf
 from shared.lora import parse_lora_modules
 from shared.model_config import ModelConfig
+from shared.scoring import ScoringConfig
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +187,9 @@ def _load_model(config: EngineConfig, model_config: ModelConfig, device: torch.d
     quant = quantization.resolve(config.quantization, config.model, device, dtype,
                                  config.int4_group_size)
     weights = load_weights(config.model, dtype, device, keep_int4=quant.keeps_gguf_blocks)
+    if config.pooling:  # a yes/no reranker's score rows, taken from its LM head
+        yes_no_rows(ScoringConfig.from_dir(config.model, config.hf_overrides, config.convert),
+                    config.model, weights)
     scales = smoothing.smooth(model_config, weights, device) \
         if quant.int8_activations else None  # W8A8: SmoothQuant, calibrated at load
     model = LlamaModel(model_config, weights, device, max_model_len, quant)

@@ -38,9 +38,12 @@ def warm_up(engine: LLMEngine) -> str:
     params = [SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=2, top_k=50, top_p=0.9, seed=0, ignore_eos=True)]
     try:
-        LLMEngine(engine.config, engine.runner).generate(prompts, params)
         if engine.config.pooling:  # the prefill-only forward and the pooling, once
             engine.embed(prompts)
+            if engine.scoring.scoring.scores:  # and the head (a bad one fails start-up)
+                engine.classify(prompts)
+        else:
+            LLMEngine(engine.config, engine.runner).generate(prompts, params)
     except InvalidParams as e:  # an engine too small for it still serves what fits
         log.warning("warm-up skipped (%s): the first request may be slow", e)
         return "; ".join([*done, "warm-up skipped"])

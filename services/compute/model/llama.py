@@ -68,9 +68,12 @@ class LlamaModel:
         self.embed = require(weights, "model.embed_tokens.weight")
         self.norm = require(weights, "model.norm.weight")
         head = weights.get("lm_head.weight")
-        if head is None and not cfg.tie_word_embeddings:
+        # a sequence classification checkpoint's head [num_labels, hidden] (pooling/scoring.py)
+        self.score = weights.get("score.weight")
+        if head is None and not cfg.tie_word_embeddings and self.score is None:
             head = require(weights, "lm_head.weight")
-        self.lm_head = self.quant.head(self.embed if head is None else head)  # [vocab, hidden]
+        self.lm_head = None if head is None and not cfg.tie_word_embeddings else \
+            self.quant.head(self.embed if head is None else head)  # [vocab, hidden]
         self.layers = [self._layer(weights, i) for i in range(cfg.num_layers)]
         # [num_layers] Python ints, 0 = full attention: kernel constants (Triton specializes on
         # them; a CUDA graph captures each layer's launch with its own)
@@ -158,7 +161,7 @@ class LlamaModel:
                                                  layer.post_mlp, layer.q_norm, layer.k_norm)
             if t is not None]
         shared = getattr(self.lm_head, "weight", None) is self.embed  # tied and not repacked
-        head = 0 if shared else self.lm_head.nbytes()
+        head = 0 if shared or self.lm_head is None else self.lm_head.nbytes()
         return projections + head + sum(t.numel() * t.element_size() for t in tensors)
 
     def _norm(self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

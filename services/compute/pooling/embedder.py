@@ -10,7 +10,7 @@ prompts only use free ones. Result: [N, dim] float32 on the CPU, in prompt order
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -26,9 +26,10 @@ class NoKVRoom(RuntimeError):
 
 
 def embed(engine, prompts: list[list[int]], pooling: PoolingConfig,
-          dimensions: int | None = None) -> torch.Tensor:
+          dimensions: int | None = None, head: Callable | None = None) -> torch.Tensor:
     """[len(prompts), dim] float32: each prompt pooled by `pooling`, truncated to `dimensions`
-    (None: the hidden size), normalized when `pooling.normalize`."""
+    (None: the hidden size), normalized when `pooling.normalize`; with `head`, that of the
+    pooled rows instead ([N, k]: scoring.ScoringHead)."""
     runner = engine.runner
     if getattr(runner, "simulated", False):
         raise ValueError("pooling needs a model: the sim backend has none")
@@ -41,18 +42,18 @@ def embed(engine, prompts: list[list[int]], pooling: PoolingConfig,
         raise InvalidParams("dimensions", str(e)) from None
     check_prompts(prompts, engine.max_model_len, engine.model_config.vocab_size)
     if not prompts:
-        return torch.zeros(0, dim or hidden)
+        return torch.zeros(0, dim or hidden) if head is None else head(torch.zeros(0, hidden))
     out, budget = [], engine.config.scheduler.max_batched_tokens
     while prompts:
         group = next(batches(prompts, budget))
-        vectors = _run_group(engine, group, pooling, dim)
+        vectors = _run_group(engine, group, pooling, dim, head)
         out.append(vectors)
         prompts = prompts[len(vectors):]
     return torch.cat(out)
 
 
 def _run_group(engine, group: list[list[int]], pooling: PoolingConfig,
-               dim: int | None) -> torch.Tensor:
+               dim: int | None, head: Callable | None = None) -> torch.Tensor:
     """The pooled vectors of the longest head of `group` whose prompts get free KV slots
     (NoKVRoom when not even the first does); the slots are freed before returning."""
     allocator, runner, starts = engine.kv.allocator, engine.runner, []
@@ -68,6 +69,8 @@ def _run_group(engine, group: list[list[int]], pooling: PoolingConfig,
         batch = prefill_batch(group, starts, runner.device)
         rows = hidden_states(runner.model, batch, runner.kv)
         vectors = pool(rows, [len(p) for p in group], pooling.mode)
+        if head is not None:
+            return head(vectors).cpu()
         return finish(vectors, pooling.normalize, dim).cpu()
     finally:
         for start in starts:
