@@ -247,9 +247,10 @@ class DeltaBatch:
 
 @message
 class EmbedRequest:
-    """One /v1/embeddings request (--runner pooling). From the gateway it holds `texts` or
-    `inputs`; the tokenizer sends it on to compute with `inputs` only: each input's token ids
-    (special tokens added, truncated, checked against the context and the vocabulary)."""
+    """One /v1/embeddings, /pooling, /score, /rerank or /classify request (--runner pooling).
+    From the gateway it holds `texts` (and `texts_2`, pairs) or `inputs`; the tokenizer sends
+    it on to compute with `inputs` only: each input's token ids (special tokens added,
+    truncated, checked against the context and the vocabulary)."""
 
     request_id: str
     reply_to: str  # address of the gateway that owns the request
@@ -259,6 +260,9 @@ class EmbedRequest:
     truncate_prompt_tokens: int = 0  # > 0: keep each input's last this many tokens; -1: the
     # context length's
     add_special_tokens: bool = True  # texts: the tokenizer's special tokens (BOS/EOS) added
+    task: str = "embed"  # "embed": pooled vectors; "classify": the scoring head's logits (the
+    # last token's; /score, /rerank, /classify), num_labels a row (1 for a yes/no reranker)
+    texts_2: list[str] | None = None  # pairs: texts[i] tokenized with texts_2[i] as its pair
 
 
 @message

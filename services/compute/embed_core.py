@@ -1,11 +1,12 @@
 """The pooling runner's requests in compute: EmbedRequests in, EmbedResults out.
 
 Requests queue as they arrive and run between engine steps: all those queued that ask for the
-same width go through `LLMEngine.embed` together, which batches their inputs up to the token
-budget (--max-batched-tokens) per forward. Should a joined run fail (an input the tokenizer let
-through that the engine refuses), each request of it runs alone, so only the bad one gets the
-error. Errors: InvalidParams is a 400 on its field; no room in the KV cache for an input
-(NoKVRoom) a 400 on `input`; anything else a 500, logged. Never raises.
+same task and width go through `LLMEngine.embed` (or `classify`: the scoring head's logits)
+together, which batches their inputs up to the token budget (--max-batched-tokens) per
+forward. Should a joined run fail (an input the tokenizer let through that the engine refuses),
+each request of it runs alone, so only the bad one gets the error. Errors: InvalidParams is a
+400 on its field; no room in the KV cache for an input (NoKVRoom) a 400 on `input`; anything
+else a 500, logged. Never raises.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ class EmbedCore:
         return bool(self.queue)
 
     def run(self) -> list[tuple[str, EmbedResult]]:
-        """(reply address, result) of every queued request, in arrival order per width."""
-        by_width: dict[int, list[EmbedRequest]] = {}
+        """(reply address, result) of every queued request, in arrival order per task and
+        width."""
+        by_width: dict[tuple[str, int], list[EmbedRequest]] = {}
         for req in self.queue:
-            by_width.setdefault(req.dimensions, []).append(req)
+            by_width.setdefault((req.task, req.dimensions), []).append(req)
         self.queue = []
         out = []
         for group in by_width.values():
@@ -53,7 +55,10 @@ class EmbedCore:
         same error."""
         prompts = [list(ids) for req in group for ids in req.inputs]
         try:
-            vectors = self.engine.embed(prompts, group[0].dimensions or None)
+            if group[0].task == "classify":
+                vectors = self.engine.classify(prompts)
+            else:
+                vectors = self.engine.embed(prompts, group[0].dimensions or None)
             return _results(group, np.ascontiguousarray(vectors.numpy(), dtype=np.float32))
         except InvalidParams as e:
             return [_error(req, str(e), 400, e.param) for req in group]

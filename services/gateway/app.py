@@ -28,6 +28,7 @@ from services.gateway.messages_api import MessagesAPI, error_body
 from services.gateway.metrics import Metrics
 from services.gateway.pending import PendingLimit
 from services.gateway.responses_api import ResponsesAPI
+from services.gateway.score_api import ScoreAPI
 from services.gateway.stream import OPENAI, Answer
 from services.gateway.utility import Utility
 from services.gateway.validation import check_prompt_bytes, check_request_id, read_json_body
@@ -113,6 +114,7 @@ class Gateway:
         MessagesAPI(self).add_routes(app.router)
         self.responses_api.add_routes(app.router)
         self.embeddings_api.add_routes(app.router)
+        ScoreAPI(self).add_routes(app.router)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)

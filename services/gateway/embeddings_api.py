@@ -62,21 +62,24 @@ class EmbeddingsAPI:
             if ignored:
                 log.warning("embeddings: fields present in the request but ignored: %s",
                             ", ".join(ignored))
-            result = await self._run(req)
+            result = await self.run(req)
             return web.json_response(answer(result, req))
 
-    async def _run(self, req: EmbeddingsRequest) -> EmbedResult:
+    async def run(self, req: EmbeddingsRequest) -> EmbedResult:
         """Send `req` on and wait for its EmbedResult; an error as an APIError."""
-        gw = self.gw
+        texts = None if req.texts is None else list(req.texts)
+        return await self.exchange(EmbedRequest(
+            f"embd-{secrets.token_hex(12)}", self.gw.svc.addr("gateway"),
+            inputs=[int32s(ids) for ids in req.ids or ()], texts=texts,
+            dimensions=req.dimensions or 0, truncate_prompt_tokens=req.truncate_prompt_tokens,
+            add_special_tokens=req.add_special_tokens))
+
+    async def exchange(self, msg: EmbedRequest) -> EmbedResult:
+        """Send `msg` (an embeddings, pooling or scoring request) to a tokenizer and wait for
+        its EmbedResult; an error as an APIError."""
+        gw, rid = self.gw, msg.request_id
         if not gw.health.ok:
             raise unavailable(f"Not ready: {gw.health.reason}")
-        rid = f"embd-{secrets.token_hex(12)}"
-        texts = None if req.texts is None else list(req.texts)
-        msg = EmbedRequest(rid, gw.svc.addr("gateway"),
-                           inputs=[int32s(ids) for ids in req.ids or ()], texts=texts,
-                           dimensions=req.dimensions or 0,
-                           truncate_prompt_tokens=req.truncate_prompt_tokens,
-                           add_special_tokens=req.add_special_tokens)
         inflight = gw.registry.add(rid, 1)
         self.sent[rid] = msg
         outcome = "aborted"  # the client left, unless it gets an answer

@@ -28,6 +28,7 @@ from services.gateway.validation import (
     token_ids,
 )
 from shared.pooling import PoolingConfig
+from shared.scoring import ScoringConfig
 
 MAX_INPUTS = 2048
 KEYS = frozenset({"model", "input", "encoding_format", "dimensions", "user",
@@ -38,12 +39,13 @@ FORMATS = ("float", "base64")
 @dataclass(frozen=True)
 class EmbeddingSettings:
     """What the gateway knows of the served embedder: whether this is a pooling server, its
-    pooling (Matryoshka widths) and its full width, the context length."""
+    pooling (Matryoshka widths) and its full width, the context length, its scoring head."""
 
     pooling: bool = False
     config: PoolingConfig = dataclasses.field(default_factory=PoolingConfig)
     hidden_size: int = 0
     max_model_len: int = 0
+    scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)  # its head
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """400 on `dimensions` when the model cannot give that width."""

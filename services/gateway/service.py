@@ -22,6 +22,7 @@ from shared.lora import LoraModule, parse_lora_modules, runtime_adapters
 from shared.messages import DeltaBatch, EmbedResult
 from shared.model_config import ModelConfig, served_context, served_name
 from shared.pooling import PoolingConfig
+from shared.scoring import ScoringConfig
 from shared.tokenizer import load_tokenizer
 from shared.transport import AsyncFanout, AsyncReceiver, AsyncSender
 
@@ -53,7 +54,9 @@ def embedding_settings(engine_cfg: EngineConfig) -> EmbeddingSettings | None:
     return EmbeddingSettings(True, PoolingConfig.resolve(engine_cfg.model,
                                                          engine_cfg.pooler_config),
                              ModelConfig.from_path(engine_cfg.model).hidden_size,
-                             served_context(engine_cfg))
+                             served_context(engine_cfg),
+                             ScoringConfig.from_dir(engine_cfg.model, engine_cfg.hf_overrides,
+                                                    engine_cfg.convert))
 
 
 def lora_adapters(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[LoraModule, ...]:

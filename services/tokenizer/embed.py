@@ -21,9 +21,12 @@ class EmbedInputError(ValueError):
 
 
 def prepare_embed(tok, req: EmbedRequest, max_model_len: int, vocab_size: int) -> EmbedRequest:
-    """`req` with `inputs` the token ids of every input (texts tokenized) and `texts` None."""
+    """`req` with `inputs` the token ids of every input (texts tokenized, a pair as the
+    tokenizer joins a text pair: a cross-encoder's input) and `texts`, `texts_2` None."""
     if req.texts is not None:
-        encodings = tok.encode_batch(req.texts, add_special_tokens=req.add_special_tokens)
+        texts = req.texts if req.texts_2 is None else list(zip(req.texts, req.texts_2,
+                                                               strict=True))
+        encodings = tok.encode_batch(texts, add_special_tokens=req.add_special_tokens)
         inputs = [e.ids for e in encodings]
     else:
         inputs = [list(ids) for ids in req.inputs]
@@ -34,7 +37,7 @@ def prepare_embed(tok, req: EmbedRequest, max_model_len: int, vocab_size: int) -
             ids = ids[-k:]
         check_input(i, ids, max_model_len, vocab_size)
         out.append(int32s(ids))
-    return replace(req, inputs=out, texts=None)
+    return replace(req, inputs=out, texts=None, texts_2=None)
 
 
 def check_input(i: int, ids: list[int], max_model_len: int, vocab_size: int) -> None:

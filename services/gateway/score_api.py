@@ -1,0 +1,209 @@
+"""vLLM's scoring and pooling APIs on a pooling server (--runner pooling): `/score` and
+`/v1/score`, `/rerank`, `/v1/rerank` and `/v2/rerank` (Jina's and Cohere's), `/classify`,
+`/pooling`. Bodies: score_request.py (and embeddings_request.py for /pooling).
+
+A (text_1, text_2) pair goes to the tokenizers as an EmbedRequest of task "classify": the two
+texts as the tokenizer joins a text pair (a cross-encoder's input), or for a Qwen3-Reranker
+(`is_original_qwen3_reranker`) one prompt in its documented format, tokenized without special
+tokens. Compute answers with the scoring head's logits at the last token; the score is their
+sigmoid (a one-label classifier, as vLLM and CrossEncoder give it; a yes/no reranker's
+logit[yes] - logit[no]). /classify gives each label's probability (softmax; sigmoid for one
+label), /pooling the pooled vectors /v1/embeddings gives.
+
+On a generation server every one is a 400, as /v1/embeddings is; /score, /rerank and /classify
+on an embedding model (no scoring head) too, and /score and /rerank on a classifier of several
+labels (use /classify).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+
+from aiohttp import web
+
+from services.gateway.embeddings_api import encode_base64
+from services.gateway.embeddings_request import EmbeddingsRequest, parse_embeddings
+from services.gateway.errors import APIError, bad_request
+from services.gateway.score_request import (
+    ClassifyRequest,
+    PairsRequest,
+    parse_classify,
+    parse_rerank,
+    parse_score,
+)
+from services.gateway.validation import read_json_body
+from shared.codec import int32s
+from shared.messages import EmbedRequest, EmbedResult
+from shared.scoring import reranker_prompt
+
+SCORE_PATHS = ("/score", "/v1/score")
+RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+
+
+class ScoreAPI:
+    def __init__(self, gw):
+        self.gw = gw
+
+    @property
+    def settings(self):
+        return self.gw.embeddings_api.settings
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        for path in SCORE_PATHS:
+            router.add_post(path, self.score)
+        for path in RERANK_PATHS:
+            router.add_post(path, self.rerank)
+        router.add_post("/classify", self.classify)
+        router.add_post("/pooling", self.pooling)
+
+    async def score(self, request: web.Request) -> web.Response:
+        with self.gw.pending.hold():  # 429 past --max-pending
+            self._check("Score API", one_label=True)
+            req = parse_score(await read_json_body(request), **self._limits())
+            scores, tokens = await self._pairs(req, "text_2")
+            return web.json_response(score_answer(req.model, scores, tokens))
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        with self.gw.pending.hold():
+            self._check("Rerank API", one_label=True)
+            req = parse_rerank(await read_json_body(request), **self._limits())
+            scores, tokens = await self._pairs(req, "documents")
+            return web.json_response(rerank_answer(req, scores, tokens))
+
+    async def classify(self, request: web.Request) -> web.Response:
+        with self.gw.pending.hold():
+            self._check("Classification API")
+            req = parse_classify(await read_json_body(request), **self._limits())
+            result = await self._exchange(self._message(
+                req.texts, None, [int32s(ids) for ids in req.ids or ()],
+                req.truncate_prompt_tokens, req.add_special_tokens), "input")
+            return web.json_response(classify_answer(req, result, self.settings.scoring.labels))
+
+    async def pooling(self, request: web.Request) -> web.Response:
+        gw = self.gw
+        with gw.pending.hold():
+            self._check("Pooling API", scores=False)
+            ignored = None if gw.svc.strict_request_fields else []
+            req = parse_embeddings(await read_json_body(request), gw.model_name, self.settings,
+                                   max_text_bytes=gw.svc.prompt_bytes_limit(gw.max_model_len),
+                                   ignored=ignored)
+            result = await gw.embeddings_api.run(req)
+            return web.json_response(pooling_answer(result, req))
+
+    def _check(self, api: str, scores: bool = True, one_label: bool = False) -> None:
+        """A 400 (on `model`) where this server does not serve `api`."""
+        if not self.settings.pooling:
+            raise bad_request(f"The model does not support {api}: this server generates "
+                              "(start one with --runner pooling)", "model")
+        scoring = self.settings.scoring
+        if scores and not scoring.scores:
+            raise bad_request(f"The model does not support {api}: it is an embedding model "
+                              "without a scoring head (serve a sequence classification model "
+                              "or a yes/no reranker)", "model")
+        if one_label and scoring.num_labels != 1:
+            raise bad_request(f"The model does not support {api}: its classifier has "
+                              f"{scoring.num_labels} labels, scoring needs one (use /classify)",
+                              "model")
+
+    def _limits(self) -> dict:
+        gw = self.gw
+        return {"model_name": gw.model_name, "max_model_len": self.settings.max_model_len,
+                "max_text_bytes": gw.svc.prompt_bytes_limit(gw.max_model_len),
+                "ignored": None if gw.svc.strict_request_fields else []}
+
+    def _message(self, texts, texts_2, inputs, truncate: int, special: bool) -> EmbedRequest:
+        return EmbedRequest(f"score-{secrets.token_hex(12)}", self.gw.svc.addr("gateway"),
+                            inputs=inputs, texts=None if texts is None else list(texts),
+                            truncate_prompt_tokens=truncate, add_special_tokens=special,
+                            task="classify", texts_2=texts_2)
+
+    async def _pairs(self, req: PairsRequest, param: str) -> tuple[list[float], int]:
+        """Each pair's score (in order) and the pairs' tokens."""
+        if self.settings.scoring.qwen3_template:
+            msg = self._message([reranker_prompt(a, b) for a, b in req.pairs], None, [],
+                                req.truncate_prompt_tokens, False)
+        else:
+            msg = self._message([a for a, _ in req.pairs], [b for _, b in req.pairs], [],
+                                req.truncate_prompt_tokens, True)
+        result = await self._exchange(msg, param)
+        return [sigmoid(x) for x in result.vectors], sum(result.num_tokens)
+
+    async def _exchange(self, msg: EmbedRequest, param: str) -> EmbedResult:
+        """The EmbedResult of `msg`; an input's error names this API's field `param`."""
+        try:
+            return await self.gw.embeddings_api.exchange(msg)
+        except APIError as e:
+            if e.param == "input":
+                e.param = param
+            raise
+
+
+def sigmoid(x: float) -> float:
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    z = math.exp(x)
+    return z / (1.0 + z)
+
+
+def softmax(row: list[float]) -> list[float]:
+    top = max(row)
+    exps = [math.exp(x - top) for x in row]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def _usage(tokens: int) -> dict:
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+
+
+def _head(prefix: str, model: str) -> dict:
+    return {"id": f"{prefix}-{secrets.token_hex(12)}", "object": "list",
+            "created": int(time.time()), "model": model}
+
+
+def score_answer(model: str, scores: list[float], tokens: int) -> dict:
+    """vLLM's /score answer: one score per pair, in pair order."""
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+    return {**_head("score", model), "data": data, "usage": _usage(tokens)}
+
+
+def rerank_answer(req: PairsRequest, scores: list[float], tokens: int) -> dict:
+    """vLLM's (Jina's) rerank answer: the documents by score, best first, the top_n of them."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    if req.top_n:
+        order = order[:req.top_n]
+    results = []
+    for i in order:
+        item = {"index": i, "relevance_score": scores[i]}
+        if req.return_documents:
+            item["document"] = {"text": req.pairs[i][1]}
+        results.append(item)
+    return {"id": f"rerank-{secrets.token_hex(12)}", "model": req.model,
+            "usage": {"total_tokens": tokens}, "results": results}
+
+
+def classify_answer(req: ClassifyRequest, result: EmbedResult, labels: tuple[str, ...]) -> dict:
+    """vLLM's /classify answer: each input's label probabilities and its most likely label."""
+    k, data = result.dim, []
+    for i in range(len(result.num_tokens)):
+        row = list(result.vectors[i * k:(i + 1) * k])
+        probs = [sigmoid(row[0])] if k == 1 else softmax(row)
+        best = max(range(k), key=probs.__getitem__)
+        data.append({"index": i, "label": labels[best] if best < len(labels) else str(best),
+                     "probs": probs, "num_classes": k})
+    return {**_head("classify", req.model), "data": data,
+            "usage": _usage(sum(result.num_tokens))}
+
+
+def pooling_answer(result: EmbedResult, req: EmbeddingsRequest) -> dict:
+    """vLLM's /pooling answer: each input's pooled vector (as /v1/embeddings pools it)."""
+    dim, data = result.dim, []
+    for i in range(len(result.num_tokens)):
+        row = result.vectors[i * dim:(i + 1) * dim]
+        data.append({"index": i, "object": "pooling",
+                     "data": encode_base64(row) if req.encoding_format == "base64"
+                     else row.tolist()})
+    return {**_head("pool", req.model), "data": data,
+            "usage": _usage(sum(result.num_tokens))}
