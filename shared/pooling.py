@@ -8,7 +8,8 @@ any width in 1..dimension). A directory without `modules.json` pools by the last
 normalizes (Qwen3-Embedding's and vLLM's default for decoder embedders). `from_gguf` reads a
 GGUF file's `{arch}.pooling_type` as llama.cpp does (mean, cls or last; absent or none: last)
 and normalizes (llama.cpp's default for /v1/embeddings). `resolve` is what a server uses:
-either, then vLLM's `--pooler-config` JSON (`pooling_type`, `normalize`) over it.
+either, then vLLM's `--pooler-config` JSON (`pooling_type`, `normalize` or its newer name
+`use_activation`) over it.
 """
 
 from __future__ import annotations
@@ -85,16 +86,17 @@ class PoolingConfig:
             fields = json.loads(pooler_config)
         except json.JSONDecodeError as e:
             raise ValueError(f"--pooler-config is not JSON: {e}") from None
-        unknown = sorted(set(fields) - {"pooling_type", "normalize"}) \
+        unknown = sorted(set(fields) - {"pooling_type", "normalize", "use_activation"}) \
             if isinstance(fields, dict) else [fields]
         if unknown:
-            raise ValueError(f"--pooler-config takes pooling_type and normalize; got {unknown}")
+            raise ValueError("--pooler-config takes pooling_type and normalize (vLLM's newer "
+                             f"name: use_activation); got {unknown}")
         kind = str(fields.get("pooling_type", "")).upper()
         if kind and kind not in _VLLM_TYPES:
             raise ValueError(f"--pooler-config pooling_type {kind!r}: expected one of "
                              f"{sorted(_VLLM_TYPES)}")
-        return replace(base, mode=_VLLM_TYPES.get(kind, base.mode),
-                       normalize=bool(fields.get("normalize", base.normalize)))
+        normalize = fields.get("normalize", fields.get("use_activation", base.normalize))
+        return replace(base, mode=_VLLM_TYPES.get(kind, base.mode), normalize=bool(normalize))
 
     def output_dim(self, dimensions: int | None) -> int | None:
         """The width a request for `dimensions` gets (None: the full width); ValueError when

@@ -197,8 +197,9 @@ def test_gguf_embedder_pools_as_its_metadata_says(tmp_path):
                                      dtype="float32", max_model_len=512, kv_cache_tokens=2048))
     ours = eng.embed([st.tokenizer(t)["input_ids"] for t in texts]).numpy()
     assert cosines(ours, st.encode(texts, convert_to_numpy=True)).min() >= 0.999
-    assert PoolingConfig.resolve(gguf, '{"pooling_type": "LAST", "normalize": false}') == \
-        PoolingConfig("last", False, 64)
+    for off in ("normalize", "use_activation"):
+        config = json.dumps({"pooling_type": "LAST", off: False})
+        assert PoolingConfig.resolve(gguf, config) == PoolingConfig("last", False, 64)
     plain = write_gguf(tmp_path / "plain.gguf", model, Q.F32)
     assert PoolingConfig.resolve(plain).mode == "last"
     for bad in ("{", '{"pooling_type": "MAX"}', '{"dimensions": 8}', "[1]"):

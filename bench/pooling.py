@@ -1,0 +1,195 @@
+"""Embeddings throughput: pipellm's pooling runner against vLLM's CPU build's and llama.cpp's
+`--embeddings` server, on the same model and machine with the same client (issue 50).
+
+Model: SmolLM2-135M-Instruct as a decoder embedder (the last token's final hidden state,
+L2-normalized: what `--convert embed` makes of a causal LM); pipellm and llama.cpp serve its
+GGUF (pipellm: `--runner pooling`, the GGUF names no pooling: the last token; llama.cpp:
+`--embeddings --pooling last`), vLLM the GGUF's HF expansion in bf16 (`--runner pooling
+--convert embed --pooler-config` LAST, `use_activation`: normalized) on every core.
+Inputs: --num-inputs ShareGPT texts (prompts and answers of data/sharegpt_samples_1024.json,
+each cut to 2,000 characters). Workloads, each every input once:
+    single   one input a request, 32 requests in flight (a RAG indexer's stream)
+    batch32  32 inputs a request, 4 requests in flight (a bulk indexer)
+The client is this script's (aiohttp, OpenAI's /v1/embeddings body, float vectors). Reported:
+inputs/s per (server, workload), medians over the rounds, pipellm's ratio to each peer, and how
+far each server's vectors agree with pipellm's (mean cosine over the first 16 inputs: the same
+pooling should give about 1). Target: pipellm ahead of both.
+
+    python -m bench.pooling [--rounds 1] [--servers pipellm,vllm-bf16,llamacpp] [--quick]
+
+The last line printed is one JSON object with the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # also runnable as `python bench/pooling.py`
+    sys.path.insert(0, str(ROOT))
+
+from bench import llamacpp, servers, vs_peers  # noqa: E402
+from bench.common import log, machine  # noqa: E402
+from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # noqa: E402
+
+WORKLOADS = {"single": (1, 32), "batch32": (32, 4)}  # name -> (inputs a request, in flight)
+SERVERS = ("pipellm", "vllm-bf16", "llamacpp")
+MAX_CHARS = 2000
+AGREE = 16  # inputs whose vectors are compared across servers
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--servers", default=",".join(SERVERS), help="of " + ", ".join(SERVERS))
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--num-inputs", type=int, default=1000)
+    p.add_argument("--quick", action="store_true", help="1 round, 64 inputs")
+    own, rest = p.parse_known_args(argv)  # the rest: bench/vs_peers.py's server options
+    args = vs_peers.parse_args(["--servers", own.servers, *rest])
+    args.rounds, args.num_inputs = own.rounds, own.num_inputs
+    if own.quick:
+        args.rounds, args.num_inputs = 1, 64
+    return args
+
+
+def inputs(n: int) -> list[str]:
+    """`n` ShareGPT texts: prompts and answers in turn, each cut to MAX_CHARS."""
+    texts = [t[:MAX_CHARS] for pair in sharegpt_pairs(default_data_dir() / SHAREGPT_FILE)
+             for t in pair if t.strip()]
+    return (texts * (n // len(texts) + 1))[:n]
+
+
+async def embed_all(url: str, model: str, texts: list[str], per_request: int,
+                    in_flight: int) -> tuple[float, list[list[float]]]:
+    """(seconds, vectors in input order) of embedding `texts`, `per_request` inputs a request,
+    `in_flight` requests at a time; raises on any failed request."""
+    import aiohttp
+
+    chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
+    out: list = [None] * len(chunks)
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(len(chunks)):
+        queue.put_nowait(i)
+
+    async def worker(session):
+        while not queue.empty():
+            i = queue.get_nowait()
+            body = {"model": model, "input": chunks[i], "encoding_format": "float"}
+            async with session.post(url + "/v1/embeddings", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
+                data = (await r.json())["data"]
+            out[i] = [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(in_flight)))
+        seconds = time.perf_counter() - t0
+    return seconds, [v for chunk in out for v in chunk]
+
+
+def served_model(url: str) -> str:
+    """The first model id of `url`'s /v1/models."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def make_server(args, name: str, port: int, log_path: Path) -> servers.Server:
+    """Server `name` serving embeddings on `port`."""
+    if name == "llamacpp":
+        argv = llamacpp.server_argv(args.llamacpp_bin, args.gguf, port, args.llamacpp_threads,
+                                    args.llamacpp_slots, args.llamacpp_ctx)
+        argv += ["--embeddings", "--pooling", "last", "-b", "2048", "-ub", "2048"]
+        return servers.Server(name, argv, f"http://127.0.0.1:{port}{llamacpp.READY_PATH}",
+                              log_path)
+    args.pipellm_extra = "--runner pooling"
+    args.vllm_extra = ("--runner pooling --convert embed --pooler-config "
+                       "'{\"pooling_type\": \"LAST\", \"use_activation\": true}'")
+    return vs_peers.make_server(args, name, port, log_path)
+
+
+def serve(args, name: str, texts: list[str], rep: int) -> tuple[dict[str, float], list | None]:
+    """Start `name`, run every workload; ({workload: inputs/s}, the first AGREE vectors)."""
+    port = servers.free_port()
+    tag = f"{name}-rep{rep}"
+    server = make_server(args, name, port, args.results_dir / f"{tag}.log")
+    args.commands[name] = vs_peers.command(server, port)
+    url, rates, first = f"http://127.0.0.1:{port}", {}, None
+    try:
+        with servers.running(server, args.ready_timeout) as startup_s:
+            log(f"{tag} ready after {startup_s:.0f} s")
+            model = served_model(url)
+            asyncio.run(embed_all(url, model, texts[:32], 8, 4))  # warm-up
+            for wl, (per_request, in_flight) in WORKLOADS.items():
+                seconds, vectors = asyncio.run(embed_all(url, model, texts, per_request,
+                                                         in_flight))
+                rates[wl] = len(texts) / seconds
+                first = first or vectors[:AGREE]
+                log(f"{name} {wl}: {rates[wl]:.1f} inputs/s ({seconds:.1f} s)")
+    except (servers.ServerError, RuntimeError) as exc:
+        log(f"{tag}: {exc}")
+    return rates, first
+
+
+def agreement(vectors: dict[str, list]) -> dict[str, float]:
+    """Mean cosine of each server's first vectors with pipellm's."""
+    ref = vectors.get("pipellm")
+    if ref is None:
+        return {}
+    out = {}
+    for name, vs in vectors.items():
+        a, b = np.asarray(ref, dtype=np.float64), np.asarray(vs, dtype=np.float64)
+        if a.shape != b.shape:
+            continue
+        cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+        out[name] = round(float(cos.mean()), 4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    servers.terminate_on_sigterm()
+    t0 = time.monotonic()
+    vs_peers.prepare(args)
+    texts = inputs(args.num_inputs)
+    print(f"machine: {machine()}; {len(texts)} ShareGPT inputs (<= {MAX_CHARS} chars); "
+          f"results in {args.results_dir}")
+    runs = {s: {wl: [] for wl in WORKLOADS} for s in args.servers}
+    vectors: dict[str, list] = {}
+    for rep in range(args.rounds):
+        for s in args.servers:
+            rates, first = serve(args, s, texts, rep)
+            for wl, r in rates.items():
+                runs[s][wl].append(r)
+            if first is not None:
+                vectors.setdefault(s, first)
+    med = {s: {wl: statistics.median(v) for wl, v in r.items() if v} for s, r in runs.items()}
+    print("\n| server | " + " | ".join(WORKLOADS) + " |\n|---|" + "---|" * len(WORKLOADS))
+    for s, m in med.items():
+        print(f"| {s} | " + " | ".join(f"{m[wl]:.1f}" if wl in m else "failed"
+                                       for wl in WORKLOADS) + " |")
+    ours = med.get("pipellm", {})
+    ratios = {peer: {wl: round(ours[wl] / m[wl], 2) for wl in WORKLOADS
+                     if wl in ours and wl in m} for peer, m in med.items() if peer != "pipellm"}
+    agree = agreement(vectors)
+    print(f"pipellm / peer (inputs/s): {ratios} (target > 1); cosine to pipellm: {agree}")
+    out = {"bench": "pooling", "machine": machine(), "rounds": args.rounds,
+           "inputs": len(texts), "vs_peers": ratios, "agreement": agree, "inputs_per_s": med,
+           "commands": args.commands, "seconds": round(time.monotonic() - t0)}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
