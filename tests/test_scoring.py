@@ -98,3 +98,21 @@ def test_model_config_reads_a_classifier_as_its_decoder(tmp_path):
     build_classifier(tmp_path, 1)
     assert ModelConfig.from_dir(tmp_path).architecture == "Qwen3ForCausalLM"
     assert ModelConfig.from_dir(tmp_path).qk_norm
+
+
+def test_start_up_refusals(tmp_path):
+    """A classifier on the generation runner, or a head the checkpoint lacks: clear errors
+    before serving."""
+    from services.cli import _check_model
+
+    build_classifier(tmp_path / "cls", 1)
+    with pytest.raises(ValueError, match="sequence classification model"):
+        _check_model(EngineConfig(model=str(tmp_path / "cls")))
+    _check_model(EngineConfig(model=str(tmp_path / "cls"), runner="pooling"))
+    build_hf_model(tmp_path / "lm", "qwen3", with_tokenizer=True)
+    with pytest.raises(ValueError, match="no score.weight"):
+        _ = engine(tmp_path / "lm", convert="classify").scoring
+    bad = '{"architectures": ["Qwen3ForSequenceClassification"], ' \
+          '"classifier_from_token": ["no", "yes"]}'
+    with pytest.raises(ValueError, match="not a token of the vocabulary"):
+        engine(tmp_path / "lm", hf_overrides=bad)
