@@ -52,9 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--num-inputs", type=int, default=1000)
     p.add_argument("--quick", action="store_true", help="1 round, 64 inputs")
+    p.add_argument("--llamacpp-ubatch", type=int, default=2048,
+                   help="llama.cpp's -b and -ub: every input must fit one ubatch")
     own, rest = p.parse_known_args(argv)  # the rest: bench/vs_peers.py's server options
     args = vs_peers.parse_args(["--servers", own.servers, *rest])
     args.rounds, args.num_inputs = own.rounds, own.num_inputs
+    args.llamacpp_ubatch = own.llamacpp_ubatch
     if own.quick:
         args.rounds, args.num_inputs = 1, 64
     return args
@@ -110,7 +113,8 @@ def make_server(args, name: str, port: int, log_path: Path) -> servers.Server:
     if name == "llamacpp":
         argv = llamacpp.server_argv(args.llamacpp_bin, args.gguf, port, args.llamacpp_threads,
                                     args.llamacpp_slots, args.llamacpp_ctx)
-        argv += ["--embeddings", "--pooling", "last", "-b", "2048", "-ub", "2048"]
+        ub = str(args.llamacpp_ubatch)
+        argv += ["--embeddings", "--pooling", "last", "-b", ub, "-ub", ub]
         return servers.Server(name, argv, f"http://127.0.0.1:{port}{llamacpp.READY_PATH}",
                               log_path)
     args.pipellm_extra = "--runner pooling"

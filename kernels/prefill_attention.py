@@ -23,9 +23,10 @@ FMA loop on sm_90).
 INT8 caches (KV_INT8): K/V int8 with an fp16 scale per KV_GROUP values, dequantized in
 registers after the load.
 
-On a CPU, `_prefill_attention_cpu`: per sequence and KV head, the group of query heads that
-share it as one plain GEMM against K (no K/V copy for GQA), an additive causal mask, softmax and
-one GEMM with V: faster on the CPU than the masked SDPA of the reference (whose GQA/mask path
+On a CPU, `_prefill_attention_cpu`: per sequence and block of 128 queries (scoring only the
+keys the block sees), every KV head in one batched GEMM against K, the group of query heads
+that share one as rows of it (no K/V copy for GQA), an additive causal mask, softmax and one
+batched GEMM with V: faster on the CPU than the masked SDPA of the reference (whose GQA/mask path
 falls back to batched small matmuls; docs/benchmarks.md).
 """
 
@@ -295,33 +296,50 @@ def _visible_keys(m: int, n: int, window: int) -> tuple[int, torch.Tensor]:
     return lo, torch.zeros(m, n - lo).masked_fill_(hidden, float("-inf"))
 
 
+QUERY_BLOCK = 128  # CPU path: queries attended together; a block reads only the keys it sees
+
+
 def _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens, scale,
                            k_scale=None, v_scale=None, window=0, softcap=0.0):
-    """The reference's contract, as GEMMs (MKL) per (sequence, KV head); fp32 arithmetic.
-    INT8 caches (with scales) are dequantized one sequence's rows at a time; with a window only
-    the keys some query of the chunk sees are read. softcap > 0 caps the scores before the mask."""
+    """The reference's contract, as batched GEMMs (MKL) per (sequence, block of QUERY_BLOCK
+    queries); fp32 arithmetic. A block scores only the keys up to its last query (causal: about
+    half of a long prompt's scores are never computed) and, with a window, from its first
+    query's window on. INT8 caches (with scales) are dequantized one sequence's rows at a time.
+    softcap > 0 caps the scores before the mask."""
     out = torch.empty_like(q)
-    _, num_heads, head_dim = q.shape
-    group = num_heads // k_cache.shape[1]
     cu, starts, lens = cu_q_lens.tolist(), seq_starts.tolist(), ctx_lens.tolist()
     for s, (start, n) in enumerate(zip(starts, lens, strict=True)):
-        q0, q1 = cu[s], cu[s + 1]
-        m = q1 - q0
+        q0, m = cu[s], cu[s + 1] - cu[s]
         if m == 0:
             continue
-        lo, bias = _visible_keys(m, n, window)
-        bias = bias.repeat(group, 1)  # [g*m, n - lo]
+        lo = _visible_keys(min(m, QUERY_BLOCK), n - m + min(m, QUERY_BLOCK), window)[0]
         ks = kv_rows(k_cache, k_scale, start + lo, n - lo)  # [n - lo, Hkv, D]
         vs = kv_rows(v_cache, v_scale, start + lo, n - lo)
-        for h in range(k_cache.shape[1]):
-            heads = slice(h * group, (h + 1) * group)
-            qh = q[q0:q1, heads].float().transpose(0, 1).reshape(group * m, head_dim)
-            kt = ks[:, h].t()  # capped scores get the mask after the cap (tanh(-inf) = -1)
-            sc = (softcap * torch.tanh(qh @ kt * (scale / softcap)) + bias if softcap > 0
-                  else torch.addmm(bias, qh, kt, alpha=scale))
-            p = torch.softmax(sc, dim=-1)
-            out[q0:q1, heads] = (p @ vs[:, h]).view(group, m, head_dim).transpose(0, 1)
+        for b0 in range(0, m, QUERY_BLOCK):
+            b1 = min(m, b0 + QUERY_BLOCK)
+            nb = n - m + b1  # the keys up to the block's last query
+            out[q0 + b0:q0 + b1] = _attend(q[q0 + b0:q0 + b1], ks[:nb - lo], vs[:nb - lo],
+                                           nb - lo, window, scale, softcap)
     return out
+
+
+def _attend(q, ks, vs, n, window, scale, softcap):
+    """Attention of q [m, H, D], the last m of n positions, over ks, vs [n, Hkv, D] (float32):
+    every KV head at once, the g query heads sharing one as g * m rows of a batched GEMM."""
+    m, num_heads, head_dim = q.shape
+    kv_heads = ks.shape[1]
+    group = num_heads // kv_heads
+    lo, bias = _visible_keys(m, n, window)
+    bias = bias.repeat(group, 1)  # [g*m, n - lo]
+    qh = q.float().view(m, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qh = qh.reshape(kv_heads, group * m, head_dim)
+    kt = ks[lo:].permute(1, 2, 0)  # [Hkv, D, n - lo]
+    if softcap > 0:  # capped scores get the mask after the cap (tanh(-inf) = -1)
+        sc = softcap * torch.tanh(torch.bmm(qh, kt) * (scale / softcap)) + bias
+    else:
+        sc = torch.baddbmm(bias, qh, kt, alpha=scale)  # [Hkv, g*m, n - lo]
+    o = torch.bmm(torch.softmax(sc, dim=-1), vs[lo:].transpose(0, 1))  # [Hkv, g*m, D]
+    return o.view(kv_heads, group, m, head_dim).permute(2, 0, 1, 3).reshape(q.shape).to(q.dtype)
 
 
 def prefill_attention(

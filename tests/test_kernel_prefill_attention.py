@@ -120,6 +120,20 @@ def test_cpu_path_matches_dense_softmax(n_heads, n_kv_heads, dtype):
     torch.testing.assert_close(out.double(), dense_attention(*batch, 0.1), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 0.0), (0, 5.0), (150, 5.0)])
+def test_cpu_path_blocks_of_queries_match_dense_softmax(window, softcap):
+    """Chunks longer than QUERY_BLOCK (each block scores only the keys it sees): a fresh
+    300-token prompt, a 150-token chunk over a 90-token prefix, a decode-like token; with and
+    without a window and a softcap."""
+    from kernels.prefill_attention import QUERY_BLOCK
+
+    batch = make_batch((300, 150, 1), (0, 90, 200), 6, 2, 64, torch.float32, seed=3)
+    assert dispatch.cpu_fast_path(batch[0]) and 300 > 2 * QUERY_BLOCK
+    out = prefill_attention(*batch, 0.1, window=window, softcap=softcap)
+    exp = dense_attention(*batch, 0.1, window, softcap)
+    torch.testing.assert_close(out.double(), exp, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_matches_sdpa_causal():
     """With no cached prefix (q_len == ctx_len) the mask is the plain causal one."""
     q, k, v, cu, starts, ctx = make_batch((9, 33, 1), (0, 0, 0), 4, 2, 64, torch.float32)

@@ -1,8 +1,9 @@
 """Pooled embeddings of whole token-id prompts through an LLMEngine's model.
 
 Prompts are checked first (none empty, none over the context, ids in the vocabulary:
-InvalidParams), then run in batches of at most `max_batched_tokens` prompt tokens (a longer
-prompt runs alone), each batch one prefill-only forward into KV slots taken from the engine's
+InvalidParams), then run in batches of at most max(`max_batched_tokens`, MIN_BATCH_TOKENS)
+prompt tokens (a prefill-only step has no decodes' latency to protect; a longer prompt runs
+alone), each batch one prefill-only forward into KV slots taken from the engine's
 allocator (a batch whose prompts do not all fit runs the head that does) and freed before the
 next batch, whatever happens. Requests the engine is running keep their slots: the pooled
 prompts only use free ones. Result: [N, dim] float32 on the CPU, in prompt order.
@@ -18,6 +19,8 @@ from services.compute.pooling.forward import hidden_states, prefill_batch
 from services.compute.pooling.pool import finish, pool
 from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams
+
+MIN_BATCH_TOKENS = 2048  # at least this per pooling forward (bench/pooling.py)
 
 
 class NoKVRoom(RuntimeError):
@@ -43,7 +46,7 @@ def embed(engine, prompts: list[list[int]], pooling: PoolingConfig,
     check_prompts(prompts, engine.max_model_len, engine.model_config.vocab_size)
     if not prompts:
         return torch.zeros(0, dim or hidden) if head is None else head(torch.zeros(0, hidden))
-    out, budget = [], engine.config.scheduler.max_batched_tokens
+    out, budget = [], max(engine.config.scheduler.max_batched_tokens, MIN_BATCH_TOKENS)
     while prompts:
         group = next(batches(prompts, budget))
         vectors = _run_group(engine, group, pooling, dim, head)
