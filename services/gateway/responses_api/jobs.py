@@ -19,7 +19,7 @@ from aiohttp import web
 from services.gateway.errors import APIError
 from services.gateway.inflight import Registry
 from services.gateway.responses_api.output import ResponseOutput
-from services.gateway.responses_api.run import Run, feed, sse
+from services.gateway.responses_api.run import CANCEL_STATUS, Run, feed, sse
 from services.gateway.responses_api.store import TERMINAL, ResponseStore
 from shared.choice import ChoiceId
 from shared.messages import Abort, Delta
@@ -27,12 +27,14 @@ from shared.messages import Abort, Delta
 log = logging.getLogger("pipellm.gateway")
 POLL_S = 0.05  # how often a follower reads the store for new records
 STALL_S = 120.0  # a follower gives up (with an error event) after this long without one
+CANCEL_WAIT_S = 5.0  # a cancelled response's task has this long to end on its own
 
 
 class Jobs:
     def __init__(self, gateway, store: ResponseStore, parse):
         self.gw, self.store, self.parse = gateway, store, parse
         self.tasks: dict[str, asyncio.Task] = {}  # response id -> its task
+        self.inflights: dict[str, object] = {}  # response id -> its task's Inflight
 
     async def start(self, run: Run, attempt: int = 0, records: list[dict] | None = None):
         """Submit `run` and generate it in a task; `records`: its output so far (a resume,
@@ -54,6 +56,7 @@ class Jobs:
             self._continue(run, inflight, attempt, records)
         obj["status"] = "in_progress"
         await self.store.save(obj, dict(run.request_record, attempt=attempt))
+        self.inflights[obj["id"]] = inflight
         self.tasks[obj["id"]] = asyncio.create_task(self._run(run, inflight))
 
     def _continue(self, run: Run, inflight, attempt: int, records: list[dict]) -> None:
@@ -89,17 +92,24 @@ class Jobs:
                 await self.gw._abort_ids([rid], "aborted")
             self.gw.registry.remove(rid)
             self.tasks.pop(run.obj["id"], None)
+            self.inflights.pop(run.obj["id"], None)
             with contextlib.suppress(APIError):
                 await self.store.running(run.obj["id"], False)
 
     async def cancel_local(self, response_id: str) -> bool:
-        """Cancel the task of a response this gateway runs (False: none here)."""
-        task = self.tasks.get(response_id)
+        """Stop the task of a response this gateway runs (False: none here): its queue of
+        deltas gets a cancel error, which its loop ends on (writing the cancelled end), and
+        only a task that has not ended CANCEL_WAIT_S later is cancelled outright."""
+        task, inflight = self.tasks.get(response_id), self.inflights.get(response_id)
         if task is None:
             return False
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        if inflight is not None:
+            inflight.fail("cancelled by the client", CANCEL_STATUS)
+            await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         return True
 
     async def cancel(self, record: dict) -> dict:

@@ -60,6 +60,10 @@ def end_record(tokenizer, c: ChoiceState) -> dict:
                            min(n_reasoning, len(c.token_ids)))}
 
 
+CANCEL_STATUS = 499  # the error a cancelled background response's queue gets (Jobs.cancel)
+CANCELLED = {"end": "cancelled", "usage": None}
+
+
 def failed_record(e: APIError) -> dict:
     """How an error ends its response (response.failed)."""
     return {"end": "failed", "usage": None, "error": {"code": e.type, "message": e.message}}
@@ -151,9 +155,9 @@ class Run:
                 feed(self.out, record)
             end = self.end_record(inflight)
         except APIError as e:
-            end = failed_record(e)
+            end = CANCELLED if e.status == CANCEL_STATUS else failed_record(e)
         except asyncio.CancelledError:
-            end = {"end": "cancelled", "usage": None}
+            end = CANCELLED
         self.finish(end)
         await self.store.push(rid, end)
         await self.save()
