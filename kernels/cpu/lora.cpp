@@ -61,13 +61,14 @@ void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor
   const std::string level = block_gemm_isa();
   const bool avx512 = level.rfind("avx512", 0) == 0;
   TORCH_CHECK(avx512 || level == "avx2", "lora_delta: no vectorized level on this CPU");
-  auto h = torch::empty({rows.size(0), R}, x.options().dtype(at::kFloat));
+  const bool amx = avx512 && a_vnni && b_vnni && x.scalar_type() == at::kBFloat16 &&
+                   in % 32 == 0 && pipellm::lora::amx_ready();
+  auto h = torch::empty({amx ? 0 : rows.size(0), R}, x.options().dtype(at::kFloat));
   const pipellm::lora::Args args{
       y.data_ptr(), x.data_ptr(), a.data_ptr(), b.data_ptr(), rp, sp, gp, part_ends.data(), P,
       y.stride(0), x.stride(0), in, R,
       out, G, dtype_of(y.scalar_type()), dtype_of(x.scalar_type()), h.data_ptr<float>()};
-  if (avx512 && a_vnni && b_vnni && x.scalar_type() == at::kBFloat16 && in % 32 == 0 &&
-      pipellm::lora::amx_ready()) {
+  if (amx) {
     TORCH_CHECK(a_vnni->is_contiguous() && b_vnni->is_contiguous() &&
                 a_vnni->numel() == a.numel() && b_vnni->numel() == b.numel() &&
                 a_vnni->scalar_type() == at::kBFloat16 && b_vnni->scalar_type() == at::kBFloat16,

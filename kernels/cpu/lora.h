@@ -3,7 +3,11 @@
 // instruction set). Raw pointers only. Contract: kernels/lora.py's lora_delta_.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace pipellm::lora {
 
@@ -21,8 +25,27 @@ struct Args {
                              // part_ends[j - 1] .. part_ends[j] and rows j R/P .. (j + 1) R/P
   int64_t P, y_rs, x_rs, in, R, out, G;
   DType y_dtype, x_dtype;
-  float* h;  // [n, R] float32 scratch: x[rows] @ a[slot]
+  float* h;  // [n, R] float32 scratch: x[rows] @ a[slot] (the AVX variants'; AMX keeps its own)
 };
+
+// (group, first index into rows, rows in the block) of every block of `size` rows of a group
+inline std::vector<std::array<int64_t, 3>> row_blocks(const Args& a, int64_t size) {
+  std::vector<std::array<int64_t, 3>> blocks;
+  for (int64_t g = 0; g < a.G; ++g)
+    for (int64_t i = a.starts[g]; i < a.starts[g + 1]; i += size)
+      blocks.push_back({g, i, std::min(size, a.starts[g + 1] - i)});
+  return blocks;
+}
+
+// The rows [k0, k1) of b that columns [o0, o1) read: those of the parts they are in.
+inline std::pair<int64_t, int64_t> part_rows(const Args& a, int64_t o0, int64_t o1) {
+  const int64_t rp = a.R / a.P;
+  int64_t first = 0;
+  while (a.part_ends[first] <= o0) ++first;
+  int64_t last = first;
+  while (a.part_ends[last] < o1) ++last;
+  return {first * rp, (last + 1) * rp};
+}
 
 // R / P and out multiples of 16 (both ISAs' vectors divide them).
 void run_avx2(const Args& args);

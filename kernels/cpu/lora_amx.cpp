@@ -26,6 +26,8 @@ namespace {
 
 using pipellm::lora::Args;
 using pipellm::lora::DType;
+using pipellm::lora::part_rows;
+using pipellm::lora::row_blocks;
 using bf16 = c10::BFloat16;
 
 constexpr int64_t kRows = 16, kCols = 16, kShrinkK = 32, kExpandK = 16, kOutBlock = 64;
@@ -62,15 +64,6 @@ void store_tiles(int n, float* c, int64_t stride) {  // the first n C tiles, sid
   if (n > 3) _tile_stored(3, c + 3 * kCols, stride);
 }
 
-// (group, first index into rows, rows in the block) of every block of kRows rows
-std::vector<std::array<int64_t, 3>> row_blocks(const Args& a) {
-  std::vector<std::array<int64_t, 3>> blocks;
-  for (int64_t g = 0; g < a.G; ++g)
-    for (int64_t i = a.starts[g]; i < a.starts[g + 1]; i += kRows)
-      blocks.push_back({g, i, std::min(kRows, a.starts[g + 1] - i)});
-  return blocks;
-}
-
 // hb[i0 .. i0 + m) = x[rows[those]] @ a_s rounded to bf16; xs [kRows, in] and hs [kRows, R]
 // scratch
 void shrink_block(const Args& a, const bf16* as, int64_t i0, int64_t m, bf16* xs, float* hs,
@@ -97,16 +90,6 @@ void shrink_block(const Args& a, const bf16* as, int64_t i0, int64_t m, bf16* xs
   for (int64_t r = 0; r < m; ++r)
     for (int64_t c = 0; c < a.R; c += kCols)
       Avx512F::store(hb + (i0 + r) * a.R + c, Avx512F::loadf(hs + r * a.R + c));
-}
-
-// The rows [k0, k1) of b that columns [o0, o1) read: those of the parts they are in.
-std::pair<int64_t, int64_t> part_rows(const Args& a, int64_t o0, int64_t o1) {
-  const int64_t rp = a.R / a.P;
-  int64_t first = 0;
-  while (a.part_ends[first] <= o0) ++first;
-  int64_t last = first;
-  while (a.part_ends[last] < o1) ++last;
-  return {first * rp, (last + 1) * rp};
 }
 
 // y[rows[i0 .. i0 + m)][o0 .. o0 + 16 n) += hb[i0 .. i0 + kRows) @ b_s (rows past m
@@ -136,7 +119,7 @@ void expand_block(const Args& a, const bf16* bs, int64_t i0, int64_t m, int64_t 
 
 template <typename Y>
 void run_typed(const Args& a, const bf16* a_vnni, const bf16* b_vnni) {
-  const auto blocks = row_blocks(a);
+  const auto blocks = row_blocks(a, kRows);
   const int64_t B = static_cast<int64_t>(blocks.size());
   // h in bf16, kRows rows of zeros past the last so that every block reads kRows rows
   std::vector<bf16> hb((a.starts[a.G] + kRows) * a.R, bf16(0.0f));

@@ -13,20 +13,13 @@ namespace {
 
 using pipellm::lora::Args;
 using pipellm::lora::DType;
+using pipellm::lora::part_rows;
+using pipellm::lora::row_blocks;
 
 constexpr int64_t kMR = 4;  // rows a block
 
 template <class V>
 constexpr int kNR = V::kLanes == 16 ? 4 : 2;  // vectors a chunk (registers: kMR x kNR + kNR)
-
-// (group, first row index into rows, rows in the block) of every block of kMR rows
-inline std::vector<std::array<int64_t, 3>> row_blocks(const Args& a) {
-  std::vector<std::array<int64_t, 3>> blocks;
-  for (int64_t g = 0; g < a.G; ++g)
-    for (int64_t i = a.starts[g]; i < a.starts[g + 1]; i += kMR)
-      blocks.push_back({g, i, std::min(kMR, a.starts[g + 1] - i)});
-  return blocks;
-}
 
 // h[rows[i0 .. i0 + m)][c0 .. c0 + NR lanes) = x[those rows] @ a_s[:, same columns]
 template <class V, int NR, typename T>
@@ -72,16 +65,6 @@ void expand_chunk(const Args& a, const T* bs, int64_t i0, int64_t m, int64_t o0,
   }
 }
 
-// The rows [k0, k1) of b that columns [o0, o1) read: those of the parts they are in.
-inline std::pair<int64_t, int64_t> part_rows(const Args& a, int64_t o0, int64_t o1) {
-  const int64_t rp = a.R / a.P;
-  int64_t first = 0;
-  while (a.part_ends[first] <= o0) ++first;
-  int64_t last = first;
-  while (a.part_ends[last] < o1) ++last;
-  return {first * rp, (last + 1) * rp};
-}
-
 // f(nr) with nr vectors (1 .. kNR) a compile-time constant
 template <class V, class F>
 void with_width(int64_t vectors, const F& f) {
@@ -96,7 +79,7 @@ void with_width(int64_t vectors, const F& f) {
 
 template <class V, typename T, typename Y>
 void run_typed(const Args& a) {
-  const auto blocks = row_blocks(a);
+  const auto blocks = row_blocks(a, kMR);
   const int64_t B = static_cast<int64_t>(blocks.size());
   const int64_t width = kNR<V> * V::kLanes;  // floats a chunk
   const T* as = static_cast<const T*>(a.a);
