@@ -18,6 +18,8 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from shared.settings import json_object
+
 MODES = ("last", "mean", "cls")
 # llama.cpp's enum llama_pooling_type -> a mode (0 none and 4 rank: no single vector; last)
 _GGUF_MODES = {1: "mean", 2: "cls", 3: "last"}
@@ -82,12 +84,8 @@ class PoolingConfig:
         base = cls.from_gguf(model) if is_gguf(model) else cls.from_dir(model)
         if not pooler_config:
             return base
-        try:
-            fields = json.loads(pooler_config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--pooler-config is not JSON: {e}") from None
-        unknown = sorted(set(fields) - {"pooling_type", "normalize", "use_activation"}) \
-            if isinstance(fields, dict) else [fields]
+        fields = json_object("--pooler-config", pooler_config)
+        unknown = sorted(set(fields) - {"pooling_type", "normalize", "use_activation"})
         if unknown:
             raise ValueError("--pooler-config takes pooling_type and normalize (vLLM's newer "
                              f"name: use_activation); got {unknown}")

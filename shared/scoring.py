@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.settings import json_object
+
 NONE, CLASSIFY, YES_NO = "none", "classify", "yes_no"
 KINDS = (NONE, CLASSIFY, YES_NO)
 OVERRIDE_KEYS = frozenset({"architectures", "classifier_from_token",
@@ -88,12 +90,7 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
     """--hf-overrides: a JSON object of the keys in OVERRIDE_KEYS; ValueError otherwise."""
     if not text:
         return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--hf-overrides is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("--hf-overrides must be a JSON object")
+    value = json_object("--hf-overrides", text)
     other = sorted(set(value) - OVERRIDE_KEYS)
     if other:
         raise ValueError(f"--hf-overrides: {', '.join(other)} not supported (only "

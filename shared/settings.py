@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import json
 import os
 import types
 import typing
@@ -160,3 +161,15 @@ def _parse(typ: type, text: str):
     if typ is bool:
         return text.strip().lower() in ("1", "true", "yes", "on")
     return typ(text)
+
+
+def json_object(flag: str, text: str) -> dict:
+    """The JSON object a flag's value holds (vLLM's JSON flags); a ValueError naming the flag
+    for text that is not JSON or not an object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return value

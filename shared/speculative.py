@@ -22,8 +22,9 @@ GPU the simulator puts the break-even near 32 (bench/spec_sim.py).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from shared.settings import json_object
 
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
          "disable_by_batch_size")
@@ -48,12 +49,7 @@ class SpeculativeConfig:
         ValueError names the key that is wrong."""
         if not text:
             return None
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("--speculative-config must be a JSON object")
+        raw = json_object("--speculative-config", text)
         unknown = sorted(set(raw) - set(_KEYS))
         if unknown:
             raise ValueError(f"--speculative-config: unknown key {unknown[0]!r} (known: "
