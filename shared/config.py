@@ -80,12 +80,14 @@ class RunnerName(enum.StrEnum):
 class ConvertName(enum.StrEnum):
     """--convert (vLLM's): what a generation model's checkpoint is served as; embed: a pooling
     server (the same as --runner pooling); classify: a pooling server scoring with the
-    checkpoint's sequence classification head (shared/scoring.py). reward is not served yet."""
+    checkpoint's sequence classification head (shared/scoring.py); reward: a pooling server
+    giving every token's output on /pooling (services/compute/pooling/reward.py)."""
 
     AUTO = "auto"
     NONE = "none"
     EMBED = "embed"
     CLASSIFY = "classify"
+    REWARD = "reward"
 
 
 class Batching(enum.StrEnum):
@@ -93,6 +95,15 @@ class Batching(enum.StrEnum):
 
     MERGED = "merged"
     STATIC = "static"
+
+
+class SchedulingPolicyName(enum.StrEnum):
+    """--scheduling-policy: the order waiting requests are served in
+    (services/compute/scheduling/policy.py)."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+    PREDICTED = "predicted"
 
 
 class Admission(enum.StrEnum):
@@ -138,6 +149,15 @@ class SchedulerConfig:
                                           "instead of recomputing it", group=SCHEDULING)
     batching: Batching = setting(Batching.MERGED, "merged (dynamic, merged steps) or static "
                                  "(a baseline)", group=SCHEDULING)
+    scheduling_policy: SchedulingPolicyName = setting(
+        SchedulingPolicyName.FCFS, "fcfs (arrival order), priority (a request's priority, lower "
+        "first, then arrival; vLLM's) or predicted (priority, then the shortest predicted "
+        "remaining work, aged so that no request waits past --max-queue-delay-ms); under "
+        "priority and predicted a more urgent waiting request preempts the least urgent "
+        "running one when KV or --max-running binds", group=SCHEDULING)
+    max_queue_delay_ms: float = setting(
+        10000.0, "predicted: a waiting request's aging bound; once it has waited this long it "
+        "goes before every request younger than it", group=SCHEDULING)
     speculative_config: str | None = setting(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
@@ -149,13 +169,16 @@ class SchedulerConfig:
         # the one place the choices are checked; a value is the enum or its text, equal to
         # each other (str-valued enums): compare with ==, never `is`
         for name, choices in (("kv_policy", KVPolicyName), ("kv_admission", Admission),
-                              ("batching", Batching)):
+                              ("batching", Batching),
+                              ("scheduling_policy", SchedulingPolicyName)):
             _choice(name, choices, getattr(self, name))
         if self.enable_prefix_caching and self.kv_policy == KVPolicyName.PAGED:
             raise ValueError(f"--enable-prefix-caching needs contiguous segments; the "
                              f"{self.kv_policy} KV policy has none")
         if not 1 <= self.max_running <= self.max_batched_tokens:
             raise ValueError("need 1 <= max_running <= max_batched_tokens")
+        if not self.max_queue_delay_ms > 0:
+            raise ValueError("--max-queue-delay-ms must be > 0")
         for q in (self.kv_reserve_quantile, self.kv_grow_quantile, self.kv_peak_quantile):
             if not 0 < q <= 1:
                 raise ValueError("quantiles must be in (0, 1]")
@@ -217,8 +240,10 @@ class EngineConfig:
                                  "only)", group=MODEL)
     convert: ConvertName = setting(ConvertName.AUTO, "vLLM's: embed serves the model as an "
                                    "embedder (the same as --runner pooling), classify as a "
-                                   "classifier / cross-encoder (its score head); auto or none: "
-                                   "as --runner says", group=MODEL)
+                                   "classifier / cross-encoder (its score head), reward as a "
+                                   "reward model (every token's score head output, else hidden "
+                                   "state, on /pooling); auto or none: as --runner says",
+                                   group=MODEL)
     hf_overrides: str = setting("", "vLLM's JSON over the model's config.json, for scoring "
                                 "only (a pooling server): architectures, num_labels, id2label, "
                                 "classifier_from_token, is_original_qwen3_reranker (a "
@@ -320,17 +345,21 @@ class EngineConfig:
     @property
     def pooling(self) -> bool:
         """Whether this server serves pooled embeddings and scores, not generation (--runner
-        pooling, --convert embed or classify, or --hf-overrides naming a classification
+        pooling, --convert embed, classify or reward, or --hf-overrides naming a classification
         architecture, as vLLM picks its runner)."""
         return (self.runner == RunnerName.POOLING
-                or self.convert in (ConvertName.EMBED, ConvertName.CLASSIFY)
+                or self.convert in (ConvertName.EMBED, ConvertName.CLASSIFY, ConvertName.REWARD)
                 or names_classifier(self.hf_overrides))
+
+    @property
+    def reward(self) -> bool:
+        """Whether this pooling server is a reward model's (--convert reward): per-token
+        outputs on /pooling only."""
+        return self.convert == ConvertName.REWARD
 
     def _check_runner(self) -> None:
         """--runner and --convert parsed; what a pooling server cannot do fails at start-up."""
         _choice("runner", RunnerName, self.runner)
-        if self.convert == "reward":
-            raise ValueError("--convert reward is not served yet (only embed and classify)")
         _choice("convert", ConvertName, self.convert)
         if not self.pooling:
             if self.hf_overrides:
@@ -338,6 +367,9 @@ class EngineConfig:
                                  "scoring head)")
             return
         parse_overrides(self.hf_overrides)  # a malformed one fails at start-up
+        if self.reward and self.pooler_config:
+            raise ValueError("--pooler-config does not go with --convert reward (a reward model "
+                             "gives every token's output, unnormalized)")
         for flag, on in (("--backend sim", self.backend == BackendName.SIM),
                          ("--speculative-config", bool(self.scheduler.speculative_config)),
                          ("--enable-lora", self.enable_lora),

@@ -261,14 +261,16 @@ class EmbedRequest:
     # context length's
     add_special_tokens: bool = True  # texts: the tokenizer's special tokens (BOS/EOS) added
     task: str = "embed"  # "embed": pooled vectors; "classify": the scoring head's logits (the
-    # last token's; /score, /rerank, /classify), num_labels a row (1 for a yes/no reranker)
+    # last token's; /score, /rerank, /classify), num_labels a row (1 for a yes/no reranker);
+    # "reward": every token's reward head output (--convert reward's /pooling), a row per token
     texts_2: list[str] | None = None  # pairs: texts[i] tokenized with texts_2[i] as its pair
 
 
 @message
 class EmbedResult:
-    """The answer to an EmbedRequest: its vectors, row-major float32 [len(num_tokens), dim],
-    and each input's token count; or an error (a 400 names its field in error_param)."""
+    """The answer to an EmbedRequest: its vectors, row-major float32 [len(num_tokens), dim]
+    ([sum(num_tokens), dim] for task reward: a row per token, input after input), and each
+    input's token count; or an error (a 400 names its field in error_param)."""
 
     request_id: str
     vectors: array = field(default_factory=lambda: array("f"))  # float32

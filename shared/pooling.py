@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shared.settings import json_object
 
-MODES = ("last", "mean", "cls")
+MODES = ("last", "mean", "cls", "all")  # all: every token's row (--convert reward only)
 # llama.cpp's enum llama_pooling_type -> a mode (0 none and 4 rank: no single vector; last)
 _GGUF_MODES = {1: "mean", 2: "cls", 3: "last"}
 # vLLM's --pooler-config pooling_type -> a mode

@@ -217,6 +217,7 @@ def test_runner_and_convert_settings(monkeypatch):
     assert engine("--convert", "embed").pooling
     assert not engine("--convert", "none").pooling
     assert engine("--convert", "classify").pooling
+    assert engine("--convert", "reward").pooling and engine("--convert", "reward").reward
     assert engine("--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"]}'
                   ).pooling
     monkeypatch.setenv("PIPELLM_RUNNER", "pooling")
@@ -226,7 +227,8 @@ def test_runner_and_convert_settings(monkeypatch):
                        (dict(runner="pooling", hf_overrides='{"vocab_size": 3}'),
                         "not supported"),
                        (dict(runner="pooling", hf_overrides="[1"), "not valid JSON"),
-                       (dict(convert="reward"), "not served yet"),
+                       (dict(convert="reward", pooler_config='{"normalize": true}'),
+                        "--pooler-config"),
                        (dict(convert="x"), "--convert must be one of"),
                        (dict(runner="pooling", backend="sim"), "--backend sim"),
                        (dict(runner="pooling", enable_prefix_caching=True), "prefix-caching"),

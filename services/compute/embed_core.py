@@ -1,12 +1,12 @@
 """The pooling runner's requests in compute: EmbedRequests in, EmbedResults out.
 
 Requests queue as they arrive and run between engine steps: all those queued that ask for the
-same task and width go through `LLMEngine.embed` (or `classify`: the scoring head's logits)
-together, which batches their inputs up to the token budget (--max-batched-tokens) per
-forward. Should a joined run fail (an input the tokenizer let through that the engine refuses),
-each request of it runs alone, so only the bad one gets the error. Errors: InvalidParams is a
-400 on its field; no room in the KV cache for an input (NoKVRoom) a 400 on `input`; anything
-else a 500, logged. Never raises.
+same task and width go through `LLMEngine.embed` (or `classify`: the scoring head's logits;
+`reward`: every token's reward head output, a row per token) together, which batches their
+inputs up to the token budget (--max-batched-tokens) per forward. Should a joined run fail (an
+input the tokenizer let through that the engine refuses), each request of it runs alone, so
+only the bad one gets the error. Errors: InvalidParams is a 400 on its field; no room in the
+KV cache for an input (NoKVRoom) a 400 on `input`; anything else a 500, logged. Never raises.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class EmbedCore:
         try:
             if group[0].task == "classify":
                 vectors = self.engine.classify(prompts)
+            elif group[0].task == "reward":
+                vectors = self.engine.reward(prompts)
             else:
                 vectors = self.engine.embed(prompts, group[0].dimensions or None)
             return _results(group, np.ascontiguousarray(vectors.numpy(), dtype=np.float32))
@@ -71,10 +73,11 @@ class EmbedCore:
 
 
 def _results(group: list[EmbedRequest], rows: np.ndarray) -> list[EmbedResult]:
-    """Each request's rows of `rows` [inputs of the group, dim] as its EmbedResult."""
+    """Each request's rows of `rows` [inputs of the group, dim] as its EmbedResult (task
+    reward: [tokens of the group, dim], a row per token)."""
     out, at = [], 0
     for req in group:
-        n = len(req.inputs)
+        n = sum(len(ids) for ids in req.inputs) if req.task == "reward" else len(req.inputs)
         flat = array("f")
         flat.frombytes(rows[at:at + n].tobytes())
         out.append(EmbedResult(req.request_id, flat, rows.shape[1],

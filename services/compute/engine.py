@@ -22,6 +22,7 @@ from services.compute.core.step import ScheduledStep
 from services.compute.length.refiner import LengthRefiner
 from services.compute.length.store import memory_stores
 from services.compute.pooling import embed
+from services.compute.pooling.reward import RewardHead, reward
 from services.compute.pooling.scoring import ScoringHead, classify
 from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
@@ -80,8 +81,10 @@ class LLMEngine:
         self.lora_names = getattr(getattr(runner, "model", None), "lora_names", frozenset())
         self._unloading: set[str] = set()  # unloaded adapters some request still uses
         self.kv = KVSpace(config.scheduler, self.runner.capacity)
+        clock = getattr(runner, "clock", None)  # the simulator's virtual clock, if any
         self.scheduler = Scheduler(config.scheduler, self.kv,
-                                   config.max_loras if config.enable_lora else None)
+                                   config.max_loras if config.enable_lora else None,
+                                   clock=None if clock is None else lambda: clock.now)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         mode = config.overlap_schedule
@@ -97,12 +100,13 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None,
                     predicted_length: LengthDist | int | None = None,
-                    output_ids: list[int] = (), grammar=None) -> str:
+                    output_ids: list[int] = (), grammar=None, priority: int = 0) -> str:
         """Queue a request. `predicted_length`: its output length (a distribution or a point; None:
         --default-predicted-len). `output_ids`: tokens it generated before (a request resumed
         after a restart continues after them as if never interrupted). `grammar`: the
-        LoadedGrammar its output must match (shared.grammar), or None. Raises InvalidParams
-        if this engine cannot serve it."""
+        LoadedGrammar its output must match (shared.grammar), or None. `priority`: lower is served
+        first (--scheduling-policy priority or predicted). Raises InvalidParams if this engine
+        cannot serve it."""
         if not prompt_ids:
             raise InvalidParams("prompt", "prompt must contain at least one token")
         vocab = self.model_config.vocab_size
@@ -136,6 +140,7 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             max_len=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
             predicted_length=predicted_length, stop_ids=frozenset(stop), num_prompt=len(prompt_ids),
+            priority=priority,
             grammar=None if grammar is None else GrammarState(
                 grammar, list(output_ids), _reasoning_gate(params)),
         )
@@ -311,6 +316,15 @@ class LLMEngine:
         """[N, k] float32 logits of the scoring head over whole prompts' last tokens (k: the
         labels; 1 for a yes/no reranker: logit[yes] - logit[no])."""
         return classify(self, prompts, self.scoring)
+
+    @functools.cached_property
+    def reward_head(self) -> RewardHead:
+        """A reward model's per-token head (pooling/reward.py), built once."""
+        return RewardHead(self.runner.model)
+
+    def reward(self, prompts: list[list[int]]):
+        """[total tokens, k] float32: every token's reward head output (pooling/reward.py)."""
+        return reward(self, prompts, self.reward_head)
 
 
 def prefill_backlog(scheduler: Scheduler) -> int:

@@ -55,6 +55,9 @@ class EmbeddingsAPI:
             if not self.settings.pooling:
                 raise bad_request("The model does not support Embeddings API: this server "
                                   "generates (start one with --runner pooling)", "model")
+            if self.settings.reward:
+                raise bad_request("The model does not support Embeddings API: it is a reward "
+                                  "model (--convert reward): use /pooling", "model")
             ignored = None if gw.svc.strict_request_fields else []
             req = parse_embeddings(await read_json_body(request), gw.model_name, self.settings,
                                    max_text_bytes=gw.svc.prompt_bytes_limit(gw.max_model_len),
@@ -66,13 +69,15 @@ class EmbeddingsAPI:
             return web.json_response(answer(result, req))
 
     async def run(self, req: EmbeddingsRequest) -> EmbedResult:
-        """Send `req` on and wait for its EmbedResult; an error as an APIError."""
+        """Send `req` on and wait for its EmbedResult (a reward model's: per token); an error
+        as an APIError."""
         texts = None if req.texts is None else list(req.texts)
         return await self.exchange(EmbedRequest(
             f"embd-{secrets.token_hex(12)}", self.gw.svc.addr("gateway"),
             inputs=[int32s(ids) for ids in req.ids or ()], texts=texts,
             dimensions=req.dimensions or 0, truncate_prompt_tokens=req.truncate_prompt_tokens,
-            add_special_tokens=req.add_special_tokens))
+            add_special_tokens=req.add_special_tokens,
+            task="reward" if self.settings.reward else "embed"))
 
     async def exchange(self, msg: EmbedRequest) -> EmbedResult:
         """Send `msg` (an embeddings, pooling or scoring request) to a tokenizer and wait for

@@ -39,18 +39,23 @@ FORMATS = ("float", "base64")
 @dataclass(frozen=True)
 class EmbeddingSettings:
     """What the gateway knows of the served embedder: whether this is a pooling server, its
-    pooling (Matryoshka widths) and its full width, the context length, its scoring head."""
+    pooling (Matryoshka widths) and its full width, the context length, its scoring head,
+    whether it is a reward model (--convert reward: per-token outputs on /pooling only)."""
 
     pooling: bool = False
     config: PoolingConfig = dataclasses.field(default_factory=PoolingConfig)
     hidden_size: int = 0
     max_model_len: int = 0
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)  # its head
+    reward: bool = False
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """400 on `dimensions` when the model cannot give that width."""
         if dimensions is None:
             return
+        if self.reward:
+            raise bad_request("dimensions is not supported by a reward model (it gives every "
+                              "token's output, not an embedding)", "dimensions")
         try:
             self.config.output_dim(dimensions)
         except ValueError as e:

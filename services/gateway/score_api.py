@@ -90,13 +90,16 @@ class ScoreAPI:
                                    max_text_bytes=gw.svc.prompt_bytes_limit(gw.max_model_len),
                                    ignored=ignored)
             result = await gw.embeddings_api.run(req)
-            return web.json_response(pooling_answer(result, req))
+            return web.json_response(pooling_answer(result, req, self.settings.reward))
 
     def _check(self, api: str, scores: bool = True, one_label: bool = False) -> None:
         """A 400 (on `model`) where this server does not serve `api`."""
         if not self.settings.pooling:
             raise bad_request(f"The model does not support {api}: this server generates "
                               "(start one with --runner pooling)", "model")
+        if scores and self.settings.reward:
+            raise bad_request(f"The model does not support {api}: it is a reward model "
+                              "(--convert reward): use /pooling", "model")
         scoring = self.settings.scoring
         if scores and not scoring.scores:
             raise bad_request(f"The model does not support {api}: it is an embedding model "
@@ -197,13 +200,21 @@ def classify_answer(req: ClassifyRequest, result: EmbedResult, labels: tuple[str
             "usage": _usage(sum(result.num_tokens))}
 
 
-def pooling_answer(result: EmbedResult, req: EmbeddingsRequest) -> dict:
-    """vLLM's /pooling answer: each input's pooled vector (as /v1/embeddings pools it)."""
-    dim, data = result.dim, []
-    for i in range(len(result.num_tokens)):
-        row = result.vectors[i * dim:(i + 1) * dim]
-        data.append({"index": i, "object": "pooling",
-                     "data": encode_base64(row) if req.encoding_format == "base64"
-                     else row.tolist()})
+def pooling_answer(result: EmbedResult, req: EmbeddingsRequest, per_token: bool = False
+                   ) -> dict:
+    """vLLM's /pooling answer: each input's pooled vector (as /v1/embeddings pools it); a
+    reward model's (`per_token`) its [tokens, k] rows (base64: their float32 bytes)."""
+    dim, data, at = result.dim, [], 0
+    for i, n in enumerate(result.num_tokens):
+        rows = n if per_token else 1
+        flat = result.vectors[at * dim:(at + rows) * dim]
+        at += rows
+        if req.encoding_format == "base64":
+            value = encode_base64(flat)
+        elif per_token:
+            value = [flat[j * dim:(j + 1) * dim].tolist() for j in range(rows)]
+        else:
+            value = flat.tolist()
+        data.append({"index": i, "object": "pooling", "data": value})
     return {**_head("pool", req.model), "data": data,
             "usage": _usage(sum(result.num_tokens))}

@@ -56,7 +56,8 @@ def embedding_settings(engine_cfg: EngineConfig) -> EmbeddingSettings | None:
                              ModelConfig.from_path(engine_cfg.model).hidden_size,
                              served_context(engine_cfg),
                              ScoringConfig.from_dir(engine_cfg.model, engine_cfg.hf_overrides,
-                                                    engine_cfg.convert))
+                                                    engine_cfg.convert),
+                             engine_cfg.reward)
 
 
 def lora_adapters(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[LoraModule, ...]:

@@ -6,7 +6,8 @@ prompt tokens (a prefill-only step has no decodes' latency to protect; a longer 
 alone), each batch one prefill-only forward into KV slots taken from the engine's
 allocator (a batch whose prompts do not all fit runs the head that does) and freed before the
 next batch, whatever happens. Requests the engine is running keep their slots: the pooled
-prompts only use free ones. Result: [N, dim] float32 on the CPU, in prompt order.
+prompts only use free ones. Result: [N, dim] float32 on the CPU, in prompt order (mode "all":
+[total tokens, dim], each prompt's rows in turn).
 """
 
 from __future__ import annotations
@@ -49,16 +50,17 @@ def embed(engine, prompts: list[list[int]], pooling: PoolingConfig,
     out, budget = [], max(engine.config.scheduler.max_batched_tokens, MIN_BATCH_TOKENS)
     while prompts:
         group = next(batches(prompts, budget))
-        vectors = _run_group(engine, group, pooling, dim, head)
+        vectors, done = _run_group(engine, group, pooling, dim, head)
         out.append(vectors)
-        prompts = prompts[len(vectors):]
+        prompts = prompts[done:]
     return torch.cat(out)
 
 
 def _run_group(engine, group: list[list[int]], pooling: PoolingConfig,
-               dim: int | None, head: Callable | None = None) -> torch.Tensor:
+               dim: int | None, head: Callable | None = None) -> tuple[torch.Tensor, int]:
     """The pooled vectors of the longest head of `group` whose prompts get free KV slots
-    (NoKVRoom when not even the first does); the slots are freed before returning."""
+    (NoKVRoom when not even the first does), and how many prompts that head holds; the slots
+    are freed before returning."""
     allocator, runner, starts = engine.kv.allocator, engine.runner, []
     try:
         for p in group:
@@ -73,8 +75,8 @@ def _run_group(engine, group: list[list[int]], pooling: PoolingConfig,
         rows = hidden_states(runner.model, batch, runner.kv)
         vectors = pool(rows, [len(p) for p in group], pooling.mode)
         if head is not None:
-            return head(vectors).cpu()
-        return finish(vectors, pooling.normalize, dim).cpu()
+            return head(vectors).cpu(), len(group)
+        return finish(vectors, pooling.normalize, dim).cpu(), len(group)
     finally:
         for start in starts:
             allocator.free(start)

@@ -1,6 +1,6 @@
-"""Pooling the hidden states of whole prompts into one vector each, then Matryoshka truncation
-and L2 normalization. Pure tensor math: rows of prompt i are hidden[cu[i]:cu[i+1]], every
-prompt has at least one row."""
+"""Pooling the hidden states of whole prompts into one vector each (or, "all", every row kept:
+a reward model's per-token outputs), then Matryoshka truncation and L2 normalization. Pure
+tensor math: rows of prompt i are hidden[cu[i]:cu[i+1]], every prompt has at least one row."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import torch.nn.functional as F
 
 def pool(hidden: torch.Tensor, lens: list[int], mode: str) -> torch.Tensor:
     """[N, H] float32 from `hidden` [sum(lens), H]: each prompt's last row ("last"), the mean of
-    its rows ("mean") or its first row ("cls")."""
+    its rows ("mean") or its first row ("cls"); "all": every row, [sum(lens), H]."""
     if not lens or min(lens) < 1:
         raise ValueError("every pooled prompt needs at least one token")
     counts = torch.tensor(lens, device=hidden.device)
     ends = torch.cumsum(counts, 0)
+    if mode == "all":
+        return hidden.float()
     if mode == "last":
         return hidden[ends - 1].float()
     if mode == "cls":
