@@ -61,6 +61,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     peak_total: int = 0  # the scheduler's cached output-length bound for admission (0: unset)
+    priority: int = 0  # lower is served first (--scheduling-policy priority or predicted)
+    arrival: float | None = None  # on the scheduler's clock, set when it is added
+    preemptions: int = 0  # times it was preempted (re-admission boost; scheduling/policy.py)
     logprobs: list[float] = field(default_factory=list)  # of the tokens this engine generated
     # with params.prompt_logprobs: of token_ids[1 : 1 + len(prompt_logprobs)]
     prompt_logprobs: list[float] = field(default_factory=list)

@@ -2,13 +2,19 @@
 
 Each step: a decode token for every running request with one pending (growing, moving or, last,
 preempting to make room), then running prefills' next chunks, then waiting requests admitted
-FCFS while the token budget, the running limit, free KV and the admission rule allow. KV
-policies are in `kv_policy.py`, admission estimators in `admission.py`.
+in order while the token budget, the running limit, free KV and the admission rule allow. KV
+policies are in `kv_policy.py`, admission estimators in `admission.py`, the waiting order in
+`policy.py`: FCFS keeps arrival order; a reordering policy (priority, predicted) sorts the
+queue by urgency each step, lets its head preempt the least urgent running requests when KV or
+the running limit binds (`urgency.py`), and gives the step's prefill budget to running
+prefills and waiting requests in urgency order.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.compute.beam.group import commit_beams, lane_moves, restart
@@ -16,6 +22,8 @@ from services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
 from services.compute.core.step import ScheduledStep, StepSample, Work, WorkItem
 from services.compute.scheduling.admission import peak_check
 from services.compute.scheduling.kv_space import KVSpace
+from services.compute.scheduling.policy import make_scheduling_policy
+from services.compute.scheduling.urgency import Urgency
 from services.compute.speculative.verify import Speculation
 from shared.config import Batching, SchedulerConfig
 from shared.messages import Tokens
@@ -27,10 +35,15 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVSpace, max_loras: int | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVSpace, max_loras: int | None = None,
+                 clock: Callable[[], float] | None = None):
         """`kv`: the KV space built from the same config. `max_loras`: the most LoRA adapters
-        the running batch may hold requests of (--max-loras; None: any number)."""
+        the running batch may hold requests of (--max-loras; None: any number). `clock`:
+        seconds, for arrivals and aging (the simulator's virtual clock; None: monotonic)."""
         self.config, self.kv, self.max_loras = config, kv, max_loras
+        self.clock = clock or time.monotonic
+        policy = make_scheduling_policy(config)
+        self.urgency = Urgency(policy) if policy.reorders else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.stats = SchedulerStats()
@@ -43,6 +56,8 @@ class Scheduler:
         if seq.max_len > self.kv.capacity:
             raise ValueError(f"request needs up to {seq.max_len} KV slots but the cache holds "
                              f"{self.kv.capacity}")
+        if seq.arrival is None:
+            seq.arrival = self.clock()
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -61,6 +76,13 @@ class Scheduler:
         step = ScheduledStep()
         if self.kv.compactor is not None:
             self.kv.compactor.refill()
+        urgency = self.urgency
+        if urgency is not None and self.config.batching != Batching.STATIC:
+            urgency.start(self.clock(), self.waiting)
+            for victim in urgency.victims(self):
+                self._preempt(victim)
+        else:
+            urgency = None
         i = 0
         while i < len(self.running):  # preemption victims come after i (admitted later)
             seq = self.running[i]
@@ -73,9 +95,17 @@ class Scheduler:
                                                                         len(self.running) - i)))
             i += 1
         budget = self.config.max_batched_tokens - step.num_tokens
-        for seq in self.running:
-            if seq.pending > 1 and budget > 0:
-                n = min(seq.pending, budget)
+        prefilling = [seq for seq in self.running if seq.pending > 1]
+        if urgency is not None:  # the step's budget to the most urgent first
+            urgency.order(self.waiting)
+            prefilling.sort(key=urgency.key)
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            if urgency is not None:
+                budget = self._admit_waiting(step, budget, before=urgency.key(seq))
+            n = min(seq.pending, budget)
+            if n > 0:
                 step.items.append(WorkItem.prefill(seq, n))
                 budget -= n
         self._admit_waiting(step, budget)
@@ -90,19 +120,23 @@ class Scheduler:
         budget = self.config.max_batched_tokens - step.num_tokens - deciding
         return self.speculation.drafts(seq, len(self.running), budget)
 
-    def _admit_waiting(self, step: ScheduledStep, budget: int) -> None:
-        """FCFS admission into `step`: nobody overtakes the head of the queue. Static batching
-        admits only into an empty batch, all that fit at once (their prompts then prefill in
-        chunks over the next steps)."""
+    def _admit_waiting(self, step: ScheduledStep, budget: int, before: tuple | None = None,
+                       ) -> int:
+        """Admission into `step` in queue order: nobody overtakes the head of the queue;
+        `before`: only requests more urgent than this key. Static batching admits only into an
+        empty batch, all that fit at once (their prompts then prefill in chunks over the next
+        steps). Returns the budget left."""
         static = self.config.batching == Batching.STATIC
         if static and self.running:
-            return
+            return budget
         peak, check = None, self.peak_check
         if check is not None and self.waiting:
             peak = check(self.running, self.config.kv_peak_quantile, self.kv.capacity)
         while self.waiting and (budget > 0 or static) and \
                 len(self.running) < self.config.max_running:
             seq = self.waiting[0]
+            if before is not None and not self.urgency.key(seq) < before:
+                break
             if peak is not None and not peak.fits(seq):
                 break
             if not self._adapter_fits(seq):  # it waits, in line, for an adapter to leave
@@ -115,6 +149,7 @@ class Scheduler:
             if n:
                 step.items.append(WorkItem.prefill(seq, n))
                 budget -= n
+        return budget
 
     def advance(self, step: ScheduledStep) -> None:
         """Account for a launched step before its results are back: its K/V count as cached and
@@ -212,10 +247,14 @@ class Scheduler:
         running = {s.params.lora_name for s in self.running} - {""}
         return name in running or len(running) < self.max_loras
 
-    def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
-        # a beam search's segment: a lane of max_len slots per beam
-        size = self.kv.policy.reservation(seq) if seq.beams is None else \
+    def reservation(self, seq: Sequence) -> int:
+        """Slots seq's segment takes at admission (a beam search's: a lane of max_len slots
+        per beam)."""
+        return self.kv.policy.reservation(seq) if seq.beams is None else \
             seq.beams.width * seq.max_len
+
+    def _admit(self, seq: Sequence, step: ScheduledStep) -> bool:
+        size = self.reservation(seq)
         if not self.kv.policy.can_admit(self.kv.allocator, size):
             return False
         # requests asking for prompt logprobs bypass the cache: those are computed in prefill
@@ -260,5 +299,8 @@ class Scheduler:
             restart(seq)
         seq.num_cached, seq.kv_start, seq.kv_reserved = 0, -1, 0
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        seq.preemptions += 1
+        if self.urgency is not None:
+            self.urgency.forget(seq)
+        self.waiting.appendleft(seq)  # a reordering policy sorts it into place
         self.stats.preemptions += 1

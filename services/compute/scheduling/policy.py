@@ -1,0 +1,117 @@
+"""Scheduling policies: the order waiting requests are served in, and whom to preempt for them.
+
+Each policy is an object behind `SchedulingPolicy`; the scheduler asks it for a request's
+urgency key (lower: more urgent) and never switches on its name (`make_scheduling_policy` is
+the one place that reads --scheduling-policy). `Fcfs` keeps arrival order and never reorders
+(the scheduler then runs exactly as before policies existed); `Priority` is vLLM's
+(priority, arrival); `ShortestPredicted` is (priority, predicted remaining work, aged).
+
+Invariants of the reordering policies: keys are compared within one step's `now`; a request's
+key does not rise as it waits or runs (its age grows, its remaining work shrinks) unless it is
+preempted (its recompute counts as prefill again) or its prediction is refined; a preempted
+request's boost is at most `MAX_BOOSTS` x `boost_s` of extra age, never across priorities.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+from services.compute.core.sequence import Sequence
+from shared.config import SchedulerConfig, SchedulingPolicyName
+
+MAX_BOOSTS = 2  # preemptions that each add boost_s of age to a request (then no more)
+BOOST_SHARE = 0.25  # boost_s as a share of --max-queue-delay-ms
+
+
+class SchedulingPolicy(Protocol):
+    name: SchedulingPolicyName
+    reorders: bool  # False: plain FCFS (no keys, no preemption for urgency)
+
+    def key(self, seq: Sequence, now: float) -> tuple:
+        """seq's urgency at `now`: lower is served first; a running request is preempted for
+        a waiting one whose key is strictly lower."""
+
+
+def victim_order(policy: SchedulingPolicy, seq: Sequence, now: float) -> tuple:
+    """The order in which running requests are preempted, highest first: the least urgent,
+    the latest arrival among equals."""
+    return policy.key(seq, now), seq.arrival or 0.0
+
+
+def boosted_age(seq: Sequence, now: float, boost_s: float) -> float:
+    """Seconds since seq arrived, plus boost_s per preemption it suffered (at most
+    MAX_BOOSTS of them)."""
+    return now - (seq.arrival or 0.0) + min(seq.preemptions, MAX_BOOSTS) * boost_s
+
+
+@dataclass(frozen=True)
+class Fcfs:
+    name: ClassVar[SchedulingPolicyName] = SchedulingPolicyName.FCFS
+    reorders: ClassVar[bool] = False
+
+    def key(self, seq: Sequence, now: float) -> tuple:
+        return (-boosted_age(seq, now, 0.0),)
+
+
+@dataclass(frozen=True)
+class Priority:
+    """vLLM's priority policy: (priority, arrival); a preempted request is re-admitted as if it
+    had arrived boost_s earlier per preemption (bounded)."""
+
+    boost_s: float
+    name: ClassVar[SchedulingPolicyName] = SchedulingPolicyName.PRIORITY
+    reorders: ClassVar[bool] = True
+
+    def key(self, seq: Sequence, now: float) -> tuple:
+        return seq.priority, -boosted_age(seq, now, self.boost_s)
+
+
+@dataclass(frozen=True)
+class ShortestPredicted:
+    """(priority, aged work). Work is the request's predicted remaining time in steps: its
+    tokens left to prefill over the step's token budget, plus its predicted remaining output
+    (the conditional median, capped by max_tokens). With a = boosted age / max_delay_s the key
+    is work x (1 - a) while a < 1 and (1 - a) after: every request younger than max_delay_s
+    has a key > 0, so once one has waited max_delay_s it goes before all of them, and the
+    overdue go oldest first (FCFS). Its wait is at most max_delay_s plus the time to serve the
+    overdue requests that arrived before it (no starvation)."""
+
+    max_delay_s: float
+    step_tokens: int  # --max-batched-tokens: prompt tokens one step prefills
+    boost_s: float
+    name: ClassVar[SchedulingPolicyName] = SchedulingPolicyName.PREDICTED
+    reorders: ClassVar[bool] = True
+    # seq -> (its LengthDist, the predicted total output): recomputed once outgrown
+    _totals: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary,
+                                               compare=False, repr=False)
+
+    def key(self, seq: Sequence, now: float) -> tuple:
+        a = boosted_age(seq, now, self.boost_s) / self.max_delay_s
+        return seq.priority, (1.0 - a) * (self.work(seq) if a < 1.0 else 1.0)
+
+    def work(self, seq: Sequence) -> float:
+        """Predicted remaining steps: prefill left / step_tokens + output left."""
+        return seq.pending / self.step_tokens + self.remaining_output(seq)
+
+    def remaining_output(self, seq: Sequence) -> int:
+        """Tokens seq is predicted to generate still (>= 1 until it finishes)."""
+        dist, g = seq.predicted_length, seq.num_output
+        cached = self._totals.get(seq)
+        if cached is None or cached[0] is not dist or cached[1] <= g:
+            cached = dist, dist.conditional_quantile(g, 0.5)
+            self._totals[seq] = cached
+        return max(min(cached[1], seq.max_len - seq.num_prompt) - g, 1)
+
+
+def make_scheduling_policy(config: SchedulerConfig) -> SchedulingPolicy:
+    """The policy --scheduling-policy names, with its settings from `config`."""
+    delay_s = config.max_queue_delay_ms / 1e3
+    match config.scheduling_policy:
+        case SchedulingPolicyName.FCFS:
+            return Fcfs()
+        case SchedulingPolicyName.PRIORITY:
+            return Priority(BOOST_SHARE * delay_s)
+        case SchedulingPolicyName.PREDICTED:
+            return ShortestPredicted(delay_s, config.max_batched_tokens, BOOST_SHARE * delay_s)
