@@ -56,13 +56,13 @@ FRESH = ["Apples grow on", "Volcanoes erupt when", "Chess openings like", "Jazz 
 class Router:
     """`vllm-router` in its own process group, on free ports, logging to `log`."""
 
-    def __init__(self, workers: list[str], log: Path):
+    def __init__(self, workers: list[str], log: Path, flags: tuple[str, ...] = ROUTER_FLAGS):
         port, metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         argv = [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-                *ROUTER_FLAGS]
+                *flags]
         self.log = log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
