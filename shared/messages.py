@@ -95,6 +95,7 @@ class TokenizeRequest:
     reasoning_parser: str = ""  # chat: the detokenizer splits reasoning off (shared/reasoning)
     thinking_token_budget: int = 0  # with a reasoning parser: its end forced after this many
     # reasoning tokens (compute, SamplingParams.thinking_budget)
+    priority: int = 0  # lower is served first (--scheduling-policy priority or predicted)
 
     @property
     def first_choice(self) -> int:
@@ -135,6 +136,7 @@ class GenerateRequest:
     # tokens so far (they follow the prompt and count as output)
     grammar: GrammarSpec | None = None  # structured output: compiled by compute
     routed_tokens: int = 0  # KV tokens routing added to its compute's `pending` demand (DP)
+    priority: int = 0  # the API request's: lower is served first (scheduling/policy.py)
 
     @property
     def prefill_tokens(self) -> int:

@@ -347,12 +347,17 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(stack, payload, st
 def test_what_agent_frameworks_and_gateways_send(stack, client):
     """A developer message (the system's newer name), a field this server does not know
     (served, and logged), a request id in the body or the X-Request-Id header (the response's
-    id and that header), a priority; an id already in flight is a 400."""
+    id and that header), priority 0 (any other under --scheduling-policy fcfs is a 400, as
+    vLLM's); an id already in flight is a 400."""
     user = {"role": "user", "content": "hi"}
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, max_tokens=4, temperature=0,
         messages=[{"role": "developer", "content": "Be brief."}, user],
-        extra_body={"request_id": "trace-1", "frobnicate": 1, "priority": 5})
+        extra_body={"request_id": "trace-1", "frobnicate": 1, "priority": 0})
+    with pytest.raises(openai.BadRequestError, match="Priority scheduling is not enabled") as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"priority": 5})
+    assert e.value.body["param"] == "priority"
     chat = raw.parse()
     assert chat.id == "chatcmpl-trace-1" and raw.headers["x-request-id"] == "chatcmpl-trace-1"
     as_system = client.chat.completions.create(

@@ -219,6 +219,7 @@ def test_invalid_requests(kind, extra, param, text):
 def test_a_client_request_id_names_the_request_and_priority_is_accepted(kind):
     req = PARSE[kind]({**BASE[kind], "request_id": "trace-7.a", "priority": -3}, M)
     assert req.request_id == "trace-7.a"
+    assert req.tokenize_requests("r", "to", 0, 0.0)[0].priority == -3  # on to compute
     assert new_id(req.kind, req.request_id) == (
         "chatcmpl-trace-7.a" if kind == "chat" else "cmpl-trace-7.a")
     for bad in ("", "has space", "x" * 129, "naïve", 5, "a:0"):

@@ -110,7 +110,7 @@ class ComputeCore:
                 raise grammar
             predicted = LengthDist(tuple(req.predicted_length)) if req.predicted_length else None
             self.engine.add_request(list(req.prompt_ids), req.params, rid, predicted,
-                                    list(req.output_ids), grammar)
+                                    list(req.output_ids), grammar, req.priority)
         except (InvalidParams, ValueError, RuntimeError, ImportError) as e:  # GrammarError: 400
             self._errors.append([rid, req.route.reply_to, str(e)])
             return

@@ -56,15 +56,18 @@ class Gateway:
                  to_control: AsyncSender | AsyncFanout, template: ChatTemplate | None = None,
                  defaults: GenerationDefaults | None = None, adapters: tuple[LoraModule, ...] = (),
                  lora_api: tuple[int | None, int] | None = None,
-                 embeddings: EmbeddingSettings | None = None):
+                 embeddings: EmbeddingSettings | None = None, priorities: bool = False):
         """`template`: the chat template /tokenize renders messages with (the tokenizers
         render generation requests' own). `defaults`: the model's sampling defaults, for
         requests that leave fields unset (--generation-config). `adapters`: the LoRA adapters
         a request may name as its model (--lora-modules); `lora_api`: (--max-cpu-loras,
         --max-lora-rank) where adapters are loaded and unloaded at run time (lora_api.py).
         `embeddings`: the served embedder on a pooling server (--runner pooling), else None:
-        /v1/embeddings is then a 400 (embeddings_api.py)."""
+        /v1/embeddings is then a 400 (embeddings_api.py). `priorities`: whether compute
+        schedules by a request's priority (--scheduling-policy priority or predicted; under
+        fcfs a non-zero priority is a 400, as vLLM's)."""
         self.svc, self.model_name, self.max_model_len = svc, model_name, max_model_len
+        self.priorities = priorities
         self.set_adapters(adapters)
         if model_name in self.adapter_names:
             raise ValueError(f"--lora-modules: adapter name {model_name!r} is the served "
@@ -170,6 +173,9 @@ class Gateway:
         when done; on an error here it is removed."""
         check_prompt_bytes(req.prompts, req.messages,
                            self.svc.prompt_bytes_limit(self.max_model_len))
+        if req.options.get("priority", 0) and not self.priorities:
+            raise bad_request(f"Got priority {req.options['priority']} but Priority scheduling "
+                              "is not enabled.", "priority")
         if not self.health.ok:
             raise unavailable(f"Not ready: {self.health.reason}")
         if rid in self.registry.requests:

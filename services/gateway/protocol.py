@@ -79,7 +79,7 @@ _COMMON_KEYS = frozenset({
     # vLLM extensions we implement
     "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
     "logit_bias", *BEAM_KEYS,
-    "request_id", "priority",  # priority: accepted, not yet scheduled by
+    "request_id", "priority",  # priority: a 400 unless --scheduling-policy reorders (app.py)
     "truncate_prompt_tokens", "truncation_side", "include_stop_str_in_output",
     "no_stop_trim", "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
     "allowed_token_ids", "bad_words", "cache_salt", "prompt_logprobs",
@@ -362,7 +362,7 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
     search fields, services/gateway/beam.py; `chat_options`: how chat renders its prompt;
     `lora_name`: the adapter it generates with)."""
     stream, include_usage, continuous_usage = stream_fields(body)
-    get_int(body, "priority", 0, lo=-MAX_COUNT - 1, hi=MAX_COUNT)  # accepted, not yet used
+    priority = get_int(body, "priority", 0, lo=-MAX_COUNT - 1, hi=MAX_COUNT)
     params = sampling_params(  # best_of ranks choices by their logprobs: compute sends them
         body, logprobs=logprobs or fields.get("best_of", 0) > 0, top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs, max_param=max_param, defaults=defaults,
@@ -386,6 +386,6 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         options={**(chat_options or {}), **truncation(body), **text_options(body),
                  **({"skip_special_tokens": False} if calls_keep_specials(fields) else {}),
                  "return_token_ids": get_bool(body, "return_token_ids", False),
-                 "bad_words": bad_words(body)},
+                 "bad_words": bad_words(body), "priority": priority},
         tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),
         **fields)

@@ -16,7 +16,7 @@ from services.gateway.app import Gateway
 from services.gateway.embeddings_request import EmbeddingSettings
 from services.gateway.lora_api import runtime_updates_allowed
 from shared.chat_template import load_chat_template
-from shared.config import EngineConfig, ServiceConfig
+from shared.config import EngineConfig, SchedulingPolicyName, ServiceConfig
 from shared.generation_config import GenerationDefaults
 from shared.lora import LoraModule, parse_lora_modules, runtime_adapters
 from shared.messages import DeltaBatch, EmbedResult
@@ -43,7 +43,8 @@ def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncR
                  lora_adapters(engine_cfg, svc),
                  (engine_cfg.max_cpu_loras, engine_cfg.max_lora_rank) if engine_cfg.enable_lora
                  and runtime_updates_allowed(svc.allow_runtime_lora_updating) else None,
-                 embedding_settings(engine_cfg))
+                 embedding_settings(engine_cfg),
+                 engine_cfg.scheduler.scheduling_policy != SchedulingPolicyName.FCFS)
     return gw, AsyncReceiver(ctx, svc.addr("gateway"), bind=True)
 
 

@@ -191,12 +191,12 @@ class Tokenizer:
         if params.beam_width:  # one search for all n choices: compute names them from first
             resumes = [Resume(first, max(r.attempt for r in resumes), array("i"), 0)]
         return [self._choice(req.request_id, r, r.index - first, packed, params, route,
-                             quantiles, req.grammar) for r in resumes]
+                             quantiles, req.grammar, req.priority) for r in resumes]
 
     @staticmethod
     def _choice(api: str, r: Resume, j: int, prompt: array, params: SamplingParams,
                 route: Route, quantiles: list[int] | None, grammar: GrammarSpec | None = None,
-                ) -> GenerateRequest:
+                priority: int = 0) -> GenerateRequest:
         """Choice r.index of the request, its prompt's choice j (seed + j: choices differ,
         resumes repeat, a batch's prompt samples as it would alone)."""
         rid = str(ChoiceId(api, r.index, r.attempt))
@@ -205,7 +205,8 @@ class Tokenizer:
         if r.output_ids:  # its first delta, the prompt's logprobs with it, was delivered
             params = dataclasses.replace(params, prompt_logprobs=None)
         route = dataclasses.replace(route, request_id=rid, resume=r if r.attempt else None)
-        return GenerateRequest(rid, prompt, params, route, quantiles, r.output_ids, grammar)
+        return GenerateRequest(rid, prompt, params, route, quantiles, r.output_ids, grammar,
+                               priority=priority)
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
