@@ -180,3 +180,40 @@ def test_generation_apis_are_a_400_and_models_lists_it(served):
         client.completions.create(model=model, prompt="hi")
     assert [m.id for m in client.models.list().data] == [model]
     assert stack.get("/health")[0] == 200
+
+
+def test_score_and_rerank_are_the_cosine_of_embeddings(served, llama_served):
+    """On an embedding model /score and /rerank (every path) score a pair by the cosine of the
+    two texts' embeddings (vLLM's bi-encoder), equal to sentence-transformers' cos_sim."""
+    for _, model, st, stack in (served, llama_served):
+        texts = sentences(9, seed=4)
+        query, docs = texts[0], texts[1:]
+        ref = sentence_transformers.util.cos_sim(st.encode([query]), st.encode(docs))[0]
+        ref = ref.numpy()
+        assert ref.max() - ref.min() > 0.02  # the documents' scores differ
+        tokens = sum(len(st.tokenizer(t)["input_ids"]) for t in texts)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            status, answer = stack.post(path, {"model": model, "query": query,
+                                               "documents": docs, "top_n": 5})
+            assert status == 200, answer
+            got = [r["index"] for r in answer["results"]]
+            assert got == list(np.argsort(-ref)[:5])
+            scores = [r["relevance_score"] for r in answer["results"]]
+            assert np.allclose(scores, ref[got], atol=1e-4)
+            assert answer["usage"]["total_tokens"] == tokens  # the query once
+        for path in ("/score", "/v1/score"):
+            status, answer = stack.post(path, {"model": model, "text_1": query,
+                                               "text_2": docs})
+            assert status == 200, answer
+            assert np.allclose([d["score"] for d in answer["data"]], ref, atol=1e-4)
+        pairs = sentence_transformers.util.pairwise_cos_sim(st.encode(docs[:4]),
+                                                            st.encode(docs[4:]))
+        status, answer = stack.post("/score", {"model": model, "text_1": docs[:4],
+                                               "text_2": docs[4:]})
+        assert status == 200 and np.allclose([d["score"] for d in answer["data"]],
+                                             pairs.numpy(), atol=1e-4)
+        status, answer = stack.post("/classify", {"model": model, "input": "a"})
+        assert status == 400 and "without a scoring head" in answer["error"]["message"]
+        status, answer = stack.post("/rerank", {"model": model, "query": query,
+                                                "documents": ["blue " * 2 * MAX_LEN]})
+        assert status == 400 and answer["error"]["param"] == "documents", answer

@@ -58,11 +58,13 @@ def test_score_pairs_as_vllm_forms_them():
     assert score({"text_1": ["x", "y"], "text_2": ["a", "b"]}).pairs == (("x", "a"), ("y", "b"))
     assert score({"text_1": "q", "text_2": "d", "truncate_prompt_tokens": 7}
                  ).truncate_prompt_tokens == 7
+    assert score({"text_1": ["q"], "text_2": ["a", "b"]}).shared_first
+    assert not score({"text_1": ["x", "y"], "text_2": ["a", "b"]}).shared_first
 
 
 def test_rerank_body():
     req = rerank({"query": "q", "documents": ["a", {"text": "b"}], "top_n": 1})
-    assert req == PairsRequest("m", (("q", "a"), ("q", "b")), 0, 1, True)
+    assert req == PairsRequest("m", (("q", "a"), ("q", "b")), 0, 1, True, shared_first=True)
     assert not rerank({"query": "q", "documents": ["a"], "return_documents": False}
                       ).return_documents
     c = parse_classify({"input": ["a", "b"]}, "m", 100, **LIMITS)
@@ -214,9 +216,42 @@ def test_servers_that_do_not_score_refuse(demo_model_dir, redis_url):  # noqa: F
     for status, answer in _gateway_posts(demo_model_dir, redis_url, "generate", *posts):
         assert status == 400 and answer["error"]["param"] == "model"
         assert "--runner pooling" in answer["error"]["message"]
-    for status, answer in _gateway_posts(demo_model_dir, redis_url, "pooling", *posts[:3]):
+    # an embedder scores by cosine (test_embedder_scores_by_cosine); it cannot classify
+    for status, answer in _gateway_posts(demo_model_dir, redis_url, "pooling", posts[2]):
         assert status == 400 and answer["error"]["param"] == "model"
         assert "embedding model without a scoring head" in answer["error"]["message"]
+
+
+def test_embedder_scores_by_cosine(demo_model_dir, redis_url):  # noqa: F811
+    """On an embedding model /rerank and /score embed each text once (the shared query once)
+    and score a pair by the cosine of its embeddings, as vLLM's bi-encoder."""
+    vectors = {"q": [1.0, 0.0], "a": [0.6, 0.8], "b": [-2.0, 0.1], "x": [0.0, 3.0]}
+
+    async def body(gw, client, tokenizer):
+        out = []
+        for path, payload in (("/v2/rerank", {"query": "q", "documents": ["a", "b", "x"]}),
+                              ("/v1/score", {"text_1": ["q", "x"], "text_2": ["a", "a"]})):
+            post = asyncio.create_task(client.post(path, json=payload))
+            msg = codec.decode(await tokenizer.recv())
+            rows = array("f", [v for t in msg.texts for v in vectors[t]])
+            reply(msg.reply_to, EmbedResult(msg.request_id, rows, 2,
+                                            array("i", [2] * len(msg.texts))))
+            r = await post
+            out.append((msg, r.status, await r.json()))
+        return out
+
+    (rr, status, answer), (sc, status2, scored) = run_gateway(demo_model_dir, redis_url, body)
+    assert rr.task == "embed" and rr.texts == ["q", "a", "b", "x"] and rr.texts_2 is None
+    assert rr.add_special_tokens and rr.dimensions == 0
+    assert status == 200 and [r["index"] for r in answer["results"]] == [0, 2, 1]
+    cos_b = -2.0 / math.hypot(-2.0, 0.1)
+    assert [r["relevance_score"] for r in answer["results"]] == pytest.approx(
+        [0.6, 0.0, cos_b])
+    assert answer["results"][1]["document"] == {"text": "x"}
+    assert answer["usage"] == {"total_tokens": 8}
+    assert sc.texts == ["q", "x", "a", "a"]  # N and N: every text_1 embedded
+    assert status2 == 200 and [d["score"] for d in scored["data"]] == pytest.approx([0.6, 0.8])
+    assert scored["usage"]["prompt_tokens"] == 8
 
 
 def test_rerank_through_the_gateway(demo_model_dir, redis_url):  # noqa: F811

@@ -2,17 +2,17 @@
 `/v1/score`, `/rerank`, `/v1/rerank` and `/v2/rerank` (Jina's and Cohere's), `/classify`,
 `/pooling`. Bodies: score_request.py (and embeddings_request.py for /pooling).
 
-A (text_1, text_2) pair goes to the tokenizers as an EmbedRequest of task "classify": the two
-texts as the tokenizer joins a text pair (a cross-encoder's input), or for a Qwen3-Reranker
-(`is_original_qwen3_reranker`) one prompt in its documented format, tokenized without special
-tokens. Compute answers with the scoring head's logits at the last token; the score is their
-sigmoid (a one-label classifier, as vLLM and CrossEncoder give it; a yes/no reranker's
-logit[yes] - logit[no]). /classify gives each label's probability (softmax; sigmoid for one
-label), /pooling the pooled vectors /v1/embeddings gives.
+/score and /rerank send their pairs to the tokenizers as one EmbedRequest (score_pairs.py):
+on a model with a scoring head, cross-encoder pairs scored by the sigmoid of the head's logit
+(a one-label classifier, as vLLM and CrossEncoder give it; a yes/no reranker's logit[yes] -
+logit[no]); on an embedding model, each text embedded once and a pair scored by the cosine of
+its embeddings (vLLM's bi-encoder). /classify gives each label's probability (softmax; sigmoid
+for one label), /pooling the pooled vectors /v1/embeddings gives (a reward model's: every
+token's rows).
 
-On a generation server every one is a 400, as /v1/embeddings is; /score, /rerank and /classify
-on an embedding model (no scoring head) too, and /score and /rerank on a classifier of several
-labels (use /classify).
+On a generation server every one is a 400, as /v1/embeddings is; /classify on an embedding
+model (no scoring head) too, /score and /rerank on a classifier of several labels (use
+/classify), and all but /pooling on a reward model.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from aiohttp import web
 from services.gateway.embeddings_api import encode_base64
 from services.gateway.embeddings_request import EmbeddingsRequest, parse_embeddings
 from services.gateway.errors import APIError, bad_request
+from services.gateway.score_pairs import pair_scores, pairs_message, sigmoid
 from services.gateway.score_request import (
     ClassifyRequest,
     PairsRequest,
@@ -36,7 +37,6 @@ from services.gateway.score_request import (
 from services.gateway.validation import read_json_body
 from shared.codec import int32s
 from shared.messages import EmbedRequest, EmbedResult
-from shared.scoring import reranker_prompt
 
 SCORE_PATHS = ("/score", "/v1/score")
 RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
@@ -74,7 +74,7 @@ class ScoreAPI:
 
     async def classify(self, request: web.Request) -> web.Response:
         with self.gw.pending.hold():
-            self._check("Classification API")
+            self._check("Classification API", head=True)
             req = parse_classify(await read_json_body(request), **self._limits())
             result = await self._exchange(self._message(
                 req.texts, None, [int32s(ids) for ids in req.ids or ()],
@@ -84,7 +84,7 @@ class ScoreAPI:
     async def pooling(self, request: web.Request) -> web.Response:
         gw = self.gw
         with gw.pending.hold():
-            self._check("Pooling API", scores=False)
+            self._check("Pooling API", reward=True)
             ignored = None if gw.svc.strict_request_fields else []
             req = parse_embeddings(await read_json_body(request), gw.model_name, self.settings,
                                    max_text_bytes=gw.svc.prompt_bytes_limit(gw.max_model_len),
@@ -92,20 +92,22 @@ class ScoreAPI:
             result = await gw.embeddings_api.run(req)
             return web.json_response(pooling_answer(result, req, self.settings.reward))
 
-    def _check(self, api: str, scores: bool = True, one_label: bool = False) -> None:
-        """A 400 (on `model`) where this server does not serve `api`."""
+    def _check(self, api: str, head: bool = False, one_label: bool = False,
+               reward: bool = False) -> None:
+        """A 400 (on `model`) where this server does not serve `api` (`head`: it needs a
+        scoring head; `one_label`: a classifier's one; `reward`: a reward model serves it)."""
         if not self.settings.pooling:
             raise bad_request(f"The model does not support {api}: this server generates "
                               "(start one with --runner pooling)", "model")
-        if scores and self.settings.reward:
+        if self.settings.reward and not reward:
             raise bad_request(f"The model does not support {api}: it is a reward model "
                               "(--convert reward): use /pooling", "model")
         scoring = self.settings.scoring
-        if scores and not scoring.scores:
+        if head and not scoring.scores:
             raise bad_request(f"The model does not support {api}: it is an embedding model "
                               "without a scoring head (serve a sequence classification model "
                               "or a yes/no reranker)", "model")
-        if one_label and scoring.num_labels != 1:
+        if one_label and scoring.scores and scoring.num_labels != 1:
             raise bad_request(f"The model does not support {api}: its classifier has "
                               f"{scoring.num_labels} labels, scoring needs one (use /classify)",
                               "model")
@@ -123,15 +125,11 @@ class ScoreAPI:
                             task="classify", texts_2=texts_2)
 
     async def _pairs(self, req: PairsRequest, param: str) -> tuple[list[float], int]:
-        """Each pair's score (in order) and the pairs' tokens."""
-        if self.settings.scoring.qwen3_template:
-            msg = self._message([reranker_prompt(a, b) for a, b in req.pairs], None, [],
-                                req.truncate_prompt_tokens, False)
-        else:
-            msg = self._message([a for a, _ in req.pairs], [b for _, b in req.pairs], [],
-                                req.truncate_prompt_tokens, True)
-        result = await self._exchange(msg, param)
-        return [sigmoid(x) for x in result.vectors], sum(result.num_tokens)
+        """Each pair's score (in order) and the tokens of the inputs scored."""
+        scoring = self.settings.scoring
+        result = await self._exchange(pairs_message(
+            req, scoring, f"score-{secrets.token_hex(12)}", self.gw.svc.addr("gateway")), param)
+        return pair_scores(req, scoring, result), sum(result.num_tokens)
 
     async def _exchange(self, msg: EmbedRequest, param: str) -> EmbedResult:
         """The EmbedResult of `msg`; an input's error names this API's field `param`."""
@@ -141,13 +139,6 @@ class ScoreAPI:
             if e.param == "input":
                 e.param = param
             raise
-
-
-def sigmoid(x: float) -> float:
-    if x >= 0:
-        return 1.0 / (1.0 + math.exp(-x))
-    z = math.exp(x)
-    return z / (1.0 + z)
 
 
 def softmax(row: list[float]) -> list[float]:

@@ -31,13 +31,15 @@ CLASSIFY_KEYS = frozenset({"model", "input", "truncate_prompt_tokens", "user",
 
 @dataclass(frozen=True)
 class PairsRequest:
-    """A validated /score or /rerank request: its (text_1, text_2) pairs in order."""
+    """A validated /score or /rerank request: its (text_1, text_2) pairs in order;
+    `shared_first`: text_1 is one text, paired with every text_2 (a rerank's query)."""
 
     model: str
     pairs: tuple[tuple[str, str], ...]
     truncate_prompt_tokens: int = 0
     top_n: int = 0  # rerank: the best top_n results (0: all)
     return_documents: bool = True
+    shared_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def parse_score(body: Any, model_name: str, max_model_len: int, *, max_text_byte
         raise bad_request(f"text_1 and text_2 must hold as many texts (or text_1 one), got "
                           f"{len(first)} and {len(second)}", "text_2")
     return PairsRequest(get_str(body, "model", model_name), pairs,
-                        truncation(body, max_model_len))
+                        truncation(body, max_model_len), shared_first=len(first) == 1)
 
 
 def parse_rerank(body: Any, model_name: str, max_model_len: int, *, max_text_bytes: int,
@@ -85,7 +87,7 @@ def parse_rerank(body: Any, model_name: str, max_model_len: int, *, max_text_byt
                   for i, d in enumerate(docs))
     return PairsRequest(get_str(body, "model", model_name), tuple((query, t) for t in texts),
                         truncation(body, max_model_len), get_int(body, "top_n", 0, lo=0),
-                        get_bool(body, "return_documents", True))
+                        get_bool(body, "return_documents", True), shared_first=True)
 
 
 def parse_classify(body: Any, model_name: str, max_model_len: int, *, max_text_bytes: int,
