@@ -18,6 +18,7 @@ waits for them). The official client, unchanged, calls `chat.completions.create`
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ import redis
 from services.router_workers import registered
 from shared.redis_server import EmbeddedRedis
 from tests.stack import Stack
-from tests.test_router import FINISHED, ROUTER, ROUTER_FLAGS, Router
+from tests.test_router import FINISHED, ROUTER, ROUTER_FLAGS, Router, _get
 
 CHAT, EMBED = "demo-chat", "demo-embed"  # the two servers' served model names
 TEXTS = ["The river runs north.", "Seven blue mountains.", "A quiet harbour at dawn."]
@@ -112,6 +113,11 @@ def test_chat_and_embeddings_through_one_router(demo_model_dir, tmp_path):
             client.chat.completions.create(
                 model=EMBED, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert counts(gen, emb)[0] == final[0]  # the generation server never saw it
+
+        # -- the router's own /v1/models in this mode (docs/scale-out.md) -------------------
+        listed = json.loads(_get(router.url + "/v1/models")[1])
+        assert list(listed) == ["models"] and sorted(listed["models"]) == sorted([CHAT, EMBED])
+        assert not client.models.list().data  # not OpenAI's shape: the SDK finds no model
 
         # -- one Redis, two server ids ---------------------------------------------------------
         keys = {k.decode() for k in redis.Redis.from_url(store.url).keys("pipellm:svc:*")}
