@@ -40,9 +40,9 @@ from shared.length_dist import LengthDist
 from shared.sampling import InvalidParams, SamplingParams
 from shared.settings import add_config_args, config_from_args, with_settings
 
-# (arrival_s, prompt_len, output_len[, predicted_len[, max_tokens[, prompt token ids]]]);
-# without ids a prompt is prompt_len copies of token 1 (no two prompts differ: prefix caching
-# needs the ids)
+# (arrival_s, prompt_len, output_len[, predicted_len[, max_tokens[, prompt token ids[,
+# priority]]]]); without ids a prompt is prompt_len copies of token 1 (no two prompts differ:
+# prefix caching needs the ids)
 WorkItem = tuple
 
 
@@ -166,7 +166,7 @@ def _add(engine, rec: RequestRecord, item: WorkItem, rng: random.Random,
         ids = list(item[5]) if len(item) > 5 and item[5] else [1] * rec.prompt_len
         engine.add_request(ids, params, rid,
                            predicted if isinstance(predicted, LengthDist | None) else
-                           int(predicted))
+                           int(predicted), priority=item[6] if len(item) > 6 else 0)
     except InvalidParams:
         rec.finish, rec.finish_reason = rec.arrival, "rejected"
         return
