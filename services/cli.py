@@ -164,7 +164,8 @@ def _run_batch(args: argparse.Namespace) -> int:
     with open(args.output_file, "w", encoding="utf-8") as dst:
         n, failed, tokens, seconds = run_batch(
             engine, tokenizer, name, lines, dst, defaults=defaults,
-            chat=ChatSettings.of(svc, tokenizer.template))
+            chat=ChatSettings.of(svc, tokenizer.template),
+            max_text_bytes=svc.prompt_bytes_limit(tokenizer.max_model_len))
     print(f"run-batch: {n} requests ({failed} failed), {tokens} output tokens in "
           f"{seconds:.1f} s: {tokens / max(seconds, 1e-9):.1f} tok/s")
     return 0

@@ -3,7 +3,9 @@ engine in-process, without the services (vLLM's `run_batch`).
 
 Each input line is `{"custom_id", "method": "POST", "url": "/v1/completions",
 "/v1/chat/completions", "/v1/messages" (Anthropic's) or "/v1/responses" (not stored: no
-previous_response_id or background), "body": {...}}`; each output line, in input order, is
+previous_response_id or background), "body": {...}}` (on a pooling model: "/v1/embeddings",
+"/score", "/v1/score", "/rerank", "/v1/rerank" or "/v2/rerank": run_batch_pooling.py); each
+output line, in input order, is
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`. A line
 that cannot be served gets its 4xx and error body there; the others run, all at once through
 the engine's scheduler. The parts are the server's: the gateway's request parsing, choice
@@ -29,8 +31,11 @@ from services.gateway.inflight import ChoiceState
 from services.gateway.messages_api.request import parse_request as parse_message
 from services.gateway.responses_api.request import parse_request as parse_response
 from services.gateway.responses_api.run import whole_response
+from services.gateway.service import embedding_settings
 from services.gateway.stream import final_answer, logprob_entries
+from services.run_batch_pooling import PooledLine, PoolingLines, is_pooling_url
 from services.tokenizer.service import PromptError, Tokenizer
+from shared.config import ServiceConfig
 from shared.generation_config import GenerationDefaults
 from shared.messages import Delta, StepOutput
 from shared.sampling import InvalidParams
@@ -77,6 +82,8 @@ class Item:
     answer: Answer | None = None  # its body, once its choices finished
     error: APIError | None = None
     choices: dict[str, ChoiceState] = field(default_factory=dict)  # choice id, in index order
+    pooled: PooledLine | None = None  # a pooling API's line
+    body: dict | None = None  # a pooled line's answer, once run
 
 
 class BatchRunner:
@@ -87,10 +94,14 @@ class BatchRunner:
 
     def __init__(self, engine, tokenizer: Tokenizer, model_name: str,
                  defaults: GenerationDefaults | None = None,
-                 chat: protocol.ChatSettings = protocol.NO_CHAT):
+                 chat: protocol.ChatSettings = protocol.NO_CHAT, max_text_bytes: int = 0):
         """`defaults`: the model's sampling defaults, applied as the gateway applies them;
-        `chat`: the chat flags, as the gateway's."""
+        `chat`: the chat flags, as the gateway's; `max_text_bytes`: a pooling line's text limit
+        (the server's --max-prompt-bytes; 0: its default for the context)."""
         self.core, self.tokenizer, self.model_name = ComputeCore(engine), tokenizer, model_name
+        settings = embedding_settings(engine.config)
+        self.pooling = PoolingLines(engine, tokenizer, model_name, settings, max_text_bytes or
+                                    ServiceConfig().prompt_bytes_limit(tokenizer.max_model_len))
         self.defaults = defaults or GenerationDefaults()
         self.chat = chat
         self.detokenizer = Detokenizer(tokenizer.tok, ttl_s=0)
@@ -104,9 +115,19 @@ class BatchRunner:
             if not isinstance(obj, dict):
                 raise APIError(400, "each line must be a JSON object")
             item.custom_id = obj.get("custom_id")
-            parse = URLS.get(obj.get("url"))
-            if parse is None or obj.get("method", "POST") != "POST":
-                raise APIError(400, f"url must be POST {' or '.join(URLS)}", param="url")
+            url, method = obj.get("url"), obj.get("method", "POST")
+            if is_pooling_url(url) and method == "POST":
+                item.pooled = self.pooling.parse(url, obj.get("body"))
+                return item
+            parse = URLS.get(url)
+            if parse is None or method != "POST":
+                raise APIError(400, f"url must be POST {' or '.join(URLS)} (a generation "
+                               "model), or /v1/embeddings, /v1/score or /v1/rerank (a pooling "
+                               "model)", param="url")
+            if self.pooling.settings.pooling:
+                raise APIError(400, f"The model does not support {url}: it is a pooling model "
+                               "(--runner pooling): use /v1/embeddings, /v1/score or "
+                               "/v1/rerank", param="model")
             item.req, item.answer = parse(obj.get("body"), self.model_name, self.defaults,
                                           self.chat, self.tokenizer.tok)
             if item.req.params.prompt_logprobs is not None:
@@ -119,8 +140,9 @@ class BatchRunner:
         return item
 
     def submit(self, item: Item) -> None:
-        """Tokenize `item` and queue its choices in compute (or record why not)."""
-        if item.error is not None:
+        """Tokenize `item` and queue its choices in compute (or record why not); a pooled line
+        runs in `run_pooled`."""
+        if item.error is not None or item.pooled is not None:
             return
         tokenize = item.req.tokenize_requests(item.request_id, "", secrets.randbits(62), 0.0)
         try:  # every prompt's choices, in their index order
@@ -148,6 +170,16 @@ class BatchRunner:
                 time.sleep(0.001)  # a grammar compiles
             if not self.core.has_work() and not self.core.compiling() and self.live:
                 raise RuntimeError(f"compute is idle with {len(self.live)} choices unanswered")
+
+    def run_pooled(self, items: list[Item]) -> None:
+        """Run every pooled line of `items` (together), recording its body or error."""
+        pooled = [i for i in items if i.pooled is not None and i.error is None]
+        for item, answer in zip(pooled, self.pooling.run([i.pooled for i in pooled]),
+                                strict=True):
+            if isinstance(answer, APIError):
+                item.error = answer
+            else:
+                item.body = answer
 
     def _handle(self, out: StepOutput) -> None:
         res = self.detokenizer.handle(out)
@@ -186,16 +218,18 @@ class BatchRunner:
 
     def _body(self, item: Item) -> dict:
         """The answer the gateway gives (the API's own builder of it)."""
+        if item.body is not None:
+            return item.body
         return item.answer(list(item.choices.values()))
 
 
 def run_batch(engine, tokenizer: Tokenizer, model_name: str, src, dst, progress=sys.stderr,
               defaults: GenerationDefaults | None = None,
-              chat: protocol.ChatSettings = protocol.NO_CHAT):
+              chat: protocol.ChatSettings = protocol.NO_CHAT, max_text_bytes: int = 0):
     """Run the batch file `src` (lines) into `dst`; returns (requests, failed, tokens, s).
     `defaults`: the model's sampling defaults (--generation-config); `chat`: the chat flags,
-    as the gateway's."""
-    runner = BatchRunner(engine, tokenizer, model_name, defaults, chat)
+    as the gateway's; `max_text_bytes`: a pooling line's text limit (0: the default)."""
+    runner = BatchRunner(engine, tokenizer, model_name, defaults, chat, max_text_bytes)
     items = [runner.parse(line) for line in src if line.strip()]
     start = time.monotonic()
     for item in items:
@@ -214,6 +248,7 @@ def run_batch(engine, tokenizer: Tokenizer, model_name: str, src, dst, progress=
                            f"{total[0] / max(now - start, 1e-9):.1f} tok/s")
             progress.flush()
 
+    runner.run_pooled(items)
     runner.run(on_step)
     if progress is not None:
         progress.write("\n")

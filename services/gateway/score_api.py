@@ -24,7 +24,11 @@ import time
 from aiohttp import web
 
 from services.gateway.embeddings_api import encode_base64
-from services.gateway.embeddings_request import EmbeddingsRequest, parse_embeddings
+from services.gateway.embeddings_request import (
+    EmbeddingSettings,
+    EmbeddingsRequest,
+    parse_embeddings,
+)
 from services.gateway.errors import APIError, bad_request
 from services.gateway.score_pairs import pair_scores, pairs_message, sigmoid
 from services.gateway.score_request import (
@@ -94,23 +98,7 @@ class ScoreAPI:
 
     def _check(self, api: str, head: bool = False, one_label: bool = False,
                reward: bool = False) -> None:
-        """A 400 (on `model`) where this server does not serve `api` (`head`: it needs a
-        scoring head; `one_label`: a classifier's one; `reward`: a reward model serves it)."""
-        if not self.settings.pooling:
-            raise bad_request(f"The model does not support {api}: this server generates "
-                              "(start one with --runner pooling)", "model")
-        if self.settings.reward and not reward:
-            raise bad_request(f"The model does not support {api}: it is a reward model "
-                              "(--convert reward): use /pooling", "model")
-        scoring = self.settings.scoring
-        if head and not scoring.scores:
-            raise bad_request(f"The model does not support {api}: it is an embedding model "
-                              "without a scoring head (serve a sequence classification model "
-                              "or a yes/no reranker)", "model")
-        if one_label and scoring.scores and scoring.num_labels != 1:
-            raise bad_request(f"The model does not support {api}: its classifier has "
-                              f"{scoring.num_labels} labels, scoring needs one (use /classify)",
-                              "model")
+        check_serves(self.settings, api, head, one_label, reward)
 
     def _limits(self) -> dict:
         gw = self.gw
@@ -139,6 +127,27 @@ class ScoreAPI:
             if e.param == "input":
                 e.param = param
             raise
+
+
+def check_serves(settings: EmbeddingSettings, api: str, head: bool = False,
+                 one_label: bool = False, reward: bool = False) -> None:
+    """A 400 (on `model`) where a server of `settings` does not serve `api` (`head`: it needs
+    a scoring head; `one_label`: a classifier's one; `reward`: a reward model serves it)."""
+    if not settings.pooling:
+        raise bad_request(f"The model does not support {api}: this server generates "
+                          "(start one with --runner pooling)", "model")
+    if settings.reward and not reward:
+        raise bad_request(f"The model does not support {api}: it is a reward model "
+                          "(--convert reward): use /pooling", "model")
+    scoring = settings.scoring
+    if head and not scoring.scores:
+        raise bad_request(f"The model does not support {api}: it is an embedding model "
+                          "without a scoring head (serve a sequence classification model "
+                          "or a yes/no reranker)", "model")
+    if one_label and scoring.scores and scoring.num_labels != 1:
+        raise bad_request(f"The model does not support {api}: its classifier has "
+                          f"{scoring.num_labels} labels, scoring needs one (use /classify)",
+                          "model")
 
 
 def softmax(row: list[float]) -> list[float]:
