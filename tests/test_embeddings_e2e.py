@@ -2,7 +2,8 @@
 sentence-transformers configs (last token, normalized, Matryoshka widths) and a Llama one
 (mean pooling, `--convert embed`), driven by the official openai SDK, unchanged. Every vector
 matches SentenceTransformer.encode of the same sentence (cosine >= 0.999), as floats and as
-base64; bad input is a 400 naming its field, and the server answers afterwards; a generation
+base64; /score and /rerank are the cosine of those embeddings (sentence-transformers'
+cos_sim); bad input is a 400 naming its field, and the server answers afterwards; a generation
 request to a pooling server is a 400."""
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 on its field), the answers' shapes (vLLM's and Jina's), the tokenizer's text pairs, compute's
 EmbedCore running a classify task, the messages on the wire (no sockets); then the gateway in
 process over real zmq and Redis with a fake tokenizer: the request it sends on and the answer
-it makes, and the 400s where a server does not score (a generation server, an embedder)."""
+it makes (an embedder's: the cosine of embeddings), and the 400s where a server does not
+serve an API (a generation server; /classify on an embedder)."""
 
 from __future__ import annotations
 
