@@ -130,11 +130,18 @@ def run(router: str, workers: list[Worker], interval_s: float = 5, once: bool = 
         time.sleep(interval_s)
 
 
+def _worker(spec: str) -> Worker:
+    try:
+        return Worker.parse(spec)
+    except ValueError as e:  # argparse shows this one's message, not "invalid value"
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m services.router_workers",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--router", required=True, help="vllm-router's URL (run with --enable-igw)")
-    p.add_argument("--worker", action="append", required=True, type=Worker.parse,
+    p.add_argument("--worker", action="append", required=True, type=_worker,
                    metavar="URL=MODEL", help="a server and the model name it serves; repeat")
     p.add_argument("--interval-s", type=float, default=5, help="seconds between checks")
     p.add_argument("--once", action="store_true", help="exit once all are registered")

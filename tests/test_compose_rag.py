@@ -96,3 +96,10 @@ def test_the_checks_catch_a_broken_copy(breakage):
         del registrar[i - 1:i + 1]
     with pytest.raises(AssertionError):
         check(compose)
+
+
+@pytest.mark.parametrize("spec", ["http://embed:8000", "http://embed:8000=", "embed=smollm2"])
+def test_the_registrar_refuses_a_worker_without_url_or_model(spec, capsys):
+    with pytest.raises(SystemExit) as e:
+        router_workers.main(["--router", "http://router:8000", "--worker", spec])
+    assert e.value.code == 2 and "expected URL=MODEL" in capsys.readouterr().err
