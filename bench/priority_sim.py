@@ -13,11 +13,13 @@ queue holds most requests back).
   priority 1; fcfs vs priority, oracle lengths. Wanted: the interactive p99 TTFT >= 5x lower,
   total throughput within 10%.
 - predicted: all priority 0; fcfs vs predicted, with oracle lengths and with the learned
-  predictor (shared/length_predictor.py on a private Redis, cold at the start of each run,
-  predicting at arrival and learning at finish, as bench/ablation.py). Wanted: mean and p50
-  end-to-end latency >= 30% lower with learned lengths; `kept` is the share of the oracle's
-  gain the learned predictor keeps; the longest first-admission wait against
-  --max-queue-delay-ms.
+  predictor (shared/length_predictor.py on a private Redis, predicting at arrival and learning
+  at finish): `learned` warmed first on training requests of the same data set that the run
+  never sends (Workload), `learned_cold` starting empty as bench/ablation.py's. Wanted: mean
+  and p50 end-to-end latency >= 30% lower with learned lengths; `kept_*` is the share of the
+  oracle's cut the learned predictor keeps; the longest first-admission wait against
+  --max-queue-delay-ms. (ShareGPT's requests cycle through ~600 distinct prompts, so the
+  online learner also sees repeats.)
 
     python -m bench.priority_sim [--requests 2000] [--load 1.0] [--workloads sharegpt,azure]
 
@@ -47,26 +49,35 @@ from shared.settings import add_config_args, config_from_args, with_settings  # 
 
 INTERACTIVE_SHARE = 0.10
 SATURATED_TTFT_S = 1.0
+TRAIN_SHARE = 0.4
 
 
 class Workload:
-    """n requests of one data set: (prompt_len, output_len, prompt text) and the data set's
-    own relative arrival times (None: Poisson at the chosen rate)."""
+    """n requests of one data set, (prompt_len, output_len, prompt text), with the data set's
+    own relative arrival times (None: Poisson at the chosen rate), and `train`: requests of
+    the same data set none of them repeats, that warm the learned predictor (ShareGPT: a
+    TRAIN_SHARE of the shuffled samples, the requests cycling through the rest; Azure: the n
+    rows before the requests' n)."""
 
     def __init__(self, name: str, n: int, context: int, seed: int):
         self.name, self.seed = name, seed
         if name == "azure":
             trace = [w for w in azure_trace(default_data_dir() / "azure_llm_trace_conv_2023.csv",
-                                            n * 2) if w[1] + w[2] <= context][:n]
+                                            n * 3) if w[1] + w[2] <= context]
+            self.train = [(p, o, "") for _, p, o in trace[:n]]
+            trace = trace[n : 2 * n]
             self.times = [t - trace[0][0] for t, _, _ in trace]
             self.reqs = [(p, o, "") for _, p, o in trace]
         else:
-            pool = [w for w in load_sharegpt(default_data_dir() / SHAREGPT_FILE)
+            pool = [(w.prompt_len, w.output_len, w.prompt or "")
+                    for w in load_sharegpt(default_data_dir() / SHAREGPT_FILE)
                     if w.prompt_len + w.output_len <= context]
             random.Random(seed).shuffle(pool)
-            self.reqs = [(w.prompt_len, w.output_len, w.prompt or "")
-                         for w in (pool[i % len(pool)] for i in range(n))]
+            k = int(TRAIN_SHARE * len(pool))
+            self.train, test = pool[:k], pool[k:]
+            self.reqs = [test[i % len(test)] for i in range(n)]
             self.times = None
+        self.context = context
         self.max_tokens = [context - p for p, _, _ in self.reqs]  # no max_tokens sent
         rng = random.Random(seed + 1)
         self.priority = [0 if rng.random() < INTERACTIVE_SHARE else 1 for _ in self.reqs]
@@ -90,12 +101,13 @@ class Workload:
 
 
 class Learned:
-    """The Redis length predictor driven by the simulation, cold at the start (an
-    OnlinePredictor of bench/virtual.py)."""
+    """The Redis length predictor driven by the simulation (an OnlinePredictor of
+    bench/virtual.py): predicting at arrival, learning at finish; `warm`: first taught the
+    workload's training requests (a server that has seen earlier traffic), else cold."""
 
     _redis = None
 
-    def __init__(self, wl: Workload, model: str):
+    def __init__(self, wl: Workload, model: str, warm: bool = True):
         import redis
 
         from shared.length_predictor import LengthPredictor
@@ -109,6 +121,9 @@ class Learned:
         self.max_tokens = wl.max_tokens  # no text in the trace: its prompt length still counts
         self.features = [length_features(text, [1] * p, m, model) for (p, _, text), m in
                          zip(wl.reqs, wl.max_tokens, strict=True)]
+        if warm:
+            self.predictor.update_many([(length_features(text, [1] * p, wl.context - p, model),
+                                         o) for p, o, text in wl.train])
 
     def predict(self, index: int) -> LengthDist:
         return self.predictor.predict(self.features[index], self.max_tokens[index])
@@ -160,17 +175,20 @@ def priority_experiment(config: EngineConfig, wl: Workload, qps: float) -> dict:
 
 def predicted_experiment(config: EngineConfig, wl: Workload, qps: float) -> dict:
     items, out = wl.items(qps, False), {}
-    for lengths in ("oracle", "learned"):
-        learned = lengths == "learned"
-        fcfs = run(config, items, "fcfs", Learned(wl, config.sim.model) if learned else None)
-        pred = run(config, items, "predicted", Learned(wl, config.sim.model) if learned else None)
+    for lengths in ("oracle", "learned", "learned_cold"):
+        def lengths_of(lengths=lengths):
+            return None if lengths == "oracle" else \
+                Learned(wl, config.sim.model, warm=lengths == "learned")
+        fcfs = run(config, items, "fcfs", lengths_of())
+        pred = run(config, items, "predicted", lengths_of())
         out[lengths] = {"fcfs": _pick(fcfs), "predicted": _pick(pred),
                         "mean_e2e_cut": 1 - pred["e2e_s_mean"] / fcfs["e2e_s_mean"],
                         "p50_e2e_cut": 1 - pred["e2e_s_p50"] / fcfs["e2e_s_p50"],
                         "throughput_ratio": pred["total_tok_s"] / fcfs["total_tok_s"]}
-    o, learned = out["oracle"], out["learned"]
-    out["kept_mean"] = learned["mean_e2e_cut"] / o["mean_e2e_cut"] if o["mean_e2e_cut"] else None
-    out["kept_p50"] = learned["p50_e2e_cut"] / o["p50_e2e_cut"] if o["p50_e2e_cut"] else None
+    o = out["oracle"]
+    for lengths in ("learned", "learned_cold"):
+        for cut in ("mean_e2e_cut", "p50_e2e_cut"):
+            out[lengths][f"kept_{cut}"] = out[lengths][cut] / o[cut] if o[cut] else None
     return out
 
 

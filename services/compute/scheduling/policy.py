@@ -70,13 +70,14 @@ class Priority:
 
 @dataclass(frozen=True)
 class ShortestPredicted:
-    """(priority, aged work). Work is the request's predicted remaining time in steps: its
-    tokens left to prefill over the step's token budget, plus its predicted remaining output
-    (the conditional median, capped by max_tokens). With a = boosted age / max_delay_s the key
-    is work x (1 - a) while a < 1 and (1 - a) after: every request younger than max_delay_s
-    has a key > 0, so once one has waited max_delay_s it goes before all of them, and the
-    overdue go oldest first (FCFS). Its wait is at most max_delay_s plus the time to serve the
-    overdue requests that arrived before it (no starvation)."""
+    """(priority, work) while a request is younger than max_delay_s, then (priority, -overdue
+    seconds). Work is its predicted remaining time in steps: its tokens left to prefill over the
+    step's token budget, plus its predicted remaining output (the conditional median, capped by
+    max_tokens), always > 0. So within a priority the shortest predicted job goes first, and a
+    request that has waited max_delay_s (boosted age) goes before every younger one, the
+    overdue oldest first (FCFS): its wait is at most max_delay_s plus the time to serve the
+    overdue requests that arrived before it (no starvation; under a sustained overload that
+    tail grows, as FCFS's does)."""
 
     max_delay_s: float
     step_tokens: int  # --max-batched-tokens: prompt tokens one step prefills
@@ -88,8 +89,8 @@ class ShortestPredicted:
                                                compare=False, repr=False)
 
     def key(self, seq: Sequence, now: float) -> tuple:
-        a = boosted_age(seq, now, self.boost_s) / self.max_delay_s
-        return seq.priority, (1.0 - a) * (self.work(seq) if a < 1.0 else 1.0)
+        overdue = boosted_age(seq, now, self.boost_s) - self.max_delay_s
+        return seq.priority, self.work(seq) if overdue < 0 else -overdue
 
     def work(self, seq: Sequence) -> float:
         """Predicted remaining steps: prefill left / step_tokens + output left."""
