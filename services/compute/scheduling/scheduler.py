@@ -127,7 +127,8 @@ class Scheduler:
         empty batch, all that fit at once (their prompts then prefill in chunks over the next
         steps). Returns the budget left."""
         static = self.config.batching == Batching.STATIC
-        if static and self.running:
+        if static and self.running or before is not None and \
+                not (self.waiting and self.urgency.key(self.waiting[0]) < before):
             return budget
         peak, check = None, self.peak_check
         if check is not None and self.waiting:
