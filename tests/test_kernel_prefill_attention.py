@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kernels import dispatch
 from kernels.kv_quant import dequantize_kv, quantize_kv
 from kernels.prefill_attention import (
+    _prefill_attention_cpu,
     _prefill_attention_triton,
     prefill_attention,
     prefill_attention_reference,
@@ -339,3 +340,60 @@ def test_softcap_every_path_matches_dense(window, int8):
     for name, out in outs.items():
         torch.testing.assert_close(out.double(), exp, atol=1e-5, rtol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _amx_extension():
+    """The C++ module when its AMX prefill kernel runs on this CPU (the `amx` level), else a
+    skip: kernels/cpu/prefill_attention_amx.cpp needs the tiles."""
+    from kernels.cpu import extension, isa
+
+    ext = extension()
+    if ext is None or isa.selected() != "amx" or not ext.prefill_attention_amx_ready():
+        pytest.skip(f"no AMX prefill kernel here ({isa.describe()})")
+    return ext
+
+
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(6, 2, 64), (9, 3, 64), (4, 4, 128)])
+def test_amx_kernel_matches_dense_softmax(n_heads, n_kv_heads, head_dim):
+    """bf16 on AMX tiles: fresh prompts across several 64-key groups (300, 70), chunks over a
+    cached prefix (150 over 90, 5 over 13), a decode-like token over 200, a sequence with no
+    new token; NaN in every slot outside the segments (never read). The public function runs
+    it for bf16 at the amx level."""
+    from kernels.prefill_attention import _amx_takes
+
+    ext = _amx_extension()
+    batch = make_batch((300, 150, 1, 5, 0, 70), (0, 90, 200, 13, 7, 0), n_heads, n_kv_heads,
+                       head_dim, torch.bfloat16, garbage="nan", seed=5)
+    q, k, v, cu, starts, ctx = batch
+    assert _amx_takes(q, k, v, None, 0, 0.0)
+    out = ext.prefill_attention(q, k, v, cu, starts, ctx, 0.1)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert torch.equal(prefill_attention(*batch, 0.1), out)
+    exp = dense_attention(*batch, 0.1)
+    torch.testing.assert_close(out.double(), exp, atol=2e-2, rtol=2e-2)
+    gemm_err = (_prefill_attention_cpu(*batch, 0.1).double() - exp).abs().max()
+    assert (out.double() - exp).abs().max() <= 1.5 * gemm_err  # as close as the float32 GEMMs
+
+
+def test_amx_kernel_takes_only_its_cases():
+    """What the AMX kernel does not do goes to the GEMM path: a window, a softcap, INT8 scales,
+    float32, a head_dim not a multiple of 64."""
+    from kernels.prefill_attention import _amx_takes
+
+    _amx_extension()
+    q, k, v, *_ = make_batch((5,), (3,), 4, 2, 64, torch.bfloat16)
+    assert _amx_takes(q, k, v, None, 0, 0.0)
+    assert not _amx_takes(q, k, v, None, 16, 0.0) and not _amx_takes(q, k, v, None, 0, 5.0)
+    assert not _amx_takes(q, k, v, torch.ones(1), 0, 0.0)
+    assert not _amx_takes(q.float(), k.float(), v.float(), None, 0, 0.0)
+    q32, k32, v32, *_ = make_batch((5,), (3,), 4, 2, 32, torch.bfloat16)
+    assert not _amx_takes(q32, k32, v32, None, 0, 0.0)
+
+
+def test_cpu_gemm_path_bf16_matches_dense_softmax():
+    """The float32-GEMM CPU path on bf16 inputs, whichever the machine's level (on an AMX CPU
+    the public function sends bf16 to the AMX kernel instead)."""
+    batch = make_batch((300, 1, 70), (0, 200, 0), 6, 2, 64, torch.bfloat16, seed=2)
+    out = _prefill_attention_cpu(*batch, 0.1)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), dense_attention(*batch, 0.1), atol=2e-2, rtol=2e-2)

@@ -40,6 +40,10 @@ Tensor q8_gemm(Tensor x, Tensor qs, Tensor d, Tensor corr, int64_t n,
 void lora_delta(Tensor y, Tensor x, Tensor a, Tensor b, Tensor rows, Tensor starts,
                 Tensor slots, std::vector<int64_t> part_ends, std::optional<Tensor> a_vnni,
                 std::optional<Tensor> b_vnni);
+// prefill_attention.cpp
+bool prefill_attention_amx_ready();
+Tensor prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens,
+                         Tensor seq_starts, Tensor ctx_lens, double scale);
 // sampling.cpp
 std::tuple<Tensor, Tensor> sample_rows(Tensor logits, std::optional<Tensor> raw_logits,
                                        Tensor temperature, Tensor top_p, Tensor min_p,
@@ -63,6 +67,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("y"), py::arg("x"), py::arg("a"), py::arg("b"), py::arg("rows"),
         py::arg("starts"), py::arg("slots"), py::arg("part_ends"),
         py::arg("a_vnni") = py::none(), py::arg("b_vnni") = py::none());
+  m.def("prefill_attention_amx_ready", &prefill_attention_amx_ready,
+        "whether prefill_attention runs here (AMX tiles this process may use)");
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of each sequence's last queries over its keys, bf16 on AMX tiles",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_q_lens"),
+        py::arg("seq_starts"), py::arg("ctx_lens"), py::arg("scale"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up: [..., 2I] -> [..., I]", py::arg("gate_up"));
   m.def("quantize_int8", &quantize_int8, "per-token INT8: (int8 [T, K], scales [T])",
         py::arg("x"));

@@ -1,0 +1,50 @@
+// Prefill attention on the CPU for bfloat16 q and caches on AMX tiles (prefill_attention_amx.cpp):
+// the contract of kernels/prefill_attention.py's prefill_attention_reference without a window
+// or a softcap. q [T, H, D] and the caches [capacity, Hkv, D] with unit stride along D, D a
+// multiple of 64, H a multiple of Hkv; cu_q_lens [S + 1], seq_starts [S], ctx_lens [S] int32
+// (each sequence's queries are the last of its keys). kernels/prefill_attention.py sends it only
+// what it takes, at the amx level; anything else is a TORCH_CHECK error.
+#include <torch/extension.h>
+
+#include "lora.h"
+#include "prefill_attention.h"
+
+std::string block_gemm_isa();  // block_gemm.cpp: the ISA level chosen for this CPU
+
+bool prefill_attention_amx_ready() {
+  return block_gemm_isa().rfind("avx512", 0) == 0 && pipellm::lora::amx_ready();
+}
+
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                torch::Tensor cu_q_lens, torch::Tensor seq_starts,
+                                torch::Tensor ctx_lens, double scale) {
+  TORCH_CHECK(prefill_attention_amx_ready(), "prefill_attention: no AMX tiles on this CPU");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "q [T, H, D] and caches [capacity, Hkv, D]");
+  for (const auto& t : {q, k_cache, v_cache})
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.stride(2) == 1,
+                "q and the caches must be bfloat16 with unit stride along D");
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), S = seq_starts.size(0);
+  TORCH_CHECK(D % 64 == 0 && k_cache.size(2) == D && H % Hkv == 0,
+              "D must be a multiple of 64, shared by q and the caches; H a multiple of Hkv");
+  for (const auto& t : {cu_q_lens, seq_starts, ctx_lens})
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(), "int32 index tensors");
+  TORCH_CHECK(cu_q_lens.size(0) == S + 1 && ctx_lens.size(0) == S, "S + 1 and S entries");
+  const int32_t* cu = cu_q_lens.data_ptr<int32_t>();
+  const int32_t* st = seq_starts.data_ptr<int32_t>();
+  const int32_t* n = ctx_lens.data_ptr<int32_t>();
+  TORCH_CHECK(S == 0 || (cu[0] == 0 && cu[S] == q.size(0)), "cu_q_lens must run 0 .. T");
+  for (int64_t s = 0; s < S; ++s)
+    TORCH_CHECK(0 <= cu[s + 1] - cu[s] && cu[s + 1] - cu[s] <= n[s] && st[s] >= 0 &&
+                st[s] + n[s] <= k_cache.size(0), "a sequence's queries or keys out of range");
+  auto out = torch::empty({q.size(0), H, D}, q.options());
+  const pipellm::prefill::Args args{
+      static_cast<const c10::BFloat16*>(q.data_ptr()),
+      static_cast<const c10::BFloat16*>(k_cache.data_ptr()),
+      static_cast<const c10::BFloat16*>(v_cache.data_ptr()),
+      static_cast<c10::BFloat16*>(out.data_ptr()), cu, st, n, S, H, Hkv, D, q.stride(0),
+      q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+      static_cast<float>(scale)};
+  pipellm::prefill::run_amx(args);
+  return out;
+}
