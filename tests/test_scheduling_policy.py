@@ -148,8 +148,18 @@ def test_urgent_request_gets_the_prefill_budget_first():
             assert [n for _, n in chunks(step)] == [8, 8]
 
 
+def test_predicted_work_weighs_prefill_by_the_step_budget_and_decode_by_the_running_limit():
+    policy = make_scheduling_policy(SchedulerConfig(512, 256, scheduling_policy="predicted"))
+    long_prompt = seq("p", prompt=4096, max_tokens=10, arrival=0.0)  # 8 + 10/256 steps
+    long_output = seq("o", prompt=10, max_tokens=1000, arrival=0.0)  # 10/512 + 1000/256
+    assert policy.work(long_prompt) == pytest.approx(8 + 10 / 256)
+    assert policy.key(long_output, 1.0) < policy.key(long_prompt, 1.0)
+    long_prompt.num_cached = 4000  # most of its prompt prefilled: now the shorter job
+    assert policy.key(long_prompt, 1.0) < policy.key(long_output, 1.0)
+
+
 def test_aging_puts_a_request_waiting_the_bound_before_all_younger_ones():
-    policy = ShortestPredicted(max_delay_s=2.0, step_tokens=64, boost_s=0.5)
+    policy = ShortestPredicted(max_delay_s=2.0, step_tokens=64, running_slots=8, boost_s=0.5)
     long = seq("long", max_tokens=1000, predicted=1000, arrival=0.0)
     for t in (0.5, 1.0, 1.9):  # before the bound a fresh short request goes first
         short = seq("short", max_tokens=2, predicted=1, arrival=t)

@@ -71,16 +71,20 @@ class Priority:
 @dataclass(frozen=True)
 class ShortestPredicted:
     """(priority, work) while a request is younger than max_delay_s, then (priority, -overdue
-    seconds). Work is its predicted remaining time in steps: its tokens left to prefill over the
-    step's token budget, plus its predicted remaining output (the conditional median, capped by
-    max_tokens), always > 0. So within a priority the shortest predicted job goes first, and a
-    request that has waited max_delay_s (boosted age) goes before every younger one, the
-    overdue oldest first (FCFS): its wait is at most max_delay_s plus the time to serve the
-    overdue requests that arrived before it (no starvation; under a sustained overload that
-    tail grows, as FCFS's does)."""
+    seconds). Work is the share of the engine it still needs, in steps of the whole engine,
+    always > 0: its tokens left to prefill over the step's token budget (a step prefills at
+    most that many) plus its predicted remaining output (the conditional median, capped by
+    max_tokens) over the running limit (a step decodes one token of at most that many
+    requests). So whichever of prefill and decode is the bottleneck weighs most: within a
+    priority the job predicted to take least of the engine goes first. A request that has
+    waited max_delay_s (boosted age) goes before every younger one, the overdue oldest first
+    (FCFS): its wait is at most max_delay_s plus the time to serve the overdue requests that
+    arrived before it (no starvation; under a sustained overload that tail grows, as FCFS's
+    does)."""
 
     max_delay_s: float
     step_tokens: int  # --max-batched-tokens: prompt tokens one step prefills
+    running_slots: int  # --max-running: requests one step decodes
     boost_s: float
     name: ClassVar[SchedulingPolicyName] = SchedulingPolicyName.PREDICTED
     reorders: ClassVar[bool] = True
@@ -93,8 +97,9 @@ class ShortestPredicted:
         return seq.priority, self.work(seq) if overdue < 0 else -overdue
 
     def work(self, seq: Sequence) -> float:
-        """Predicted remaining steps: prefill left / step_tokens + output left."""
-        return seq.pending / self.step_tokens + self.remaining_output(seq)
+        """Predicted engine steps it still takes: prefill left / step_tokens + output left /
+        running_slots."""
+        return seq.pending / self.step_tokens + self.remaining_output(seq) / self.running_slots
 
     def remaining_output(self, seq: Sequence) -> int:
         """Tokens seq is predicted to generate still (>= 1 until it finishes)."""
@@ -115,4 +120,5 @@ def make_scheduling_policy(config: SchedulerConfig) -> SchedulingPolicy:
         case SchedulingPolicyName.PRIORITY:
             return Priority(BOOST_SHARE * delay_s)
         case SchedulingPolicyName.PREDICTED:
-            return ShortestPredicted(delay_s, config.max_batched_tokens, BOOST_SHARE * delay_s)
+            return ShortestPredicted(delay_s, config.max_batched_tokens, config.max_running,
+                                     BOOST_SHARE * delay_s)
