@@ -36,6 +36,21 @@ def ext():
     return module
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def row_level(ext, request):
+    """Each ISA level a row kernel has a variant for (silu_mul and bf16 RMSNorm: the portable
+    loop below AVX-512, activation_avx512.cpp / norm_avx512.cpp from it), chosen as the kernels'
+    level is: both on an AVX-512 CPU."""
+    from kernels.cpu import isa
+
+    if request.param not in isa.cpu_levels():
+        pytest.skip(f"this CPU does not run {request.param} ({isa.describe()})")
+    previous = ext.block_gemm_isa()
+    ext.set_block_gemm_isa(request.param)
+    yield request.param
+    ext.set_block_gemm_isa(previous)
+
+
 def _rand(*shape, dtype=torch.float32, seed=0, scale=2.0):
     """Random values without zeros (an offset keeps them off 0). Every test here draws from its
     own generator: the global RNG state later test files see stays as it was."""
@@ -74,7 +89,7 @@ def _close_int8(got, ref, max_off_by_one=0.01):
 @pytest.mark.parametrize("T", TS)
 @pytest.mark.parametrize("n", [576, 577])
 @pytest.mark.parametrize("strided", [False, True])
-def test_rms_norm_and_add(ext, dtype, T, n, strided):
+def test_rms_norm_and_add(ext, row_level, dtype, T, n, strided):
     x, res = _rand(T, n, dtype=dtype, seed=T), _rand(T, n, dtype=dtype, seed=T + 1, scale=1.0)
     w = (torch.rand(n, generator=torch.Generator().manual_seed(2)) + 0.25).to(dtype)
     if strided:
@@ -89,14 +104,15 @@ def test_rms_norm_and_add(ext, dtype, T, n, strided):
 
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
-def test_rms_norm_bit_exact_on_exact_sums(ext, dtype):
-    x, res = _dyadic(37, 577, dtype), _dyadic(37, 577, dtype, seed=1) / 2
-    w = _dyadic(1, 577, dtype, seed=2)[0]
+@pytest.mark.parametrize("n", [576, 577])  # bf16: 576 takes the AVX-512 rows at that level
+def test_rms_norm_bit_exact_on_exact_sums(ext, row_level, dtype, n):
+    x, res = _dyadic(37, n, dtype), _dyadic(37, n, dtype, seed=1) / 2
+    w = _dyadic(1, n, dtype, seed=2)[0]
     assert torch.equal(ext.rms_norm(x, w, EPS), rms_norm_ref(x, w, EPS))
     for got, want in zip(ext.add_rms_norm(x, res, w, EPS), add_rms_norm_ref(x, res, w, EPS),
                          strict=True):
         assert torch.equal(got, want)
-    x3 = x.view(37, 1, 577).expand(37, 2, 577)  # leading dims, a broadcast view
+    x3 = x.view(37, 1, n).expand(37, 2, n)  # leading dims, a broadcast view
     assert torch.equal(ext.rms_norm(x3, w, EPS), rms_norm_ref(x3, w, EPS))
 
 
@@ -140,7 +156,7 @@ def test_quantize_int8_is_the_reference(ext, dtype, T):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", TS)
-def test_silu_mul(ext, dtype, T):
+def test_silu_mul(ext, row_level, dtype, T):
     gate_up = _rand(T, 2 * 769, dtype=dtype, seed=T, scale=3.0)  # I = 769, odd
     for x in (gate_up, _strided(gate_up)):
         out = ext.silu_mul(x)

@@ -15,7 +15,8 @@ One module, one source per concept (bindings.cpp declares and binds them all):
     decode_attention.cpp  decode_attention(q, k_cache, v_cache, starts, lens, scale[, k_scale,
                           v_scale, window])                  kernels/decode_attention.py
     norm.cpp              rms_norm, add_rms_norm, rms_norm_int8     kernels/rmsnorm.py
-    activation.cpp        silu_mul                                  kernels/activation.py
+                          (norm_avx512.cpp: bf16 rows 16 wide)
+    activation.cpp        silu_mul (activation_avx512.cpp: 16 wide)  kernels/activation.py
     int8_quant.cpp        quantize_int8, silu_mul_int8              kernels/int8_quant.py
     rope.cpp              rope_kv_write (float and INT8 caches)     kernels/rope.py
     token_bitmask.cpp     apply_token_bitmask (grammars' masks)     kernels/token_bitmask.py
@@ -58,7 +59,8 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "rope.cpp", "block_gemm.cpp", "block_gemm_avx2.cpp", "block_gemm_avx512.cpp",
     "block_gemm_avx512_vnni.cpp", "decode_attention_avx2.cpp", "decode_attention_avx512.cpp",
     "token_bitmask.cpp", "sampling.cpp", "sampling_filters.cpp", "lora.cpp", "lora_avx2.cpp",
-    "lora_avx512.cpp", "lora_amx.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp")]
+    "lora_avx512.cpp", "lora_amx.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp",
+    "activation_avx512.cpp", "norm_avx512.cpp")]
 _FLAGS = ["-O3", *(["-march=x86-64-v3"] if isa.is_x86() else []), "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 

@@ -5,13 +5,29 @@
 // -> out [..., I] = silu(gate) * up, contiguous, in gate_up's dtype.
 // Computed in float32 and rounded once, as the Triton kernel does: bit-equal to the reference
 // in float32 but for exp's implementation (a few ulp); in fp16/bf16 the reference rounds twice
-// (silu, then the product), so the two differ by ~1 ulp on some elements.
+// (silu, then the product), so the two differ by ~1 ulp on some elements. float32 and bf16 rows
+// run activation_avx512.cpp's loop where the kernels' ISA level is an AVX-512 one.
 #include "common.h"
+
+#include <string>
+#include <type_traits>
+
+std::string block_gemm_isa();  // block_gemm.cpp: the ISA level chosen for this CPU
+
+namespace pipellm::activation {
+void silu_mul_avx512(const float* x, int64_t sx, int64_t rows, int64_t inter, float* out);
+void silu_mul_avx512(const c10::BFloat16* x, int64_t sx, int64_t rows, int64_t inter,
+                     c10::BFloat16* out);
+}  // namespace pipellm::activation
 
 namespace {
 
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* x, int64_t sx, int64_t rows, int64_t inter, scalar_t* out) {
+  if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (block_gemm_isa().rfind("avx512", 0) == 0)
+      return pipellm::activation::silu_mul_avx512(x, sx, rows, inter, out);
+  }
   pipellm::for_row_chunks(rows, 2 * inter, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* g = x + r * sx;

@@ -10,12 +10,23 @@
 // Each row's x (+ residual) is read once from memory into an fp32 scratch row (residual + x is
 // written as it goes); the sum of squares, normalization, weight (and quantization) then run
 // over that cache-resident row. Only the order of the fp32 sum of squares differs from torch's
-// (an ulp of the variance at most); the rest is bit-identical.
+// (an ulp of the variance at most); the rest is bit-identical. bf16 rows without INT8 (N a
+// multiple of 16) run norm_avx512.cpp's loop where the kernels' ISA level is an AVX-512 one.
 #include "common.h"
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
+
+std::string block_gemm_isa();  // block_gemm.cpp: the ISA level chosen for this CPU
+
+namespace pipellm::norm {
+void rows_bf16_avx512(const c10::BFloat16* x, int64_t sx, const c10::BFloat16* res,
+                      int64_t sres, const c10::BFloat16* w, c10::BFloat16* out,
+                      c10::BFloat16* res_out, int64_t rows, int64_t n, float eps);
+}  // namespace pipellm::norm
 
 namespace {
 
@@ -79,6 +90,11 @@ void norm_row(const NormArgs<scalar_t>& a, int64_t r, float* buf) {
 
 template <typename scalar_t>
 void norm_rows(const NormArgs<scalar_t>& a, int64_t rows) {
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    if (!a.q && a.n % 16 == 0 && block_gemm_isa().rfind("avx512", 0) == 0)
+      return pipellm::norm::rows_bf16_avx512(a.x, a.sx, a.res, a.sres, a.w, a.out, a.res_out,
+                                             rows, a.n, a.eps);
+  }
   pipellm::for_row_chunks(rows, a.n, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(a.n);  // per-chunk fp32 scratch row
     for (int64_t r = begin; r < end; ++r) norm_row(a, r, buf.data());
