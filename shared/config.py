@@ -156,8 +156,9 @@ class SchedulerConfig:
         "priority and predicted a more urgent waiting request preempts the least urgent "
         "running one when KV or --max-running binds", group=SCHEDULING)
     max_queue_delay_ms: float = setting(
-        10000.0, "predicted: a waiting request's aging bound; once it has waited this long it "
-        "goes before every request younger than it", group=SCHEDULING)
+        30000.0, "predicted: a waiting request's aging bound; once it has waited this long it "
+        "goes before every request younger than it (below the queueing delay of a load, the "
+        "policy is FCFS there)", group=SCHEDULING)
     speculative_config: str | None = setting(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
