@@ -119,7 +119,8 @@ def test_silu_mul_int8_triton_matches_reference(T, inter):
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_int8_triton_matches_reference(backend, dtype, with_residual):
     g = torch.Generator().manual_seed(7)
-    x, res = (torch.randn(11, 576, generator=g) * 2).to(dtype), torch.randn(11, 576).to(dtype)
+    x = (torch.randn(11, 576, generator=g) * 2).to(dtype)
+    res = torch.randn(11, 576, generator=g).to(dtype)
     w = (torch.rand(576, generator=g) + 0.25).to(dtype)
     res = res if with_residual else None
     backend("triton")
