@@ -224,3 +224,26 @@ def test_a_stream_of_short_requests_never_keeps_a_long_one_past_the_bound():
     assert 1.0 <= clock.t <= 1.0 + 3 * 0.05  # admitted within a step or two of the bound
     starved, _ = _serve_stream(delay_ms=1e9, steps=200)  # (no aging: it would starve)
     assert starved.status is SeqStatus.WAITING
+
+
+def test_the_simulated_engine_runs_the_policy_on_its_virtual_clock():
+    """The sim backend's engine: arrivals and aging on the VirtualClock, priority from
+    add_request; an urgent request arriving at a full batch preempts the latest batch one."""
+    from services.compute.backend import build_engine
+    from shared.config import EngineConfig
+    from shared.settings import with_settings
+
+    engine = build_engine(with_settings(EngineConfig(), backend="sim", sim_clock="virtual",
+                                        scheduling_policy="priority", max_running=2))
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    engine.add_request([1] * 8, params, "a", priority=1)
+    engine.add_request([1] * 8, params, "b", priority=1)
+    engine.step()
+    clock = engine.runner.clock
+    assert clock.now > 0 and engine.requests["a"].arrival == 0.0
+    engine.add_request([1] * 8, params, "u", priority=0)
+    assert engine.requests["u"].arrival == clock.now
+    engine.step()
+    s = engine.scheduler
+    assert ids(s.running) == ["a", "u"] and ids(s.waiting) == ["b"]
+    assert engine.requests["b"].preemptions == 1

@@ -36,8 +36,8 @@ class SchedulingPolicy(Protocol):
 
 def victim_order(policy: SchedulingPolicy, seq: Sequence, now: float) -> tuple:
     """The order in which running requests are preempted, highest first: the least urgent,
-    the latest arrival among equals."""
-    return policy.key(seq, now), seq.arrival or 0.0
+    the latest arrival among equals, then the latest admitted."""
+    return policy.key(seq, now), seq.arrival or 0.0, seq.admit_order
 
 
 def boosted_age(seq: Sequence, now: float, boost_s: float) -> float:
