@@ -13,6 +13,7 @@
 #include "isa_target.h"
 
 #include <atomic>
+#include <memory>
 #include <numeric>
 
 #if defined(PIPELLM_X86) && defined(__linux__)
@@ -111,6 +112,18 @@ void scores(const bf16* sq, const bf16* kp, int64_t D, int64_t nk64, float* s, i
   }
 }
 
+// 2^x (x <= 0): 2^f by its Taylor polynomial for f = x - round(x) in [-1/2, 1/2] (relative
+// error ~1e-7), scaled by 2^round(x) (scalef: 0 far below, no integer tricks)
+V::F exp2(V::F x) {
+  const V::F n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const V::F f = V::sub(x, n);
+  V::F y = V::set1(1.5403530e-4f);
+  for (float c : {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f,
+                  1.0f})
+    y = V::fmadd(y, f, V::set1(c));
+  return _mm512_scalef_ps(y, n);
+}
+
 // row r of p: e^(scale * (s - max)) over keys [0, seen), zeros over [seen, nk32); the sum
 float softmax_row(const float* s, bf16* p, int64_t seen, int64_t nk32, float scale) {
   const int64_t full = seen / 16 * 16;
@@ -118,15 +131,16 @@ float softmax_row(const float* s, bf16* p, int64_t seen, int64_t nk32, float sca
   V::F m = V::set1(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < full; j += 16) m = _mm512_max_ps(m, V::loadf(s + j));
   if (tail) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, s + full));
-  const V::F mx = V::set1(_mm512_reduce_max_ps(m) * scale), sc = V::set1(scale);
+  const float sl = scale * 1.44269504f;  // e^(scale * d) = 2^(sl * d)
+  const V::F mx = V::set1(_mm512_reduce_max_ps(m) * sl), sc = V::set1(sl);
   V::F acc = V::fzero();
   for (int64_t j = 0; j < full; j += 16) {
-    const V::F e = V::exp(_mm512_fmsub_ps(V::loadf(s + j), sc, mx));
+    const V::F e = exp2(_mm512_fmsub_ps(V::loadf(s + j), sc, mx));
     acc = V::add(acc, e);
     V::store(p + j, e);
   }
   if (tail) {
-    const V::F e = _mm512_maskz_mov_ps(tail, V::exp(_mm512_fmsub_ps(
+    const V::F e = _mm512_maskz_mov_ps(tail, exp2(_mm512_fmsub_ps(
         _mm512_maskz_loadu_ps(tail, s + full), sc, mx)));
     acc = V::add(acc, e);
     V::store(p + full, e);
@@ -181,6 +195,25 @@ void block(const Args& a, int64_t s, int64_t h, int64_t i0, const bf16* kp, cons
   weighted(w.p.data(), vp, D, nk32, width, w.sum.data(), m, w.o.data(), out, a.H * D);
 }
 
+// A unit of work: a (sequence, KV head) to pack or a (sequence, head, block) to attend; cost
+// orders them, longest first.
+struct Item { int64_t s, h, i0, cost; };
+
+// fn(item, state) for every item, taken longest first from a shared counter by every thread
+// (its own State, default-made; done(state) when it runs out)
+template <class State, class F, class Done = void (*)(State&)>
+void for_each_item(std::vector<Item>& items, const F& fn, const Done& done = [](State&) {}) {
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t total = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min<int64_t>(total, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    State state{};
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) fn(items[i], state);
+    done(state);
+  });
+}
+
 }  // namespace
 
 void pipellm::prefill::run_amx(const Args& a) {
@@ -191,38 +224,29 @@ void pipellm::prefill::run_amx(const Args& a) {
     offset[s + 1] = offset[s] + padded(a.lens[s]) * a.D * a.Hkv;
     widest = std::max(widest, padded(a.lens[s]));
   }
-  std::vector<bf16> kp(offset[a.S]), vp(offset[a.S]);
-  at::parallel_for(0, a.S * a.Hkv, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t s = i / a.Hkv, g = i % a.Hkv, off = offset[s] + g * padded(a.lens[s]) * a.D;
-      pack(a, s, g, kp.data() + off, vp.data() + off);
-    }
-  });
-  struct Item { int64_t s, h, i0, cost; };
-  std::vector<Item> items;
+  // (not value-initialized: pack writes every element)
+  const std::unique_ptr<bf16[]> kp(new bf16[offset[a.S]]), vp(new bf16[offset[a.S]]);
+  std::vector<Item> packs, blocks;
   for (int64_t s = 0; s < a.S; ++s) {
     const int64_t m = a.cu[s + 1] - a.cu[s], prefix = a.lens[s] - m;
+    for (int64_t g = 0; g < a.Hkv; ++g) packs.push_back({s, g, 0, a.lens[s]});
     for (int64_t i0 = 0; i0 < m; i0 += kRows)
-      for (int64_t h = 0; h < a.H; ++h) items.push_back({s, h, i0, prefix + i0 + kRows});
+      for (int64_t h = 0; h < a.H; ++h) blocks.push_back({s, h, i0, prefix + i0 + kRows});
   }
-  std::stable_sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
-    return x.cost > y.cost;
+  auto at_of = [&](const Item& it, int64_t g) { return offset[it.s] + g * padded(a.lens[it.s]) * a.D; };
+  for_each_item<bool>(packs, [&](const Item& it, bool&) {
+    pack(a, it.s, it.h, kp.get() + at_of(it, it.h), vp.get() + at_of(it, it.h));
   });
-  std::atomic<int64_t> next{0};
-  const int64_t total = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(total, at::get_num_threads());
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    configure_tiles();
-    Scratch w{std::vector<float>(kRows * widest), std::vector<bf16>(kRows * widest),
-              std::vector<bf16>(kRows * a.D), std::vector<float>(kRows * 64),
-              std::vector<float>(kRows)};
-    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-      const Item& it = items[i];
-      const int64_t g = it.h / G, off = offset[it.s] + g * padded(a.lens[it.s]) * a.D;
-      block(a, it.s, it.h, it.i0, kp.data() + off, vp.data() + off, w);
+  for_each_item<Scratch>(blocks, [&](const Item& it, Scratch& w) {
+    if (w.s.empty()) {  // a thread's first block: its tiles and buffers
+      configure_tiles();
+      w = Scratch{std::vector<float>(kRows * widest), std::vector<bf16>(kRows * widest),
+                  std::vector<bf16>(kRows * a.D), std::vector<float>(kRows * 64),
+                  std::vector<float>(kRows)};
     }
-    _tile_release();
-  });
+    const int64_t g = it.h / G;
+    block(a, it.s, it.h, it.i0, kp.get() + at_of(it, g), vp.get() + at_of(it, g), w);
+  }, [](Scratch& w) { if (!w.s.empty()) _tile_release(); });
 }
 PIPELLM_TARGET_END
 
