@@ -169,7 +169,7 @@ class FakeEngine:
 
 def test_embed_core_batches_by_width_and_isolates_errors():
     engine = FakeEngine()
-    core = EmbedCore(engine)
+    core = EmbedCore(engine, budget=100)
     ids = lambda *p: [array("i", x) for x in p]  # noqa: E731
     core.submit(EmbedRequest("a", "gw1", ids([1, 2], [3])))
     core.submit(EmbedRequest("b", "gw2", ids([5, 6, 7]), dimensions=2))
@@ -193,6 +193,23 @@ def test_embed_core_batches_by_width_and_isolates_errors():
     core.submit(EmbedRequest("bug", "gw", ids([15])))
     (_, bug), = core.run()
     assert (bug.error_status, bug.error) == (500, "internal error in compute")
+
+
+def test_embed_core_takes_a_forwards_worth_at_a_time():
+    """A run takes the oldest requests up to the budget of tokens (the first one even when it
+    alone is over it) and leaves the rest queued, so the first answers leave after their own
+    forward."""
+    engine = FakeEngine()
+    core = EmbedCore(engine, budget=5)
+    ids = lambda *p: [array("i", x) for x in p]  # noqa: E731
+    for name, prompts in (("a", ids([1, 2], [3])), ("b", ids([4, 5])), ("c", ids([6] * 9)),
+                          ("d", ids([7]))):
+        core.submit(EmbedRequest(name, "gw", prompts))
+    assert [r.request_id for _, r in core.run()] == ["a", "b"]  # 3 + 2 tokens
+    assert core.has_work() and engine.calls == [(3, None)]
+    assert [r.request_id for _, r in core.run()] == ["c"]  # 9 tokens: alone, over the budget
+    assert [r.request_id for _, r in core.run()] == ["d"]
+    assert not core.has_work()
 
 
 def test_messages_round_trip():

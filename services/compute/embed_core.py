@@ -1,11 +1,13 @@
 """The pooling runner's requests in compute: EmbedRequests in, EmbedResults out.
 
-Requests queue as they arrive and run between engine steps: all those queued that ask for the
-same task and width go through `LLMEngine.embed` (or `classify`: the scoring head's logits;
-`reward`: every token's reward head output, a row per token) together, which batches their
-inputs up to the token budget (--max-batched-tokens) per forward. Should a joined run fail (an
-input the tokenizer let through that the engine refuses), each request of it runs alone, so
-only the bad one gets the error. Errors: InvalidParams is a 400 on its field; no room in the
+Requests queue as they arrive and run between engine steps, a forward's worth at a time: the
+oldest requests up to the budget of one pooling forward (at least one request; pooling's
+forward_budget), so that each answer leaves as soon as its forward is done and new requests
+join the next one. Of those, all that ask for the same task and width go through
+`LLMEngine.embed` (or `classify`: the scoring head's logits; `reward`: every token's reward head
+output, a row per token) together. Should a joined run fail (an input the tokenizer let
+through that the engine refuses), each request of it runs alone, so only the bad one gets the
+error. Errors: InvalidParams is a 400 on its field; no room in the
 KV cache for an input (NoKVRoom) a 400 on `input`; anything else a 500, logged. Never raises.
 """
 
@@ -17,7 +19,7 @@ from array import array
 import numpy as np
 
 from services.compute.engine import LLMEngine
-from services.compute.pooling import NoKVRoom
+from services.compute.pooling import NoKVRoom, forward_budget
 from shared.messages import EmbedRequest, EmbedResult
 from shared.sampling import InvalidParams
 
@@ -25,8 +27,10 @@ log = logging.getLogger(__name__)
 
 
 class EmbedCore:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, budget: int | None = None):
+        """`budget`: the prompt tokens a run takes (None: the engine's forward_budget)."""
         self.engine = engine
+        self.budget = forward_budget(engine) if budget is None else budget
         self.queue: list[EmbedRequest] = []
 
     def submit(self, req: EmbedRequest) -> None:
@@ -36,12 +40,11 @@ class EmbedCore:
         return bool(self.queue)
 
     def run(self) -> list[tuple[str, EmbedResult]]:
-        """(reply address, result) of every queued request, in arrival order per task and
-        width."""
+        """(reply address, result) of the oldest queued requests up to the budget, in arrival
+        order per task and width; the rest stay queued."""
         by_width: dict[tuple[str, int], list[EmbedRequest]] = {}
-        for req in self.queue:
+        for req in self._take():
             by_width.setdefault((req.task, req.dimensions), []).append(req)
-        self.queue = []
         out = []
         for group in by_width.values():
             results = self._run(group)
@@ -49,6 +52,17 @@ class EmbedCore:
                 results = [self._run([req])[0] for req in group]
             out.extend((req.reply_to, r) for req, r in zip(group, results, strict=True))
         return out
+
+    def _take(self) -> list[EmbedRequest]:
+        """The oldest queued requests whose inputs fit the budget (the first one always)."""
+        tokens, n = 0, 0
+        for req in self.queue:
+            tokens += sum(len(ids) for ids in req.inputs)
+            if n and tokens > self.budget:
+                break
+            n += 1
+        taken, self.queue = self.queue[:n], self.queue[n:]
+        return taken
 
     def _run(self, group: list[EmbedRequest]) -> list[EmbedResult]:
         """The results of `group` (one width) from one embed call; on a failure, each the

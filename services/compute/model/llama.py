@@ -131,9 +131,11 @@ class LlamaModel:
         return logits, last
 
     def normed_hidden(self, batch: ForwardBatch, kv: KVCache,
-                      rows: torch.Tensor | None = None) -> torch.Tensor:
+                      rows: torch.Tensor | None = None, trim: bool = False) -> torch.Tensor:
         """Run the layers of one merged step, writing its K/V into `kv`; the final-normed
-        hidden states of `rows` (None: every row): [len(rows) or T, hidden]."""
+        hidden states of `rows` (None: every row): [len(rows) or T, hidden]. `trim`: the last
+        layer's MLP runs on `rows` alone (what follows its attention works row by row; not
+        with LoRA, whose adapter rows index the whole step)."""
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -141,6 +143,8 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x, residual = self._norm(h, residual, layer.ln_attn, self.int8_act)
             h = self._post_norm(self._attention(i, layer, x, batch, kv), layer.post_attn)
+            if trim and rows is not None and i == len(self.layers) - 1 and batch.lora is None:
+                h, residual, rows = h[rows], residual[rows], None
             # the router reads float rows: a sparse layer's experts quantize their own input
             x, residual = self._norm(h, residual, layer.ln_mlp,
                                      self.int8_act and layer.moe is None)

@@ -5,7 +5,7 @@ budget, runs their prefill (forward.py: the final-normed hidden states, no logit
 (pool.py) and frees the KV slots it took.
 """
 
-from services.compute.pooling.embedder import NoKVRoom, embed
+from services.compute.pooling.embedder import NoKVRoom, embed, forward_budget
 from services.compute.pooling.pool import finish, pool
 
-__all__ = ["NoKVRoom", "embed", "finish", "pool"]
+__all__ = ["NoKVRoom", "embed", "finish", "forward_budget", "pool"]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from services.compute.pooling.forward import hidden_states, prefill_batch
-from services.compute.pooling.pool import finish, pool
+from services.compute.pooling.pool import finish, pool, pooled_rows
 from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams
 
@@ -27,6 +27,11 @@ MIN_BATCH_TOKENS = 2048  # at least this per pooling forward (bench/pooling.py)
 class NoKVRoom(RuntimeError):
     """Not even the first prompt of a batch gets free KV slots (it is longer than the free
     space: the cache is too small for it, or held by running requests)."""
+
+
+def forward_budget(engine) -> int:
+    """The prompt tokens one pooling forward takes (a longer prompt runs alone)."""
+    return max(engine.config.scheduler.max_batched_tokens, MIN_BATCH_TOKENS)
 
 
 def embed(engine, prompts: list[list[int]], pooling: PoolingConfig,
@@ -47,7 +52,7 @@ def embed(engine, prompts: list[list[int]], pooling: PoolingConfig,
     check_prompts(prompts, engine.max_model_len, engine.model_config.vocab_size)
     if not prompts:
         return torch.zeros(0, dim or hidden) if head is None else head(torch.zeros(0, hidden))
-    out, budget = [], max(engine.config.scheduler.max_batched_tokens, MIN_BATCH_TOKENS)
+    out, budget = [], forward_budget(engine)
     while prompts:
         group = next(batches(prompts, budget))
         vectors, done = _run_group(engine, group, pooling, dim, head)
@@ -72,8 +77,13 @@ def _run_group(engine, group: list[list[int]], pooling: PoolingConfig,
             raise NoKVRoom(f"no {len(group[0])} free KV slots for a pooled prompt")
         group = group[:len(starts)]
         batch = prefill_batch(group, starts, runner.device)
-        rows = hidden_states(runner.model, batch, runner.kv)
-        vectors = pool(rows, [len(p) for p in group], pooling.mode)
+        lens = [len(p) for p in group]
+        keep = pooled_rows(lens, pooling.mode)  # last or first rows: the last MLP on those alone
+        if keep is None:
+            vectors = pool(hidden_states(runner.model, batch, runner.kv), lens, pooling.mode)
+        else:
+            keep = keep.to(runner.device)
+            vectors = hidden_states(runner.model, batch, runner.kv, keep).float()
         if head is not None:
             return head(vectors).cpu(), len(group)
         return finish(vectors, pooling.normalize, dim).cpu(), len(group)

@@ -38,6 +38,8 @@ def prefill_batch(prompts: list[list[int]], starts: list[int], device: torch.dev
 
 
 @torch.inference_mode()
-def hidden_states(model, batch: ForwardBatch, kv) -> torch.Tensor:
-    """[T, hidden] final-normed hidden states of every row of `batch` (model: a LlamaModel)."""
-    return model.normed_hidden(batch, kv)
+def hidden_states(model, batch: ForwardBatch, kv, rows: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """Final-normed hidden states of `rows` of `batch` ([len(rows), hidden]; None: every row,
+    [T, hidden]); model: a LlamaModel, its last MLP run on those rows alone."""
+    return model.normed_hidden(batch, kv, rows, trim=True)

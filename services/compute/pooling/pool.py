@@ -13,20 +13,29 @@ def pool(hidden: torch.Tensor, lens: list[int], mode: str) -> torch.Tensor:
     its rows ("mean") or its first row ("cls"); "all": every row, [sum(lens), H]."""
     if not lens or min(lens) < 1:
         raise ValueError("every pooled prompt needs at least one token")
-    counts = torch.tensor(lens, device=hidden.device)
-    ends = torch.cumsum(counts, 0)
     if mode == "all":
         return hidden.float()
-    if mode == "last":
-        return hidden[ends - 1].float()
-    if mode == "cls":
-        return hidden[ends - counts].float()
+    keep = pooled_rows(lens, mode)
+    if keep is not None:
+        return hidden[keep.to(hidden.device)].float()
+    counts = torch.tensor(lens, device=hidden.device)
     if mode == "mean":
         owner = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), counts)
         sums = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, owner, hidden.float())
         return sums / counts.unsqueeze(1).float()
     raise ValueError(f"unknown pooling mode {mode!r}")
+
+
+def pooled_rows(lens: list[int], mode: str) -> torch.Tensor | None:
+    """The rows `pool` keeps alone, as indices into [sum(lens)] ("last": each prompt's last,
+    "cls": its first), or None where it reads every row ("mean", "all")."""
+    ends = torch.cumsum(torch.tensor(lens), 0)
+    if mode == "last":
+        return ends - 1
+    if mode == "cls":
+        return ends - torch.tensor(lens)
+    return None
 
 
 def finish(vectors: torch.Tensor, normalize: bool, dimensions: int | None) -> torch.Tensor:
