@@ -35,7 +35,7 @@ from services.gateway.service import embedding_settings
 from services.gateway.stream import final_answer, logprob_entries
 from services.run_batch_pooling import PooledLine, PoolingLines, is_pooling_url
 from services.tokenizer.service import PromptError, Tokenizer
-from shared.config import ServiceConfig
+from shared.config import SchedulingPolicyName, ServiceConfig
 from shared.generation_config import GenerationDefaults
 from shared.messages import Delta, StepOutput
 from shared.sampling import InvalidParams
@@ -104,6 +104,7 @@ class BatchRunner:
                                     ServiceConfig().prompt_bytes_limit(tokenizer.max_model_len))
         self.defaults = defaults or GenerationDefaults()
         self.chat = chat
+        self.priorities = engine.config.scheduler.scheduling_policy != SchedulingPolicyName.FCFS
         self.detokenizer = Detokenizer(tokenizer.tok, ttl_s=0)
         self.live: dict[str, tuple[Item, ChoiceState]] = {}  # choice id -> its item and state
 
@@ -133,6 +134,10 @@ class BatchRunner:
             if item.req.params.prompt_logprobs is not None:
                 raise APIError(400, "prompt logprobs (echo with logprobs) are not supported by "
                                "run-batch", param="echo")
+            priority = item.req.options.get("priority", 0)
+            if priority and not self.priorities:  # the gateway's 400 (app.py), vLLM's message
+                raise APIError(400, f"Got priority {priority} but Priority scheduling is not "
+                               "enabled.", param="priority")
         except json.JSONDecodeError as exc:
             item.error = APIError(400, f"line is not JSON: {exc}")
         except APIError as exc:
