@@ -494,3 +494,21 @@ def test_cpu_attention_quick(capsys):
     row = out["rows"][0]
     assert set(row["ms"]) == set(paths) and all(v > 0 for v in row["ms"].values())
     assert row["speed"]["generic"] == 1.0
+
+
+def test_cpu_prefill_attention_bench_small(capsys):
+    """bench/cpu_prefill_attention.py on one small batch (the AMX kernel's CPUs only): every
+    path timed, the ratio and one JSON line."""
+    from kernels.cpu import extension, isa
+
+    ext = extension()
+    if ext is None or isa.selected() != "amx" or not ext.prefill_attention_amx_ready():
+        pytest.skip(f"no AMX prefill kernel here ({isa.describe()})")
+    from bench import cpu_prefill_attention
+
+    out = cpu_prefill_attention.main(["--tokens", "300", "--batches", "1", "--threads", "1",
+                                      "--reps", "2"])
+    assert set(out["ms"][1]) == {"gemm", "amx", "sdpa"} and out["gemm_over_amx"][1] > 0
+    assert sum(out["batches"][0]) <= 300
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bench"] == \
+        "cpu_prefill_attention"

@@ -1,0 +1,112 @@
+"""The CPU prefill attention of one SmolLM2-135M layer (9 query heads, 3 KV heads, head_dim 64,
+bf16) over a batch of whole prompts, per code path of kernels/prefill_attention.py: the
+float32-GEMM path (`_prefill_attention_cpu`, what every CPU level below `amx` runs) against the
+C++ kernel on AMX tiles (kernels/cpu/prefill_attention_amx.cpp, the `amx` level's), and
+torch's SDPA per sequence (the reference) as a third opinion. Prompts: ShareGPT texts' token
+lengths (data/sharegpt_samples_1024.json, cut to 2,000 characters as bench/pooling.py cuts
+them) up to --tokens a batch, the first --batches batches. Reported per thread count: the
+median ms of a batch over --reps, and the ratio GEMM ms / AMX ms.
+
+    python -m bench.cpu_prefill_attention [--tokens 2048] [--batches 4] [--threads 1,2]
+
+The last line printed is one JSON object with the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # also runnable as `python bench/cpu_prefill_attention.py`
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench.common import machine  # noqa: E402
+from kernels.cpu import extension, isa  # noqa: E402
+from kernels.prefill_attention import _prefill_attention_cpu, prefill_attention_reference  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--reps", type=int, default=20)
+    return p.parse_args(argv)
+
+
+def prompt_batches(tokens: int, count: int) -> list[list[int]]:
+    """Consecutive ShareGPT prompt lengths (SmolLM2's tokenizer), `tokens` at most a batch."""
+    from bench.pooling import inputs
+    from shared.default_model import cached_path
+    from shared.tokenizer import encode, load_tokenizer
+
+    tok = load_tokenizer(str(cached_path()))
+    out, batch = [], []
+    for text in inputs(20 * count * tokens // 190):
+        n = len(encode(tok, text))
+        if batch and sum(batch) + n > tokens:
+            out.append(batch)
+            batch = []
+            if len(out) == count:
+                break
+        batch.append(n)
+    return out
+
+
+def make_case(lens: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, HEAD_DIM, generator=g).bfloat16()
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu, cu[:-1].clone(), torch.tensor(lens, dtype=torch.int32)
+
+
+def median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    ext = extension()
+    if ext is None or isa.selected() != "amx" or not ext.prefill_attention_amx_ready():
+        raise SystemExit(f"no AMX prefill kernel on this CPU ({isa.describe()})")
+    cases = [make_case(lens, i) for i, lens in enumerate(prompt_batches(args.tokens,
+                                                                         args.batches))]
+    scale = HEAD_DIM ** -0.5
+    paths = {
+        "gemm": lambda c: _prefill_attention_cpu(*c, scale),
+        "amx": lambda c: ext.prefill_attention(*c, scale),
+        "sdpa": lambda c: prefill_attention_reference(*c, scale),
+    }
+    out = {"bench": "cpu_prefill_attention", "machine": machine(), "tokens": args.tokens,
+           "batches": [c[5].tolist() for c in cases], "ms": {}, "gemm_over_amx": {}}
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        ms = {name: statistics.median(median_ms(lambda c=c, f=f: f(c), args.reps)
+                                      for c in cases) for name, f in paths.items()}
+        out["ms"][threads] = {k: round(v, 3) for k, v in ms.items()}
+        out["gemm_over_amx"][threads] = round(ms["gemm"] / ms["amx"], 2)
+        print(f"{threads} thread(s): " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
+              + f"; gemm / amx {ms['gemm'] / ms['amx']:.2f}x", flush=True)
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
