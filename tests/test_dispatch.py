@@ -123,3 +123,19 @@ def test_a_compute_without_heartbeat_gets_nothing(client, inboxes):
     for i in range(4):
         a.send([request(i, 8)])
     assert [len(x.got) for x in inboxes] == [0, 4]
+
+
+def test_a_requests_priority_travels_to_the_rank_that_serves_it(client, inboxes):
+    """Routed to either compute (its routed tokens set on the way), each choice keeps its
+    priority, through the codec the inbox's socket would carry it with."""
+    from dataclasses import replace
+
+    from shared.codec import decode, encode
+
+    a = tokenizer(client, inboxes)
+    for i, p in enumerate((7, -3, 0, 2)):
+        a.send([replace(request(i, 96 if i % 2 else 4), priority=p)])
+    got = {g.request_id: decode(encode(g)) for inbox in inboxes for g in inbox.got}
+    assert all(inbox.got and all(g.routed_tokens > 0 for g in inbox.got) for inbox in inboxes)
+    assert {rid: g.priority for rid, g in got.items()} == {"r0:0": 7, "r1:0": -3, "r2:0": 0,
+                                                           "r3:0": 2}

@@ -135,3 +135,23 @@ def test_cluster_needs_a_replica(bad):
     with pytest.raises(ValueError):
         SimCluster(CONFIG, bad, RoundRobin())
     assert math.isinf(SimCluster(CONFIG, 1, RoundRobin()).next_step())
+
+
+def test_a_requests_priority_reaches_whichever_replica_serves_it():
+    """Round robin over two replicas: each request's Sequence, on either replica, carries the
+    priority it was added with; under the priority policy the most urgent of the queued runs
+    first."""
+    config = with_settings(CONFIG, scheduling_policy="priority", max_running=1)
+    cluster = SimCluster(config, 2, RoundRobin())
+    priorities = [5, 3, -1, 0, 2, -4]
+    for i, p in enumerate(priorities):
+        cluster.add(0.0, [9 + i] * 50, SamplingParams(max_tokens=4), f"r{i}", 4, priority=p)
+    seen = {rid: seq.priority for r in cluster.replicas for rid, seq in r.engine.requests.items()}
+    assert seen == {f"r{i}": p for i, p in enumerate(priorities)}
+    assert [r.routed for r in cluster.replicas] == [3, 3]
+    first = {}
+    while cluster.has_work():
+        i, _, result = cluster.step()
+        for e in result.outputs:
+            first.setdefault(i, e.request_id)
+    assert first == {0: "r2", 1: "r5"}  # replica 0 holds r0, r2, r4; replica 1 r1, r3, r5

@@ -42,8 +42,8 @@ class Replica:
                            step_tokens=self.engine.config.scheduler.max_batched_tokens)
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-            predicted: LengthDist | int | None) -> None:
-        self.engine.add_request(prompt_ids, params, request_id, predicted)
+            predicted: LengthDist | int | None, priority: int = 0) -> None:
+        self.engine.add_request(prompt_ids, params, request_id, predicted, priority=priority)
         seq = self.engine.requests[request_id]
         self.held[request_id] = seq.num_prompt + seq.predicted_length.median
         self.demand += self.held[request_id]
@@ -70,10 +70,12 @@ class SimCluster:
         return [r.load() for r in self.replicas]
 
     def add(self, now: float, prompt_ids: list[int], params: SamplingParams, request_id: str,
-            predicted: LengthDist | int | None = None, eos_at: int | None = None) -> int:
+            predicted: LengthDist | int | None = None, eos_at: int | None = None,
+            priority: int = 0) -> int:
         """Route a request arriving at `now` and queue it at the chosen replica; its index.
         `predicted`: its predicted output length (None: --default-predicted-len); `eos_at`: its
-        true output length, ended with EOS (None: it runs to max_tokens). InvalidParams from the
+        true output length, ended with EOS (None: it runs to max_tokens); `priority`: the
+        request's (lower first), at whichever replica serves it. InvalidParams from the
         engine propagates (the router has recorded the prompt by then)."""
         if predicted is None:
             predicted = self.replicas[0].engine.config.default_predicted_len
@@ -83,7 +85,7 @@ class SimCluster:
         replica = self.replicas[i]
         if not replica.engine.has_work():  # idle: its timeline resumes at this arrival
             replica.clock.now = max(replica.clock.now, now)
-        replica.add(prompt_ids, params, request_id, predicted)
+        replica.add(prompt_ids, params, request_id, predicted, priority)
         if eos_at is not None and eos_at < params.max_tokens:
             replica.engine.runner.eos_at[request_id] = eos_at
         return i
