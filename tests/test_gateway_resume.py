@@ -154,3 +154,26 @@ def test_a_stream_that_cannot_resume_ends_with_an_error_event_the_client_raises(
         for chunk in client.completions.create(model="m", prompt="hi", stream=True):
             got.append(chunk.choices[0].text)
     assert got == ["Hello"]
+
+
+def test_a_resumed_request_keeps_its_priority(demo_model_dir):
+    """A request at priority 4, its first choice lost after two tokens: the resume the gateway
+    sends (through the codec, as the socket carries it) and the GenerateRequest the tokenizer
+    builds from it carry priority 4, under the choice's next attempt."""
+    from services.tokenizer.service import Tokenizer
+    from shared.codec import decode, encode
+    from shared.config import EngineConfig
+
+    body = {"model": "m", "prompt": "The quick brown fox", "max_tokens": 8, "n": 2,
+            "priority": 4}
+    reg = Registry()
+    req = reg.add("cmpl-p", 2)
+    req.tokenize = parse_completion(body, "m").tokenize_requests("cmpl-p", "gw", 11, 0.0)
+    req.choices[0].token_ids = [5, 6]
+    ((_, (tokenize,), lost),) = reg.resume(only_without_output=False)
+    assert lost == ["cmpl-p:0", "cmpl-p:1"]
+    tokenize = decode(encode(tokenize))
+    assert tokenize.priority == 4 and [r.attempt for r in tokenize.resume] == [1, 1]
+    gens = Tokenizer(EngineConfig(model=str(demo_model_dir))).prepare(tokenize)
+    assert [(g.request_id, g.priority) for g in gens] == [("cmpl-p:0.1", 4), ("cmpl-p:1.1", 4)]
+    assert list(gens[0].output_ids) == [5, 6]
