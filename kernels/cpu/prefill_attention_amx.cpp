@@ -229,11 +229,13 @@ void pipellm::prefill::run_amx(const Args& a) {
   std::vector<Item> packs, blocks;
   for (int64_t s = 0; s < a.S; ++s) {
     const int64_t m = a.cu[s + 1] - a.cu[s], prefix = a.lens[s] - m;
-    for (int64_t g = 0; g < a.Hkv; ++g) packs.push_back({s, g, 0, a.lens[s]});
+    for (int64_t g = 0; g < a.Hkv && m > 0; ++g) packs.push_back({s, g, 0, a.lens[s]});
     for (int64_t i0 = 0; i0 < m; i0 += kRows)
       for (int64_t h = 0; h < a.H; ++h) blocks.push_back({s, h, i0, prefix + i0 + kRows});
   }
-  auto at_of = [&](const Item& it, int64_t g) { return offset[it.s] + g * padded(a.lens[it.s]) * a.D; };
+  auto at_of = [&](const Item& it, int64_t g) {  // sequence it.s's packed KV head g
+    return offset[it.s] + g * padded(a.lens[it.s]) * a.D;
+  };
   for_each_item<bool>(packs, [&](const Item& it, bool&) {
     pack(a, it.s, it.h, kp.get() + at_of(it, it.h), vp.get() + at_of(it, it.h));
   });
