@@ -20,6 +20,7 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 # the token granularity routers' prefix scorers should hash prompts in: pipellm's prefix cache
 # matches any number of tokens, so any block size is exact; 16 is vLLM's default
 BLOCK_SIZE = 16
+PRIORITY_SERIES = 32  # distinct priorities with their own series (ByPriority); then "other"
 
 # engine stats (compute -> Redis) exported as gauges and counters
 _GAUGES = {"running": "requests in the running batch", "waiting": "requests waiting for KV",
@@ -52,6 +53,26 @@ class _Twin:
             m.inc(amount)
 
 
+class ByPriority:
+    """A latency histogram per request priority (--scheduling-policy priority or predicted:
+    what the order buys each class), labelled `priority`. The first PRIORITY_SERIES distinct
+    priorities get their own series, later ones share "other" (bounded cardinality)."""
+
+    def __init__(self, name: str, doc: str, buckets, registry: CollectorRegistry):
+        self.histogram = Histogram(name, doc, ["priority"], buckets=buckets, registry=registry)
+        self.seen: set[int] = set()
+
+    def observe(self, priority: int, value: float) -> None:
+        self.histogram.labels(self.label(priority)).observe(value)
+
+    def label(self, priority: int) -> str:
+        if priority not in self.seen:
+            if len(self.seen) >= PRIORITY_SERIES:
+                return "other"
+            self.seen.add(priority)
+        return str(priority)
+
+
 class Metrics:
     def __init__(self, model_name: str = ""):
         self.registry = r = CollectorRegistry()
@@ -67,6 +88,12 @@ class Metrics:
         self.e2e = histogram("e2e_request_latency_seconds", "request latency", _LATENCY)
         self.queue = histogram("request_queue_time_seconds",
                                "arrival to admission into the running batch", _LATENCY)
+        self.ttft_by_priority = ByPriority("pipellm_time_to_first_token_by_priority_seconds",
+                                           "time to first token, per request priority",
+                                           _LATENCY, r)
+        self.queue_by_priority = ByPriority(
+            "pipellm_request_queue_time_by_priority_seconds",
+            "arrival to admission into the running batch, per request priority", _LATENCY, r)
         self.requests = Counter("pipellm_requests", "finished requests by outcome",
                                 ["outcome"], registry=r)
         self.tokens = _Twin(

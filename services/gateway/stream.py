@@ -79,9 +79,13 @@ def _observe(gw, inflight: Inflight, c: ChoiceState, delta: Delta) -> None:
     now = time.monotonic()
     m = gw.metrics
     if not c.token_ids:
+        priority = inflight.tokenize[0].priority if inflight.tokenize else 0
         m.ttft.observe(now - inflight.start)
+        m.ttft_by_priority.observe(priority, now - inflight.start)
         if delta.started_at:
-            m.queue.observe(max(delta.started_at - inflight.arrival, 0.0))
+            queued = max(delta.started_at - inflight.arrival, 0.0)
+            m.queue.observe(queued)
+            m.queue_by_priority.observe(priority, queued)
     else:
         m.itl.observe(now - c.last)
     c.last = now
