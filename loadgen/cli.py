@@ -57,6 +57,15 @@ def parser() -> argparse.ArgumentParser:
       "output length); always on for the random dataset and throughput mode")
     a("--lora-modules", nargs="+", default=None, metavar="NAME", help="LoRA adapters the "
       "server serves: each request names one of them as its model, at random (seeded)")
+    a("--interactive-fraction", type=float, default=0.0, help="priority mix: this fraction of "
+      "the requests (seeded) are interactive, the rest batch; the result adds each class's "
+      "TTFT and E2EL (`classes`)")
+    a("--interactive-input-len", type=int, default=32, help="an interactive request's prompt")
+    a("--interactive-output-len", type=int, default=32, help="an interactive request's output")
+    a("--interactive-priority", type=int, default=0, help="the `priority` interactive "
+      "requests send (lower runs first; vLLM's field)")
+    a("--batch-priority", type=int, default=1, help="the `priority` batch requests send (0 "
+      "for servers under fcfs, which refuse others)")
     a("--temperature", type=float, default=None)
     a("--top-p", type=float, default=None)
     a("--top-k", type=int, default=None)
@@ -127,6 +136,10 @@ def check(args: argparse.Namespace, metrics: list[str]) -> None:
         raise ValueError("--sweep needs --mode poisson")
     if args.mode == "trace" and args.dataset_name != "azure":
         raise ValueError("--mode trace needs --dataset-name azure")
+    if not 0.0 <= args.interactive_fraction <= 1.0:
+        raise ValueError("--interactive-fraction must be in [0, 1]")
+    if args.interactive_fraction and workload.mode_of(args) == "throughput":
+        raise ValueError("--interactive-fraction needs distinct requests, not --mode throughput")
 
 
 def endpoint(args: argparse.Namespace) -> Endpoint:
@@ -150,7 +163,12 @@ def config(args: argparse.Namespace, ep: Endpoint, label: str) -> dict:
             "endpoint": ep.path, "dataset_name": args.dataset_name, "mode": mode,
             "ignore_eos": ep.ignore_eos, "seed": args.seed,
             "trace_time_scale": args.trace_time_scale if mode == "trace" else None,
-            "warmup_requests": args.warmup_requests, "lora_modules": args.lora_modules}
+            "warmup_requests": args.warmup_requests, "lora_modules": args.lora_modules,
+            **({"interactive_fraction": args.interactive_fraction,
+                "interactive_input_len": args.interactive_input_len,
+                "interactive_output_len": args.interactive_output_len,
+                "interactive_priority": args.interactive_priority,
+                "batch_priority": args.batch_priority} if args.interactive_fraction else {})}
 
 
 def _sweep(args, cfg, items, meta, sweep_cfg, percentiles, metrics, slos) -> int:

@@ -48,8 +48,10 @@ def headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def payload(ep: Endpoint, prompt: str, max_tokens: int, stream: bool = True) -> dict:
-    """The request body for `prompt` (chat: one user message)."""
+def payload(ep: Endpoint, prompt: str, max_tokens: int, stream: bool = True,
+            priority: int | None = None) -> dict:
+    """The request body for `prompt` (chat: one user message); `priority` (vLLM's field:
+    lower runs first) only when given."""
     body: dict = {"model": ep.model, "stream": stream}
     if ep.chat:
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -61,6 +63,8 @@ def payload(ep: Endpoint, prompt: str, max_tokens: int, stream: bool = True) -> 
         body["stream_options"] = {"include_usage": True}
     if ep.ignore_eos:
         body["ignore_eos"] = True
+    if priority is not None:
+        body["priority"] = priority
     body.update(ep.extra_body)
     return body
 
@@ -91,14 +95,15 @@ async def prompt_tokens(s: aiohttp.ClientSession, ep: Endpoint, prompt: str) -> 
 
 
 async def send(s: aiohttp.ClientSession, ep: Endpoint, prompt: str, prompt_len: int,
-               max_tokens: int) -> RequestRecord:
+               max_tokens: int, priority: int | None = None) -> RequestRecord:
     """Send one streamed request; never raises for HTTP or stream errors (they are recorded)."""
     rec = RequestRecord(prompt_len=prompt_len, expected_output_len=max_tokens)
     rec.start_time = start = time.perf_counter()
     chunks = 0
     text: list[str] = []
     try:
-        async with s.post(ep.url, json=payload(ep, prompt, max_tokens)) as r:
+        async with s.post(ep.url, json=payload(ep, prompt, max_tokens,
+                                                priority=priority)) as r:
             if r.status != 200:
                 rec.error = f"HTTP {r.status}: {(await r.text())[:300]}"
                 return rec

@@ -35,6 +35,8 @@ class WorkItem:
     output_len: int
     arrival_s: float | None = None  # trace replay: seconds after the trace's first request
     model: str = ""  # the model (a LoRA adapter) it names; "" for the endpoint's
+    priority: int | None = None  # the body's `priority` (lower first); None: not sent
+    request_class: str = ""  # its class in a priority mix ("interactive", "batch"); "": none
 
 
 def default_data_dir() -> Path:

@@ -41,6 +41,7 @@ class RequestRecord:
     output_tokens: int = 0
     queue_time: float = 0.0  # waited for a concurrency slot before it was sent
     generated_text: str = ""
+    request_class: str = ""  # its class in a priority mix; "" outside one
 
     @property
     def tpot(self) -> float | None:
@@ -161,6 +162,22 @@ def summarize(records: list[RequestRecord], duration: float,
     return out
 
 
+def class_summary(records: list[RequestRecord],
+                  percentiles: list[float] | tuple[float, ...] = (50.0, 99.0)) -> dict:
+    """Per request class of a priority mix ({} when no record has one): completed, failed,
+    and TTFT and E2EL mean/median/std/pNN in ms over its successful requests."""
+    out: dict = {}
+    for name in sorted({r.request_class for r in records if r.request_class}):
+        mine = [r for r in records if r.request_class == name]
+        row: dict = {"completed": sum(r.success for r in mine),
+                     "failed": sum(not r.success for r in mine)}
+        for metric in ("ttft", "e2el"):
+            for stat, value in stats_ms(metric_values(mine, metric), list(percentiles)).items():
+                row[f"{stat}_{metric}_ms"] = value
+        out[name] = row
+    return out
+
+
 def per_request(records: list[RequestRecord]) -> dict[str, list]:
     """vLLM's per-request arrays (seconds; output_lens 0 for failures), plus queue_times."""
     return {
@@ -172,4 +189,5 @@ def per_request(records: list[RequestRecord]) -> dict[str, list]:
         "start_times": [r.start_time for r in records],
         "queue_times": [r.queue_time for r in records],
         "errors": [r.error for r in records],
-    }
+    } | ({"request_classes": [r.request_class for r in records]}
+         if any(r.request_class for r in records) else {})

@@ -53,6 +53,15 @@ def table(result: dict, metrics: list[str], percentiles: list[float]) -> str:
         for p in percentiles:
             key = percentile_key(p)
             row(f"{key.upper()} {short} (ms):", result[f"{key}_{m}_ms"], ".2f")
+    for name, c in (result.get("classes") or {}).items():
+        lines.append("{s:{c}^{n}}".format(s=f" class {name} ", n=50, c="-"))
+        row("Successful requests:", c["completed"])
+        for m in ("ttft", "e2el"):
+            short = HEADERS[m][0]
+            row(f"Mean {short} (ms):", c[f"mean_{m}_ms"], ".2f")
+            for key in [k.split("_")[0] for k in c if k.endswith(f"_{m}_ms")
+                        and k.startswith("p")]:
+                row(f"{key.upper()} {short} (ms):", c[f"{key}_{m}_ms"], ".2f")
     lines.append("=" * 50)
     return "\n".join(lines)
 

@@ -18,7 +18,7 @@ import aiohttp
 from loadgen import client
 from loadgen.client import Endpoint
 from loadgen.datasets import WorkItem
-from loadgen.metrics import RequestRecord, per_request, summarize
+from loadgen.metrics import RequestRecord, class_summary, per_request, summarize
 from loadgen.progress import Progress
 from loadgen.prompts import PromptModel, calibrate
 
@@ -87,9 +87,13 @@ def run(cfg: RunConfig, items: list[WorkItem], offsets: list[float],
 def benchmark(cfg: RunConfig, items: list[WorkItem], offsets: list[float],
               percentiles: list[float], metrics: list[str], slos: dict[str, float],
               ) -> dict:
-    """`run`, then the summary and per-request arrays in one dict (vLLM's result keys)."""
+    """`run`, then the summary and per-request arrays in one dict (vLLM's result keys); in a
+    priority mix also `classes`, each class's TTFT and E2EL (`class_summary`: p50 and
+    `percentiles`)."""
     records, duration = run(cfg, items, offsets)
-    return {**summarize(records, duration, percentiles, metrics, slos), **per_request(records)}
+    classes = class_summary(records, sorted({50.0, *percentiles}))
+    return {**summarize(records, duration, percentiles, metrics, slos), **per_request(records),
+            **({"classes": classes} if classes else {})}
 
 
 async def _run(cfg: RunConfig, items: list[WorkItem], offsets: list[float],
@@ -123,7 +127,8 @@ async def _one(s: aiohttp.ClientSession, ep: Endpoint, item: WorkItem, sem,
     arrived = time.perf_counter()
     async with sem:
         rec = await client.send(s, replace(ep, model=item.model) if item.model else ep,
-                                item.prompt, item.prompt_len, item.output_len)
+                                item.prompt, item.prompt_len, item.output_len, item.priority)
     rec.queue_time = rec.start_time - arrived
+    rec.request_class = item.request_class
     bar.update(rec.success)
     return rec

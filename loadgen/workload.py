@@ -4,6 +4,11 @@ Modes: `poisson` (gamma arrivals at --request-rate; inf = all at once), `trace` 
 trace's own arrival times, times --trace-time-scale), `burst` (every request at once), and
 `throughput` (the talk's theoretical maximum: every request at once with the same prompt and
 the same lengths, with ignore_eos). The default is `trace` for the Azure dataset, else `poisson`.
+
+A priority mix (`--interactive-fraction F`): a seeded F of the requests become "interactive"
+(`--interactive-input-len` / `--interactive-output-len` tokens, the body's `priority`
+`--interactive-priority`), the rest "batch" (the dataset's requests, `priority`
+`--batch-priority`); the result then holds each class's TTFT and E2EL (`classes`).
 """
 
 from __future__ import annotations
@@ -91,6 +96,10 @@ def build(args: argparse.Namespace, ep: Endpoint, max_model_len: int | None,
     items = load_items(args, tokenizer)
     if mode_of(args) == "throughput":
         items = [items[0]] * len(items)
+    if getattr(args, "interactive_fraction", 0.0):
+        items = priority_mix(items, args.interactive_fraction, args.interactive_input_len,
+                             args.interactive_output_len, args.interactive_priority,
+                             args.batch_priority, args.seed)
     limit = args.max_model_len or max_model_len
     if limit:
         clipped = clip_to_context(items, limit)
@@ -107,6 +116,24 @@ def build(args: argparse.Namespace, ep: Endpoint, max_model_len: int | None,
         rng = random.Random(args.seed)
         items = [replace(w, model=rng.choice(args.lora_modules)) for w in items]
     return items, offsets(args, items)
+
+
+def priority_mix(items: list[WorkItem], fraction: float, input_len: int, output_len: int,
+                 interactive_priority: int = 0, batch_priority: int = 1, seed: int = 0,
+                 ) -> list[WorkItem]:
+    """`round(fraction * len(items))` items, picked by `seed`, replaced by interactive ones
+    (synthesized prompts of `input_len` tokens, `output_len` out, `interactive_priority`); the
+    others kept as batch requests at `batch_priority`. Order and arrival times stay."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError("--interactive-fraction must be in [0, 1]")
+    if input_len < 1 or output_len < 1:
+        raise ValueError("interactive lengths must be >= 1")
+    picked = set(random.Random(seed ^ 0x51).sample(range(len(items)),
+                                                   round(fraction * len(items))))
+    return [replace(w, prompt=None, prompt_len=input_len, output_len=output_len,
+                    priority=interactive_priority, request_class="interactive")
+            if i in picked else replace(w, priority=batch_priority, request_class="batch")
+            for i, w in enumerate(items)]
 
 
 def fitted_prompt_model(ep: Endpoint, tokenizer: Tokenizer | None) -> PromptModel:

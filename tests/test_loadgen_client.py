@@ -226,3 +226,54 @@ def test_cli_replays_a_trace_time_scaled(server, tmp_path: Path):
     assert r["mode"] == "trace" and r["trace_time_scale"] == 0.1
     assert r["start_times"] == pytest.approx([0.0, 0.2, 0.4], abs=0.04)
     assert r["input_lens"] == [20, 9, 30] and r["output_lens"] == [3, 2, 4]
+
+
+def test_cli_priority_mix_sends_priorities_and_reports_classes(server, tmp_path: Path, capsys):
+    """--interactive-fraction: a seeded tenth of the requests are interactive (their own
+    lengths, priority 0), the rest batch (priority 1); the result holds each class's TTFT and
+    E2EL percentiles and the per-request classes."""
+    server.bodies.clear()
+    argv = ["--base-url", server.url, "--dataset-name", "random", "--num-prompts", "20",
+            "--random-input-len", "20", "--random-output-len", "6", "--disable-tqdm",
+            "--interactive-fraction", "0.1", "--interactive-input-len", "8",
+            "--interactive-output-len", "2", "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "mix.json"]
+    assert cli.main(argv) == 0
+    result = json.loads((tmp_path / "mix.json").read_text())
+    streamed = [b for b in server.bodies if b.get("stream")]
+    assert sorted(b["priority"] for b in streamed) == [0] * 2 + [1] * 18
+    assert all(b["max_tokens"] == (2 if b["priority"] == 0 else 6) for b in streamed)
+    classes = result["request_classes"]
+    assert classes.count("interactive") == 2 and classes.count("batch") == 18
+    assert [n for c, n in zip(classes, result["output_lens"], strict=True)
+            if c == "interactive"] == [2, 2]
+    inter = result["classes"]["interactive"]
+    assert (inter["completed"], inter["failed"]) == (2, 0)
+    assert 0 < inter["median_ttft_ms"] <= inter["p99_ttft_ms"] < inter["p99_e2el_ms"]
+    assert result["classes"]["batch"]["completed"] == 18
+    assert result["interactive_fraction"] == 0.1 and result["batch_priority"] == 1
+    out = capsys.readouterr().out
+    assert "class interactive" in out and "P99 TTFT (ms)" in out
+    server.bodies.clear()  # the same traffic for an fcfs server: every request at priority 0
+    assert cli.main([*argv, "--batch-priority", "0"]) == 0
+    assert {b["priority"] for b in server.bodies if b.get("stream")} == {0}
+
+
+def test_no_priority_field_without_a_mix(server, tmp_path: Path):
+    server.bodies.clear()
+    assert cli.main(["--base-url", server.url, "--dataset-name", "random", "--num-prompts", "3",
+                     "--random-input-len", "8", "--random-output-len", "2",
+                     "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+                     "--result-filename", "plain.json"]) == 0
+    assert not any("priority" in b for b in server.bodies)
+    result = json.loads((tmp_path / "plain.json").read_text())
+    assert "classes" not in result and "request_classes" not in result
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--interactive-fraction", "1.5"], "--interactive-fraction must be in [0, 1]"),
+    (["--interactive-fraction", "0.1", "--mode", "throughput"], "not --mode throughput"),
+])
+def test_priority_mix_usage_errors(server, capsys, argv, message):
+    assert cli.main(["--base-url", server.url, *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -12,9 +13,10 @@ import pytest
 
 from loadgen import plots, report, sweep
 from loadgen.datasets import WorkItem
-from loadgen.metrics import RequestRecord, per_request, summarize
+from loadgen.metrics import RequestRecord, class_summary, per_request, summarize
 from loadgen.progress import Progress
 from loadgen.prompts import ANCHOR, PromptModel, fill_prompts, local_model
+from loadgen.workload import priority_mix
 from tests.hf_models import demo_tokenizer
 
 
@@ -155,3 +157,32 @@ def test_plots_without_matplotlib(tmp_path, capsys, monkeypatch):
     assert plots.plot_sweep({"probes": []}, tmp_path / "x.png") is None
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_priority_mix_is_seeded_and_keeps_order():
+    items = [WorkItem(f"p{i}", 100, 50, arrival_s=float(i)) for i in range(30)]
+    mixed = priority_mix(items, 0.1, 8, 4, seed=3)
+    assert mixed == priority_mix(items, 0.1, 8, 4, seed=3)
+    assert [w.arrival_s for w in mixed] == [w.arrival_s for w in items]
+    inter = [w for w in mixed if w.request_class == "interactive"]
+    assert len(inter) == 3 and all(
+        (w.prompt, w.prompt_len, w.output_len, w.priority) == (None, 8, 4, 0) for w in inter)
+    batch = [w for w in mixed if w.request_class == "batch"]
+    assert all(w.priority == 1 and w.prompt.startswith("p") for w in batch)
+    assert all(w.request_class == "" and w.priority is None for w in items)
+    assert priority_mix(items, 0.0, 8, 4) == [
+        dataclasses.replace(w, priority=1, request_class="batch") for w in items]
+
+
+def test_class_summary_percentiles():
+    recs = [RequestRecord(10, 4, success=True, ttft=t, latency=t + 1.0, output_tokens=4,
+                          request_class=c)
+            for t, c in ((0.1, "interactive"), (0.3, "interactive"), (2.0, "batch"))]
+    recs.append(RequestRecord(10, 4, success=False, request_class="batch"))
+    out = class_summary(recs, [50.0, 99.0])
+    assert set(out) == {"interactive", "batch"}
+    assert out["interactive"]["median_ttft_ms"] == pytest.approx(200.0)
+    assert out["interactive"]["p99_ttft_ms"] == pytest.approx(298.0)
+    assert out["interactive"]["mean_e2el_ms"] == pytest.approx(1200.0)
+    assert (out["batch"]["completed"], out["batch"]["failed"]) == (1, 1)
+    assert class_summary([RequestRecord(1, 1, success=True)]) == {}
