@@ -14,7 +14,9 @@ each with `--max-num-seqs` (default 16) so that requests queue at this load, as 
 any server past its batch limit. The traffic (seeded, identical for every row): `--num-prompts`
 requests at `--request-rate` req/s (Poisson), a `--interactive-fraction` (10%) of them
 interactive (`--interactive-input-len` / `--interactive-output-len` tokens, priority 0), the rest
-batch (random, `--batch-input-len` / `--batch-output-len`, priority 1), EOS ignored, greedy.
+batch (random, `--batch-input-len` / `--batch-output-len`, each length uniform within
+`--batch-range-ratio` of it, so that shortest-first has lengths to order; priority 1), EOS
+ignored, greedy.
 Under fcfs every request is sent at priority 0 (a server under fcfs refuses others: vLLM's
 rule, and pipellm's); pipellm-predicted gets fcfs's bodies too, so its row measures the length
 policy alone (experiment 2), while the priority rows get the 0/1 mix (experiment 1).
@@ -25,7 +27,7 @@ tok/s ratio (wanted >= 0.9), mean / p50 E2EL cut (predicted); and pipellm-priori
 vllm-priority: vLLM's interactive p99 TTFT / pipellm's (wanted > 1). One round, small counts
 (about 12 minutes on 2 cores: vLLM starts in ~85 s): indicative, not medians.
 
-    python -m bench.priority_cpu [--quick] [--servers pipellm-fcfs,...] [--request-rate 3]
+    python -m bench.priority_cpu [--quick] [--servers pipellm-fcfs,...] [--request-rate 4]
 
 pipellm-bench results and server logs go to `--results-dir`; the last line printed is one JSON
 object with the rows, the ratios and the targets.
@@ -75,12 +77,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--servers", type=_names, default=_names(DEFAULT_SERVERS),
       help=f"comma-separated, of {', '.join(SERVERS)} (default {DEFAULT_SERVERS})")
     a("--num-prompts", type=int, default=160)
-    a("--request-rate", type=float, default=3.0, help="req/s, Poisson (inf: all at once)")
+    a("--request-rate", type=float, default=4.0, help="req/s, Poisson (inf: all at once); "
+      "the default is past what either server serves here with 16 running (~2-3 req/s)")
     a("--interactive-fraction", type=float, default=0.1)
     a("--interactive-input-len", type=int, default=32)
     a("--interactive-output-len", type=int, default=32)
     a("--batch-input-len", type=int, default=256)
     a("--batch-output-len", type=int, default=128)
+    a("--batch-range-ratio", type=float, default=0.9, help="batch lengths uniform in "
+      "[L(1 - r), L(1 + r)] (pipellm-bench's --random-range-ratio)")
     a("--max-num-seqs", type=int, default=16, help="both servers' running-batch limit")
     a("--max-queue-delay-ms", type=float, default=None, help="pipellm-predicted's (default: "
       "pipellm's)")
@@ -132,7 +137,8 @@ def bench_argv(args: argparse.Namespace, name: str, port: int, out: Path) -> lis
     batch_priority = 1 if SERVERS[name][1] == "priority" else 0
     return [args.bench_bin, "--base-url", f"http://127.0.0.1:{port}", "--dataset-name",
             "random", "--random-input-len", str(args.batch_input_len), "--random-output-len",
-            str(args.batch_output_len), "--num-prompts", str(args.num_prompts),
+            str(args.batch_output_len), "--random-range-ratio", f"{args.batch_range_ratio:g}",
+            "--num-prompts", str(args.num_prompts),
             "--request-rate", f"{args.request_rate:g}",
             "--interactive-fraction", f"{args.interactive_fraction:g}",
             "--interactive-input-len", str(args.interactive_input_len),
@@ -294,7 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\none round; {args.num_prompts} requests at {args.request_rate:g} req/s (Poisson, "
           f"seed {args.seed}): {args.interactive_fraction:.0%} interactive "
           f"{args.interactive_input_len} in / {args.interactive_output_len} out (priority 0), "
-          f"the rest batch {args.batch_input_len} in / {args.batch_output_len} out (priority 1; "
+          f"the rest batch {args.batch_input_len} in / {args.batch_output_len} out (each "
+          f"+-{args.batch_range_ratio:.0%}, uniform; priority 1; "
           f"0 under fcfs and predicted); --max-num-seqs {args.max_num_seqs}; greedy, EOS "
           f"ignored; ISA {isa()}")
     print_report(rows, summary, args.commands)
@@ -304,6 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
                              interactive=[args.interactive_input_len,
                                           args.interactive_output_len],
                              batch=[args.batch_input_len, args.batch_output_len],
+                             batch_range_ratio=args.batch_range_ratio,
                              max_num_seqs=args.max_num_seqs, seed=args.seed),
                 rounds=1, quick=args.quick, seconds=round(time.monotonic() - t0),
                 results_dir=str(args.results_dir), isa=isa(), machine=machine(),

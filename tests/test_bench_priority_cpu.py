@@ -56,6 +56,7 @@ def test_server_and_bench_command_lines(tmp_path):
         assert parsed.batch_priority == (1 if name.endswith("priority") else 0)
         assert (parsed.interactive_fraction, parsed.num_prompts, parsed.seed) == (0.1, 160, 0)
         assert parsed.interactive_priority == 0 and parsed.ignore_eos
+        assert (parsed.random_range_ratio, parsed.request_rate) == (0.9, 4.0)
     same = {tuple(a for a in argv if a not in ("0", "1")) for argv in argvs.values()}
     assert len(same) == 1  # the same traffic everywhere but the priorities
     cli.parser().parse_args(priority_cpu.warmup_argv(args, 8001, out)[1:])
