@@ -98,7 +98,10 @@ class PoolingLines:
                 out[i] = APIError(400, str(e), param=_param(e.param, line))
             except Exception as e:  # a bug costs one line, as in the tokenizer service
                 out[i] = APIError(500, f"internal error in the tokenizer: {e}")
-        for _, result in core.run():
+        results = []
+        while core.has_work():  # a forward's worth of lines a run
+            results.extend(result for _, result in core.run())
+        for result in results:
             i = at[result.request_id]
             if result.error is not None:
                 out[i] = APIError(result.error_status or 500, result.error,

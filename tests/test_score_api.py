@@ -188,7 +188,7 @@ class FakeEngine:
 
 def test_embed_core_runs_classify_apart():
     engine = FakeEngine()
-    core = EmbedCore(engine)
+    core = EmbedCore(engine, budget=1000)
     ids = lambda *p: [array("i", x) for x in p]  # noqa: E731
     core.submit(EmbedRequest("a", "gw", ids([1, 2], [3]), task="classify"))
     core.submit(EmbedRequest("b", "gw", ids([5, 6, 7])))
