@@ -3,10 +3,11 @@
 // multiple of 64); then per (sequence, head, block of 16 queries), taken longest first from a
 // shared counter:
 //   S = Q K^T over the keys the block sees (64 at a time: C tiles 0-3, Q in tile 4, K in 5),
-//   each row's exact softmax in float32 (AVX-512) of its causal keys, P = e^(s - max) rounded
-//   to bf16 (as FlashAttention rounds it), zeros past the row's last key;
-//   O = P V (64 output dims at a time: C tiles 0-3, P in tile 6, V in 7), divided by the row's
-//   sum and rounded to bf16.
+//   each row's exact softmax in float32 (AVX-512) of its causal keys, P = e^(s - max) as two
+//   bf16 parts (its rounding and the rest: about 16 bits, where FlashAttention keeps 8), zeros
+//   past the row's last key;
+//   O = P V (64 output dims at a time: C tiles 0-3, P's parts in tiles 6 and 5, V in 7),
+//   divided by the row's sum and rounded to bf16.
 // Not an online softmax: a block's scores for every key it sees are held at once (16 rows of
 // float32 per thread), which a prompt's keys fit in.
 #include "prefill_attention.h"
@@ -87,7 +88,8 @@ void pack(const Args& a, int64_t s, int64_t g, bf16* kp, bf16* vp) {
 
 struct Scratch {
   std::vector<float> s;  // [16, width] scores
-  std::vector<bf16> p;   // [16, width] e^(s - max)
+  std::vector<bf16> p;   // [16, width] e^(s - max) rounded to bf16
+  std::vector<bf16> lo;  // [16, width] what that rounding left out, rounded to bf16
   std::vector<bf16> q;   // [16, D] the block's queries (zero rows past the last)
   std::vector<float> o;  // [16, 64] one pass of P V
   std::vector<float> sum;
@@ -124,8 +126,24 @@ V::F exp2(V::F x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// row r of p: e^(scale * (s - max)) over keys [0, seen), zeros over [seen, nk32); the sum
-float softmax_row(const float* s, bf16* p, int64_t seen, int64_t nk32, float scale) {
+V::F round_bf16(V::F v) {  // v rounded to bf16 (nearest even), as a float
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(~0xFFFF)));
+}
+
+// e as two bf16 parts at p and lo: e's rounding and the rest (together ~16 bits of e)
+void store_split(bf16* p, bf16* lo, V::F e) {
+  const V::F hi = round_bf16(e);
+  V::store(p, hi);
+  V::store(lo, V::sub(e, hi));
+}
+
+// row r of p and lo: e^(scale * (s - max)) over keys [0, seen) split in two bf16 parts, zeros
+// over [seen, nk32); the sum
+float softmax_row(const float* s, bf16* p, bf16* lo, int64_t seen, int64_t nk32,
+                  float scale) {
   const int64_t full = seen / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (seen - full)) - 1);
   V::F m = V::set1(-std::numeric_limits<float>::infinity());
@@ -137,30 +155,35 @@ float softmax_row(const float* s, bf16* p, int64_t seen, int64_t nk32, float sca
   for (int64_t j = 0; j < full; j += 16) {
     const V::F e = exp2(_mm512_fmsub_ps(V::loadf(s + j), sc, mx));
     acc = V::add(acc, e);
-    V::store(p + j, e);
+    store_split(p + j, lo + j, e);
   }
   if (tail) {
     const V::F e = _mm512_maskz_mov_ps(tail, exp2(_mm512_fmsub_ps(
         _mm512_maskz_loadu_ps(tail, s + full), sc, mx)));
     acc = V::add(acc, e);
-    V::store(p + full, e);
+    store_split(p + full, lo + full, e);
   }
-  for (int64_t j = full + (tail ? 16 : 0); j < nk32; j += 16) V::store(p + j, V::fzero());
+  for (int64_t j = full + (tail ? 16 : 0); j < nk32; j += 16) {
+    V::store(p + j, V::fzero());
+    V::store(lo + j, V::fzero());
+  }
   return V::sum(acc);
 }
 
 // out rows [0, m) of the block = (P V) / sum, 64 dims a pass
-void weighted(const bf16* p, const bf16* vp, int64_t D, int64_t nk32, int64_t width,
-              const float* sum, int64_t m, float* o, bf16* out, int64_t out_ts) {
+void weighted(const bf16* p, const bf16* lo, const bf16* vp, int64_t D, int64_t nk32,
+              int64_t width, const float* sum, int64_t m, float* o, bf16* out,
+              int64_t out_ts) {
   for (int64_t e = 0; e < D; e += 64) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t t = 0; t < nk32 / kStep; ++t) {
       _tile_loadd(6, p + t * kStep, width * sizeof(bf16));
+      _tile_loadd(5, lo + t * kStep, width * sizeof(bf16));
       const bf16* b = vp + (t * (D / 16) + e / 16) * kTile;
-      _tile_loadd(7, b, 64); _tile_dpbf16ps(0, 6, 7);
-      _tile_loadd(7, b + kTile, 64); _tile_dpbf16ps(1, 6, 7);
-      _tile_loadd(7, b + 2 * kTile, 64); _tile_dpbf16ps(2, 6, 7);
-      _tile_loadd(7, b + 3 * kTile, 64); _tile_dpbf16ps(3, 6, 7);
+      _tile_loadd(7, b, 64); _tile_dpbf16ps(0, 6, 7); _tile_dpbf16ps(0, 5, 7);
+      _tile_loadd(7, b + kTile, 64); _tile_dpbf16ps(1, 6, 7); _tile_dpbf16ps(1, 5, 7);
+      _tile_loadd(7, b + 2 * kTile, 64); _tile_dpbf16ps(2, 6, 7); _tile_dpbf16ps(2, 5, 7);
+      _tile_loadd(7, b + 3 * kTile, 64); _tile_dpbf16ps(3, 6, 7); _tile_dpbf16ps(3, 5, 7);
     }
     _tile_stored(0, o, 256); _tile_stored(1, o + 16, 256);
     _tile_stored(2, o + 32, 256); _tile_stored(3, o + 48, 256);
@@ -187,12 +210,18 @@ void block(const Args& a, int64_t s, int64_t h, int64_t i0, const bf16* kp, cons
   scores(w.q.data(), kp, D, nk64, w.s.data(), width);
   for (int64_t r = 0; r < kRows; ++r) {
     bf16* pr = w.p.data() + r * width;
-    if (r < m) w.sum[r] = softmax_row(w.s.data() + r * width, pr, prefix + i0 + r + 1, nk32,
-                                      a.scale);
-    else std::memset(pr, 0, nk32 * sizeof(bf16));
+    bf16* lr = w.lo.data() + r * width;
+    if (r < m) {
+      w.sum[r] = softmax_row(w.s.data() + r * width, pr, lr, prefix + i0 + r + 1, nk32,
+                             a.scale);
+    } else {
+      std::memset(pr, 0, nk32 * sizeof(bf16));
+      std::memset(lr, 0, nk32 * sizeof(bf16));
+    }
   }
   bf16* out = a.out + ((a.cu[s] + i0) * a.H + h) * D;
-  weighted(w.p.data(), vp, D, nk32, width, w.sum.data(), m, w.o.data(), out, a.H * D);
+  weighted(w.p.data(), w.lo.data(), vp, D, nk32, width, w.sum.data(), m, w.o.data(), out,
+           a.H * D);
 }
 
 // A unit of work: a (sequence, KV head) to pack or a (sequence, head, block) to attend; cost
@@ -243,8 +272,8 @@ void pipellm::prefill::run_amx(const Args& a) {
     if (w.s.empty()) {  // a thread's first block: its tiles and buffers
       configure_tiles();
       w = Scratch{std::vector<float>(kRows * widest), std::vector<bf16>(kRows * widest),
-                  std::vector<bf16>(kRows * a.D), std::vector<float>(kRows * 64),
-                  std::vector<float>(kRows)};
+                  std::vector<bf16>(kRows * widest), std::vector<bf16>(kRows * a.D),
+                  std::vector<float>(kRows * 64), std::vector<float>(kRows)};
     }
     const int64_t g = it.h / G;
     block(a, it.s, it.h, it.i0, kp.get() + at_of(it, g), vp.get() + at_of(it, g), w);
