@@ -25,7 +25,7 @@ Reported per row: interactive p50 / p99 TTFT, batch p50 TTFT, output tok/s, mean
 over all requests; against each server's own fcfs: interactive p99 TTFT x lower (wanted >= 5),
 tok/s ratio (wanted >= 0.9), mean / p50 E2EL cut (predicted); and pipellm-priority against
 vllm-priority: vLLM's interactive p99 TTFT / pipellm's (wanted > 1). One round, small counts
-(about 12 minutes on 2 cores: vLLM starts in ~85 s): indicative, not medians.
+(about 8 minutes on 2 cores: vLLM starts in ~70 s): indicative, not medians.
 
     python -m bench.priority_cpu [--quick] [--servers pipellm-fcfs,...] [--request-rate 4]
 
