@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -38,3 +39,14 @@ def machine() -> str:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
     return (f"{cpu}, {os.cpu_count()} cores, ISA {isa()}, torch {torch.__version__} "
             f"({torch.get_num_threads()} threads)")
+
+
+def median_ms(fn, reps: int) -> float:
+    """Median wall-clock ms of `reps` calls of fn() after one unmeasured call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +29,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/cpu_attention.py
 
 import torch  # noqa: E402
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, median_ms  # noqa: E402
 from kernels.cpu import extension, isa  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
@@ -52,13 +50,7 @@ def step_ms(ext, layers, q, starts, lens, reps: int) -> float:
     def step():
         for k, v in layers:
             ext.decode_attention(q, k, v, starts, lens, HEAD_DIM ** -0.5)
-    step()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t) * 1000)
-    return statistics.median(times)
+    return median_ms(step, reps)
 
 
 def make_layers(lens: list[int], dtype, n_layers: int, seed: int):

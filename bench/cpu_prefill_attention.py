@@ -18,7 +18,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +26,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/cpu_prefill_atte
 
 import torch  # noqa: E402
 
-from bench.common import machine  # noqa: E402
+from bench.common import machine, median_ms  # noqa: E402
 from kernels.cpu import extension, isa  # noqa: E402
 from kernels.prefill_attention import _prefill_attention_cpu, prefill_attention_reference  # noqa: E402
 
@@ -69,16 +68,6 @@ def make_case(lens: list[int], seed: int):
                for h in (HEADS, KV_HEADS, KV_HEADS))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     return q, k, v, cu, cu[:-1].clone(), torch.tensor(lens, dtype=torch.int32)
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -36,19 +36,10 @@ def ext():
     return module
 
 
-@pytest.fixture(params=["avx2", "avx512"])
-def row_level(ext, request):
-    """Each ISA level a row kernel has a variant for (silu_mul and bf16 RMSNorm: the portable
-    loop below AVX-512, activation_avx512.cpp / norm_avx512.cpp from it), chosen as the kernels'
-    level is: both on an AVX-512 CPU."""
-    from kernels.cpu import isa
-
-    if request.param not in isa.cpu_levels():
-        pytest.skip(f"this CPU does not run {request.param} ({isa.describe()})")
-    previous = ext.block_gemm_isa()
-    ext.set_block_gemm_isa(request.param)
-    yield request.param
-    ext.set_block_gemm_isa(previous)
+# the levels a row kernel has a variant for (silu_mul and bf16 RMSNorm: the portable loop below
+# AVX-512, activation_avx512.cpp / norm_avx512.cpp from it), through conftest's
+# block_gemm_level: both on an AVX-512 CPU
+ROW_LEVELS = pytest.mark.parametrize("block_gemm_level", ["avx2", "avx512"], indirect=True)
 
 
 def _rand(*shape, dtype=torch.float32, seed=0, scale=2.0):
@@ -89,7 +80,8 @@ def _close_int8(got, ref, max_off_by_one=0.01):
 @pytest.mark.parametrize("T", TS)
 @pytest.mark.parametrize("n", [576, 577])
 @pytest.mark.parametrize("strided", [False, True])
-def test_rms_norm_and_add(ext, row_level, dtype, T, n, strided):
+@ROW_LEVELS
+def test_rms_norm_and_add(ext, block_gemm_level, dtype, T, n, strided):
     x, res = _rand(T, n, dtype=dtype, seed=T), _rand(T, n, dtype=dtype, seed=T + 1, scale=1.0)
     w = (torch.rand(n, generator=torch.Generator().manual_seed(2)) + 0.25).to(dtype)
     if strided:
@@ -105,7 +97,8 @@ def test_rms_norm_and_add(ext, row_level, dtype, T, n, strided):
 
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
 @pytest.mark.parametrize("n", [576, 577])  # bf16: 576 takes the AVX-512 rows at that level
-def test_rms_norm_bit_exact_on_exact_sums(ext, row_level, dtype, n):
+@ROW_LEVELS
+def test_rms_norm_bit_exact_on_exact_sums(ext, block_gemm_level, dtype, n):
     x, res = _dyadic(37, n, dtype), _dyadic(37, n, dtype, seed=1) / 2
     w = _dyadic(1, n, dtype, seed=2)[0]
     assert torch.equal(ext.rms_norm(x, w, EPS), rms_norm_ref(x, w, EPS))
@@ -156,7 +149,8 @@ def test_quantize_int8_is_the_reference(ext, dtype, T):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", TS)
-def test_silu_mul(ext, row_level, dtype, T):
+@ROW_LEVELS
+def test_silu_mul(ext, block_gemm_level, dtype, T):
     gate_up = _rand(T, 2 * 769, dtype=dtype, seed=T, scale=3.0)  # I = 769, odd
     for x in (gate_up, _strided(gate_up)):
         out = ext.silu_mul(x)

@@ -21,13 +21,6 @@ namespace {
 using V = Avx512F;
 using bf16 = c10::BFloat16;
 
-V::F round_bf16(V::F v) {  // v rounded to bf16 (nearest even), as a float
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(~0xFFFF)));
-}
-
 // one row: h into buf (rounded), written to res_out with a residual; then the normed row
 void row(const bf16* x, const bf16* res, const bf16* w, bf16* out, bf16* res_out, int64_t n,
          float eps, float* buf) {
@@ -35,7 +28,7 @@ void row(const bf16* x, const bf16* res, const bf16* w, bf16* out, bf16* res_out
   for (int64_t i = 0; i < n; i += V::kLanes) {
     V::F h = V::load(x + i);
     if (res) {
-      h = round_bf16(V::add(V::load(res + i), h));
+      h = V::round_bf16(V::add(V::load(res + i), h));
       V::store(res_out + i, h);  // exact: h is a bf16 value already
     }
     V::store(buf + i, h);
@@ -43,7 +36,8 @@ void row(const bf16* x, const bf16* res, const bf16* w, bf16* out, bf16* res_out
   }
   const V::F rstd = V::set1(pipellm::ieee_rstd(V::sum(ss), static_cast<float>(n), eps));
   for (int64_t i = 0; i < n; i += V::kLanes)
-    V::store(out + i, V::mul(V::load(w + i), round_bf16(V::mul(V::loadf(buf + i), rstd))));
+    V::store(out + i,
+             V::mul(V::load(w + i), V::round_bf16(V::mul(V::loadf(buf + i), rstd))));
 }
 
 }  // namespace

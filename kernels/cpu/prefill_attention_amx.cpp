@@ -126,16 +126,9 @@ V::F exp2(V::F x) {
   return _mm512_scalef_ps(y, n);
 }
 
-V::F round_bf16(V::F v) {  // v rounded to bf16 (nearest even), as a float
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(~0xFFFF)));
-}
-
 // e as two bf16 parts at p and lo: e's rounding and the rest (together ~16 bits of e)
 void store_split(bf16* p, bf16* lo, V::F e) {
-  const V::F hi = round_bf16(e);
+  const V::F hi = V::round_bf16(e);
   V::store(p, hi);
   V::store(lo, V::sub(e, hi));
 }

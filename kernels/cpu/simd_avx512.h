@@ -26,11 +26,14 @@ struct Avx512F {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static void store(c10::BFloat16* p, F v) {  // rounded to nearest even (no NaN care)
+  static F round_bf16(F v) {  // v rounded to bf16 (nearest even, no NaN care), as a float
     const __m512i b = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16);
+    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(~0xFFFF)));
+  }
+  static void store(c10::BFloat16* p, F v) {  // round_bf16's value, its upper 16 bits
+    const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
   static void store(c10::Half* p, F v) {
