@@ -233,6 +233,10 @@ class EngineConfig:
                            "runs), avx2, avx512, avx512_vnni or amx (bf16 tiles for steps with "
                            "many rows); a lower level to test or compare it", group=MODEL)
     threads: int = setting(0, "torch CPU threads in compute; 0: one per core", group=MODEL)
+    tensor_parallel_size: int = setting(
+        1, "ranks (processes) one model is split across, Megatron-style (vLLM's flag): rank 0 "
+        "schedules and broadcasts each step, every rank runs its shard of the forward "
+        "(torch.distributed, gloo on CPU); with --threads, threads per rank", group=MODEL)
     backend: BackendName = setting(BackendName.TORCH, "torch (run the model) or sim (a modelled "
                                    "GPU, no weights)", group=MODEL)
     runner: RunnerName = setting(RunnerName.GENERATE, "generate (chat, completions, ...) or "
@@ -342,6 +346,7 @@ class EngineConfig:
             raise ValueError("--generation-config must be auto, vllm or a directory")
         parse_override(self.override_generation_config)  # a malformed one fails at start-up
         self._check_lora()
+        self._check_tensor_parallel()
 
     @property
     def pooling(self) -> bool:
@@ -379,6 +384,27 @@ class EngineConfig:
             if on:
                 raise ValueError(f"{flag} does not go with --runner pooling (embeddings run "
                                  "prefill only)")
+
+    def _check_tensor_parallel(self) -> None:
+        """What --tensor-parallel-size cannot run with fails at start-up (the model's shapes
+        are checked where it is read: services/compute/tp/shard.py)."""
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1")
+        if self.tensor_parallel_size == 1:
+            return
+        for flag, on in (("--backend sim", self.backend == BackendName.SIM),
+                         ("--device cuda", self.device.startswith("cuda")),
+                         ("--enable-lora", self.enable_lora),
+                         ("--runner pooling", self.pooling),
+                         ("a draft model", bool(self.scheduler.speculative
+                                                and self.scheduler.speculative.model))):
+            if on:
+                raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not "
+                                 f"go with {flag} yet (CPU ranks over gloo, dense weights)")
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} runs dense "
+                             f"weights only: --quantization {self.quantization} is not split "
+                             "yet (use none)")
 
     def _check_lora(self) -> None:
         """--lora-modules parsed and every adapter's rank read now: a bad one fails at

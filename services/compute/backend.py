@@ -47,7 +47,16 @@ def make_runner(config: EngineConfig):
         return SimRunner(config, mc, context)
     from services.compute.runner import ModelRunner
 
-    return ModelRunner(config, mc, context)
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, mc, context)
+    from services.compute.tp.group import start
+
+    ranks = start(config, mc, context)  # spawns ranks 1..N-1, each building its ModelRunner
+    try:
+        return ModelRunner(config, mc, context, ranks)
+    except BaseException:
+        ranks.abort()
+        raise
 
 
 def build_engine(config: EngineConfig, length_stores=None):

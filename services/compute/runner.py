@@ -61,16 +61,21 @@ def resolve_dtype(name: str, model_config: ModelConfig, model: str,
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 ranks=None):
+        """`ranks`: this process's tp.group.Ranks with --tensor-parallel-size over 1 (its
+        shard of the weights and of the KV heads; rank 0 broadcasts each step), else None."""
         self.model_config, self.max_model_len = model_config, max_model_len
-        _configure_torch(config)
+        self.ranks = ranks
+        _configure_torch(config, ranks)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, config.model, self.device)
         self.quant, self.model = _load_model(config, model_config, self.device, self.dtype,
-                                             max_model_len)
+                                             max_model_len, ranks)
         draft, draft_kv = _draft_model(config, model_config, self.device, self.dtype,
                                        max_model_len)
-        kv_shape = _kv_shape(config.kv_cache_dtype, model_config, self.dtype, self.device)
+        # self.model.cfg: a tensor-parallel rank's has its share of the KV heads
+        kv_shape = _kv_shape(config.kv_cache_dtype, self.model.cfg, self.dtype, self.device)
         # a slot holds the target's K/V and, with a draft model, the draft's
         self.kv_bytes_per_token = sum(KVCache.bytes_per_token(**s) for s in (kv_shape, draft_kv)
                                       if s is not None)
@@ -78,6 +83,8 @@ class ModelRunner:
         self.probe_every = config.length_refine_every
         self.summary = {}  # what start-up reports (published with the engine stats)
         self.capacity = self._kv_capacity(config, kv_shape)
+        if ranks is not None:
+            self.capacity = ranks.agree(self.capacity)
         self.kv, self.graphs = self._kv_cache_and_graphs(config, kv_shape)
         self.drafter = None if draft is None else Drafter(draft, KVCache(
             capacity=self.kv.k.shape[1], device=self.device, **draft_kv), self.device)
@@ -138,6 +145,10 @@ class ModelRunner:
         # the grammars' bitmask, filled while the forward runs
         mask = start_mask(sampled, {it.seq: it.drafts for it in step.of(Work.VERIFY)})
         batch = build_batch(step, self.device, prev, self.model.lora_slots)
+        if self.ranks is not None:  # the other ranks run the same forward (tp/step.py)
+            from services.compute.tp.step import StepInputs, broadcast
+
+            broadcast(StepInputs.of(step.moves, batch))
         out = InFlight(step)
         if self.drafter is not None:  # its tokens into the verify rows, then the target's
             out.drafts = self.drafter.propose(step, batch)
@@ -159,6 +170,19 @@ class ModelRunner:
                                                        offsets)
         return out.seal()
 
+    @torch.inference_mode()
+    def forward_step(self, inputs) -> None:
+        """A tensor-parallel rank but 0: run the step rank 0 broadcast (tp/step.StepInputs),
+        its KV moves and its forward (whose logits rank 0 gathers)."""
+        for src, dst, n in inputs.moves:
+            self.kv.move(src, dst, n)
+        self.model.forward_hidden(inputs.batch, self.kv)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0; nothing to do without them)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
     def _probe(self, out: InFlight, hidden: torch.Tensor, step: ScheduledStep) -> None:
         """The probes [C, r] of the sampled rows that are length checkpoints (launched
         before Scheduler.advance: a row's token goes at index len(seq.token_ids); of a
@@ -170,22 +194,29 @@ class ModelRunner:
             out.probes = hidden[rows].float() @ self.probe
 
 
-def _configure_torch(config: EngineConfig) -> None:
+def _configure_torch(config: EngineConfig, ranks=None) -> None:
     """The kernels' backend (--kernels), their ISA level on a CPU (--cpu-isa) and torch's CPU
-    threads (--threads)."""
+    threads (--threads; a tensor-parallel rank's default: its share of the cores)."""
     set_backend(config.kernels)
     set_isa(config.cpu_isa)
     if config.threads > 0:  # on a small CPU, leave cores to the other services
         torch.set_num_threads(config.threads)
+    elif ranks is not None:
+        torch.set_num_threads(max(1, torch.get_num_threads() // ranks.shard.size))
 
 
 def _load_model(config: EngineConfig, model_config: ModelConfig, device: torch.device,
-                dtype: torch.dtype, max_model_len: int
+                dtype: torch.dtype, max_model_len: int, ranks=None
                 ) -> tuple[quantization.Quantization, LlamaModel]:
     """The quantization method (--quantization) and the model, its weights loaded for it,
-    with the --lora-modules adapters beside them."""
+    with the --lora-modules adapters beside them; a tensor-parallel rank's shard of it."""
     quant = quantization.resolve(config.quantization, config.model, device, dtype,
                                  config.int4_group_size)
+    if ranks is not None:
+        from services.compute.tp.model import load_parallel
+
+        return quant, load_parallel(config, model_config, device, dtype, quant, max_model_len,
+                                    ranks)
     weights = load_weights(config.model, dtype, device, keep_int4=quant.keeps_gguf_blocks)
     if config.pooling:  # a yes/no reranker's score rows, taken from its LM head
         yes_no_rows(ScoringConfig.from_dir(config.model, config.hf_overrides, config.convert),

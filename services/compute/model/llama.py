@@ -136,7 +136,7 @@ class LlamaModel:
         hidden states of `rows` (None: every row): [len(rows) or T, hidden]. `trim`: the last
         layer's MLP runs on `rows` alone (what follows its attention works row by row; not
         with LoRA, whose adapter rows index the whole step)."""
-        h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        h = self._embed_tokens(batch.input_ids)  # [T, hidden]
         if self.embed_scale is not None:
             h = h * self.embed_scale
         residual = None  # the residual stream; h is what gets added to it next
@@ -153,6 +153,11 @@ class LlamaModel:
         if rows is not None:
             h, residual = h[rows], residual[rows]
         return self._norm(h, residual, self.norm)[0]
+
+    def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of token ids [T]: [T, hidden] (a tensor-parallel rank's are
+        gathered across ranks: services/compute/tp/model.py)."""
+        return F.embedding(ids, self.embed)
 
     def weight_bytes(self) -> int:
         """Bytes the weights take as served (embedding, norms, projections, experts, LM

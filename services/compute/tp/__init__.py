@@ -1,0 +1,13 @@
+"""Tensor parallelism (`--tensor-parallel-size N`): one model split across N ranks, Megatron-style.
+
+    group.py   the ranks: rank 0 (the engine's process) spawns 1..N-1 and they join one
+               torch.distributed group (gloo on CPU)
+    step.py    what rank 0 broadcasts each step (StepInputs: KV moves and the ForwardBatch)
+    shard.py   which slice of each weight a rank holds; the shapes N must divide
+    layers.py  the layers that cross ranks: row-parallel o/down, vocab-parallel embedding,
+               the LM head gathered on rank 0
+    model.py   a rank's decoder (LlamaModel over its shard)
+    worker.py  ranks 1..N-1: join, build, run each broadcast step's forward
+
+With N = 1 none of this is imported (services/compute/runner.py).
+"""

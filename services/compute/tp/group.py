@@ -1,0 +1,158 @@
+"""The tensor-parallel group on one machine: rank 0 is the process that builds the engine (it
+runs the scheduler and the sampling); it starts ranks 1..n-1 as child processes
+(`python -m services.compute.tp.worker`, their arguments pickled on stdin: no re-import of the
+caller's main module, as multiprocessing's spawn would), which run the forward only and die
+with rank 0 (PR_SET_PDEATHSIG). All n join torch.distributed's default process group
+(gloo) through a TCPStore rank 0 serves on a free local port.
+
+Lifetime: rank 0's `Ranks.close()` (at the latest at interpreter exit) tells the others to stop
+and ends the group. A rank that dies breaks its peers' next collective (gloo sees the closed
+connection): a worker exits, rank 0's step raises.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from services.compute.tp.shard import Shard, check
+from services.compute.tp.step import broadcast
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+# a collective's timeout: the other ranks wait in a broadcast for as long as rank 0 is idle
+TIMEOUT = timedelta(days=7)
+START_TIMEOUT_S = 300.0  # for the spawned ranks to reach the store
+
+
+@dataclasses.dataclass
+class Ranks:
+    """This process's place in the group (torch.distributed's default group, joined): its
+    shard and, on rank 0, the other ranks' processes."""
+
+    shard: Shard
+    procs: list = dataclasses.field(default_factory=list)
+
+    @property
+    def leader(self) -> bool:
+        """Whether this is rank 0 (it schedules, broadcasts the steps and samples)."""
+        return self.shard.rank == 0
+
+    def agree(self, capacity: int) -> int:
+        """The KV slots every rank has room for: the least of each rank's `capacity` (the
+        allocator, rank 0's, hands out slots every rank holds)."""
+        t = torch.tensor([capacity], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def close(self) -> None:
+        """Rank 0: stop the other ranks, wait for them and end the group (once)."""
+        if not self.leader or not dist.is_initialized():
+            return
+        atexit.unregister(self.close)
+        try:
+            broadcast(None)
+        except RuntimeError as e:  # a rank already gone
+            log.warning("tensor-parallel ranks did not all stop cleanly: %s", e)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """Rank 0, its start-up failed: end the other ranks (wherever they are) and the
+        group."""
+        atexit.unregister(self.close)
+        for p in self.procs:
+            p.terminate()
+            p.wait(timeout=30)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start(config, model_config, max_model_len: int) -> Ranks:
+    """Rank 0's start-up: spawn ranks 1..n-1 (each building its ModelRunner from the same
+    arguments) and join the group with them. RuntimeError if a rank dies before joining or a
+    group already runs in this process."""
+    size = config.tensor_parallel_size
+    _refuse(config, model_config)
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel group already runs in this process (one engine "
+                           "with --tensor-parallel-size at a time: close the other's runner)")
+    store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    procs = [_spawn((config, model_config, max_model_len, rank, store.port))
+             for rank in range(1, size)]
+    _wait_started(store, procs)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=size, timeout=TIMEOUT)
+    ranks = Ranks(Shard(0, size), procs)
+    atexit.register(ranks.close)
+    return ranks
+
+
+def join(rank: int, size: int, port: int) -> Ranks:
+    """A spawned rank's start-up: join rank 0's group."""
+    store = dist.TCPStore(HOST, port, size, is_master=False, timeout=TIMEOUT)
+    store.set(f"started/{rank}", "1")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=TIMEOUT)
+    return Ranks(Shard(rank, size))
+
+
+def _refuse(config, model_config) -> None:
+    """ValueError, one line, before any rank starts, where the group cannot run this model:
+    shapes `size` does not divide (shard.check), a device other than the CPU, weights that
+    are not dense (a Q4 GGUF file's blocks kept under --quantization auto)."""
+    from services.compute.model.quantization import gguf_int4
+    from services.compute.runner import resolve_device
+
+    size = config.tensor_parallel_size
+    check(model_config, size)
+    device = resolve_device(config.device)
+    if device.type != "cpu":
+        raise ValueError(f"--tensor-parallel-size {size} runs on the CPU (gloo) only for now, "
+                         f"not on {device}")
+    if config.quantization == "auto" and gguf_int4(config.model):
+        raise ValueError(f"--tensor-parallel-size {size} runs dense weights only: this GGUF "
+                         "file's Q4 blocks are not split yet (use --quantization none)")
+
+
+def _spawn(args: tuple) -> subprocess.Popen:
+    """A rank's process: worker.main(*args), `args` pickled on its stdin."""
+    from services.supervisor import _die_with_parent
+
+    root = str(Path(__file__).resolve().parents[3])  # the repository: the same code
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "services.compute.tp.worker"],
+                            stdin=subprocess.PIPE, env=env, preexec_fn=_die_with_parent)
+    proc.stdin.write(pickle.dumps(args))
+    proc.stdin.close()
+    return proc
+
+
+def _wait_started(store: dist.TCPStore, procs: list) -> None:
+    """Wait until every spawned rank has reached the store; RuntimeError naming the first
+    that exited before (its own error is on its stderr) or on START_TIMEOUT_S."""
+    keys = [f"started/{rank}" for rank in range(1, len(procs) + 1)]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not store.check(keys):
+        for rank, p in enumerate(procs, 1):
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code "
+                                   f"{p.returncode} before joining the group")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not start in {START_TIMEOUT_S} s")
+        time.sleep(0.05)

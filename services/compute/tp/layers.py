@@ -1,0 +1,70 @@
+"""The layers whose result is whole only across the tensor-parallel group (torch.distributed's
+default group, which every rank joins in `group.py`): each one's collective runs on every rank,
+in the same order, for every step (the step's shapes are the same everywhere: `step.py`).
+
+- `RowParallel`: o and down, whose input is this rank's slice of the features; the partial
+  products are summed (one all-reduce) into the whole output on every rank.
+- `VocabEmbedding`: the rank's vocabulary rows; a token outside them looks up zeros, and the
+  all-reduce sums each token's one non-zero row (exact: the other terms are zeros).
+- `GatheredHead`: the rank's vocabulary rows of the LM head; the logits are gathered on rank 0,
+  which samples (the other ranks' results are their own slice, and unused).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class RowParallel:
+    """A linear layer over this rank's input features, its output all-reduced: called and
+    sized as the layer it wraps (x [T, in / n] -> [T, out], whole on every rank)."""
+
+    def __init__(self, linear):
+        self.linear = linear
+
+    def __call__(self, x) -> torch.Tensor:
+        out = self.linear(x)
+        dist.all_reduce(out)
+        return out
+
+    def nbytes(self) -> int:
+        return self.linear.nbytes()
+
+
+class VocabEmbedding:
+    """ids [T] -> [T, hidden] rows of a vocabulary split across ranks; `weight`: this rank's
+    rows [V', hidden] (ids [start, start + V'))."""
+
+    def __init__(self, weight: torch.Tensor, start: int):
+        self.weight, self.start = weight, start
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        h = F.embedding(torch.where(mine, local, 0), self.weight)
+        h.masked_fill_(~mine.unsqueeze(-1), 0)
+        dist.all_reduce(h)
+        return h
+
+
+class GatheredHead:
+    """The LM head over this rank's vocabulary rows (`head`: a linear layer [V', hidden]):
+    x [S, hidden] -> on rank 0 the whole logits [S, vocab] (the ranks' slices in rank order,
+    padding dropped); on the others their own slice [S, V']."""
+
+    def __init__(self, head, vocab: int):
+        self.head, self.vocab = head, vocab
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.head(x)
+        if x.shape[0] == 0:  # no row to score: the same on every rank (one broadcast batch)
+            return local.new_zeros(0, self.vocab) if self.rank == 0 else local
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(local.contiguous(), parts, dst=0)
+        return torch.cat(parts, dim=-1)[:, : self.vocab] if self.rank == 0 else local
+
+    def nbytes(self) -> int:
+        return self.head.nbytes()

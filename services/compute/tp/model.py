@@ -1,0 +1,53 @@
+"""One tensor-parallel rank's decoder: `LlamaModel` over the rank's shard of the weights
+(`shard.py`), with its config's heads, KV heads and intermediate size those of the shard, and
+the layers that cross ranks (`layers.py`) in place of o, down, the embedding and the LM head.
+
+Everything else in the forward runs as on one process: the attention of the rank's heads over
+its own KV cache (the same slots on every rank, its heads only), the norms and the residual
+stream, which are whole and identical on every rank after each all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.compute.model.llama import LlamaModel
+from services.compute.model.quantization import Quantization
+from services.compute.model.weights import load_weights
+from services.compute.tp.layers import GatheredHead, RowParallel, VocabEmbedding
+from services.compute.tp.shard import Shard, local_config, shard_weights
+from shared.model_config import ModelConfig
+
+
+class ParallelLlama(LlamaModel):
+    """`LlamaModel` of rank `shard.rank`: built from the whole checkpoint's `weights`
+    (sliced here); `forward` returns the whole logits on rank 0 only."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 device: torch.device, max_positions: int, quant: Quantization, shard: Shard):
+        vocab = weights["model.embed_tokens.weight"].shape[0]
+        head = weights.get("lm_head.weight")
+        head_vocab = vocab if head is None else head.shape[0]
+        super().__init__(local_config(cfg, shard.size), shard_weights(cfg, weights, shard),
+                         device, max_positions, quant)
+        self.full_config = cfg
+        self.vocab_embed = VocabEmbedding(self.embed, shard.vocab_rows(vocab)[0])
+        if self.lm_head is not None:
+            self.lm_head = GatheredHead(self.lm_head, head_vocab)
+        for layer in self.layers:
+            layer.o, layer.down = RowParallel(layer.o), RowParallel(layer.down)
+
+    def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.vocab_embed(ids)
+
+
+def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                  quant: Quantization, max_positions: int, ranks) -> ParallelLlama:
+    """Rank `ranks.shard.rank`'s model: the checkpoint read whole, its shard kept. ValueError
+    (one line) for weights other than dense (`--quantization none`), not split yet."""
+    if quant.name != "none":
+        raise ValueError(f"--tensor-parallel-size {ranks.shard.size} runs dense weights only: "
+                         f"the model's weights resolve to --quantization {quant.name} (use "
+                         "none)")
+    weights = load_weights(config.model, dtype, device)
+    return ParallelLlama(model_config, weights, device, max_positions, quant, ranks.shard)

@@ -1,0 +1,39 @@
+"""What rank 0 broadcasts to the other tensor-parallel ranks each step, and how.
+
+One message per step, `StepInputs`, sent with `torch.distributed.broadcast_object_list` (its
+pickle of the dataclass: the batch's few int tensors and ints), before rank 0 runs the step's
+forward; `None` tells the other ranks to stop. Invariant: every rank applies the same KV moves
+and runs the forward on the same batch, so that the collectives inside it (`layers.py`) match
+one to one and each rank's KV cache holds its heads of the same slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from services.compute.core.batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's inputs to the forward: the KV moves (src, dst, n) the allocator decided, in
+    order, and the ForwardBatch rank 0 built (input ids resolved; without the prompt spans,
+    which only rank 0's sampling reads, and LoRA groups, which tensor parallelism refuses)."""
+
+    moves: list[tuple[int, int, int]]
+    batch: ForwardBatch
+
+    @classmethod
+    def of(cls, moves: list[tuple[int, int, int]], batch: ForwardBatch) -> StepInputs:
+        return cls(list(moves), dataclasses.replace(batch, prompt_spans=[], lora=None))
+
+
+def broadcast(inputs: StepInputs | None) -> StepInputs | None:
+    """Rank 0: send `inputs` (None: stop) to the other ranks; they call it with None and get
+    what rank 0 sent. Blocks until every rank has called it."""
+    box = [inputs]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

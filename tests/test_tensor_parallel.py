@@ -1,0 +1,169 @@
+"""Tensor parallelism (`--tensor-parallel-size 2`, services/compute/tp/): two ranks over gloo on
+the CPU, one thread each, through `LLMEngine`, against the same engine on one rank: greedy tokens
+identical, generated and prompt logprobs within 1e-4 (float32), through chunked prefill, prefix
+caching, KV moves and preemption, and an INT8 KV cache; a vocabulary two ranks do not divide
+(the last shard padded); and the shapes and settings it refuses, each with one line."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.compute.backend import build_engine
+from shared.config import EngineConfig
+from shared.sampling import SamplingParams
+from shared.settings import with_settings
+from tests.hf_models import build_hf_model
+
+TOL = 1e-4
+MODELS = {  # build_hf_model's arch and config overrides
+    "llama": ("llama", {}),
+    "qwen3": ("qwen3", {}),  # q/k norms, head_dim 32 != hidden / heads
+    "gemma3": ("gemma3", {"num_hidden_layers": 3}),  # sliding layers, sandwich norms, scaled
+    "llama-odd-vocab": ("llama", {"vocab_size": 509}),  # 255 rows a rank, the last one padded
+    "qwen2-tied": ("qwen2", {}),  # tied embeddings (the head is the embedding's shard), biases
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """`model_dir(name)`: the tiny random model MODELS[name], saved once per module."""
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            arch, kw = MODELS[name]
+            made[name] = tmp_path_factory.mktemp(name)
+            build_hf_model(made[name], arch, **kw)
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _keep_torch_threads():
+    """The engines here set this process's torch threads to 1; the next module gets its own."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def engine(path, tp: int, **kw):
+    """LLMEngine on `tp` ranks, float32, one thread a rank, steps of 16 tokens (prompts over
+    16 are prefilled in chunks)."""
+    base = dict(model=str(path), device="cpu", dtype="float32", threads=1, quantization="none",
+                kv_cache_tokens=2048, max_batched_tokens=16, max_running=8,
+                tensor_parallel_size=tp)
+    return build_engine(with_settings(EngineConfig(), **base | kw))
+
+
+def generate(eng, prompts, params):
+    """[(output ids, their logprobs, prompt logprobs)] of each prompt, run to completion."""
+    return [(s.output_ids, s.logprobs, s.prompt_logprobs)
+            for s in eng.generate(prompts, params)]
+
+
+def on_both(path, run, **kw):
+    """`run(engine)` on one rank, then on two (closed after: its ranks stop)."""
+    one = run(engine(path, 1, **kw))
+    eng = engine(path, 2, **kw)
+    try:
+        two = run(eng)
+    finally:
+        eng.runner.close()
+    assert all(p.returncode == 0 for p in eng.runner.ranks.procs)  # stopped cleanly
+    return one, two
+
+
+def assert_same(one, two):
+    """Greedy tokens identical, every logprob within TOL."""
+    assert [ids for ids, _, _ in two] == [ids for ids, _, _ in one]
+    for (_, lp1, pl1), (_, lp2, pl2) in zip(one, two, strict=True):
+        pairs = zip(lp1 + pl1, lp2 + pl2, strict=True)
+        assert max((abs(a - b) for a, b in pairs), default=0) < TOL
+
+
+PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for i in range(5 + 11 * j)] for j in range(4)]  # 5..38
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_two_ranks_match_one(model_dir, name):
+    """Chunked prefill (prompts up to 38 tokens, steps of 16), decodes merged with prefills,
+    generated and prompt logprobs (both through the gathered LM head)."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
+                            prompt_logprobs=0)
+    one, two = on_both(model_dir(name), lambda e: generate(e, PROMPTS, params))
+    assert_same(one, two)
+    assert all(len(pl) == len(p) - 1 for (_, _, pl), p in zip(two, PROMPTS, strict=True))
+
+
+def test_int8_kv_cache_matches_one_rank(model_dir):
+    """Each rank quantizes its own heads' K/V: the groups of 8 lie within a head."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
+    one, two = on_both(model_dir("llama"), lambda e: generate(e, PROMPTS, params),
+                       kv_cache_dtype="int8")
+    assert_same(one, two)
+
+
+SYSTEM = [1] + [(13 * j) % 400 + 5 for j in range(40)]  # a shared system prompt
+
+
+def conversations(eng, rounds: int = 3, chats: int = 5):
+    """`chats` multi-turn conversations behind SYSTEM, side by side; their outputs, and the
+    engine's stats at the end."""
+    rng = random.Random(0)
+    prompts = [SYSTEM + [rng.randrange(3, 500) for _ in range(rng.randint(2, 12))]
+               for _ in range(chats)]
+    out = []
+    for r in range(rounds):
+        params = [SamplingParams(max_tokens=6 + (r + c) % 5, temperature=0, ignore_eos=True,
+                                 logprobs=True) for c in range(chats)]
+        seqs = eng.generate(prompts, params)
+        out += [(s.output_ids, s.logprobs, []) for s in seqs]
+        prompts = [p + s.output_ids + [rng.randrange(3, 500) for _ in range(3)]
+                   for p, s in zip(prompts, seqs, strict=True)]
+    return out, eng.stats()
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_prefix_caching_moves_and_preemption_match_one_rank(model_dir, overlap):
+    """A tight cache: hits copy cached K/V (moves every rank applies to its own heads),
+    segments move and requests are preempted, as rank 0's allocator decides; with the overlap
+    schedule, a step's input ids sampled by the step before are resolved on rank 0."""
+    (one, _), (two, stats) = on_both(
+        model_dir("llama"), conversations, enable_prefix_caching=True, kv_cache_tokens=300,
+        default_predicted_len=2, kv_min_grow=2, overlap_schedule=overlap)
+    assert_same(one, two)
+    assert stats.prefix_hits > 0 and stats.moves > 0 and stats.preemptions > 0
+
+
+@pytest.mark.parametrize(("overrides", "size", "message"), [
+    ({"num_key_value_heads": 1}, 2, "does not divide the model's 1 KV heads"),
+    ({}, 3, "does not divide the model's 4 attention heads"),
+    ({"intermediate_size": 129}, 2, "does not divide the model's 129 intermediate size"),
+])
+def test_shapes_it_does_not_divide_are_refused(tmp_path, overrides, size, message):
+    build_hf_model(tmp_path, "llama", **({"num_attention_heads": 4} | overrides))
+    with pytest.raises(ValueError, match=message) as e:
+        engine(tmp_path, size)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"quantization": "int4"}, "dense weights only: --quantization int4"),
+    ({"device": "cuda"}, "does not go with --device cuda"),
+    ({"enable_lora": True}, "does not go with --enable-lora"),
+    ({"tensor_parallel_size": 0}, "must be at least 1"),
+])
+def test_settings_it_cannot_run_are_refused(setting, message):
+    with pytest.raises(ValueError, match=message) as e:
+        with_settings(EngineConfig(), **{"tensor_parallel_size": 2} | setting)
+    assert "\n" not in str(e.value)
+
+
+def test_mixture_of_experts_is_refused(tmp_path):
+    build_hf_model(tmp_path, "qwen3_moe")
+    with pytest.raises(ValueError, match="mixture-of-experts models are not split yet"):
+        engine(tmp_path, 2)
