@@ -2,7 +2,8 @@
 the CPU, one thread each, through `LLMEngine`, against the same engine on one rank: greedy tokens
 identical, generated and prompt logprobs within 1e-4 (float32), through chunked prefill, prefix
 caching, KV moves and preemption, and an INT8 KV cache; a vocabulary two ranks do not divide
-(the last shard padded); and the shapes and settings it refuses, each with one line."""
+(the last shard padded); a dead rank; and the shapes and settings it refuses, each with one
+line. Served: tests/test_tensor_parallel_e2e.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import random
 import pytest
 import torch
 
-from services.compute.backend import build_engine
+from services.compute.backend import build_engine, resolve
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
 from shared.settings import with_settings
@@ -19,11 +20,11 @@ from tests.hf_models import build_hf_model
 
 TOL = 1e-4
 MODELS = {  # build_hf_model's arch and config overrides
-    "llama": ("llama", {}),
-    "qwen3": ("qwen3", {}),  # q/k norms, head_dim 32 != hidden / heads
+    "llama": ("llama", {"vocab_size": 509}),  # 255 vocabulary rows a rank, the last padded
+    # q/k norms, head_dim 32 != hidden / heads; tied embeddings (the head is the embedding's
+    # shard) and q/k/v biases (split with their rows)
+    "qwen3": ("qwen3", {"tie_word_embeddings": True, "attention_bias": True}),
     "gemma3": ("gemma3", {"num_hidden_layers": 3}),  # sliding layers, sandwich norms, scaled
-    "llama-odd-vocab": ("llama", {"vocab_size": 509}),  # 255 rows a rank, the last one padded
-    "qwen2-tied": ("qwen2", {}),  # tied embeddings (the head is the embedding's shard), biases
 }
 
 
@@ -127,14 +128,13 @@ def conversations(eng, rounds: int = 3, chats: int = 5):
     return out, eng.stats()
 
 
-@pytest.mark.parametrize("overlap", ["off", "on"])
-def test_prefix_caching_moves_and_preemption_match_one_rank(model_dir, overlap):
+def test_prefix_caching_moves_and_preemption_match_one_rank(model_dir):
     """A tight cache: hits copy cached K/V (moves every rank applies to its own heads),
-    segments move and requests are preempted, as rank 0's allocator decides; with the overlap
-    schedule, a step's input ids sampled by the step before are resolved on rank 0."""
+    segments move and requests are preempted, as rank 0's allocator decides; under the overlap
+    schedule, so that a step's input ids sampled by the step before are resolved on rank 0."""
     (one, _), (two, stats) = on_both(
         model_dir("llama"), conversations, enable_prefix_caching=True, kv_cache_tokens=300,
-        default_predicted_len=2, kv_min_grow=2, overlap_schedule=overlap)
+        default_predicted_len=2, kv_min_grow=2, overlap_schedule="on")
     assert_same(one, two)
     assert stats.prefix_hits > 0 and stats.moves > 0 and stats.preemptions > 0
 
@@ -145,10 +145,13 @@ def test_prefix_caching_moves_and_preemption_match_one_rank(model_dir, overlap):
     ({"intermediate_size": 129}, 2, "does not divide the model's 129 intermediate size"),
 ])
 def test_shapes_it_does_not_divide_are_refused(tmp_path, overrides, size, message):
+    """By the engine, and by `pipellm serve` before any service starts (backend.resolve)."""
     build_hf_model(tmp_path, "llama", **({"num_attention_heads": 4} | overrides))
     with pytest.raises(ValueError, match=message) as e:
         engine(tmp_path, size)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=message):
+        resolve(with_settings(EngineConfig(), model=str(tmp_path), tensor_parallel_size=size))
 
 
 @pytest.mark.parametrize(("setting", "message"), [
@@ -167,3 +170,19 @@ def test_mixture_of_experts_is_refused(tmp_path):
     build_hf_model(tmp_path, "qwen3_moe")
     with pytest.raises(ValueError, match="mixture-of-experts models are not split yet"):
         engine(tmp_path, 2)
+
+
+def test_a_dead_rank_fails_the_next_step_at_once(model_dir):
+    """gloo sees the closed connection: the step raises, it does not hang; close still ends
+    the group (a later engine may start one)."""
+    eng = engine(model_dir("llama"), 2)
+    rank1 = eng.runner.ranks.procs[0]
+    rank1.kill()
+    rank1.wait()
+    try:
+        with pytest.raises(RuntimeError, match="Connection (closed|reset) by peer"):
+            eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+    finally:
+        eng.runner.close()
+    assert not torch.distributed.is_initialized()
+

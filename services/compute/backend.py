@@ -32,10 +32,16 @@ def served_model(config: EngineConfig) -> tuple[ModelConfig, int]:
 def resolve(config: EngineConfig) -> EngineConfig:
     """`config` with --max-model-len resolved to the served context length, once at start-up,
     so that every service (gateway, tokenizers, compute) enforces the same number; a bad
-    --sim-* value fails here (ValueError), not in a restarting child."""
+    --sim-* value, or a --tensor-parallel-size the model cannot be split by, fails here
+    (ValueError), not in a restarting child."""
     if config.backend == BackendName.SIM:
         sim.check_config(config)
-    return dataclasses.replace(config, max_model_len=served_model(config)[1])
+    mc, context = served_model(config)
+    if config.tensor_parallel_size > 1:  # shapes it cannot split, weights it cannot run
+        from services.compute.tp.group import refuse
+
+        refuse(config, mc)
+    return dataclasses.replace(config, max_model_len=context)
 
 
 def make_runner(config: EngineConfig):

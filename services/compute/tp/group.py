@@ -89,7 +89,7 @@ def start(config, model_config, max_model_len: int) -> Ranks:
     arguments) and join the group with them. RuntimeError if a rank dies before joining or a
     group already runs in this process."""
     size = config.tensor_parallel_size
-    _refuse(config, model_config)
+    refuse(config, model_config)
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel group already runs in this process (one engine "
                            "with --tensor-parallel-size at a time: close the other's runner)")
@@ -111,7 +111,7 @@ def join(rank: int, size: int, port: int) -> Ranks:
     return Ranks(Shard(rank, size))
 
 
-def _refuse(config, model_config) -> None:
+def refuse(config, model_config) -> None:
     """ValueError, one line, before any rank starts, where the group cannot run this model:
     shapes `size` does not divide (shard.check), a device other than the CPU, weights that
     are not dense (a Q4 GGUF file's blocks kept under --quantization auto)."""
