@@ -159,6 +159,11 @@ class SchedulerConfig:
         30000.0, "predicted: a waiting request's aging bound; once it has waited this long it "
         "goes before every request younger than it (below the queueing delay of a load, the "
         "policy is FCFS there)", group=SCHEDULING)
+    max_queue_delay_factor: float = setting(
+        0.0, "predicted: a waiting request's aging bound is also at most this multiple of its "
+        "own predicted service time (its prefill chunks plus its predicted output tokens, one "
+        "step each, at the measured step time): overdue requests go first, earliest deadline "
+        "first; 0: --max-queue-delay-ms alone", group=SCHEDULING)
     speculative_config: str | None = setting(
         None, "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' "
@@ -180,6 +185,8 @@ class SchedulerConfig:
             raise ValueError("need 1 <= max_running <= max_batched_tokens")
         if not self.max_queue_delay_ms > 0:
             raise ValueError("--max-queue-delay-ms must be > 0")
+        if not self.max_queue_delay_factor >= 0:
+            raise ValueError("--max-queue-delay-factor must be >= 0")
         for q in (self.kv_reserve_quantile, self.kv_grow_quantile, self.kv_peak_quantile):
             if not 0 < q <= 1:
                 raise ValueError("quantiles must be in (0, 1]")

@@ -11,9 +11,11 @@ from services.compute.core.step import StepSample
 from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.policy import (
     MAX_BOOSTS,
+    PACE_WEIGHT,
     Fcfs,
     Priority,
     ShortestPredicted,
+    StepPace,
     make_scheduling_policy,
 )
 from services.compute.scheduling.scheduler import Scheduler
@@ -247,3 +249,124 @@ def test_the_simulated_engine_runs_the_policy_on_its_virtual_clock():
     s = engine.scheduler
     assert ids(s.running) == ["a", "u"] and ids(s.waiting) == ["b"]
     assert engine.requests["b"].preemptions == 1
+
+
+def _grow_until_preemption(s: Scheduler, limit: int = 50) -> None:
+    for _ in range(limit):
+        run_step(s)
+        if s.stats.preemptions:
+            return
+    raise AssertionError("no request ever had to grow past the cache")
+
+
+@pytest.mark.parametrize("kv", ["paged", "predicted"])
+def test_a_request_growing_mid_decode_preempts_the_least_urgent_never_a_more_urgent_one(kv):
+    """Batch requests a and c (priority 1, a first) and the urgent u fill the cache; each step
+    every one needs one more slot. u is placed where the KV policy alone would take it for a:
+    paged, the newest (admitted last); predicted, a's right neighbour (admitted after a,
+    before c). Decodes are served most urgent first, and one that must grow preempts only
+    those less urgent: the victim is c (the latest batch arrival), never u."""
+    s, clock = make(capacity=64, max_running=8, kv=kv, budget=64)
+    s.add(seq("a", prompt=8, max_tokens=40, predicted=8, priority=1))
+    if kv == "paged":
+        clock.t = 1.0
+        s.add(seq("c", prompt=8, max_tokens=40, predicted=8, priority=1))
+    run_step(s)
+    clock.t = 2.0
+    if kv == "predicted":
+        s.add(seq("c", prompt=8, max_tokens=40, predicted=8, priority=1, arrival=1.0))
+    s.add(seq("u", prompt=9 if kv == "paged" else 8, max_tokens=40, predicted=7, priority=0))
+    run_step(s)
+    assert ids(s.running) == (["a", "c", "u"] if kv == "paged" else ["a", "u", "c"])
+    _grow_until_preemption(s)
+    assert "u" in ids(s.running) and ids(s.waiting) == ["c"]
+    for _ in range(3):
+        run_step(s)
+    u = next(x for x in s.running if x.request_id == "u")
+    assert u.preemptions == 0 and u.num_output >= 10
+
+
+def test_mid_decode_growth_under_fcfs_keeps_the_kv_policys_choice():
+    """No reordering policy: the victim is the KV policy's (paged: the newest), as before."""
+    s, clock = make("fcfs", capacity=64, max_running=8, kv="paged", budget=64)
+    s.add(seq("a", prompt=8, max_tokens=40, predicted=8))
+    s.add(seq("c", prompt=8, max_tokens=40, predicted=8))
+    run_step(s)
+    s.add(seq("u", prompt=9, max_tokens=40, predicted=7))
+    run_step(s)
+    _grow_until_preemption(s)
+    assert ids(s.waiting) == ["u"] and ids(s.running) == ["a", "c"]
+
+
+def test_step_pace_averages_busy_intervals_and_skips_idle_gaps():
+    pace = StepPace()
+    pace.tick(0.0, busy=False)
+    pace.tick(0.02, busy=True)
+    assert pace.step_s == pytest.approx(0.02)
+    pace.tick(5.0, busy=False)  # idle until an arrival: no step
+    assert pace.step_s == pytest.approx(0.02)
+    pace.tick(5.04, busy=True)
+    assert pace.step_s == pytest.approx(0.02 + PACE_WEIGHT * 0.02)
+
+
+def test_delay_factor_bounds_a_wait_by_a_multiple_of_its_own_predicted_time():
+    """Bound = min(max_delay_s, F x (prefill chunks + predicted output) x step time), fixed
+    when first keyed; overdue requests go first, earliest deadline (arrival + bound) first."""
+    policy = ShortestPredicted(max_delay_s=30.0, step_tokens=64, running_slots=8, boost_s=0.0,
+                               delay_factor=4.0)
+    early = seq("early", prompt=64, max_tokens=100, predicted=9, arrival=0.0)
+    assert policy.bound(early) == 30.0  # no step time measured yet
+    policy.tick(0.0, busy=True)
+    policy.tick(0.1, busy=True)  # 100 ms steps
+    short = seq("short", prompt=64, max_tokens=100, predicted=9, arrival=0.0)  # 1 + 9 steps
+    long = seq("long", prompt=64, max_tokens=2000, predicted=999, arrival=0.0)
+    assert policy.bound(short) == pytest.approx(4 * 10 * 0.1)
+    assert policy.bound(long) == 30.0  # 4 x 100 s, capped
+    policy.tick(0.2, busy=True)
+    policy.tick(10.0, busy=True)  # a slow step later does not move a fixed bound
+    assert policy.bound(short) == pytest.approx(4.0)
+    assert policy.key(short, 3.9)[1] > 0 and policy.key(short, 4.1)[1] < 0  # overdue at 4 s
+    older = seq("older", prompt=64, max_tokens=2000, predicted=999, arrival=-26.5)
+    assert policy.bound(older) == 30.0
+    # at t = 5: short is 1 s past its deadline (4 s), older 1.5 s past its (3.5 s): EDF
+    assert policy.key(older, 5.0) < policy.key(short, 5.0) < policy.key(long, 5.0)
+    # without the factor the same short request would wait its 30 s
+    plain = ShortestPredicted(max_delay_s=30.0, step_tokens=64, running_slots=8, boost_s=0.0)
+    plain.tick(0.0, busy=True)
+    plain.tick(0.1, busy=True)
+    assert plain.bound(seq("s", prompt=64, max_tokens=100, predicted=9, arrival=0.0)) == 30.0
+
+
+def test_delay_factor_is_a_setting_resolved_once():
+    policy = make_scheduling_policy(SchedulerConfig(scheduling_policy="predicted",
+                                                    max_queue_delay_factor=8))
+    assert policy.delay_factor == 8.0 and policy.max_delay_s == 30.0
+    with pytest.raises(ValueError, match="max-queue-delay-factor"):
+        SchedulerConfig(max_queue_delay_factor=-1)
+
+
+def _stream_past(delay_factor: float, steps: int = 400) -> tuple[Sequence, Clock]:
+    """`mid` (20 tokens) among a stream of 2-token requests, one every other 50 ms step, as
+    fast as one place (max_running=1) serves them: always a shorter one waiting."""
+    s, clock = make("predicted", max_running=1, budget=64, delay_ms=1e9)
+    s.urgency.policy = ShortestPredicted(1e6, 64, 1, 0.0, delay_factor=delay_factor)
+    mid = seq("mid", max_tokens=20, predicted=20)
+    for i in range(steps):
+        if i % 2 == 0:
+            s.add(seq(f"s{i}", max_tokens=2, predicted=2))
+        if i == 6:
+            s.add(mid)
+        run_step(s)
+        clock.t += 0.05
+        if mid.admit_order >= 0:
+            break
+    return mid, clock
+
+
+def test_a_request_gets_in_within_a_multiple_of_its_own_predicted_time():
+    """Through the scheduler, the aging bound at F x its own time: 3 x (1 prefill chunk + 20
+    outputs) x 50 ms steps = 3.15 s after it arrived (0.3 s); without F it starves."""
+    mid, clock = _stream_past(3.0)
+    assert mid.admit_order >= 0 and 0.3 + 3.15 <= clock.t <= 0.3 + 3.15 + 0.15
+    starved, _ = _stream_past(0.0, steps=200)
+    assert starved.admit_order < 0

@@ -37,9 +37,13 @@ class KVPolicy(Protocol):
     def can_admit(self, allocator, size: int) -> bool:
         """Whether a new segment of `size` slots may be taken now (headroom rules)."""
 
-    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator) -> Sequence:
+    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator,
+               candidates: list[Sequence] | None = None) -> Sequence:
         """Whom to preempt so that seq can grow to `need` slots (seq itself if nobody helps).
-        Never one admitted before seq: those already have their token in this step."""
+        `candidates`: those the scheduling policy lets seq preempt (less urgent than seq and
+        not yet served this step), least urgent first: the victim is one of them or seq;
+        None (FCFS): the policy's own choice among those admitted after seq (the others
+        already have their token in this step)."""
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,22 @@ class Predicted:
     def can_admit(self, allocator, size: int) -> bool:
         return True
 
-    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator) -> Sequence:
+    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator,
+               candidates: list[Sequence] | None = None) -> Sequence:
         """Its right neighbour if admitted after it (adjacent slots), else the newest request
         whose slots with the free space around them would hold seq, else seq itself:
-        preempting others whose slots are not adjacent frees space seq cannot use."""
+        preempting others whose slots are not adjacent frees space seq cannot use. With
+        `candidates`: the least urgent of them whose slots would hold seq, directly (its
+        right neighbour, or with the free space around them) or once compacted (enough free
+        slots in all), else seq itself."""
+        if candidates is not None:
+            short = need - seq.kv_reserved
+            nb = segment_at(running, seq.kv_start + seq.kv_reserved)
+            for s in candidates:
+                if s is nb or allocator.free_around(s.kv_start) + s.kv_reserved >= need or \
+                        allocator.free_slots + s.kv_reserved >= short:
+                    return s
+            return seq
         nb = segment_at(running, seq.kv_start + seq.kv_reserved)
         if nb is not None and nb.admit_order > seq.admit_order:
             return nb
@@ -104,7 +120,10 @@ class MaxLength:
     def can_admit(self, allocator, size: int) -> bool:
         return True
 
-    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator) -> Sequence:
+    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator,
+               candidates: list[Sequence] | None = None) -> Sequence:
+        if candidates is not None:
+            return candidates[0] if candidates else seq
         return running[-1]
 
 
@@ -127,7 +146,10 @@ class Paged:
         free_after = allocator.free_slots - allocator.blocks(size) * allocator.block_size
         return free_after >= PAGED_WATERMARK * allocator.capacity
 
-    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator) -> Sequence:
+    def victim(self, running: list[Sequence], seq: Sequence, need: int, allocator,
+               candidates: list[Sequence] | None = None) -> Sequence:
+        if candidates is not None:  # any block will do: the least urgent, else seq
+            return candidates[0] if candidates else seq
         return running[-1]  # the most recently admitted: any block will do
 
 

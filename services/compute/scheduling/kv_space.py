@@ -64,9 +64,10 @@ class KVSpace:
             if cache is None or not cache.evict_lru(spare):
                 return None
 
-    def grow(self, seq: Sequence, running: list[Sequence], moves: Moves) -> Sequence | None:
+    def grow(self, seq: Sequence, running: list[Sequence], moves: Moves,
+             candidates: list[Sequence] | None = None) -> Sequence | None:
         """Make seq's segment hold its pending token: None when it does, else the request to
-        preempt before asking again (seq itself, possibly)."""
+        preempt before asking again (seq itself, possibly; `candidates`: KVPolicy.victim's)."""
         need = seq.num_tokens
         if need <= seq.kv_reserved:
             return None
@@ -83,7 +84,7 @@ class KVSpace:
                     self.allocator.free_slots >= need - seq.kv_reserved and \
                     self.compactor.make_room_after(self.segments(running), seq, need, moves):
                 continue  # seq now grows in place
-            return self.policy.victim(running, seq, need, self.allocator)
+            return self.policy.victim(running, seq, need, self.allocator, candidates)
 
     def release(self, seq: Sequence, keep: bool = False) -> None:
         """Free seq's segment, or with `keep` and a prefix cache keep it cached (a finished

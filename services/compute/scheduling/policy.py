@@ -23,6 +23,7 @@ from shared.config import SchedulerConfig, SchedulingPolicyName
 
 MAX_BOOSTS = 2  # preemptions that each add boost_s of age to a request (then no more)
 BOOST_SHARE = 0.25  # boost_s as a share of --max-queue-delay-ms
+PACE_WEIGHT = 0.05  # StepPace: the newest interval's weight in the average
 
 
 class SchedulingPolicy(Protocol):
@@ -32,6 +33,9 @@ class SchedulingPolicy(Protocol):
     def key(self, seq: Sequence, now: float) -> tuple:
         """seq's urgency at `now`: lower is served first; a running request is preempted for
         a waiting one whose key is strictly lower."""
+
+    def tick(self, now: float, busy: bool) -> None:
+        """A step is scheduled at `now`; `busy`: requests ran since the last one."""
 
 
 def victim_order(policy: SchedulingPolicy, seq: Sequence, now: float) -> tuple:
@@ -46,8 +50,29 @@ def boosted_age(seq: Sequence, now: float, boost_s: float) -> float:
     return now - (seq.arrival or 0.0) + min(seq.preemptions, MAX_BOOSTS) * boost_s
 
 
+class StepPace:
+    """The engine's step time, measured: an exponential average (weight PACE_WEIGHT) of the
+    intervals between steps scheduled back to back while requests ran (an idle gap is no
+    step). 0.0 until one is measured."""
+
+    def __init__(self):
+        self.step_s, self._last = 0.0, None
+
+    def tick(self, now: float, busy: bool) -> None:
+        if busy and self._last is not None and now > self._last:
+            dt = now - self._last
+            self.step_s = dt if not self.step_s else \
+                self.step_s + PACE_WEIGHT * (dt - self.step_s)
+        self._last = now
+
+
+class _NoTick:
+    def tick(self, now: float, busy: bool) -> None:
+        return None
+
+
 @dataclass(frozen=True)
-class Fcfs:
+class Fcfs(_NoTick):
     name: ClassVar[SchedulingPolicyName] = SchedulingPolicyName.FCFS
     reorders: ClassVar[bool] = False
 
@@ -56,7 +81,7 @@ class Fcfs:
 
 
 @dataclass(frozen=True)
-class Priority:
+class Priority(_NoTick):
     """vLLM's priority policy: (priority, arrival); a preempted request is re-admitted as if it
     had arrived boost_s earlier per preemption (bounded)."""
 
@@ -70,31 +95,58 @@ class Priority:
 
 @dataclass(frozen=True)
 class ShortestPredicted:
-    """(priority, work) while a request is younger than max_delay_s, then (priority, -overdue
+    """(priority, work) while a request is younger than its bound, then (priority, -overdue
     seconds). Work is the share of the engine it still needs, in steps of the whole engine,
     always > 0: its tokens left to prefill over the step's token budget (a step prefills at
     most that many) plus its predicted remaining output (the conditional median, capped by
     max_tokens) over the running limit (a step decodes one token of at most that many
     requests). So whichever of prefill and decode is the bottleneck weighs most: within a
-    priority the job predicted to take least of the engine goes first. A request that has
-    waited max_delay_s (boosted age) goes before every younger one, the overdue oldest first
-    (FCFS): its wait is at most max_delay_s plus the time to serve the overdue requests that
-    arrived before it (no starvation; under a sustained overload that tail grows, as FCFS's
-    does)."""
+    priority the job predicted to take least of the engine goes first.
+
+    A request's bound is max_delay_s or, with a delay_factor, at most that multiple of its own
+    predicted service time (`service_steps` at the measured step time), fixed when it is first
+    keyed. Once it has waited its bound (boosted age) it goes before every request not
+    overdue, the overdue in order of their deadlines (arrival + bound: FCFS when every bound is
+    max_delay_s): its wait is at most its bound plus the time to serve the overdue requests
+    whose deadlines come first (no starvation; under a sustained overload that tail grows, as
+    FCFS's does)."""
 
     max_delay_s: float
     step_tokens: int  # --max-batched-tokens: prompt tokens one step prefills
     running_slots: int  # --max-running: requests one step decodes
     boost_s: float
+    delay_factor: float = 0.0  # --max-queue-delay-factor (0: max_delay_s alone)
+    pace: StepPace = field(default_factory=StepPace, compare=False, repr=False)
     name: ClassVar[SchedulingPolicyName] = SchedulingPolicyName.PREDICTED
     reorders: ClassVar[bool] = True
     # seq -> (its LengthDist, the predicted total output): recomputed once outgrown
     _totals: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary,
                                                compare=False, repr=False)
+    _bounds: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary,
+                                               compare=False, repr=False)
+
+    def tick(self, now: float, busy: bool) -> None:
+        self.pace.tick(now, busy)
 
     def key(self, seq: Sequence, now: float) -> tuple:
-        overdue = boosted_age(seq, now, self.boost_s) - self.max_delay_s
+        overdue = boosted_age(seq, now, self.boost_s) - self.bound(seq)
         return seq.priority, self.work(seq) if overdue < 0 else -overdue
+
+    def bound(self, seq: Sequence) -> float:
+        """seq's aging bound in seconds (see the class docstring); once the step time is
+        measured, at most delay_factor x its service steps x that time."""
+        b = self._bounds.get(seq)
+        if b is None:
+            b = self.max_delay_s
+            if self.delay_factor and self.pace.step_s:
+                b = min(b, self.delay_factor * self.service_steps(seq) * self.pace.step_s)
+            self._bounds[seq] = b
+        return b
+
+    def service_steps(self, seq: Sequence) -> int:
+        """Steps seq is predicted to take once admitted: its prefill chunks plus one per
+        predicted output token."""
+        return -(-seq.pending // self.step_tokens) + self.remaining_output(seq)
 
     def work(self, seq: Sequence) -> float:
         """Predicted engine steps it still takes: prefill left / step_tokens + output left /
@@ -121,4 +173,4 @@ def make_scheduling_policy(config: SchedulerConfig) -> SchedulingPolicy:
             return Priority(BOOST_SHARE * delay_s)
         case SchedulingPolicyName.PREDICTED:
             return ShortestPredicted(delay_s, config.max_batched_tokens, config.max_running,
-                                     BOOST_SHARE * delay_s)
+                                     BOOST_SHARE * delay_s, config.max_queue_delay_factor)

@@ -78,22 +78,12 @@ class Scheduler:
             self.kv.compactor.refill()
         urgency = self.urgency
         if urgency is not None and self.config.batching != Batching.STATIC:
-            urgency.start(self.clock(), self.waiting)
+            urgency.start(self.clock(), self.waiting, bool(self.running))
             for victim in urgency.victims(self):
                 self._preempt(victim)
         else:
             urgency = None
-        i = 0
-        while i < len(self.running):  # preemption victims come after i (admitted later)
-            seq = self.running[i]
-            if seq.pending == 1 and not seq.at_limit and self._make_room(seq, step):
-                if seq.beams is not None:  # its forks' K/V copied first
-                    step.moves.extend(lane_moves(seq))
-                    step.items.append(WorkItem.beam(seq))
-                else:
-                    step.items.append(WorkItem.decode(seq, self._drafts(seq, step,
-                                                                        len(self.running) - i)))
-            i += 1
+        self._decode(step, urgency)
         budget = self.config.max_batched_tokens - step.num_tokens
         prefilling = [seq for seq in self.running if seq.pending > 1]
         if urgency is not None:  # the step's budget to the most urgent first
@@ -111,6 +101,26 @@ class Scheduler:
         self._admit_waiting(step, budget)
         step.items.sort(key=lambda item: item.kind)  # stable: in running order within a kind
         return step
+
+    def _decode(self, step: ScheduledStep, urgency: Urgency | None) -> None:
+        """A decode token for every running request with one pending, served in admission
+        order, or most urgent first under a reordering policy; one whose KV must grow may
+        preempt only requests served after it (`_make_room`). Items in admission order."""
+        order = list(self.running) if urgency is None else sorted(self.running, key=urgency.key)
+        items = []
+        for i, seq in enumerate(order):
+            if seq.status is not SeqStatus.RUNNING or seq.pending != 1 or seq.at_limit:
+                continue  # (preempted for one served before it, or not decoding)
+            if not self._make_room(seq, step, order[i + 1:], urgency):
+                continue
+            if seq.beams is not None:  # its forks' K/V copied first
+                step.moves.extend(lane_moves(seq))
+                items.append(WorkItem.beam(seq))
+            else:
+                deciding = sum(s.status is SeqStatus.RUNNING for s in order[i:]) \
+                    if self.speculation is not None else 0
+                items.append(WorkItem.decode(seq, self._drafts(seq, step, deciding)))
+        step.items += sorted(items, key=lambda item: item.seq.admit_order)
 
     def _drafts(self, seq: Sequence, step: ScheduledStep, deciding: int) -> list[int]:
         """Speculative drafts for seq's decode (none without --speculative-config), within
@@ -278,13 +288,19 @@ class Scheduler:
         self.running.append(seq)
         return True
 
-    def _make_room(self, seq: Sequence, step: ScheduledStep) -> bool:
-        """Ensure seq's segment holds its pending token. False if seq itself had to be
-        preempted."""
-        while (victim := self.kv.grow(seq, self.running, step.moves)) is not None:
+    def _make_room(self, seq: Sequence, step: ScheduledStep, later: list[Sequence],
+                   urgency: Urgency | None) -> bool:
+        """Ensure seq's segment holds its pending token, preempting (if it must) one of
+        `later`, the running requests served after it this step: the KV policy's choice, or
+        under a reordering policy the least urgent that helps of those less urgent than seq
+        (Urgency.yielding). False if seq itself had to be preempted."""
+        candidates = None if urgency is None else urgency.yielding(seq, later)
+        while (victim := self.kv.grow(seq, self.running, step.moves, candidates)) is not None:
             self._preempt(victim)
             if victim is seq:
                 return False
+            if candidates is not None:
+                candidates.remove(victim)
         return True
 
     def _release(self, seq: Sequence, keep: bool = False) -> None:

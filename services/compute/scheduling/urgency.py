@@ -6,7 +6,9 @@ key is forgotten: its work changed); the waiting queue is sorted by key, stable 
 keep their order); a request is preempted for the head only while the head is blocked (the
 running limit is reached, or its reservation does not fit free and cached KV, or the future
 peak check refuses it) and only if it is strictly less urgent than the head, least urgent
-first (latest arrival among equals).
+first (latest arrival among equals). A running request whose KV must grow mid-decode may
+preempt only requests strictly less urgent than it that have no token in this step yet (the
+scheduler serves decodes most urgent first), else it yields itself (`yielding`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from services.compute.core.sequence import Sequence
+from services.compute.core.sequence import SeqStatus, Sequence
 from services.compute.scheduling.policy import SchedulingPolicy, victim_order
 
 if TYPE_CHECKING:
@@ -27,8 +29,10 @@ class Urgency:
         self.now = 0.0
         self._keys: dict[Sequence, tuple] = {}
 
-    def start(self, now: float, waiting: deque[Sequence]) -> None:
-        """A new step at `now`: fresh keys, the queue sorted by them."""
+    def start(self, now: float, waiting: deque[Sequence], busy: bool) -> None:
+        """A new step at `now` (`busy`: requests ran since the last one): fresh keys, the
+        queue sorted by them."""
+        self.policy.tick(now, busy)
         self.now, self._keys = now, {}
         self.order(waiting)
 
@@ -46,6 +50,13 @@ class Urgency:
         ordered = sorted(waiting, key=self.key)
         waiting.clear()
         waiting.extend(ordered)
+
+    def yielding(self, seq: Sequence, later: list[Sequence]) -> list[Sequence]:
+        """Those of `later` (running requests not yet served this step) that seq may preempt
+        to grow its KV: the strictly less urgent, least urgent first (victim_order)."""
+        urgent = self.key(seq)
+        less = [s for s in later if s.status is SeqStatus.RUNNING and self.key(s) > urgent]
+        return sorted(less, key=lambda s: victim_order(self.policy, s, self.now), reverse=True)
 
     def victims(self, sched: Scheduler) -> list[Sequence]:
         """Running requests to preempt so that the head of sched's queue may be admitted
