@@ -1,35 +1,89 @@
 """`pipellm serve --tensor-parallel-size 2` (services/compute/tp/) through the real services and
-the official client: the compute process is rank 0 and starts rank 1."""
+the official client: the compute process is rank 0 and starts rank 1; either killed, compute
+restarts with a new group and the streams resume."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import time
+
 import openai
+import psutil
+import pytest
 
 from shared.sampling import SamplingParams
-from tests.hf_models import build_hf_model
 from tests.stack import Stack
+from tests.test_faults import MODEL, run_round
 from tests.test_tensor_parallel import PROMPTS, assert_same, engine, generate
 
 
-def test_served_to_the_official_client(tmp_path):
-    """`pipellm serve --tensor-parallel-size 2`: the compute process is rank 0; completions
-    (a batch of token-id prompts, and streamed) carry the tokens and logprobs of one rank
-    run offline."""
-    build_hf_model(tmp_path, "llama", with_tokenizer=True)
+@pytest.fixture(scope="module")
+def stack(demo_model_dir):
+    """One server on 2 ranks, one thread each; small steps, so that a kill lands mid-stream."""
+    s = Stack(demo_model_dir, "--max-batched-tokens", "32", "--max-running", "32",
+              "--tensor-parallel-size", "2", "--threads", "1", "--dtype", "float32",
+              embedded_redis=True).start(timeout_s=180)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(stack):
+    """test_faults' round of streaming and whole requests, on the running server."""
+    results, _ = asyncio.run(run_round(stack))
+    assert all(r["error"] is None and r["finish"] == "length" for r in results), results
+    return results
+
+
+def test_served_to_the_official_client(stack, demo_model_dir):
+    """The compute process is rank 0: completions (a batch of token-id prompts, and streamed)
+    carry the tokens and logprobs of one rank run offline."""
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
-    expected = generate(engine(tmp_path, 1), PROMPTS, params)
-    stack = Stack(tmp_path, "--served-model-name", "m", "--tensor-parallel-size", "2",
-                  "--dtype", "float32", "--threads", "1").start(timeout_s=180)
-    try:
-        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-        kw = dict(model="m", max_tokens=10, temperature=0, logprobs=1,
-                  extra_body={"ignore_eos": True, "return_token_ids": True})
-        answer = client.completions.create(prompt=PROMPTS, **kw)
-        streamed = [c.choices[0] for c in client.completions.create(prompt=PROMPTS[3],
-                                                                      stream=True, **kw)]
-    finally:
-        stack.stop()
+    expected = generate(engine(demo_model_dir, 1), PROMPTS, params)
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    kw = dict(model=MODEL, max_tokens=10, temperature=0, logprobs=1,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    answer = client.completions.create(prompt=PROMPTS, **kw)
+    streamed = [c.choices[0] for c in client.completions.create(prompt=PROMPTS[3], stream=True,
+                                                                  **kw)]
     choices = sorted(answer.choices, key=lambda c: c.index)
     served = [(c.token_ids, c.logprobs.token_logprobs, []) for c in choices]
     assert_same(expected, served)
     assert [t for c in streamed for t in c.token_ids] == expected[3][0]
+
+
+def rank1_pid(stack: Stack) -> int:
+    """The pid of compute's rank 1 (its child running services.compute.tp.worker)."""
+    (proc,) = [p for p in psutil.Process(stack.pid("compute")).children()
+               if "services.compute.tp.worker" in p.cmdline()]
+    return proc.pid
+
+
+def alive(pid: int, wait_s: float = 10) -> bool:
+    """Whether process `pid` still runs (not a zombie) after up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.parametrize("victim", ["compute", "rank 1"])
+def test_a_killed_rank_restarts_the_group_and_streams_resume(stack, uninterrupted, victim):
+    """kill -9 of rank 0 (the compute process; rank 1 then fails its next collective, or dies
+    with it) or of rank 1 (rank 0's next collective fails, compute exits): the supervisor
+    restarts compute, which starts a new rank 1, and the gateway resumes every stream with
+    the uninterrupted run's text."""
+    old, old_rank1 = stack.pid("compute"), rank1_pid(stack)
+    pid = old if victim == "compute" else old_rank1
+    results, _ = asyncio.run(run_round(stack, lambda: os.kill(pid, signal.SIGKILL)))
+    for r, w in zip(results, uninterrupted, strict=True):
+        assert (r["error"], r["text"], r["finish"]) == (None, w["text"], "length")
+    assert stack.pid("compute") != old and rank1_pid(stack) != old_rank1
+    assert not alive(old_rank1)  # no rank outlives its group
