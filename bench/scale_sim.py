@@ -39,6 +39,12 @@ requests are no shortcut: with a few hundred a replica, a run is mostly its star
 and the QPS at the SLO comes out 1.5-10x too high (a burst that fits in the KV cache meets the
 SLO at any rate).
 
+A priority mix (issue 51): `--interactive-share X` sends a seeded share X of the requests at
+priority 0, the rest at 1, with `--scheduling-policy` (fcfs, priority or predicted) on every
+replica; the SLO still holds over all requests, and every row adds the interactive class's p99
+TTFT (`p99_ttft_ms_interactive`). The router does not look at priorities (each replica orders
+its own queue).
+
 Targets (issue 37): 8 replicas >= 0.95 x 8 = 7.6 x one replica's QPS at the SLO, and
 predicted-load at least as good as cache-aware on the Azure trace. The last line printed is one
 JSON object with the headline figures.
@@ -64,11 +70,11 @@ if str(ROOT) not in sys.path:
 from bench.ablation import MAX_QPS, SLO_TPOT_MS, SLO_TTFT_MS, meets_slo  # noqa: E402
 from bench.common import log, machine  # noqa: E402
 from bench.prefix_sim import TURNS, PrefixWorkload  # noqa: E402
-from bench.virtual import RequestRecord, summarize  # noqa: E402
+from bench.virtual import RequestRecord, percentile, summarize  # noqa: E402
 from services.compute.engine import StepResult  # noqa: E402
 from services.compute.sim.hardware import model as model_spec  # noqa: E402
 from services.compute.sim_cluster import SimCluster  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
+from shared.config import EngineConfig, SchedulingPolicyName  # noqa: E402
 from shared.routing import POLICIES, make_policy  # noqa: E402
 from shared.sampling import InvalidParams, SamplingParams  # noqa: E402
 from shared.settings import with_settings  # noqa: E402
@@ -84,10 +90,11 @@ SAME_AS = {("azure", "predicted-load-affinity"): "predicted-load"}
 def simulate_cluster(config: EngineConfig, replicas: int, policy: str,
                      items: Sequence[tuple], seed: int = 0, late_ttft_s: float = math.inf,
                      max_late: int | None = None) -> tuple[list[RequestRecord], dict]:
-    """Run `items` ((arrival, prompt_len, output_len, predicted, max_tokens, prompt ids), as
-    bench/virtual.py's) through `replicas` engines routed by `policy`: the records, in item
-    order, and the cluster's counters. With `max_late`, it stops (requests left unfinished)
-    once more than `max_late` requests got their first token over `late_ttft_s` late."""
+    """Run `items` ((arrival, prompt_len, output_len, predicted, max_tokens, prompt ids[,
+    priority]), as bench/virtual.py's) through `replicas` engines routed by `policy`: the
+    records, in item order, and the cluster's counters. With `max_late`, it stops (requests
+    left unfinished) once more than `max_late` requests got their first token over
+    `late_ttft_s` late."""
     cluster = SimCluster(config, replicas, make_policy(policy))
     records = [RequestRecord(i, float(w[0]), int(w[1]), int(w[2])) for i, w in enumerate(items)]
     order = sorted(range(len(items)), key=lambda i: records[i].arrival)
@@ -112,7 +119,8 @@ def _route(cluster: SimCluster, rec: RequestRecord, item: tuple, rng: random.Ran
     predicted = item[3] if len(item) > 3 else None
     try:
         params = SamplingParams(max_tokens=rec.max_tokens, seed=rng.getrandbits(63))
-        cluster.add(rec.arrival, ids, params, str(rec.index), predicted, rec.output_len)
+        cluster.add(rec.arrival, ids, params, str(rec.index), predicted, rec.output_len,
+                    priority=item[6] if len(item) > 6 else 0)
     except InvalidParams:
         rec.finish, rec.finish_reason = rec.arrival, "rejected"
         return
@@ -188,16 +196,26 @@ def run(args, config: EngineConfig, wl: PrefixWorkload, replicas: int, policy: s
     """One simulation at `qps`: bench/virtual.py's summary, the prefix hit rate and how evenly
     requests were routed (most routed to one replica / the mean). `stop_early`: stop once the
     SLO surely fails (the summary then misses it)."""
-    items = wl.at(qps, "oracle")  # (arrival, prompt, output, predicted, max_tokens, ids)
+    items = with_priorities(wl.at(qps, "oracle"), args.interactive_share, args.seed)
     # the SLO surely fails (p99 TTFT over it) once n - floor(0.99 (n - 1)) TTFTs are over it
     max_late = len(items) - math.floor(0.99 * (len(items) - 1)) - 1 if stop_early else None
     records, stats = simulate_cluster(config, replicas, policy, items, args.seed,
                                       SLO_TTFT_MS / 1e3, max_late)
     s = summarize(records)
     routed = stats["routed"]
-    return s | {"qps": qps, "preemptions": stats["preemptions"],
+    fast = [r.ttft * 1e3 for r in records if args.interactive_share and
+            r.first_token is not None and items[r.index][6] == 0]  # (none without a mix)
+    return s | {"qps": qps, "ttft_ms_p99_interactive": percentile(fast, 99),
+                "preemptions": stats["preemptions"],
                 "hit_rate": stats["prefix_hits"] / max(stats["prefix_queries"], 1),
                 "routed_max_over_mean": max(routed) * len(routed) / max(sum(routed), 1)}
+
+
+def with_priorities(items: list[tuple], share: float, seed: int) -> list[tuple]:
+    """`items` (arrival, prompt, output, predicted, max_tokens, ids) with a priority each: 0
+    for a seeded random `share` of them (interactive), else 1; all 0 when share is 0."""
+    rng = random.Random(seed + 1)
+    return [(*it[:6], 0 if not share or rng.random() < share else 1) for it in items]
 
 
 def workload_at(args, name: str, replicas: int) -> PrefixWorkload:
@@ -268,7 +286,8 @@ def at_rate(args, config: EngineConfig, workload: str, n: int, policy: str, qps:
     return {"workload": workload, "replicas": n, "policy": policy, "qps": qps,
             "meets_slo": meets_slo(s), "p50_ttft_ms": round(s["ttft_ms_p50"], 1),
             "p99_ttft_ms": round(s["ttft_ms_p99"], 1), "mean_ttft_ms": round(s["ttft_ms_mean"], 1),
-            "p99_tpot_ms": round(s["tpot_ms_p99"], 2), "hit_rate": round(s["hit_rate"], 3)}
+            "p99_tpot_ms": round(s["tpot_ms_p99"], 2), "hit_rate": round(s["hit_rate"], 3),
+            "p99_ttft_ms_interactive": _round(s["ttft_ms_p99_interactive"])}
 
 
 def same_rate(args, config: EngineConfig, rows: list[dict], mapper=map) -> list[dict]:
@@ -285,10 +304,7 @@ def same_rate(args, config: EngineConfig, rows: list[dict], mapper=map) -> list[
 
 
 def row(workload: str, n: int, policy: str, at: dict | None, wall: float) -> dict:
-    def r(x, nd=1):
-        return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
-
-    at = at or {}
+    r, at = _round, at or {}
     measured = bool(at) and not at.get("absorbed")  # else: no rate missed the SLO
     return {"workload": workload, "replicas": n, "policy": policy,
             "qps_at_slo": r(at["qps"], 2) if measured else None,
@@ -296,8 +312,13 @@ def row(workload: str, n: int, policy: str, at: dict | None, wall: float) -> dic
             "qps_per_replica": r(at["qps"] / n, 2) if measured else None,
             "p99_ttft_ms": r(at.get("ttft_ms_p99")), "p99_tpot_ms": r(at.get("tpot_ms_p99"), 2),
             "p50_ttft_ms": r(at.get("ttft_ms_p50")), "hit_rate": r(at.get("hit_rate"), 3),
+            "p99_ttft_ms_interactive": r(at.get("ttft_ms_p99_interactive")),
             "preemptions": at.get("preemptions"),
             "routed_max_over_mean": r(at.get("routed_max_over_mean"), 3), "wall_s": r(wall)}
+
+
+def _round(x, nd=1):
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(x, nd)
 
 
 def headline(args, rows: list[dict]) -> dict:
@@ -340,21 +361,22 @@ def print_report(args, rows: list[dict], head: dict, same: list[dict]) -> None:
             cells = " | ".join("-" if q.get(n) is None else f"{q[n]:.1f}" for n in args.replicas)
             print(f"| {w} | {p} | {cells} | {head[f'scaling_{top}_vs_1'][w][p]} |")
     print("\n| workload | replicas | policy | QPS at SLO | per replica | p99 TTFT ms | p99 TPOT ms "
-          "| p50 TTFT ms | hit rate | preemptions | routed max/mean |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| p50 TTFT ms | hit rate | preemptions | routed max/mean | interactive p99 TTFT ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['workload']} | {r['replicas']} | {r['policy']} | {r['qps_at_slo']} | "
               f"{r['qps_per_replica']} | {r['p99_ttft_ms']} | {r['p99_tpot_ms']} | "
               f"{r['p50_ttft_ms']} | {r['hit_rate']} | {r['preemptions']} | "
-              f"{r['routed_max_over_mean']} |")
+              f"{r['routed_max_over_mean']} | {r['p99_ttft_ms_interactive']} |")
     if same:
         print("\n| workload | replicas | at QPS | policy | p50 TTFT ms | mean TTFT ms "
-              "| p99 TTFT ms | p99 TPOT ms | hit rate | SLO met |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| p99 TTFT ms | p99 TPOT ms | hit rate | SLO met | interactive p99 TTFT ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in same:
             print(f"| {r['workload']} | {r['replicas']} | {r['qps']} | {r['policy']} | "
                   f"{r['p50_ttft_ms']} | {r['mean_ttft_ms']} | {r['p99_ttft_ms']} | "
-                  f"{r['p99_tpot_ms']} | {r['hit_rate']} | {r['meets_slo']} |")
+                  f"{r['p99_tpot_ms']} | {r['hit_rate']} | {r['meets_slo']} | "
+                  f"{r['p99_ttft_ms_interactive']} |")
     print()
     for w, by in head["predicted_load_vs_cache_aware"].items():
         print(f"{w}: predicted-load / cache-aware QPS at the SLO by replicas: {by}")
@@ -376,6 +398,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--factor", type=float, default=1.05, help="N > 1's search factor")
     p.add_argument("--bisect", type=int, default=2, help="N > 1's bisections")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=list(SchedulingPolicyName),
+                   help="every replica's --scheduling-policy")
+    p.add_argument("--interactive-share", type=float, default=0.0,
+                   help="share of requests sent at priority 0 (the rest at 1); 0: all at 0")
     p.add_argument("--no-same-rate", dest="same_rate", action="store_false",
                    help="skip running every policy at the top count's best QPS at the SLO")
     p.add_argument("--jobs", type=int, default=1, help="searches run at once (processes)")
@@ -396,7 +422,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     config = with_settings(EngineConfig(), backend="sim", sim_clock="virtual", sim_gpu=args.gpu,
                            sim_model=args.model,
-                           enable_prefix_caching=not args.no_prefix_caching)
+                           enable_prefix_caching=not args.no_prefix_caching,
+                           scheduling_policy=args.scheduling_policy)
     print(f"machine: {machine()}; simulated {args.model} on {args.gpu} per replica; "
           f"{args.requests} requests per replica; SLO p99 TTFT {SLO_TTFT_MS:.0f} ms, p99 TPOT "
           f"{SLO_TPOT_MS:.0f} ms; oracle lengths; prefix caching "
@@ -411,6 +438,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = head | {"same_rate": same, "model": args.model, "gpu": args.gpu,
                   "requests_per_replica": args.requests, "predict": "oracle",
                   "prefix_caching": not args.no_prefix_caching,
+                  "scheduling_policy": str(args.scheduling_policy),
+                  "interactive_share": args.interactive_share,
                   "wall_s": round(time.perf_counter() - t0, 1), "machine": machine()}
     print(json.dumps(out))
     return out

@@ -155,3 +155,21 @@ def test_a_requests_priority_reaches_whichever_replica_serves_it():
         for e in result.outputs:
             first.setdefault(i, e.request_id)
     assert first == {0: "r2", 1: "r5"}  # replica 0 holds r0, r2, r4; replica 1 r1, r3, r5
+
+
+def test_the_bench_runs_a_priority_mix_through_the_cluster():
+    """--interactive-share: a seeded share of the requests at priority 0, the rest 1, reaching
+    the replicas' priority policy: the interactive class's TTFT beats the batch class's."""
+    args = scale_sim.parse_args(["--scheduling-policy", "priority", "--interactive-share",
+                                 "0.2", "--requests", "80"])
+    mixed = scale_sim.with_priorities([(0.0, 1, 1, 1, 1, ())] * 200, 0.2, 0)
+    assert 20 <= sum(p == 0 for *_, p in mixed) <= 60 and {p for *_, p in mixed} == {0, 1}
+    assert {p for *_, p in scale_sim.with_priorities(mixed, 0.0, 0)} == {0}
+    config = with_settings(CONFIG, scheduling_policy=args.scheduling_policy, max_running=4)
+    wl = items(80, 0.0, lambda i: (300, 60))  # one burst: a queue at each replica
+    recs, _ = scale_sim.simulate_cluster(config, 2, "round-robin",
+                                         scale_sim.with_priorities(wl, 0.2, 0))
+    prio = scale_sim.with_priorities(wl, 0.2, 0)
+    fast = [r.ttft for r in recs if prio[r.index][6] == 0]
+    slow = [r.ttft for r in recs if prio[r.index][6] == 1]
+    assert fast and max(fast) < sorted(slow)[len(slow) // 2]
