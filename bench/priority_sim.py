@@ -18,8 +18,10 @@ queue holds most requests back).
   never sends (Workload), `learned_cold` starting empty as bench/ablation.py's. Wanted: mean
   and p50 end-to-end latency >= 30% lower with learned lengths; `kept_*` is the share of the
   oracle's cut the learned predictor keeps; the longest first-admission wait against
-  --max-queue-delay-ms. (ShareGPT's requests cycle through ~600 distinct prompts, so the
-  online learner also sees repeats.)
+  --max-queue-delay-ms. `no_wait_mean_cut`: the mean cut if no request waited for its first
+  admission at all (fcfs's mean wait over its mean latency), the most an order can give when
+  the rest (prefill, decode) takes as long as under fcfs. (ShareGPT's requests cycle through
+  ~600 distinct prompts, so the online learner also sees repeats.)
 
     python -m bench.priority_sim [--requests 2000] [--load 1.0] [--workloads sharegpt,azure]
 
@@ -147,6 +149,7 @@ def run(config: EngineConfig, items: list[tuple], policy: str, predictor=None) -
     fast = [r.ttft * 1e3 for r in done if items[r.index][6] == 0]
     return out | {"e2e_s_mean": sum(e2e) / len(e2e), "e2e_s_p50": percentile(e2e, 50),
                   "e2e_s_p99": percentile(e2e, 99), "wait_s_max": max(waits),
+                  "wait_s_mean": sum(waits) / len(waits),
                   "ttft_ms_p99_interactive": percentile(fast, 99),
                   "ttft_ms_p99_batch": percentile(
                       [r.ttft * 1e3 for r in done if items[r.index][6] == 1], 99)}
@@ -183,6 +186,7 @@ def predicted_experiment(config: EngineConfig, wl: Workload, qps: float) -> dict
         pred = run(config, items, "predicted", lengths_of())
         out[lengths] = {"fcfs": _pick(fcfs), "predicted": _pick(pred),
                         "mean_e2e_cut": 1 - pred["e2e_s_mean"] / fcfs["e2e_s_mean"],
+                        "no_wait_mean_cut": fcfs["wait_s_mean"] / fcfs["e2e_s_mean"],
                         "p50_e2e_cut": 1 - pred["e2e_s_p50"] / fcfs["e2e_s_p50"],
                         "throughput_ratio": pred["total_tok_s"] / fcfs["total_tok_s"]}
     o = out["oracle"]
@@ -194,7 +198,7 @@ def predicted_experiment(config: EngineConfig, wl: Workload, qps: float) -> dict
 
 KEYS = ("completed", "duration_s", "total_tok_s", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99",
         "ttft_ms_p99_interactive", "ttft_ms_p99_batch", "e2e_s_mean", "e2e_s_p50", "e2e_s_p99",
-        "wait_s_max", "preemptions")
+        "wait_s_mean", "wait_s_max", "preemptions")
 
 
 def _pick(s: dict) -> dict:

@@ -12,6 +12,7 @@ from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.policy import (
     MAX_BOOSTS,
     PACE_WEIGHT,
+    PREEMPT_MARGIN,
     Fcfs,
     Priority,
     ShortestPredicted,
@@ -370,3 +371,23 @@ def test_a_request_gets_in_within_a_multiple_of_its_own_predicted_time():
     assert mid.admit_order >= 0 and 0.3 + 3.15 <= clock.t <= 0.3 + 3.15 + 0.15
     starved, _ = _stream_past(0.0, steps=200)
     assert starved.admit_order < 0
+
+
+def test_predicted_preempts_for_a_waiting_request_only_past_the_margin():
+    """max_running=1, a running request of 40 predicted tokens left: a waiting one predicted
+    at 25 (more than half its work) waits; one at 10 (less than half) takes its place; an
+    overdue one takes it whatever its length; across priorities the keys decide."""
+    policy = make_scheduling_policy(SchedulerConfig(64, 1, scheduling_policy="predicted"))
+    assert PREEMPT_MARGIN == 2.0
+    assert not policy.displaces((0, 1.0), (0, 1.9)) and policy.displaces((0, 1.0), (0, 2.1))
+    assert policy.displaces((0, -1.0), (0, 0.5)) and policy.displaces((0, 9.0), (1, 0.1))
+    assert not policy.displaces((0, 1.0), (0, -5.0))  # an overdue running one stays
+    s, clock = make("predicted", max_running=1, budget=64, delay_ms=10000)
+    s.add(seq("run", prompt=4, max_tokens=40, predicted=40))
+    run_step(s)
+    s.add(seq("near", prompt=4, max_tokens=40, predicted=25))
+    run_step(s)
+    assert ids(s.running) == ["run"] and s.stats.preemptions == 0
+    s.add(seq("short", prompt=4, max_tokens=40, predicted=10))
+    run_step(s)
+    assert ids(s.running) == ["short"] and s.stats.preemptions == 1

@@ -24,6 +24,7 @@ from shared.config import SchedulerConfig, SchedulingPolicyName
 MAX_BOOSTS = 2  # preemptions that each add boost_s of age to a request (then no more)
 BOOST_SHARE = 0.25  # boost_s as a share of --max-queue-delay-ms
 PACE_WEIGHT = 0.05  # StepPace: the newest interval's weight in the average
+PREEMPT_MARGIN = 2.0  # ShortestPredicted: a running request's work over a waiting one's to yield
 
 
 class SchedulingPolicy(Protocol):
@@ -36,6 +37,11 @@ class SchedulingPolicy(Protocol):
 
     def tick(self, now: float, busy: bool) -> None:
         """A step is scheduled at `now`; `busy`: requests ran since the last one."""
+
+    def displaces(self, urgent: tuple, key: tuple) -> bool:
+        """Whether a waiting request of key `urgent` preempts a running one of key `key` (for
+        its place; never when key <= urgent). Monotone: true for a key, true for any higher
+        one of the same priority."""
 
 
 def victim_order(policy: SchedulingPolicy, seq: Sequence, now: float) -> tuple:
@@ -66,13 +72,18 @@ class StepPace:
         self._last = now
 
 
-class _NoTick:
+class _Plain:
+    """No step clock; a waiting request preempts any running one strictly less urgent."""
+
     def tick(self, now: float, busy: bool) -> None:
         return None
 
+    def displaces(self, urgent: tuple, key: tuple) -> bool:
+        return key > urgent
+
 
 @dataclass(frozen=True)
-class Fcfs(_NoTick):
+class Fcfs(_Plain):
     name: ClassVar[SchedulingPolicyName] = SchedulingPolicyName.FCFS
     reorders: ClassVar[bool] = False
 
@@ -81,7 +92,7 @@ class Fcfs(_NoTick):
 
 
 @dataclass(frozen=True)
-class Priority(_NoTick):
+class Priority(_Plain):
     """vLLM's priority policy: (priority, arrival); a preempted request is re-admitted as if it
     had arrived boost_s earlier per preemption (bounded)."""
 
@@ -109,7 +120,12 @@ class ShortestPredicted:
     overdue, the overdue in order of their deadlines (arrival + bound: FCFS when every bound is
     max_delay_s): its wait is at most its bound plus the time to serve the overdue requests
     whose deadlines come first (no starvation; under a sustained overload that tail grows, as
-    FCFS's does)."""
+    FCFS's does).
+
+    A waiting request preempts a running one of its priority, neither overdue, only if the
+    running one's work exceeds PREEMPT_MARGIN x its own (a margin for the predictions' error,
+    so that near-equals do not swap); across priorities, or when either is overdue, the keys
+    decide."""
 
     max_delay_s: float
     step_tokens: int  # --max-batched-tokens: prompt tokens one step prefills
@@ -127,6 +143,11 @@ class ShortestPredicted:
 
     def tick(self, now: float, busy: bool) -> None:
         self.pace.tick(now, busy)
+
+    def displaces(self, urgent: tuple, key: tuple) -> bool:
+        if key[0] != urgent[0] or key[1] <= 0 or urgent[1] <= 0:
+            return key > urgent
+        return key[1] > PREEMPT_MARGIN * urgent[1]
 
     def key(self, seq: Sequence, now: float) -> tuple:
         overdue = boosted_age(seq, now, self.boost_s) - self.bound(seq)

@@ -5,8 +5,9 @@ Invariants: within a step every key is computed at one `now` and cached (a preem
 key is forgotten: its work changed); the waiting queue is sorted by key, stable (equal keys
 keep their order); a request is preempted for the head only while the head is blocked (the
 running limit is reached, or its reservation does not fit free and cached KV, or the future
-peak check refuses it) and only if it is strictly less urgent than the head, least urgent
-first (latest arrival among equals). A running request whose KV must grow mid-decode may
+peak check refuses it) and only if the policy lets the head displace it (strictly less urgent,
+by a margin under predicted: SchedulingPolicy.displaces), least urgent first (latest arrival
+among equals). A running request whose KV must grow mid-decode may
 preempt only requests strictly less urgent than it that have no token in this step yet (the
 scheduler serves decodes most urgent first), else it yields itself (`yielding`).
 """
@@ -71,7 +72,7 @@ class Urgency:
                        reverse=True)
         chosen: list[Sequence] = []
         for seq in order:
-            if not self.key(seq) > urgent:
+            if not self.policy.displaces(urgent, self.key(seq)):
                 break
             chosen.append(seq)
             left = [s for s in sched.running if s not in chosen]
