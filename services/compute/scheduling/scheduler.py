@@ -107,7 +107,7 @@ class Scheduler:
         order, or most urgent first under a reordering policy; one whose KV must grow may
         preempt only requests served after it (`_make_room`). Items in admission order."""
         order = list(self.running) if urgency is None else sorted(self.running, key=urgency.key)
-        items = []
+        first, items = len(step.items), step.items
         for i, seq in enumerate(order):
             if seq.status is not SeqStatus.RUNNING or seq.pending != 1 or seq.at_limit:
                 continue  # (preempted for one served before it, or not decoding)
@@ -120,7 +120,7 @@ class Scheduler:
                 deciding = sum(s.status is SeqStatus.RUNNING for s in order[i:]) \
                     if self.speculation is not None else 0
                 items.append(WorkItem.decode(seq, self._drafts(seq, step, deciding)))
-        step.items += sorted(items, key=lambda item: item.seq.admit_order)
+        items[first:] = sorted(items[first:], key=lambda item: item.seq.admit_order)
 
     def _drafts(self, seq: Sequence, step: ScheduledStep, deciding: int) -> list[int]:
         """Speculative drafts for seq's decode (none without --speculative-config), within
