@@ -1,9 +1,9 @@
 """Tensor parallelism (`--tensor-parallel-size 2`, services/compute/tp/): two ranks over gloo on
 the CPU, one thread each, through `LLMEngine`, against the same engine on one rank: greedy tokens
 identical, generated and prompt logprobs within 1e-4 (float32), through chunked prefill, prefix
-caching, KV moves and preemption, and an INT8 KV cache; a vocabulary two ranks do not divide
-(the last shard padded); a dead rank; and the shapes and settings it refuses, each with one
-line. Served: tests/test_tensor_parallel_e2e.py."""
+caching, KV moves and preemption, and an INT8 KV cache; bfloat16 close; a vocabulary two ranks
+do not divide (the last shard padded); a dead rank; and the shapes and settings it refuses, each
+with one line. Served: tests/test_tensor_parallel_e2e.py."""
 
 from __future__ import annotations
 
@@ -106,6 +106,19 @@ def test_int8_kv_cache_matches_one_rank(model_dir):
     one, two = on_both(model_dir("llama"), lambda e: generate(e, PROMPTS, params),
                        kv_cache_dtype="int8")
     assert_same(one, two)
+
+
+def test_bfloat16_runs_close_to_one_rank(model_dir):
+    """bf16 weights and all-reduces: each rank's partial sums are rounded to bf16 before they
+    are added, so logprobs move by bf16's rounding (not 1e-4); greedy tokens still agree on
+    this model."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
+    one, two = on_both(model_dir("llama"), lambda e: generate(e, PROMPTS, params),
+                       dtype="bfloat16")
+    assert [ids for ids, _, _ in two] == [ids for ids, _, _ in one]
+    diffs = [abs(a - b) for (_, x, _), (_, y, _) in zip(one, two, strict=True)
+             for a, b in zip(x, y, strict=True)]
+    assert 0 < max(diffs) < 0.05  # bf16 rounding, not the float32 path
 
 
 SYSTEM = [1] + [(13 * j) % 400 + 5 for j in range(40)]  # a shared system prompt

@@ -9,6 +9,7 @@ forward, then `sampling` turns the logits into tokens, logprobs and top rows.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 
 import torch
@@ -202,7 +203,7 @@ def _configure_torch(config: EngineConfig, ranks=None) -> None:
     if config.threads > 0:  # on a small CPU, leave cores to the other services
         torch.set_num_threads(config.threads)
     elif ranks is not None:
-        torch.set_num_threads(max(1, torch.get_num_threads() // ranks.shard.size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks.shard.size))
 
 
 def _load_model(config: EngineConfig, model_config: ModelConfig, device: torch.device,
