@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from services.compute.backend import build_engine, resolve
+from services.compute.model.weights import load_weights
+from services.compute.tp.shard import Shard, ShardReader, shard_weights
 from shared.config import EngineConfig
+from shared.model_config import ModelConfig
 from shared.sampling import SamplingParams
 from shared.settings import with_settings
 from tests.hf_models import build_hf_model
@@ -25,6 +28,7 @@ MODELS = {  # build_hf_model's arch and config overrides
     # shard) and q/k/v biases (split with their rows)
     "qwen3": ("qwen3", {"tie_word_embeddings": True, "attention_bias": True}),
     "gemma3": ("gemma3", {"num_hidden_layers": 3}),  # sliding layers, sandwich norms, scaled
+    "phi3": ("phi3", {}),  # fused q/k/v and gate/up: read whole, split, then sliced
 }
 
 
@@ -98,6 +102,29 @@ def test_two_ranks_match_one(model_dir, name):
     one, two = on_both(model_dir(name), lambda e: generate(e, PROMPTS, params))
     assert_same(one, two)
     assert all(len(pl) == len(p) - 1 for (_, _, pl), p in zip(two, PROMPTS, strict=True))
+
+
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_a_rank_reads_only_its_part_of_each_split_tensor(model_dir, name):
+    """ShardReader's parts, read from safetensors, are the whole tensors' parts: rank 1 of 2
+    holds the second half of q's rows and of o's columns, and vocabulary rows 255..508 and
+    one zero row; Phi-3's fused projections are read whole and sliced after their split."""
+    path, shard = model_dir(name), Shard(1, 2)
+    cfg = ModelConfig.from_path(path)
+    read = ShardReader(cfg, shard)
+    part, whole = load_weights(path, torch.float32, take=read.take), \
+        load_weights(path, torch.float32)
+    mine = shard_weights(cfg, part, shard, frozenset(read.taken))
+    assert mine.keys() == whole.keys()
+    assert all(torch.equal(t, shard_weights(cfg, whole, shard)[n]) for n, t in mine.items())
+    q, o = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qo")
+    assert torch.equal(mine[q], whole[q][whole[q].shape[0] // 2:])
+    assert torch.equal(mine[o], whole[o][:, whole[o].shape[1] // 2:])
+    assert (q in read.taken) == (name == "llama")  # Phi-3's q is a part of qkv_proj
+    if name == "llama":
+        embed = mine["model.embed_tokens.weight"]
+        assert embed.shape[0] == 255 and not embed[-1].any()
+        assert torch.equal(embed[:-1], whole["model.embed_tokens.weight"][255:])
 
 
 def test_int8_kv_cache_matches_one_rank(model_dir):

@@ -37,13 +37,15 @@ _UNSUPPORTED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 def load_weights(
     path: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-    keep_int4: bool = False,
+    keep_int4: bool = False, take=None,
 ) -> dict[str, torch.Tensor]:
     """Load every tensor of the checkpoint in `path`, floating ones cast to `dtype`, on `device`.
 
     `path` may also be a GGUF file (see gguf_weights.py; `keep_int4` keeps its Q4_0/Q4_1
-    matrices as Int4Weight). Raises ModelLoadError when the directory has no safetensors, a
-    shard is missing, or a file cannot be read.
+    matrices as Int4Weight). `take(name, tensor)`: of a safetensors tensor (a slice object:
+    `get_shape()`, indexing), the part to keep, or None for all of it (a tensor-parallel rank's
+    shard: tp/shard.ShardReader); a GGUF file is read whole. Raises ModelLoadError when the
+    directory has no safetensors, a shard is missing, or a file cannot be read.
     """
     if is_gguf(path):
         return _split_fused(path, load_gguf_weights(path, dtype, device, keep_int4))  # norms +1
@@ -53,7 +55,7 @@ def load_weights(
     weights: dict[str, torch.Tensor] = {}
     files = _checkpoint_files(root)
     known = None if None in files.values() else sum(len(n) for n in files.values())
-    tensors = (t for file, names in files.items() for t in _read_file(file, names))
+    tensors = (t for file, names in files.items() for t in _read_file(file, names, take))
     for name, tensor in progress(tensors, known, "weights (tensors)"):
         if name in weights:
             raise ModelLoadError(f"tensor '{name}' appears in more than one file in {root}")
@@ -144,8 +146,9 @@ def _text_name(name: str) -> str:
     return name
 
 
-def _read_file(file: Path, expected: set[str] | None):
-    """Yield (name, tensor) for the tensors of one safetensors file, on CPU."""
+def _read_file(file: Path, expected: set[str] | None, take=None):
+    """Yield (name, tensor) for the tensors of one safetensors file, on CPU (`take`: see
+    load_weights)."""
     try:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             names = set(handle.keys())
@@ -156,7 +159,9 @@ def _read_file(file: Path, expected: set[str] | None):
                 )
             for name in sorted(names):
                 if not name.startswith(_VISION_PREFIXES):
-                    yield _text_name(name), handle.get_tensor(name)
+                    part = None if take is None else take(_text_name(name),
+                                                          handle.get_slice(name))
+                    yield _text_name(name), handle.get_tensor(name) if part is None else part
     except ModelLoadError:
         raise
     except Exception as exc:  # safetensors raises its own error types for corrupt files

@@ -15,7 +15,7 @@ from services.compute.model.llama import LlamaModel
 from services.compute.model.quantization import Quantization
 from services.compute.model.weights import load_weights
 from services.compute.tp.layers import GatheredHead, RowParallel, VocabEmbedding
-from services.compute.tp.shard import Shard, local_config, shard_weights
+from services.compute.tp.shard import Shard, ShardReader, local_config, shard_weights
 from shared.model_config import ModelConfig
 
 
@@ -24,11 +24,14 @@ class ParallelLlama(LlamaModel):
     (sliced here); `forward` returns the whole logits on rank 0 only."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 device: torch.device, max_positions: int, quant: Quantization, shard: Shard):
-        vocab = weights["model.embed_tokens.weight"].shape[0]
-        head = weights.get("lm_head.weight")
-        head_vocab = vocab if head is None else head.shape[0]
-        super().__init__(local_config(cfg, shard.size), shard_weights(cfg, weights, shard),
+                 device: torch.device, max_positions: int, quant: Quantization, shard: Shard,
+                 read: ShardReader | None = None):
+        """`weights`: the checkpoint's, whole but for those `read` read as the rank's part."""
+        vocab = _vocab(weights, "model.embed_tokens.weight", shard, read)
+        head_vocab = vocab if "lm_head.weight" not in weights else \
+            _vocab(weights, "lm_head.weight", shard, read)
+        done = frozenset() if read is None else frozenset(read.taken)
+        super().__init__(local_config(cfg, shard.size), shard_weights(cfg, weights, shard, done),
                          device, max_positions, quant)
         self.full_config = cfg
         self.vocab_embed = VocabEmbedding(self.embed, shard.vocab_rows(vocab)[0])
@@ -49,5 +52,14 @@ def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype
         raise ValueError(f"--tensor-parallel-size {ranks.shard.size} runs dense weights only: "
                          f"the model's weights resolve to --quantization {quant.name} (use "
                          "none)")
-    weights = load_weights(config.model, dtype, device)
-    return ParallelLlama(model_config, weights, device, max_positions, quant, ranks.shard)
+    read = ShardReader(model_config, ranks.shard)
+    weights = load_weights(config.model, dtype, device, take=read.take)
+    return ParallelLlama(model_config, weights, device, max_positions, quant, ranks.shard, read)
+
+
+def _vocab(weights: dict[str, torch.Tensor], name: str, shard: Shard,
+           read: ShardReader | None) -> int:
+    """The vocabulary rows of embedding or LM head `name`: whole, or as read by `read`."""
+    if read is None or name not in read.taken:
+        return weights[name].shape[0]
+    return read.taken[name][0]

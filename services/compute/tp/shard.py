@@ -7,8 +7,9 @@ output is a partial sum, all-reduced). Embedding and LM head: its vocabulary row
 with V' = ceil(V / n), the last shard padded with zero rows (its padded logits are trimmed after
 the gather). Norms, the Qwen3 q/k norms ([head_dim]) and RoPE are whole on every rank.
 
-The checkpoint is read whole and sliced after loading (each shard a copy, so that the whole
-tensors are freed); loading only a rank's shard is a later step.
+From a Hugging Face directory each rank reads only its part of each split tensor
+(`ShardReader`, safetensors' slices); a GGUF file, and Phi-3's fused projections, are read
+whole and sliced after loading (each part a copy, so that the whole tensors are freed).
 """
 
 from __future__ import annotations
@@ -68,30 +69,61 @@ def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // size)
 
 
-def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard: Shard
-                  ) -> dict[str, torch.Tensor]:
+def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard: Shard,
+                  done: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The tensors rank `shard.rank` holds, under the same names (see the module docstring);
-    the others as they are. `weights`: the loader's, whole, Llama's names and layout."""
+    the others as they are. `weights`: the loader's, Llama's names and layout, whole but for
+    the names in `done` (read as the rank's part already: `ShardReader`)."""
     out = {}
     for name, t in weights.items():
-        if _ROWS.search(name):
-            t = t[_row_part(cfg, name, t.shape[0], shard)].clone()
-        elif _COLUMNS.search(name):
-            t = t[:, shard.part(t.shape[1])].clone()
-        elif name in _VOCAB:
-            t = vocab_part(t, shard)
-        out[name] = t
+        part = None if name in done else part_of(cfg, name, tuple(t.shape), shard)
+        out[name] = t if part is None else _cut(t, *part)
     return out
 
 
-def vocab_part(t: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """The rank's vocabulary rows of an embedding or LM head [V, hidden], zero-padded to
-    ceil(V / size) rows."""
-    start, per = shard.vocab_rows(t.shape[0])
-    part = t[start : start + per]
-    if part.shape[0] == per:
-        return part.clone()
-    return torch.cat([part, part.new_zeros(per - part.shape[0], *t.shape[1:])])
+class ShardReader:
+    """The loader's `take` hook (model/weights.load_weights): reads only the rank's part of
+    each split tensor from a safetensors file, and remembers the names it read so, with their
+    whole shapes (`taken`), for `shard_weights` to leave. Phi-3's fused projections are read
+    whole (their parts are not one slice) and split after loading."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard):
+        self.cfg, self.shard = cfg, shard
+        self.taken: dict[str, tuple[int, ...]] = {}
+
+    def take(self, name: str, tensor) -> torch.Tensor | None:
+        """The rank's part of `tensor` (a safetensors slice: `get_shape()`, indexing), None
+        for a tensor it holds whole."""
+        shape = tuple(tensor.get_shape())
+        part = part_of(self.cfg, name, shape, self.shard)
+        if part is None:
+            return None
+        self.taken[name] = shape
+        return _cut(tensor, *part)
+
+
+def part_of(cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: Shard
+            ) -> tuple[tuple[slice, ...], int] | None:
+    """(index, rows): the rank's part of tensor `name` of `shape` is tensor[index], padded with
+    zero rows to `rows` (the last vocabulary shard); None for a tensor every rank holds whole."""
+    if _ROWS.search(name):
+        rows = _row_part(cfg, name, shape[0], shard)
+        return (rows,), rows.stop - rows.start
+    if _COLUMNS.search(name):
+        return (slice(None), shard.part(shape[1])), shape[0]
+    if name in _VOCAB:
+        start, per = shard.vocab_rows(shape[0])
+        return (slice(start, start + per),), per
+    return None
+
+
+def _cut(tensor, index: tuple[slice, ...], rows: int) -> torch.Tensor:
+    """tensor[index] as a tensor of its own (not a view keeping the whole one alive), padded
+    with zero rows to `rows`."""
+    t = tensor[index].clone(memory_format=torch.contiguous_format)
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
 def _row_part(cfg: ModelConfig, name: str, rows: int, shard: Shard) -> slice:
