@@ -94,11 +94,14 @@ def start(config, model_config, max_model_len: int) -> Ranks:
         raise RuntimeError("a tensor-parallel group already runs in this process (one engine "
                            "with --tensor-parallel-size at a time: close the other's runner)")
     store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-    procs = [_spawn((config, model_config, max_model_len, rank, store.port))
-             for rank in range(1, size)]
-    _wait_started(store, procs)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=size, timeout=TIMEOUT)
-    ranks = Ranks(Shard(0, size), procs)
+    ranks = Ranks(Shard(0, size), [_spawn((config, model_config, max_model_len, rank,
+                                            store.port)) for rank in range(1, size)])
+    try:
+        _wait_started(store, ranks.procs)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=size, timeout=TIMEOUT)
+    except BaseException:
+        ranks.abort()
+        raise
     atexit.register(ranks.close)
     return ranks
 

@@ -20,20 +20,19 @@ from shared.model_config import ModelConfig
 
 
 class ParallelLlama(LlamaModel):
-    """`LlamaModel` of rank `shard.rank`: built from the whole checkpoint's `weights`
-    (sliced here); `forward` returns the whole logits on rank 0 only."""
+    """`LlamaModel` of rank `shard.rank`, built from the loader's `weights` (the rank's parts
+    kept); `forward` returns the whole logits on rank 0 only."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, max_positions: int, quant: Quantization, shard: Shard,
                  read: ShardReader | None = None):
         """`weights`: the checkpoint's, whole but for those `read` read as the rank's part."""
-        vocab = _vocab(weights, "model.embed_tokens.weight", shard, read)
+        vocab = _vocab(weights, "model.embed_tokens.weight", read)
         head_vocab = vocab if "lm_head.weight" not in weights else \
-            _vocab(weights, "lm_head.weight", shard, read)
+            _vocab(weights, "lm_head.weight", read)
         done = frozenset() if read is None else frozenset(read.taken)
         super().__init__(local_config(cfg, shard.size), shard_weights(cfg, weights, shard, done),
                          device, max_positions, quant)
-        self.full_config = cfg
         self.vocab_embed = VocabEmbedding(self.embed, shard.vocab_rows(vocab)[0])
         if self.lm_head is not None:
             self.lm_head = GatheredHead(self.lm_head, head_vocab)
@@ -46,8 +45,9 @@ class ParallelLlama(LlamaModel):
 
 def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                   quant: Quantization, max_positions: int, ranks) -> ParallelLlama:
-    """Rank `ranks.shard.rank`'s model: the checkpoint read whole, its shard kept. ValueError
-    (one line) for weights other than dense (`--quantization none`), not split yet."""
+    """Rank `ranks.shard.rank`'s model, its parts of a Hugging Face checkpoint read alone (a
+    GGUF file's sliced after reading). ValueError (one line) for weights other than dense
+    (`--quantization none`), not split yet."""
     if quant.name != "none":
         raise ValueError(f"--tensor-parallel-size {ranks.shard.size} runs dense weights only: "
                          f"the model's weights resolve to --quantization {quant.name} (use "
@@ -57,8 +57,7 @@ def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype
     return ParallelLlama(model_config, weights, device, max_positions, quant, ranks.shard, read)
 
 
-def _vocab(weights: dict[str, torch.Tensor], name: str, shard: Shard,
-           read: ShardReader | None) -> int:
+def _vocab(weights: dict[str, torch.Tensor], name: str, read: ShardReader | None) -> int:
     """The vocabulary rows of embedding or LM head `name`: whole, or as read by `read`."""
     if read is None or name not in read.taken:
         return weights[name].shape[0]
