@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from services.compute.backend import build_engine, resolve
 from services.compute.model.weights import load_weights
@@ -19,6 +20,7 @@ from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from shared.sampling import SamplingParams
 from shared.settings import with_settings
+from tests.gguf_files import write_gguf
 from tests.hf_models import build_hf_model
 
 TOL = 1e-4
@@ -146,6 +148,19 @@ def test_bfloat16_runs_close_to_one_rank(model_dir):
     diffs = [abs(a - b) for (_, x, _), (_, y, _) in zip(one, two, strict=True)
              for a, b in zip(x, y, strict=True)]
     assert 0 < max(diffs) < 0.05  # bf16 rounding, not the float32 path
+
+
+def test_a_gguf_file_is_sliced_after_loading(tmp_path):
+    """A GGUF file (F32) is read whole, then each rank keeps its parts; a Q4 file's blocks
+    are refused under --quantization auto (not split yet), and dequantized under none."""
+    model = build_hf_model(tmp_path / "hf", "llama")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    one, two = on_both(write_gguf(tmp_path / "f32.gguf", model),
+                       lambda e: generate(e, PROMPTS, params))
+    assert_same(one, two)
+    q4 = write_gguf(tmp_path / "q4.gguf", model, GGMLQuantizationType.Q4_1)
+    with pytest.raises(ValueError, match="Q4 blocks are not split yet"):
+        engine(q4, 2, quantization="auto")
 
 
 SYSTEM = [1] + [(13 * j) % 400 + 5 for j in range(40)]  # a shared system prompt
