@@ -39,7 +39,7 @@ def uninterrupted(stack):
 
 def test_served_to_the_official_client(stack, demo_model_dir):
     """The compute process is rank 0: completions (a batch of token-id prompts, and streamed)
-    carry the tokens and logprobs of one rank run offline."""
+    carry the tokens and logprobs of one rank run offline; the banner counts the ranks."""
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=True)
     expected = generate(engine(demo_model_dir, 1), PROMPTS, params)
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
@@ -52,6 +52,7 @@ def test_served_to_the_official_client(stack, demo_model_dir):
     served = [(c.token_ids, c.logprobs.token_logprobs, []) for c in choices]
     assert_same(expected, served)
     assert [t for c in streamed for t in c.token_ids] == expected[3][0]
+    assert "on cpu x 2 tensor-parallel ranks" in stack.wait_for_log("pipellm is up")
 
 
 def rank1_pid(stack: Stack) -> int:

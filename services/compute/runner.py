@@ -90,6 +90,9 @@ class ModelRunner:
         self.drafter = None if draft is None else Drafter(draft, KVCache(
             capacity=self.kv.k.shape[1], device=self.device, **draft_kv), self.device)
         self.summary |= self._describe(kv_shape["kv_dtype"])
+        if ranks is not None:  # the whole group's weights and cache
+            self.summary |= ranks.describe(str(self.device), self.model.weight_bytes(),
+                                           self.capacity * self.kv_bytes_per_token)
         log.info("KV cache: %d slots on %s (%s)", self.capacity, self.device, self.kv.k.dtype)
 
     def _kv_capacity(self, config: EngineConfig, kv_shape: dict) -> int:

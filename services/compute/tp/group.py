@@ -57,6 +57,15 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def describe(self, device: str, weight_bytes: int, kv_bytes: int) -> dict:
+        """Start-up's report (ModelRunner.summary) of the group: its ranks, and the bytes of
+        weights and KV cache summed over them (a collective: every rank calls it)."""
+        t = torch.tensor([weight_bytes, kv_bytes], dtype=torch.int64)
+        dist.all_reduce(t)
+        weights, kv = (round(b / 2**30, 3) for b in t.tolist())
+        return {"device": f"{device} x {self.shard.size} tensor-parallel ranks",
+                "weights_gib": weights, "kv_gib": kv}
+
     def close(self) -> None:
         """Rank 0: stop the other ranks, wait for them and end the group (once)."""
         if not self.leader or not dist.is_initialized():
