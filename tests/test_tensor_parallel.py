@@ -1,9 +1,10 @@
 """Tensor parallelism (`--tensor-parallel-size 2`, services/compute/tp/): two ranks over gloo on
 the CPU, one thread each, through `LLMEngine`, against the same engine on one rank: greedy tokens
 identical, generated and prompt logprobs within 1e-4 (float32), through chunked prefill, prefix
-caching, KV moves and preemption, and an INT8 KV cache; bfloat16 close; a vocabulary two ranks
-do not divide (the last shard padded); a dead rank; and the shapes and settings it refuses, each
-with one line. Served: tests/test_tensor_parallel_e2e.py."""
+caching, KV moves and preemption, an INT8 KV cache; bfloat16 close; mixtures of experts
+(every expert split); a vocabulary two ranks do not divide (the last shard padded); a GGUF file;
+a dead rank; and the shapes and settings it refuses, each with one line. Served:
+tests/test_tensor_parallel_e2e.py."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ MODELS = {  # build_hf_model's arch and config overrides
     "qwen3": ("qwen3", {"tie_word_embeddings": True, "attention_bias": True}),
     "gemma3": ("gemma3", {"num_hidden_layers": 3}),  # sliding layers, sandwich norms, scaled
     "phi3": ("phi3", {}),  # fused q/k/v and gate/up: read whole, split, then sliced
+    # mixtures of experts, 8 experts of 64 (32 a rank), top 2: every expert split
+    "qwen3-moe": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", {}),
+}
+ENGINE = {  # engine settings of a model's test_two_ranks_match_one, on both sides
+    # each rank quantizes its own heads' K/V: the groups of 8 lie within a head
+    "mixtral": {"kv_cache_dtype": "int8"},
 }
 
 
@@ -98,10 +106,11 @@ PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for i in range(5 + 11 * j)] for j in range
 @pytest.mark.parametrize("name", list(MODELS))
 def test_two_ranks_match_one(model_dir, name):
     """Chunked prefill (prompts up to 38 tokens, steps of 16), decodes merged with prefills,
-    generated and prompt logprobs (both through the gathered LM head)."""
+    generated and prompt logprobs (both through the gathered LM head); ENGINE's settings."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
                             prompt_logprobs=0)
-    one, two = on_both(model_dir(name), lambda e: generate(e, PROMPTS, params))
+    one, two = on_both(model_dir(name), lambda e: generate(e, PROMPTS, params),
+                       **ENGINE.get(name, {}))
     assert_same(one, two)
     assert all(len(pl) == len(p) - 1 for (_, _, pl), p in zip(two, PROMPTS, strict=True))
 
@@ -127,14 +136,6 @@ def test_a_rank_reads_only_its_part_of_each_split_tensor(model_dir, name):
         embed = mine["model.embed_tokens.weight"]
         assert embed.shape[0] == 255 and not embed[-1].any()
         assert torch.equal(embed[:-1], whole["model.embed_tokens.weight"][255:])
-
-
-def test_int8_kv_cache_matches_one_rank(model_dir):
-    """Each rank quantizes its own heads' K/V: the groups of 8 lie within a head."""
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True)
-    one, two = on_both(model_dir("llama"), lambda e: generate(e, PROMPTS, params),
-                       kv_cache_dtype="int8")
-    assert_same(one, two)
 
 
 def test_bfloat16_runs_close_to_one_rank(model_dir):
@@ -221,9 +222,13 @@ def test_settings_it_cannot_run_are_refused(setting, message):
     assert "\n" not in str(e.value)
 
 
-def test_mixture_of_experts_is_refused(tmp_path):
-    build_hf_model(tmp_path, "qwen3_moe")
-    with pytest.raises(ValueError, match="mixture-of-experts models are not split yet"):
+@pytest.mark.parametrize(("arch", "overrides", "message"), [
+    ("qwen3_moe", {"moe_intermediate_size": 63}, "63 experts' intermediate size"),
+    ("olmoe", {}, "q/k norms span every head"),
+])
+def test_experts_it_cannot_split_are_refused(tmp_path, arch, overrides, message):
+    build_hf_model(tmp_path, arch, **overrides)
+    with pytest.raises(ValueError, match=message):
         engine(tmp_path, 2)
 
 

@@ -36,8 +36,12 @@ class ParallelLlama(LlamaModel):
         self.vocab_embed = VocabEmbedding(self.embed, shard.vocab_rows(vocab)[0])
         if self.lm_head is not None:
             self.lm_head = GatheredHead(self.lm_head, head_vocab)
-        for layer in self.layers:
-            layer.o, layer.down = RowParallel(layer.o), RowParallel(layer.down)
+        for layer in self.layers:  # the MLP: dense, or a mixture of experts (tp experts)
+            layer.o = RowParallel(layer.o)
+            if layer.moe is None:
+                layer.down = RowParallel(layer.down)
+            else:
+                layer.moe = RowParallel(layer.moe)
 
     def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.vocab_embed(ids)

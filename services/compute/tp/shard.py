@@ -3,9 +3,12 @@
 Rank r of n holds, of every layer: q/k/v's rows of its heads (attention heads
 [r H/n, (r+1) H/n), KV heads [r Hkv/n, (r+1) Hkv/n)) and gate/up's rows of its slice of the
 intermediate size (column-parallel); o's and down's matching columns (row-parallel: each rank's
-output is a partial sum, all-reduced). Embedding and LM head: its vocabulary rows [r V', (r+1) V')
-with V' = ceil(V / n), the last shard padded with zero rows (its padded logits are trimmed after
-the gather). Norms, the Qwen3 q/k norms ([head_dim]) and RoPE are whole on every rank.
+output is a partial sum, all-reduced). A mixture of experts' experts are split alike, each
+expert's gate/up rows and down columns (tensor-parallel experts: every rank runs every expert
+on its slice, the router whole; one all-reduce after the layer). Embedding and LM head: its
+vocabulary rows [r V', (r+1) V') with V' = ceil(V / n), the last shard padded with zero rows
+(its padded logits are trimmed after the gather). Norms, the Qwen3 q/k norms ([head_dim]) and
+RoPE are whole on every rank.
 
 From a Hugging Face directory each rank reads only its part of each split tensor
 (`ShardReader`, safetensors' slices); a GGUF file, and Phi-3's fused projections, are read
@@ -21,10 +24,13 @@ import torch
 
 from shared.model_config import ModelConfig
 
-# the layer tensors split along their rows (output features) or columns (input features)
-_ROWS = re.compile(
-    r"model\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias)$")
-_COLUMNS = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
+# the layer tensors split along their rows (output features) or columns (input features):
+# attention, dense MLP, and each expert's (Qwen3-MoE's names, Mixtral's w1/w3 = gate/up, w2)
+_ROWS = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(experts\.\d+\.)?(gate|up)"
+                   r"_proj|block_sparse_moe\.experts\.\d+\.w[13])\.(weight|bias)$")
+_COLUMNS = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.(experts\.\d+\.)?down_proj"
+                      r"|block_sparse_moe\.experts\.\d+\.w2)\.weight$")
+_STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")  # transformers v5's stacks
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -50,23 +56,22 @@ class Shard:
 def check(cfg: ModelConfig, size: int) -> None:
     """ValueError, one line, where `size` ranks cannot split this model."""
     for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("intermediate size", cfg.intermediate_size)):
+                    ("intermediate size", cfg.intermediate_size),
+                    ("experts' intermediate size", cfg.moe_intermediate_size)):
         if n % size:
             raise ValueError(f"--tensor-parallel-size {size} does not divide the model's {n} "
                              f"{what}")
-    if cfg.num_experts:
-        raise ValueError(f"--tensor-parallel-size {size}: mixture-of-experts models are not "
-                         "split yet")
     if cfg.qk_norm_full:  # a norm over the whole q and k: across ranks
         raise ValueError(f"--tensor-parallel-size {size}: {cfg.architecture}'s q/k norms span "
                          "every head and are not split yet")
 
 
 def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The config of one rank's slice: its heads, KV heads and intermediate size."""
+    """The config of one rank's slice: its heads, KV heads and intermediate sizes."""
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // size,
                                num_kv_heads=cfg.num_kv_heads // size,
-                               intermediate_size=cfg.intermediate_size // size)
+                               intermediate_size=cfg.intermediate_size // size,
+                               moe_intermediate_size=cfg.moe_intermediate_size // size)
 
 
 def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard: Shard,
@@ -114,6 +119,9 @@ def part_of(cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: Shard
     if name in _VOCAB:
         start, per = shard.vocab_rows(shape[0])
         return (slice(start, start + per),), per
+    if _STACKED.search(name):
+        raise ValueError(f"--tensor-parallel-size {shard.size}: stacked experts ('{name}') are "
+                         "not split yet")
     return None
 
 
