@@ -99,7 +99,7 @@ class Child:
 def compute_env(engine: EngineConfig, n: int, rank: int) -> dict[str, str]:
     """What compute process `rank` of n gets besides the common settings: its rank, its
     device (the rank-th visible GPU) and, on a CPU without --threads, its share of the
-    cores."""
+    cores (each of its --tensor-parallel-size ranks: as much)."""
     if n == 1:
         return {}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -109,7 +109,7 @@ def compute_env(engine: EngineConfig, n: int, rank: int) -> dict[str, str]:
     if engine.threads == 0:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
-        env["PIPELLM_THREADS"] = str(max(cores // n, 1))
+        env["PIPELLM_THREADS"] = str(max(cores // (n * engine.tensor_parallel_size), 1))
     return env
 
 

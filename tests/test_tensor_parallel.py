@@ -8,6 +8,7 @@ tests/test_tensor_parallel_e2e.py."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -246,3 +247,12 @@ def test_a_dead_rank_fails_the_next_step_at_once(model_dir):
         eng.runner.close()
     assert not torch.distributed.is_initialized()
 
+
+
+def test_each_rank_of_each_data_parallel_compute_gets_its_share_of_cores(monkeypatch):
+    """--data-parallel-size 4 x --tensor-parallel-size 2 on 16 cores: 2 threads a rank."""
+    from services.supervisor import compute_env
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    env = compute_env(EngineConfig(model="unused", tensor_parallel_size=2), 4, 2)
+    assert env["PIPELLM_THREADS"] == "2"

@@ -56,8 +56,13 @@ def test_served_to_the_official_client(stack, demo_model_dir):
 
 
 def rank1_pid(stack: Stack) -> int:
-    """The pid of compute's rank 1 (its child running services.compute.tp.worker)."""
-    (proc,) = [p for p in psutil.Process(stack.pid("compute")).children()
+    """The pid of compute's rank 1."""
+    return rank1_pid_of(stack.pid("compute"))
+
+
+def rank1_pid_of(compute: int) -> int:
+    """The pid of rank 1 of compute process `compute` (its child running the tp worker)."""
+    (proc,) = [p for p in psutil.Process(compute).children()
                if "services.compute.tp.worker" in p.cmdline()]
     return proc.pid
 
@@ -88,3 +93,24 @@ def test_a_killed_rank_restarts_the_group_and_streams_resume(stack, uninterrupte
         assert (r["error"], r["text"], r["finish"]) == (None, w["text"], "length")
     assert stack.pid("compute") != old and rank1_pid(stack) != old_rank1
     assert not alive(old_rank1)  # no rank outlives its group
+
+
+def test_data_parallel_computes_are_each_a_tensor_parallel_group(demo_model_dir):
+    """--data-parallel-size 2 x --tensor-parallel-size 2: two compute processes, each rank 0
+    of its own group with its own rank 1; requests routed to either get one rank's tokens."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = [ids for ids, _, _ in generate(engine(demo_model_dir, 1), PROMPTS, params)]
+    stack = Stack(demo_model_dir, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                  "--dtype", "float32", "--data-parallel-routing", "round-robin"
+                  ).start(timeout_s=180)
+    try:
+        computes = [stack.pid(f"compute-{r}") for r in range(2)]
+        assert len({rank1_pid_of(pid) for pid in computes}) == 2
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+        got = [client.completions.create(
+            model=MODEL, prompt=p, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0].token_ids
+            for p in PROMPTS]
+    finally:
+        stack.stop()
+    assert got == expected
