@@ -72,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
             from services.supervisor import up
 
             engine, svc = _configs(args)
+            if engine.node_rank > 0:  # another machine's tensor-parallel ranks, no services
+                from services.compute.tp.node import serve_node
+
+                return serve_node(engine)
+            if engine.nnodes > 1 and svc.data_parallel_size > 1:
+                raise ValueError("--nnodes over 1 does not go with --data-parallel-size yet")
             _check_model(engine)
             return up(engine, svc)  # its banner says which sampling defaults apply
         return _generate(args)

@@ -244,6 +244,16 @@ class EngineConfig:
         1, "ranks (processes) one model is split across, Megatron-style (vLLM's flag): rank 0 "
         "schedules and broadcasts each step, every rank runs its shard of the forward "
         "(torch.distributed, gloo on CPU); with --threads, threads per rank", group=MODEL)
+    nnodes: int = setting(1, "machines the --tensor-parallel-size ranks span (torchrun's name), "
+                          "as many ranks on each; every machine runs the same command with its "
+                          "--node-rank", group=MODEL)
+    node_rank: int = setting(0, "this machine's place among --nnodes: 0 serves (rank 0 and the "
+                             "services), another runs only its ranks, following rank 0's "
+                             "restarts", group=MODEL)
+    master_addr: str = setting("127.0.0.1", "with --nnodes over 1: the address of node 0, "
+                               "where the ranks meet (torchrun's name)", group=MODEL)
+    master_port: int = setting(0, "with --nnodes over 1: the port on node 0 where the ranks "
+                               "meet; 0 (one machine only): a free one", group=MODEL)
     backend: BackendName = setting(BackendName.TORCH, "torch (run the model) or sim (a modelled "
                                    "GPU, no weights)", group=MODEL)
     runner: RunnerName = setting(RunnerName.GENERATE, "generate (chat, completions, ...) or "
@@ -397,6 +407,13 @@ class EngineConfig:
         are checked where it is read: services/compute/tp/shard.py)."""
         if self.tensor_parallel_size < 1:
             raise ValueError("--tensor-parallel-size must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes or \
+                self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"--nnodes {self.nnodes} must divide --tensor-parallel-size "
+                             f"{self.tensor_parallel_size}, and --node-rank be below it")
+        if self.nnodes > 1 and not 0 < self.master_port < 65536:
+            raise ValueError("--nnodes over 1 needs --master-port: the port on node 0 where "
+                             "the ranks meet")
         if self.tensor_parallel_size == 1:
             return
         for flag, on in (("--backend sim", self.backend == BackendName.SIM),

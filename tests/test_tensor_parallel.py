@@ -3,8 +3,8 @@ the CPU, one thread each, through `LLMEngine`, against the same engine on one ra
 identical, generated and prompt logprobs within 1e-4 (float32), through chunked prefill, prefix
 caching, KV moves and preemption, an INT8 KV cache; bfloat16 close; mixtures of experts
 (every expert split); a vocabulary two ranks do not divide (the last shard padded); a GGUF file;
-a dead rank; and the shapes and settings it refuses, each with one line. Served:
-tests/test_tensor_parallel_e2e.py."""
+a dead rank; and the shapes and settings it refuses, each with one line. Served, and across
+machines: tests/test_tensor_parallel_e2e.py."""
 
 from __future__ import annotations
 
@@ -216,6 +216,9 @@ def test_shapes_it_does_not_divide_are_refused(tmp_path, overrides, size, messag
     ({"device": "cuda"}, "does not go with --device cuda"),
     ({"enable_lora": True}, "does not go with --enable-lora"),
     ({"tensor_parallel_size": 0}, "must be at least 1"),
+    ({"nnodes": 3}, "--nnodes 3 must divide --tensor-parallel-size 2"),
+    ({"nnodes": 2, "node_rank": 2, "master_port": 29500}, "--node-rank be below it"),
+    ({"nnodes": 2}, "--nnodes over 1 needs --master-port"),
 ])
 def test_settings_it_cannot_run_are_refused(setting, message):
     with pytest.raises(ValueError, match=message) as e:

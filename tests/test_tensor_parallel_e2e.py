@@ -1,19 +1,25 @@
 """`pipellm serve --tensor-parallel-size 2` (services/compute/tp/) through the real services and
 the official client: the compute process is rank 0 and starts rank 1; either killed, compute
-restarts with a new group and the streams resume."""
+restarts with a new group and the streams resume; data parallel computes of tensor-parallel
+groups; ranks on two machines (`--nnodes 2`, here both on this one)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import openai
 import psutil
 import pytest
 
+from services.compute.tp import group
+from shared.redis_server import free_port
 from shared.sampling import SamplingParams
+from tests.hf_models import build_hf_model
 from tests.stack import Stack
 from tests.test_faults import MODEL, run_round
 from tests.test_tensor_parallel import PROMPTS, assert_same, engine, generate
@@ -114,3 +120,33 @@ def test_data_parallel_computes_are_each_a_tensor_parallel_group(demo_model_dir)
     finally:
         stack.stop()
     assert got == expected
+
+
+
+def test_ranks_across_two_machines_follow_rank_0_from_group_to_group(tmp_path, monkeypatch):
+    """--nnodes 2 on one machine: node 1 (`pipellm serve --node-rank 1`, its own settings)
+    runs rank 1 only; two engines in turn on node 0 (rank 0) each meet a rank 1 of node 1's at
+    --master-port and give one rank's tokens."""
+    monkeypatch.setattr(group, "START_TIMEOUT_S", 30.0)  # a rank 1 missing fails in 30 s
+    path, port = tmp_path, free_port()
+    build_hf_model(path, "llama")
+    meet = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(port)]
+    node1 = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", str(path), *meet,
+                              "--node-rank", "1", "--dtype", "float32", "--threads", "1",
+                              "--quantization", "none", "--kv-cache-tokens", "2048",
+                              "--max-batched-tokens", "16", "--max-running", "8"])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    try:
+        one = generate(engine(path, 1), PROMPTS, params)
+        for _ in range(2):
+            eng = engine(path, 2, nnodes=2, master_addr="127.0.0.1", master_port=port)
+            try:
+                assert eng.runner.ranks.procs == []  # rank 1 is node 1's
+                assert_same(one, generate(eng, PROMPTS, params))
+            finally:
+                eng.runner.close()
+    finally:
+        node1.terminate()
+        node1.wait()
+

@@ -206,7 +206,7 @@ def _configure_torch(config: EngineConfig, ranks=None) -> None:
     if config.threads > 0:  # on a small CPU, leave cores to the other services
         torch.set_num_threads(config.threads)
     elif ranks is not None:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks.shard.size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks.local))
 
 
 def _load_model(config: EngineConfig, model_config: ModelConfig, device: torch.device,

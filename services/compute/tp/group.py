@@ -3,7 +3,8 @@ runs the scheduler and the sampling); it starts ranks 1..n-1 as child processes
 (`python -m services.compute.tp.worker`, their arguments pickled on stdin: no re-import of the
 caller's main module, as multiprocessing's spawn would), which run the forward only and die
 with rank 0 (PR_SET_PDEATHSIG). All n join torch.distributed's default process group
-(gloo) through a TCPStore rank 0 serves on a free local port.
+(gloo) through a TCPStore rank 0 serves on a free local port, or with --nnodes over 1 on
+--master-addr:--master-port, where the other machines' ranks (`node.py`) join it too.
 
 Lifetime: rank 0's `Ranks.close()` (at the latest at interpreter exit) tells the others to stop
 and ends the group. A rank that dies breaks its peers' next collective (gloo sees the closed
@@ -40,10 +41,13 @@ START_TIMEOUT_S = 300.0  # for the spawned ranks to reach the store
 @dataclasses.dataclass
 class Ranks:
     """This process's place in the group (torch.distributed's default group, joined): its
-    shard and, on rank 0, the other ranks' processes."""
+    shard, the ranks on this machine (`local`) and, on rank 0, the other ranks' processes on
+    it and the store the group meets at."""
 
     shard: Shard
+    local: int
     procs: list = dataclasses.field(default_factory=list)
+    store: dist.TCPStore | None = None
 
     @property
     def leader(self) -> bool:
@@ -81,6 +85,7 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 p.terminate()
         dist.destroy_process_group()
+        self.store = None  # its server goes: another machine's ranks wait for the next one
 
     def abort(self) -> None:
         """Rank 0, its start-up failed: end the other ranks (wherever they are) and the
@@ -91,6 +96,7 @@ class Ranks:
             p.wait(timeout=30)
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.store = None
 
 
 def start(config, model_config, max_model_len: int) -> Ranks:
@@ -102,11 +108,14 @@ def start(config, model_config, max_model_len: int) -> Ranks:
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel group already runs in this process (one engine "
                            "with --tensor-parallel-size at a time: close the other's runner)")
-    store = dist.TCPStore(HOST, 0, size, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-    ranks = Ranks(Shard(0, size), [_spawn((config, model_config, max_model_len, rank,
-                                            store.port)) for rank in range(1, size)])
+    local = size // config.nnodes  # ranks 0..local-1 here, the others on the other machines
+    store = dist.TCPStore(meeting_host(config), config.master_port, size, is_master=True,
+                          wait_for_workers=False, timeout=TIMEOUT)
+    ranks = Ranks(Shard(0, size), local, store=store, procs=[
+        spawn((config, model_config, max_model_len, rank, store.port))
+        for rank in range(1, local)])
     try:
-        _wait_started(store, ranks.procs)
+        _wait_started(store, ranks.procs, size)
         dist.init_process_group("gloo", store=store, rank=0, world_size=size, timeout=TIMEOUT)
     except BaseException:
         ranks.abort()
@@ -115,12 +124,18 @@ def start(config, model_config, max_model_len: int) -> Ranks:
     return ranks
 
 
-def join(rank: int, size: int, port: int) -> Ranks:
-    """A spawned rank's start-up: join rank 0's group."""
-    store = dist.TCPStore(HOST, port, size, is_master=False, timeout=TIMEOUT)
+def join(config, rank: int, port: int) -> Ranks:
+    """A spawned rank's start-up: join rank 0's group (waiting for its store to be up)."""
+    size = config.tensor_parallel_size
+    store = dist.TCPStore(meeting_host(config), port, size, is_master=False, timeout=TIMEOUT)
     store.set(f"started/{rank}", "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=TIMEOUT)
-    return Ranks(Shard(rank, size))
+    return Ranks(Shard(rank, size), size // config.nnodes)
+
+
+def meeting_host(config) -> str:
+    """Where the ranks meet: node 0's --master-addr across machines, else this one."""
+    return config.master_addr if config.nnodes > 1 else HOST
 
 
 def refuse(config, model_config) -> None:
@@ -141,7 +156,7 @@ def refuse(config, model_config) -> None:
                          "file's Q4 blocks are not split yet (use --quantization none)")
 
 
-def _spawn(args: tuple) -> subprocess.Popen:
+def spawn(args: tuple) -> subprocess.Popen:
     """A rank's process: worker.main(*args), `args` pickled on its stdin."""
     from services.supervisor import _die_with_parent
 
@@ -155,10 +170,11 @@ def _spawn(args: tuple) -> subprocess.Popen:
     return proc
 
 
-def _wait_started(store: dist.TCPStore, procs: list) -> None:
-    """Wait until every spawned rank has reached the store; RuntimeError naming the first
-    that exited before (its own error is on its stderr) or on START_TIMEOUT_S."""
-    keys = [f"started/{rank}" for rank in range(1, len(procs) + 1)]
+def _wait_started(store: dist.TCPStore, procs: list, size: int) -> None:
+    """Wait until ranks 1..size-1 (`procs`: those spawned here, 1..) have reached the store;
+    RuntimeError naming the first of `procs` that exited before (its own error is on its
+    stderr), or on START_TIMEOUT_S (another machine's ranks missing)."""
+    keys = [f"started/{rank}" for rank in range(1, size)]
     deadline = time.monotonic() + START_TIMEOUT_S
     while not store.check(keys):
         for rank, p in enumerate(procs, 1):
@@ -166,5 +182,6 @@ def _wait_started(store: dist.TCPStore, procs: list) -> None:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited with code "
                                    f"{p.returncode} before joining the group")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"tensor-parallel ranks did not start in {START_TIMEOUT_S} s")
+            raise RuntimeError(f"tensor-parallel ranks did not start in {START_TIMEOUT_S} s "
+                               "(with --nnodes: is every machine's --node-rank running?)")
         time.sleep(0.05)

@@ -20,7 +20,7 @@ def main(config, model_config, max_model_len: int, rank: int, port: int) -> None
     """The process's body (its arguments come pickled on stdin: `python -m` this module)."""
     from services.compute.runner import ModelRunner
 
-    ranks = join(rank, config.tensor_parallel_size, port)
+    ranks = join(config, rank, port)
     try:
         runner = ModelRunner(config, model_config, max_model_len, ranks)
         while (inputs := broadcast(None)) is not None:
