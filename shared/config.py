@@ -424,11 +424,11 @@ class EngineConfig:
                                                 and self.scheduler.speculative.model))):
             if on:
                 raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not "
-                                 f"go with {flag} yet (CPU ranks over gloo, dense weights)")
-        if self.quantization not in ("auto", "none"):
+                                 f"go with {flag} yet (CPU ranks over gloo)")
+        if self.quantization not in ("auto", "none", "int4"):
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} runs dense "
-                             f"weights only: --quantization {self.quantization} is not split "
-                             "yet (use none)")
+                             f"or int4 weights: --quantization {self.quantization} is not "
+                             "split yet")
 
     def _check_lora(self) -> None:
         """--lora-modules parsed and every adapter's rank read now: a bad one fails at

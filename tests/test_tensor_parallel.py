@@ -1,10 +1,10 @@
 """Tensor parallelism (`--tensor-parallel-size 2`, services/compute/tp/): two ranks over gloo on
 the CPU, one thread each, through `LLMEngine`, against the same engine on one rank: greedy tokens
 identical, generated and prompt logprobs within 1e-4 (float32), through chunked prefill, prefix
-caching, KV moves and preemption, an INT8 KV cache; bfloat16 close; mixtures of experts
-(every expert split); a vocabulary two ranks do not divide (the last shard padded); a GGUF file;
-a dead rank; and the shapes and settings it refuses, each with one line. Served, and across
-machines: tests/test_tensor_parallel_e2e.py."""
+caching, KV moves and preemption, an INT8 KV cache; bfloat16 close; mixtures of experts (every
+expert split); INT4 weights; a vocabulary two ranks do not divide (the last shard padded); a
+GGUF file of Q4 blocks; a dead rank; and the shapes and settings it refuses, each with one line.
+Served, and across machines: tests/test_tensor_parallel_e2e.py."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ MODELS = {  # build_hf_model's arch and config overrides
 ENGINE = {  # engine settings of a model's test_two_ranks_match_one, on both sides
     # each rank quantizes its own heads' K/V: the groups of 8 lie within a head
     "mixtral": {"kv_cache_dtype": "int8"},
+    # INT4 weights quantized after the split: a rank's columns are whole groups of 32
+    "qwen3-moe": {"quantization": "int4"},
 }
 
 
@@ -153,16 +155,20 @@ def test_bfloat16_runs_close_to_one_rank(model_dir):
 
 
 def test_a_gguf_file_is_sliced_after_loading(tmp_path):
-    """A GGUF file (F32) is read whole, then each rank keeps its parts; a Q4 file's blocks
-    are refused under --quantization auto (not split yet), and dequantized under none."""
+    """A GGUF file of Q4_1 blocks (kept as they are: --quantization auto) is read whole, then
+    each rank keeps its blocks: rows, or whole groups of columns."""
     model = build_hf_model(tmp_path / "hf", "llama")
+    gguf = write_gguf(tmp_path / "q4.gguf", model, GGMLQuantizationType.Q4_1)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
-    one, two = on_both(write_gguf(tmp_path / "f32.gguf", model),
-                       lambda e: generate(e, PROMPTS, params))
+    one, two = on_both(gguf, lambda e: generate(e, PROMPTS, params), quantization="auto")
     assert_same(one, two)
-    q4 = write_gguf(tmp_path / "q4.gguf", model, GGMLQuantizationType.Q4_1)
-    with pytest.raises(ValueError, match="Q4 blocks are not split yet"):
-        engine(q4, 2, quantization="auto")
+
+
+def test_int4_groups_a_rank_would_cut_are_refused(tmp_path):
+    build_hf_model(tmp_path, "llama", intermediate_size=96)  # 48 columns of down a rank
+    with pytest.raises(ValueError, match="48 columns of the model's intermediate size are not "
+                       "whole groups of 32"):
+        engine(tmp_path, 2, quantization="int4")
 
 
 SYSTEM = [1] + [(13 * j) % 400 + 5 for j in range(40)]  # a shared system prompt
@@ -212,7 +218,7 @@ def test_shapes_it_does_not_divide_are_refused(tmp_path, overrides, size, messag
 
 
 @pytest.mark.parametrize(("setting", "message"), [
-    ({"quantization": "int4"}, "dense weights only: --quantization int4"),
+    ({"quantization": "w8a8"}, "--quantization w8a8 is not split yet"),
     ({"device": "cuda"}, "does not go with --device cuda"),
     ({"enable_lora": True}, "does not go with --enable-lora"),
     ({"tensor_parallel_size": 0}, "must be at least 1"),

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.compute.tp.shard import Shard, check
+from services.compute.tp.shard import Shard, check, check_int4
 from services.compute.tp.step import broadcast
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,8 @@ def meeting_host(config) -> str:
 
 def refuse(config, model_config) -> None:
     """ValueError, one line, before any rank starts, where the group cannot run this model:
-    shapes `size` does not divide (shard.check), a device other than the CPU, weights that
-    are not dense (a Q4 GGUF file's blocks kept under --quantization auto)."""
+    shapes `size` does not divide (shard.check), a device other than the CPU, INT4 groups a
+    rank's part would cut (shard.check_int4)."""
     from services.compute.model.quantization import gguf_int4
     from services.compute.runner import resolve_device
 
@@ -151,9 +151,9 @@ def refuse(config, model_config) -> None:
     if device.type != "cpu":
         raise ValueError(f"--tensor-parallel-size {size} runs on the CPU (gloo) only for now, "
                          f"not on {device}")
-    if config.quantization == "auto" and gguf_int4(config.model):
-        raise ValueError(f"--tensor-parallel-size {size} runs dense weights only: this GGUF "
-                         "file's Q4 blocks are not split yet (use --quantization none)")
+    blocks = config.quantization == "auto" and gguf_int4(config.model)  # Q4 blocks kept
+    if blocks or config.quantization == "int4":
+        check_int4(model_config, size, 32 if blocks else config.int4_group_size)
 
 
 def spawn(args: tuple) -> subprocess.Popen:

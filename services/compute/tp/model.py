@@ -50,14 +50,15 @@ class ParallelLlama(LlamaModel):
 def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                   quant: Quantization, max_positions: int, ranks) -> ParallelLlama:
     """Rank `ranks.shard.rank`'s model, its parts of a Hugging Face checkpoint read alone (a
-    GGUF file's sliced after reading). ValueError (one line) for weights other than dense
-    (`--quantization none`), not split yet."""
-    if quant.name != "none":
-        raise ValueError(f"--tensor-parallel-size {ranks.shard.size} runs dense weights only: "
-                         f"the model's weights resolve to --quantization {quant.name} (use "
-                         "none)")
+    GGUF file's sliced after reading, Q4 blocks kept as they are under int4), quantized as
+    on one rank after the split. ValueError (one line) for w8a8 and fp8, not split yet (their
+    per-channel scales and SmoothQuant's calibration span a row-parallel layer's ranks)."""
+    if quant.name not in ("none", "int4"):
+        raise ValueError(f"--tensor-parallel-size {ranks.shard.size} runs dense or int4 "
+                         f"weights: --quantization {quant.name} is not split yet")
     read = ShardReader(model_config, ranks.shard)
-    weights = load_weights(config.model, dtype, device, take=read.take)
+    weights = load_weights(config.model, dtype, device, keep_int4=quant.keeps_gguf_blocks,
+                           take=read.take)
     return ParallelLlama(model_config, weights, device, max_positions, quant, ranks.shard, read)
 
 

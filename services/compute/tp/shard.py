@@ -22,6 +22,7 @@ import re
 
 import torch
 
+from kernels.int4_gemm import Int4Weight
 from shared.model_config import ModelConfig
 
 # the layer tensors split along their rows (output features) or columns (input features):
@@ -125,9 +126,11 @@ def part_of(cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: Shard
     return None
 
 
-def _cut(tensor, index: tuple[slice, ...], rows: int) -> torch.Tensor:
+def _cut(tensor, index: tuple[slice, ...], rows: int) -> torch.Tensor | Int4Weight:
     """tensor[index] as a tensor of its own (not a view keeping the whole one alive), padded
-    with zero rows to `rows`."""
+    with zero rows to `rows`; of INT4 blocks (a GGUF file's, kept), the blocks' part."""
+    if isinstance(tensor, Int4Weight):
+        return _int4_part(tensor, index)
     t = tensor[index].clone(memory_format=torch.contiguous_format)
     if t.shape[0] == rows:
         return t
@@ -143,3 +146,30 @@ def _row_part(cfg: ModelConfig, name: str, rows: int, shard: Shard) -> slice:
         raise ValueError(f"tensor '{name}' has {rows} rows; {n} heads of {cfg.head_dim} make "
                          f"{n * cfg.head_dim}")
     return shard.part(rows)
+
+
+def _int4_part(w: Int4Weight, index: tuple[slice, ...]) -> Int4Weight:
+    """Rows, or whole groups of columns, of INT4 blocks (values packed in pairs along a row,
+    a scale and a min per group): `check_int4` makes a rank's columns whole groups."""
+    rows = index[0]
+    if len(index) == 1:
+        return Int4Weight(*(t[rows].clone() for t in (w.packed, w.scales, w.mins)),
+                          w.group_size)
+    cols, g = index[1], w.group_size
+    assert cols.start % g == 0 and cols.stop % g == 0, (cols, g)
+    return Int4Weight(w.packed[:, cols.start // 2 : cols.stop // 2].clone(),
+                      *(t[:, cols.start // g : cols.stop // g].clone()
+                        for t in (w.scales, w.mins)), g)
+
+
+def check_int4(cfg: ModelConfig, size: int, group: int) -> None:
+    """ValueError, one line, where a rank's part of a row-parallel layer's input (o's heads,
+    down's intermediate slice) is not whole INT4 groups of `group` columns."""
+    for what, cols in (("attention heads' width", cfg.num_heads * cfg.head_dim),
+                       ("intermediate size", cfg.intermediate_size),
+                       ("experts' intermediate size", cfg.moe_intermediate_size)):
+        if cols // size % group:
+            raise ValueError(f"--tensor-parallel-size {size} with INT4 weights: a rank's "
+                             f"{cols // size} columns of the model's {what} are not whole "
+                             f"groups of {group}")
+
