@@ -120,7 +120,8 @@ class Scheduler:
                 deciding = sum(s.status is SeqStatus.RUNNING for s in order[i:]) \
                     if self.speculation is not None else 0
                 items.append(WorkItem.decode(seq, self._drafts(seq, step, deciding)))
-        items[first:] = sorted(items[first:], key=lambda item: item.seq.admit_order)
+        if urgency is not None:  # (fcfs's order is the admission order already)
+            items[first:] = sorted(items[first:], key=lambda item: item.seq.admit_order)
 
     def _drafts(self, seq: Sequence, step: ScheduledStep, deciding: int) -> list[int]:
         """Speculative drafts for seq's decode (none without --speculative-config), within
