@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
             engine, svc = _configs(args)
             if engine.node_rank > 0:  # another machine's tensor-parallel ranks, no services
-                from services.compute.tp.node import serve_node
+                from services.compute.tp_node import serve_node
 
                 return serve_node(engine)
             if engine.nnodes > 1 and svc.data_parallel_size > 1:

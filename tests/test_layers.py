@@ -23,7 +23,8 @@ FLOORS = {
     "runner": 5, "sim": 5,
     "engine": 6,
     "backend": 7, "warmup": 7, "compute_core": 7, "embed_core": 7,
-    "service": 8, "sim_cluster": 8,
+    "tp": 3,
+    "service": 8, "sim_cluster": 8, "tp_worker": 8, "tp_node": 8,
 }
 
 

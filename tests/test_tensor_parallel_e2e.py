@@ -69,7 +69,7 @@ def rank1_pid(stack: Stack) -> int:
 def rank1_pid_of(compute: int) -> int:
     """The pid of rank 1 of compute process `compute` (its child running the tp worker)."""
     (proc,) = [p for p in psutil.Process(compute).children()
-               if "services.compute.tp.worker" in p.cmdline()]
+               if "services.compute.tp_worker" in p.cmdline()]
     return proc.pid
 
 

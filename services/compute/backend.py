@@ -38,9 +38,10 @@ def resolve(config: EngineConfig) -> EngineConfig:
         sim.check_config(config)
     mc, context = served_model(config)
     if config.tensor_parallel_size > 1:  # shapes it cannot split, weights it cannot run
+        from services.compute.runner import resolve_device
         from services.compute.tp.group import refuse
 
-        refuse(config, mc)
+        refuse(config, mc, resolve_device(config.device))
     return dataclasses.replace(config, max_model_len=context)
 
 
@@ -51,13 +52,14 @@ def make_runner(config: EngineConfig):
         from services.compute.sim.runner import SimRunner
 
         return SimRunner(config, mc, context)
-    from services.compute.runner import ModelRunner
+    from services.compute.runner import ModelRunner, resolve_device
 
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, mc, context)
     from services.compute.tp.group import start
 
-    ranks = start(config, mc, context)  # spawns ranks 1..N-1, each building its ModelRunner
+    # spawns ranks 1..N-1, each building its ModelRunner
+    ranks = start(config, mc, context, resolve_device(config.device))
     try:
         return ModelRunner(config, mc, context, ranks)
     except BaseException:

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than 0 (a process rank 0 started, `group.start`): it joins the
+"""A tensor-parallel rank other than 0 (a process rank 0 started, `tp.group.start`): it joins the
 group, builds its ModelRunner (its shard of the weights, its heads of the KV cache) from rank
 0's arguments, then runs each step's forward as rank 0 broadcasts it, until told to stop."""
 

@@ -7,8 +7,9 @@
     layers.py  the layers that cross ranks: row-parallel o/down, vocab-parallel embedding,
                the LM head gathered on rank 0
     model.py   a rank's decoder (LlamaModel over its shard)
-    worker.py  ranks 1..N-1: join, build, run each broadcast step's forward
-    node.py    another machine's ranks (--nnodes M --node-rank K): started again per group
+The processes, on compute's top floor beside service.py: ../tp_worker.py (ranks 1..N-1:
+join, build, run each broadcast step's forward) and ../tp_node.py (another machine's ranks,
+--nnodes M --node-rank K: started again per group).
 
 With N = 1 none of this is imported (services/compute/runner.py).
 """

@@ -1,6 +1,6 @@
 """The tensor-parallel group on one machine: rank 0 is the process that builds the engine (it
 runs the scheduler and the sampling); it starts ranks 1..n-1 as child processes
-(`python -m services.compute.tp.worker`, their arguments pickled on stdin: no re-import of the
+(`python -m services.compute.tp_worker`, their arguments pickled on stdin: no re-import of the
 caller's main module, as multiprocessing's spawn would), which run the forward only and die
 with rank 0 (PR_SET_PDEATHSIG). All n join torch.distributed's default process group
 (gloo) through a TCPStore rank 0 serves on a free local port, or with --nnodes over 1 on
@@ -99,12 +99,12 @@ class Ranks:
         self.store = None
 
 
-def start(config, model_config, max_model_len: int) -> Ranks:
+def start(config, model_config, max_model_len: int, device) -> Ranks:
     """Rank 0's start-up: spawn ranks 1..n-1 (each building its ModelRunner from the same
     arguments) and join the group with them. RuntimeError if a rank dies before joining or a
     group already runs in this process."""
     size = config.tensor_parallel_size
-    refuse(config, model_config)
+    refuse(config, model_config, device)
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel group already runs in this process (one engine "
                            "with --tensor-parallel-size at a time: close the other's runner)")
@@ -138,16 +138,14 @@ def meeting_host(config) -> str:
     return config.master_addr if config.nnodes > 1 else HOST
 
 
-def refuse(config, model_config) -> None:
+def refuse(config, model_config, device) -> None:
     """ValueError, one line, before any rank starts, where the group cannot run this model:
-    shapes `size` does not divide (shard.check), a device other than the CPU, INT4 groups a
-    rank's part would cut (shard.check_int4)."""
+    shapes `size` does not divide (shard.check), a device (torch.device, resolved) other than
+    the CPU, INT4 groups a rank's part would cut (shard.check_int4)."""
     from services.compute.model.quantization import gguf_int4
-    from services.compute.runner import resolve_device
 
     size = config.tensor_parallel_size
     check(model_config, size)
-    device = resolve_device(config.device)
     if device.type != "cpu":
         raise ValueError(f"--tensor-parallel-size {size} runs on the CPU (gloo) only for now, "
                          f"not on {device}")
@@ -163,7 +161,7 @@ def spawn(args: tuple) -> subprocess.Popen:
     root = str(Path(__file__).resolve().parents[3])  # the repository: the same code
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "services.compute.tp.worker"],
+    proc = subprocess.Popen([sys.executable, "-m", "services.compute.tp_worker"],
                             stdin=subprocess.PIPE, env=env, preexec_fn=_die_with_parent)
     proc.stdin.write(pickle.dumps(args))
     proc.stdin.close()
