@@ -1,14 +1,13 @@
 // Prefill attention on AMX tiles (BF16 products, float32 sums): per sequence and KV head, K and
-// V are packed once into the tiles' B layouts (K by 16 x 16 word transposes, V's pairs of rows
-// interleaved, zero keys up to a multiple of 64); then per (sequence, head, block of 16
-// queries), taken longest first from a shared counter:
-//   S = Q K^T over the keys the block sees, to a multiple of 16 (up to 64 at a time: C tiles
-//   0-3, Q in tile 4, read in place for a full block, K in 5),
+// V are packed once into the tiles' B layouts (pairs of rows interleaved, zero keys up to a
+// multiple of 64); then per (sequence, head, block of 16 queries), taken longest first from a
+// shared counter:
+//   S = Q K^T over the keys the block sees (64 at a time: C tiles 0-3, Q in tile 4, K in 5),
 //   each row's exact softmax in float32 (AVX-512) of its causal keys, P = e^(s - max) as two
 //   bf16 parts (its rounding and the rest: about 16 bits, where FlashAttention keeps 8), zeros
 //   past the row's last key;
 //   O = P V (64 output dims at a time: C tiles 0-3, P's parts in tiles 6 and 5, V in 7),
-//   divided by the row's sum and rounded to bf16 (AVX512-BF16's conversion, as P's parts).
+//   divided by the row's sum and rounded to bf16.
 // Not an online softmax: a block's scores for every key it sees are held at once (16 rows of
 // float32 per thread), which a prompt's keys fit in.
 #include "prefill_attention.h"
@@ -48,34 +47,6 @@ void configure_tiles() {  // all eight tiles: 16 rows of 64 bytes
 
 int64_t padded(int64_t n) { return (n + kKeys - 1) / kKeys * kKeys; }
 
-// the 16 x 16 matrix of 32-bit words in r transposed in place (unpacks, then 128-bit lane
-// shuffles)
-void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
-    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
-  }
-}
-
 // One (sequence, KV head)'s K and V in B-tile layouts, n_pad keys (zeros past n):
 //   k: [n_pad / 16 key blocks][D / 32 dim chunks][16 dim pairs][16 keys][2]
 //   v: [n_pad / 32 key steps][D / 16 dim blocks][16 key pairs][16 dims][2]
@@ -85,17 +56,18 @@ void pack(const Args& a, int64_t s, int64_t g, bf16* kp, bf16* vp) {
   const int64_t n = a.lens[s], n_pad = padded(n), D = a.D;
   const bf16* k = a.k + a.starts[s] * a.k_ts + g * a.k_hs;
   const bf16* v = a.v + a.starts[s] * a.v_ts + g * a.v_hs;
+  const __m512i keys = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
+                                                           4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(static_cast<int>(a.k_ts / 2)));
   for (int64_t b = 0; b < n_pad / 16; ++b) {
     const int64_t left = std::clamp<int64_t>(n - b * 16, 0, 16);
-    for (int64_t c = 0; c < D / 32; ++c) {
-      __m512i rows[16];  // key j's 16 dim pairs of chunk c; zeros past the last key
-      for (int64_t j = 0; j < 16; ++j)
-        rows[j] = j < left ? _mm512_loadu_si512(k + (b * 16 + j) * a.k_ts + c * 32)
-                           : _mm512_setzero_si512();
-      transpose16(rows);
+    const __mmask16 valid = static_cast<__mmask16>((1u << left) - 1);
+    const int* base = reinterpret_cast<const int*>(k + b * 16 * a.k_ts);
+    for (int64_t c = 0; c < D / 32; ++c)
       for (int64_t r = 0; r < 16; ++r)
-        _mm512_storeu_si512(kp + ((b * (D / 32) + c) * 16 + r) * 32, rows[r]);
-    }
+        _mm512_storeu_si512(kp + ((b * (D / 32) + c) * 16 + r) * 32,
+                            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, keys,
+                                                        base + c * 16 + r, 4));
   }
   const __m256i none = _mm256_setzero_si256();
   for (int64_t t = 0; t < n_pad / kStep; ++t)
@@ -123,27 +95,22 @@ struct Scratch {
   std::vector<float> sum;
 };
 
-// scores s[16, 0 .. nk16) of the block's queries (sq, a row every q_ts) against the packed keys
-// (nk rounded up to 16: up to 4 C tiles of 16 keys a pass)
-void scores(const bf16* sq, int64_t q_ts, const bf16* kp, int64_t D, int64_t nk, float* s,
-            int64_t width) {
-  const int64_t next = (D / 32) * kTile;  // the next block of 16 keys, same chunk
-  const int64_t stride = width * sizeof(float);
-  for (int64_t k0 = 0; k0 < nk; k0 += kKeys) {
-    const int64_t tiles = std::min<int64_t>(4, (nk - k0 + 15) / 16);
+// scores s[16, 0 .. nk64) of the block's queries (sq) against the packed keys
+void scores(const bf16* sq, const bf16* kp, int64_t D, int64_t nk64, float* s, int64_t width) {
+  for (int64_t k0 = 0; k0 < nk64; k0 += kKeys) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t c = 0; c < D / 32; ++c) {
-      _tile_loadd(4, sq + c * 32, q_ts * sizeof(bf16));
+      _tile_loadd(4, sq + c * 32, D * sizeof(bf16));
       const bf16* b = kp + ((k0 / 16) * (D / 32) + c) * kTile;
+      const int64_t next = (D / 32) * kTile;  // the next block of 16 keys, same chunk
       _tile_loadd(5, b, 64); _tile_dpbf16ps(0, 4, 5);
-      if (tiles > 1) { _tile_loadd(5, b + next, 64); _tile_dpbf16ps(1, 4, 5); }
-      if (tiles > 2) { _tile_loadd(5, b + 2 * next, 64); _tile_dpbf16ps(2, 4, 5); }
-      if (tiles > 3) { _tile_loadd(5, b + 3 * next, 64); _tile_dpbf16ps(3, 4, 5); }
+      _tile_loadd(5, b + next, 64); _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, b + 2 * next, 64); _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, b + 3 * next, 64); _tile_dpbf16ps(3, 4, 5);
     }
-    _tile_stored(0, s + k0, stride);
-    if (tiles > 1) _tile_stored(1, s + k0 + 16, stride);
-    if (tiles > 2) _tile_stored(2, s + k0 + 32, stride);
-    if (tiles > 3) _tile_stored(3, s + k0 + 48, stride);
+    const int64_t stride = width * sizeof(float);
+    _tile_stored(0, s + k0, stride); _tile_stored(1, s + k0 + 16, stride);
+    _tile_stored(2, s + k0 + 32, stride); _tile_stored(3, s + k0 + 48, stride);
   }
 }
 
@@ -159,15 +126,11 @@ V::F exp2(V::F x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// v rounded to bf16 (nearest even; denormals to zero) by AVX512-BF16's one instruction
-__m256i to_bf16(V::F v) { return (__m256i)_mm512_cvtneps_pbh(v); }
-
 // e as two bf16 parts at p and lo: e's rounding and the rest (together ~16 bits of e)
 void store_split(bf16* p, bf16* lo, V::F e) {
-  const __m256i hi = to_bf16(e);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), hi);
-  const V::F back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), to_bf16(V::sub(e, back)));
+  const V::F hi = V::round_bf16(e);
+  V::store(p, hi);
+  V::store(lo, V::sub(e, hi));
 }
 
 // row r of p and lo: e^(scale * (s - max)) over keys [0, seen) split in two bf16 parts, zeros
@@ -220,8 +183,7 @@ void weighted(const bf16* p, const bf16* lo, const bf16* vp, int64_t D, int64_t 
     for (int64_t r = 0; r < m; ++r) {
       const V::F inv = V::set1(1.0f / sum[r]);
       for (int64_t j = 0; j < 64; j += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_ts + e + j),
-                            to_bf16(V::mul(V::loadf(o + r * 64 + j), inv)));
+        V::store(out + r * out_ts + e + j, V::mul(V::loadf(o + r * 64 + j), inv));
     }
   }
 }
@@ -232,15 +194,13 @@ void block(const Args& a, int64_t s, int64_t h, int64_t i0, const bf16* kp, cons
   const int64_t n = a.lens[s], m_all = a.cu[s + 1] - a.cu[s], prefix = n - m_all, D = a.D;
   const int64_t m = std::min(kRows, m_all - i0), width = padded(n);
   const int64_t nk = std::min(n, prefix + i0 + kRows);  // keys the block's last row sees
-  const int64_t nk32 = (nk + kStep - 1) / kStep * kStep;
+  const int64_t nk64 = padded(nk), nk32 = (nk + kStep - 1) / kStep * kStep;
   const bf16* q = a.q + (a.cu[s] + i0) * a.q_ts + h * a.q_hs;
-  if (m < kRows) {  // a last, partial block: its rows copied, zeros after
-    for (int64_t r = 0; r < kRows; ++r) {
-      if (r < m) std::memcpy(w.q.data() + r * D, q + r * a.q_ts, D * sizeof(bf16));
-      else std::memset(w.q.data() + r * D, 0, D * sizeof(bf16));
-    }
+  for (int64_t r = 0; r < kRows; ++r) {
+    if (r < m) std::memcpy(w.q.data() + r * D, q + r * a.q_ts, D * sizeof(bf16));
+    else std::memset(w.q.data() + r * D, 0, D * sizeof(bf16));
   }
-  scores(m < kRows ? w.q.data() : q, m < kRows ? D : a.q_ts, kp, D, nk, w.s.data(), width);
+  scores(w.q.data(), kp, D, nk64, w.s.data(), width);
   for (int64_t r = 0; r < kRows; ++r) {
     bf16* pr = w.p.data() + r * width;
     bf16* lr = w.lo.data() + r * width;
