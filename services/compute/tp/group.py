@@ -4,7 +4,7 @@ runs the scheduler and the sampling); it starts ranks 1..n-1 as child processes
 caller's main module, as multiprocessing's spawn would), which run the forward only and die
 with rank 0 (PR_SET_PDEATHSIG). All n join torch.distributed's default process group
 (gloo) through a TCPStore rank 0 serves on a free local port, or with --nnodes over 1 on
---master-addr:--master-port, where the other machines' ranks (`node.py`) join it too.
+--master-addr:--master-port, where the other machines' ranks (`tp_node.py`) join it too.
 
 Lifetime: rank 0's `Ranks.close()` (at the latest at interpreter exit) tells the others to stop
 and ends the group. A rank that dies breaks its peers' next collective (gloo sees the closed
@@ -155,7 +155,7 @@ def refuse(config, model_config, device) -> None:
 
 
 def spawn(args: tuple) -> subprocess.Popen:
-    """A rank's process: worker.main(*args), `args` pickled on its stdin."""
+    """A rank's process: tp_worker.main(*args), `args` pickled on its stdin."""
     from services.supervisor import _die_with_parent
 
     root = str(Path(__file__).resolve().parents[3])  # the repository: the same code
