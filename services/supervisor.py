@@ -11,7 +11,6 @@ life of `up`), the services reconnect by themselves. Nothing starts when a port 
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import logging
 import os
@@ -30,6 +29,7 @@ import redis
 
 from shared import state, tool_prompt
 from shared.chat_template import load_chat_template
+from shared.child_process import die_with_parent
 from shared.config import EngineConfig, ServiceConfig
 from shared.generation_config import GenerationDefaults
 from shared.model_config import served_name
@@ -37,15 +37,7 @@ from shared.redis_server import EmbeddedRedis
 from shared.settings import env_for
 
 log = logging.getLogger("pipellm.up")
-_PR_SET_PDEATHSIG = 1
 FIRST_DELAY_S, MAX_DELAY_S, RESET_AFTER_S = 1.0, 60.0, 30.0
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 @dataclasses.dataclass
@@ -61,7 +53,7 @@ class Child:
         default_factory=lambda: collections.deque(maxlen=200))
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=_die_with_parent,
+        self.proc = subprocess.Popen(self.argv, env=self.env, preexec_fn=die_with_parent,
                                      stderr=subprocess.PIPE)
         self.started_at = time.monotonic()
         threading.Thread(target=self._forward_stderr, args=(self.proc.stderr,),

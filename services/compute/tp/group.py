@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from services.compute.tp.shard import Shard, check, check_int4
 from services.compute.tp.step import broadcast
+from shared.child_process import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def start(config, model_config, max_model_len: int, device) -> Ranks:
     local = size // config.nnodes  # ranks 0..local-1 here, the others on the other machines
     store = dist.TCPStore(meeting_host(config), config.master_port, size, is_master=True,
                           wait_for_workers=False, timeout=TIMEOUT)
-    ranks = Ranks(Shard(0, size), local, store=store, procs=[
+    ranks = Ranks(shard_of(config, 0), local, store=store, procs=[
         spawn((config, model_config, max_model_len, rank, store.port))
         for rank in range(1, local)])
     try:
@@ -130,7 +131,12 @@ def join(config, rank: int, port: int) -> Ranks:
     store = dist.TCPStore(meeting_host(config), port, size, is_master=False, timeout=TIMEOUT)
     store.set(f"started/{rank}", "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=TIMEOUT)
-    return Ranks(Shard(rank, size), size // config.nnodes)
+    return Ranks(shard_of(config, rank), size // config.nnodes)
+
+
+def shard_of(config, rank: int) -> Shard:
+    """Rank `rank`'s Shard of the group `config` describes."""
+    return Shard(rank, config.tensor_parallel_size, config.enable_expert_parallel)
 
 
 def meeting_host(config) -> str:
@@ -141,28 +147,30 @@ def meeting_host(config) -> str:
 def refuse(config, model_config, device) -> None:
     """ValueError, one line, before any rank starts, where the group cannot run this model:
     shapes `size` does not divide (shard.check), a device (torch.device, resolved) other than
-    the CPU, INT4 groups a rank's part would cut (shard.check_int4)."""
+    the CPU, INT4 groups a rank's part would cut (shard.check_int4). A dense model runs
+    --enable-expert-parallel as plain tensor parallelism (vLLM ignores the flag for it too)."""
     from services.compute.model.quantization import gguf_int4
 
     size = config.tensor_parallel_size
-    check(model_config, size)
+    check(model_config, size, config.enable_expert_parallel)
+    if config.enable_expert_parallel and not model_config.num_experts:
+        log.info("--enable-expert-parallel: %s has no experts, its layers are split as "
+                 "without it", model_config.architecture)
     if device.type != "cpu":
         raise ValueError(f"--tensor-parallel-size {size} runs on the CPU (gloo) only for now, "
                          f"not on {device}")
     blocks = config.quantization == "auto" and gguf_int4(config.model)  # Q4 blocks kept
     if blocks or config.quantization == "int4":
-        check_int4(model_config, size, 32 if blocks else config.int4_group_size)
+        check_int4(model_config, shard_of(config, 0), 32 if blocks else config.int4_group_size)
 
 
 def spawn(args: tuple) -> subprocess.Popen:
     """A rank's process: tp_worker.main(*args), `args` pickled on its stdin."""
-    from services.supervisor import _die_with_parent
-
     root = str(Path(__file__).resolve().parents[3])  # the repository: the same code
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen([sys.executable, "-m", "services.compute.tp_worker"],
-                            stdin=subprocess.PIPE, env=env, preexec_fn=_die_with_parent)
+                            stdin=subprocess.PIPE, env=env, preexec_fn=die_with_parent)
     proc.stdin.write(pickle.dumps(args))
     proc.stdin.close()
     return proc
