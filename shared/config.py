@@ -244,6 +244,10 @@ class EngineConfig:
         1, "ranks (processes) one model is split across, Megatron-style (vLLM's flag): rank 0 "
         "schedules and broadcasts each step, every rank runs its shard of the forward "
         "(torch.distributed, gloo on CPU); with --threads, threads per rank", group=MODEL)
+    enable_expert_parallel: bool = setting(
+        False, "with --tensor-parallel-size N over 1, a mixture of experts' experts whole, "
+        "E / N contiguous ones a rank (vLLM's flag; attention still split, the layer's output "
+        "one all-reduce); a dense model ignores it, as vLLM does", group=MODEL)
     nnodes: int = setting(1, "machines the --tensor-parallel-size ranks span (torchrun's name), "
                           "as many ranks on each; every machine runs the same command with its "
                           "--node-rank", group=MODEL)
@@ -415,6 +419,9 @@ class EngineConfig:
             raise ValueError("--nnodes over 1 needs --master-port: the port on node 0 where "
                              "the ranks meet")
         if self.tensor_parallel_size == 1:
+            if self.enable_expert_parallel:
+                raise ValueError("--enable-expert-parallel needs --tensor-parallel-size over 1 "
+                                 "(the ranks the experts are spread over)")
             return
         for flag, on in (("--backend sim", self.backend == BackendName.SIM),
                          ("--device cuda", self.device.startswith("cuda")),

@@ -106,6 +106,26 @@ def test_grouped_path_equals_the_per_expert_reference(reference):
                                                           weights, ids), atol=1e-5, rtol=1e-5)
 
 
+def test_blocks_of_experts_sum_to_the_whole_layer(reference):
+    """An expert-parallel rank's layer (`experts`: its block) routes over all 8 and returns its
+    experts' share: the two halves' outputs, each nonzero, add up to the whole layer's, on
+    both CPU paths."""
+    _, path, model, _, _ = reference
+    cfg, weights = ModelConfig.from_path(path), load_weights(path, torch.float32)
+    whole, halves = MoE(cfg, weights, 0, Quantization()), \
+        [MoE(cfg, weights, 0, Quantization(), range(e, e + 4)) for e in (0, 4)]
+    assert [len(h.experts) for h in halves] == [4, 4] and whole.held is None
+    x = torch.randn(30, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    for kernels in ("auto", "reference"):
+        set_backend(kernels)
+        try:
+            parts = [h(x) for h in halves]
+            assert all(p.abs().amax() > 0 for p in parts)
+            torch.testing.assert_close(parts[0] + parts[1], whole(x), atol=1e-6, rtol=1e-5)
+        finally:
+            set_backend("auto")
+
+
 def test_transformers_v5_stacked_experts_load_too(tmp_path):
     """A checkpoint of transformers v5's in-memory layout (`mlp.experts.gate_up_proj`
     [E, 2I, H], `mlp.experts.down_proj`; Mixtral's router under `mlp.gate`) serves alike."""

@@ -2,7 +2,8 @@
 the CPU, one thread each, through `LLMEngine`, against the same engine on one rank: greedy tokens
 identical, generated and prompt logprobs within 1e-4 (float32), through chunked prefill, prefix
 caching, KV moves and preemption, an INT8 KV cache; bfloat16 close; mixtures of experts (every
-expert split); INT4 weights; a vocabulary two ranks do not divide (the last shard padded); a
+expert split; whole experts a rank: tests/test_expert_parallel.py), OLMoE's q/k norms over
+every rank's heads; INT4 weights; a vocabulary two ranks do not divide (the last shard padded); a
 GGUF file of Q4 blocks; a dead rank; and the shapes and settings it refuses, each with one line.
 Served, and across machines: tests/test_tensor_parallel_e2e.py."""
 
@@ -35,7 +36,10 @@ MODELS = {  # build_hf_model's arch and config overrides
     "phi3": ("phi3", {}),  # fused q/k/v and gate/up: read whole, split, then sliced
     # mixtures of experts, 8 experts of 64 (32 a rank), top 2: every expert split
     "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-dense-layer": ("qwen3_moe", {"mlp_only_layers": [1]}),  # layer 1 a dense MLP
     "mixtral": ("mixtral", {}),
+    # q/k RMSNorm over the whole projection (the sums of squares all-reduced), q/k/v clipped
+    "olmoe": ("olmoe", {"clip_qkv": 2.0}),
 }
 ENGINE = {  # engine settings of a model's test_two_ranks_match_one, on both sides
     # each rank quantizes its own heads' K/V: the groups of 8 lie within a head
@@ -83,10 +87,11 @@ def generate(eng, prompts, params):
             for s in eng.generate(prompts, params)]
 
 
-def on_both(path, run, **kw):
-    """`run(engine)` on one rank, then on two (closed after: its ranks stop)."""
+def on_both(path, run, parallel: dict | None = None, **kw):
+    """`run(engine)` on one rank, then on two (closed after: its ranks stop); `parallel`: the
+    two ranks' own settings."""
     one = run(engine(path, 1, **kw))
-    eng = engine(path, 2, **kw)
+    eng = engine(path, 2, **kw | (parallel or {}))
     try:
         two = run(eng)
     finally:
@@ -234,7 +239,7 @@ def test_settings_it_cannot_run_are_refused(setting, message):
 
 @pytest.mark.parametrize(("arch", "overrides", "message"), [
     ("qwen3_moe", {"moe_intermediate_size": 63}, "63 experts' intermediate size"),
-    ("olmoe", {}, "q/k norms span every head"),
+    ("mixtral", {"intermediate_size": 65}, "65 experts' intermediate size"),
 ])
 def test_experts_it_cannot_split_are_refused(tmp_path, arch, overrides, message):
     build_hf_model(tmp_path, arch, **overrides)

@@ -61,8 +61,12 @@ class LayerWeights:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 max_positions: int, quant: Quantization | None = None):
+                 max_positions: int, quant: Quantization | None = None,
+                 experts: range | None = None):
+        """`experts`: the experts each sparse layer holds (None: all; a block of them on an
+        expert-parallel rank, services/compute/tp/), `weights` holding theirs."""
         self.cfg = cfg
+        self.experts = experts
         self.quant = quant or Quantization()
         self.int8_act = self.quant.int8_activations  # norms and SiLU x mul hand out int8 rows
         self.embed = require(weights, "model.embed_tokens.weight")
@@ -110,7 +114,7 @@ class LlamaModel:
         return LayerWeights(
             qkv=full_qk_norm(self.cfg, linear(*qkv_rows(self.cfg, qkv, bias)), w, p),
             o=linear(require(w, f"{p}self_attn.o_proj.weight")),
-            **mlp_layers(self.cfg, w, i, self.quant),
+            **mlp_layers(self.cfg, w, i, self.quant, self.experts),
             **layer_norms(self.cfg, w, p),
             q_norm=q_norm,
             k_norm=k_norm,

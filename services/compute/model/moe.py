@@ -3,6 +3,9 @@
 `norm_topk_prob`), each token's output the routing-weighted sum of its k SwiGLU experts'.
 The experts run fused (`kernels/fused_moe.py`: CUDA, float experts), grouped per expert (CPU,
 the quantization method's linear layers) or as transformers' loop (`--kernels reference`).
+A layer may hold a contiguous block of the experts only (an expert-parallel rank,
+services/compute/tp/): it routes every token over all of them and returns the contributions of
+its own, the other experts' left to the ranks that hold them (their sum is the output).
 """
 
 from __future__ import annotations
@@ -34,29 +37,32 @@ def expert_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str
     return f"{p}{router}.weight", experts
 
 
-def mlp_layers(cfg: ModelConfig, weights: dict, layer: int, quant: Quantization) -> dict:
+def mlp_layers(cfg: ModelConfig, weights: dict, layer: int, quant: Quantization,
+               experts: range | None = None) -> dict:
     """LayerWeights' MLP fields of layer `layer`: `moe` for a sparse layer (gate_up, down
-    None), else the dense gate_up [2 * inter, hidden] and down [hidden, inter] projections."""
+    None; `experts`: those it holds, None: all), else the dense gate_up [2 * inter, hidden]
+    and down [hidden, inter] projections."""
     if cfg.is_moe_layer(layer):
-        return dict(gate_up=None, down=None, moe=MoE(cfg, weights, layer, quant))
+        return dict(gate_up=None, down=None, moe=MoE(cfg, weights, layer, quant, experts))
     p = f"model.layers.{layer}.mlp."
     gate_up = fuse([require(weights, f"{p}{n}_proj.weight") for n in ("gate", "up")])
     return dict(gate_up=quant.linear(gate_up),
                 down=quant.linear(require(weights, f"{p}down_proj.weight")), moe=None)
 
 
-def expert_weights(cfg: ModelConfig, weights: dict, layer: int
+def expert_weights(cfg: ModelConfig, weights: dict, layer: int, experts: range
                    ) -> tuple[torch.Tensor, list, list]:
-    """(router [E, hidden], gate_up [2I, hidden] per expert, down [hidden, I] per expert) of a
-    sparse layer: from the per-expert tensors of a checkpoint, or from transformers v5's
-    in-memory stacks (`mlp.experts.gate_up_proj` [E, 2I, hidden], `mlp.experts.down_proj`
-    [E, hidden, I]) where a checkpoint holds those."""
+    """(router [E, hidden], gate_up [2I, hidden] per expert, down [hidden, I] per expert of
+    `experts`) of a sparse layer: from the per-expert tensors of a checkpoint, or from
+    transformers v5's in-memory stacks (`mlp.experts.gate_up_proj` [E, 2I, hidden],
+    `mlp.experts.down_proj` [E, hidden, I]) where a checkpoint holds those."""
     stacked = f"model.layers.{layer}.mlp.experts."
     if f"{stacked}gate_up_proj" in weights:
         router = require(weights, f"model.layers.{layer}.mlp.gate.weight")
-        return router, list(weights[f"{stacked}gate_up_proj"].unbind(0)), list(
-            require(weights, f"{stacked}down_proj").unbind(0))
+        stacks = weights[f"{stacked}gate_up_proj"], require(weights, f"{stacked}down_proj")
+        return router, *(list(t[experts.start:experts.stop].unbind(0)) for t in stacks)
     router, names = expert_names(cfg, layer)
+    names = names[experts.start:experts.stop]
     gate_up = [fuse([require(weights, g), require(weights, u)]) for g, u, _ in names]
     return require(weights, router), gate_up, [require(weights, d) for _, _, d in names]
 
@@ -73,13 +79,20 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
 
 
 class MoE:
-    """One layer's sparse MLP: `moe(x)`, x [T, hidden] float -> [T, hidden] in x's dtype."""
+    """One layer's sparse MLP: `moe(x)`, x [T, hidden] float -> [T, hidden] in x's dtype, the
+    sum over the experts it holds (all, or on an expert-parallel rank the block `held`) of
+    each token's routing-weighted outputs."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict, layer: int, quant: Quantization):
-        self.router, gate_up, down = expert_weights(cfg, weights, layer)  # [E, hidden], ...
+    def __init__(self, cfg: ModelConfig, weights: dict, layer: int, quant: Quantization,
+                 experts: range | None = None):
+        # the experts held: None for all E, else a block of them (an expert-parallel rank)
+        self.held = None if experts is None or len(experts) == cfg.num_experts else experts
+        self.router, gate_up, down = expert_weights(cfg, weights, layer,
+                                                    self.held or range(cfg.num_experts))
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.w13 = self.w2 = self.experts = None
-        if quant.name == "none" and use_triton(self.router):  # the fused kernel: float stacks
+        fused = quant.name == "none" and self.held is None
+        if fused and use_triton(self.router):  # the fused kernel: float stacks of all E
             self.w13, self.w2 = torch.stack(gate_up), torch.stack(down)  # [E, 2I, h], [E, h, I]
         else:  # per expert (gate_up [2I, hidden], down [hidden, I]) linear layers
             self.experts = [(quant.linear(gu), quant.linear(d))
@@ -90,8 +103,8 @@ class MoE:
         if self.w13 is not None:
             return fused_moe(x, self.w13, self.w2, weights, ids)
         if backend() == "reference":
-            return experts_loop(x, weights, ids, self.experts)
-        return experts_grouped(x, weights, ids, self.experts)
+            return experts_loop(x, weights, ids, self.experts, self.held)
+        return experts_grouped(x, weights, ids, self.experts, self.held)
 
     def nbytes(self) -> int:
         """Bytes of the router and the experts as served."""
@@ -101,11 +114,12 @@ class MoE:
 
 
 def experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                 experts: list) -> torch.Tensor:
-    """Reference: transformers' loop. For each expert, the tokens that chose it, their SwiGLU
-    output times the routing weight, added in ascending expert order."""
+                 experts: list, held: range | None = None) -> torch.Tensor:
+    """Reference: transformers' loop. For each expert (`experts`: those `held` names, None:
+    all, from 0), the tokens that chose it, their SwiGLU output times the routing weight,
+    added in ascending expert order."""
     out = torch.zeros_like(x)
-    for e, (gate_up, down) in enumerate(experts):
+    for e, (gate_up, down) in zip(held or range(len(experts)), experts, strict=True):
         tok, slot = torch.where(ids == e)  # [n] each
         if tok.numel() == 0:
             continue
@@ -115,16 +129,23 @@ def experts_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 
 def experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    experts: list) -> torch.Tensor:
+                    experts: list, held: range | None = None) -> torch.Tensor:
     """The CPU path: the (token, slot) pairs sorted by expert (stable, so each token's
     contributions still add in ascending expert order, as in `experts_loop`), the tokens
-    gathered once, one GEMM pair per expert on its contiguous run, one scatter-add back."""
-    T, k = ids.shape
-    flat = ids.reshape(-1)  # [T * k] the expert of pair p = t * k + j
-    order = torch.argsort(flat, stable=True)  # [T * k] pairs grouped by expert
+    gathered once, one GEMM pair per expert on its contiguous run, one scatter-add back.
+    `experts`: those `held` names (None: all, from 0); the pairs routed to others are left
+    out."""
+    k = ids.shape[1]
+    flat, pairs = ids.reshape(-1), None  # [T * k] the expert of pair p = t * k + j
+    if held is not None:  # an expert-parallel rank: the pairs routed to its experts only
+        pairs = torch.nonzero((flat >= held.start) & (flat < held.stop)).squeeze(1)  # [P]
+        flat = flat[pairs] - held.start
+    order = torch.argsort(flat, stable=True)  # [P] pairs grouped by expert
     counts = torch.bincount(flat, minlength=len(experts)).tolist()  # host sync: CPU path
-    tokens = order // k  # [T * k] the token of each sorted pair
-    xs = x[tokens]  # [T * k, hidden] rows in expert order
+    if pairs is not None:
+        order = pairs[order]  # as indices t * k + j again
+    tokens = order // k  # [P] the token of each sorted pair
+    xs = x[tokens]  # [P, hidden] rows in expert order
     outs, start = [], 0
     for (gate_up, down), n in zip(experts, counts, strict=True):
         if n:
@@ -132,5 +153,5 @@ def experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             start += n
     if not outs:
         return torch.zeros_like(x)
-    y = torch.cat(outs) * weights.reshape(-1)[order, None]  # [T * k, hidden] float32
+    y = torch.cat(outs) * weights.reshape(-1)[order, None]  # [P, hidden] float32
     return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))

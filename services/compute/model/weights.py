@@ -32,6 +32,7 @@ _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "m
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                     "model.multi_modal_projector.")
 SINGLE_FILE = "model.safetensors"
+SKIP = object()  # load_weights' `take` answer for a tensor not to load at all
 _UNSUPPORTED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -43,9 +44,10 @@ def load_weights(
 
     `path` may also be a GGUF file (see gguf_weights.py; `keep_int4` keeps its Q4_0/Q4_1
     matrices as Int4Weight). `take(name, tensor)`: of a safetensors tensor (a slice object:
-    `get_shape()`, indexing), the part to keep, or None for all of it (a tensor-parallel rank's
-    shard: tp/shard.ShardReader); a GGUF file is read whole. Raises ModelLoadError when the
-    directory has no safetensors, a shard is missing, or a file cannot be read.
+    `get_shape()`, indexing), the part to keep, None for all of it, or SKIP for none (a
+    tensor-parallel rank's shard: tp/shard.ShardReader); a GGUF file is read whole. Raises
+    ModelLoadError when the directory has no safetensors, a shard is missing, or a file cannot
+    be read.
     """
     if is_gguf(path):
         return _split_fused(path, load_gguf_weights(path, dtype, device, keep_int4))  # norms +1
@@ -161,6 +163,8 @@ def _read_file(file: Path, expected: set[str] | None, take=None):
                 if not name.startswith(_VISION_PREFIXES):
                     part = None if take is None else take(_text_name(name),
                                                           handle.get_slice(name))
+                    if part is SKIP:
+                        continue
                     yield _text_name(name), handle.get_tensor(name) if part is None else part
     except ModelLoadError:
         raise

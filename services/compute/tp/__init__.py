@@ -3,9 +3,10 @@
     group.py   the ranks: rank 0 (the engine's process) spawns 1..N-1 and they join one
                torch.distributed group (gloo on CPU)
     step.py    what rank 0 broadcasts each step (StepInputs: KV moves and the ForwardBatch)
-    shard.py   which slice of each weight a rank holds; the shapes N must divide
+    shard.py   which slice of each weight a rank holds (with --enable-expert-parallel, whole
+               experts: a contiguous block of them); the shapes N must divide
     layers.py  the layers that cross ranks: row-parallel o/down, vocab-parallel embedding,
-               the LM head gathered on rank 0
+               the LM head gathered on rank 0, OLMoE's q/k norms over all ranks' heads
     model.py   a rank's decoder (LlamaModel over its shard)
 The processes, on compute's top floor beside service.py: ../tp_worker.py (ranks 1..N-1:
 join, build, run each broadcast step's forward) and ../tp_node.py (another machine's ranks,

@@ -8,6 +8,8 @@ in the same order, for every step (the step's shapes are the same everywhere: `s
   all-reduce sums each token's one non-zero row (exact: the other terms are zeros).
 - `GatheredHead`: the rank's vocabulary rows of the LM head; the logits are gathered on rank 0,
   which samples (the other ranks' results are their own slice, and unused).
+- `ParallelQKNorm`: OLMoE's q/k RMSNorm over the whole projection, on the rank's heads: the
+  sums of squares of q's and k's columns all-reduced, so each rank divides by the RMS of all.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from services.compute.model.arch import FullQKNorm
 
 
 class RowParallel:
@@ -68,3 +72,28 @@ class GatheredHead:
 
     def nbytes(self) -> int:
         return self.head.nbytes()
+
+
+class ParallelQKNorm:
+    """`FullQKNorm` (OLMoE) over this rank's q/k/v rows (`norm`: built on the rank's config
+    and its slices of the q/k norm weights), the RMS taken over the whole q and k of all
+    `size` ranks: x [T, hidden] -> [T, (H + 2 Hkv) D / size], as the wrapped layer's on one
+    rank but for float rounding. One [T, 2] all-reduce per layer."""
+
+    def __init__(self, norm: FullQKNorm, size: int):
+        self.norm, self.size = norm, size
+
+    def __call__(self, x) -> torch.Tensor:
+        n = self.norm
+        out = n.qkv(x)  # [T, (H + 2 Hkv) D / size]
+        q, k = out[:, :n.q_cols], out[:, n.q_cols:n.q_cols + n.k_cols]
+        squares = torch.stack([q.float().square().sum(-1), k.float().square().sum(-1)], dim=-1)
+        dist.all_reduce(squares)  # [T, 2] over every rank's columns
+        widths = torch.tensor([n.q_cols, n.k_cols], dtype=torch.float32) * self.size
+        inv = torch.rsqrt(squares / widths + n.eps)  # [T, 2]
+        for part, weight, i in ((q, n.q_norm, 0), (k, n.k_norm, 1)):
+            part.copy_(weight * (part.float() * inv[:, i:i + 1]).to(out.dtype))
+        return out if n.clip is None else out.clamp_(-n.clip, n.clip)
+
+    def nbytes(self) -> int:
+        return self.norm.nbytes()

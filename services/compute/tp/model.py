@@ -4,17 +4,19 @@ the layers that cross ranks (`layers.py`) in place of o, down, the embedding and
 
 Everything else in the forward runs as on one process: the attention of the rank's heads over
 its own KV cache (the same slots on every rank, its heads only), the norms and the residual
-stream, which are whole and identical on every rank after each all-reduce.
+stream, which are whole and identical on every rank after each all-reduce. With expert
+parallelism each sparse layer holds the rank's block of whole experts (`MoE`'s `experts`).
 """
 
 from __future__ import annotations
 
 import torch
 
+from services.compute.model.arch import FullQKNorm
 from services.compute.model.llama import LlamaModel
 from services.compute.model.quantization import Quantization
 from services.compute.model.weights import load_weights
-from services.compute.tp.layers import GatheredHead, RowParallel, VocabEmbedding
+from services.compute.tp.layers import GatheredHead, ParallelQKNorm, RowParallel, VocabEmbedding
 from services.compute.tp.shard import Shard, ShardReader, local_config, shard_weights
 from shared.model_config import ModelConfig
 
@@ -31,12 +33,14 @@ class ParallelLlama(LlamaModel):
         head_vocab = vocab if "lm_head.weight" not in weights else \
             _vocab(weights, "lm_head.weight", read)
         done = frozenset() if read is None else frozenset(read.taken)
-        super().__init__(local_config(cfg, shard.size), shard_weights(cfg, weights, shard, done),
-                         device, max_positions, quant)
+        super().__init__(local_config(cfg, shard), shard_weights(cfg, weights, shard, done),
+                         device, max_positions, quant, shard.experts(cfg.num_experts))
         self.vocab_embed = VocabEmbedding(self.embed, shard.vocab_rows(vocab)[0])
         if self.lm_head is not None:
             self.lm_head = GatheredHead(self.lm_head, head_vocab)
-        for layer in self.layers:  # the MLP: dense, or a mixture of experts (tp experts)
+        for layer in self.layers:  # the MLP: dense, or a mixture of experts (tp or ep)
+            if isinstance(layer.qkv, FullQKNorm):
+                layer.qkv = ParallelQKNorm(layer.qkv, shard.size)
             layer.o = RowParallel(layer.o)
             if layer.moe is None:
                 layer.down = RowParallel(layer.down)

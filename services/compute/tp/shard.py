@@ -5,14 +5,19 @@ Rank r of n holds, of every layer: q/k/v's rows of its heads (attention heads
 intermediate size (column-parallel); o's and down's matching columns (row-parallel: each rank's
 output is a partial sum, all-reduced). A mixture of experts' experts are split alike, each
 expert's gate/up rows and down columns (tensor-parallel experts: every rank runs every expert
-on its slice, the router whole; one all-reduce after the layer). Embedding and LM head: its
-vocabulary rows [r V', (r+1) V') with V' = ceil(V / n), the last shard padded with zero rows
-(its padded logits are trimmed after the gather). Norms, the Qwen3 q/k norms ([head_dim]) and
-RoPE are whole on every rank.
+on its slice, the router whole; one all-reduce after the layer). With expert parallelism
+(`--enable-expert-parallel`) a rank holds whole experts instead, E / n contiguous ones (experts
+[r E/n, (r+1) E/n), as vLLM places them), and no part of the others: it runs its experts on
+the tokens routed to them, and the same all-reduce sums the ranks' contributions. Embedding and
+LM head: its vocabulary rows [r V', (r+1) V') with V' = ceil(V / n), the last shard padded with
+zero rows (its padded logits are trimmed after the gather). Norms, the Qwen3 q/k norms
+([head_dim]) and RoPE are whole on every rank; OLMoE's q/k norms over the whole projection
+([H D], [Hkv D]) are split with q's and k's rows (their RMS is all-reduced: layers.py).
 
 From a Hugging Face directory each rank reads only its part of each split tensor
 (`ShardReader`, safetensors' slices); a GGUF file, and Phi-3's fused projections, are read
-whole and sliced after loading (each part a copy, so that the whole tensors are freed).
+whole and sliced after loading (each part a copy, so that the whole tensors are freed); the
+other ranks' experts are never read (`weights.SKIP`), or dropped after loading.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import re
 import torch
 
 from kernels.int4_gemm import Int4Weight
+from services.compute.model.weights import SKIP
 from shared.model_config import ModelConfig
 
 # the layer tensors split along their rows (output features) or columns (input features):
@@ -33,14 +39,18 @@ _COLUMNS = re.compile(r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.(experts\.\d
                       r"|block_sparse_moe\.experts\.\d+\.w2)\.weight$")
 _STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")  # transformers v5's stacks
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # one expert's tensor, and its index
+_FULL_QK_NORMS = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight$")  # OLMoE's
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """Rank `rank` of `size` (0 <= rank < size): which slice of each split dimension it holds."""
+    """Rank `rank` of `size` (0 <= rank < size): which slice of each split dimension it holds;
+    `expert_parallel`: whole experts, E / size of them, rather than every expert's slice."""
 
     rank: int
     size: int
+    expert_parallel: bool = False
 
     def part(self, total: int) -> slice:
         """This rank's slice of a dimension of `total` that `size` divides."""
@@ -53,35 +63,68 @@ class Shard:
         per = -(-vocab // self.size)
         return self.rank * per, per
 
+    def experts(self, total: int) -> range | None:
+        """The experts this rank holds whole, of `total` that `size` divides: its contiguous
+        block with expert parallelism; None (a slice of every expert) without."""
+        if not self.expert_parallel:
+            return None
+        part = self.part(total)
+        return range(part.start, part.stop)
 
-def check(cfg: ModelConfig, size: int) -> None:
-    """ValueError, one line, where `size` ranks cannot split this model."""
-    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("intermediate size", cfg.intermediate_size),
-                    ("experts' intermediate size", cfg.moe_intermediate_size)):
+
+def check(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
+    """ValueError, one line, where `size` ranks cannot split this model (`expert_parallel`:
+    its experts whole, E / size a rank)."""
+    whole_experts = expert_parallel and cfg.num_experts > 0
+    dims = [("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads)]
+    if _has_dense_mlp(cfg):
+        dims.append(("intermediate size", cfg.intermediate_size))
+    if cfg.num_experts:
+        dims.append(("experts", cfg.num_experts) if whole_experts else
+                    ("experts' intermediate size", cfg.moe_intermediate_size))
+    for what, n in dims:
         if n % size:
-            raise ValueError(f"--tensor-parallel-size {size} does not divide the model's {n} "
-                             f"{what}")
-    if cfg.qk_norm_full:  # a norm over the whole q and k: across ranks
-        raise ValueError(f"--tensor-parallel-size {size}: {cfg.architecture}'s q/k norms span "
-                         "every head and are not split yet")
+            flag = "--enable-expert-parallel with " if what == "experts" else ""
+            raise ValueError(f"{flag}--tensor-parallel-size {size} does not divide the model's "
+                             f"{n} {what}")
 
 
-def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The config of one rank's slice: its heads, KV heads and intermediate sizes."""
-    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size,
-                               num_kv_heads=cfg.num_kv_heads // size,
-                               intermediate_size=cfg.intermediate_size // size,
-                               moe_intermediate_size=cfg.moe_intermediate_size // size)
+def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
+    """The config of one rank's slice: its heads, KV heads and intermediate sizes (the
+    experts' whole with expert parallelism)."""
+    size = shard.size
+    experts = 1 if shard.experts(cfg.num_experts) is not None else size  # their split
+    dense = size if _has_dense_mlp(cfg) else experts  # Mixtral's, OLMoE's: the experts' size
+    return dataclasses.replace(
+        cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
+        intermediate_size=cfg.intermediate_size // dense,
+        moe_intermediate_size=cfg.moe_intermediate_size // experts)
+
+
+def _has_dense_mlp(cfg: ModelConfig) -> bool:
+    """Whether a layer of the model has a dense MLP (of intermediate_size): every layer of a
+    dense model, Qwen3-MoE's dense layers; Mixtral's and OLMoE's experts are all."""
+    return not all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+
+
+def holds(cfg: ModelConfig, name: str, shard: Shard) -> bool:
+    """Whether rank `shard.rank` holds any of tensor `name`: all but the other ranks'
+    experts under expert parallelism."""
+    mine = shard.experts(cfg.num_experts)
+    expert = _EXPERT.search(name) if mine is not None else None
+    return expert is None or int(expert.group(1)) in mine
 
 
 def shard_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], shard: Shard,
                   done: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """The tensors rank `shard.rank` holds, under the same names (see the module docstring);
-    the others as they are. `weights`: the loader's, Llama's names and layout, whole but for
-    the names in `done` (read as the rank's part already: `ShardReader`)."""
+    the others as they are, the other ranks' experts dropped. `weights`: the loader's, Llama's
+    names and layout, whole but for the names in `done` (read as the rank's part already:
+    `ShardReader`)."""
     out = {}
     for name, t in weights.items():
+        if not holds(cfg, name, shard):
+            continue
         part = None if name in done else part_of(cfg, name, tuple(t.shape), shard)
         out[name] = t if part is None else _cut(t, *part)
     return out
@@ -97,9 +140,11 @@ class ShardReader:
         self.cfg, self.shard = cfg, shard
         self.taken: dict[str, tuple[int, ...]] = {}
 
-    def take(self, name: str, tensor) -> torch.Tensor | None:
+    def take(self, name: str, tensor) -> torch.Tensor | object | None:
         """The rank's part of `tensor` (a safetensors slice: `get_shape()`, indexing), None
-        for a tensor it holds whole."""
+        for a tensor it holds whole, SKIP for one it holds none of (another rank's expert)."""
+        if not holds(self.cfg, name, self.shard):
+            return SKIP
         shape = tuple(tensor.get_shape())
         part = part_of(self.cfg, name, shape, self.shard)
         if part is None:
@@ -111,8 +156,11 @@ class ShardReader:
 def part_of(cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: Shard
             ) -> tuple[tuple[slice, ...], int] | None:
     """(index, rows): the rank's part of tensor `name` of `shape` is tensor[index], padded with
-    zero rows to `rows` (the last vocabulary shard); None for a tensor every rank holds whole."""
-    if _ROWS.search(name):
+    zero rows to `rows` (the last vocabulary shard); None for a tensor the rank holds whole (a
+    whole expert's under expert parallelism: see `holds` for the others')."""
+    if shard.experts(cfg.num_experts) is not None and _EXPERT.search(name):
+        return None
+    if _ROWS.search(name) or (cfg.qk_norm_full and _FULL_QK_NORMS.search(name)):
         rows = _row_part(cfg, name, shape[0], shard)
         return (rows,), rows.stop - rows.start
     if _COLUMNS.search(name):
@@ -162,14 +210,14 @@ def _int4_part(w: Int4Weight, index: tuple[slice, ...]) -> Int4Weight:
                         for t in (w.scales, w.mins)), g)
 
 
-def check_int4(cfg: ModelConfig, size: int, group: int) -> None:
+def check_int4(cfg: ModelConfig, shard: Shard, group: int) -> None:
     """ValueError, one line, where a rank's part of a row-parallel layer's input (o's heads,
-    down's intermediate slice) is not whole INT4 groups of `group` columns."""
-    for what, cols in (("attention heads' width", cfg.num_heads * cfg.head_dim),
-                       ("intermediate size", cfg.intermediate_size),
-                       ("experts' intermediate size", cfg.moe_intermediate_size)):
-        if cols // size % group:
-            raise ValueError(f"--tensor-parallel-size {size} with INT4 weights: a rank's "
-                             f"{cols // size} columns of the model's {what} are not whole "
-                             f"groups of {group}")
-
+    down's intermediate slice, an expert's down) is not whole INT4 groups of `group` columns."""
+    local = local_config(cfg, shard)
+    for what, cols in (("attention heads' width", local.num_heads * cfg.head_dim),
+                       ("intermediate size", local.intermediate_size),
+                       ("experts' intermediate size", local.moe_intermediate_size)):
+        if cols % group:
+            raise ValueError(f"--tensor-parallel-size {shard.size} with INT4 weights: a rank's "
+                             f"{cols} columns of the model's {what} are not whole groups of "
+                             f"{group}")
