@@ -1,7 +1,8 @@
 """`pipellm serve --tensor-parallel-size 2` (services/compute/tp/) through the real services and
 the official client: the compute process is rank 0 and starts rank 1; either killed, compute
 restarts with a new group and the streams resume; data parallel computes of tensor-parallel
-groups; ranks on two machines (`--nnodes 2`, here both on this one)."""
+groups; a mixture of experts' whole experts a rank (`--enable-expert-parallel`); ranks on two
+machines (`--nnodes 2`, here both on this one)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,28 @@ def test_data_parallel_computes_are_each_a_tensor_parallel_group(demo_model_dir)
         stack.stop()
     assert got == expected
 
+
+
+def test_expert_parallel_served_to_the_official_client(tmp_path):
+    """--enable-expert-parallel served: a tiny Mixtral, experts 0..3 on rank 0 and 4..7 on
+    rank 1, gives one rank's tokens and logprobs through the services; the banner says so."""
+    path = tmp_path / "mixtral"
+    build_hf_model(path, "mixtral", with_tokenizer=True)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
+    expected = generate(engine(path, 1), PROMPTS, params)
+    stack = Stack(path, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--threads",
+                  "1", "--dtype", "float32", "--quantization", "none").start(timeout_s=180)
+    try:
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(
+            model="mixtral", prompt=PROMPTS, max_tokens=8, temperature=0, logprobs=1,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        banner = stack.wait_for_log("pipellm is up")
+    finally:
+        stack.stop()
+    choices = sorted(answer.choices, key=lambda c: c.index)
+    assert_same(expected, [(c.token_ids, c.logprobs.token_logprobs, []) for c in choices])
+    assert "on cpu x 2 tensor-parallel ranks, expert-parallel: 4 experts a rank" in banner
 
 
 def test_ranks_across_two_machines_follow_rank_0_from_group_to_group(tmp_path, monkeypatch):

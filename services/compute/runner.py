@@ -92,7 +92,8 @@ class ModelRunner:
         self.summary |= self._describe(kv_shape["kv_dtype"])
         if ranks is not None:  # the whole group's weights and cache
             self.summary |= ranks.describe(str(self.device), self.model.weight_bytes(),
-                                           self.capacity * self.kv_bytes_per_token)
+                                           self.capacity * self.kv_bytes_per_token,
+                                           self.model.experts)
         log.info("KV cache: %d slots on %s (%s)", self.capacity, self.device, self.kv.k.dtype)
 
     def _kv_capacity(self, config: EngineConfig, kv_shape: dict) -> int:

@@ -62,13 +62,16 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
-    def describe(self, device: str, weight_bytes: int, kv_bytes: int) -> dict:
-        """Start-up's report (ModelRunner.summary) of the group: its ranks, and the bytes of
+    def describe(self, device: str, weight_bytes: int, kv_bytes: int,
+                 experts: range | None = None) -> dict:
+        """Start-up's report (ModelRunner.summary) of the group: its ranks (and the whole
+        experts each holds under expert parallelism: `experts`, this rank's), and the bytes of
         weights and KV cache summed over them (a collective: every rank calls it)."""
         t = torch.tensor([weight_bytes, kv_bytes], dtype=torch.int64)
         dist.all_reduce(t)
         weights, kv = (round(b / 2**30, 3) for b in t.tolist())
-        return {"device": f"{device} x {self.shard.size} tensor-parallel ranks",
+        ep = "" if experts is None else f", expert-parallel: {len(experts)} experts a rank"
+        return {"device": f"{device} x {self.shard.size} tensor-parallel ranks{ep}",
                 "weights_gib": weights, "kv_gib": kv}
 
     def close(self) -> None:

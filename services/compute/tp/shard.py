@@ -65,8 +65,9 @@ class Shard:
 
     def experts(self, total: int) -> range | None:
         """The experts this rank holds whole, of `total` that `size` divides: its contiguous
-        block with expert parallelism; None (a slice of every expert) without."""
-        if not self.expert_parallel:
+        block with expert parallelism; None without (a slice of every expert) or without
+        experts (`total` 0: a dense model)."""
+        if not self.expert_parallel or not total:
             return None
         part = self.part(total)
         return range(part.start, part.stop)
@@ -75,12 +76,11 @@ class Shard:
 def check(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """ValueError, one line, where `size` ranks cannot split this model (`expert_parallel`:
     its experts whole, E / size a rank)."""
-    whole_experts = expert_parallel and cfg.num_experts > 0
     dims = [("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads)]
     if _has_dense_mlp(cfg):
         dims.append(("intermediate size", cfg.intermediate_size))
     if cfg.num_experts:
-        dims.append(("experts", cfg.num_experts) if whole_experts else
+        dims.append(("experts", cfg.num_experts) if expert_parallel else
                     ("experts' intermediate size", cfg.moe_intermediate_size))
     for what, n in dims:
         if n % size:
