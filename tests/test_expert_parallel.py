@@ -41,7 +41,7 @@ EP = {"enable_expert_parallel": True}
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "mixtral", "olmoe"])
-def test_two_ranks_of_whole_experts_match_one(model_dir, name):
+def test_two_ranks_of_whole_experts_match_one(model_dir, name):  # noqa: F811
     """Chunked prefill, decodes merged with prefills, generated and prompt logprobs; rank 0's
     sparse layers hold experts 0..3 alone (one rank: all 8)."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
@@ -59,7 +59,7 @@ def test_two_ranks_of_whole_experts_match_one(model_dir, name):
     assert held == [{(None, 8)}, {(range(0, 4), 4)}]
 
 
-def test_a_rank_reads_only_its_experts(model_dir):
+def test_a_rank_reads_only_its_experts(model_dir):  # noqa: F811
     """From safetensors, rank 1 of 2 reads experts 4..7 whole and no tensor of 0..3, the
     router whole and q's rows split; dropping the other experts from whole weights (a GGUF
     file, read whole) leaves the same tensors."""
@@ -106,7 +106,7 @@ def test_experts_two_ranks_do_not_divide_are_refused(tmp_path, arch, overrides):
         resolve(with_settings(EngineConfig(), model=str(tmp_path), tensor_parallel_size=2, **EP))
 
 
-def test_the_flag_without_tensor_parallelism_is_refused(model_dir, capsys):
+def test_the_flag_without_tensor_parallelism_is_refused(model_dir, capsys):  # noqa: F811
     """By the command line (the flag is vLLM's), with one line."""
     code = cli.main(["serve", str(model_dir("mixtral")), "--enable-expert-parallel"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
@@ -123,7 +123,7 @@ def test_whole_experts_need_not_split_their_intermediate_size(tmp_path):
     assert resolve(config).enable_expert_parallel
 
 
-def test_a_dense_model_ignores_the_flag(model_dir, caplog):
+def test_a_dense_model_ignores_the_flag(model_dir, caplog):  # noqa: F811
     """As vLLM does: its layers split as without it (resolve passes), one line logged."""
     config = with_settings(EngineConfig(), model=str(model_dir("llama")), tensor_parallel_size=2,
                            **EP)
