@@ -1,13 +1,15 @@
-"""The CPU prefill attention of one SmolLM2-135M layer (9 query heads, 3 KV heads, head_dim 64,
-bf16) over a batch of whole prompts, per code path of kernels/prefill_attention.py: the
-float32-GEMM path (`_prefill_attention_cpu`, what every CPU level below `amx` runs) against the
-C++ kernel on AMX tiles (kernels/cpu/prefill_attention_amx.cpp, the `amx` level's), and
-torch's SDPA per sequence (the reference) as a third opinion. Prompts: ShareGPT texts' token
-lengths (data/sharegpt_samples_1024.json, cut to 2,000 characters as bench/pooling.py cuts
-them) up to --tokens a batch, the first --batches batches. Reported per thread count: the
-median ms of a batch over --reps, and the ratio GEMM ms / AMX ms.
+"""The CPU prefill attention of one SmolLM2-135M layer (9 query heads, 3 KV heads, head_dim 64)
+over a batch of whole prompts, per code path of kernels/prefill_attention.py: the float32-GEMM
+path (`_prefill_attention_cpu`, what runs without the C++ kernels or with a window, softcap or
+INT8) against the C++ kernel (kernels/cpu/prefill_attention.cpp) at every ISA level this CPU
+runs (switched in process: avx2 and avx512 in float32 vectors; bf16 on an AMX CPU at the
+avx512 levels: AMX tiles), and torch's SDPA per sequence (the reference) as a third opinion.
+Prompts: ShareGPT texts' token lengths (data/sharegpt_samples_1024.json, cut to 2,000
+characters as bench/pooling.py cuts them) up to --tokens a batch, the first --batches batches.
+Reported per thread count: the median ms of a batch over --reps, and the ratio GEMM ms /
+kernel ms per level.
 
-    python -m bench.cpu_prefill_attention [--tokens 2048] [--batches 4] [--threads 1,2]
+    python -m bench.cpu_prefill_attention [--dtype bfloat16] [--tokens 2048] [--threads 1,2]
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -39,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=4)
     p.add_argument("--threads", default="1,2")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                   help="q and the caches (a GGUF model's on a CPU with AVX512-BF16: bfloat16)")
     return p.parse_args(argv)
 
 
@@ -61,38 +65,61 @@ def prompt_batches(tokens: int, count: int) -> list[list[int]]:
     return out
 
 
-def make_case(lens: list[int], seed: int):
+def make_case(lens: list[int], seed: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(seed)
     T = sum(lens)
-    q, k, v = (torch.randn(T, h, HEAD_DIM, generator=g).bfloat16()
+    q, k, v = (torch.randn(T, h, HEAD_DIM, generator=g).to(dtype)
                for h in (HEADS, KV_HEADS, KV_HEADS))
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     return q, k, v, cu, cu[:-1].clone(), torch.tensor(lens, dtype=torch.int32)
 
 
+def kernel_paths(ext, dtype: torch.dtype) -> dict:
+    """name -> the C++ kernel at each block-GEMM level this CPU runs (its kernel choice follows
+    the level), named by what it runs there; the CPU's own level restored after each call."""
+    own, paths = ext.block_gemm_isa(), {}
+    for level in (lv for lv in isa.cpu_levels() if lv in isa.BLOCK_GEMM_LEVELS):
+        ext.set_block_gemm_isa(level)
+        tiles = dtype == torch.bfloat16 and ext.prefill_attention_amx_ready()
+        name = "amx" if tiles else ("avx2" if level == "avx2" else "avx512")
+
+        def run(c, level=level):
+            ext.set_block_gemm_isa(level)
+            try:
+                return ext.prefill_attention(*c, HEAD_DIM ** -0.5)
+            finally:
+                ext.set_block_gemm_isa(own)
+
+        paths.setdefault(name, run)
+    ext.set_block_gemm_isa(own)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     ext = extension()
-    if ext is None or isa.selected() != "amx" or not ext.prefill_attention_amx_ready():
-        raise SystemExit(f"no AMX prefill kernel on this CPU ({isa.describe()})")
-    cases = [make_case(lens, i) for i, lens in enumerate(prompt_batches(args.tokens,
-                                                                         args.batches))]
+    if ext is None or not ext.block_gemm_isa():
+        raise SystemExit(f"no C++ prefill kernel on this CPU ({isa.describe()})")
+    dtype = getattr(torch, args.dtype)
+    cases = [make_case(lens, i, dtype)
+             for i, lens in enumerate(prompt_batches(args.tokens, args.batches))]
     scale = HEAD_DIM ** -0.5
-    paths = {
-        "gemm": lambda c: _prefill_attention_cpu(*c, scale),
-        "amx": lambda c: ext.prefill_attention(*c, scale),
-        "sdpa": lambda c: prefill_attention_reference(*c, scale),
-    }
-    out = {"bench": "cpu_prefill_attention", "machine": machine(), "tokens": args.tokens,
-           "batches": [c[5].tolist() for c in cases], "ms": {}, "gemm_over_amx": {}}
+    kernels = kernel_paths(ext, dtype)
+    paths = {"gemm": lambda c: _prefill_attention_cpu(*c, scale), **kernels,
+             "sdpa": lambda c: prefill_attention_reference(*c, scale)}
+    out = {"bench": "cpu_prefill_attention", "machine": machine(), "isa": isa.describe(),
+           "dtype": args.dtype, "tokens": args.tokens, "batches": [c[5].tolist() for c in cases],
+           "ms": {}, "gemm_over_kernel": {}}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         ms = {name: statistics.median(median_ms(lambda c=c, f=f: f(c), args.reps)
                                       for c in cases) for name, f in paths.items()}
+        ratio = {k: round(ms["gemm"] / ms[k], 2) for k in kernels}
         out["ms"][threads] = {k: round(v, 3) for k, v in ms.items()}
-        out["gemm_over_amx"][threads] = round(ms["gemm"] / ms["amx"], 2)
+        out["gemm_over_kernel"][threads] = ratio
         print(f"{threads} thread(s): " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
-              + f"; gemm / amx {ms['gemm'] / ms['amx']:.2f}x", flush=True)
+              + "; gemm / kernel " + ", ".join(f"{k} {r:.2f}x" for k, r in ratio.items()),
+              flush=True)
     print(json.dumps(out))
     return out
 

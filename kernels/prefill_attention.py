@@ -27,9 +27,10 @@ On a CPU, `_prefill_attention_cpu`: per sequence and block of 128 queries (scori
 keys the block sees), every KV head in one batched GEMM against K, the group of query heads
 that share one as rows of it (no K/V copy for GQA), an additive causal mask, softmax and one
 batched GEMM with V: faster on the CPU than the masked SDPA of the reference (whose GQA/mask path
-falls back to batched small matmuls; docs/benchmarks.md). bf16 q and caches at the `amx` level
-(no window, softcap or INT8) go to the C++ kernel on AMX tiles instead
-(kernels/cpu/prefill_attention_amx.cpp: float32 scores and sums, P rounded to bf16).
+falls back to batched small matmuls; docs/benchmarks.md). Where the C++ kernels run (an x86
+level) and there is no window, softcap or INT8, the C++ kernel instead
+(kernels/cpu/prefill_attention.cpp): bf16 on AMX tiles at the amx level (float32 scores and
+sums, P in two bf16 parts), else float32 vectors of the level (AVX2, AVX-512).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from kernels.decode_attention import _tanh
 from kernels.dispatch import cpu_extension, cpu_fast_path, use_triton
 from kernels.kv_quant import FP8, KV_GROUP, kv_rows
 
-_LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: jit code may read it
+_LOG2E = tl.constexpr(1.4426950408889634)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a constexpr: jit code may read it
 
 
 @triton.jit
@@ -344,18 +346,17 @@ def _attend(q, ks, vs, n, window, scale, softcap):
     return o.view(kv_heads, group, m, head_dim).permute(2, 0, 1, 3).reshape(q.shape).to(q.dtype)
 
 
-def _amx_takes(q, k_cache, v_cache, k_scale, window, softcap) -> bool:
-    """Whether kernels/cpu/prefill_attention.cpp runs this call: bf16 q and caches on a CPU
-    at the `amx` level (kernels/cpu/isa.py), head_dim a multiple of 64, no window, no softcap,
-    no INT8 scales, unit stride along head_dim."""
-    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and k_scale is None
-            and window == 0 and softcap == 0 and q.shape[-1] % 64 == 0
+def _kernel_takes(q, k_cache, v_cache, k_scale, window, softcap) -> bool:
+    """Whether kernels/cpu/prefill_attention.cpp runs this call: q and caches of one dtype
+    (float32, bf16 or float16) with unit stride along head_dim, head_dim a multiple of 16, no
+    window, no softcap, no INT8 scales, the C++ kernels at an x86 level (kernels/cpu/isa.py).
+    It runs bf16 on AMX tiles at the amx level, else float32 vectors of the level."""
+    if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _KERNEL_DTYPES
+            and k_scale is None and window == 0 and softcap == 0 and q.shape[-1] % 16 == 0
             and all(t.stride(-1) == 1 for t in (q, k_cache, v_cache))):
         return False
-    from kernels.cpu import isa
-
     ext = cpu_extension(q)
-    return ext is not None and isa.selected() == "amx" and ext.prefill_attention_amx_ready()
+    return ext is not None and bool(ext.block_gemm_isa())
 
 
 def prefill_attention(
@@ -388,7 +389,7 @@ def prefill_attention(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not use_triton(q):
-        if _amx_takes(q, k_cache, v_cache, k_scale, window, softcap):
+        if _kernel_takes(q, k_cache, v_cache, k_scale, window, softcap):
             return cpu_extension(q).prefill_attention(
                 q, k_cache, v_cache, cu_q_lens.to(torch.int32), seq_starts.to(torch.int32),
                 ctx_lens.to(torch.int32), scale)

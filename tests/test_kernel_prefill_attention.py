@@ -359,13 +359,13 @@ def test_amx_kernel_matches_dense_softmax(n_heads, n_kv_heads, head_dim):
     cached prefix (150 over 90, 5 over 13), a decode-like token over 200, a sequence with no
     new token; NaN in every slot outside the segments (never read). The public function runs
     it for bf16 at the amx level."""
-    from kernels.prefill_attention import _amx_takes
+    from kernels.prefill_attention import _kernel_takes
 
     ext = _amx_extension()
     batch = make_batch((300, 150, 1, 5, 0, 70), (0, 90, 200, 13, 7, 0), n_heads, n_kv_heads,
                        head_dim, torch.bfloat16, garbage="nan", seed=5)
     q, k, v, cu, starts, ctx = batch
-    assert _amx_takes(q, k, v, None, 0, 0.0)
+    assert _kernel_takes(q, k, v, None, 0, 0.0)
     out = ext.prefill_attention(q, k, v, cu, starts, ctx, 0.1)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     assert torch.equal(prefill_attention(*batch, 0.1), out)
@@ -375,19 +375,46 @@ def test_amx_kernel_matches_dense_softmax(n_heads, n_kv_heads, head_dim):
     assert (out.double() - exp).abs().max() <= 1.5 * gemm_err  # as close as the float32 GEMMs
 
 
-def test_amx_kernel_takes_only_its_cases():
-    """What the AMX kernel does not do goes to the GEMM path: a window, a softcap, INT8 scales,
-    float32, a head_dim not a multiple of 64."""
-    from kernels.prefill_attention import _amx_takes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim",
+                         [(9, 3, 64), (4, 4, 128), (6, 2, 96), (4, 2, 16)])
+def test_cpu_kernel_at_each_level_matches_dense_softmax(block_gemm_level, dtype, n_heads,
+                                                        n_kv_heads, head_dim):
+    """kernels/cpu/prefill_attention.cpp at each ISA level this CPU runs (float32 vectors of 8
+    or 16; bf16 with head_dim 64 or 128 on an AMX CPU: its tiles), the batch of the AMX test
+    (NaN outside the segments); head_dim 96 and 16 leave vectors past the micro-kernel's width.
+    As close to the float64 dense softmax as the float32-GEMM path is."""
+    from kernels.cpu import extension
 
-    _amx_extension()
-    q, k, v, *_ = make_batch((5,), (3,), 4, 2, 64, torch.bfloat16)
-    assert _amx_takes(q, k, v, None, 0, 0.0)
-    assert not _amx_takes(q, k, v, None, 16, 0.0) and not _amx_takes(q, k, v, None, 0, 5.0)
-    assert not _amx_takes(q, k, v, torch.ones(1), 0, 0.0)
-    assert not _amx_takes(q.float(), k.float(), v.float(), None, 0, 0.0)
-    q32, k32, v32, *_ = make_batch((5,), (3,), 4, 2, 32, torch.bfloat16)
-    assert not _amx_takes(q32, k32, v32, None, 0, 0.0)
+    batch = make_batch((300, 150, 1, 5, 0, 70), (0, 90, 200, 13, 7, 0), n_heads, n_kv_heads,
+                       head_dim, dtype, garbage="nan", seed=5)
+    out = extension().prefill_attention(*batch, 0.1)
+    assert out.dtype == dtype and out.shape == batch[0].shape
+    exp = dense_attention(*batch, 0.1)
+    torch.testing.assert_close(out.double(), exp, atol=TOL[dtype], rtol=TOL[dtype])
+    gemm_err = (_prefill_attention_cpu(*batch, 0.1).double() - exp).abs().max()
+    assert (out.double() - exp).abs().max() <= 2 * gemm_err + 1e-6
+
+
+def test_cpu_kernel_takes_only_its_cases():
+    """The public function runs the C++ kernel wherever the C++ kernels run, for float32, bf16
+    and float16 without a window, a softcap or INT8 scales, head_dim a multiple of 16; the rest
+    goes to the GEMM path."""
+    from kernels.cpu import extension
+    from kernels.prefill_attention import _kernel_takes
+
+    ext = extension()
+    if ext is None or not ext.block_gemm_isa():
+        pytest.skip("the C++ kernels do not run here (python -m kernels.cpu says why)")
+    batch = make_batch((40, 3), (0, 9), 4, 2, 64, torch.float32, seed=3)
+    q, k, v, *_ = batch
+    assert _kernel_takes(q, k, v, None, 0, 0.0)
+    assert torch.equal(prefill_attention(*batch, 0.1), ext.prefill_attention(*batch, 0.1))
+    assert not _kernel_takes(q, k, v, None, 16, 0.0) and not _kernel_takes(q, k, v, None, 0, 5.0)
+    assert not _kernel_takes(q, k, v, torch.ones(1), 0, 0.0)
+    assert not _kernel_takes(q.bfloat16(), k, v, None, 0, 0.0)
+    q24, k24, v24, *_ = make_batch((5,), (3,), 4, 2, 24, torch.float32)
+    assert not _kernel_takes(q24, k24, v24, None, 0, 0.0)
 
 
 def test_cpu_gemm_path_bf16_matches_dense_softmax():

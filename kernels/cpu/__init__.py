@@ -27,8 +27,9 @@ One module, one source per concept (bindings.cpp declares and binds them all):
                                                                         kernels/q8_gemm.py
     lora.cpp              lora_delta: the segmented LoRA delta, one variant per ISA level
                           (lora_<isa>.cpp, AMX tiles at the amx level)  kernels/lora.py
-    prefill_attention.cpp prefill_attention: bf16 causal prefill on AMX tiles
-                          (prefill_attention_amx.cpp)        kernels/prefill_attention.py
+    prefill_attention.cpp prefill_attention: causal prefill, one variant per ISA level
+                          (prefill_attention_<isa>.cpp; bf16 on AMX tiles: _amx.cpp)
+                                                             kernels/prefill_attention.py
     common.h              the row kernels' shared helpers
     simd_<isa>.h          the float vector traits the vectorized kernels are templates over
 
@@ -60,6 +61,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "block_gemm_avx512_vnni.cpp", "decode_attention_avx2.cpp", "decode_attention_avx512.cpp",
     "token_bitmask.cpp", "sampling.cpp", "sampling_filters.cpp", "lora.cpp", "lora_avx2.cpp",
     "lora_avx512.cpp", "lora_amx.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp",
+    "prefill_attention_avx2.cpp", "prefill_attention_avx512.cpp",
     "activation_avx512.cpp", "norm_avx512.cpp")]
 _FLAGS = ["-O3", *(["-march=x86-64-v3"] if isa.is_x86() else []), "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()

@@ -68,9 +68,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("starts"), py::arg("slots"), py::arg("part_ends"),
         py::arg("a_vnni") = py::none(), py::arg("b_vnni") = py::none());
   m.def("prefill_attention_amx_ready", &prefill_attention_amx_ready,
-        "whether prefill_attention runs here (AMX tiles this process may use)");
+        "whether prefill_attention runs bf16 on AMX tiles here (tiles this process may use)");
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of each sequence's last queries over its keys, bf16 on AMX tiles",
+        "causal attention of each sequence's last queries over its keys (float32 vectors, or "
+        "bf16 on AMX tiles)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_q_lens"),
         py::arg("seq_starts"), py::arg("ctx_lens"), py::arg("scale"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up: [..., 2I] -> [..., I]", py::arg("gate_up"));

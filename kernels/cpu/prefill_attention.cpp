@@ -1,9 +1,11 @@
-// Prefill attention on the CPU for bfloat16 q and caches on AMX tiles (prefill_attention_amx.cpp):
-// the contract of kernels/prefill_attention.py's prefill_attention_reference without a window
-// or a softcap. q [T, H, D] and the caches [capacity, Hkv, D] with unit stride along D, D a
-// multiple of 64, H a multiple of Hkv; cu_q_lens [S + 1], seq_starts [S], ctx_lens [S] int32
-// (each sequence's queries are the last of its keys). kernels/prefill_attention.py sends it only
-// what it takes, at the amx level; anything else is a TORCH_CHECK error.
+// Prefill attention on the CPU (the kernels of prefill_attention.h): the contract of
+// kernels/prefill_attention.py's prefill_attention_reference without a window, a softcap or INT8
+// scales. q [T, H, D] and the caches [capacity, Hkv, D] of one dtype (float32, bfloat16 or
+// float16) with unit stride along D, D a multiple of 16, H a multiple of Hkv; cu_q_lens [S + 1],
+// seq_starts [S], ctx_lens [S] int32 (each sequence's queries are the last of its keys).
+// bf16 with D a multiple of 64 runs on AMX tiles where this process may use them; everything else
+// in float32 vectors of the block GEMMs' ISA level (avx2, or avx512 for every AVX-512 level).
+// kernels/prefill_attention.py sends it only what it takes; anything else is a TORCH_CHECK error.
 #include <torch/extension.h>
 
 #include "lora.h"
@@ -15,18 +17,43 @@ bool prefill_attention_amx_ready() {
   return block_gemm_isa().rfind("avx512", 0) == 0 && pipellm::lora::amx_ready();
 }
 
+namespace {
+
+using pipellm::prefill::DType;
+
+DType dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kHalf;
+    default: TORCH_CHECK(false, "prefill_attention: q must be float32, bfloat16 or float16");
+  }
+}
+
+// the kernel for these inputs at the chosen level
+void (*kernel_for(DType dtype, int64_t D))(const pipellm::prefill::Args&) {
+  if (dtype == DType::kBFloat16 && D % 64 == 0 && prefill_attention_amx_ready())
+    return pipellm::prefill::run_amx;
+  const std::string level = block_gemm_isa();
+  if (level.rfind("avx512", 0) == 0) return pipellm::prefill::run_avx512;
+  if (level == "avx2") return pipellm::prefill::run_avx2;
+  TORCH_CHECK(false, "prefill_attention: no kernel for this CPU (no ISA level chosen)");
+}
+
+}  // namespace
+
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor cu_q_lens, torch::Tensor seq_starts,
                                 torch::Tensor ctx_lens, double scale) {
-  TORCH_CHECK(prefill_attention_amx_ready(), "prefill_attention: no AMX tiles on this CPU");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q [T, H, D] and caches [capacity, Hkv, D]");
+  for (const auto& t : {k_cache, v_cache})
+    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "q and the caches must share one dtype");
   for (const auto& t : {q, k_cache, v_cache})
-    TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.stride(2) == 1,
-                "q and the caches must be bfloat16 with unit stride along D");
+    TORCH_CHECK(t.stride(2) == 1, "q and the caches must have unit stride along D");
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), S = seq_starts.size(0);
-  TORCH_CHECK(D % 64 == 0 && k_cache.size(2) == D && H % Hkv == 0,
-              "D must be a multiple of 64, shared by q and the caches; H a multiple of Hkv");
+  TORCH_CHECK(D % 16 == 0 && k_cache.size(2) == D && H % Hkv == 0,
+              "D must be a multiple of 16, shared by q and the caches; H a multiple of Hkv");
   for (const auto& t : {cu_q_lens, seq_starts, ctx_lens})
     TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(), "int32 index tensors");
   TORCH_CHECK(cu_q_lens.size(0) == S + 1 && ctx_lens.size(0) == S, "S + 1 and S entries");
@@ -37,14 +64,13 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
   for (int64_t s = 0; s < S; ++s)
     TORCH_CHECK(0 <= cu[s + 1] - cu[s] && cu[s + 1] - cu[s] <= n[s] && st[s] >= 0 &&
                 st[s] + n[s] <= k_cache.size(0), "a sequence's queries or keys out of range");
+  const DType dtype = dtype_of(q.scalar_type());
+  const auto run = kernel_for(dtype, D);
   auto out = torch::empty({q.size(0), H, D}, q.options());
   const pipellm::prefill::Args args{
-      static_cast<const c10::BFloat16*>(q.data_ptr()),
-      static_cast<const c10::BFloat16*>(k_cache.data_ptr()),
-      static_cast<const c10::BFloat16*>(v_cache.data_ptr()),
-      static_cast<c10::BFloat16*>(out.data_ptr()), cu, st, n, S, H, Hkv, D, q.stride(0),
-      q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-      static_cast<float>(scale)};
-  pipellm::prefill::run_amx(args);
+      q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), cu, st, n, S, H, Hkv,
+      D, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+      v_cache.stride(1), static_cast<float>(scale), dtype};
+  run(args);
   return out;
 }

@@ -13,7 +13,6 @@
 #include "prefill_attention.h"
 #include "isa_target.h"
 
-#include <atomic>
 #include <memory>
 #include <numeric>
 
@@ -21,6 +20,7 @@
 
 PIPELLM_TARGET_BEGIN("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 #include "simd_avx512.h"
+#include "prefill_attention_schedule.h"
 
 namespace {
 
@@ -54,8 +54,8 @@ int64_t padded(int64_t n) { return (n + kKeys - 1) / kKeys * kKeys; }
 // interleave two keys' 16 dims.
 void pack(const Args& a, int64_t s, int64_t g, bf16* kp, bf16* vp) {
   const int64_t n = a.lens[s], n_pad = padded(n), D = a.D;
-  const bf16* k = a.k + a.starts[s] * a.k_ts + g * a.k_hs;
-  const bf16* v = a.v + a.starts[s] * a.v_ts + g * a.v_hs;
+  const bf16* k = static_cast<const bf16*>(a.k) + a.starts[s] * a.k_ts + g * a.k_hs;
+  const bf16* v = static_cast<const bf16*>(a.v) + a.starts[s] * a.v_ts + g * a.v_hs;
   const __m512i keys = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
                                                            4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(static_cast<int>(a.k_ts / 2)));
@@ -195,7 +195,7 @@ void block(const Args& a, int64_t s, int64_t h, int64_t i0, const bf16* kp, cons
   const int64_t m = std::min(kRows, m_all - i0), width = padded(n);
   const int64_t nk = std::min(n, prefix + i0 + kRows);  // keys the block's last row sees
   const int64_t nk64 = padded(nk), nk32 = (nk + kStep - 1) / kStep * kStep;
-  const bf16* q = a.q + (a.cu[s] + i0) * a.q_ts + h * a.q_hs;
+  const bf16* q = static_cast<const bf16*>(a.q) + (a.cu[s] + i0) * a.q_ts + h * a.q_hs;
   for (int64_t r = 0; r < kRows; ++r) {
     if (r < m) std::memcpy(w.q.data() + r * D, q + r * a.q_ts, D * sizeof(bf16));
     else std::memset(w.q.data() + r * D, 0, D * sizeof(bf16));
@@ -212,28 +212,9 @@ void block(const Args& a, int64_t s, int64_t h, int64_t i0, const bf16* kp, cons
       std::memset(lr, 0, nk32 * sizeof(bf16));
     }
   }
-  bf16* out = a.out + ((a.cu[s] + i0) * a.H + h) * D;
+  bf16* out = static_cast<bf16*>(a.out) + ((a.cu[s] + i0) * a.H + h) * D;
   weighted(w.p.data(), w.lo.data(), vp, D, nk32, width, w.sum.data(), m, w.o.data(), out,
            a.H * D);
-}
-
-// A unit of work: a (sequence, KV head) to pack or a (sequence, head, block) to attend; cost
-// orders them, longest first.
-struct Item { int64_t s, h, i0, cost; };
-
-// fn(item, state) for every item, taken longest first from a shared counter by every thread
-// (its own State, default-made; done(state) when it runs out)
-template <class State, class F, class Done = void (*)(State&)>
-void for_each_item(std::vector<Item>& items, const F& fn, const Done& done = [](State&) {}) {
-  std::stable_sort(items.begin(), items.end(),
-                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t total = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min<int64_t>(total, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    State state{};
-    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) fn(items[i], state);
-    done(state);
-  });
 }
 
 }  // namespace

@@ -39,6 +39,12 @@ struct Avx2F {
                      _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
   }
   static float sum(F v) { return hsum(v); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static float hmax(F v) {  // the largest of v's 8 floats
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  }
   // out[i] = sum(v[i]) for i < 8
   static void sum8(const F* v, float* out) { _mm256_storeu_ps(out, hsum8(v)); }
   // e^x for x <= 0 (simd_math.h)

@@ -45,6 +45,8 @@ struct Avx512F {
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
   }
   static float sum(F v) { return hsum(fold(v)); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static float hmax(F v) { return _mm512_reduce_max_ps(v); }
   // out[i] = sum(v[i]) for i < 8
   static void sum8(const F* v, float* out) {
     __m256 h[8];
