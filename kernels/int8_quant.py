@@ -97,10 +97,12 @@ def _launch(x: torch.Tensor, n: int, silu_mul: bool) -> Int8Activation:
     return out
 
 
-def quantize_int8_ref(x: torch.Tensor) -> Int8Activation:
-    """PyTorch reference: x [T, K] -> Int8Activation (per-row scales, float32 arithmetic)."""
+def quantize_int8_ref(x: torch.Tensor, amax: torch.Tensor | None = None) -> Int8Activation:
+    """PyTorch reference: x [T, K] -> Int8Activation (per-row scales, float32 arithmetic);
+    `amax` [T]: each row's max |x| to scale by (None: its own; a larger one, a tensor-parallel
+    row's whole max over its ranks' slices)."""
     xf = x.float()
-    scale = xf.abs().amax(-1) / 127.0  # [T]
+    scale = (xf.abs().amax(-1) if amax is None else amax.float()) / 127.0  # [T]
     s = torch.where(scale > 0, scale, 1.0)[:, None]
     q = torch.where(scale[:, None] > 0, xf / s, 0.0)
     q = q.sign() * (q.abs() + 0.5).floor()  # round half away from zero

@@ -432,10 +432,6 @@ class EngineConfig:
             if on:
                 raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not "
                                  f"go with {flag} yet (CPU ranks over gloo)")
-        if self.quantization not in ("auto", "none", "int4"):
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} runs dense "
-                             f"or int4 weights: --quantization {self.quantization} is not "
-                             "split yet")
 
     def _check_lora(self) -> None:
         """--lora-modules parsed and every adapter's rank read now: a bad one fails at

@@ -228,7 +228,6 @@ def test_shapes_it_does_not_divide_are_refused(tmp_path, overrides, size, messag
 
 
 @pytest.mark.parametrize(("setting", "message"), [
-    ({"quantization": "w8a8"}, "--quantization w8a8 is not split yet"),
     ({"device": "cuda"}, "does not go with --device cuda"),
     ({"enable_lora": True}, "does not go with --enable-lora"),
     ({"tensor_parallel_size": 0}, "must be at least 1"),

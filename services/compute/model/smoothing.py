@@ -42,17 +42,20 @@ class _AbsMax:
 
 @torch.inference_mode()
 def activation_absmax(cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                      device: torch.device) -> list[dict[str, torch.Tensor]]:
+                      device: torch.device, build=None) -> list[dict[str, torch.Tensor]]:
     """Per layer, max |x| [in] of the inputs of qkv, gate_up and down, over the calibration
-    sequences run through the float model."""
+    sequences run through the float model (`build(weights, CALIB_LEN)`: a tensor-parallel
+    rank's; None: a LlamaModel)."""
     from services.compute.model.llama import LlamaModel
 
-    model = LlamaModel(cfg, weights, device, CALIB_LEN)
+    model = LlamaModel(cfg, weights, device, CALIB_LEN) if build is None else \
+        build(weights, CALIB_LEN)
     for layer in model.layers:
         for site in _SITES:
             if getattr(layer, site) is not None:  # a sparse layer has no dense MLP
                 setattr(layer, site, _AbsMax(getattr(layer, site)))
-    kv = KVCache(cfg.num_layers, CALIB_LEN, cfg.num_kv_heads, cfg.head_dim,
+    local = model.cfg  # a rank's KV heads
+    kv = KVCache(cfg.num_layers, CALIB_LEN, local.num_kv_heads, cfg.head_dim,
                  model.embed.dtype, device)
     gen = torch.Generator().manual_seed(CALIB_SEED)
     batch = profile_batch(CALIB_LEN, 1, device)
@@ -63,22 +66,25 @@ def activation_absmax(cfg: ModelConfig, weights: dict[str, torch.Tensor],
              if getattr(layer, site) is not None} for layer in model.layers]
 
 
-def smooth(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device
-           ) -> list[dict[str, torch.Tensor]]:
+def smooth(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+           build=None, whole=None) -> list[dict[str, torch.Tensor]]:
     """Rescale `weights` (HF names, float) in place as above; the float model they make
     computes the same function. Returns each layer's s [in] per site ("qkv", "gate_up",
-    "down"; a MoE layer only "qkv"): what a LoRA adapter's factors must follow."""
-    absmax = activation_absmax(cfg, weights, device)
+    "down"; a MoE layer only "qkv"): what a LoRA adapter's factors must follow. A
+    tensor-parallel rank's (services/compute/tp/quantized.py): `build` its float model,
+    `whole(t)` the max of a statistic of qkv's or gate_up's input over the ranks' rows."""
+    absmax = activation_absmax(cfg, weights, device, build)
+    whole = whole or (lambda t: t)
     scales = []
     for i, stats in enumerate(absmax):
         p = f"model.layers.{i}."
         qkv = [f"{p}self_attn.{n}_proj.weight" for n in "qkv"]
         gate_up = [f"{p}mlp.{n}_proj.weight" for n in ("gate", "up")]
         layer = {"qkv": _fold(weights, stats["qkv"], qkv, f"{p}input_layernorm.weight",
-                              rows=False)}
+                              rows=False, whole=whole)}
         if not cfg.is_moe_layer(i):  # the experts quantize their inputs unsmoothed
             layer["gate_up"] = _fold(weights, stats["gate_up"], gate_up,
-                                     f"{p}{mlp_norm(cfg)}.weight", rows=False)
+                                     f"{p}{mlp_norm(cfg)}.weight", rows=False, whole=whole)
             layer["down"] = _fold(weights, stats["down"], [f"{p}mlp.down_proj.weight"],
                                   f"{p}mlp.up_proj.weight", rows=True)
         scales.append(layer)
@@ -86,10 +92,12 @@ def smooth(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.dev
 
 
 def _fold(weights: dict[str, torch.Tensor], x_absmax: torch.Tensor, consumers: list[str],
-          producer: str, rows: bool) -> torch.Tensor:
+          producer: str, rows: bool, whole=lambda t: t) -> torch.Tensor:
     """Scale the consumers' input columns by s and divide the producer by s: its weight
-    (a norm's [in]) or, with `rows`, its output rows (a projection's [in, ...]); s [in]."""
-    w_absmax = torch.stack([weights[n].float().abs().amax(0) for n in consumers]).amax(0)
+    (a norm's [in]) or, with `rows`, its output rows (a projection's [in, ...]); s [in]
+    (`whole`: the statistics' max over the ranks where the consumers' rows are split)."""
+    w_absmax = whole(torch.stack([weights[n].float().abs().amax(0) for n in consumers]).amax(0))
+    x_absmax = whole(x_absmax)
     s = x_absmax.clamp(min=1e-5) ** ALPHA / w_absmax.clamp(min=1e-5) ** (1 - ALPHA)
     s = s.clamp(min=1e-5).to(x_absmax.device)
     for n in consumers:

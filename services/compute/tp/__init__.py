@@ -7,6 +7,8 @@
                experts: a contiguous block of them); the shapes N must divide
     layers.py  the layers that cross ranks: row-parallel o/down, vocab-parallel embedding,
                the LM head gathered on rank 0, OLMoE's q/k norms over all ranks' heads
+    quantized.py  W8A8 and FP8: o and down quantized with the whole rows' scales (MAX
+               all-reduces), SmoothQuant calibrated on the ranks' float model
     model.py   a rank's decoder (LlamaModel over its shard)
 The processes, on compute's top floor beside service.py: ../tp_worker.py (ranks 1..N-1:
 join, build, run each broadcast step's forward) and ../tp_node.py (another machine's ranks,

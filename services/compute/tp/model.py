@@ -12,40 +12,50 @@ from __future__ import annotations
 
 import torch
 
+from services.compute.model import smoothing
 from services.compute.model.arch import FullQKNorm
 from services.compute.model.llama import LlamaModel
 from services.compute.model.quantization import Quantization
 from services.compute.model.weights import load_weights
 from services.compute.tp.layers import GatheredHead, ParallelQKNorm, RowParallel, VocabEmbedding
+from services.compute.tp.quantized import (
+    SCALED,
+    RowParallelScaled,
+    float_activation,
+    replicated_max,
+)
 from services.compute.tp.shard import Shard, ShardReader, local_config, shard_weights
 from shared.model_config import ModelConfig
 
 
 class ParallelLlama(LlamaModel):
-    """`LlamaModel` of rank `shard.rank`, built from the loader's `weights` (the rank's parts
-    kept); `forward` returns the whole logits on rank 0 only."""
+    """`LlamaModel` of rank `shard.rank`, built from `weights`, the rank's parts
+    (`shard_weights`), and `vocab`: the whole embedding's and LM head's rows; `forward`
+    returns the whole logits on rank 0 only."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, max_positions: int, quant: Quantization, shard: Shard,
-                 read: ShardReader | None = None):
-        """`weights`: the checkpoint's, whole but for those `read` read as the rank's part."""
-        vocab = _vocab(weights, "model.embed_tokens.weight", read)
-        head_vocab = vocab if "lm_head.weight" not in weights else \
-            _vocab(weights, "lm_head.weight", read)
-        done = frozenset() if read is None else frozenset(read.taken)
-        super().__init__(local_config(cfg, shard), shard_weights(cfg, weights, shard, done),
-                         device, max_positions, quant, shard.experts(cfg.num_experts))
-        self.vocab_embed = VocabEmbedding(self.embed, shard.vocab_rows(vocab)[0])
+                 vocab: tuple[int, int]):
+        super().__init__(local_config(cfg, shard), weights, device, max_positions, quant,
+                         shard.experts(cfg.num_experts))
+        self.vocab_embed = VocabEmbedding(self.embed, shard.vocab_rows(vocab[0])[0])
         if self.lm_head is not None:
-            self.lm_head = GatheredHead(self.lm_head, head_vocab)
-        for layer in self.layers:  # the MLP: dense, or a mixture of experts (tp or ep)
+            self.lm_head = GatheredHead(self.lm_head, vocab[1])
+        scaled = quant.name in SCALED  # o and down quantized with the whole rows' scales
+        if scaled and self.int8_act:
+            self.act = float_activation(cfg.hidden_act)  # down quantizes it
+        for i, layer in enumerate(self.layers):  # the MLP: dense, or a mixture of experts
+            p = f"model.layers.{i}."
             if isinstance(layer.qkv, FullQKNorm):
                 layer.qkv = ParallelQKNorm(layer.qkv, shard.size)
-            layer.o = RowParallel(layer.o)
-            if layer.moe is None:
-                layer.down = RowParallel(layer.down)
-            else:
+            layer.o = RowParallelScaled(quant.name, weights[f"{p}self_attn.o_proj.weight"]) \
+                if scaled else RowParallel(layer.o)
+            if layer.moe is not None:
                 layer.moe = RowParallel(layer.moe)
+            elif scaled:
+                layer.down = RowParallelScaled(quant.name, weights[f"{p}mlp.down_proj.weight"])
+            else:
+                layer.down = RowParallel(layer.down)
 
     def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.vocab_embed(ids)
@@ -54,20 +64,32 @@ class ParallelLlama(LlamaModel):
 def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                   quant: Quantization, max_positions: int, ranks) -> ParallelLlama:
     """Rank `ranks.shard.rank`'s model, its parts of a Hugging Face checkpoint read alone (a
-    GGUF file's sliced after reading, Q4 blocks kept as they are under int4), quantized as
-    on one rank after the split. ValueError (one line) for w8a8 and fp8, not split yet (their
-    per-channel scales and SmoothQuant's calibration span a row-parallel layer's ranks)."""
-    if quant.name not in ("none", "int4"):
-        raise ValueError(f"--tensor-parallel-size {ranks.shard.size} runs dense or int4 "
-                         f"weights: --quantization {quant.name} is not split yet")
-    read = ShardReader(model_config, ranks.shard)
-    weights = load_weights(config.model, dtype, device, keep_int4=quant.keeps_gguf_blocks,
-                           take=read.take)
-    return ParallelLlama(model_config, weights, device, max_positions, quant, ranks.shard, read)
+    GGUF file's sliced after reading, Q4 blocks kept as they are under int4), quantized after
+    the split (W8A8's and FP8's row-parallel layers with the whole rows' scales, W8A8's
+    weights smoothed first: quantized.py)."""
+    shard = ranks.shard
+    read = ShardReader(model_config, shard)
+    whole = load_weights(config.model, dtype, device, keep_int4=quant.keeps_gguf_blocks,
+                         take=read.take)
+    embed = _vocab(whole, "model.embed_tokens.weight", read)
+    vocab = (embed, embed if "lm_head.weight" not in whole else
+             _vocab(whole, "lm_head.weight", read))
+    weights = shard_weights(model_config, whole, shard, frozenset(read.taken))
+    del whole
+
+    def build(w: dict[str, torch.Tensor], positions: int, q: Quantization | None = None):
+        return ParallelLlama(model_config, w, device, positions, q or Quantization(), shard,
+                             vocab)
+
+    scales = smoothing.smooth(model_config, weights, device, build, replicated_max) \
+        if quant.int8_activations else None
+    model = build(weights, max_positions, quant)
+    model.smoothing = scales
+    return model
 
 
-def _vocab(weights: dict[str, torch.Tensor], name: str, read: ShardReader | None) -> int:
+def _vocab(weights: dict[str, torch.Tensor], name: str, read: ShardReader) -> int:
     """The vocabulary rows of embedding or LM head `name`: whole, or as read by `read`."""
-    if read is None or name not in read.taken:
+    if name not in read.taken:
         return weights[name].shape[0]
     return read.taken[name][0]

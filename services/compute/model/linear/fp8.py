@@ -11,10 +11,13 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, K] -> (e4m3 [R, K], float32 scales [R, 1]) with each row's max |x| -> 448."""
+def quantize_fp8(x: torch.Tensor, amax: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (e4m3 [R, K], float32 scales [R, 1]) with each row's max |x| -> 448;
+    `amax` [R]: the max to scale each row by (None: its own)."""
     xf = x.float()
-    scale = (xf.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp_(min=1e-12)
+    amax = xf.abs().amax(-1, keepdim=True) if amax is None else amax.float()[:, None]
+    scale = (amax / E4M3_MAX).clamp(min=1e-12)
     return (xf / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
@@ -27,20 +30,23 @@ def fp8_gemm_ref(xq, x_scale, wq, w_scale, bias, out_dtype) -> torch.Tensor:
 class Fp8Linear:
     """y = x @ weight^T + bias with e4m3 operands; x [T, in] -> [T, out] in the weight's dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 amax: torch.Tensor | None = None):
+        """`amax` [out]: each weight row's max |w| to scale by (None: its own)."""
         self.out_dtype, self.bias = weight.dtype, bias
         self.out_features, self.in_features = weight.shape
-        wq, scale = quantize_fp8(weight)
+        wq, scale = quantize_fp8(weight, amax)
         self.weight_t, self.scales = wq.t(), scale.t().contiguous()  # [in, out], [1, out]
 
     def nbytes(self) -> int:
         return self.weight_t.numel() + 4 * self.scales.numel()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """`amax` [T]: each row's max |x| to scale by (None: its own)."""
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features, dtype=self.out_dtype)
-        xq, x_scale = quantize_fp8(x2)
+        xq, x_scale = quantize_fp8(x2, amax)
         out = torch._scaled_mm(xq, self.weight_t, scale_a=x_scale, scale_b=self.scales,
                                bias=self.bias, out_dtype=self.out_dtype)
         return out.view(*x.shape[:-1], self.out_features)

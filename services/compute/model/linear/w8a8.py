@@ -20,16 +20,21 @@ class W8A8Linear:
     """y = x @ weight^T + bias, weight [out, in] quantized at construction; x [T, in] float or
     Int8Activation -> [T, out] in the weight's original dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 amax: torch.Tensor | None = None):
+        """`amax` [out]: each weight row's max |w| to scale by (None: its own)."""
         self.out_dtype, self.bias = weight.dtype, bias
         self.out_features, self.in_features = weight.shape
-        q = quantize_int8_ref(weight)  # per output channel: each row's max |w| -> 127
+        q = quantize_int8_ref(weight, amax)  # per output channel: each row's max |w| -> 127
         self.weight, self.scales = q.values, q.scales  # int8 [out, in], float32 [out]
 
     def nbytes(self) -> int:
         return self.weight.numel() + 4 * self.scales.numel()
 
-    def __call__(self, x: torch.Tensor | Int8Activation) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | Int8Activation, amax: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """`amax` [T]: a float x's rows' max |x| to scale by (None: each row's own)."""
         if not isinstance(x, Int8Activation):
-            x = quantize_int8(x)
+            x = quantize_int8(x) if amax is None else \
+                quantize_int8_ref(x.reshape(-1, self.in_features), amax)
         return int8_gemm(x.values, x.scales, self.weight, self.scales, self.bias, self.out_dtype)
