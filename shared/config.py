@@ -426,7 +426,6 @@ class EngineConfig:
         for flag, on in (("--backend sim", self.backend == BackendName.SIM),
                          ("--device cuda", self.device.startswith("cuda")),
                          ("--enable-lora", self.enable_lora),
-                         ("--runner pooling", self.pooling),
                          ("a draft model", bool(self.scheduler.speculative
                                                 and self.scheduler.speculative.model))):
             if on:

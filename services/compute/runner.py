@@ -30,6 +30,7 @@ from services.compute.lora.attach import attach_adapters
 from services.compute.model import quantization, smoothing
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
+from services.compute.pooling.forward import hidden_states
 from services.compute.pooling.scoring import yes_no_rows
 from services.compute.structured import start_mask
 from shared.config import EngineConfig
@@ -175,13 +176,25 @@ class ModelRunner:
                                                        offsets)
         return out.seal()
 
+    def pooled_hidden(self, batch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """A pooling forward's final-normed hidden states of `rows` (pooling/forward.py), the
+        other tensor-parallel ranks running it beside this one."""
+        if self.ranks is not None:
+            from services.compute.tp.step import StepInputs, broadcast
+
+            broadcast(StepInputs.pooling(batch, rows))
+        return hidden_states(self.model, batch, self.kv, rows)
+
     @torch.inference_mode()
     def forward_step(self, inputs) -> None:
         """A tensor-parallel rank but 0: run the step rank 0 broadcast (tp/step.StepInputs),
-        its KV moves and its forward (whose logits rank 0 gathers)."""
+        its KV moves and its forward (whose logits rank 0 gathers), or a pooling forward."""
         for src, dst, n in inputs.moves:
             self.kv.move(src, dst, n)
-        self.model.forward_hidden(inputs.batch, self.kv)
+        if inputs.pooled:
+            hidden_states(self.model, inputs.batch, self.kv, inputs.rows)
+        else:
+            self.model.forward_hidden(inputs.batch, self.kv)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (rank 0; nothing to do without them)."""

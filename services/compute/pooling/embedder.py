@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from services.compute.pooling.forward import hidden_states, prefill_batch
+from services.compute.pooling.forward import prefill_batch
 from services.compute.pooling.pool import finish, pool, pooled_rows
 from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams
@@ -80,10 +80,9 @@ def _run_group(engine, group: list[list[int]], pooling: PoolingConfig,
         lens = [len(p) for p in group]
         keep = pooled_rows(lens, pooling.mode)  # last or first rows: the last MLP on those alone
         if keep is None:
-            vectors = pool(hidden_states(runner.model, batch, runner.kv), lens, pooling.mode)
+            vectors = pool(runner.pooled_hidden(batch), lens, pooling.mode)
         else:
-            keep = keep.to(runner.device)
-            vectors = hidden_states(runner.model, batch, runner.kv, keep).float()
+            vectors = runner.pooled_hidden(batch, keep.to(runner.device)).float()
         if head is not None:
             return head(vectors).cpu(), len(group)
         return finish(vectors, pooling.normalize, dim).cpu(), len(group)

@@ -2,7 +2,8 @@
 
     group.py   the ranks: rank 0 (the engine's process) spawns 1..N-1 and they join one
                torch.distributed group (gloo on CPU)
-    step.py    what rank 0 broadcasts each step (StepInputs: KV moves and the ForwardBatch)
+    step.py    what rank 0 broadcasts each step (StepInputs: KV moves and the ForwardBatch;
+               or a pooling forward's batch and pooled rows, no LM head)
     shard.py   which slice of each weight a rank holds (with --enable-expert-parallel, whole
                experts: a contiguous block of them); the shapes N must divide
     layers.py  the layers that cross ranks: row-parallel o/down, vocab-parallel embedding,

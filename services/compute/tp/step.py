@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from services.compute.core.batch import ForwardBatch
@@ -21,14 +22,22 @@ from services.compute.core.batch import ForwardBatch
 class StepInputs:
     """One step's inputs to the forward: the KV moves (src, dst, n) the allocator decided, in
     order, and the ForwardBatch rank 0 built (input ids resolved; without the prompt spans,
-    which only rank 0's sampling reads, and LoRA groups, which tensor parallelism refuses)."""
+    which only rank 0's sampling reads, and LoRA groups, which tensor parallelism refuses).
+    `pooled`: a pooling forward (pooling/forward.hidden_states: the final-normed hidden states
+    of `rows`, None: every row; no LM head), not a generation step."""
 
     moves: list[tuple[int, int, int]]
     batch: ForwardBatch
+    pooled: bool = False
+    rows: torch.Tensor | None = None
 
     @classmethod
     def of(cls, moves: list[tuple[int, int, int]], batch: ForwardBatch) -> StepInputs:
         return cls(list(moves), dataclasses.replace(batch, prompt_spans=[], lora=None))
+
+    @classmethod
+    def pooling(cls, batch: ForwardBatch, rows: torch.Tensor | None) -> StepInputs:
+        return cls([], batch, True, rows)
 
 
 def broadcast(inputs: StepInputs | None) -> StepInputs | None:
