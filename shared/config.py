@@ -425,7 +425,8 @@ class EngineConfig:
             return
         for flag, on in (("--backend sim", self.backend == BackendName.SIM),
                          ("--device cuda", self.device.startswith("cuda")),
-                         ("--enable-lora", self.enable_lora),
+                         ("--enable-lora with --quantization " + self.quantization,
+                          self.enable_lora and self.quantization in ("w8a8", "fp8")),
                          ("a draft model", bool(self.scheduler.speculative
                                                 and self.scheduler.speculative.model))):
             if on:

@@ -29,7 +29,7 @@ from services.compute.scheduling.scheduler import Scheduler
 from services.compute.structured import GrammarState, ReasoningGate
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
-from shared.lora import LoraModule
+from shared.lora import LoraError, LoraModule
 from shared.messages import Tokens
 from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams, SamplingParams
@@ -246,6 +246,9 @@ class LLMEngine:
         served). A name still being unloaded is replaced at once."""
         from services.compute.lora.attach import attach_adapters, detach_adapter
 
+        if self.config.tensor_parallel_size > 1:  # rank 0's model: the others would not
+            raise LoraError(f"--tensor-parallel-size {self.config.tensor_parallel_size} "
+                            "serves the --lora-modules adapters: none loaded at run time yet")
         model = self.runner.model
         if module.name in model.lora_names:
             self._unloading.discard(module.name)

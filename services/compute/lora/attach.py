@@ -55,7 +55,7 @@ def _factor_pairs(model, module: LoraModule, max_lora_rank: int,
     if config.rank > max_lora_rank:
         raise LoraError(f"LoRA adapter {module.name!r} ({module.path}) has rank "
                         f"{config.rank}, over --max-lora-rank {max_lora_rank}")
-    factors = read_factors(module.path)
+    factors = model.own_factors(read_factors(module.path))
     if any(i >= cfg.num_layers for i, _ in factors):
         raise LoraError(f"LoRA adapter {module.name!r} has factors of layers the model (of "
                         f"{cfg.num_layers}) has not: an adapter of another model?")

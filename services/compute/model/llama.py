@@ -158,6 +158,11 @@ class LlamaModel:
             h, residual = h[rows], residual[rows]
         return self._norm(h, residual, self.norm)[0]
 
+    def own_factors(self, factors: dict) -> dict:
+        """A LoRA adapter's factors (lora/weights.read_factors) as this model's projections
+        take them: all of them (a tensor-parallel rank's: its slices, services/compute/tp/)."""
+        return factors
+
     def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of token ids [T]: [T, hidden] (a tensor-parallel rank's are
         gathered across ranks: services/compute/tp/model.py)."""

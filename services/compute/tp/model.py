@@ -11,9 +11,12 @@ parallelism each sparse layer holds the rank's block of whole experts (`MoE`'s `
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from services.compute.lora.attach import attach_adapters
 from services.compute.model import smoothing
 from services.compute.model.arch import FullQKNorm
+from services.compute.model.linear.lora import LoraLinear
 from services.compute.model.llama import LlamaModel
 from services.compute.model.quantization import Quantization
 from services.compute.model.weights import load_weights
@@ -24,20 +27,31 @@ from services.compute.tp.quantized import (
     float_activation,
     replicated_max,
 )
-from services.compute.tp.shard import Shard, ShardReader, local_config, shard_weights
+from services.compute.tp.shard import (
+    Shard,
+    ShardReader,
+    local_config,
+    shard_factors,
+    shard_weights,
+)
+from shared.lora import parse_lora_modules
 from shared.model_config import ModelConfig
 
 
 class ParallelLlama(LlamaModel):
     """`LlamaModel` of rank `shard.rank`, built from `weights`, the rank's parts
     (`shard_weights`), and `vocab`: the whole embedding's and LM head's rows; `forward`
-    returns the whole logits on rank 0 only."""
+    returns the whole logits on rank 0 only. `lora`: o and down are LoraLinear layers (their
+    adapters' deltas partial sums, all-reduced with the base's)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  device: torch.device, max_positions: int, quant: Quantization, shard: Shard,
-                 vocab: tuple[int, int]):
+                 vocab: tuple[int, int], lora: bool = False):
         super().__init__(local_config(cfg, shard), weights, device, max_positions, quant,
                          shard.experts(cfg.num_experts))
+        self.shard = shard
+        row = (lambda linear: LoraLinear(linear, reduce=dist.all_reduce)) if lora else \
+            RowParallel
         self.vocab_embed = VocabEmbedding(self.embed, shard.vocab_rows(vocab[0])[0])
         if self.lm_head is not None:
             self.lm_head = GatheredHead(self.lm_head, vocab[1])
@@ -49,13 +63,16 @@ class ParallelLlama(LlamaModel):
             if isinstance(layer.qkv, FullQKNorm):
                 layer.qkv = ParallelQKNorm(layer.qkv, shard.size)
             layer.o = RowParallelScaled(quant.name, weights[f"{p}self_attn.o_proj.weight"]) \
-                if scaled else RowParallel(layer.o)
+                if scaled else row(layer.o)
             if layer.moe is not None:
                 layer.moe = RowParallel(layer.moe)
             elif scaled:
                 layer.down = RowParallelScaled(quant.name, weights[f"{p}mlp.down_proj.weight"])
             else:
-                layer.down = RowParallel(layer.down)
+                layer.down = row(layer.down)
+
+    def own_factors(self, factors: dict) -> dict:
+        return shard_factors(factors, self.shard)
 
     def _embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return self.vocab_embed(ids)
@@ -66,7 +83,7 @@ def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype
     """Rank `ranks.shard.rank`'s model, its parts of a Hugging Face checkpoint read alone (a
     GGUF file's sliced after reading, Q4 blocks kept as they are under int4), quantized after
     the split (W8A8's and FP8's row-parallel layers with the whole rows' scales, W8A8's
-    weights smoothed first: quantized.py)."""
+    weights smoothed first: quantized.py), with its slices of the --lora-modules adapters."""
     shard = ranks.shard
     read = ShardReader(model_config, shard)
     whole = load_weights(config.model, dtype, device, keep_int4=quant.keeps_gguf_blocks,
@@ -77,14 +94,17 @@ def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype
     weights = shard_weights(model_config, whole, shard, frozenset(read.taken))
     del whole
 
-    def build(w: dict[str, torch.Tensor], positions: int, q: Quantization | None = None):
-        return ParallelLlama(model_config, w, device, positions, q or Quantization(), shard,
-                             vocab)
+    def float_model(w: dict[str, torch.Tensor], positions: int) -> ParallelLlama:
+        """The rank's float model, which SmoothQuant calibrates on."""
+        return ParallelLlama(model_config, w, device, positions, Quantization(), shard, vocab)
 
-    scales = smoothing.smooth(model_config, weights, device, build, replicated_max) \
+    scales = smoothing.smooth(model_config, weights, device, float_model, replicated_max) \
         if quant.int8_activations else None
-    model = build(weights, max_positions, quant)
+    model = ParallelLlama(model_config, weights, device, max_positions, quant, shard, vocab,
+                          config.enable_lora)
     model.smoothing = scales
+    if config.enable_lora:
+        attach_adapters(model, parse_lora_modules(config.lora_modules), config.max_lora_rank)
     return model
 
 

@@ -17,7 +17,8 @@ zero rows (its padded logits are trimmed after the gather). Norms, the Qwen3 q/k
 From a Hugging Face directory each rank reads only its part of each split tensor
 (`ShardReader`, safetensors' slices); a GGUF file, and Phi-3's fused projections, are read
 whole and sliced after loading (each part a copy, so that the whole tensors are freed); the
-other ranks' experts are never read (`weights.SKIP`), or dropped after loading.
+other ranks' experts are never read (`weights.SKIP`), or dropped after loading. A LoRA
+adapter's factors are split with the projections they add to (`shard_factors`).
 """
 
 from __future__ import annotations
@@ -172,6 +173,22 @@ def part_of(cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: Shard
         raise ValueError(f"--tensor-parallel-size {shard.size}: stacked experts ('{name}') are "
                          "not split yet")
     return None
+
+
+def shard_factors(factors: dict[tuple[int, str], dict[str, torch.Tensor]], shard: Shard
+                  ) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """A LoRA adapter's factors ({(layer, PEFT module): {"A": [r, in], "B": [out, r]}}) as
+    rank `shard.rank` applies them: B's rows of a column-parallel projection's (q/k/v,
+    gate/up: its rows' outputs), A's columns of a row-parallel one's (o, down: its input
+    slice, the delta a partial sum all-reduced with the layer's)."""
+    out = {}
+    for (layer, name), f in factors.items():
+        if name in ("o_proj", "down_proj"):
+            f = {"A": f["A"][:, shard.part(f["A"].shape[1])], "B": f["B"]}
+        else:
+            f = {"A": f["A"], "B": f["B"][shard.part(f["B"].shape[0])]}
+        out[layer, name] = f
+    return out
 
 
 def _cut(tensor, index: tuple[slice, ...], rows: int) -> torch.Tensor | Int4Weight:

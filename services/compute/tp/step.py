@@ -21,8 +21,9 @@ from services.compute.core.batch import ForwardBatch
 @dataclass(frozen=True)
 class StepInputs:
     """One step's inputs to the forward: the KV moves (src, dst, n) the allocator decided, in
-    order, and the ForwardBatch rank 0 built (input ids resolved; without the prompt spans,
-    which only rank 0's sampling reads, and LoRA groups, which tensor parallelism refuses).
+    order, and the ForwardBatch rank 0 built (input ids resolved, LoRA groups by the slots
+    every rank gave the same adapters; without the prompt spans, which only rank 0's sampling
+    reads).
     `pooled`: a pooling forward (pooling/forward.hidden_states: the final-normed hidden states
     of `rows`, None: every row; no LM head), not a generation step."""
 
@@ -33,7 +34,7 @@ class StepInputs:
 
     @classmethod
     def of(cls, moves: list[tuple[int, int, int]], batch: ForwardBatch) -> StepInputs:
-        return cls(list(moves), dataclasses.replace(batch, prompt_spans=[], lora=None))
+        return cls(list(moves), dataclasses.replace(batch, prompt_spans=[]))
 
     @classmethod
     def pooling(cls, batch: ForwardBatch, rows: torch.Tensor | None) -> StepInputs:

@@ -25,10 +25,11 @@ class LoraLinear:
     b is zero outside each part's block, which the CPU kernel skips. An adapter of a smaller
     rank, or not targeting a part, has zeros there; one targeting none of this projection is
     not in `targeted`. Called as the base layer is, `layer(x)`, or with the step's groups,
-    `layer(x, lora)`."""
+    `layer(x, lora)`. `reduce`: applied in place to y, base and deltas (a tensor-parallel
+    row-parallel layer's all-reduce of its partial sums: services/compute/tp/)."""
 
-    def __init__(self, base, part_sizes: tuple[int, ...] = ()):
-        self.base = base
+    def __init__(self, base, part_sizes: tuple[int, ...] = (), reduce=None):
+        self.base, self.reduce = base, reduce or (lambda y: None)
         self.out_features, self.in_features = base.out_features, base.in_features
         sizes = part_sizes or (self.out_features,)
         if sum(sizes) != self.out_features:
@@ -83,6 +84,7 @@ class LoraLinear:
     def __call__(self, x: torch.Tensor, lora: LoraGroups | None = None) -> torch.Tensor:
         y = self.base(x)
         if lora is None or lora.active.isdisjoint(self.targeted):
+            self.reduce(y)
             return y
         if isinstance(x, Int8Activation):  # a W8A8 base's input: the delta runs in float
             x = x.dequantize()
@@ -94,4 +96,5 @@ class LoraLinear:
         if lora.rows is not None:
             lora_delta_(y, x, self.a, self.b, lora.rows, lora.starts, lora.slots,
                         lora.max_rows, self.part_ends, self.packed)
+        self.reduce(y)
         return y
