@@ -3,8 +3,9 @@
 gate/up, A's columns of o and down: tp/shard.shard_factors), o's and down's deltas all-reduced
 with the base's partial sums. Through `LLMEngine` against one rank, float32: a batch mixing
 the base and two adapters (one of every projection, one of q, v and down at another rank),
-chunked prefill: greedy tokens identical, generated and prompt logprobs within 1e-4. Adapters
-loaded at run time are refused with one line."""
+chunked prefill: greedy tokens identical, generated and prompt logprobs within 1e-4 (float
+base layers; INT4 ones within test_tensor_parallel's W4A8_TOL). Adapters loaded at run time
+are refused with one line."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from tests.hf_models import build_hf_model
 from tests.test_lora import ADAPTERS, build_adapter
 from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)
     PROMPTS,
+    TOL,
+    W4A8_TOL,
     _keep_torch_threads,
     assert_same,
     generate,
@@ -34,7 +37,10 @@ def lora_model(tmp_path_factory):
     return root / "base", dirs
 
 
-def test_adapters_on_two_ranks_match_one(lora_model):
+@pytest.mark.parametrize(("quantization", "tol"), [("none", TOL), ("int4", W4A8_TOL)])
+def test_adapters_on_two_ranks_match_one(lora_model, quantization, tol):
+    """int4: the adapters beside INT4 base layers (a rank's columns of o and down whole
+    groups)."""
     base, dirs = lora_model
     names = ["", "A", "B", "A", "B", "", "B", "A"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
@@ -51,6 +57,6 @@ def test_adapters_on_two_ranks_match_one(lora_model):
         return out
 
     one, two = on_both(base, run, enable_lora=True, lora_modules=modules, max_loras=2,
-                       max_lora_rank=16)
-    assert_same(one, two)
+                       max_lora_rank=16, quantization=quantization)
+    assert_same(one, two, tol)
     assert one[1][0] != one[5][0]  # prompt 1 with adapter A and without: A changes it

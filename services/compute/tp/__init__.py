@@ -5,7 +5,8 @@
     step.py    what rank 0 broadcasts each step (StepInputs: KV moves and the ForwardBatch;
                or a pooling forward's batch and pooled rows, no LM head)
     shard.py   which slice of each weight a rank holds (with --enable-expert-parallel, whole
-               experts: a contiguous block of them); the shapes N must divide
+               experts: a contiguous block of them), and of each LoRA adapter's factors; the
+               shapes N must divide
     layers.py  the layers that cross ranks: row-parallel o/down, vocab-parallel embedding,
                the LM head gathered on rank 0, OLMoE's q/k norms over all ranks' heads
     quantized.py  W8A8 and FP8: o and down quantized with the whole rows' scales (MAX
