@@ -3,11 +3,14 @@
 gate/up, A's columns of o and down: tp/shard.shard_factors), o's and down's deltas all-reduced
 with the base's partial sums. Through `LLMEngine` against one rank, float32: a batch mixing
 the base and two adapters (one of every projection, one of q, v and down at another rank),
-chunked prefill: greedy tokens identical, generated and prompt logprobs within 1e-4 (float
-base layers; INT4 ones within test_tensor_parallel's W4A8_TOL). Adapters loaded at run time
-are refused with one line."""
+chunked prefill, then an adapter loaded and one unloaded at run time (every rank told:
+tp/step.AdapterChange; one that cannot be read refused alike): greedy tokens identical,
+generated and prompt logprobs within 1e-4 (float base layers; INT4 ones within
+test_tensor_parallel's W4A8_TOL)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -49,14 +52,16 @@ def test_adapters_on_two_ranks_match_one(lora_model, quantization, tol):
     modules = " ".join(f"{n}={d}" for n, d in dirs.items())
 
     def run(eng):
+        """The mixed batch; then adapter C (A's files) loaded, B unloaded, and C's requests."""
         out = generate(eng, prompts, params)
-        if eng.config.tensor_parallel_size > 1:
-            with pytest.raises(LoraError, match="none loaded at run time") as e:
-                eng.load_lora(LoraModule("C", str(dirs["A"])))
-            assert "\n" not in str(e.value)
-        return out
-
+        eng.load_lora(LoraModule("C", str(dirs["A"])))
+        eng.unload_lora("B")
+        with pytest.raises(LoraError):  # refused alike on every rank
+            eng.load_lora(LoraModule("D", str(dirs["A"].parent / "missing")))
+        later = [replace(params[1], lora_name="C"), params[0]]
+        return out + generate(eng, [prompts[1], prompts[0]], later)
     one, two = on_both(base, run, enable_lora=True, lora_modules=modules, max_loras=2,
                        max_lora_rank=16, quantization=quantization)
     assert_same(one, two, tol)
     assert one[1][0] != one[5][0]  # prompt 1 with adapter A and without: A changes it
+    assert one[-2][0] == one[1][0]  # C is A (its slot after B's was dropped)

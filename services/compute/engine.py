@@ -29,7 +29,7 @@ from services.compute.scheduling.scheduler import Scheduler
 from services.compute.structured import GrammarState, ReasoningGate
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
-from shared.lora import LoraError, LoraModule
+from shared.lora import LoraModule
 from shared.messages import Tokens
 from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams, SamplingParams
@@ -244,16 +244,11 @@ class LLMEngine:
     def load_lora(self, module: LoraModule) -> None:
         """Serve adapter `module` from now on (loaded at run time; LoraError if it cannot be
         served). A name still being unloaded is replaced at once."""
-        from services.compute.lora.attach import attach_adapters, detach_adapter
-
-        if self.config.tensor_parallel_size > 1:  # rank 0's model: the others would not
-            raise LoraError(f"--tensor-parallel-size {self.config.tensor_parallel_size} "
-                            "serves the --lora-modules adapters: none loaded at run time yet")
         model = self.runner.model
         if module.name in model.lora_names:
             self._unloading.discard(module.name)
-            detach_adapter(model, module.name)
-        attach_adapters(model, [module], self.config.max_lora_rank)
+            self.runner.detach_adapter(module.name)
+        self.runner.attach_adapter(module, self.config.max_lora_rank)
         self.lora_names = model.lora_names - self._unloading
 
     def unload_lora(self, name: str) -> None:
@@ -266,13 +261,11 @@ class LLMEngine:
     def _drop_unloaded(self) -> None:
         """Detach the adapters being unloaded that no request (held, or in the step in
         flight) uses any more."""
-        from services.compute.lora.attach import detach_adapter
-
         used = {s.params.lora_name for s in self.requests.values()}
         if self._inflight is not None:
             used |= {item.seq.params.lora_name for item in self._inflight[0].items}
         for name in self._unloading - used:
-            detach_adapter(self.runner.model, name)
+            self.runner.detach_adapter(name)
             self._unloading.discard(name)
 
     def lora_info(self) -> dict[str, str]:

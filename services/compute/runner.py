@@ -8,6 +8,7 @@ forward, then `sampling` turns the logits into tokens, logprobs and top rows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import replace
@@ -26,7 +27,7 @@ from services.compute.inflight import InFlight
 from services.compute.kv.kv_cache import KVCache
 from services.compute.kv.sizing import gpu_kv_budget
 from services.compute.length.head import is_checkpoint, probe_dim, probe_matrix
-from services.compute.lora.attach import attach_adapters
+from services.compute.lora.attach import attach_adapters, detach_adapter
 from services.compute.model import quantization, smoothing
 from services.compute.model.llama import LlamaModel
 from services.compute.model.weights import load_weights
@@ -35,7 +36,7 @@ from services.compute.pooling.scoring import yes_no_rows
 from services.compute.structured import start_mask
 from shared.config import EngineConfig
 from shared.gguf.reader import is_gguf
-from shared.lora import parse_lora_modules
+from shared.lora import LoraError, parse_lora_modules
 from shared.model_config import ModelConfig
 from shared.scoring import ScoringConfig
 
@@ -185,10 +186,39 @@ class ModelRunner:
             broadcast(StepInputs.pooling(batch, rows))
         return hidden_states(self.model, batch, self.kv, rows)
 
+    def attach_adapter(self, module, max_rank: int) -> None:
+        """Serve LoRA adapter `module` (shared.lora.LoraModule) from now on, on every
+        tensor-parallel rank (each its slice); LoraError where it cannot be served."""
+        self._tell_ranks(module=module, max_rank=max_rank)
+        attach_adapters(self.model, [module], max_rank)
+
+    def detach_adapter(self, name: str) -> None:
+        """Stop serving LoRA adapter `name`, on every tensor-parallel rank."""
+        self._tell_ranks(name=name)
+        detach_adapter(self.model, name)
+
+    def _tell_ranks(self, **change) -> None:
+        """Rank 0: the other tensor-parallel ranks make the same adapter change."""
+        if self.ranks is not None:
+            from services.compute.tp.step import AdapterChange, broadcast
+
+            broadcast(AdapterChange(**change))
+
     @torch.inference_mode()
     def forward_step(self, inputs) -> None:
         """A tensor-parallel rank but 0: run the step rank 0 broadcast (tp/step.StepInputs),
-        its KV moves and its forward (whose logits rank 0 gathers), or a pooling forward."""
+        its KV moves and its forward (whose logits rank 0 gathers), or a pooling forward; or
+        make its adapter change (AdapterChange: an adapter rank 0 refused, every rank refuses
+        alike, and rank 0 reports)."""
+        from services.compute.tp.step import AdapterChange
+
+        if isinstance(inputs, AdapterChange):
+            with contextlib.suppress(LoraError):
+                if inputs.module is not None:
+                    attach_adapters(self.model, [inputs.module], inputs.max_rank)
+                else:
+                    detach_adapter(self.model, inputs.name)
+            return
         for src, dst, n in inputs.moves:
             self.kv.move(src, dst, n)
         if inputs.pooled:

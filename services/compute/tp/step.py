@@ -2,7 +2,8 @@
 
 One message per step, `StepInputs`, sent with `torch.distributed.broadcast_object_list` (its
 pickle of the dataclass: the batch's few int tensors and ints), before rank 0 runs the step's
-forward; `None` tells the other ranks to stop. Invariant: every rank applies the same KV moves
+forward; between steps, `AdapterChange` when a LoRA adapter is loaded or dropped at run time;
+`None` tells the other ranks to stop. Invariant: every rank applies the same KV moves
 and runs the forward on the same batch, so that the collectives inside it (`layers.py`) match
 one to one and each rank's KV cache holds its heads of the same slots.
 """
@@ -39,6 +40,16 @@ class StepInputs:
     @classmethod
     def pooling(cls, batch: ForwardBatch, rows: torch.Tensor | None) -> StepInputs:
         return cls([], batch, True, rows)
+
+
+@dataclass(frozen=True)
+class AdapterChange:
+    """A LoRA adapter every rank attaches (`module`, a shared.lora.LoraModule, at most
+    `max_rank`) or detaches (`name`), as rank 0 does, so that every rank's slots match."""
+
+    module: object | None = None
+    max_rank: int = 0
+    name: str | None = None
 
 
 def broadcast(inputs: StepInputs | None) -> StepInputs | None:
