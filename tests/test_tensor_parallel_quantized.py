@@ -1,7 +1,8 @@
 """W8A8 and FP8 weights under tensor parallelism (services/compute/tp/quantized.py): two ranks
 over gloo through `LLMEngine` against one rank, float32: greedy tokens identical, generated
-and prompt logprobs within QUANT_TOL; W8A8's SmoothQuant calibrated on the ranks' float model.
-A mixture of experts is refused with one line."""
+and prompt logprobs within QUANT_TOL; W8A8's SmoothQuant calibrated on the ranks' float model;
+mixtures of experts with whole experts a rank (--enable-expert-parallel). Experts split
+across the ranks are refused with one line."""
 
 from __future__ import annotations
 
@@ -45,8 +46,20 @@ def test_quantized_two_ranks_match_one(model_dir, name, method, tol):  # noqa: F
     assert_same(one, two, tol)
 
 
+@pytest.mark.parametrize(("name", "method"), [("qwen3-moe-dense-layer", "w8a8"),
+                                              ("mixtral", "fp8"), ("olmoe", "w8a8")])
+def test_quantized_whole_experts_match_one_rank(model_dir, name, method):  # noqa: F811
+    """--enable-expert-parallel: each expert quantized whole, as on one rank (a dense layer's
+    MLP and attention split as above; OLMoE's q/k norms over every rank's heads)."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
+                            prompt_logprobs=0)
+    one, two = on_both(model_dir(name), lambda e: generate(e, PROMPTS, params),
+                       parallel={"enable_expert_parallel": True}, quantization=method)
+    assert_same(one, two, QUANT_TOL)
+
+
 @pytest.mark.parametrize("method", ["w8a8", "fp8"])
-def test_quantized_experts_are_refused(tmp_path, method):
+def test_quantized_split_experts_are_refused(tmp_path, method):
     build_hf_model(tmp_path, "qwen3_moe")
     with pytest.raises(ValueError, match=f"--quantization {method}: a mixture of experts'") as e:
         resolve(with_settings(EngineConfig(), model=str(tmp_path), tensor_parallel_size=2,

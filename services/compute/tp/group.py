@@ -152,8 +152,8 @@ def refuse(config, model_config, device) -> None:
     """ValueError, one line, before any rank starts, where the group cannot run this model:
     shapes `size` does not divide (shard.check), a device (torch.device, resolved) other than
     the CPU, INT4 groups a rank's part would cut (shard.check_int4), W8A8 or FP8 experts
-    (their activations' scales are not taken over the ranks), a yes/no reranker (its score
-    rows come from the whole LM head). A dense model runs
+    split (their activations' scales are not taken over the ranks; whole ones are), a yes/no
+    reranker (its score rows come from the whole LM head). A dense model runs
     --enable-expert-parallel as plain tensor parallelism (vLLM ignores the flag for it too)."""
     from services.compute.model.quantization import gguf_int4
 
@@ -163,10 +163,11 @@ def refuse(config, model_config, device) -> None:
                                                  config.convert).kind == YES_NO:
         raise ValueError(f"--tensor-parallel-size {size}: a yes/no reranker's score rows are "
                          "not taken from a split LM head yet")
-    if config.quantization in ("w8a8", "fp8") and model_config.num_experts:
+    if config.quantization in ("w8a8", "fp8") and model_config.num_experts and \
+            not config.enable_expert_parallel:
         raise ValueError(f"--tensor-parallel-size {size} with --quantization "
                          f"{config.quantization}: a mixture of experts' experts are not split "
-                         "yet (use int4 or none)")
+                         "yet (--enable-expert-parallel holds them whole; or int4, none)")
     if config.enable_expert_parallel and not model_config.num_experts:
         log.info("--enable-expert-parallel: %s has no experts, its layers are split as "
                  "without it", model_config.architecture)
