@@ -8,7 +8,6 @@ forward, then `sampling` turns the logits into tokens, logprobs and top rows.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import replace
@@ -36,7 +35,7 @@ from services.compute.pooling.scoring import yes_no_rows
 from services.compute.structured import start_mask
 from shared.config import EngineConfig
 from shared.gguf.reader import is_gguf
-from shared.lora import LoraError, parse_lora_modules
+from shared.lora import parse_lora_modules
 from shared.model_config import ModelConfig
 from shared.scoring import ScoringConfig
 
@@ -203,28 +202,6 @@ class ModelRunner:
             from services.compute.tp.step import AdapterChange, broadcast
 
             broadcast(AdapterChange(**change))
-
-    @torch.inference_mode()
-    def forward_step(self, inputs) -> None:
-        """A tensor-parallel rank but 0: run the step rank 0 broadcast (tp/step.StepInputs),
-        its KV moves and its forward (whose logits rank 0 gathers), or a pooling forward; or
-        make its adapter change (AdapterChange: an adapter rank 0 refused, every rank refuses
-        alike, and rank 0 reports)."""
-        from services.compute.tp.step import AdapterChange
-
-        if isinstance(inputs, AdapterChange):
-            with contextlib.suppress(LoraError):
-                if inputs.module is not None:
-                    attach_adapters(self.model, [inputs.module], inputs.max_rank)
-                else:
-                    detach_adapter(self.model, inputs.name)
-            return
-        for src, dst, n in inputs.moves:
-            self.kv.move(src, dst, n)
-        if inputs.pooled:
-            hidden_states(self.model, inputs.batch, self.kv, inputs.rows)
-        else:
-            self.model.forward_hidden(inputs.batch, self.kv)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (rank 0; nothing to do without them)."""
