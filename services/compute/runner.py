@@ -74,8 +74,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config, config.model, self.device)
         self.quant, self.model = _load_model(config, model_config, self.device, self.dtype,
                                              max_model_len, ranks)
+        # a draft model whole on rank 0 alone: its proposals reach the others in the batch
         draft, draft_kv = _draft_model(config, model_config, self.device, self.dtype,
-                                       max_model_len)
+                                       max_model_len) if ranks is None or ranks.leader else \
+            (None, None)
         # self.model.cfg: a tensor-parallel rank's has its share of the KV heads
         kv_shape = _kv_shape(config.kv_cache_dtype, self.model.cfg, self.dtype, self.device)
         # a slot holds the target's K/V and, with a draft model, the draft's
@@ -151,13 +153,13 @@ class ModelRunner:
         # the grammars' bitmask, filled while the forward runs
         mask = start_mask(sampled, {it.seq: it.drafts for it in step.of(Work.VERIFY)})
         batch = build_batch(step, self.device, prev, self.model.lora_slots)
+        out = InFlight(step)
+        if self.drafter is not None:  # its tokens into the verify rows, then the target's
+            out.drafts = self.drafter.propose(step, batch)
         if self.ranks is not None:  # the other ranks run the same forward (tp/step.py)
             from services.compute.tp.step import StepInputs, broadcast
 
             broadcast(StepInputs.of(step.moves, batch))
-        out = InFlight(step)
-        if self.drafter is not None:  # its tokens into the verify rows, then the target's
-            out.drafts = self.drafter.propose(step, batch)
         if self.graphs is not None and batch.lora is None and self.graphs.fits(batch):
             logits, hidden = self.graphs.run(batch)  # [S, vocab], [S, hidden]
         else:
