@@ -2,17 +2,14 @@
 rank 0 broadcasts each pooling forward (tp/step.StepInputs, `pooled`), every rank runs the
 layers without the LM head, rank 0 pools. Through `LLMEngine.embed` against one rank, float32:
 every embedding within 1e-5, mean pooling (every row) and last-token pooling (the last MLP on
-the pooled rows alone), truncated to a Matryoshka width too; a sequence classifier's scores.
-A yes/no reranker is refused with one line."""
+the pooled rows alone), truncated to a Matryoshka width too; a sequence classifier's and a
+yes/no reranker's scores."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.compute.backend import resolve
-from shared.config import EngineConfig
-from shared.settings import with_settings
 from tests.scoring_models import YES_NO_OVERRIDES, build_classifier, build_yes_no
 from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)
     _keep_torch_threads,
@@ -44,9 +41,11 @@ def test_a_classifier_scores_as_one_rank(tmp_path):
     assert (one - two).abs().max().item() < POOL_TOL
 
 
-def test_a_yes_no_reranker_is_refused(tmp_path):
+def test_a_yes_no_reranker_scores_as_one_rank(tmp_path):
+    """Its score rows, the LM head's rows of the (no, yes) tokens, gathered from the ranks'
+    vocabulary parts at load."""
     build_yes_no(tmp_path)
-    with pytest.raises(ValueError, match="yes/no reranker's score rows") as e:
-        resolve(with_settings(EngineConfig(), model=str(tmp_path), tensor_parallel_size=2,
-                              device="cpu", hf_overrides=YES_NO_OVERRIDES))
-    assert "\n" not in str(e.value)
+    one, two = on_both(tmp_path, lambda e: e.classify(PROMPTS[:20]), runner="pooling",
+                       hf_overrides=YES_NO_OVERRIDES)
+    assert one.shape == two.shape == (20, 1) and one.abs().max() > 0
+    assert (one - two).abs().max().item() < POOL_TOL

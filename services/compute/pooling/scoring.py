@@ -26,10 +26,11 @@ SCORE = "score.weight"
 
 
 def yes_no_rows(scoring: ScoringConfig, model_path: str,
-                weights: dict[str, torch.Tensor]) -> None:
+                weights: dict[str, torch.Tensor], rows=None) -> None:
     """A yes/no reranker's `score.weight`: its LM head's (or tied embedding's) rows of the
     (no, yes) tokens, added to `weights` (nothing for other models); ValueError when a token is
-    not one token of the vocabulary or the head is not a float matrix."""
+    not one token of the vocabulary or the head is not a float matrix. `rows(head, ids)`: the
+    whole head's rows `ids` where `weights` hold a part of it (a tensor-parallel rank's)."""
     if scoring.kind != YES_NO:
         return
     tok = load_tokenizer(model_path)
@@ -40,6 +41,9 @@ def yes_no_rows(scoring: ScoringConfig, model_path: str,
     head = weights.get("lm_head.weight", weights.get("model.embed_tokens.weight"))
     if not isinstance(head, torch.Tensor) or not head.is_floating_point():
         raise ValueError("a yes/no reranker needs a float LM head (not GGUF int4 blocks)")
+    if rows is not None:
+        weights[SCORE] = rows(head, ids)
+        return
     if max(ids) >= head.shape[0]:
         raise ValueError(f"classifier_from_token ids {ids} outside the LM head's "
                          f"{head.shape[0]} rows")

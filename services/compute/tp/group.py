@@ -30,7 +30,6 @@ import torch.distributed as dist
 from services.compute.tp.shard import Shard, check, check_int4
 from services.compute.tp.step import broadcast
 from shared.child_process import die_with_parent
-from shared.scoring import YES_NO, ScoringConfig
 
 log = logging.getLogger(__name__)
 
@@ -152,17 +151,13 @@ def refuse(config, model_config, device) -> None:
     """ValueError, one line, before any rank starts, where the group cannot run this model:
     shapes `size` does not divide (shard.check), a device (torch.device, resolved) other than
     the CPU, INT4 groups a rank's part would cut (shard.check_int4), W8A8 or FP8 experts
-    split (their activations' scales are not taken over the ranks; whole ones are), a yes/no
-    reranker (its score rows come from the whole LM head). A dense model runs
+    split (their activations' scales are not taken over the ranks; whole ones are). A dense
+    model runs
     --enable-expert-parallel as plain tensor parallelism (vLLM ignores the flag for it too)."""
     from services.compute.model.quantization import gguf_int4
 
     size = config.tensor_parallel_size
     check(model_config, size, config.enable_expert_parallel)
-    if config.pooling and ScoringConfig.from_dir(config.model, config.hf_overrides,
-                                                 config.convert).kind == YES_NO:
-        raise ValueError(f"--tensor-parallel-size {size}: a yes/no reranker's score rows are "
-                         "not taken from a split LM head yet")
     if config.quantization in ("w8a8", "fp8") and model_config.num_experts and \
             not config.enable_expert_parallel:
         raise ValueError(f"--tensor-parallel-size {size} with --quantization "

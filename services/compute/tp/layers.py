@@ -8,6 +8,8 @@ in the same order, for every step (the step's shapes are the same everywhere: `s
   all-reduce sums each token's one non-zero row (exact: the other terms are zeros).
 - `GatheredHead`: the rank's vocabulary rows of the LM head; the logits are gathered on rank 0,
   which samples (the other ranks' results are their own slice, and unused).
+- `vocab_rows`: rows of the whole embedding or LM head from the ranks' parts (a yes/no
+  reranker's score rows, once at load).
 - `ParallelQKNorm`: OLMoE's q/k RMSNorm over the whole projection, on the rank's heads: the
   sums of squares of q's and k's columns all-reduced, so each rank divides by the RMS of all.
 """
@@ -72,6 +74,20 @@ class GatheredHead:
 
     def nbytes(self) -> int:
         return self.head.nbytes()
+
+
+def vocab_rows(part: torch.Tensor, start: int, vocab: int, ids: list[int]) -> torch.Tensor:
+    """Rows `ids` [len(ids), hidden] of a vocabulary matrix of `vocab` rows split across the
+    ranks (`part`: this rank's rows from `start`): each rank's own, zeros for the others',
+    summed (exact). ValueError, on every rank alike, for an id outside the vocabulary."""
+    if max(ids) >= vocab:
+        raise ValueError(f"classifier_from_token ids {ids} outside the LM head's {vocab} rows")
+    rows = part.new_zeros(len(ids), part.shape[1])
+    for i, t in enumerate(ids):
+        if start <= t < start + part.shape[0]:
+            rows[i] = part[t - start]
+    dist.all_reduce(rows)
+    return rows
 
 
 class ParallelQKNorm:

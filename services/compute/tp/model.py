@@ -20,7 +20,14 @@ from services.compute.model.linear.lora import LoraLinear
 from services.compute.model.llama import LlamaModel
 from services.compute.model.quantization import Quantization
 from services.compute.model.weights import load_weights
-from services.compute.tp.layers import GatheredHead, ParallelQKNorm, RowParallel, VocabEmbedding
+from services.compute.pooling.scoring import yes_no_rows
+from services.compute.tp.layers import (
+    GatheredHead,
+    ParallelQKNorm,
+    RowParallel,
+    VocabEmbedding,
+    vocab_rows,
+)
 from services.compute.tp.quantized import (
     SCALED,
     RowParallelScaled,
@@ -36,6 +43,7 @@ from services.compute.tp.shard import (
 )
 from shared.lora import parse_lora_modules
 from shared.model_config import ModelConfig
+from shared.scoring import ScoringConfig
 
 
 class ParallelLlama(LlamaModel):
@@ -93,6 +101,10 @@ def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype
              _vocab(whole, "lm_head.weight", read))
     weights = shard_weights(model_config, whole, shard, frozenset(read.taken))
     del whole
+    if config.pooling:  # a yes/no reranker's score rows, from every rank's part of the head
+        start = shard.vocab_rows(vocab[1])[0]
+        yes_no_rows(ScoringConfig.from_dir(config.model, config.hf_overrides, config.convert),
+                    config.model, weights, lambda head, ids: vocab_rows(head, start, vocab[1], ids))
 
     def float_model(w: dict[str, torch.Tensor], positions: int) -> ParallelLlama:
         """The rank's float model, which SmoothQuant calibrates on."""
