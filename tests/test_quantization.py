@@ -185,11 +185,13 @@ def _greedy(path, prompts, method):
 
 # least share of the float model's 96 greedy tokens each method reproduces, position by position
 # (after a first difference the texts diverge: the perplexity tests above are the finer measure)
-AGREEMENT = {"auto": 0.25, "w8a8": 0.2, "fp8": 0.4}  # measured: 0.29-0.41, 0.31-0.73, 0.56
+# (fp8: 0.56 on an AMX CPU, 0.21 on an AVX512-BF16 one without AMX, whose activations are bf16)
+AGREEMENT = {"auto": 0.25, "w8a8": 0.2, "fp8": 0.15}  # measured: 0.29-0.41, 0.31-0.73, 0.21-0.56
 # The capital question opens on a near-tie in the float model ("The" -1.88 nats, "L" -1.97): INT8
-# activations (auto: W4A8 blocks on any x86 CPU; w8a8 with the C++ kernels built for x86-64-v3)
-# answer "L'Étoile, la Marseillaise, ..." from there. The ocean question has no such tie.
-FACTS = {"auto": (1, "Pacific"), "w8a8": (1, "Pacific"), "fp8": (0, "Paris")}
+# activations (auto: W4A8 blocks on any x86 CPU; w8a8 with the C++ kernels built for x86-64-v3),
+# and FP8 weights with bf16 activations, answer "L'Étoile, ..." from there. The ocean question
+# has no such tie.
+FACTS = {"auto": (1, "Pacific"), "w8a8": (1, "Pacific"), "fp8": (1, "Pacific")}
 
 
 @pytest.mark.parametrize("method", list(AGREEMENT))
