@@ -1,18 +1,14 @@
 """W8A8 and FP8 weights under tensor parallelism (services/compute/tp/quantized.py): two ranks
 over gloo through `LLMEngine` against one rank, float32: greedy tokens identical, generated
 and prompt logprobs within QUANT_TOL; W8A8's SmoothQuant calibrated on the ranks' float model;
-mixtures of experts with whole experts a rank (--enable-expert-parallel). Experts split
-across the ranks are refused with one line."""
+mixtures of experts, their experts split across the ranks or whole
+(--enable-expert-parallel)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.compute.backend import resolve
-from shared.config import EngineConfig
 from shared.sampling import SamplingParams
-from shared.settings import with_settings
-from tests.hf_models import build_hf_model
 from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)
     PROMPTS,
     _keep_torch_threads,
@@ -58,10 +54,13 @@ def test_quantized_whole_experts_match_one_rank(model_dir, name, method):  # noq
     assert_same(one, two, QUANT_TOL)
 
 
-@pytest.mark.parametrize("method", ["w8a8", "fp8"])
-def test_quantized_split_experts_are_refused(tmp_path, method):
-    build_hf_model(tmp_path, "qwen3_moe")
-    with pytest.raises(ValueError, match=f"--quantization {method}: a mixture of experts'") as e:
-        resolve(with_settings(EngineConfig(), model=str(tmp_path), tensor_parallel_size=2,
-                              device="cpu", quantization=method))
-    assert "\n" not in str(e.value)
+@pytest.mark.parametrize(("name", "method"), [("qwen3-moe-dense-layer", "fp8"),
+                                              ("mixtral", "w8a8")])
+def test_quantized_split_experts_match_one_rank(model_dir, name, method):  # noqa: F811
+    """Every expert split across the ranks: its down quantized with the whole rows' scales
+    (a MAX all-reduce per expert run), as one rank quantizes it."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
+                            prompt_logprobs=0)
+    one, two = on_both(model_dir(name), lambda e: generate(e, PROMPTS, params),
+                       quantization=method)
+    assert_same(one, two, QUANT_TOL)

@@ -150,19 +150,12 @@ def meeting_host(config) -> str:
 def refuse(config, model_config, device) -> None:
     """ValueError, one line, before any rank starts, where the group cannot run this model:
     shapes `size` does not divide (shard.check), a device (torch.device, resolved) other than
-    the CPU, INT4 groups a rank's part would cut (shard.check_int4), W8A8 or FP8 experts
-    split (their activations' scales are not taken over the ranks; whole ones are). A dense
-    model runs
+    the CPU, INT4 groups a rank's part would cut (shard.check_int4). A dense model runs
     --enable-expert-parallel as plain tensor parallelism (vLLM ignores the flag for it too)."""
     from services.compute.model.quantization import gguf_int4
 
     size = config.tensor_parallel_size
     check(model_config, size, config.enable_expert_parallel)
-    if config.quantization in ("w8a8", "fp8") and model_config.num_experts and \
-            not config.enable_expert_parallel:
-        raise ValueError(f"--tensor-parallel-size {size} with --quantization "
-                         f"{config.quantization}: a mixture of experts' experts are not split "
-                         "yet (--enable-expert-parallel holds them whole; or int4, none)")
     if config.enable_expert_parallel and not model_config.num_experts:
         log.info("--enable-expert-parallel: %s has no experts, its layers are split as "
                  "without it", model_config.architecture)

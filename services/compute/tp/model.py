@@ -18,6 +18,7 @@ from services.compute.model import smoothing
 from services.compute.model.arch import FullQKNorm
 from services.compute.model.linear.lora import LoraLinear
 from services.compute.model.llama import LlamaModel
+from services.compute.model.moe import MoE, expert_names
 from services.compute.model.quantization import Quantization
 from services.compute.model.weights import load_weights
 from services.compute.pooling.scoring import yes_no_rows
@@ -73,6 +74,8 @@ class ParallelLlama(LlamaModel):
             layer.o = RowParallelScaled(quant.name, weights[f"{p}self_attn.o_proj.weight"]) \
                 if scaled else row(layer.o)
             if layer.moe is not None:
+                if scaled and layer.moe.held is None:  # experts split: down's scales whole
+                    _scale_experts(layer.moe, self.cfg, weights, i, quant.name)
                 layer.moe = RowParallel(layer.moe)
             elif scaled:
                 layer.down = RowParallelScaled(quant.name, weights[f"{p}mlp.down_proj.weight"])
@@ -118,6 +121,15 @@ def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype
     if config.enable_lora:
         attach_adapters(model, parse_lora_modules(config.lora_modules), config.max_lora_rank)
     return model
+
+
+def _scale_experts(moe: MoE, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
+                   name: str) -> None:
+    """`moe`'s experts, split across the ranks under method `name` (W8A8, FP8): each one's
+    down over the rank's columns with the whole rows' scales, its output a partial sum."""
+    downs = [weights[d] for _, _, d in expert_names(cfg, layer)[1]]
+    moe.experts = [(gate_up, RowParallelScaled(name, d, summed=False))
+                   for (gate_up, _), d in zip(moe.experts, downs, strict=True)]
 
 
 def _vocab(weights: dict[str, torch.Tensor], name: str, read: ShardReader) -> int:

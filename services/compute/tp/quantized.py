@@ -9,11 +9,15 @@ the max over every rank's slice (a MAX all-reduce: of the weight rows once at lo
 tokens' rows each step), so each rank quantizes its slice exactly as one rank quantizes that
 part of the whole row; only the float sum of the ranks' partial products (the all-reduce)
 differs from one rank's. Quantizing each slice on its own scale would need no extra
-all-reduce, but rounds differently from one rank (its tokens may differ).
+all-reduce, but rounds differently from one rank (its tokens may differ). Experts split
+across the ranks quantize their down alike, one MAX all-reduce per expert a step runs (every
+rank routes every token alike, so they run the same experts); whole experts
+(--enable-expert-parallel) are quantized as on one rank.
 
 SmoothQuant's factors (W8A8, over each projection's input features) are calibrated by the
-rank's float model (`calibrate`): those of q/k/v and gate/up, whose input every rank has whole,
-take the max over the ranks' rows; down's are the rank's own input slice's, as one rank's.
+rank's float model (tp/model.load_parallel): those of q/k/v and gate/up, whose input every
+rank has whole, take the max over the ranks' rows; down's are the rank's own input slice's,
+as one rank's.
 """
 
 from __future__ import annotations
@@ -38,15 +42,18 @@ def row_max(x: torch.Tensor) -> torch.Tensor:
 class RowParallelScaled:
     """o or down of method `name` (a key of SCALED) over this rank's input features `weight`
     [out, in / n], quantized with the whole rows' scales: x [T, in / n] float -> [T, out],
-    whole on every rank (two MAX all-reduces and the sum's per call: see the module)."""
+    whole on every rank (two MAX all-reduces and the sum's per call: see the module).
+    `summed` False: the output left this rank's partial sum (a split expert's down, which
+    the MoE layer's one all-reduce adds)."""
 
-    def __init__(self, name: str, weight: torch.Tensor):
-        self.linear = SCALED[name](weight, None, row_max(weight))
+    def __init__(self, name: str, weight: torch.Tensor, summed: bool = True):
+        self.linear, self.summed = SCALED[name](weight, None, row_max(weight)), summed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(-1, self.linear.in_features)
         out = self.linear(x, row_max(x))
-        dist.all_reduce(out)
+        if self.summed:
+            dist.all_reduce(out)
         return out
 
     def nbytes(self) -> int:
