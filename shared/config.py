@@ -424,9 +424,7 @@ class EngineConfig:
                                  "(the ranks the experts are spread over)")
             return
         for flag, on in (("--backend sim", self.backend == BackendName.SIM),
-                         ("--device cuda", self.device.startswith("cuda")),
-                         ("--enable-lora with --quantization " + self.quantization,
-                          self.enable_lora and self.quantization in ("w8a8", "fp8"))):
+                         ("--device cuda", self.device.startswith("cuda"))):
             if on:
                 raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not "
                                  f"go with {flag} yet (CPU ranks over gloo)")

@@ -229,7 +229,6 @@ def test_shapes_it_does_not_divide_are_refused(tmp_path, overrides, size, messag
 
 @pytest.mark.parametrize(("setting", "message"), [
     ({"device": "cuda"}, "does not go with --device cuda"),
-    ({"enable_lora": True, "quantization": "w8a8"}, "--enable-lora with --quantization w8a8"),
     ({"tensor_parallel_size": 0}, "must be at least 1"),
     ({"nnodes": 3}, "--nnodes 3 must divide --tensor-parallel-size 2"),
     ({"nnodes": 2, "node_rank": 2, "master_port": 29500}, "--node-rank be below it"),

@@ -6,7 +6,7 @@ the base and two adapters (one of every projection, one of q, v and down at anot
 chunked prefill, then an adapter loaded and one unloaded at run time (every rank told:
 tp/step.AdapterChange; one that cannot be read refused alike): greedy tokens identical,
 generated and prompt logprobs within 1e-4 (float base layers; INT4 ones within
-test_tensor_parallel's W4A8_TOL)."""
+test_tensor_parallel's W4A8_TOL, FP8 ones within QUANT_TOL)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)
     generate,
     on_both,
 )
+from tests.test_tensor_parallel_quantized import QUANT_TOL
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +41,15 @@ def lora_model(tmp_path_factory):
     return root / "base", dirs
 
 
-@pytest.mark.parametrize(("quantization", "tol"), [("none", TOL), ("int4", W4A8_TOL)])
+# not w8a8 here: its SmoothQuant factors, calibrated on the ranks' float model, differ from one
+# rank's in their last bits, and on this model that moves a smoothed weight across an INT8
+# rounding step, enough for adapter A to take another greedy token
+@pytest.mark.parametrize(("quantization", "tol"), [("none", TOL), ("int4", W4A8_TOL),
+                                                   ("fp8", QUANT_TOL)])
 def test_adapters_on_two_ranks_match_one(lora_model, quantization, tol):
     """int4: the adapters beside INT4 base layers (a rank's columns of o and down whole
-    groups)."""
+    groups); fp8: beside o and down quantized with the whole rows' scales, their deltas summed
+    with the base's partial sums."""
     base, dirs = lora_model
     names = ["", "A", "B", "A", "B", "", "B", "A"]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]

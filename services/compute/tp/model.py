@@ -29,12 +29,7 @@ from services.compute.tp.layers import (
     VocabEmbedding,
     vocab_rows,
 )
-from services.compute.tp.quantized import (
-    SCALED,
-    RowParallelScaled,
-    float_activation,
-    replicated_max,
-)
+from services.compute.tp.quantized import SCALED, ScaledSlice, int8_activation, replicated_max
 from services.compute.tp.shard import (
     Shard,
     ShardReader,
@@ -66,21 +61,20 @@ class ParallelLlama(LlamaModel):
             self.lm_head = GatheredHead(self.lm_head, vocab[1])
         scaled = quant.name in SCALED  # o and down quantized with the whole rows' scales
         if scaled and self.int8_act:
-            self.act = float_activation(cfg.hidden_act)  # down quantizes it
+            self.act = int8_activation(cfg.hidden_act)
         for i, layer in enumerate(self.layers):  # the MLP: dense, or a mixture of experts
             p = f"model.layers.{i}."
             if isinstance(layer.qkv, FullQKNorm):
                 layer.qkv = ParallelQKNorm(layer.qkv, shard.size)
-            layer.o = RowParallelScaled(quant.name, weights[f"{p}self_attn.o_proj.weight"]) \
-                if scaled else row(layer.o)
+            layer.o = row(ScaledSlice(quant.name, weights[f"{p}self_attn.o_proj.weight"])
+                          if scaled else layer.o)
             if layer.moe is not None:
                 if scaled and layer.moe.held is None:  # experts split: down's scales whole
                     _scale_experts(layer.moe, self.cfg, weights, i, quant.name)
                 layer.moe = RowParallel(layer.moe)
-            elif scaled:
-                layer.down = RowParallelScaled(quant.name, weights[f"{p}mlp.down_proj.weight"])
             else:
-                layer.down = row(layer.down)
+                layer.down = row(ScaledSlice(quant.name, weights[f"{p}mlp.down_proj.weight"])
+                                 if scaled else layer.down)
 
     def own_factors(self, factors: dict) -> dict:
         return shard_factors(factors, self.shard)
@@ -128,7 +122,7 @@ def _scale_experts(moe: MoE, cfg: ModelConfig, weights: dict[str, torch.Tensor],
     """`moe`'s experts, split across the ranks under method `name` (W8A8, FP8): each one's
     down over the rank's columns with the whole rows' scales, its output a partial sum."""
     downs = [weights[d] for _, _, d in expert_names(cfg, layer)[1]]
-    moe.experts = [(gate_up, RowParallelScaled(name, d, summed=False))
+    moe.experts = [(gate_up, ScaledSlice(name, d))
                    for (gate_up, _), d in zip(moe.experts, downs, strict=True)]
 
 

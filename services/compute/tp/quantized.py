@@ -4,15 +4,16 @@ Both quantize each weight row with one scale (its max |w|) and each activation r
 another (its max |x|), made per step. Column-parallel layers (q/k/v, gate/up) split whole rows
 and read the whole (replicated) activation, so a rank quantizes its rows after the split, as one
 rank would. Row-parallel layers (o, down) split the input features: a rank's slice of a weight
-row, or of a token's activation, has a smaller max than the whole. `RowParallelScaled` takes
-the max over every rank's slice (a MAX all-reduce: of the weight rows once at load, of the
-tokens' rows each step), so each rank quantizes its slice exactly as one rank quantizes that
-part of the whole row; only the float sum of the ranks' partial products (the all-reduce)
-differs from one rank's. Quantizing each slice on its own scale would need no extra
-all-reduce, but rounds differently from one rank (its tokens may differ). Experts split
-across the ranks quantize their down alike, one MAX all-reduce per expert a step runs (every
-rank routes every token alike, so they run the same experts); whole experts
-(--enable-expert-parallel) are quantized as on one rank.
+row, or of a token's activation, has a smaller max than the whole. `ScaledSlice` takes the
+max over every rank's slice (a MAX all-reduce: of the weight rows once at load, of the tokens'
+rows each step; W8A8's down gets its rows so quantized from `int8_activation`), so each rank
+quantizes its slice exactly as one rank quantizes that part of the whole row; only the float
+sum of the ranks' partial products (the all-reduce) differs from one rank's. Quantizing each
+slice on its own scale would need no extra all-reduce, but rounds differently from one rank
+(its tokens may differ). Experts split across the ranks quantize their down alike, one MAX
+all-reduce per expert a step runs (every rank routes every token alike, so they run the same
+experts); whole experts (--enable-expert-parallel) are quantized as on one rank. A LoRA
+adapter's delta sees what it sees on one rank (o's float rows, W8A8 down's quantized ones).
 
 SmoothQuant's factors (W8A8, over each projection's input features) are calibrated by the
 rank's float model (tp/model.load_parallel): those of q/k/v and gate/up, whose input every
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import gelu_tanh_mul
+from kernels.int8_quant import Int8Activation, quantize_int8_ref
 from services.compute.model.linear import Fp8Linear, W8A8Linear
 
 SCALED = {"w8a8": W8A8Linear, "fp8": Fp8Linear}  # the methods whose row scales span ranks
@@ -39,38 +41,40 @@ def row_max(x: torch.Tensor) -> torch.Tensor:
     return amax
 
 
-class RowParallelScaled:
-    """o or down of method `name` (a key of SCALED) over this rank's input features `weight`
-    [out, in / n], quantized with the whole rows' scales: x [T, in / n] float -> [T, out],
-    whole on every rank (two MAX all-reduces and the sum's per call: see the module).
-    `summed` False: the output left this rank's partial sum (a split expert's down, which
-    the MoE layer's one all-reduce adds)."""
+class ScaledSlice:
+    """A row-parallel layer (o, down, a split expert's down) of method `name` (a key of
+    SCALED) over this rank's input features `weight` [out, in / n], quantized with the whole
+    rows' scales: x [T, in / n] float (its rows scaled by their whole max: a [T] MAX
+    all-reduce) or an Int8Activation so quantized already -> [T, out], this rank's partial
+    sum (RowParallel's, a LoraLinear's or the MoE layer's all-reduce adds the ranks')."""
 
-    def __init__(self, name: str, weight: torch.Tensor, summed: bool = True):
-        self.linear, self.summed = SCALED[name](weight, None, row_max(weight)), summed
+    def __init__(self, name: str, weight: torch.Tensor):
+        self.linear = SCALED[name](weight, None, row_max(weight))
+        self.out_features, self.in_features = self.linear.out_features, self.linear.in_features
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(-1, self.linear.in_features)
-        out = self.linear(x, row_max(x))
-        if self.summed:
-            dist.all_reduce(out)
-        return out
+    def __call__(self, x: torch.Tensor | Int8Activation) -> torch.Tensor:
+        if isinstance(x, Int8Activation):
+            return self.linear(x)
+        x = x.reshape(-1, self.in_features)
+        return self.linear(x, row_max(x))
 
     def nbytes(self) -> int:
         return self.linear.nbytes()
 
 
-def float_activation(hidden_act: str):
-    """The MLP's gated activation [T, 2I] -> [T, I] in float, whose rows quantized are what
-    one rank's fused W8A8 activation hands down (SiLU x mul in float32: kernels/int8_quant)."""
-    if hidden_act != "silu":
-        return gelu_tanh_mul
+def int8_activation(hidden_act: str):
+    """W8A8's gated activation [T, 2I / n] -> Int8Activation [T, I / n], each row quantized
+    with the whole row's max over the ranks, from what one rank's fused activation quantizes
+    (SiLU x mul in float32: kernels/int8_quant; GELU's product in the model's dtype)."""
+    def act(gate_up: torch.Tensor) -> Int8Activation:
+        if hidden_act == "silu":
+            gate, up = gate_up.reshape(-1, gate_up.shape[-1]).float().chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        else:
+            x = gelu_tanh_mul(gate_up).reshape(-1, gate_up.shape[-1] // 2)
+        return quantize_int8_ref(x, row_max(x))
 
-    def silu_mul_float32(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.reshape(-1, gate_up.shape[-1]).float().chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    return silu_mul_float32
+    return act
 
 
 def replicated_max(t: torch.Tensor) -> torch.Tensor:
