@@ -396,10 +396,28 @@ def test_cpu_kernel_at_each_level_matches_dense_softmax(block_gemm_level, dtype,
     assert (out.double() - exp).abs().max() <= 2 * gemm_err + 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 7, 64, 100, 500])
+def test_cpu_kernel_window_at_each_level_matches_dense(block_gemm_level, dtype, window):
+    """A sliding window in the C++ kernel's float32 vectors (bf16 too: AMX tiles take no
+    window): windows shorter than a block of queries, than a score pass, across the cached
+    prefix, and past every sequence's length; the public function runs it."""
+    from kernels.cpu import extension
+
+    batch = make_batch((300, 150, 1, 5, 70), (0, 90, 200, 13, 0), 6, 2, 64, dtype,
+                       garbage="nan", seed=6)
+    out = extension().prefill_attention(*batch, 0.1, window)
+    assert torch.equal(prefill_attention(*batch, 0.1, window=window), out)
+    exp = dense_attention(*batch, 0.1, window=window)
+    torch.testing.assert_close(out.double(), exp, atol=TOL[dtype], rtol=TOL[dtype])
+    gemm_err = (_prefill_attention_cpu(*batch, 0.1, window=window).double() - exp).abs().max()
+    assert (out.double() - exp).abs().max() <= 2 * gemm_err + 1e-6
+
+
 def test_cpu_kernel_takes_only_its_cases():
     """The public function runs the C++ kernel wherever the C++ kernels run, for float32, bf16
-    and float16 without a window, a softcap or INT8 scales, head_dim a multiple of 16; the rest
-    goes to the GEMM path."""
+    and float16 without a softcap or INT8 scales, head_dim a multiple of 16; the rest goes to
+    the GEMM path."""
     from kernels.cpu import extension
     from kernels.prefill_attention import _kernel_takes
 
@@ -410,7 +428,7 @@ def test_cpu_kernel_takes_only_its_cases():
     q, k, v, *_ = batch
     assert _kernel_takes(q, k, v, None, 0, 0.0)
     assert torch.equal(prefill_attention(*batch, 0.1), ext.prefill_attention(*batch, 0.1))
-    assert not _kernel_takes(q, k, v, None, 16, 0.0) and not _kernel_takes(q, k, v, None, 0, 5.0)
+    assert _kernel_takes(q, k, v, None, 16, 0.0) and not _kernel_takes(q, k, v, None, 0, 5.0)
     assert not _kernel_takes(q, k, v, torch.ones(1), 0, 0.0)
     assert not _kernel_takes(q.bfloat16(), k, v, None, 0, 0.0)
     q24, k24, v24, *_ = make_batch((5,), (3,), 4, 2, 24, torch.float32)

@@ -1,9 +1,9 @@
 // Prefill attention on the CPU (the kernels of prefill_attention.h): the contract of
-// kernels/prefill_attention.py's prefill_attention_reference without a window, a softcap or INT8
-// scales. q [T, H, D] and the caches [capacity, Hkv, D] of one dtype (float32, bfloat16 or
+// kernels/prefill_attention.py's prefill_attention_reference without a softcap or INT8 scales. q [T, H, D] and the caches [capacity, Hkv, D] of one dtype (float32, bfloat16 or
 // float16) with unit stride along D, D a multiple of 16, H a multiple of Hkv; cu_q_lens [S + 1],
 // seq_starts [S], ctx_lens [S] int32 (each sequence's queries are the last of its keys).
-// bf16 with D a multiple of 64 runs on AMX tiles where this process may use them; everything else
+// bf16 with D a multiple of 64 and no window runs on AMX tiles where this process may use them;
+// everything else
 // in float32 vectors of the block GEMMs' ISA level (avx2, or avx512 for every AVX-512 level).
 // kernels/prefill_attention.py sends it only what it takes; anything else is a TORCH_CHECK error.
 #include <torch/extension.h>
@@ -31,8 +31,8 @@ DType dtype_of(at::ScalarType t) {
 }
 
 // the kernel for these inputs at the chosen level
-void (*kernel_for(DType dtype, int64_t D))(const pipellm::prefill::Args&) {
-  if (dtype == DType::kBFloat16 && D % 64 == 0 && prefill_attention_amx_ready())
+void (*kernel_for(DType dtype, int64_t D, int64_t window))(const pipellm::prefill::Args&) {
+  if (dtype == DType::kBFloat16 && D % 64 == 0 && window == 0 && prefill_attention_amx_ready())
     return pipellm::prefill::run_amx;
   const std::string level = block_gemm_isa();
   if (level.rfind("avx512", 0) == 0) return pipellm::prefill::run_avx512;
@@ -44,7 +44,7 @@ void (*kernel_for(DType dtype, int64_t D))(const pipellm::prefill::Args&) {
 
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor cu_q_lens, torch::Tensor seq_starts,
-                                torch::Tensor ctx_lens, double scale) {
+                                torch::Tensor ctx_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "q [T, H, D] and caches [capacity, Hkv, D]");
   for (const auto& t : {k_cache, v_cache})
@@ -65,12 +65,13 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
     TORCH_CHECK(0 <= cu[s + 1] - cu[s] && cu[s + 1] - cu[s] <= n[s] && st[s] >= 0 &&
                 st[s] + n[s] <= k_cache.size(0), "a sequence's queries or keys out of range");
   const DType dtype = dtype_of(q.scalar_type());
-  const auto run = kernel_for(dtype, D);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  const auto run = kernel_for(dtype, D, window);
   auto out = torch::empty({q.size(0), H, D}, q.options());
   const pipellm::prefill::Args args{
       q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), cu, st, n, S, H, Hkv,
       D, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-      v_cache.stride(1), static_cast<float>(scale), dtype};
+      v_cache.stride(1), static_cast<float>(scale), dtype, window};
   run(args);
   return out;
 }

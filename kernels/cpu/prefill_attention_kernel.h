@@ -5,7 +5,8 @@
 // last key) and V into [n][D] floats; then per (sequence, head, block of kRows queries), taken
 // longest first from a shared counter (prefill_attention_schedule.h):
 //   S = (scale Q) K^T over the keys the block sees, kR rows x kC vectors of keys at a time,
-//   each row's exact softmax in float32 over its causal keys (zeros past them),
+//   each row's exact softmax in float32 over its causal keys (with a window: the last `window`
+//   of them; zeros elsewhere),
 //   O = P V, kR rows x up to kC vectors of head dims at a time, divided by the row's sum.
 // Not an online softmax: a block's scores for every key it sees are held at once (kRows rows of
 // floats per thread), which a prompt's keys fit in.
@@ -64,15 +65,16 @@ struct VecAttention {
       for (int c = 0; c < kC; ++c) V::store(s + (r0 + r) * width + k0 + c * L, acc[r][c]);
   }
 
-  // row s[0 .. nk) in place: e^(s - max) over keys [0, seen), zeros over [seen, nk), nk a
-  // multiple of L; returns the sum
-  static float softmax_row(float* s, int64_t seen, int64_t nk) {
+  // row s[from .. nk) in place: e^(s - max) over keys [lo, seen), zeros elsewhere; from and nk
+  // multiples of L, from <= lo < seen <= nk; returns the sum
+  static float softmax_row(float* s, int64_t from, int64_t lo, int64_t seen, int64_t nk) {
+    for (int64_t j = from; j < lo; ++j) s[j] = kMasked;
     for (int64_t j = seen; j < nk; ++j) s[j] = kMasked;
     F m = V::set1(kMasked);
-    for (int64_t j = 0; j < nk; j += L) m = V::max(m, V::loadf(s + j));
+    for (int64_t j = from; j < nk; j += L) m = V::max(m, V::loadf(s + j));
     const F mx = V::set1(V::hmax(m));
     F sum = V::fzero();
-    for (int64_t j = 0; j < nk; j += L) {
+    for (int64_t j = from; j < nk; j += L) {
       const F e = V::exp(V::sub(V::loadf(s + j), mx));
       sum = V::add(sum, e);
       V::store(s + j, e);
@@ -80,15 +82,15 @@ struct VecAttention {
     return V::sum(sum);
   }
 
-  // o[r][e .. e + C * L) = sum_j p[r][j] v[j][e ..], rows r0 .. r0 + kR, keys [0, nk)
+  // o[r][e .. e + C * L) = sum_j p[r][j] v[j][e ..], rows r0 .. r0 + kR, keys [j0, j1)
   template <int C>
-  void weighted_tile(const float* p, int64_t width, const float* vp, int64_t nk, int64_t r0,
-                     int64_t e, float* o) const {
+  void weighted_tile(const float* p, int64_t width, const float* vp, int64_t j0, int64_t j1,
+                     int64_t r0, int64_t e, float* o) const {
     const int64_t D = a.D;
     F acc[kR][C];
     for (auto& row : acc)
       for (F& x : row) x = V::fzero();
-    for (int64_t j = 0; j < nk; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
       F vv[C];
       for (int c = 0; c < C; ++c) vv[c] = V::loadf(vp + j * D + e + c * L);
       for (int r = 0; r < kR; ++r) {
@@ -100,15 +102,20 @@ struct VecAttention {
       for (int c = 0; c < C; ++c) V::store(o + (r0 + r) * D + e + c * L, acc[r][c]);
   }
 
-  void weighted(const float* p, int64_t width, const float* vp, int64_t nk, int64_t r0,
-                float* o) const {
+  void weighted(const float* p, int64_t width, const float* vp, int64_t j0, int64_t j1,
+                int64_t r0, float* o) const {
     int64_t e = 0;
-    for (; e + kC * L <= a.D; e += kC * L) weighted_tile<kC>(p, width, vp, nk, r0, e, o);
+    for (; e + kC * L <= a.D; e += kC * L) weighted_tile<kC>(p, width, vp, j0, j1, r0, e, o);
     switch ((a.D - e) / L) {  // the vectors left: fewer than kC
-      case 3: weighted_tile<3>(p, width, vp, nk, r0, e, o); break;
-      case 2: weighted_tile<2>(p, width, vp, nk, r0, e, o); break;
-      case 1: weighted_tile<1>(p, width, vp, nk, r0, e, o); break;
+      case 3: weighted_tile<3>(p, width, vp, j0, j1, r0, e, o); break;
+      case 2: weighted_tile<2>(p, width, vp, j0, j1, r0, e, o); break;
+      case 1: weighted_tile<1>(p, width, vp, j0, j1, r0, e, o); break;
     }
+  }
+
+  // the first key the query at position pos sees
+  int64_t visible_from(int64_t pos) const {
+    return a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
   }
 
   struct Scratch {
@@ -120,8 +127,11 @@ struct VecAttention {
              Scratch& w, int64_t width) const {
     const int64_t n = a.lens[s], m_all = a.cu[s + 1] - a.cu[s], prefix = n - m_all, D = a.D;
     const int64_t m = std::min(kRows, m_all - i0), rows = (m + kR - 1) / kR * kR;
-    const int64_t seen_last = prefix + i0 + m;  // keys the block's last row sees
+    const int64_t first = prefix + i0;       // the block's first query's position
+    const int64_t seen_last = first + m;     // keys up to the block's last row's
     const int64_t nk = (seen_last + L - 1) / L * L;
+    const int64_t lo_first = visible_from(first);  // the first key any row of the block sees
+    const int64_t k_lo = lo_first / kKeys * kKeys;
     const T* q = static_cast<const T*>(a.q) + (a.cu[s] + i0) * a.q_ts + h * a.q_hs;
     const F scale = V::set1(a.scale);
     for (int64_t r = 0; r < rows; ++r)
@@ -129,12 +139,15 @@ struct VecAttention {
         V::store(w.q.data() + r * D + d, r < m ? V::mul(V::load(q + r * a.q_ts + d), scale)
                                                : V::fzero());
     for (int64_t r0 = 0; r0 < rows; r0 += kR)
-      for (int64_t k0 = 0; k0 < nk; k0 += kKeys)
+      for (int64_t k0 = k_lo; k0 < nk; k0 += kKeys)
         score_tile(w.q.data(), kt, r0, k0, w.s.data(), width);
-    for (int64_t r = 0; r < rows; ++r)
-      w.sum[r] = softmax_row(w.s.data() + r * width, std::min(prefix + i0 + r + 1, n), nk);
-    for (int64_t r0 = 0; r0 < rows; r0 += kR) weighted(w.s.data(), width, vp, seen_last, r0,
-                                                       w.o.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t seen = std::min(first + r + 1, n);  // padding rows: every key
+      w.sum[r] = softmax_row(w.s.data() + r * width, k_lo,
+                             std::min(visible_from(first + r), seen - 1), seen, nk);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += kR)
+      weighted(w.s.data(), width, vp, lo_first, seen_last, r0, w.o.data());
     T* out = static_cast<T*>(a.out) + ((a.cu[s] + i0) * a.H + h) * D;
     for (int64_t r = 0; r < m; ++r) {
       const F inv = V::set1(1.0f / w.sum[r]);
