@@ -3,7 +3,8 @@
 Floors, lowest first: `core/` (the types every room uses), then `kv/`, then `model/`,
 `length/`, `speculative/` (the proposers) and `beam/`, then `scheduling/`, the grammars
 (`structured`) and the LoRA adapters' loading (`lora`), then the step's device-side helpers
-(and `pooling`, which builds a prefill-only batch of its own), then the runners, the engine,
+(and `pooling`, which builds a prefill-only batch of its own), then tensor parallelism (`tp`:
+a rank's model, with its adapters and scoring rows), then the runners, the engine,
 and the process and backend wiring on top (and the simulated cluster of engines,
 `sim_cluster`). A module may import its own room or lower floors.
 """
@@ -20,11 +21,11 @@ FLOORS = {
     "model": 2, "length": 2, "speculative": 2, "beam": 2,
     "scheduling": 3, "inflight": 3, "structured": 3, "lora": 3,
     "batch": 4, "cuda_graphs": 4, "sampling": 4, "drafter": 4, "pooling": 4,
-    "runner": 5, "sim": 5,
-    "engine": 6,
-    "backend": 7, "warmup": 7, "compute_core": 7, "embed_core": 7,
-    "tp": 3,
-    "service": 8, "sim_cluster": 8, "tp_worker": 8, "tp_node": 8,
+    "tp": 5,
+    "runner": 6, "sim": 6,
+    "engine": 7,
+    "backend": 8, "warmup": 8, "compute_core": 8, "embed_core": 8,
+    "service": 9, "sim_cluster": 9, "tp_worker": 9, "tp_node": 9,
 }
 
 
