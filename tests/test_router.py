@@ -182,11 +182,12 @@ def test_two_servers_behind_vllm_router(demo_model_dir, tmp_path):
         other = 1 - home
         for turn in ("The wind turns north. What now?", "A storm ahead: which heading?"):
             # a long request on the conversation's replica: load alone would pick the other
+            # (long enough to outlast the checks below on a fast CPU; the gauge may lag a little)
             busy = chat([*conversation, {"role": "user", "content": "Recite the log."}],
-                        max_tokens=400, stream=True, extra_body={"min_tokens": 400})
+                        max_tokens=1200, stream=True, extra_body={"min_tokens": 1200})
             next(iter(busy))
-            assert router.metric("running_requests", servers[home].url) == 1 and \
-                router.metric("running_requests", servers[other].url) == 0
+            router.wait_for("running_requests", servers[home].url, 1, timeout_s=5)
+            assert router.metric("running_requests", servers[other].url) == 0
             before = finished(servers)
             conversation.append({"role": "user", "content": turn})
             reply = chat(conversation)
