@@ -28,10 +28,10 @@ keys the block sees), every KV head in one batched GEMM against K, the group of 
 that share one as rows of it (no K/V copy for GQA), an additive causal mask, softmax and one
 batched GEMM with V: faster on the CPU than the masked SDPA of the reference (whose GQA/mask path
 falls back to batched small matmuls; docs/benchmarks.md). Where the C++ kernels run (an x86
-level) and there is no softcap or INT8, the C++ kernel instead
-(kernels/cpu/prefill_attention.cpp): bf16 without a window on AMX tiles at the amx level
-(float32 scores and sums, P in two bf16 parts), else float32 vectors of the level (AVX2,
-AVX-512).
+level) and there is no softcap, the C++ kernel instead (kernels/cpu/prefill_attention.cpp):
+bf16 without a window on AMX tiles at the amx level (float32 scores and sums, P in two bf16
+parts), else float32 vectors of the level (AVX2, AVX-512; INT8 and FP8 caches dequantized as
+it packs a sequence's keys and values).
 """
 
 from __future__ import annotations
@@ -348,12 +348,14 @@ def _attend(q, ks, vs, n, window, scale, softcap):
 
 
 def _kernel_takes(q, k_cache, v_cache, k_scale, window, softcap) -> bool:
-    """Whether kernels/cpu/prefill_attention.cpp runs this call: q and caches of one dtype
-    (float32, bf16 or float16) with unit stride along head_dim, head_dim a multiple of 16, no
-    softcap, no INT8 scales, the C++ kernels at an x86 level (kernels/cpu/isa.py). It runs bf16
-    without a window on AMX tiles at the amx level, else float32 vectors of the level."""
-    if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _KERNEL_DTYPES
-            and k_scale is None and softcap == 0 and q.shape[-1] % 16 == 0
+    """Whether kernels/cpu/prefill_attention.cpp runs this call: q float32, bf16 or float16 and
+    caches of its dtype, INT8 (with scales) or FP8, unit stride along head_dim, head_dim a
+    multiple of 16, no softcap, the C++ kernels at an x86 level (kernels/cpu/isa.py). It runs
+    bf16 caches without a window on AMX tiles at the amx level, else float32 vectors of the
+    level (INT8 and FP8 dequantized as it packs each sequence's keys and values)."""
+    caches = k_cache.dtype == v_cache.dtype and (
+        k_cache.dtype == torch.int8 if k_scale is not None else k_cache.dtype in (q.dtype, FP8))
+    if not (caches and q.dtype in _KERNEL_DTYPES and softcap == 0 and q.shape[-1] % 16 == 0
             and all(t.stride(-1) == 1 for t in (q, k_cache, v_cache))):
         return False
     ext = cpu_extension(q)
@@ -393,7 +395,7 @@ def prefill_attention(
         if _kernel_takes(q, k_cache, v_cache, k_scale, window, softcap):
             return cpu_extension(q).prefill_attention(
                 q, k_cache, v_cache, cu_q_lens.to(torch.int32), seq_starts.to(torch.int32),
-                ctx_lens.to(torch.int32), scale, window)
+                ctx_lens.to(torch.int32), scale, window, k_scale, v_scale)
         if k_scale is not None or k_cache.dtype == FP8 or cpu_fast_path(q):
             return _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
                                           scale, k_scale, v_scale, window, softcap)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import dispatch
-from kernels.kv_quant import dequantize_kv, quantize_kv
+from kernels.kv_quant import FP8, dequantize_kv, quantize_kv, to_fp8
 from kernels.prefill_attention import (
     _prefill_attention_cpu,
     _prefill_attention_triton,
@@ -414,10 +414,38 @@ def test_cpu_kernel_window_at_each_level_matches_dense(block_gemm_level, dtype, 
     assert (out.double() - exp).abs().max() <= 2 * gemm_err + 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+@pytest.mark.parametrize("window", [0, 64])
+def test_cpu_kernel_quantized_caches_at_each_level(block_gemm_level, dtype, cache, window):
+    """INT8 caches (fp16 scales per 8 values) and FP8 ones, dequantized as the C++ kernel packs
+    them, at each ISA level: as close to the float64 dense softmax over the dequantized caches
+    as the float32-GEMM path; the public function runs it."""
+    from kernels.cpu import extension
+
+    q, k, v, cu, starts, ctx = make_batch((300, 150, 1, 5, 70), (0, 90, 200, 13, 0), 6, 2, 64,
+                                          torch.float32, seed=7)
+    q = q.to(dtype)
+    if cache == "int8":
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+        kd, vd = dequantize_kv(kq, ks), dequantize_kv(vq, vs)
+    else:
+        kq, vq, ks, vs = to_fp8(k), to_fp8(v), None, None
+        kd, vd = kq.float(), vq.float()
+    args = (q, kq, vq, cu, starts, ctx, 0.1)
+    out = extension().prefill_attention(*args, window, ks, vs)
+    assert out.dtype == dtype
+    assert torch.equal(prefill_attention(*args, k_scale=ks, v_scale=vs, window=window), out)
+    exp = dense_attention(q, kd, vd, cu, starts, ctx, 0.1, window=window)
+    torch.testing.assert_close(out.double(), exp, atol=TOL[dtype], rtol=TOL[dtype])
+    gemm = _prefill_attention_cpu(*args, k_scale=ks, v_scale=vs, window=window)
+    assert (out.double() - exp).abs().max() <= 2 * (gemm.double() - exp).abs().max() + 1e-6
+
+
 def test_cpu_kernel_takes_only_its_cases():
     """The public function runs the C++ kernel wherever the C++ kernels run, for float32, bf16
-    and float16 without a softcap or INT8 scales, head_dim a multiple of 16; the rest goes to
-    the GEMM path."""
+    and float16 queries over caches of their dtype, INT8 with scales or FP8, without a softcap,
+    head_dim a multiple of 16; the rest goes to the GEMM path."""
     from kernels.cpu import extension
     from kernels.prefill_attention import _kernel_takes
 
@@ -429,7 +457,11 @@ def test_cpu_kernel_takes_only_its_cases():
     assert _kernel_takes(q, k, v, None, 0, 0.0)
     assert torch.equal(prefill_attention(*batch, 0.1), ext.prefill_attention(*batch, 0.1))
     assert _kernel_takes(q, k, v, None, 16, 0.0) and not _kernel_takes(q, k, v, None, 0, 5.0)
-    assert not _kernel_takes(q, k, v, torch.ones(1), 0, 0.0)
+    (kq, ks), (vq, _) = quantize_kv(k), quantize_kv(v)
+    assert _kernel_takes(q, kq, vq, ks, 0, 0.0) and _kernel_takes(q, k.to(FP8), v.to(FP8), None,
+                                                                  0, 0.0)
+    assert not _kernel_takes(q, k, v, torch.ones(1), 0, 0.0)  # scales for a float cache
+    assert not _kernel_takes(q, kq, vq, None, 0, 0.0)  # INT8 without its scales
     assert not _kernel_takes(q.bfloat16(), k, v, None, 0, 0.0)
     q24, k24, v24, *_ = make_batch((5,), (3,), 4, 2, 24, torch.float32)
     assert not _kernel_takes(q24, k24, v24, None, 0, 0.0)

@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <limits>
 #include <memory>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)

@@ -1,11 +1,12 @@
 // Prefill attention on the CPU (the kernels of prefill_attention.h): the contract of
-// kernels/prefill_attention.py's prefill_attention_reference without a softcap or INT8 scales. q [T, H, D] and the caches [capacity, Hkv, D] of one dtype (float32, bfloat16 or
-// float16) with unit stride along D, D a multiple of 16, H a multiple of Hkv; cu_q_lens [S + 1],
-// seq_starts [S], ctx_lens [S] int32 (each sequence's queries are the last of its keys).
-// bf16 with D a multiple of 64 and no window runs on AMX tiles where this process may use them;
-// everything else
-// in float32 vectors of the block GEMMs' ISA level (avx2, or avx512 for every AVX-512 level).
-// kernels/prefill_attention.py sends it only what it takes; anything else is a TORCH_CHECK error.
+// kernels/prefill_attention.py's prefill_attention_reference without a softcap. q [T, H, D]
+// (float32, bfloat16 or float16) and the caches [capacity, Hkv, D] (q's dtype; or int8 with fp16
+// scales [capacity, Hkv, D / 8]; or float8_e4m3fn) with unit stride along D, D a multiple of 16,
+// H a multiple of Hkv; cu_q_lens [S + 1], seq_starts [S], ctx_lens [S] int32 (each sequence's
+// queries are the last of its keys). bf16 caches with D a multiple of 64 and no window run on
+// AMX tiles where this process may use them; everything else in float32 vectors of the block
+// GEMMs' ISA level (avx2, or avx512 for every AVX-512 level). kernels/prefill_attention.py
+// sends it only what it takes; anything else is a TORCH_CHECK error.
 #include <torch/extension.h>
 
 #include "lora.h"
@@ -19,6 +20,7 @@ bool prefill_attention_amx_ready() {
 
 namespace {
 
+using pipellm::prefill::Cache;
 using pipellm::prefill::DType;
 
 DType dtype_of(at::ScalarType t) {
@@ -31,8 +33,10 @@ DType dtype_of(at::ScalarType t) {
 }
 
 // the kernel for these inputs at the chosen level
-void (*kernel_for(DType dtype, int64_t D, int64_t window))(const pipellm::prefill::Args&) {
-  if (dtype == DType::kBFloat16 && D % 64 == 0 && window == 0 && prefill_attention_amx_ready())
+void (*kernel_for(DType dtype, Cache cache, int64_t D, int64_t window))(
+    const pipellm::prefill::Args&) {
+  if (dtype == DType::kBFloat16 && cache == Cache::kSame && D % 64 == 0 && window == 0 &&
+      prefill_attention_amx_ready())
     return pipellm::prefill::run_amx;
   const std::string level = block_gemm_isa();
   if (level.rfind("avx512", 0) == 0) return pipellm::prefill::run_avx512;
@@ -40,15 +44,37 @@ void (*kernel_for(DType dtype, int64_t D, int64_t window))(const pipellm::prefil
   TORCH_CHECK(false, "prefill_attention: no kernel for this CPU (no ISA level chosen)");
 }
 
+// the caches' kind; INT8's scales checked ([capacity, Hkv, D / 8] fp16, unit stride along D)
+Cache cache_of(const torch::Tensor& q, const torch::Tensor& k_cache,
+               const std::optional<torch::Tensor>& k_scale,
+               const std::optional<torch::Tensor>& v_scale) {
+  const auto t = k_cache.scalar_type();
+  if (t == at::kChar) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "INT8 caches need their scales");
+    for (const auto& sc : {*k_scale, *v_scale})
+      TORCH_CHECK(sc.scalar_type() == at::kHalf && sc.dim() == 3 && sc.stride(2) == 1 &&
+                  sc.size(0) == k_cache.size(0) && sc.size(1) == k_cache.size(1) &&
+                  sc.size(2) * pipellm::prefill::kKvGroup == k_cache.size(2),
+                  "INT8 scales must be fp16 [capacity, Hkv, D / 8]");
+    return Cache::kInt8;
+  }
+  TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "scales belong to INT8 caches");
+  if (t == at::kFloat8_e4m3fn) return Cache::kFp8;
+  TORCH_CHECK(t == q.scalar_type(), "the caches must be q's dtype, int8 or float8_e4m3fn");
+  return Cache::kSame;
+}
+
 }  // namespace
 
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor cu_q_lens, torch::Tensor seq_starts,
-                                torch::Tensor ctx_lens, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
-              "q [T, H, D] and caches [capacity, Hkv, D]");
-  for (const auto& t : {k_cache, v_cache})
-    TORCH_CHECK(t.scalar_type() == q.scalar_type(), "q and the caches must share one dtype");
+                                torch::Tensor ctx_lens, double scale, int64_t window,
+                                std::optional<torch::Tensor> k_scale,
+                                std::optional<torch::Tensor> v_scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
+              v_cache.scalar_type() == k_cache.scalar_type(),
+              "q [T, H, D] and caches [capacity, Hkv, D] of one dtype");
+  const Cache cache = cache_of(q, k_cache, k_scale, v_scale);
   for (const auto& t : {q, k_cache, v_cache})
     TORCH_CHECK(t.stride(2) == 1, "q and the caches must have unit stride along D");
   const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), S = seq_starts.size(0);
@@ -66,12 +92,15 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
                 st[s] + n[s] <= k_cache.size(0), "a sequence's queries or keys out of range");
   const DType dtype = dtype_of(q.scalar_type());
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
-  const auto run = kernel_for(dtype, D, window);
+  const auto run = kernel_for(dtype, cache, D, window);
   auto out = torch::empty({q.size(0), H, D}, q.options());
   const pipellm::prefill::Args args{
       q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), cu, st, n, S, H, Hkv,
       D, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-      v_cache.stride(1), static_cast<float>(scale), dtype, window};
+      v_cache.stride(1), static_cast<float>(scale), dtype, window, cache,
+      k_scale ? k_scale->data_ptr() : nullptr, v_scale ? v_scale->data_ptr() : nullptr,
+      k_scale ? k_scale->stride(0) : 0, k_scale ? k_scale->stride(1) : 0,
+      v_scale ? v_scale->stride(0) : 0, v_scale ? v_scale->stride(1) : 0};
   run(args);
   return out;
 }

@@ -1,8 +1,10 @@
 // The prefill attention's CPU kernels and what their binding (prefill_attention.cpp) hands them:
-// the contract of kernels/prefill_attention.py's prefill_attention_reference without a softcap or
-// INT8 scales. Raw pointers only: the kernels' translation units include no torch headers.
-//   run_amx     bf16 on AMX tiles, head_dim a multiple of 64, no window (prefill_attention_amx.cpp)
-//   run_avx512  float32 vectors of 16 over float, bf16 or half inputs, head_dim a multiple of 16
+// the contract of kernels/prefill_attention.py's prefill_attention_reference without a softcap.
+// Raw pointers only: the kernels' translation units include no torch headers.
+//   run_amx     bf16 on AMX tiles, head_dim a multiple of 64, no window, caches of q's dtype
+//               (prefill_attention_amx.cpp)
+//   run_avx512  float32 vectors of 16 over float, bf16 or half queries, head_dim a multiple of
+//               16, caches of q's dtype, INT8 with scales or FP8 (kernels/kv_quant.py)
 //   run_avx2    the same, vectors of 8 (prefill_attention_<isa>.cpp: prefill_attention_kernel.h)
 #pragma once
 
@@ -11,6 +13,8 @@
 namespace pipellm::prefill {
 
 enum class DType { kFloat, kBFloat16, kHalf };
+enum class Cache { kSame, kInt8, kFp8 };  // the caches' elements: q's dtype, INT8 or e4m3
+constexpr int64_t kKvGroup = 8;  // INT8 caches: one fp16 scale per 8 values (kernels/kv_quant.py)
 
 struct Args {
   const void* q;  // [T, H, D]: rows q_ts apart, heads q_hs apart (elements)
@@ -22,8 +26,14 @@ struct Args {
   const int32_t* lens;    // [S]: its keys (its queries are the last cu[s + 1] - cu[s])
   int64_t S, H, Hkv, D, q_ts, q_hs, k_ts, k_hs, v_ts, v_hs;
   float scale;
-  DType dtype;     // of q, the caches and out
+  DType dtype;     // of q and out (and the caches under Cache::kSame)
   int64_t window;  // > 0: the query at position p sees keys (p - window, p] only; 0: none
+  Cache cache;
+  // INT8 caches: fp16 scales [capacity, Hkv, D / 8] (value = int8 * scale), rows ks_ts / vs_ts
+  // apart, heads ks_hs / vs_hs apart; null otherwise
+  const void* k_scale;
+  const void* v_scale;
+  int64_t ks_ts, ks_hs, vs_ts, vs_hs;
 };
 
 void run_amx(const Args& args);

@@ -1,5 +1,6 @@
 // Prefill attention in float32 vectors: one template over an instruction set's float traits `V`
-// (simd_avx2.h, simd_avx512.h) and the inputs' type T (float, bf16, half), included by each
+// (simd_avx2.h, simd_avx512.h) and the queries' type T (float, bf16, half; the caches' too, or
+// INT8 with fp16 scales, or e4m3: dequantized as they are packed), included by each
 // prefill_attention_<isa>.cpp inside its target region. Per sequence and KV head, K is packed
 // once transposed into blocks of L = V::kLanes keys ([n_pad / L][D][L] floats, zeros past the
 // last key) and V into [n][D] floats; then per (sequence, head, block of kRows queries), taken
@@ -30,19 +31,36 @@ struct VecAttention {
 
   static int64_t padded(int64_t n) { return (n + kKeys - 1) / kKeys * kKeys; }
 
-  // sequence s's KV head g: kt [padded(n) / L][D][L] (K transposed per block of L keys), vp
-  // [n][D], as floats
+  // row j of a cache of C elements (INT8: times its fp16 scales, `scales` at row 0) as floats
+  template <typename C>
+  static void row_of(const C* x, const c10::Half* scales, int64_t D, float* out) {
+    for (int64_t d = 0; d < D; ++d)
+      out[d] = static_cast<float>(x[d]) * (scales ? static_cast<float>(scales[d / pipellm::prefill::kKvGroup]) : 1.f);
+  }
+
+  // sequence s's KV head g from caches of C elements: kt [padded(n) / L][D][L] (K transposed
+  // per block of L keys), vp [n][D], as floats
+  template <typename C>
   void pack(int64_t s, int64_t g, float* kt, float* vp) const {
-    const int64_t n = a.lens[s], D = a.D;
-    const T* k = static_cast<const T*>(a.k) + a.starts[s] * a.k_ts + g * a.k_hs;
-    const T* v = static_cast<const T*>(a.v) + a.starts[s] * a.v_ts + g * a.v_hs;
+    const int64_t n = a.lens[s], D = a.D, row0 = a.starts[s];
+    const C* k = static_cast<const C*>(a.k) + row0 * a.k_ts + g * a.k_hs;
+    const C* v = static_cast<const C*>(a.v) + row0 * a.v_ts + g * a.v_hs;
+    auto scales = [&](const void* p, int64_t ts, int64_t hs, int64_t j) {
+      return p ? static_cast<const c10::Half*>(p) + (row0 + j) * ts + g * hs : nullptr;
+    };
+    std::vector<float> row(D);
     for (int64_t j = 0; j < padded(n); ++j) {
       float* dst = kt + (j / L) * D * L + j % L;
-      const T* src = k + j * a.k_ts;
-      for (int64_t d = 0; d < D; ++d) dst[d * L] = j < n ? static_cast<float>(src[d]) : 0.f;
+      if (j < n) row_of(k + j * a.k_ts, scales(a.k_scale, a.ks_ts, a.ks_hs, j), D, row.data());
+      for (int64_t d = 0; d < D; ++d) dst[d * L] = j < n ? row[d] : 0.f;
     }
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; d += L) V::store(vp + j * D + d, V::load(v + j * a.v_ts + d));
+    for (int64_t j = 0; j < n; ++j) {
+      if constexpr (std::is_same_v<C, T>) {
+        for (int64_t d = 0; d < D; d += L) V::store(vp + j * D + d, V::load(v + j * a.v_ts + d));
+      } else {
+        row_of(v + j * a.v_ts, scales(a.v_scale, a.vs_ts, a.vs_hs, j), D, vp + j * D);
+      }
+    }
   }
 
   // s[r][k0 .. k0 + kKeys) = qb[r] . key, rows r0 .. r0 + kR
@@ -176,8 +194,14 @@ struct VecAttention {
       for (int64_t i0 = 0; i0 < m; i0 += kRows)
         for (int64_t h = 0; h < a.H; ++h) blocks.push_back({s, h, i0, prefix + i0 + kRows});
     }
+    using pipellm::prefill::Cache;
     for_each_item<bool>(packs, [&](const Item& it, bool&) {
-      pack(it.s, it.h, kt_of(it.s, it.h), vp_of(it.s, it.h));
+      float *kt_g = kt_of(it.s, it.h), *vp_g = vp_of(it.s, it.h);
+      switch (a.cache) {
+        case Cache::kSame: pack<T>(it.s, it.h, kt_g, vp_g); break;
+        case Cache::kInt8: pack<int8_t>(it.s, it.h, kt_g, vp_g); break;
+        case Cache::kFp8: pack<c10::Float8_e4m3fn>(it.s, it.h, kt_g, vp_g); break;
+      }
     });
     for_each_item<Scratch>(blocks, [&](const Item& it, Scratch& w) {
       if (w.s.empty())
