@@ -182,9 +182,9 @@ def test_two_servers_behind_vllm_router(demo_model_dir, tmp_path):
         other = 1 - home
         for turn in ("The wind turns north. What now?", "A storm ahead: which heading?"):
             # a long request on the conversation's replica: load alone would pick the other
-            # (long enough to outlast the checks below on a fast CPU; the gauge may lag a little)
+            # (the router's gauge may count it a moment after its first chunk)
             busy = chat([*conversation, {"role": "user", "content": "Recite the log."}],
-                        max_tokens=1200, stream=True, extra_body={"min_tokens": 1200})
+                        max_tokens=400, stream=True, extra_body={"min_tokens": 400})
             next(iter(busy))
             router.wait_for("running_requests", servers[home].url, 1, timeout_s=5)
             assert router.metric("running_requests", servers[other].url) == 0
