@@ -31,11 +31,12 @@ struct VecAttention {
 
   static int64_t padded(int64_t n) { return (n + kKeys - 1) / kKeys * kKeys; }
 
-  // row j of a cache of C elements (INT8: times its fp16 scales, `scales` at row 0) as floats
+  // a cache row of C elements as floats (INT8: times `scales`, the row's fp16 scales; else null)
   template <typename C>
   static void row_of(const C* x, const c10::Half* scales, int64_t D, float* out) {
+    using pipellm::prefill::kKvGroup;
     for (int64_t d = 0; d < D; ++d)
-      out[d] = static_cast<float>(x[d]) * (scales ? static_cast<float>(scales[d / pipellm::prefill::kKvGroup]) : 1.f);
+      out[d] = static_cast<float>(x[d]) * (scales ? static_cast<float>(scales[d / kKvGroup]) : 1.f);
   }
 
   // sequence s's KV head g from caches of C elements: kt [padded(n) / L][D][L] (K transposed
@@ -185,7 +186,9 @@ struct VecAttention {
     }
     // (not value-initialized: pack writes every element)
     const std::unique_ptr<float[]> kt(new float[k_at[a.S]]), vp(new float[v_at[a.S]]);
-    auto kt_of = [&](int64_t s, int64_t g) { return kt.get() + k_at[s] + g * padded(a.lens[s]) * a.D; };
+    auto kt_of = [&](int64_t s, int64_t g) {
+      return kt.get() + k_at[s] + g * padded(a.lens[s]) * a.D;
+    };
     auto vp_of = [&](int64_t s, int64_t g) { return vp.get() + v_at[s] + g * a.lens[s] * a.D; };
     std::vector<Item> packs, blocks;
     for (int64_t s = 0; s < a.S; ++s) {
