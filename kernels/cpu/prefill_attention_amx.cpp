@@ -229,20 +229,14 @@ void pipellm::prefill::run_amx(const Args& a) {
   }
   // (not value-initialized: pack writes every element)
   const std::unique_ptr<bf16[]> kp(new bf16[offset[a.S]]), vp(new bf16[offset[a.S]]);
-  std::vector<Item> packs, blocks;
-  for (int64_t s = 0; s < a.S; ++s) {
-    const int64_t m = a.cu[s + 1] - a.cu[s], prefix = a.lens[s] - m;
-    for (int64_t g = 0; g < a.Hkv && m > 0; ++g) packs.push_back({s, g, 0, a.lens[s]});
-    for (int64_t i0 = 0; i0 < m; i0 += kRows)
-      for (int64_t h = 0; h < a.H; ++h) blocks.push_back({s, h, i0, prefix + i0 + kRows});
-  }
+  Work work = work_of(a, kRows);
   auto at_of = [&](const Item& it, int64_t g) {  // sequence it.s's packed KV head g
     return offset[it.s] + g * padded(a.lens[it.s]) * a.D;
   };
-  for_each_item<bool>(packs, [&](const Item& it, bool&) {
+  for_each_item<bool>(work.packs, [&](const Item& it, bool&) {
     pack(a, it.s, it.h, kp.get() + at_of(it, it.h), vp.get() + at_of(it, it.h));
   });
-  for_each_item<Scratch>(blocks, [&](const Item& it, Scratch& w) {
+  for_each_item<Scratch>(work.blocks, [&](const Item& it, Scratch& w) {
     if (w.s.empty()) {  // a thread's first block: its tiles and buffers
       configure_tiles();
       w = Scratch{std::vector<float>(kRows * widest), std::vector<bf16>(kRows * widest),

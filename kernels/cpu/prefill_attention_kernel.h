@@ -190,15 +190,9 @@ struct VecAttention {
       return kt.get() + k_at[s] + g * padded(a.lens[s]) * a.D;
     };
     auto vp_of = [&](int64_t s, int64_t g) { return vp.get() + v_at[s] + g * a.lens[s] * a.D; };
-    std::vector<Item> packs, blocks;
-    for (int64_t s = 0; s < a.S; ++s) {
-      const int64_t m = a.cu[s + 1] - a.cu[s], prefix = a.lens[s] - m;
-      for (int64_t g = 0; g < a.Hkv && m > 0; ++g) packs.push_back({s, g, 0, a.lens[s]});
-      for (int64_t i0 = 0; i0 < m; i0 += kRows)
-        for (int64_t h = 0; h < a.H; ++h) blocks.push_back({s, h, i0, prefix + i0 + kRows});
-    }
+    Work work = work_of(a, kRows);
     using pipellm::prefill::Cache;
-    for_each_item<bool>(packs, [&](const Item& it, bool&) {
+    for_each_item<bool>(work.packs, [&](const Item& it, bool&) {
       float *kt_g = kt_of(it.s, it.h), *vp_g = vp_of(it.s, it.h);
       switch (a.cache) {
         case Cache::kSame: pack<T>(it.s, it.h, kt_g, vp_g); break;
@@ -206,7 +200,7 @@ struct VecAttention {
         case Cache::kFp8: pack<c10::Float8_e4m3fn>(it.s, it.h, kt_g, vp_g); break;
       }
     });
-    for_each_item<Scratch>(blocks, [&](const Item& it, Scratch& w) {
+    for_each_item<Scratch>(work.blocks, [&](const Item& it, Scratch& w) {
       if (w.s.empty())
         w = Scratch{std::vector<float>(kRows * widest), std::vector<float>(kRows * a.D),
                     std::vector<float>(kRows * a.D), std::vector<float>(kRows)};

@@ -9,6 +9,21 @@ namespace {
 // orders them, longest first.
 struct Item { int64_t s, h, i0, cost; };
 
+// A call's work: a pack per (sequence with queries, KV head), costed by its keys, and a block
+// per (sequence, head, `rows` queries from i0), costed by the keys its last row sees.
+struct Work { std::vector<Item> packs, blocks; };
+
+inline Work work_of(const pipellm::prefill::Args& a, int64_t rows) {
+  Work w;
+  for (int64_t s = 0; s < a.S; ++s) {
+    const int64_t m = a.cu[s + 1] - a.cu[s], prefix = a.lens[s] - m;
+    for (int64_t g = 0; g < a.Hkv && m > 0; ++g) w.packs.push_back({s, g, 0, a.lens[s]});
+    for (int64_t i0 = 0; i0 < m; i0 += rows)
+      for (int64_t h = 0; h < a.H; ++h) w.blocks.push_back({s, h, i0, prefix + i0 + rows});
+  }
+  return w;
+}
+
 // fn(item, state) for every item, taken longest first from a shared counter by every thread
 // (its own State, default-made; done(state) when it runs out)
 template <class State, class F, class Done = void (*)(State&)>
