@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import multiprocessing
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import redis
 
 from services.compute.backend import build_engine
 from services.compute.length.head import (
+    STAGES,
     THRESHOLDS,
     HeadStats,
     features,
@@ -32,6 +35,7 @@ from services.compute.length.store import (
     redis_stores,
 )
 from services.compute.scheduling.admission import AggregatePeak, FuturePeak
+from shared import state
 from shared.config import EngineConfig, SchedulerConfig
 from shared.length_dist import LEVELS, LengthDist
 from shared.length_predictor import EDGES
@@ -126,8 +130,8 @@ def redis_url():
 
 def _writer(url: str, key: str, seed: int, n: int) -> None:
     store = RedisStore(redis.Redis.from_url(url), key, compact_at=3)
-    for delta in _deltas(seed, n):
-        store.add(delta)
+    for i, delta in enumerate(_deltas(seed, n)):
+        store.add(delta, f"{seed}-{i}")
         store.load()  # compacts concurrently with the other writers
 
 
@@ -163,13 +167,53 @@ def test_concurrent_writers_lose_nothing(redis_url):
     np.testing.assert_allclose(total.cross, expect.cross)
 
 
+# a script that keeps Redis busy for ARGV[1] microseconds: commands sent meanwhile wait
+BUSY = """local t0 = redis.call('TIME')
+repeat local t = redis.call('TIME')
+until (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > tonumber(ARGV[1])"""
+
+
+def test_a_push_whose_reply_is_lost_is_counted_once(redis_url):
+    """Redis is busy past the refiner's client's timeout, then applies the pushes sent
+    meanwhile: the refiner saw them fail, keeps them, and their retries under the same ids
+    change nothing; a push that never reached Redis lands on its retry."""
+    client = redis.Redis.from_url(redis_url)
+    stores = redis_stores(state.fast_client(redis_url), "push-once-test", 8)  # 0.2 s timeout
+    for s in stores.values():
+        s.clear()
+    refiner = LengthRefiner(stores, RefinerConfig(push_s=0, refresh_s=0, background=False))
+    rng = np.random.default_rng(5)
+    _run_to_limit(refiner, _request("first", 2, 70), rng)
+    refiner.flush()  # (and Redis now knows the push script)
+    for i in range(2):
+        _run_to_limit(refiner, _request(f"lost{i}", 2, 70), rng)
+    busy = threading.Thread(target=client.eval, args=(BUSY, 0, 800_000))
+    busy.start()
+    time.sleep(0.1)
+    refiner.flush()
+    assert [p.stage for p in refiner.unpushed] == list(STAGES)
+    busy.join()
+    assert stores["prefill"].load().requests == 3  # Redis ran it, unknown to the refiner
+    refiner.flush()  # retried under the same ids: counted once
+    assert refiner.unpushed == []
+    assert all(s.load().requests == 3 for s in stores.values())
+    reachable = stores["prefill"]
+    stores["prefill"] = RedisStore(state.fast_client("redis://127.0.0.1:1"), "nowhere")
+    _run_to_limit(refiner, _request("later", 2, 70), rng)
+    refiner.flush()
+    assert [p.stage for p in refiner.unpushed] == ["prefill"]
+    stores["prefill"] = reachable
+    refiner.flush()
+    assert refiner.unpushed == [] and all(s.load().requests == 4 for s in stores.values())
+
+
 def test_restart_keeps_the_head(tmp_path):
     stats, _ = planted_stats(np.random.default_rng(1), 50)
     with EmbeddedRedis(data_dir=str(tmp_path), persist=True) as server:
         store = RedisStore(redis.Redis.from_url(server.url), "test:lenhead:restart", compact_at=1)
-        store.add(stats)
+        store.add(stats, "first")
         store.load()  # folded into base
-        store.add(stats)
+        store.add(stats, "second")
         redis.Redis.from_url(server.url).save()
         port = server.port
     with EmbeddedRedis(port=port, data_dir=str(tmp_path), persist=True) as server:

@@ -3,7 +3,8 @@
 At every checkpoint a request's `predicted_length` becomes its stage's head's prediction (once
 that head has learned from `min_requests` requests), and its probe is kept to be learned when it
 finishes by "stop" or "length". `tick` syncs the statistics with the stores (with `background`,
-in a worker thread). A store error costs that update, never a request.
+in a worker thread). A push that fails is tried again at the next sync under the same id, so the
+store counts it once (store.py); a store error delays an update, never fails a request.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from services.compute.length.head import (
 
 log = logging.getLogger(__name__)
 LEARNED = ("stop", "length")
+MAX_UNPUSHED = 64  # pushes kept for a retry while the store fails; beyond, the oldest are lost
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,16 @@ class Finished:
     points: list[tuple[int, np.ndarray]]
 
 
+@dataclass(frozen=True)
+class Push:
+    """One stage's statistics from a batch of finished requests, under the id the store
+    dedupes retries by."""
+
+    stage: str
+    delta: HeadStats
+    id: str
+
+
 class LengthRefiner:
     def __init__(self, stores: dict, config: RefinerConfig = RefinerConfig(),
                  clock: Callable[[], float] = time.monotonic):
@@ -65,6 +78,7 @@ class LengthRefiner:
         self.heads: dict[str, LengthHead] = {}  # replaced whole by the worker
         self.checkpoints: dict[str, list[tuple[int, np.ndarray]]] = {}
         self.queue: list[Finished] = []
+        self.unpushed: list[Push] = []  # the worker's: failed pushes, oldest first
         self.seen_requests = dict.fromkeys(STAGES, -1)  # store's count when the head was solved
         self.pushed = self.refreshed = -math.inf
         self.predictions = self.learned = 0
@@ -119,7 +133,7 @@ class LengthRefiner:
                 log.warning("hidden-state length head: sync failed (%s)", self._job.exception())
             self._job = None
         now, cfg = self.clock(), self.config
-        push = bool(self.queue) and now - self.pushed >= cfg.push_s
+        push = bool(self.queue or self.unpushed) and now - self.pushed >= cfg.push_s
         refresh = now - self.refreshed >= cfg.refresh_s
         if not (push or refresh):
             return
@@ -146,10 +160,13 @@ class LengthRefiner:
             self._job.exception()  # returns once the job is done
 
     def _sync(self, batch: list[Finished], refresh: bool) -> None:
-        for stage in STAGES:
-            delta = learned_stats(batch, stage)
-            if delta is not None:
-                self._guard("push", self.stores[stage].add, delta)
+        pushes = [*self.unpushed, *(Push(stage, delta, uuid.uuid4().hex) for stage in STAGES
+                                    if (delta := learned_stats(batch, stage)) is not None)]
+        failed = [p for p in pushes if self._guard("push", self._push, p) is None]
+        if len(failed) > MAX_UNPUSHED:
+            log.warning("hidden-state length head: %d pushes failed; the oldest %d are lost",
+                        len(failed), len(failed) - MAX_UNPUSHED)
+        self.unpushed = failed[-MAX_UNPUSHED:]
         if not refresh:
             return
         heads = dict(self.heads)
@@ -160,6 +177,10 @@ class LengthRefiner:
                 self.seen_requests[stage] = stats.requests
                 heads[stage] = stats.solve(l2)
         self.heads = heads
+
+    def _push(self, push: Push) -> bool:
+        self.stores[push.stage].add(push.delta, push.id)
+        return True
 
     def _guard(self, what: str, fn, *args):
         try:

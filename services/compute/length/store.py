@@ -6,9 +6,10 @@ Each head (stage) has its own store. Redis layout, under
 width names the feature layout, so a different configuration never mixes its statistics with
 these): `...:base`, the compacted `HeadStats` blob, and `...:deltas`, a list of blobs not yet
 folded in. A writer `RPUSH`es its delta (atomic: no count is ever lost, whatever the number of
-writers); a reader sums base and deltas, and folds them into base once there are `compact_at` of
-them, in a WATCH/MULTI transaction over both keys, retried if any other writer touched them
-meanwhile.
+writers) under an id of its own, which a script marks in `...:push:<id>` first: a push retried
+after an error that hid its success lands once. A reader sums base and deltas, and folds them
+into base once there are `compact_at` of them, in a WATCH/MULTI transaction over both keys,
+retried if any other writer touched them meanwhile.
 Every push also increments `...:version`; a reader that finds it unchanged since its last load
 reuses what it loaded (the refining head's statistics over the raw hidden state are ~2.7 MB).
 """
@@ -32,13 +33,25 @@ def length_head_key(model: str, stage: str, dim: int) -> str:
     return f"pipellm:lenhead:v3:{model_key(model)}:{stage}:r{dim}"
 
 
+PUSH_TTL_S = 24 * 3600  # how long a push's id is remembered: far longer than a writer retries
+# KEYS: the push's id mark, deltas, version; ARGV: the delta, PUSH_TTL_S
+_PUSH_ONCE = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
+  redis.call('RPUSH', KEYS[2], ARGV[1])
+  redis.call('INCR', KEYS[3])
+end
+return 1
+"""
+
+
 class MemoryStore:
     """The statistics in this process only."""
 
     def __init__(self):
         self.stats: HeadStats | None = None
 
-    def add(self, delta: HeadStats) -> None:
+    def add(self, delta: HeadStats, push_id: str = "") -> None:
+        """Add `delta` (in memory a push cannot fail, so its id is not needed)."""
         if self.stats is None:
             self.stats = HeadStats(delta.gram.copy(), delta.cross.copy(), delta.requests)
         else:
@@ -56,13 +69,14 @@ class RedisStore:
         self.client, self.compact_at = client, compact_at
         self.base_key, self.deltas_key = f"{key}:base", f"{key}:deltas"
         self.version_key = f"{key}:version"
+        self.push_key = f"{key}:push:"
         self.loaded: tuple[bytes, HeadStats | None] | None = None  # (version, what it was)
+        self._push_once = client.register_script(_PUSH_ONCE)
 
-    def add(self, delta: HeadStats) -> None:
-        with self.client.pipeline() as pipe:
-            pipe.rpush(self.deltas_key, delta.to_bytes())
-            pipe.incr(self.version_key)
-            pipe.execute()
+    def add(self, delta: HeadStats, push_id: str) -> None:
+        """Add `delta` once under `push_id`: a second push of the same id changes nothing."""
+        self._push_once(keys=[self.push_key + push_id, self.deltas_key, self.version_key],
+                        args=[delta.to_bytes(), PUSH_TTL_S])
 
     def load(self) -> HeadStats | None:
         """The sum of every push so far (None: none); the same object while nobody pushed."""
