@@ -55,16 +55,23 @@ def expert_weights(cfg: ModelConfig, weights: dict, layer: int, experts: range
     """(router [E, hidden], gate_up [2I, hidden] per expert, down [hidden, I] per expert of
     `experts`) of a sparse layer: from the per-expert tensors of a checkpoint, or from
     transformers v5's in-memory stacks (`mlp.experts.gate_up_proj` [E, 2I, hidden],
-    `mlp.experts.down_proj` [E, hidden, I]) where a checkpoint holds those."""
+    `mlp.experts.down_proj` [E, hidden, I]) where a checkpoint holds those: stacks of all E
+    experts, or of the block `experts` alone (an expert-parallel rank's, cut by tp/shard.py)."""
     stacked = f"model.layers.{layer}.mlp.experts."
     if f"{stacked}gate_up_proj" in weights:
         router = require(weights, f"model.layers.{layer}.mlp.gate.weight")
         stacks = weights[f"{stacked}gate_up_proj"], require(weights, f"{stacked}down_proj")
-        return router, *(list(t[experts.start:experts.stop].unbind(0)) for t in stacks)
+        return router, *(list(_block(t, experts).unbind(0)) for t in stacks)
     router, names = expert_names(cfg, layer)
     names = names[experts.start:experts.stop]
     gate_up = [fuse([require(weights, g), require(weights, u)]) for g, u, _ in names]
     return require(weights, router), gate_up, [require(weights, d) for _, _, d in names]
+
+
+def _block(stack: torch.Tensor, experts: range) -> torch.Tensor:
+    """Experts `experts` of `stack`: the stack itself where it holds that many (those alone, or
+    all E), else its rows `experts` (a stack of all E)."""
+    return stack if len(stack) == len(experts) else stack[experts.start:experts.stop]
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool

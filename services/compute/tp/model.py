@@ -120,8 +120,11 @@ def load_parallel(config, model_config: ModelConfig, device: torch.device, dtype
 def _scale_experts(moe: MoE, cfg: ModelConfig, weights: dict[str, torch.Tensor], layer: int,
                    name: str) -> None:
     """`moe`'s experts, split across the ranks under method `name` (W8A8, FP8): each one's
-    down over the rank's columns with the whole rows' scales, its output a partial sum."""
-    downs = [weights[d] for _, _, d in expert_names(cfg, layer)[1]]
+    down over the rank's columns with the whole rows' scales, its output a partial sum; from
+    the per-expert tensors, or transformers v5's down stack [E, hidden, I / n]."""
+    stack = weights.get(f"model.layers.{layer}.mlp.experts.down_proj")
+    downs = list(stack.unbind(0)) if stack is not None else \
+        [weights[d] for _, _, d in expert_names(cfg, layer)[1]]
     moe.experts = [(gate_up, ScaledSlice(name, d))
                    for (gate_up, _), d in zip(moe.experts, downs, strict=True)]
 

@@ -8,11 +8,17 @@ expert's gate/up rows and down columns (tensor-parallel experts: every rank runs
 on its slice, the router whole; one all-reduce after the layer). With expert parallelism
 (`--enable-expert-parallel`) a rank holds whole experts instead, E / n contiguous ones (experts
 [r E/n, (r+1) E/n), as vLLM places them), and no part of the others: it runs its experts on
-the tokens routed to them, and the same all-reduce sums the ranks' contributions. Embedding and
-LM head: its vocabulary rows [r V', (r+1) V') with V' = ceil(V / n), the last shard padded with
-zero rows (its padded logits are trimmed after the gather). Norms, the Qwen3 q/k norms
-([head_dim]) and RoPE are whole on every rank; OLMoE's q/k norms over the whole projection
-([H D], [Hkv D]) are split with q's and k's rows (their RMS is all-reduced: layers.py).
+the tokens routed to them, and the same all-reduce sums the ranks' contributions. Transformers
+v5's expert stacks (`mlp.experts.gate_up_proj` [E, 2I, hidden], each expert's gate rows then
+its up rows; `mlp.experts.down_proj` [E, hidden, I]) are split alike: of every expert, its gate
+rows part then its up rows part [E, 2I / n, hidden] and its down columns [E, hidden, I / n];
+with expert parallelism the stacks' block [E / n, ...] only, cut here so that a rank never
+holds the others' experts (`moe.expert_weights` takes a stack of the block's length as that
+block). Embedding and LM head: its vocabulary rows [r V', (r+1) V') with V' = ceil(V / n), the
+last shard padded with zero rows (its padded logits are trimmed after the gather). Norms, the
+Qwen3 q/k norms ([head_dim]) and RoPE are whole on every rank; OLMoE's q/k norms over the
+whole projection ([H D], [Hkv D]) are split with q's and k's rows (their RMS is all-reduced:
+layers.py).
 
 From a Hugging Face directory each rank reads only its part of each split tensor
 (`ShardReader`, safetensors' slices); a GGUF file, and Phi-3's fused projections, are read
@@ -42,6 +48,9 @@ _STACKED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")  # transformers v
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")  # one expert's tensor, and its index
 _FULL_QK_NORMS = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_norm\.weight$")  # OLMoE's
+# a part of a tensor: tensor[index], or of a list of indexes their parts concatenated along
+# dimension 1 (a gate_up stack's gate rows and up rows)
+Index = tuple[slice, ...] | list[tuple[slice, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,12 +164,16 @@ class ShardReader:
 
 
 def part_of(cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: Shard
-            ) -> tuple[tuple[slice, ...], int] | None:
-    """(index, rows): the rank's part of tensor `name` of `shape` is tensor[index], padded with
-    zero rows to `rows` (the last vocabulary shard); None for a tensor the rank holds whole (a
-    whole expert's under expert parallelism: see `holds` for the others')."""
-    if shard.experts(cfg.num_experts) is not None and _EXPERT.search(name):
+            ) -> tuple[Index, int] | None:
+    """(index, rows): the rank's part of tensor `name` of `shape` is its `index` part (see
+    Index), padded with zero rows to `rows` (the last vocabulary shard); None for a tensor the
+    rank holds whole (a whole expert's under expert parallelism: see `holds` for the others')."""
+    mine = shard.experts(cfg.num_experts)
+    if mine is not None and _EXPERT.search(name):
         return None
+    stack = _STACKED.search(name)
+    if stack:
+        return _stack_part(stack.group(1), shape, shard, mine)
     if _ROWS.search(name) or (cfg.qk_norm_full and _FULL_QK_NORMS.search(name)):
         rows = _row_part(cfg, name, shape[0], shard)
         return (rows,), rows.stop - rows.start
@@ -169,10 +182,23 @@ def part_of(cfg: ModelConfig, name: str, shape: tuple[int, ...], shard: Shard
     if name in _VOCAB:
         start, per = shard.vocab_rows(shape[0])
         return (slice(start, start + per),), per
-    if _STACKED.search(name):
-        raise ValueError(f"--tensor-parallel-size {shard.size}: stacked experts ('{name}') are "
-                         "not split yet")
     return None
+
+
+def _stack_part(which: str, shape: tuple[int, ...], shard: Shard, mine: range | None
+                ) -> tuple[Index, int]:
+    """The rank's part of transformers v5's expert stack `which` (gate_up_proj, down_proj) of
+    `shape` [E, rows, cols]: its block `mine` of whole experts; else, of every expert, down's
+    columns, or gate_up's gate rows part then its up rows part (`Shard.part` of each half, as of
+    a per-expert gate_proj and up_proj)."""
+    if mine is not None:
+        return (slice(mine.start, mine.stop),), len(mine)
+    if which == "down_proj":
+        return (slice(None), slice(None), shard.part(shape[2])), shape[0]
+    half = shape[1] // 2
+    gate = shard.part(half)
+    return [(slice(None), gate), (slice(None), slice(half + gate.start, half + gate.stop))], \
+        shape[0]
 
 
 def shard_factors(factors: dict[tuple[int, str], dict[str, torch.Tensor]], shard: Shard
@@ -191,11 +217,14 @@ def shard_factors(factors: dict[tuple[int, str], dict[str, torch.Tensor]], shard
     return out
 
 
-def _cut(tensor, index: tuple[slice, ...], rows: int) -> torch.Tensor | Int4Weight:
-    """tensor[index] as a tensor of its own (not a view keeping the whole one alive), padded
-    with zero rows to `rows`; of INT4 blocks (a GGUF file's, kept), the blocks' part."""
+def _cut(tensor, index: Index, rows: int) -> torch.Tensor | Int4Weight:
+    """The `index` part of `tensor` (see Index) as a tensor of its own (not a view keeping the
+    whole one alive), padded with zero rows to `rows`; of INT4 blocks (a GGUF file's, kept;
+    never a stack), the blocks' part."""
     if isinstance(tensor, Int4Weight):
         return _int4_part(tensor, index)
+    if isinstance(index, list):
+        return torch.cat([tensor[i] for i in index], dim=1)
     t = tensor[index].clone(memory_format=torch.contiguous_format)
     if t.shape[0] == rows:
         return t
