@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from shared.config import EngineConfig, ServiceConfig
+from shared.config import EngineConfig, ServiceConfig, check_replicas
 from shared.settings import add_config_args, config_from_args
 
 
@@ -72,12 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             from services.supervisor import up
 
             engine, svc = _configs(args)
+            check_replicas(engine, svc.data_parallel_size)
             if engine.node_rank > 0:  # another machine's tensor-parallel ranks, no services
                 from services.compute.tp_node import serve_node
 
-                return serve_node(engine)
-            if engine.nnodes > 1 and svc.data_parallel_size > 1:
-                raise ValueError("--nnodes over 1 does not go with --data-parallel-size yet")
+                return serve_node(engine, svc.data_parallel_size)
             _check_model(engine)
             return up(engine, svc)  # its banner says which sampling defaults apply
         return _generate(args)

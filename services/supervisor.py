@@ -30,7 +30,7 @@ import redis
 from shared import state, tool_prompt
 from shared.chat_template import load_chat_template
 from shared.child_process import die_with_parent
-from shared.config import EngineConfig, ServiceConfig
+from shared.config import EngineConfig, ServiceConfig, replica_master_port
 from shared.generation_config import GenerationDefaults
 from shared.model_config import served_name
 from shared.redis_server import EmbeddedRedis
@@ -90,18 +90,22 @@ class Child:
 
 def compute_env(engine: EngineConfig, n: int, rank: int) -> dict[str, str]:
     """What compute process `rank` of n gets besides the common settings: its rank, its
-    device (the rank-th visible GPU) and, on a CPU without --threads, its share of the
-    cores (each of its --tensor-parallel-size ranks: as much)."""
+    device (the rank-th visible GPU), where its tensor-parallel ranks meet with --master-port
+    (replica_master_port) and, on a CPU without --threads, its share of the cores (each of
+    its --tensor-parallel-size ranks on this machine: as much)."""
     if n == 1:
         return {}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(n)]
     env = {"PIPELLM_DATA_PARALLEL_RANK": str(rank),
            "CUDA_VISIBLE_DEVICES": devices[rank % len(devices)]}
+    if engine.master_port:
+        env["PIPELLM_MASTER_PORT"] = str(replica_master_port(engine, rank))
     if engine.threads == 0:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
-        env["PIPELLM_THREADS"] = str(max(cores // (n * engine.tensor_parallel_size), 1))
+        local = engine.tensor_parallel_size // engine.nnodes
+        env["PIPELLM_THREADS"] = str(max(cores // (n * local), 1))
     return env
 
 

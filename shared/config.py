@@ -257,7 +257,9 @@ class EngineConfig:
     master_addr: str = setting("127.0.0.1", "with --nnodes over 1: the address of node 0, "
                                "where the ranks meet (torchrun's name)", group=MODEL)
     master_port: int = setting(0, "with --nnodes over 1: the port on node 0 where the ranks "
-                               "meet; 0 (one machine only): a free one", group=MODEL)
+                               "meet; 0 (one machine only): a free one. With "
+                               "--data-parallel-size D, replica d's ranks meet on --master-port "
+                               "+ d (D ports from it)", group=MODEL)
     backend: BackendName = setting(BackendName.TORCH, "torch (run the model) or sim (a modelled "
                                    "GPU, no weights)", group=MODEL)
     runner: RunnerName = setting(RunnerName.GENERATE, "generate (chat, completions, ...) or "
@@ -527,7 +529,8 @@ class ServiceConfig:
     data_parallel_size: int = setting(
         1, "compute processes, one per device (vLLM's --data-parallel-size): with CUDA, "
         "devices 0..N-1 of those visible; on a CPU each gets its share of the cores. A "
-        "tokenizer sends each request to the one with the lowest predicted KV demand",
+        "tokenizer sends each request to the one with the lowest predicted KV demand; with "
+        "--nnodes, each is a group across the machines and every node takes the same D",
         group=WIRING)
     data_parallel_routing: str = setting(
         "auto", "how a tokenizer picks the compute process: predicted-load (the lowest "
@@ -627,3 +630,21 @@ def auto_tokenizer_workers(cores: int | None = None) -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
     return 2 if cores >= 4 else 1
+
+
+def replica_master_port(engine: EngineConfig, replica: int) -> int:
+    """The port where data-parallel replica `replica`'s tensor-parallel ranks meet:
+    --master-port + replica (each replica is its own torch.distributed group, its store on
+    node 0); 0 without --master-port (one machine: each replica's store takes a free port).
+    Node 0's supervisor and the other nodes' tp_node both derive it here."""
+    return engine.master_port + replica if engine.master_port else 0
+
+
+def check_replicas(engine: EngineConfig, data_parallel_size: int) -> None:
+    """ValueError, one line, where --data-parallel-size replicas would meet on a port past
+    65535 (replica_master_port)."""
+    last = replica_master_port(engine, data_parallel_size - 1)
+    if last > 65535:
+        raise ValueError(f"--master-port {engine.master_port} with --data-parallel-size "
+                         f"{data_parallel_size}: replica d meets on --master-port + d, and "
+                         f"{last} is past 65535")

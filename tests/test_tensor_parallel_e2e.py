@@ -2,13 +2,14 @@
 the official client: the compute process is rank 0 and starts rank 1; either killed, compute
 restarts with a new group and the streams resume; data parallel computes of tensor-parallel
 groups; a mixture of experts' whole experts a rank (`--enable-expert-parallel`); ranks on two
-machines (`--nnodes 2`, here both on this one)."""
+machines (`--nnodes 2`, here both on this one), alone and as data-parallel replicas."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from shared.redis_server import free_port
 from shared.sampling import SamplingParams
 from tests.hf_models import build_hf_model
 from tests.stack import Stack
+from tests.test_data_parallel import per_engine, routes
 from tests.test_faults import MODEL, run_round
 from tests.test_tensor_parallel import PROMPTS, assert_same, engine, generate
 
@@ -173,3 +175,76 @@ def test_ranks_across_two_machines_follow_rank_0_from_group_to_group(tmp_path, m
         node1.terminate()
         node1.wait()
 
+
+
+def meeting_ports(n: int) -> int:
+    """A port P with P .. P + n - 1 free on this machine."""
+    while True:
+        port = free_port()
+        try:
+            for p in range(port + 1, port + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+
+
+def node_ranks(node: subprocess.Popen) -> set[int]:
+    """The pids of the tensor-parallel ranks a node K > 0 runs (its tp_worker children)."""
+    return {p.pid for p in psutil.Process(node.pid).children()
+            if "services.compute.tp_worker" in p.cmdline() and p.status() != "zombie"}
+
+
+def served(stack: Stack, expected: list) -> set[int]:
+    """PROMPTS through the official client, each output checked against `expected`: the
+    computes (data-parallel ranks) that served them."""
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+    ranks = set()
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        answer = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert answer.choices[0].token_ids == want
+        ranks.add(routes(stack, answer.id).index(1))
+    return ranks
+
+
+def test_data_parallel_groups_across_two_machines(demo_model_dir, tmp_path):
+    """--nnodes 2 x --data-parallel-size 2 x --tensor-parallel-size 2, both machines on this
+    one: node 0 serves and runs each replica's rank 0, node 1 (`--node-rank 1`) each
+    replica's rank 1, replica d meeting at --master-port + d; requests reach both replicas
+    and get one rank's tokens. Compute 1 killed: node 1 restarts replica 1's rank only, and
+    replica 1 serves again."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = [ids for ids, _, _ in generate(engine(demo_model_dir, 1), PROMPTS, params)]
+    common = ["--tensor-parallel-size", "2", "--data-parallel-size", "2", "--nnodes", "2",
+              "--master-addr", "127.0.0.1", "--master-port", str(meeting_ports(2)),
+              "--dtype", "float32", "--threads", "1", "--kv-cache-tokens", "20000"]
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "services.cli", "serve",
+                                  str(demo_model_dir), *common, "--node-rank", "1"],
+                                 stdout=log, stderr=subprocess.STDOUT)
+    stack = Stack(demo_model_dir, *common, "--node-rank", "0", "--data-parallel-routing",
+                  "round-robin")
+    try:
+        stack.start(timeout_s=180)
+        deadline = time.monotonic() + 60  # /health is green once one compute serves
+        while set(per_engine(stack, "vllm:num_requests_running")) != {"0", "1"}:
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.1)
+        assert served(stack, expected) == {0, 1}
+        ranks = node_ranks(node1)
+        assert len(ranks) == 2  # one rank 1 a replica
+        compute0 = stack.pid("compute-0")
+        os.kill(stack.pid("compute-1"), signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while 1 not in served(stack, expected):  # until compute 1 is back, with a new group
+            assert time.monotonic() < deadline, stack.logs()
+        after = node_ranks(node1)
+        assert len(after) == 2 and len(after & ranks) == 1  # replica 0's rank untouched
+        assert stack.pid("compute-0") == compute0
+    finally:
+        stack.stop()
+        node1.terminate()
+        node1.wait()
