@@ -72,13 +72,19 @@ _HI = np.array(EDGES[1:], dtype=np.float64)
 _LO = np.array(EDGES[:-1], dtype=np.float64)
 _LEVELS = np.array(LEVELS)
 TOP_CAP, TOP_KEEP = 2048, 1024
+MARK_TTL_S = 24 * 3600  # how long a sample's id is remembered: far longer than retries take
+MAX_UNSENT = 4096  # samples with ids kept for a retry while Redis fails; beyond, the oldest go
 _ERROR_LOG_INTERVAL_S = 30.0
 
-# KEYS: global, top, feature keys; ARGV: bucket offset, total offset, cap, keep, feature slots
+# KEYS: global, top, the sample's mark, feature keys; ARGV: bucket offset, total offset, cap,
+# keep, the mark's ttl (0: no mark), feature slots. A marked sample already seen changes nothing.
 _UPDATE_LUA = """
+if tonumber(ARGV[5]) > 0 and not redis.call('SET', KEYS[3], '1', 'NX', 'EX', ARGV[5]) then
+  return 0
+end
 local b, t = ARGV[1], ARGV[2]
 redis.call('BITFIELD', KEYS[1], 'OVERFLOW', 'SAT', 'INCRBY', 'u32', b, 1, 'INCRBY', 'u32', t, 1)
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   local r = redis.call('BITFIELD', KEYS[i], 'OVERFLOW', 'SAT', 'INCRBY', 'u32', b, 1,
                        'INCRBY', 'u32', t, 1)
   redis.call('ZADD', KEYS[2], r[2], ARGV[i + 2])
@@ -86,7 +92,7 @@ end
 if redis.call('ZCARD', KEYS[2]) > tonumber(ARGV[3]) then
   redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[4]) - 1)
 end
-return #KEYS
+return 1
 """
 # KEYS: global, top, feature keys; ARGV: top_k, feature key prefix, bytes per histogram.
 # Returns three strings of concatenated histograms, each padded to full length: the global one
@@ -138,10 +144,11 @@ class LengthPredictor:
     """Predicts a request's output-length distribution from its features; learns from finishes.
 
     `client`: a redis-py client with bytes replies (not `decode_responses`). With `strict=False`
-    (the default) a Redis error makes `predict` return the cold-start default and `update` drop
-    the sample (logged at most every 30 s): a length prediction never fails a request. How long a
-    call waits for a dead Redis is the client's timeout and retry policy. Thread-safe as far as
-    the client is.
+    (the default) a Redis error makes `predict` return the cold-start default and an update drop
+    its samples, or keep them for the next call when they have ids (logged at most every 30 s):
+    a length prediction never fails a request. How long a call waits for a dead Redis is the
+    client's timeout and retry policy. Thread-safe as far as the client is, except updates with
+    ids (one thread makes those).
     """
 
     def __init__(self, client: redis.Redis, model: str = "", *, prefix: str = "pipellm:lenpred",
@@ -168,6 +175,7 @@ class LengthPredictor:
         prior = np.exp(-0.5 * ((mid - math.log(self.default_len)) / prior_sigma) ** 2)
         self._prior = prior_weight * (prior / prior.sum()) + 1e-6
         self._last_error_log = -math.inf
+        self._unsent: list[tuple[str, tuple[Sequence[int], int]]] = []  # (id, sample) to resend
         self._update_script = client.register_script(_UPDATE_LUA)
         self._predict_script = client.register_script(_PREDICT_LUA)
 
@@ -227,21 +235,31 @@ class LengthPredictor:
         """Learn one finished request: its true output length (tokens generated, >= 1)."""
         self.update_many([(features, output_len)])
 
-    def update_many(self, finished: Sequence[tuple[Sequence[int], int]]) -> None:
+    def update_many(self, finished: Sequence[tuple[Sequence[int], int]],
+                    ids: Sequence[str] | None = None) -> None:
         """Learn several finished requests `(features, output length)` in one round trip (one
-        atomic script call each, pipelined)."""
-        if not finished:
+        atomic script call each, pipelined). With `ids` (one per request, unique), each is
+        learned once: samples a failed call may or may not have applied are sent again with
+        the next call that has ids, and Redis skips the ids it has seen."""
+        marked = ids is not None
+        batch = [*self._unsent, *zip(ids, finished, strict=True)] if marked else \
+            [("", f) for f in finished]
+        if not batch:
             return
         try:
             pipe = self.client.pipeline(transaction=False)
-            for features, output_len in finished:
+            for sample_id, (features, output_len) in batch:
                 slots = self._slots(features)
-                keys = [self.global_key, self.top_key,
+                keys = [self.global_key, self.top_key, f"{self._base}:seen:{sample_id}",
                         *(f"{self._feature_prefix}{s}" for s in slots)]
-                self._update_script(keys=keys, args=[f"#{bucket_of(output_len)}", f"#{NB}",
-                                                     TOP_CAP, TOP_KEEP, *slots], client=pipe)
+                args = [f"#{bucket_of(output_len)}", f"#{NB}", TOP_CAP, TOP_KEEP,
+                        MARK_TTL_S if marked else 0, *slots]
+                self._update_script(keys=keys, args=args, client=pipe)
             pipe.execute()
+            self._unsent = []
         except redis.RedisError as e:
+            if marked:
+                self._unsent = batch[-MAX_UNSENT:]
             if self.strict:
                 raise
             self._log_error("update", e)

@@ -236,3 +236,18 @@ def test_update_many_learns_what_single_updates_learn(client, redis_url):
     for f, _ in batch[:5]:
         assert many.counts(f[0]) == one.counts(f[0])
         assert many.predict(f, 600) == one.predict(f, 600)
+
+
+def test_updates_with_ids_are_learned_once(client):
+    """Samples with ids that a failed call kept are sent with the next one; an id Redis has
+    seen (a retry of a call it applied but whose reply was lost) changes nothing."""
+    down = redis.Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    p = LengthPredictor(down, "ids")
+    p.update_many([([1], 10), ([2], 20)], ["a", "b"])  # Redis down: kept
+    assert sum(LengthPredictor(client, "ids").counts()) == 0
+    p.client = client  # Redis back
+    p.update_many([([3], 30)], ["c"])  # a, b, then c
+    p.update_many([([1], 10), ([3], 30), ([4], 40)], ["a", "c", "d"])  # a, c seen before
+    assert sum(p.counts()) == 4 and [sum(p.counts(f)) for f in (1, 2, 3, 4)] == [1, 1, 1, 1]
+    p.update_many([([1], 10)])  # without ids: learned each time
+    assert sum(p.counts(1)) == 2

@@ -52,8 +52,10 @@ class Outputs:
     # Redis: (api request id, fields to set, ttl or None) and (api request id, counter, amount)
     updates: list[tuple[str, dict, int | None]] = field(default_factory=list)
     counts: list[tuple[str, str, int]] = field(default_factory=list)
-    # the length predictor learns: (length features, output length) of finished requests
+    # the length predictor learns: (length features, output length) of finished requests, and
+    # their ids (each is learned once, even if Redis fails and the update is sent again)
     lengths: list[tuple[list[int], int]] = field(default_factory=list)
+    length_ids: list[str] = field(default_factory=list)
 
     def send(self, reply_to: str, delta: Delta) -> None:
         self.deltas.setdefault(reply_to, []).append(delta)
@@ -157,6 +159,7 @@ class Detokenizer:
         res.counts.append((api, "completion_tokens", s.num_output))
         if s.route.length_features:  # "stop" or "length": aborted requests never get here
             res.lengths.append((s.route.length_features, s.num_output))
+            res.length_ids.append(s.route.request_id)
 
 
 def _split(s: Stream, text: str, final: bool) -> tuple[str, str]:
@@ -212,4 +215,5 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
             except redis.RedisError as e:
                 log.warning("redis unavailable, request state not written: %s", e)
             if predictor is not None:
-                predictor.update_many(res.lengths)  # on Redis errors: dropped, logged
+                # on Redis errors: kept, sent again with the next update, logged
+                predictor.update_many(res.lengths, res.length_ids)
