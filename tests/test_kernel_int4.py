@@ -197,13 +197,14 @@ def test_int4_blocks_extreme_values(backend, block_gemm_level):
         torch.testing.assert_close(out, int4_q8_gemm_ref(x, w), rtol=1e-5, atol=1e-4)
 
 
-def test_int4_blocks_bf16_strided_and_batched(backend, block_gemm_level):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_blocks_16bit_strided_and_batched(backend, block_gemm_level, dtype):
     backend("auto")
     w = quantize_int4(_weight(64, 128), 32)
-    base = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
+    base = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(6)).to(dtype)
     x = base[..., :128]  # rows 256 apart: the kernel reads them in place
     out = int4_gemm(x, prepare_int4(w))
-    assert out.shape == (2, 3, 64) and out.dtype == torch.bfloat16
+    assert out.shape == (2, 3, 64) and out.dtype == dtype
     torch.testing.assert_close(out.float(), int4_q8_gemm_ref(x, w).float(), rtol=1e-2,
                                atol=1e-2)
 

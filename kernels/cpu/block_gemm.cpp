@@ -25,6 +25,9 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,6 +43,73 @@ struct Quantized {  // x [M, K] as INT8 blocks
   std::vector<float> d, s;  // [M, K / 32]: scale, scale * sum(q)
 };
 
+#if defined(__AVX2__)
+// 8 values of x as floats
+template <typename T>
+inline __m256 load8(const T* p) {  // double: the dispatch compiles it, gemm() refuses it
+  float f[8];
+  for (int j = 0; j < 8; ++j) f[j] = static_cast<float>(p[j]);
+  return _mm256_loadu_ps(f);
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline int32_t hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// One block of 32 values: q = round(x / d) with d = max|x| / 127, as the scalar loop below
+// (the same float operations, rounding to nearest even); returns sum(q).
+template <typename scalar_t>
+int32_t quantize_block(const scalar_t* src, int8_t* q, float* amax_out) {
+  __m256 v[4], amax = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(src + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  const float m = hmax8(amax);
+  const __m256 inv = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+  __m256i r[4];
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
+                                           _mm256_packs_epi32(r[2], r[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(
+      bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));  // packs interleave 128-bit lanes
+  *amax_out = m;
+  return hsum8(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
+}
+#else
+template <typename scalar_t>
+int32_t quantize_block(const scalar_t* src, int8_t* q, float* amax_out) {
+  float v[kBlock], amax = 0.f;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    v[j] = static_cast<float>(src[j]);
+    amax = std::max(amax, std::fabs(v[j]));
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int64_t j = 0; j < kBlock; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+    sum += q[j];
+  }
+  *amax_out = amax;
+  return sum;
+}
+#endif
+
 template <typename scalar_t>
 Quantized quantize_rows(const scalar_t* x, int64_t M, int64_t K, int64_t stride) {
   const int64_t nb = K / kBlock;
@@ -47,19 +117,9 @@ Quantized quantize_rows(const scalar_t* x, int64_t M, int64_t K, int64_t stride)
   at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       for (int64_t b = 0; b < nb; ++b) {
-        const scalar_t* src = x + i * stride + b * kBlock;
-        float v[kBlock], amax = 0.f;
-        for (int64_t j = 0; j < kBlock; ++j) {
-          v[j] = static_cast<float>(src[j]);
-          amax = std::max(amax, std::fabs(v[j]));
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int8_t* q = out.q.data() + i * K + b * kBlock;
-        int32_t sum = 0;
-        for (int64_t j = 0; j < kBlock; ++j) {
-          q[j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-          sum += q[j];
-        }
+        float amax;
+        const int32_t sum = quantize_block(x + i * stride + b * kBlock,
+                                           out.q.data() + i * K + b * kBlock, &amax);
         out.d[i * nb + b] = amax / 127.f;
         out.s[i * nb + b] = amax / 127.f * static_cast<float>(sum);
       }
