@@ -1,16 +1,16 @@
 """The CPU GEMMs of one SmolLM2-135M step, per weight format, at the row counts a step has
 (M = 1 is a single decode, 200 a prompt): the default INT4 path (W4A8 blocks,
-kernels/cpu/block_gemm.cpp) at every ISA level this CPU runs (avx2, avx512, avx512_vnni: the
-same build, the level switched in process) against PyTorch's own CPU int4 kernel (bf16
-activations, what a CPU without the block GEMMs runs) and the float layers (oneDNN-packed bf16
-and fp32, `model/linear/dense.py`; on an AMX CPU, bf16 is what the `amx` level runs for steps
-with many rows, `model/linear/amx.py`); the LM head as Q8 blocks (the default under int4) at every
-level against the fp32 and bf16 heads.
+kernels/cpu/block_gemm.cpp) in every variant this CPU runs (avx2, avx2_vnni, avx512,
+avx512_vnni: the same build, the variant switched in process) against PyTorch's own CPU int4
+kernel (bf16 activations, what a CPU without the block GEMMs runs) and the float layers
+(oneDNN-packed bf16 and fp32, `model/linear/dense.py`; on an AMX CPU, bf16 is what the `amx`
+level runs for steps with many rows, `model/linear/amx.py`); the LM head as Q8 blocks (the
+default under int4) in every variant against the fp32 and bf16 heads.
 
 The projections are the model's: q/k/v fused [960, 576], o [576, 576], gate/up fused
 [3072, 576], down [576, 1536], 30 distinct copies of each (random weights, std 0.02) so that
 they stream from memory as a real step's do; the head is [49152, 576]. Median of --reps calls
-of the whole set, after two warm-up calls; "speed" = baseline ms / block-GEMM ms, per level.
+of the whole set, after two warm-up calls; "speed" = baseline ms / block-GEMM ms, per variant.
 
     python -m bench.cpu_gemm [--rows 1,4,16,64,200] [--reps 7] [--activations bfloat16] [--quick]
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if block_gemm_extension(torch.empty(0)) is None:
         sys.exit("the C++ block GEMMs do not run here (python -m kernels.cpu says why)")
-    levels = tuple(lv for lv in isa.cpu_levels() if lv in isa.BLOCK_GEMM_LEVELS)
+    levels = isa.variants()  # the block GEMMs' variants this CPU runs (isa.py)
     rows = [1, 4] if args.quick else [int(r) for r in args.rows.split(",")]
     reps = 2 if args.quick else args.reps
     layers = projection_layers(2 if args.quick else LAYERS, levels)

@@ -92,18 +92,18 @@ def interpreter_bf16_dot(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
-@pytest.fixture(params=["avx2", "avx512", "avx512_vnni"])
+@pytest.fixture(params=["avx2", "avx2_vnni", "avx512", "avx512_vnni"])
 def block_gemm_level(request: pytest.FixtureRequest) -> str:
-    """Each ISA level of the C++ block GEMMs (kernels/cpu/isa.py) this CPU runs, switched on in
-    process for the test (so the AVX2 kernel is tested on any x86 machine); the CPU's choice
-    restored afterwards. Skipped, naming why, where the CPU lacks the level or the extension
-    has no block GEMMs."""
+    """Each variant of the C++ block GEMMs (kernels/cpu/isa.py's VARIANTS) this CPU runs,
+    switched on in process for the test (so the AVX2 kernel is tested on any x86 machine); the
+    CPU's choice restored afterwards. Skipped, naming why, where the CPU lacks the variant or the
+    extension has no block GEMMs."""
     from kernels.cpu import extension, isa
 
     ext = extension()
     if ext is None or not ext.block_gemm_isa():
         pytest.skip("the C++ block GEMMs do not run here (python -m kernels.cpu says why)")
-    if request.param not in isa.cpu_levels():
+    if request.param not in isa.variants():
         pytest.skip(f"this CPU does not run {request.param} ({isa.describe()})")
     previous = ext.block_gemm_isa()
     ext.set_block_gemm_isa(request.param)

@@ -1,6 +1,6 @@
 """The ISA levels of the C++ CPU kernels (kernels/cpu/isa.py): which levels a CPU runs, the
-choice (auto, forced lower, refused above the CPU), and the block GEMMs at every level this CPU
-runs giving the same bits (so `--cpu-isa avx2` serves the same tokens as the CPU's best)."""
+choice (auto, forced lower, refused above the CPU), and the block GEMMs' variants this CPU runs
+giving the same bits (so `--cpu-isa avx2` serves the same tokens as the CPU's best)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,15 @@ def test_levels_follow_the_cpu_flags():
 
 
 def test_each_level_runs_the_block_gemm_variant_at_or_below_it():
-    assert [isa.block_gemm_level(lv) for lv in isa.LEVELS] == [
+    assert [isa.block_gemm_level(lv, AVX512) for lv in isa.LEVELS] == [
         "avx2", "avx512", "avx512_vnni", "avx512_vnni"]
     assert isa.block_gemm_level(None) is None
+    # AVX-VNNI (an Alder Lake, a Sierra Forest, a Zen 5) gives the avx2 level its dot products
+    assert isa.block_gemm_level("avx2", AVX2 | {"avx_vnni"}) == "avx2_vnni"
+    assert isa.block_gemm_level("avx512", AVX512 | {"avx_vnni"}) == "avx512"
+    assert isa.variants(AVX2) == ("avx2",)
+    assert isa.variants(AVX2 | {"avx_vnni"}) == ("avx2", "avx2_vnni")
+    assert isa.variants(AVX512 | {"avx512_vnni"}) == ("avx2", "avx512", "avx512_vnni")
 
 
 def test_choice_auto_forced_and_refused():
@@ -62,24 +68,24 @@ def test_describe_names_the_level_and_the_cpu(monkeypatch):
     assert isa.describe().startswith(f"{isa.cpu_levels()[-1]} (CPU: ")
 
 
-def test_every_level_gives_the_same_bits():
+def test_every_variant_gives_the_same_bits():
     ext = extension()
-    if ext is None or not ext.block_gemm_isa() or len(isa.cpu_levels()) < 2:
-        pytest.skip(f"fewer than two block-GEMM levels run here ({isa.describe()})")
+    if ext is None or not ext.block_gemm_isa() or len(isa.variants()) < 2:
+        pytest.skip(f"fewer than two block-GEMM variants run here ({isa.describe()})")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(1000, 576, generator=g) * 0.05  # N % 16 = 8: a half tile
     x = torch.randn(37, 576, generator=g)
     q4, q8 = pack_int4_blocks(quantize_int4(w, 32)), pack_q8_blocks(quantize_q8(w))
     previous, outs = ext.block_gemm_isa(), {}
     try:
-        for level in isa.cpu_levels():
-            ext.set_block_gemm_isa(isa.block_gemm_level(level))
-            outs[level] = (int4_gemm(x, q4), q8_gemm(x, q8))
+        for variant in isa.variants():
+            ext.set_block_gemm_isa(variant)
+            outs[variant] = (int4_gemm(x, q4), q8_gemm(x, q8))
     finally:
         ext.set_block_gemm_isa(previous)
     first = outs["avx2"]
-    for level, (o4, o8) in outs.items():
-        assert torch.equal(o4, first[0]) and torch.equal(o8, first[1]), level
+    for variant, (o4, o8) in outs.items():
+        assert torch.equal(o4, first[0]) and torch.equal(o8, first[1]), variant
 
 
 def test_native_bf16_needs_the_flag_and_a_level_above_avx2(monkeypatch):

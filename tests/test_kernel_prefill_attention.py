@@ -23,6 +23,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 Q_LENS, PREFIXES = (1, 5, 70), (200, 13, 0)  # check_triton defaults to max_q_len=70
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
+# the vector kernel has an AVX2 and an AVX-512 variant (block_gemm_level: the ones a CPU runs)
+VECTOR_LEVELS = pytest.mark.parametrize("block_gemm_level", ["avx2", "avx512"], indirect=True)
+
 
 pytestmark = pytest.mark.usefixtures("interpreter_bf16_dot")
 
@@ -375,6 +378,7 @@ def test_amx_kernel_matches_dense_softmax(n_heads, n_kv_heads, head_dim):
     assert (out.double() - exp).abs().max() <= 1.5 * gemm_err  # as close as the float32 GEMMs
 
 
+@VECTOR_LEVELS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n_heads,n_kv_heads,head_dim",
                          [(9, 3, 64), (4, 4, 128), (6, 2, 96), (4, 2, 16)])
@@ -396,6 +400,7 @@ def test_cpu_kernel_at_each_level_matches_dense_softmax(block_gemm_level, dtype,
     assert (out.double() - exp).abs().max() <= 2 * gemm_err + 1e-6
 
 
+@VECTOR_LEVELS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [1, 7, 64, 100, 500])
 def test_cpu_kernel_window_at_each_level_matches_dense(block_gemm_level, dtype, window):
@@ -414,6 +419,7 @@ def test_cpu_kernel_window_at_each_level_matches_dense(block_gemm_level, dtype, 
     assert (out.double() - exp).abs().max() <= 2 * gemm_err + 1e-6
 
 
+@VECTOR_LEVELS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
 @pytest.mark.parametrize("window", [0, 64])

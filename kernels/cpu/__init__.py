@@ -57,7 +57,8 @@ log = logging.getLogger(__name__)
 NAME = "pipellm_cpu_kernels"
 _SOURCES = [Path(__file__).with_name(name) for name in (
     "bindings.cpp", "decode_attention.cpp", "norm.cpp", "activation.cpp", "int8_quant.cpp",
-    "rope.cpp", "block_gemm.cpp", "block_gemm_avx2.cpp", "block_gemm_avx512.cpp",
+    "rope.cpp", "block_gemm.cpp", "block_gemm_avx2.cpp", "block_gemm_avx2_vnni.cpp",
+    "block_gemm_avx512.cpp",
     "block_gemm_avx512_vnni.cpp", "decode_attention_avx2.cpp", "decode_attention_avx512.cpp",
     "token_bitmask.cpp", "sampling.cpp", "sampling_filters.cpp", "lora.cpp", "lora_avx2.cpp",
     "lora_avx512.cpp", "lora_amx.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp",

@@ -6,6 +6,7 @@
 //
 // This file checks the tensors, quantizes the activations and calls the kernel of the ISA level
 // chosen at run time (`set_block_gemm_isa`, from kernels/cpu/isa.py): block_gemm_avx2.cpp,
+// block_gemm_avx2_vnni.cpp,
 // block_gemm_avx512.cpp, block_gemm_avx512_vnni.cpp, one template (block_gemm_kernel.h) each
 // compiled for its instruction set into the same build.
 //
@@ -134,6 +135,7 @@ bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
          __builtin_cpu_supports("f16c");
 }
+bool has_avx2_vnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
 bool has_avx512() {
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -141,6 +143,7 @@ bool has_avx512() {
 bool has_avx512_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 #else
 bool has_avx2() { return false; }
+bool has_avx2_vnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
 bool has_avx512() { return false; }
 bool has_avx512_vnni() { return false; }
 #endif
@@ -152,6 +155,7 @@ struct Level {
 };
 constexpr Level kLevels[] = {
     {"avx2", run_avx2, has_avx2},
+    {"avx2_vnni", run_avx2_vnni, has_avx2_vnni},
     {"avx512", run_avx512, has_avx512},
     {"avx512_vnni", run_avx512_vnni, has_avx512_vnni},
 };

@@ -35,6 +35,7 @@ struct Args {
 
 // One per ISA level (kernels/cpu/isa.py's names); each may run only on a CPU that has it.
 void run_avx2(const Args& args);
+void run_avx2_vnni(const Args& args);
 void run_avx512(const Args& args);
 void run_avx512_vnni(const Args& args);
 

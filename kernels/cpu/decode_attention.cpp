@@ -136,7 +136,7 @@ Variant variant(int64_t D, bool int8) {
   if (int8 || D < 16 || D > pipellm::attention::kMaxHeadDim || (D & (D - 1)) != 0) return nullptr;
   const std::string level = block_gemm_isa();
   if (level.rfind("avx512", 0) == 0) return pipellm::attention::run_avx512;
-  if (level == "avx2") return pipellm::attention::run_avx2;
+  if (level.rfind("avx2", 0) == 0) return pipellm::attention::run_avx2;
   return nullptr;
 }
 

@@ -13,9 +13,11 @@ first; each includes the ones before it:
                  avx512_vnni variant, and a step with many rows runs its quantized layers as
                  bf16 GEMMs in oneDNN, which uses the tiles (services/compute/model/linear/amx.py)
 
-The C++ block GEMMs have a variant for each of the first three (`BLOCK_GEMM_LEVELS`). On other
-architectures (ARM) no level applies: the block GEMMs fall back to PyTorch, and the rest of the
-extension is compiled for the architecture's baseline.
+The C++ block GEMMs have a variant for each of the first three (`BLOCK_GEMM_LEVELS`), and at the
+avx2 level a second one for CPUs with AVX-VNNI (the 256-bit vpdpbusd of Alder Lake, Sierra
+Forest and Zen 5, which need not have AVX-512): `avx2_vnni`, which the avx2 level runs where the
+CPU has it (`VARIANTS`). On other architectures (ARM) no level applies: the block GEMMs fall back
+to PyTorch, and the rest of the extension is compiled for the architecture's baseline.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import platform
 
 LEVELS = ("avx2", "avx512", "avx512_vnni", "amx")
 BLOCK_GEMM_LEVELS = LEVELS[:3]  # the levels with a C++ block GEMM variant
+VARIANTS = ("avx2", "avx2_vnni", *BLOCK_GEMM_LEVELS[1:])  # the block GEMMs' variants
 # the features (torch.cpu.get_capabilities' names) each level needs on top of the previous one
 _NEEDS = {
     "avx2": ("avx", "avx2", "fma3", "f16c", "bmi2"),
@@ -75,10 +78,23 @@ def choose(requested: str, levels: tuple[str, ...]) -> str | None:
 _requested = os.environ.get("PIPELLM_CPU_ISA", "auto") or "auto"
 
 
-def block_gemm_level(level: str | None) -> str | None:
-    """The block GEMM variant `level` runs: the highest of BLOCK_GEMM_LEVELS not above it."""
-    return BLOCK_GEMM_LEVELS[min(LEVELS.index(level), len(BLOCK_GEMM_LEVELS) - 1)] \
-        if level else None
+def block_gemm_level(level: str | None, flags: frozenset[str] | None = None) -> str | None:
+    """The block GEMM variant `level` runs: the highest of BLOCK_GEMM_LEVELS not above it, at
+    avx2 its AVX-VNNI variant where the CPU (its `flags`) has that."""
+    if not level:
+        return None
+    variant = BLOCK_GEMM_LEVELS[min(LEVELS.index(level), len(BLOCK_GEMM_LEVELS) - 1)]
+    if variant == "avx2" and "avx_vnni" in (cpu_flags() if flags is None else flags):
+        return "avx2_vnni"
+    return variant
+
+
+def variants(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The block GEMM variants this CPU runs (each can be switched on in process)."""
+    flags = cpu_flags() if flags is None else flags
+    levels = cpu_levels(flags)
+    return tuple(v for v in VARIANTS if v in levels or (
+        v == "avx2_vnni" and "avx2" in levels and "avx_vnni" in flags))
 
 
 def set_level(requested: str) -> None:
@@ -111,4 +127,5 @@ def describe() -> str:
     except ValueError as exc:
         level = f"invalid ({exc})"
     forced = "" if _requested == "auto" else ", forced"
-    return f"{level or 'none'}{forced} (CPU: {' '.join(has) or 'below avx2'})"
+    vnni = " +avx_vnni" if "avx_vnni" in cpu_flags() and has else ""
+    return f"{level or 'none'}{forced} (CPU: {' '.join(has) or 'below avx2'}{vnni})"

@@ -60,7 +60,7 @@ void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor
     TORCH_CHECK(0 <= rp[i] && rp[i] < x.size(0) && rp[i] < y.size(0), "a row out of range");
   const std::string level = block_gemm_isa();
   const bool avx512 = level.rfind("avx512", 0) == 0;
-  TORCH_CHECK(avx512 || level == "avx2", "lora_delta: no vectorized level on this CPU");
+  TORCH_CHECK(avx512 || level.rfind("avx2", 0) == 0, "lora_delta: no vectorized level on this CPU");
   const bool amx = avx512 && a_vnni && b_vnni && x.scalar_type() == at::kBFloat16 &&
                    in % 32 == 0 && pipellm::lora::amx_ready();
   auto h = torch::empty({amx ? 0 : rows.size(0), R}, x.options().dtype(at::kFloat));
