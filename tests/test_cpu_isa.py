@@ -114,3 +114,37 @@ def test_auto_dtype_of_a_gguf_is_bfloat16_where_the_cpu_computes_in_it(monkeypat
     assert resolve_dtype("auto", cfg, str(gguf), torch.device("cuda")) == torch.float32
     monkeypatch.setattr(isa, "native_bf16", lambda: False)
     assert resolve_dtype("auto", cfg, str(gguf), cpu) == torch.float32
+
+
+def test_the_engine_runs_at_every_variant(tmp_path):
+    """A 4-bit GGUF model served in process at each block GEMM variant this CPU runs: every
+    kernel the step dispatches by the chosen level (GEMMs, prefill and decode attention, norms,
+    activations) takes each variant, and variants of one vector width give the same tokens and
+    logprobs."""
+    from services.compute.backend import build_engine
+    from shared.sampling import SamplingParams
+    from shared.settings import with_settings
+    from tests.gguf_files import Q, write_gguf
+    from tests.hf_models import build_hf_model
+
+    ext = extension()
+    if ext is None or not ext.block_gemm_isa():
+        pytest.skip(f"the C++ block GEMMs do not run here ({isa.describe()})")
+    gguf = write_gguf(tmp_path / "m.gguf", build_hf_model(tmp_path / "hf", "llama"), Q.Q4_1)
+    engine = build_engine(with_settings(EngineConfig(), model=str(gguf), device="cpu",
+                                        dtype="float32", max_model_len=256,
+                                        kv_cache_tokens=2048))
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(n)] for i, n in enumerate((5, 40, 90))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    previous, outs = ext.block_gemm_isa(), {}
+    try:
+        for variant in isa.variants():
+            ext.set_block_gemm_isa(variant)
+            seqs = engine.generate(prompts, params)
+            outs[variant] = [(s.output_ids, s.logprobs) for s in seqs]
+    finally:
+        ext.set_block_gemm_isa(previous)
+    assert all(len(ids) == 12 for out in outs.values() for ids, _ in out)
+    for a, b in (("avx2", "avx2_vnni"), ("avx512", "avx512_vnni")):
+        if a in outs and b in outs:
+            assert outs[a] == outs[b], (a, b)

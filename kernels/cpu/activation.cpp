@@ -12,7 +12,7 @@
 #include <string>
 #include <type_traits>
 
-std::string block_gemm_isa();  // block_gemm.cpp: the ISA level chosen for this CPU
+std::string vector_isa();  // block_gemm.cpp: avx512, avx2 or "" at the chosen level
 
 namespace pipellm::activation {
 void silu_mul_avx512(const float* x, int64_t sx, int64_t rows, int64_t inter, float* out);
@@ -25,7 +25,7 @@ namespace {
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* x, int64_t sx, int64_t rows, int64_t inter, scalar_t* out) {
   if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (block_gemm_isa().rfind("avx512", 0) == 0)
+    if (vector_isa() == "avx512")
       return pipellm::activation::silu_mul_avx512(x, sx, rows, inter, out);
   }
   pipellm::for_row_chunks(rows, 2 * inter, [&](int64_t begin, int64_t end) {

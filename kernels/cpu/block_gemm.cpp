@@ -221,6 +221,14 @@ void set_block_gemm_isa(const std::string& level) {
 // The level the block GEMMs run ("" when none was chosen: the callers fall back to PyTorch).
 std::string block_gemm_isa() { return chosen ? chosen->name : ""; }
 
+// The vector width the other kernels run at the chosen level: "avx512" for every AVX-512 level,
+// "avx2" for avx2 and avx2_vnni, "" when none was chosen.
+std::string vector_isa() {
+  const std::string level = block_gemm_isa();
+  if (level.rfind("avx512", 0) == 0) return "avx512";
+  return level.rfind("avx2", 0) == 0 ? "avx2" : "";
+}
+
 // x [M, K] (rows contiguous); qs, d, m from pack_int4_blocks for N output rows; bias float [N]
 // or None. Returns [M, N] in x's dtype.
 torch::Tensor q4_gemm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,

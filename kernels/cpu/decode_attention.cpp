@@ -27,7 +27,7 @@
 #include "decode_attention.h"
 #include "decode_attention_schedule.h"
 
-std::string block_gemm_isa();  // block_gemm.cpp: the ISA level chosen for this CPU
+std::string vector_isa();  // block_gemm.cpp: avx512, avx2 or "" at the chosen level
 
 namespace {
 
@@ -134,9 +134,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 using Variant = void (*)(const pipellm::attention::Args&);
 Variant variant(int64_t D, bool int8) {
   if (int8 || D < 16 || D > pipellm::attention::kMaxHeadDim || (D & (D - 1)) != 0) return nullptr;
-  const std::string level = block_gemm_isa();
-  if (level.rfind("avx512", 0) == 0) return pipellm::attention::run_avx512;
-  if (level.rfind("avx2", 0) == 0) return pipellm::attention::run_avx2;
+  const std::string level = vector_isa();
+  if (level == "avx512") return pipellm::attention::run_avx512;
+  if (level == "avx2") return pipellm::attention::run_avx2;
   return nullptr;
 }
 

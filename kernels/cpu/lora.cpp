@@ -16,7 +16,7 @@
 
 #include "lora.h"
 
-std::string block_gemm_isa();  // block_gemm.cpp: the ISA level chosen for this CPU
+std::string vector_isa();  // block_gemm.cpp: avx512, avx2 or "" at the chosen level
 
 namespace {
 
@@ -58,9 +58,9 @@ void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor
     TORCH_CHECK(sp[g] <= sp[g + 1] && 0 <= gp[g] && gp[g] < a.size(0), "bad starts or slots");
   for (int64_t i = 0; i < rows.size(0); ++i)
     TORCH_CHECK(0 <= rp[i] && rp[i] < x.size(0) && rp[i] < y.size(0), "a row out of range");
-  const std::string level = block_gemm_isa();
-  const bool avx512 = level.rfind("avx512", 0) == 0;
-  TORCH_CHECK(avx512 || level.rfind("avx2", 0) == 0, "lora_delta: no vectorized level on this CPU");
+  const std::string level = vector_isa();
+  const bool avx512 = level == "avx512";
+  TORCH_CHECK(avx512 || level == "avx2", "lora_delta: no vectorized level on this CPU");
   const bool amx = avx512 && a_vnni && b_vnni && x.scalar_type() == at::kBFloat16 &&
                    in % 32 == 0 && pipellm::lora::amx_ready();
   auto h = torch::empty({amx ? 0 : rows.size(0), R}, x.options().dtype(at::kFloat));

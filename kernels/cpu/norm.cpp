@@ -20,7 +20,7 @@
 #include <type_traits>
 #include <vector>
 
-std::string block_gemm_isa();  // block_gemm.cpp: the ISA level chosen for this CPU
+std::string vector_isa();  // block_gemm.cpp: avx512, avx2 or "" at the chosen level
 
 namespace pipellm::norm {
 void rows_bf16_avx512(const c10::BFloat16* x, int64_t sx, const c10::BFloat16* res,
@@ -91,7 +91,7 @@ void norm_row(const NormArgs<scalar_t>& a, int64_t r, float* buf) {
 template <typename scalar_t>
 void norm_rows(const NormArgs<scalar_t>& a, int64_t rows) {
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-    if (!a.q && a.n % 16 == 0 && block_gemm_isa().rfind("avx512", 0) == 0)
+    if (!a.q && a.n % 16 == 0 && vector_isa() == "avx512")
       return pipellm::norm::rows_bf16_avx512(a.x, a.sx, a.res, a.sres, a.w, a.out, a.res_out,
                                              rows, a.n, a.eps);
   }

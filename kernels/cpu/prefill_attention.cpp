@@ -12,10 +12,10 @@
 #include "lora.h"
 #include "prefill_attention.h"
 
-std::string block_gemm_isa();  // block_gemm.cpp: the ISA level chosen for this CPU
+std::string vector_isa();  // block_gemm.cpp: avx512, avx2 or "" at the chosen level
 
 bool prefill_attention_amx_ready() {
-  return block_gemm_isa().rfind("avx512", 0) == 0 && pipellm::lora::amx_ready();
+  return vector_isa() == "avx512" && pipellm::lora::amx_ready();
 }
 
 namespace {
@@ -38,8 +38,8 @@ void (*kernel_for(DType dtype, Cache cache, int64_t D, int64_t window))(
   if (dtype == DType::kBFloat16 && cache == Cache::kSame && D % 64 == 0 && window == 0 &&
       prefill_attention_amx_ready())
     return pipellm::prefill::run_amx;
-  const std::string level = block_gemm_isa();
-  if (level.rfind("avx512", 0) == 0) return pipellm::prefill::run_avx512;
+  const std::string level = vector_isa();
+  if (level == "avx512") return pipellm::prefill::run_avx512;
   if (level == "avx2") return pipellm::prefill::run_avx2;
   TORCH_CHECK(false, "prefill_attention: no kernel for this CPU (no ISA level chosen)");
 }
