@@ -72,7 +72,7 @@ _HI = np.array(EDGES[1:], dtype=np.float64)
 _LO = np.array(EDGES[:-1], dtype=np.float64)
 _LEVELS = np.array(LEVELS)
 TOP_CAP, TOP_KEEP = 2048, 1024
-MARK_TTL_S = 24 * 3600  # how long a sample's id is remembered: far longer than retries take
+MARK_TTL_S = 600  # how long Redis remembers a sample's id: its retry comes with the next update
 MAX_UNSENT = 4096  # samples with ids kept for a retry while Redis fails; beyond, the oldest go
 _ERROR_LOG_INTERVAL_S = 30.0
 

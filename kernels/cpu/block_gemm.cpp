@@ -6,9 +6,8 @@
 //
 // This file checks the tensors, quantizes the activations and calls the kernel of the ISA level
 // chosen at run time (`set_block_gemm_isa`, from kernels/cpu/isa.py): block_gemm_avx2.cpp,
-// block_gemm_avx2_vnni.cpp,
-// block_gemm_avx512.cpp, block_gemm_avx512_vnni.cpp, one template (block_gemm_kernel.h) each
-// compiled for its instruction set into the same build.
+// block_gemm_avx2_vnni.cpp, block_gemm_avx512.cpp, block_gemm_avx512_vnni.cpp, one template
+// (block_gemm_kernel.h) each compiled for its instruction set into the same build.
 //
 // Weights (packed once at load by `pack_int4_blocks` / `pack_q8_blocks`), N padded to a multiple of
 // 16 (padding rows are zeros), K a multiple of 32; per tile of 16 output rows and block b of 32 k:
@@ -143,7 +142,7 @@ bool has_avx512() {
 bool has_avx512_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
 #else
 bool has_avx2() { return false; }
-bool has_avx2_vnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
+bool has_avx2_vnni() { return false; }
 bool has_avx512() { return false; }
 bool has_avx512_vnni() { return false; }
 #endif

@@ -33,7 +33,7 @@ def length_head_key(model: str, stage: str, dim: int) -> str:
     return f"pipellm:lenhead:v3:{model_key(model)}:{stage}:r{dim}"
 
 
-PUSH_TTL_S = 24 * 3600  # how long a push's id is remembered: far longer than a writer retries
+PUSH_TTL_S = 600  # how long Redis remembers a push's id: its retry comes with the next sync
 # KEYS: the push's id mark, deltas, version; ARGV: the delta, PUSH_TTL_S
 _PUSH_ONCE = """
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[2]) then
