@@ -61,7 +61,12 @@ def test_completion_greedy_equals_engine_with_aiohttp_and_openai(stack, client, 
     r = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12,
                                   temperature=0, extra_body={"ignore_eos": True})
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "length"
-    status, st = stack.get(f"/v1/requests/{r.id}")
+    # the detokenizer writes the state right after it sends the last tokens: read it until then
+    deadline = time.monotonic() + 5
+    while (st := stack.get(f"/v1/requests/{r.id}"))[1].get("status") != "finished" and \
+            time.monotonic() < deadline:
+        time.sleep(0.02)
+    status, st = st
     assert status == 200 and st["status"] == "finished" and st["completion_tokens"] == "12"
     assert float(st["queued_at"]) <= float(st["first_token_at"]) <= float(st["finished_at"])
 
