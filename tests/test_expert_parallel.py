@@ -40,6 +40,13 @@ from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)
 EP = {"enable_expert_parallel": True}
 
 
+def held_experts(eng) -> set:
+    """(the block of experts held, None: all; how many) of each sparse layer of `eng`'s rank."""
+    moes = [getattr(layer.moe, "linear", layer.moe)  # a rank's: inside its all-reduce
+            for layer in eng.runner.model.layers if layer.moe is not None]
+    return {(moe.held, len(moe.experts)) for moe in moes}
+
+
 @pytest.mark.parametrize("name", ["qwen3-moe-dense-layer", "mixtral", "olmoe"])
 def test_two_ranks_of_whole_experts_match_one(model_dir, name):  # noqa: F811
     """Chunked prefill, decodes merged with prefills, generated and prompt logprobs; rank 0's
@@ -49,9 +56,7 @@ def test_two_ranks_of_whole_experts_match_one(model_dir, name):  # noqa: F811
     held = []
 
     def run(eng):
-        moes = [getattr(layer.moe, "linear", layer.moe)  # a rank's: inside its all-reduce
-                for layer in eng.runner.model.layers if layer.moe is not None]
-        held.append({(moe.held, len(moe.experts)) for moe in moes})
+        held.append(held_experts(eng))
         return generate(eng, PROMPTS, params)
 
     one, two = on_both(model_dir(name), run, parallel=EP, **ENGINE.get(name, {}))

@@ -17,6 +17,7 @@ from services.compute.tp.shard import Shard, ShardReader, shard_weights
 from shared.model_config import ModelConfig
 from shared.sampling import SamplingParams
 from tests.hf_models import build_hf_model
+from tests.test_expert_parallel import EP, held_experts
 from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)
     MODELS,
     PROMPTS,
@@ -27,7 +28,6 @@ from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)
 )
 from tests.test_tensor_parallel_quantized import QUANT_TOL
 
-EP = {"enable_expert_parallel": True}
 GATE_UP, DOWN = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"
 
 
@@ -109,9 +109,7 @@ def test_two_ranks_of_stacked_experts_match_one(stacked_dir, name, parallel, set
     held = []
 
     def run(eng):
-        moes = [getattr(layer.moe, "linear", layer.moe)  # a rank's: inside its all-reduce
-                for layer in eng.runner.model.layers if layer.moe is not None]
-        held.append({(moe.held, len(moe.experts)) for moe in moes})
+        held.append(held_experts(eng))
         return generate(eng, PROMPTS, params)
 
     one, two = on_both(stacked_dir(name)[0], run, parallel=parallel, **settings)
