@@ -21,18 +21,21 @@
 //   xq = round(x / dx), dx = max|x| / 127;  sx = dx * sum(xq) (what Q4's min multiplies)
 // out[i, n] = sum_b d[n,b] dx[i,b] (q[n,b] . xq[i,b]) (+ m[n,b] sx[i,b])  (+ bias[n]),
 // accumulated in float32, returned [M, N] in x's dtype.
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <cmath>
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "block_gemm.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+#include "simd_avx2.h"  // Avx2F: the whole file is compiled for AVX2 (the extension's floor)
+#endif
 
 namespace {
 
@@ -44,27 +47,7 @@ struct Quantized {  // x [M, K] as INT8 blocks
 };
 
 #if defined(__AVX2__)
-// 8 values of x as floats
-template <typename T>
-inline __m256 load8(const T* p) {  // double: the dispatch compiles it, gemm() refuses it
-  float f[8];
-  for (int j = 0; j < 8; ++j) f[j] = static_cast<float>(p[j]);
-  return _mm256_loadu_ps(f);
-}
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-inline int32_t hsum8(__m256i v) {
+inline int32_t hsum8i(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
@@ -74,13 +57,13 @@ inline int32_t hsum8(__m256i v) {
 // (the same float operations, rounding to nearest even); returns sum(q).
 template <typename scalar_t>
 int32_t quantize_block(const scalar_t* src, int8_t* q, float* amax_out) {
-  __m256 v[4], amax = _mm256_setzero_ps();
-  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = Avx2F::fzero();
+  const __m256 sign = Avx2F::set1(-0.f);
   for (int i = 0; i < 4; ++i) {
-    v[i] = load8(src + 8 * i);
-    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    v[i] = Avx2F::load(src + 8 * i);
+    amax = Avx2F::max(amax, _mm256_andnot_ps(sign, v[i]));
   }
-  const float m = hmax8(amax);
+  const float m = Avx2F::hmax(amax);
   const __m256 inv = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
   __m256i r[4];
   for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
@@ -89,7 +72,7 @@ int32_t quantize_block(const scalar_t* src, int8_t* q, float* amax_out) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(
       bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));  // packs interleave 128-bit lanes
   *amax_out = m;
-  return hsum8(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
+  return hsum8i(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])));
 }
 #else
 template <typename scalar_t>
@@ -188,7 +171,7 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch:
   }
   auto out = torch::empty({M, N}, x.options());
   const OutType type = out_type(x.scalar_type());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "block_gemm", [&] {
+  AT_DISPATCH_V2(x.scalar_type(), "block_gemm", AT_WRAP([&] {
     const Quantized xq = quantize_rows(x.data_ptr<scalar_t>(), M, K, x.stride(0));
     const Args args{xq.q.data(), xq.d.data(), xq.s.data(), M, K, N,
                     static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
@@ -196,7 +179,7 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch:
                     q8 ? extra.data_ptr<float>() : nullptr, q8,
                     bias.has_value() ? b.data_ptr<float>() : nullptr, out.data_ptr(), type};
     chosen->run(args);
-  });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }
 
