@@ -4,14 +4,15 @@
 // inside their target regions. Without VNNI: vpmaddubsw / vpmaddwd as llama.cpp's AVX2 path.
 #pragma once
 
+#include "simd_avx2.h"
+
 namespace {
 
 template <bool Vnni>
-struct Avx2 {
-  static constexpr int kLanes = 8, kRows = 4, kUnits = 1;
+struct Avx2 : Avx2F {
+  static constexpr int kRows = 4, kUnits = 1;
   static constexpr bool kVnni = Vnni;
   using I = __m256i;
-  using F = __m256;
   static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
   static I bcast(const int8_t* p) {
     int32_t v;
@@ -42,17 +43,10 @@ struct Avx2 {
       return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
     }
   }
-  static F fzero() { return _mm256_setzero_ps(); }
-  static F set1(float v) { return _mm256_set1_ps(v); }
+  // the float side: Avx2F's (simd_avx2.h), under the names the kernel uses
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
-  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
-  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
-  static F load_half(const c10::Half* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F load_half(const c10::Half* p) { return Avx2F::load(p); }
+  static void storef(float* p, F v) { Avx2F::store(p, v); }
 };
 
 }  // namespace

@@ -3,14 +3,15 @@
 // regions.
 #pragma once
 
+#include "simd_avx512.h"
+
 namespace {
 
 template <bool Vnni>
-struct Avx512 {
-  static constexpr int kLanes = 16, kRows = 4, kUnits = 2;
+struct Avx512 : Avx512F {
+  static constexpr int kRows = 4, kUnits = 2;
   static constexpr bool kVnni = Vnni;
   using I = __m512i;
-  using F = __m512;
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I bcast(const int8_t* p) {
     int32_t v;
@@ -41,17 +42,10 @@ struct Avx512 {
       return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
     }
   }
-  static F fzero() { return _mm512_setzero_ps(); }
-  static F set1(float v) { return _mm512_set1_ps(v); }
+  // the float side: Avx512F's (simd_avx512.h), under the names the kernel uses
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
-  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
-  static F load_half(const c10::Half* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F load_half(const c10::Half* p) { return Avx512F::load(p); }
+  static void storef(float* p, F v) { Avx512F::store(p, v); }
 };
 
 }  // namespace
