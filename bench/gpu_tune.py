@@ -48,6 +48,7 @@ from kernels.int4_gemm import (  # noqa: E402
     int4_gemm_triton,
     quantize_int4,
 )
+from kernels.int4_tiles import int4_tiles_gemm, pack_tiles  # noqa: E402
 from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
 
 
@@ -107,8 +108,8 @@ def sweep_decode(name, batch, ctx, kv, candidates, heads, dt, dev, run) -> dict:
 
 
 def sweep_w4a16(m, n, k, group, candidates, dt, dev, run) -> dict:
-    """Candidates of the W4A16 GEMM's tiling (None: int4_gemm_triton's own choice) against
-    cuBLAS bf16 on the dequantized weight."""
+    """Candidates of the W4A16 GEMM's tiling (None: int4_gemm_triton's own choice; "tiles":
+    tinygemm's layout, kernels/int4_tiles.py) against cuBLAS bf16 on the dequantized weight."""
     w = torch.randn(n, k, dtype=dt, device=dev) * 0.02
     x = torch.randn(m, k, dtype=dt, device=dev)
     w4 = quantize_int4(w, group).to(dev, dt)
@@ -119,15 +120,20 @@ def sweep_w4a16(m, n, k, group, candidates, dt, dev, run) -> dict:
     wqs = [dequantize_int4(q).to(dt) for q in w4s]
     base = run([lambda wq=wq: F.linear(x, wq) for wq in wqs])
     want = F.linear(x.float(), wqs[0].float())
+    tiles = [pack_tiles(q) for q in w4s] if "tiles" in candidates else []
     rows = []
     for t in candidates:
+        gemm = (lambda q, t: int4_tiles_gemm(x, q)) if t == "tiles" else \
+            (lambda q, t: int4_gemm_triton(x, q, tiling=t))
+        weights = tiles if t == "tiles" else w4s
         try:
-            err = (int4_gemm_triton(x, w4, tiling=t).float() - want).abs().max().item()
-            ms = run([lambda q=q, t=t: int4_gemm_triton(x, q, tiling=t) for q in w4s])
+            err = (gemm(weights[0], t).float() - want).abs().max().item()
+            ms = run([lambda q=q, t=t, f=gemm: f(q, t) for q in weights])
         except Exception as exc:
             print(f"  w4a16 m{m} {n}x{k} {t}: {type(exc).__name__}: {str(exc)[:200]}")
             continue
-        rows.append(dict(tiling=asdict(t) if t else "dequantize + cuBLAS", ms=round(ms, 4),
+        rows.append(dict(tiling=asdict(t) if isinstance(t, GemmTiling) else
+                         t or "dequantize + cuBLAS", ms=round(ms, 4),
                          gbs=round(nbytes / ms / 1e6, 1),
                          speedup=round(base / ms, 3), max_err=float(f"{err:.2e}")))
         print(f"  w4a16 m{m} {n}x{k} {t}: {ms:.4f} ms x{base / ms:5.2f} (err {err:.1e})",
@@ -158,7 +164,7 @@ def main(argv=None) -> None:
         (32,) if q else (32, 64), (32, 64) if q else (32, 64, 256))]
     blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (128, 64)]
     gemv_c = [GemmTiling(16, bn, bk, sk) for (bn, bk), sk in itertools.product(
-        blocks, (1, 2) if q else (4, 8, 16))]
+        blocks, (1, 2) if q else (4, 8, 16))] + ([] if q else ["tiles"])
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"}
     print(res["device"])
     batch = 2 if q else 64
@@ -173,7 +179,8 @@ def main(argv=None) -> None:
     for m in (16, 64, 256):  # the fused kernel (gemm_tiling's) against dequantize + cuBLAS
         n, k = dims[0]
         res[f"w4a16_rows_m{m}_{n}x{k}"] = sweep_w4a16(
-            m, n, k, group, [gemm_tiling(m, n, k, group), None], dt, dev, run)
+            m, n, k, group, [gemm_tiling(m, n, k, group), None] + ([] if q else ["tiles"]),
+            dt, dev, run)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps({name: (r["best"] or {}).get("speedup") if isinstance(r, dict) else r
                       for name, r in res.items()}))

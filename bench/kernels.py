@@ -75,7 +75,8 @@ from kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
 from kernels.int4_gemm import (  # noqa: E402
     GemmTiling,
     dequantize_int4,
-    int4_gemm_triton,
+    int4_gemm,
+    prepare_int4,
     quantize_int4,
 )
 from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
@@ -236,15 +237,17 @@ def case_decode_paged(s: dict, batch: int, ctx: int, page: int = PAGE) -> dict:
 
 
 def case_w4a16(s: dict, rows: int, n: int, k: int, group: int = 128) -> dict:
-    """INT4 weight-only GEMM (groups of 128, dequantized in registers) against the bf16 GEMM."""
+    """INT4 weight-only GEMM (groups of 128) as served (`prepare_int4`'s layout: tinygemm's tiles
+    for bf16 on CUDA) against the bf16 GEMM."""
     dt, dev = s["dtype"], s["device"]
     x = torch.randn(rows, k, dtype=dt, device=dev)
     w = torch.randn(n, k, dtype=dt, device=dev) * 0.02
     w4 = quantize_int4(w, group).to(dev, dt)
     wq = dequantize_int4(w4).to(dt)  # the same weights, dequantized once
+    wp = prepare_int4(w4)
     return dict(
         name=f"w4a16_gemm_m{rows}_{n}x{k}", unit="GB/s", work=n * k // 2 + rows * (n + k) * 2,
-        tri=lambda: int4_gemm_triton(x, w4), base=lambda: F.linear(x, wq), graph=True,
+        tri=lambda: int4_gemm(x, wp), base=lambda: F.linear(x, wq), graph=True,
         check=max_err)
 
 
@@ -446,7 +449,8 @@ def apply_tilings(tuned: dict) -> None:
     for key in tuned:
         if key.startswith("w4a16_m1_") and (r := best(key)):
             n, k = map(int, key.removeprefix("w4a16_m1_").split("x"))
-            int4_gemm_module.TUNED[n, k] = GemmTiling(**r["tiling"])
+            if isinstance(r["tiling"], dict):  # "tiles" (tinygemm) is no Triton tiling
+                int4_gemm_module.TUNED[n, k] = GemmTiling(**r["tiling"])
     print(f"tilings from bench/gpu_tune.py: 16-bit {decode_attention_module.TILINGS['16bit']}, "
           f"int8 {decode_attention_module.TILINGS['int8']}, W4A16 {int4_gemm_module.TUNED}")
 

@@ -29,8 +29,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import int4_tiles
 from kernels.cpu import extension
 from kernels.dispatch import block_gemm_extension, cpu_fast_path, use_triton
+from kernels.int4_tiles import Int4Tiles, int4_tiles_gemm, pack_tiles, tiles_fit
 from kernels.q8_gemm import round_activations
 
 GROUP_SIZES = (32, 64, 128)
@@ -223,7 +225,7 @@ class GemmTiling:
     num_stages: int = 2
 
 
-SMALL_M = 16  # rows up to which the GEMV tiling (split along K) runs; above, dequantize + cuBLAS
+SMALL_M = int4_tiles.SMALL_M  # rows up to which the fused GEMV runs; above, dequantize + cuBLAS
 # The GEMV tiling: 128 columns by 64 of K a program, K split until about this many programs
 # (4 per H100 SM), each keeping >= 4 K blocks: split 16 for 4096x4096 and 8 for 14336x4096, the
 # fastest shapes of bench/gpu_tune.py on an H200 (docs/benchmarks.md).
@@ -356,18 +358,24 @@ def int4_q8_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
     return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
-def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu | Int4Blocks:
+def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu | Int4Blocks | Int4Tiles:
     """The weight in the layout the call path wants, made once at load: on CPU (`--kernels
-    auto`) repacked for the C++ block GEMM, or for PyTorch's without it; as is for Triton and the
-    reference."""
+    auto`) repacked for the C++ block GEMM, or for PyTorch's without it; on CUDA with bf16
+    scales, tinygemm's tiles (kernels/int4_tiles.py) where the shape fits; else as is (Triton,
+    the reference)."""
+    if w.packed.is_cuda and use_triton(w.packed) and tiles_fit(*w.shape, w.group_size,
+                                                               w.scales.dtype):
+        return pack_tiles(w)
     if not cpu_fast_path(w.packed):
         return w
     return pack_int4_blocks(w) if block_gemm_extension(w.packed) else pack_int4_cpu(w)
 
 
-def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu | Int4Blocks,
+def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu | Int4Blocks | Int4Tiles,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype; w from `prepare_int4`."""
+    if isinstance(w, Int4Tiles):
+        return int4_tiles_gemm(x, w, bias)
     if isinstance(w, Int4Blocks):
         x2 = x.reshape(-1, x.shape[-1])
         out = extension().q4_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w.qs,

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from bench import kernels as bench_kernels
+from kernels.int4_gemm import int4_gemm_triton
+from kernels.int4_tiles import Int4Tiles, _scales_zeros, dequantize_tiles, pack_tiles_ref
 from tests.sm90 import compile_sm90, record_launches, spec
 
 # The benchmark's constexpr-determining sizes (heads, head_dim, hidden, groups) with few rows.
@@ -60,7 +62,9 @@ def compiled() -> list[tuple[dict, dict]]:
                 case["tri"]()
             x = torch.randn(32, 4096, dtype=torch.bfloat16)
             w = bench_kernels.quantize_int4(torch.randn(64, 4096), 128).to("cpu", torch.bfloat16)
-            bench_kernels.int4_gemm_triton(x, w)  # more rows than SMALL_M: the dequant kernel
+            int4_gemm_triton(x, w)  # more rows than SMALL_M: the dequant kernel
+            t = Int4Tiles(pack_tiles_ref(w), _scales_zeros(w), 128, w.shape)
+            dequantize_tiles(t)  # the CUDA prefill's from tinygemm's tiles
             gemma_attention()
     finally:
         dispatch.set_backend("auto")
@@ -78,7 +82,8 @@ def compiled() -> list[tuple[dict, dict]]:
 def test_every_kernel_compiles_for_sm90():
     results = compiled()
     names = {s["name"] for s, _ in results}
-    assert {"_decode_split_kernel", "_int4_gemm_kernel", "_split_k_sum_kernel"} <= names
+    assert {"_decode_split_kernel", "_int4_gemm_kernel", "_split_k_sum_kernel",
+            "_tiles_dequant_kernel"} <= names
     failed = {s["name"]: r["error"] for s, r in results if "error" in r}
     assert not failed, failed
 

@@ -1,0 +1,146 @@
+"""INT4 weights in tinygemm's tensor-core tile layout: the CUDA path for bf16 activations.
+
+PyTorch's CUDA int4 kernel (`torch.ops.aten._weight_int4pack_mm`, tinygemm, the one gpt-fast
+and torchao serve with) reads the weight as m16n8k16 B-operand tiles. Made once at load from an
+`Int4Weight` (`pack_tiles`), it is the only copy of the weight on the device:
+    up to SMALL_M rows (decode): tinygemm itself;
+    more rows (prefill): the tiles dequantized into a scratch matrix (Triton), then cuBLAS.
+
+Layout (`Int4Tiles.tiles`, int32 [N / 8, K / (16 I), 32, I / 2], I = inner_k_tiles in 2, 4, 8):
+the value at (n, k), with k = ((ko I / 2 + w) 2 + s) 16 + (h 4 + c) 2 + e, lies in word
+tiles[n // 8, ko, (n % 8) 4 + c, w] at bit 4 (2 s + h) + 16 e (torch's
+`_convert_weight_to_int4pack` of bytes holding even k in the high nibble; `pack_tiles_ref` is
+that permutation in PyTorch, tested equal on a GPU).
+Dequantization (tinygemm's): w = (q - 8) scale + zero, scales_zeros[k // G, n] = (scale, zero),
+zero = min + 8 scale, both rounded to bf16 (the same values Int4Weight's q scale + min gives,
+up to that rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+TILE_GROUPS = (32, 64, 128, 256)
+SMALL_M = 16  # rows up to which tinygemm runs; above, dequantize + cuBLAS
+# bit of each of a word's 8 values, in the order (s, h, e) of the layout's k
+_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
+
+
+@dataclass
+class Int4Tiles:
+    tiles: torch.Tensor  # int32 [N / 8, K / (16 I), 32, I / 2]
+    scales_zeros: torch.Tensor  # bf16 [K / G, N, 2]
+    group_size: int
+    shape: tuple[int, int]  # (N, K)
+
+    @property
+    def inner_k_tiles(self) -> int:
+        return 2 * self.tiles.shape[-1]
+
+
+def inner_k_tiles(k: int) -> int:
+    """The widest inner K tiling that divides K (8: 16-byte loads), 0 where none does."""
+    return next((i for i in (8, 4, 2) if k % (16 * i) == 0), 0)
+
+
+def tiles_fit(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
+    """Whether an [n, k] Int4Weight with these groups serves from tiles: bf16 activations, N a
+    multiple of 8, K of 32, a group tinygemm takes."""
+    return (dtype == torch.bfloat16 and n % 8 == 0 and inner_k_tiles(k) > 0
+            and group_size in TILE_GROUPS and k % group_size == 0)
+
+
+def _values(w) -> torch.Tensor:
+    """q [N, K] uint8 in 0..15 of an Int4Weight (even k in the low nibble of its bytes)."""
+    return torch.stack([w.packed & 0xF, w.packed >> 4], dim=-1).view(w.packed.shape[0], -1)
+
+
+def _scales_zeros(w) -> torch.Tensor:
+    s, mn = w.scales.float(), w.mins.float()
+    return torch.stack([s.t(), (mn + 8 * s).t()], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def pack_tiles_ref(w) -> torch.Tensor:
+    """The tile words of an Int4Weight, by the layout's permutation (any device)."""
+    q = _values(w).to(torch.int64)
+    n, k = q.shape
+    i = inner_k_tiles(k)
+    q = q.view(n // 8, 8, k // (16 * i), i // 2, 2, 2, 4, 2)  # nt r ko w s h c e
+    q = q.permute(0, 2, 1, 6, 3, 4, 5, 7).reshape(n // 8, k // (16 * i), 32, i // 2, 8)
+    shifts = torch.tensor(_SHIFTS, dtype=torch.int64, device=q.device)
+    words = (q << shifts).sum(-1)  # < 2^32
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # as signed 32-bit
+
+
+def pack_tiles(w) -> Int4Tiles:
+    """An Int4Weight (on CUDA, bf16 scales) in tinygemm's layout, by torch's own packing."""
+    n, k = w.shape
+    swapped = ((w.packed << 4) | (w.packed >> 4)).contiguous()  # even k in the high nibble
+    tiles = torch.ops.aten._convert_weight_to_int4pack(swapped, inner_k_tiles(k))
+    return Int4Tiles(tiles, _scales_zeros(w), w.group_size, (n, k))
+
+
+@triton.jit
+def _tiles_dequant_kernel(
+    t_ptr, sz_ptr, out_ptr,  # int32 tiles, bf16 [K / G, N, 2], [N, K] out
+    N, K, G: tl.constexpr, I: tl.constexpr,  # noqa: E741 (I = inner_k_tiles, the docstring's)
+    BLOCK_N: tl.constexpr,  # a multiple of 8
+):
+    """One program: BLOCK_N rows by one outer K tile (16 I values) of the dequantized weight."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    ko = tl.program_id(1)
+    kk = tl.arange(0, 16 * I)  # [16 I] k within the outer tile
+    w, s = kk // 32, (kk // 16) % 2
+    h, c, e = (kk // 8) % 2, (kk // 2) % 4, kk % 2
+    lane = (rn % 8)[:, None] * 4 + c[None, :]  # [BN, 16 I]
+    word = (((rn // 8)[:, None].to(tl.int64) * (K // (16 * I)) + ko) * 32 + lane) * (I // 2) \
+        + w[None, :]
+    shift = (4 * (2 * s + h) + 16 * e)[None, :]
+    n_ok = (rn < N)[:, None]
+    q = (tl.load(t_ptr + word, mask=n_ok, other=0) >> shift) & 0xF
+    k = ko * 16 * I + kk  # [16 I]
+    g = (k // G)[None, :].to(tl.int64) * N * 2 + rn[:, None] * 2
+    scale = tl.load(sz_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
+    zero = tl.load(sz_ptr + g + 1, mask=n_ok, other=0.0).to(tl.float32)
+    val = (q.to(tl.float32) - 8.0) * scale + zero
+    tl.store(out_ptr + rn[:, None].to(tl.int64) * K + k[None, :],
+             val.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def dequantize_tiles(t: Int4Tiles, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The [N, K] matrix the tiles stand for, in `dtype` (Triton)."""
+    n, k = t.shape
+    i = t.inner_k_tiles
+    out = torch.empty(n, k, dtype=dtype, device=t.tiles.device)
+    _tiles_dequant_kernel[(triton.cdiv(n, 32), k // (16 * i))](
+        t.tiles, t.scales_zeros, out, n, k, G=t.group_size, I=i, BLOCK_N=32, num_warps=4)
+    return out
+
+
+def dequantize_tiles_ref(t: Int4Tiles) -> torch.Tensor:
+    """PyTorch reference of the tiles' matrix, float32: tinygemm's (q - 8) scale + zero."""
+    n, k = t.shape
+    i = t.inner_k_tiles
+    words = t.tiles.to(torch.int64).unsqueeze(-1) >> torch.tensor(_SHIFTS, device=t.tiles.device)
+    q = (words & 0xF).view(n // 8, k // (16 * i), 8, 4, i // 2, 2, 2, 2)  # nt ko r c w s h e
+    q = q.permute(0, 2, 1, 4, 5, 6, 3, 7).reshape(n, k).float()
+    sz = t.scales_zeros.float().repeat_interleave(t.group_size, 0)  # [K, N, 2]
+    return (q - 8) * sz[..., 0].t() + sz[..., 1].t()
+
+
+def int4_tiles_gemm(x: torch.Tensor, t: Int4Tiles, bias=None) -> torch.Tensor:
+    """x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16."""
+    n, k = t.shape
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] > SMALL_M:
+        return F.linear(x2, dequantize_tiles(t, x.dtype), bias).view(*x.shape[:-1], n)
+    out = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), t.tiles, t.group_size,
+                                             t.scales_zeros)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], n)
