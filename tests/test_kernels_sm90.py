@@ -48,6 +48,18 @@ def gemma_attention() -> None:
                                     softcap=50.0)
 
 
+def fused_combine() -> None:
+    """Decode attention whose last split merges the partials (Tiling.fused_combine)."""
+    from kernels.decode_attention import Tiling, _decode_attention_triton
+
+    i32 = dict(dtype=torch.int32)
+    q = torch.randn(2, 32, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(512, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    _decode_attention_triton(q, k, v, torch.tensor([0, 256], **i32),
+                             torch.tensor([256, 200], **i32), 128**-0.5, 256, num_splits=4,
+                             tiling=Tiling(fused_combine=True))
+
+
 @functools.cache
 def compiled() -> list[tuple[dict, dict]]:
     from kernels import dispatch
@@ -66,6 +78,7 @@ def compiled() -> list[tuple[dict, dict]]:
             t = Int4Tiles(pack_tiles_ref(w), _scales_zeros(w), 128, w.shape)
             dequantize_tiles(t)  # the CUDA prefill's from tinygemm's tiles
             gemma_attention()
+            fused_combine()
     finally:
         dispatch.set_backend("auto")
     specs, seen = [], set()
