@@ -60,7 +60,9 @@ last = open(sys.argv[1]).read().strip().splitlines()[-1]
 print(json.dumps({k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", last)}))
 EOF
       ;;
-    tune)    run tune python3 -m bench.gpu_tune --out "$OUT_DIR/tilings.json" ;;  # ~3 min
+    tune)    # ~3 min; TUNE_CASES=decode_b1,w4a16 (say) runs only those sweeps
+             run tune python3 -m bench.gpu_tune --out "$OUT_DIR/tilings.json" \
+               ${TUNE_CASES:+--cases "$TUNE_CASES"} ;;
     kernels) # ~3 min, with tune's tilings where it ran
       run kernels python3 -m bench.kernels \
         $( [ -f "$OUT_DIR/tilings.json" ] && echo --tilings "$OUT_DIR/tilings.json" ) ;;

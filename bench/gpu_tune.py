@@ -146,7 +146,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="tilings.json")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--cases", default="int8,fp8,decode_b1,w4a16",
+                   help="which sweeps, comma-separated (default: all)")
     args = p.parse_args(argv)
+    cases = set(args.cases.split(","))
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     dt = torch.bfloat16 if cuda else torch.float32
@@ -168,16 +171,18 @@ def main(argv=None) -> None:
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"}
     print(res["device"])
     batch = 2 if q else 64
-    res["int8_decode_b64"] = sweep_decode("int8 b64", batch, ctx, "int8", quant_c, heads, dt,
-                                          dev, run)
-    if not q or not cuda:  # e4m3 needs sm_89+ on CUDA
+    if "int8" in cases:
+        res["int8_decode_b64"] = sweep_decode("int8 b64", batch, ctx, "int8", quant_c, heads,
+                                              dt, dev, run)
+    if "fp8" in cases and (not q or not cuda):  # e4m3 needs sm_89+ on CUDA
         res["fp8_decode_b64"] = sweep_decode("fp8 b64", batch, ctx, "fp8", quant_c, heads, dt,
                                              dev, run)
-    res["decode_b1"] = sweep_decode("16-bit b1", 1, ctx, None, long_c, heads, dt, dev, run)
-    for n, k in dims:
+    if "decode_b1" in cases:
+        res["decode_b1"] = sweep_decode("16-bit b1", 1, ctx, None, long_c, heads, dt, dev, run)
+    for n, k in dims if "w4a16" in cases else []:
         res[f"w4a16_m1_{n}x{k}"] = sweep_w4a16(1, n, k, group, gemv_c, dt, dev, run)
-    for m in (16, 64, 256):  # the fused kernel (gemm_tiling's) against dequantize + cuBLAS
-        n, k = dims[0]
+    for m in (16, 64, 256) if "w4a16" in cases else []:
+        n, k = dims[0]  # the fused kernel (gemm_tiling's), dequantize + cuBLAS, tinygemm
         res[f"w4a16_rows_m{m}_{n}x{k}"] = sweep_w4a16(
             m, n, k, group, [gemm_tiling(m, n, k, group), None] + ([] if q else ["tiles"]),
             dt, dev, run)

@@ -213,7 +213,9 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + row, m + tl.log2(l_i), mask=valid)
         if FUSED:  # release our partials; the split that counts last acquires all of them
             c_ptr = counter_ptr + b * tl.num_programs(1) + kvh
+            tl.debug_barrier()  # every thread's stores before the one thread's release
             if tl.atomic_add(c_ptr, 1, sem="acq_rel") == num_splits - 1:
+                tl.debug_barrier()  # every thread's loads after the acquire
                 _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP,
                               tl.cdiv(n - first, split_len), num_splits,
                               b * tl.num_programs(1) * GROUP, stride_ob, stride_oh,

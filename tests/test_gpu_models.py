@@ -271,3 +271,37 @@ def serve_two_ranks_on_one_device(model_dir, device: str = "cuda",
 @pytest.mark.gpu
 def test_two_data_parallel_ranks_share_one_gpu(demo_model_dir):
     serve_two_ranks_on_one_device(demo_model_dir)
+
+
+# --- 4. INT4 weights on CUDA from tinygemm's tiles (kernels/int4_tiles.py) -------------------
+
+@pytest.mark.gpu
+def test_int4_bf16_model_serves_from_tiles_in_graphs(demo_model_dir, monkeypatch):
+    """--quantization int4 --dtype bfloat16 on CUDA: the projections run tinygemm at decode and
+    the tiles' dequantization at prefill; CUDA-graph replay gives the eager tokens."""
+    import kernels.int4_gemm as int4_module
+    import kernels.int4_tiles as tiles_module
+
+    calls = {"gemm": 0, "dequantize": 0}
+
+    def counting(name, fn):
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(int4_module, "int4_tiles_gemm",
+                        counting("gemm", tiles_module.int4_tiles_gemm))
+    monkeypatch.setattr(tiles_module, "dequantize_tiles",
+                        counting("dequantize", tiles_module.dequantize_tiles))
+    prompts = [[1] + [(7 * i + j) % 500 + 3 for j in range(2 + 9 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ids = {}
+    for eager in (True, False):
+        engine = build_engine(_config(demo_model_dir, dtype="bfloat16", quantization="int4",
+                                      enforce_eager=eager))
+        ids[eager] = [s.output_ids for s in engine.generate(prompts, params)]
+        del engine
+    assert calls["gemm"] > 0 and calls["dequantize"] > 0, calls
+    assert [len(i) for i in ids[False]] == [16] * len(prompts)
+    assert ids[False] == ids[True]
