@@ -163,8 +163,8 @@ def main(argv=None) -> None:
     # candidates that compile for sm_90 without spilling much (tests/sm90.py, cuobjdump)
     quant_c = [Tiling(bn, w) for bn, w in (
         [(32, 4), (64, 4)] if q else [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8)])]
-    long_c = [Tiling(bn, 4, 2, ms, fused) for bn, ms, fused in itertools.product(
-        (32,) if q else (32, 64), (32, 64) if q else (32, 64, 256), (False, True))]
+    long_c = [Tiling(bn, 4, 2, ms) for bn, ms in itertools.product(
+        (32,) if q else (32, 64), (32, 64) if q else (32, 64, 256))]
     blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (128, 64)]
     gemv_c = [GemmTiling(16, bn, bk, sk) for (bn, bk), sk in itertools.product(
         blocks, (1, 2) if q else (4, 8, 16))] + ([] if q else ["tiles"])

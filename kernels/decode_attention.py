@@ -52,7 +52,6 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 2
     min_split_tokens: int = 256
-    fused_combine: bool = False  # the last split of a (sequence, KV head) merges the partials
 
 
 # by the cache's kind; measured on an H200 (docs/benchmarks.md, bench/gpu_tune.py)
@@ -124,7 +123,6 @@ def _int8_to_f16(x, scales, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, starts_ptr, lens_ptr,  # q [B, H, D]; k, v [capacity, Hkv, D]; [B] x2
     out_ptr, part_o_ptr, part_lse_ptr,  # out [B, H, D]; part_o [B, H, S, D]; part_lse [B, H, S]
-    counter_ptr,  # FUSED: int32 [B * Hkv] splits done, 0 between calls
     ks_ptr, vs_ptr,  # KV_INT8: fp16 scales [capacity, Hkv, D / KV_GROUP] (K's and V's layout)
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
     stride_st, stride_sh,  # KV_INT8: the scales' row and head strides
@@ -136,8 +134,6 @@ def _decode_split_kernel(
     WINDOW: tl.constexpr = 0,  # > 0: attend only the last WINDOW keys (sliding window)
     SOFTCAP: tl.constexpr = 0.0,  # > 0: scores s -> SOFTCAP * tanh(s / SOFTCAP)
     F16: tl.constexpr = False,  # quantized K/V: the dots in fp16, q pre-scaled (see launcher)
-    FUSED: tl.constexpr = False,  # no combine kernel: the last split to finish merges
-    GROUP_PAD: tl.constexpr = 1,  # FUSED: GROUP rounded up to a power of 2
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -211,49 +207,6 @@ def _decode_split_kernel(
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None],
                  mask=valid[:, None])
         tl.store(part_lse_ptr + row, m + tl.log2(l_i), mask=valid)
-        if FUSED:  # release our partials; the split that counts last acquires all of them
-            c_ptr = counter_ptr + b * tl.num_programs(1) + kvh
-            tl.debug_barrier()  # every thread's stores before the one thread's release
-            if tl.atomic_add(c_ptr, 1, sem="acq_rel") == num_splits - 1:
-                tl.debug_barrier()  # every thread's loads after the acquire
-                _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, b, kvh * GROUP,
-                              tl.cdiv(n - first, split_len), num_splits,
-                              b * tl.num_programs(1) * GROUP, stride_ob, stride_oh,
-                              GROUP, GROUP_PAD, HEAD_DIM)
-                tl.atomic_xchg(c_ptr, 0)  # ready for the next call (and graph replay)
-
-
-@triton.jit
-def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, b, head0, used, num_splits, row0,
-                  stride_ob, stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, MERGE: tl.constexpr = 8):
-    """The output of query heads [head0, head0 + GROUP) of sequence b from the partials of its
-    `used` non-empty splits, MERGE splits at a time with a running max (the combine kernel's
-    sum, for one GQA group). Loads bypass L1 (.cg): other SMs wrote the partials."""
-    offs_h = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    h_ok = offs_h < GROUP
-    rows = (row0 + head0 + offs_h) * num_splits  # [GROUP_PAD] first partial of each head
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for s0 in range(0, used, MERGE):
-        ss = s0 + tl.arange(0, MERGE)
-        ok = h_ok[:, None] & (ss < used)[None, :]  # [GROUP_PAD, MERGE]
-        r = rows[:, None] + ss[None, :]
-        lse = tl.load(part_lse_ptr + r, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        lse = tl.where(h_ok[:, None], lse, 0.0)  # padded heads: finite, never stored
-        o = tl.load(part_o_ptr + r[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                    mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # [G, MERGE, D]
-        m_new = tl.maximum(m, tl.max(lse, axis=1))
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new[:, None])  # [GROUP_PAD, MERGE], 0 past `used`
-        l_i = l_i * alpha + tl.sum(w, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
-        m = m_new
-    heads = head0 + offs_h
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
 @triton.jit
@@ -278,16 +231,6 @@ def _decode_combine_kernel(
     w = tl.exp2(lse - tl.max(lse, axis=0))  # [S_PAD], 0 for skipped splits
     out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)  # [D]
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
-
-
-_COUNTERS = 1 << 16  # (sequence, KV head) pairs a fused-combine call may have
-
-
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    """The fused combine's split counters on `device`: zero, and zero again after every call
-    (the last split resets its own), so one buffer serves every call and CUDA graph."""
-    return torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
 
 
 @functools.cache
@@ -366,10 +309,8 @@ def _decode_attention_triton(
                              device=q.device)
         part_lse = torch.empty((batch, n_heads, num_splits), dtype=torch.float32, device=q.device)
     scales = (k_scale, v_scale) if int8 else (out, out)  # placeholders without INT8
-    fused = num_splits > 1 and tiling.fused_combine and batch * n_kv_heads <= _COUNTERS
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
-        q, k_cache, v_cache, seq_starts, seq_lens, out, part_o, part_lse,
-        _counters(q.device) if fused else seq_lens, *scales,
+        q, k_cache, v_cache, seq_starts, seq_lens, out, part_o, part_lse, *scales,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         scales[0].stride(0), scales[0].stride(1), scale * math.log2(math.e),
@@ -377,10 +318,9 @@ def _decode_attention_triton(
         USE_DOT=use_dot, UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16,
         DIRECT=num_splits == 1, KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=fp8, WINDOW=window,
         SOFTCAP=float(softcap), F16=(int8 or fp8) and q.dtype in (torch.bfloat16, torch.float16),
-        FUSED=fused, GROUP_PAD=triton.next_power_of_2(group),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         _decode_combine_kernel[(batch, n_heads)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, BLOCK_N=tiling.block_n,

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import int4_tiles
 from kernels.cpu import extension
 from kernels.dispatch import block_gemm_extension, cpu_fast_path, use_triton
 from kernels.int4_tiles import Int4Tiles, int4_tiles_gemm, pack_tiles, tiles_fit
@@ -225,7 +224,7 @@ class GemmTiling:
     num_stages: int = 2
 
 
-SMALL_M = int4_tiles.SMALL_M  # rows up to which the fused GEMV runs; above, dequantize + cuBLAS
+SMALL_M = 16  # rows up to which the GEMV tiling (split along K) runs; above, dequantize + cuBLAS
 # The GEMV tiling: 128 columns by 64 of K a program, K split until about this many programs
 # (4 per H100 SM), each keeping >= 4 K blocks: split 16 for 4096x4096 and 8 for 14336x4096, the
 # fastest shapes of bench/gpu_tune.py on an H200 (docs/benchmarks.md).
@@ -358,24 +357,40 @@ def int4_q8_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
     return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
-def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu | Int4Blocks | Int4Tiles:
+@dataclass
+class Int4Cuda:
+    """An Int4Weight on CUDA with bf16 activations, with tinygemm's tiles of it beside
+    (kernels/int4_tiles.py): one-row steps run tinygemm (1.6-1.8x cuBLAS bf16 on an H200,
+    2x our Triton GEMV), the others the Triton path (tinygemm fell to 0.6x at 16 rows). The
+    tiles double the INT4 bytes: still half of bf16's."""
+
+    weight: Int4Weight
+    tiles: Int4Tiles
+
+
+TINYGEMM_ROWS = 1  # the rows at which tinygemm was measured faster than the Triton GEMV
+
+
+def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu | Int4Blocks | Int4Cuda:
     """The weight in the layout the call path wants, made once at load: on CPU (`--kernels
     auto`) repacked for the C++ block GEMM, or for PyTorch's without it; on CUDA with bf16
-    scales, tinygemm's tiles (kernels/int4_tiles.py) where the shape fits; else as is (Triton,
-    the reference)."""
+    scales, with tinygemm's tiles beside it where the shape fits; else as is (Triton, the
+    reference)."""
     if w.packed.is_cuda and use_triton(w.packed) and tiles_fit(*w.shape, w.group_size,
                                                                w.scales.dtype):
-        return pack_tiles(w)
+        return Int4Cuda(w, pack_tiles(w))
     if not cpu_fast_path(w.packed):
         return w
     return pack_int4_blocks(w) if block_gemm_extension(w.packed) else pack_int4_cpu(w)
 
 
-def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu | Int4Blocks | Int4Tiles,
+def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu | Int4Blocks | Int4Cuda,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype; w from `prepare_int4`."""
-    if isinstance(w, Int4Tiles):
-        return int4_tiles_gemm(x, w, bias)
+    if isinstance(w, Int4Cuda):
+        if x.numel() == TINYGEMM_ROWS * x.shape[-1]:
+            return int4_tiles_gemm(x, w.tiles, bias)
+        w = w.weight
     if isinstance(w, Int4Blocks):
         x2 = x.reshape(-1, x.shape[-1])
         out = extension().q4_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w.qs,

@@ -1,10 +1,9 @@
-"""INT4 weights in tinygemm's tensor-core tile layout: the CUDA path for bf16 activations.
+"""INT4 weights in tinygemm's tensor-core tile layout: CUDA's one-row GEMM for bf16 activations.
 
 PyTorch's CUDA int4 kernel (`torch.ops.aten._weight_int4pack_mm`, tinygemm, the one gpt-fast
-and torchao serve with) reads the weight as m16n8k16 B-operand tiles. Made once at load from an
-`Int4Weight` (`pack_tiles`), it is the only copy of the weight on the device:
-    up to SMALL_M rows (decode): tinygemm itself;
-    more rows (prefill): the tiles dequantized into a scratch matrix (Triton), then cuBLAS.
+and torchao serve with) reads the weight as m16n8k16 B-operand tiles, made once at load from an
+`Int4Weight` (`pack_tiles`). It is fast at one row and slow at more (docs/benchmarks.md), so
+`kernels/int4_gemm.py` keeps it beside the Int4Weight and calls it for one-row steps only.
 
 Layout (`Int4Tiles.tiles`, int32 [N / 8, K / (16 I), 32, I / 2], I = inner_k_tiles in 2, 4, 8):
 the value at (n, k), with k = ((ko I / 2 + w) 2 + s) 16 + (h 4 + c) 2 + e, lies in word
@@ -21,12 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 TILE_GROUPS = (32, 64, 128, 256)
-SMALL_M = 16  # rows up to which tinygemm runs; above, dequantize + cuBLAS
 # bit of each of a word's 8 values, in the order (s, h, e) of the layout's k
 _SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
 
@@ -85,43 +80,6 @@ def pack_tiles(w) -> Int4Tiles:
     return Int4Tiles(tiles, _scales_zeros(w), w.group_size, (n, k))
 
 
-@triton.jit
-def _tiles_dequant_kernel(
-    t_ptr, sz_ptr, out_ptr,  # int32 tiles, bf16 [K / G, N, 2], [N, K] out
-    N, K, G: tl.constexpr, I: tl.constexpr,  # noqa: E741 (I = inner_k_tiles, the docstring's)
-    BLOCK_N: tl.constexpr,  # a multiple of 8
-):
-    """One program: BLOCK_N rows by one outer K tile (16 I values) of the dequantized weight."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    ko = tl.program_id(1)
-    kk = tl.arange(0, 16 * I)  # [16 I] k within the outer tile
-    w, s = kk // 32, (kk // 16) % 2
-    h, c, e = (kk // 8) % 2, (kk // 2) % 4, kk % 2
-    lane = (rn % 8)[:, None] * 4 + c[None, :]  # [BN, 16 I]
-    word = (((rn // 8)[:, None].to(tl.int64) * (K // (16 * I)) + ko) * 32 + lane) * (I // 2) \
-        + w[None, :]
-    shift = (4 * (2 * s + h) + 16 * e)[None, :]
-    n_ok = (rn < N)[:, None]
-    q = (tl.load(t_ptr + word, mask=n_ok, other=0) >> shift) & 0xF
-    k = ko * 16 * I + kk  # [16 I]
-    g = (k // G)[None, :].to(tl.int64) * N * 2 + rn[:, None] * 2
-    scale = tl.load(sz_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
-    zero = tl.load(sz_ptr + g + 1, mask=n_ok, other=0.0).to(tl.float32)
-    val = (q.to(tl.float32) - 8.0) * scale + zero
-    tl.store(out_ptr + rn[:, None].to(tl.int64) * K + k[None, :],
-             val.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-def dequantize_tiles(t: Int4Tiles, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The [N, K] matrix the tiles stand for, in `dtype` (Triton)."""
-    n, k = t.shape
-    i = t.inner_k_tiles
-    out = torch.empty(n, k, dtype=dtype, device=t.tiles.device)
-    _tiles_dequant_kernel[(triton.cdiv(n, 32), k // (16 * i))](
-        t.tiles, t.scales_zeros, out, n, k, G=t.group_size, I=i, BLOCK_N=32, num_warps=4)
-    return out
-
-
 def dequantize_tiles_ref(t: Int4Tiles) -> torch.Tensor:
     """PyTorch reference of the tiles' matrix, float32: tinygemm's (q - 8) scale + zero."""
     n, k = t.shape
@@ -134,13 +92,10 @@ def dequantize_tiles_ref(t: Int4Tiles) -> torch.Tensor:
 
 
 def int4_tiles_gemm(x: torch.Tensor, t: Int4Tiles, bias=None) -> torch.Tensor:
-    """x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16."""
+    """x [..., K] bf16 @ W^T (+ bias) -> [..., N] bf16, by tinygemm."""
     n, k = t.shape
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] > SMALL_M:
-        return F.linear(x2, dequantize_tiles(t, x.dtype), bias).view(*x.shape[:-1], n)
-    out = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), t.tiles, t.group_size,
-                                             t.scales_zeros)
+    out = torch.ops.aten._weight_int4pack_mm(x.reshape(-1, k).contiguous(), t.tiles,
+                                             t.group_size, t.scales_zeros)
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], n)

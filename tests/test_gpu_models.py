@@ -273,16 +273,15 @@ def test_two_data_parallel_ranks_share_one_gpu(demo_model_dir):
     serve_two_ranks_on_one_device(demo_model_dir)
 
 
-# --- 4. INT4 weights on CUDA from tinygemm's tiles (kernels/int4_tiles.py) -------------------
+# --- 4. INT4 weights on CUDA: tinygemm's tiles for one-row steps (kernels/int4_tiles.py) ------
 
 @pytest.mark.gpu
-def test_int4_bf16_model_serves_from_tiles_in_graphs(demo_model_dir, monkeypatch):
-    """--quantization int4 --dtype bfloat16 on CUDA: the projections run tinygemm at decode and
-    the tiles' dequantization at prefill; CUDA-graph replay gives the eager tokens."""
+def test_int4_bf16_model_runs_tinygemm_at_one_row_in_graphs(demo_model_dir, monkeypatch):
+    """--quantization int4 --dtype bfloat16 on CUDA: steps of one row run tinygemm, the others
+    the Triton GEMV / dequantize + cuBLAS; CUDA-graph replay gives the eager tokens."""
     import kernels.int4_gemm as int4_module
-    import kernels.int4_tiles as tiles_module
 
-    calls = {"gemm": 0, "dequantize": 0}
+    calls = {"tinygemm": 0, "triton": 0}
 
     def counting(name, fn):
         def run(*args, **kwargs):
@@ -291,17 +290,18 @@ def test_int4_bf16_model_serves_from_tiles_in_graphs(demo_model_dir, monkeypatch
         return run
 
     monkeypatch.setattr(int4_module, "int4_tiles_gemm",
-                        counting("gemm", tiles_module.int4_tiles_gemm))
-    monkeypatch.setattr(tiles_module, "dequantize_tiles",
-                        counting("dequantize", tiles_module.dequantize_tiles))
+                        counting("tinygemm", int4_module.int4_tiles_gemm))
+    monkeypatch.setattr(int4_module, "int4_gemm_triton",
+                        counting("triton", int4_module.int4_gemm_triton))
     prompts = [[1] + [(7 * i + j) % 500 + 3 for j in range(2 + 9 * i)] for i in range(6)]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=4 + 4 * i, temperature=0, ignore_eos=True)
+              for i in range(6)]  # finishing in turn: the last steps have one row
     ids = {}
     for eager in (True, False):
         engine = build_engine(_config(demo_model_dir, dtype="bfloat16", quantization="int4",
                                       enforce_eager=eager))
         ids[eager] = [s.output_ids for s in engine.generate(prompts, params)]
         del engine
-    assert calls["gemm"] > 0 and calls["dequantize"] > 0, calls
-    assert [len(i) for i in ids[False]] == [16] * len(prompts)
+    assert calls["tinygemm"] > 0 and calls["triton"] > 0, calls
+    assert [len(i) for i in ids[False]] == [4 + 4 * i for i in range(6)]
     assert ids[False] == ids[True]

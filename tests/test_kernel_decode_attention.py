@@ -115,34 +115,6 @@ def test_triton_reads_int8_kv_like_the_reference(group, dtype, splits):
           scale=0.125)
 
 
-FUSED = da.Tiling(block_n=16, fused_combine=True)
-
-
-@pytest.mark.parametrize("splits", [2, 3, 20])
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
-def test_fused_combine_matches_reference(group, splits):
-    """The last split of each (sequence, KV head) merges the partials itself (no combine
-    kernel), 8 splits at a time: more splits than that, empty splits (short sequences), GQA
-    groups that are no power of 2; twice, so the counters are back at zero after a call."""
-    n_heads = 12 if group == 3 else N_HEADS
-    q, k, v, starts, lens = make_case([1, 37, 300], n_heads // group, 64, n_heads=n_heads,
-                                      seed=group + splits)
-    for _ in range(2):
-        out = _decode_attention_triton(q, k, v, starts, lens, 0.125, 300, num_splits=splits,
-                                       tiling=FUSED)
-        check(q, k, v, starts, lens, out, scale=0.125)
-    assert int(da._counters(q.device).abs().sum()) == 0
-
-
-def test_fused_combine_with_a_window_and_int8_kv():
-    q, k, v, starts, lens = make_case([1, 37, 300], 2, 64, seed=11)
-    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-    out = _decode_attention_triton(q, kq, vq, starts, lens, 0.125, 300, num_splits=5,
-                                   k_scale=ks, v_scale=vs, window=100, tiling=FUSED)
-    check(q, dequantize_kv(kq, ks), dequantize_kv(vq, vs), starts, lens, out, scale=0.125,
-          window=100)
-
-
 @pytest.mark.parametrize("splits", [1, 4])
 def test_kv_length_one(splits):
     q, k, v, starts, lens = make_case([1, 1, 1], 2, 64)
@@ -277,26 +249,6 @@ def test_gpu_large(dtype, batch, max_len):
     for splits in (1, 7):
         out = _decode_attention_triton(q, k, v, starts, lens_t, 128**-0.5, max_len, splits)
         check(q, k, v, starts, lens_t, out)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("splits", [7, 64])
-def test_gpu_fused_combine(splits):
-    """The fused combine on CUDA (partials merged by the last split, across SMs), at Llama-3-8B's
-    heads, eager and replayed from a CUDA graph."""
-    q, k, v, starts, lens = (t.cuda() for t in make_case([4096, 1, 777, 2048], 8, 128,
-                                                          torch.bfloat16, n_heads=32, seed=3))
-    tiling = da.Tiling(fused_combine=True)
-    run = lambda: _decode_attention_triton(q, k, v, starts, lens, 128**-0.5, 4096,  # noqa: E731
-                                           splits, tiling=tiling)
-    check(q, k, v, starts, lens, run())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        check(q, k, v, starts, lens, out)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """INT4 weights in tinygemm's tile layout (kernels/int4_tiles.py): the permutation and its
-inverse, the Triton dequantization (interpreter without a GPU), and on a GPU torch's packing and
-tinygemm against the references."""
+inverse, and on a GPU torch's packing, tinygemm, and the one-row dispatch against the
+references."""
 
 from __future__ import annotations
 
@@ -8,11 +8,17 @@ import pytest
 import torch
 
 from kernels import dispatch
-from kernels.int4_gemm import Int4Weight, int4_gemm, int4_gemm_ref, prepare_int4, quantize_int4
+from kernels.int4_gemm import (
+    Int4Cuda,
+    Int4Weight,
+    int4_gemm,
+    int4_gemm_ref,
+    prepare_int4,
+    quantize_int4,
+)
 from kernels.int4_tiles import (
     Int4Tiles,
     _scales_zeros,
-    dequantize_tiles,
     dequantize_tiles_ref,
     inner_k_tiles,
     int4_tiles_gemm,
@@ -65,13 +71,6 @@ def test_one_value_lies_where_the_layout_says():
     assert int((words != 0).sum()) == 1
 
 
-@pytest.mark.parametrize("n,k,group", [(16, 128, 32), (24, 64, 64), (8, 96, 32), (40, 256, 128)])
-def test_dequantize_tiles_triton_is_the_reference(n, k, group):
-    t = _tiles_ref(_int4(n, k, group, seed=3))
-    got = dequantize_tiles(t, torch.float32)
-    torch.testing.assert_close(got, dequantize_tiles_ref(t), rtol=0, atol=0)
-
-
 def test_tiles_fit():
     assert tiles_fit(4096, 4096, 128, torch.bfloat16)
     assert not tiles_fit(4096, 4096, 128, torch.float16)  # tinygemm takes bf16 only
@@ -88,25 +87,28 @@ def test_torch_packs_as_the_layout_says(n, k, group):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 5, 16, 40])
-def test_tinygemm_and_its_prefill_path_match_the_reference(m):
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_tinygemm_matches_the_reference(m):
     w = _int4(1024, 512, 64, seed=5, device="cuda")
     x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
-    t = pack_tiles(w)
     want = (x.float() @ _tinygemm_weight(w).t() + bias.float())
-    got = int4_tiles_gemm(x, t, bias).float()
+    got = int4_tiles_gemm(x, pack_tiles(w), bias).float()
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
-    torch.testing.assert_close(int4_tiles_gemm(x, t, bias), int4_gemm_ref(x, w, bias),
-                               rtol=3e-2, atol=3e-2)
 
 
 @pytest.mark.gpu
-def test_prepare_int4_takes_tiles_for_bf16_on_cuda():
+@pytest.mark.parametrize("shape", [(512,), (1, 512), (1, 1, 512), (3, 512), (40, 512)])
+def test_prepare_int4_keeps_tiles_beside_the_weight_for_one_row(shape):
+    """bf16 on CUDA: Int4Cuda; one row runs tinygemm, more the Triton path; both give the
+    reference's output. fp16 keeps the Int4Weight (tinygemm takes bf16 only)."""
     assert dispatch.backend() == "auto"
-    assert isinstance(prepare_int4(_int4(64, 128, 32, device="cuda")), Int4Tiles)
+    w = _int4(256, 512, 32, seed=2, device="cuda")
+    prepared = prepare_int4(w)
+    assert isinstance(prepared, Int4Cuda) and prepared.weight is w
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    out = int4_gemm(x, prepared)
+    assert out.shape == (*shape[:-1], 256)
+    torch.testing.assert_close(out, int4_gemm_ref(x, w), rtol=3e-2, atol=3e-2)
     fp16 = quantize_int4(torch.randn(64, 128), 32).to("cuda", torch.float16)
     assert isinstance(prepare_int4(fp16), Int4Weight)
-    x = torch.randn(3, 128, device="cuda", dtype=torch.float16)
-    torch.testing.assert_close(int4_gemm(x, prepare_int4(fp16)), int4_gemm_ref(x, fp16),
-                               rtol=2e-2, atol=2e-2)

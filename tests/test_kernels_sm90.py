@@ -16,7 +16,6 @@ import torch
 
 from bench import kernels as bench_kernels
 from kernels.int4_gemm import int4_gemm_triton
-from kernels.int4_tiles import Int4Tiles, _scales_zeros, dequantize_tiles, pack_tiles_ref
 from tests.sm90 import compile_sm90, record_launches, spec
 
 # The benchmark's constexpr-determining sizes (heads, head_dim, hidden, groups) with few rows.
@@ -48,18 +47,6 @@ def gemma_attention() -> None:
                                     softcap=50.0)
 
 
-def fused_combine() -> None:
-    """Decode attention whose last split merges the partials (Tiling.fused_combine)."""
-    from kernels.decode_attention import Tiling, _decode_attention_triton
-
-    i32 = dict(dtype=torch.int32)
-    q = torch.randn(2, 32, 128, dtype=torch.bfloat16)
-    k, v = (torch.randn(512, 8, 128, dtype=torch.bfloat16) for _ in range(2))
-    _decode_attention_triton(q, k, v, torch.tensor([0, 256], **i32),
-                             torch.tensor([256, 200], **i32), 128**-0.5, 256, num_splits=4,
-                             tiling=Tiling(fused_combine=True))
-
-
 @functools.cache
 def compiled() -> list[tuple[dict, dict]]:
     from kernels import dispatch
@@ -75,10 +62,7 @@ def compiled() -> list[tuple[dict, dict]]:
             x = torch.randn(32, 4096, dtype=torch.bfloat16)
             w = bench_kernels.quantize_int4(torch.randn(64, 4096), 128).to("cpu", torch.bfloat16)
             int4_gemm_triton(x, w)  # more rows than SMALL_M: the dequant kernel
-            t = Int4Tiles(pack_tiles_ref(w), _scales_zeros(w), 128, w.shape)
-            dequantize_tiles(t)  # the CUDA prefill's from tinygemm's tiles
             gemma_attention()
-            fused_combine()
     finally:
         dispatch.set_backend("auto")
     specs, seen = [], set()
@@ -95,8 +79,7 @@ def compiled() -> list[tuple[dict, dict]]:
 def test_every_kernel_compiles_for_sm90():
     results = compiled()
     names = {s["name"] for s, _ in results}
-    assert {"_decode_split_kernel", "_int4_gemm_kernel", "_split_k_sum_kernel",
-            "_tiles_dequant_kernel"} <= names
+    assert {"_decode_split_kernel", "_int4_gemm_kernel", "_split_k_sum_kernel"} <= names
     failed = {s["name"]: r["error"] for s, r in results if "error" in r}
     assert not failed, failed
 
