@@ -35,9 +35,10 @@ class SimConfig:
                             group=SIMULATOR)
     weight_dtype: str = setting("bf16", "weights: bf16, int8, fp8 (W8A8) or int4 (weight-only)",
                                 group=SIMULATOR)
-    eff_bw: float = setting(0.8, "fraction of HBM bandwidth reached", group=SIMULATOR)
+    # eff_bw and overhead_ms: fitted to the decode steps measured on an H200 (bench/gpu_report.py)
+    eff_bw: float = setting(0.76, "fraction of HBM bandwidth reached", group=SIMULATOR)
     eff_flops: float = setting(0.6, "fraction of peak tensor FLOP/s reached", group=SIMULATOR)
-    overhead_ms: float = setting(1.0, "per-step time outside the roofline (launches, host)",
+    overhead_ms: float = setting(0.4, "per-step time outside the roofline (launches, host)",
                                  group=SIMULATOR)
     paged_attn_slowdown: float = setting(
         1.0, "--kv-policy paged: attention KV reads cost this many times the contiguous "

@@ -17,11 +17,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from services.compute.sim.hardware import GiB, GpuSpec, ModelSpec, gpu, model
+from shared.config import SimConfig
 
 # int8: one byte and a 2-byte scale per 8 values (kernels/kv_quant.KV_GROUP; a test checks it)
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "int8": 1.25, "fp8": 1}
 WEIGHT_DTYPE_BYTES = {"bf16": 2.0, "fp16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / 128}
-DEFAULT_EFF_BW, DEFAULT_EFF_FLOPS, DEFAULT_OVERHEAD_S = 0.8, 0.6, 1e-3
+_SIM = SimConfig()  # the defaults of --sim-eff-bw, --sim-eff-flops, --sim-overhead-ms
+DEFAULT_EFF_BW, DEFAULT_EFF_FLOPS = _SIM.eff_bw, _SIM.eff_flops
+DEFAULT_OVERHEAD_S = _SIM.overhead_ms / 1e3
 DEFAULT_RESERVE_BYTES = 2 * GiB  # activations, logits, CUDA context (the real runner's headroom)
 
 
