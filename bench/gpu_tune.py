@@ -1,7 +1,8 @@
 """Launch shapes for the kernels that lost on the first GPU run, swept on the device: INT8- and
 FP8-KV decode attention (batch 64, context 4096), one long sequence's decode attention (batch 1,
-context 4096), the W4A16 GEMM at one row (4096x4096, 14336x4096, groups of 128), and at 16, 64
-and 256 rows the fused kernel against dequantize + cuBLAS (int4_gemm_triton's choice by rows).
+context 4096), the W4A16 GEMM at one row (4096x4096, 14336x4096, groups of 128), and at 2 to
+256 rows the fused kernel, dequantize + cuBLAS and tinygemm (kernels/int4_gemm.py's choices by
+rows: TINYGEMM_ROWS, SMALL_M).
 
 Each candidate is timed replayed from a CUDA graph over cold copies of its inputs
 (bench/cuda_timing.py), beside the baseline the target names (the 16-bit kernel as it ships; the
@@ -181,7 +182,7 @@ def main(argv=None) -> None:
         res["decode_b1"] = sweep_decode("16-bit b1", 1, ctx, None, long_c, heads, dt, dev, run)
     for n, k in dims if "w4a16" in cases else []:
         res[f"w4a16_m1_{n}x{k}"] = sweep_w4a16(1, n, k, group, gemv_c, dt, dev, run)
-    for m in (16, 64, 256) if "w4a16" in cases else []:
+    for m in (2, 4, 8, 16, 64, 256) if "w4a16" in cases else []:
         n, k = dims[0]  # the fused kernel (gemm_tiling's), dequantize + cuBLAS, tinygemm
         res[f"w4a16_rows_m{m}_{n}x{k}"] = sweep_w4a16(
             m, n, k, group, [gemm_tiling(m, n, k, group), None] + ([] if q else ["tiles"]),
