@@ -35,7 +35,9 @@ import torch  # noqa: E402
 from bench.common import machine  # noqa: E402
 from kernels.cpu import isa  # noqa: E402
 from kernels.dispatch import block_gemm_extension  # noqa: E402
-from kernels.int4_gemm import int4_gemm, pack_int4_cpu, prepare_int4, quantize_int4  # noqa: E402
+from kernels.int4_cpu import pack_int4_cpu  # noqa: E402
+from kernels.int4_gemm import int4_gemm, prepare_int4  # noqa: E402
+from kernels.int4_weight import quantize_int4  # noqa: E402
 from services.compute.model.linear import Linear, Q8Linear  # noqa: E402
 
 BASELINES = ("int4-torch", "bf16", "fp32")

@@ -42,14 +42,9 @@ from bench.cuda_timing import copies_for, graph_ms  # noqa: E402
 from kernels import dispatch  # noqa: E402
 from kernels.decode_attention import Tiling, decode_attention_reference  # noqa: E402
 from kernels.decode_attention import _decode_attention_triton as decode  # noqa: E402
-from kernels.int4_gemm import (  # noqa: E402
-    GemmTiling,
-    dequantize_int4,
-    gemm_tiling,
-    int4_gemm_triton,
-    quantize_int4,
-)
+from kernels.int4_gemm import GemmTiling, gemm_tiling, int4_gemm_triton  # noqa: E402
 from kernels.int4_tiles import int4_tiles_gemm, pack_tiles  # noqa: E402
+from kernels.int4_weight import dequantize_int4, quantize_int4  # noqa: E402
 from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
 
 

@@ -72,13 +72,8 @@ from kernels.activation import (  # noqa: E402
 )
 from kernels.decode_attention import Tiling, decode_attention  # noqa: E402
 from kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
-from kernels.int4_gemm import (  # noqa: E402
-    GemmTiling,
-    dequantize_int4,
-    int4_gemm,
-    prepare_int4,
-    quantize_int4,
-)
+from kernels.int4_gemm import GemmTiling, int4_gemm, prepare_int4  # noqa: E402
+from kernels.int4_weight import dequantize_int4, quantize_int4  # noqa: E402
 from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
 from kernels.lora import lora_delta_, lora_delta_reference  # noqa: E402
 from kernels.prefill_attention import prefill_attention  # noqa: E402

@@ -1,23 +1,11 @@
-"""W4A16 GEMM: group-wise INT4 weights dequantized inside the GEMM. The layout, our float -> INT4
-quantization, Triton kernel, launcher, PyTorch reference, and the CPU path.
-
-Layout (`Int4Weight`, GGUF Q4_1's block semantics, so Q4_0/Q4_1 blocks map onto it exactly):
-    packed  uint8 [N, K // 2]  byte j of row n: k = 2j in the low nibble, k = 2j + 1 in the high
-    scales  [N, K // G]        one per group of G consecutive k (G = group_size: 32, 64 or 128)
-    mins    [N, K // G]
-    w[n, k] = q[n, k] * scales[n, k // G] + mins[n, k // G],   q in [0, 15]
+"""W4A16 GEMM: group-wise INT4 weights (kernels/int4_weight.py's layout) times float
+activations. The Triton kernel, launcher, PyTorch reference, and `prepare_int4` / `int4_gemm`:
+the layout each device's path wants, made once at load, and the call that runs it.
 
 The Triton kernel reads the packed bytes and the group's scale and min per K block and
-dequantizes in registers: the weight is never materialized in float.
-
-On an x86 CPU with AVX2 or better the path is W4A8 (`kernels/cpu/block_gemm.cpp`, llama.cpp's
-Q4_1 x Q8_1 scheme, a variant per ISA level chosen at run time): the activations are quantized
-to INT8 per row and block of 32 on the fly, each block's dot product runs in INT32, and the
-scales apply once per block; the weight is repacked once at load (`pack_int4_blocks`, scales and
-mins in fp16: a GGUF's own). Its reference is `int4_q8_gemm_ref`. Elsewhere on a CPU (ARM, or
-x86 below AVX2), PyTorch's int4 kernel (`_weight_int4pack_mm_for_cpu`,
-bfloat16 activations), whose dequantization is (q - 8) * scale + zero: repacked at load
-(`pack_int4_cpu`) with zero = min + 8 * scale, scales and zeros rounded to bfloat16.
+dequantizes in registers: the weight is never materialized in float. On a CPU the paths are in
+kernels/int4_cpu.py; on CUDA with bf16 activations, tinygemm's tiles serve one-row steps
+(kernels/int4_tiles.py).
 """
 
 from __future__ import annotations
@@ -31,71 +19,9 @@ import triton.language as tl
 
 from kernels.cpu import extension
 from kernels.dispatch import block_gemm_extension, cpu_fast_path, use_triton
+from kernels.int4_cpu import Int4Blocks, Int4Cpu, int4_gemm_cpu, pack_int4_blocks, pack_int4_cpu
 from kernels.int4_tiles import Int4Tiles, int4_tiles_gemm, pack_tiles, tiles_fit
-from kernels.q8_gemm import round_activations
-
-GROUP_SIZES = (32, 64, 128)
-
-
-@dataclass
-class Int4Weight:
-    packed: torch.Tensor  # uint8 [N, K // 2]
-    scales: torch.Tensor  # [N, K // G]
-    mins: torch.Tensor  # [N, K // G]
-    group_size: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.packed.shape[0], self.packed.shape[1] * 2
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.mins))
-
-    def to(self, device, dtype: torch.dtype) -> Int4Weight:
-        """On `device`, scales and mins in `dtype`."""
-        return Int4Weight(self.packed.to(device), self.scales.to(device, dtype),
-                          self.mins.to(device, dtype), self.group_size)
-
-    @staticmethod
-    def cat(parts: list[Int4Weight]) -> Int4Weight:
-        """Concatenate along N (fused projections); every part has the same K and group."""
-        if len({(p.shape[1], p.group_size) for p in parts}) != 1:
-            raise ValueError("fused INT4 weights need the same K and group size")
-        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts])
-                            for f in ("packed", "scales", "mins")), parts[0].group_size)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] integers in [0, 15] (K even) -> uint8 [N, K // 2] (even k in the low nibble)."""
-    q = q.to(torch.uint8)
-    return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K // 2] -> uint8 [N, K] in [0, 15]."""
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
-
-
-def quantize_int4(w: torch.Tensor, group_size: int = 32) -> Int4Weight:
-    """Our float -> INT4: per group, min and max map to 0 and 15 (llama.cpp's Q4_1 rule):
-    scale = (max - min) / 15, q = round((w - min) / scale). w [N, K], K % group_size == 0."""
-    n, k = w.shape
-    if group_size not in GROUP_SIZES or k % group_size:
-        raise ValueError(f"INT4 groups of {group_size} do not fit K = {k} "
-                         f"(group sizes: {GROUP_SIZES})")
-    groups = w.float().view(n, k // group_size, group_size)
-    lo, hi = groups.amin(-1), groups.amax(-1)  # [N, K / G]
-    scale = (hi - lo) / 15
-    q = ((groups - lo[..., None]) / torch.where(scale > 0, scale, 1.0)[..., None]).round()
-    return Int4Weight(pack_nibbles(q.clamp_(0, 15).view(n, k)), scale, lo, group_size)
-
-
-def dequantize_int4(w: Int4Weight) -> torch.Tensor:
-    """The float32 [N, K] matrix an Int4Weight stands for (the reference's weight)."""
-    g = w.group_size
-    q = unpack_nibbles(w.packed).float()
-    return (q * w.scales.float().repeat_interleave(g, 1)
-            + w.mins.float().repeat_interleave(g, 1))
+from kernels.int4_weight import Int4Weight, dequantize_int4
 
 
 @triton.jit
@@ -290,71 +216,6 @@ def int4_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)
-
-
-@dataclass
-class Int4Cpu:
-    """An Int4Weight repacked for PyTorch's CPU int4 kernel."""
-
-    packed: torch.Tensor  # uint8, the kernel's layout
-    scales_zeros: torch.Tensor  # bfloat16 [K // G, N, 2]: (scale, min + 8 * scale)
-    group_size: int
-    out_features: int
-
-
-def pack_int4_cpu(w: Int4Weight) -> Int4Cpu:
-    q = unpack_nibbles(w.packed).to(torch.int32)  # [N, K]
-    s, mn = w.scales.float(), w.mins.float()
-    sz = torch.stack([s.t(), (mn + 8 * s).t()], dim=-1).to(torch.bfloat16).contiguous()
-    return Int4Cpu(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz, w.group_size,
-                   w.shape[0])
-
-
-def int4_gemm_cpu(x: torch.Tensor, w: Int4Cpu, bias=None) -> torch.Tensor:
-    """CPU: x [..., K] (any float dtype; computed in bfloat16) -> [..., N] in x's dtype."""
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, w.packed, w.group_size,
-                                                     w.scales_zeros).to(x.dtype)
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], w.out_features)
-
-
-@dataclass
-class Int4Blocks:
-    """An Int4Weight repacked for the C++ block GEMM (layout: kernels/cpu/block_gemm.cpp)."""
-
-    qs: torch.Tensor  # uint8 [N / 16, K / 32, 4, 16, 4], N padded to a multiple of 16
-    scales: torch.Tensor  # fp16 [N / 16, K / 32, 16], one per block of 32
-    mins: torch.Tensor  # fp16 [N / 16, K / 32, 16]
-    out_features: int
-
-
-def pack_int4_blocks(w: Int4Weight) -> Int4Blocks:
-    q = unpack_nibbles(w.packed)  # [N, K]
-    n, k = q.shape
-    pad, nb = -n % 16, k // 32
-    q = F.pad(q, (0, 0, 0, pad))
-    tiles = q.shape[0] // 16
-    q = q.view(tiles, 16, nb, 32).transpose(1, 2)  # [tiles, nb, 16 rows, 32 k]
-    lo, hi = (half.reshape(tiles, nb, 16, 4, 4) for half in (q[..., :16], q[..., 16:]))
-    qs = (lo | (hi << 4)).transpose(2, 3).contiguous()  # byte: k = 4v + j low, 16 + 4v + j high
-
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, K / G] -> [tiles, nb, 16] fp16
-        t = F.pad(t.float().repeat_interleave(w.group_size // 32, 1), (0, 0, 0, pad))
-        return t.view(tiles, 16, nb).transpose(1, 2).contiguous().half()
-
-    return Int4Blocks(qs, per_block(w.scales), per_block(w.mins), n)
-
-
-def int4_q8_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
-    """PyTorch reference of the C++ block GEMM: x rounded as it quantizes it (per row and block of
-    32, symmetric INT8), times the weight with fp16 scales and mins, in float32."""
-    half = Int4Weight(w.packed, w.scales.half().float(), w.mins.half().float(), w.group_size)
-    out = round_activations(x) @ dequantize_int4(half).t()
-    if bias is not None:
-        out += bias.float()
-    return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
 @dataclass

@@ -205,7 +205,7 @@ def test_hidden_state_length_head_reads_every_architecture(reference):
 def test_phi3_fused_q4_blocks_split_exactly(tmp_path):
     """A Phi-3 GGUF's fused attn_qkv / ffn_up kept as Q4 blocks (--quantization int4) split into
     q/k/v and gate/up blocks holding exactly the values the float load dequantizes."""
-    from kernels.int4_gemm import Int4Weight, dequantize_int4
+    from kernels.int4_weight import Int4Weight, dequantize_int4
     from services.compute.model.weights import load_weights
 
     model = build_hf_model(tmp_path / "hf", "phi3", **TINY)

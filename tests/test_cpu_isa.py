@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from kernels.cpu import extension, isa
-from kernels.int4_gemm import int4_gemm, pack_int4_blocks, quantize_int4
+from kernels.int4_cpu import pack_int4_blocks
+from kernels.int4_gemm import int4_gemm
+from kernels.int4_weight import quantize_int4
 from kernels.q8_gemm import pack_q8_blocks, q8_gemm, quantize_q8
 from shared.config import EngineConfig
 

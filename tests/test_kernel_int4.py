@@ -9,22 +9,21 @@ import torch
 from kernels import dispatch
 from kernels import int4_gemm as int4_module
 from kernels.cpu import extension
+from kernels.int4_cpu import Int4Blocks, Int4Cpu, int4_q8_gemm_ref, pack_int4_cpu
 from kernels.int4_gemm import (
     SMALL_M,
     GemmTiling,
-    Int4Blocks,
-    Int4Cpu,
-    Int4Weight,
-    dequantize_int4,
     dequantize_int4_triton,
     gemm_tiling,
     int4_gemm,
     int4_gemm_ref,
     int4_gemm_triton,
-    int4_q8_gemm_ref,
-    pack_int4_cpu,
-    pack_nibbles,
     prepare_int4,
+)
+from kernels.int4_weight import (
+    Int4Weight,
+    dequantize_int4,
+    pack_nibbles,
     quantize_int4,
     unpack_nibbles,
 )

@@ -8,14 +8,7 @@ import pytest
 import torch
 
 from kernels import dispatch
-from kernels.int4_gemm import (
-    Int4Cuda,
-    Int4Weight,
-    int4_gemm,
-    int4_gemm_ref,
-    prepare_int4,
-    quantize_int4,
-)
+from kernels.int4_gemm import Int4Cuda, int4_gemm, int4_gemm_ref, prepare_int4
 from kernels.int4_tiles import (
     Int4Tiles,
     _scales_zeros,
@@ -26,6 +19,7 @@ from kernels.int4_tiles import (
     pack_tiles_ref,
     tiles_fit,
 )
+from kernels.int4_weight import Int4Weight, quantize_int4
 
 
 def _int4(n, k, group, seed=0, device="cpu") -> Int4Weight:
@@ -54,7 +48,7 @@ def test_tiles_round_trip_to_the_weight(n, k, group):
     assert t.inner_k_tiles == i
     torch.testing.assert_close(dequantize_tiles_ref(t), _tinygemm_weight(w), rtol=0, atol=0)
     # and close to the Int4Weight's own values (bf16 rounding of zero = min + 8 scale only)
-    from kernels.int4_gemm import dequantize_int4
+    from kernels.int4_weight import dequantize_int4
     assert (dequantize_tiles_ref(t) - dequantize_int4(w)).abs().max() < 2e-3
 
 

@@ -43,7 +43,7 @@ def test_reference_backend_and_float16_use_f_linear():
 
 
 def _int4(out_f: int, in_f: int, seed: int):
-    from kernels.int4_gemm import quantize_int4
+    from kernels.int4_weight import quantize_int4
 
     return quantize_int4(torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
                          * 0.05)
@@ -51,7 +51,7 @@ def _int4(out_f: int, in_f: int, seed: int):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_rows_runs_the_block_gemm_below_min_rows_and_bf16_from_it(bias):
-    from kernels.int4_gemm import dequantize_int4
+    from kernels.int4_weight import dequantize_int4
     from services.compute.model.linear import Int4Linear
     from services.compute.model.linear.amx import AmxRows
 

@@ -203,7 +203,7 @@ def test_qwen3_moe_gguf_generates_what_its_directory_does(qwen3_moe_gguf):
 def test_q4_expert_stacks_split_into_the_files_blocks(qwen3_moe_gguf):
     """With --quantization int4 a Q4_0 stack [E, rows, cols] becomes E Int4Weights holding
     exactly the values the float load dequantizes."""
-    from kernels.int4_gemm import Int4Weight, dequantize_int4
+    from kernels.int4_weight import Int4Weight, dequantize_int4
 
     q4 = qwen3_moe_gguf[2]
     blocks = load_weights(q4, torch.float32, "cpu", keep_int4=True)

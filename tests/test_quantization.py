@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.dispatch import set_backend
-from kernels.int4_gemm import Int4Weight, dequantize_int4
+from kernels.int4_weight import Int4Weight, dequantize_int4
 from services.compute.backend import build_engine
 from services.compute.model.gguf_weights import load_gguf_weights
 from services.compute.model.linear import Int4Linear, Linear, W8A8Linear

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels import rms_norm
-from kernels.int4_gemm import Int4Weight, quantize_int4
+from kernels.int4_weight import Int4Weight, quantize_int4
 from services.compute.model.rope import head_order
 from services.compute.model.weights import require
 from shared.model_config import ModelConfig, ModelLoadError

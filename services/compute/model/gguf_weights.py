@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.int4_gemm import Int4Weight, pack_nibbles
+from kernels.int4_weight import Int4Weight, pack_nibbles
 from services.compute.model.progress import progress
 from shared.gguf.hf import architecture
 from shared.gguf.reader import GGUFError, GGUFFile, open_gguf

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.dispatch import block_gemm_extension
-from kernels.int4_gemm import Int4Weight, dequantize_int4, quantize_int4
+from kernels.int4_weight import Int4Weight, dequantize_int4, quantize_int4
 from kernels.q8_gemm import dequantize_q8, quantize_q8
 from services.compute.model.linear import Fp8Linear, Int4Linear, Linear, Q8Linear, W8A8Linear, amx
 from shared.gguf.reader import is_gguf, open_gguf

@@ -34,7 +34,7 @@ import re
 
 import torch
 
-from kernels.int4_gemm import Int4Weight
+from kernels.int4_weight import Int4Weight
 from services.compute.model.weights import SKIP
 from shared.model_config import ModelConfig
 

@@ -1,4 +1,4 @@
-"""INT4 weight-only linear (W4A16): group-wise INT4 weights (`kernels/int4_gemm.py`'s layout:
+"""INT4 weight-only linear (W4A16): group-wise INT4 weights (`kernels/int4_weight.py`'s layout:
 a GGUF Q4_0/Q4_1 tensor's own blocks, or our quantization of a float weight), float
 activations, the weight dequantized inside the GEMM."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.int4_gemm import Int4Weight, int4_gemm, prepare_int4, quantize_int4
+from kernels.int4_gemm import int4_gemm, prepare_int4
+from kernels.int4_weight import Int4Weight, quantize_int4
 
 
 class Int4Linear:
