@@ -156,3 +156,32 @@ def test_beam_search_on_cuda_gives_the_cpus_beams(demo_model_dir):
                 got[r.request_id].append(list(r.token_ids))
         out[device] = [got[rid] for rid in ids]
     assert out["cuda"] == out["cpu"]
+
+
+@pytest.mark.gpu
+def test_probes_and_top_logprobs_do_not_wait_for_the_step(demo_model_dir, monkeypatch):
+    """The rows the length probe and the top logprobs read are indexed through pinned memory:
+    neither waits for the step the device is running (torch's sync debug mode raises on a
+    call that would)."""
+    from services.compute import sampling as sampling_module
+
+    engine = build_engine(_config(demo_model_dir, hidden_length=True, length_refine_every=1))
+    ran = []
+
+    def strict(fn, name):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                ran.append(name)
+        return run
+
+    monkeypatch.setattr(engine.runner, "_probe", strict(engine.runner._probe, "probe"))
+    monkeypatch.setattr(sampling_module, "top_rows", strict(sampling_module.top_rows, "top"))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True,
+                            top_logprobs=2)
+    seqs = engine.generate([[1, 5, 9, 14], [1, 7, 3]], params)
+    assert {"probe", "top"} <= set(ran), ran
+    assert all(len(s.output_ids) == 8 for s in seqs)

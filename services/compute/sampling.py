@@ -81,8 +81,8 @@ def _add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if not cells:
         return logits
     rows, ids, biases = zip(*cells, strict=True)
-    index = torch.tensor([rows, ids], dtype=torch.int64).to(logits.device, non_blocking=True)
-    values = torch.tensor(biases, dtype=logits.dtype).to(logits.device, non_blocking=True)
+    index = to_device(torch.tensor([rows, ids], dtype=torch.int64), logits.device)
+    values = to_device(torch.tensor(biases, dtype=logits.dtype), logits.device)
     return logits.index_put((index[0], index[1]), values, accumulate=True)
 
 
@@ -149,7 +149,9 @@ def top_rows(logits: torch.Tensor, ks: list[int]) -> TopRows | None:
     rows = [i for i, k in enumerate(ks) if k]
     if not rows:
         return None
-    ids, values = _top_k(logits[rows].float().log_softmax(-1), max(ks))
+    picked = logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64),
+                                              logits.device))  # a list index would wait
+    ids, values = _top_k(picked.float().log_softmax(-1), max(ks))
     return TopRows(rows, [ks[i] for i in rows], ids, values)
 
 
