@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.int4_tiles import scales_zeros
 from kernels.int4_weight import Int4Weight, dequantize_int4, unpack_nibbles
 from kernels.q8_gemm import round_activations
 
@@ -34,10 +35,8 @@ class Int4Cpu:
 
 def pack_int4_cpu(w: Int4Weight) -> Int4Cpu:
     q = unpack_nibbles(w.packed).to(torch.int32)  # [N, K]
-    s, mn = w.scales.float(), w.mins.float()
-    sz = torch.stack([s.t(), (mn + 8 * s).t()], dim=-1).to(torch.bfloat16).contiguous()
-    return Int4Cpu(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), sz, w.group_size,
-                   w.shape[0])
+    return Int4Cpu(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros(w),
+                   w.group_size, w.shape[0])
 
 
 def int4_gemm_cpu(x: torch.Tensor, w: Int4Cpu, bias=None) -> torch.Tensor:

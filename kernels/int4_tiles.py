@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.int4_weight import Int4Weight, unpack_nibbles
+
 TILE_GROUPS = (32, 64, 128, 256)
 # bit of each of a word's 8 values, in the order (s, h, e) of the layout's k
 _SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
@@ -28,6 +30,8 @@ _SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)
 
 @dataclass
 class Int4Tiles:
+    """An INT4 weight [N, K] in tinygemm's layout (this module's docstring)."""
+
     tiles: torch.Tensor  # int32 [N / 8, K / (16 I), 32, I / 2]
     scales_zeros: torch.Tensor  # bf16 [K / G, N, 2]
     group_size: int
@@ -50,19 +54,17 @@ def tiles_fit(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
             and group_size in TILE_GROUPS and k % group_size == 0)
 
 
-def _values(w) -> torch.Tensor:
-    """q [N, K] uint8 in 0..15 of an Int4Weight (even k in the low nibble of its bytes)."""
-    return torch.stack([w.packed & 0xF, w.packed >> 4], dim=-1).view(w.packed.shape[0], -1)
-
-
-def _scales_zeros(w) -> torch.Tensor:
+def scales_zeros(w: Int4Weight) -> torch.Tensor:
+    """bf16 [K / G, N, 2]: (scale, zero = min + 8 scale) per group, the dequantization
+    (q - 8) scale + zero of PyTorch's int4 kernels (tinygemm here, its CPU twin in
+    kernels/int4_cpu.py) for an Int4Weight's q scale + min."""
     s, mn = w.scales.float(), w.mins.float()
     return torch.stack([s.t(), (mn + 8 * s).t()], dim=-1).to(torch.bfloat16).contiguous()
 
 
-def pack_tiles_ref(w) -> torch.Tensor:
+def pack_tiles_ref(w: Int4Weight) -> torch.Tensor:
     """The tile words of an Int4Weight, by the layout's permutation (any device)."""
-    q = _values(w).to(torch.int64)
+    q = unpack_nibbles(w.packed).to(torch.int64)
     n, k = q.shape
     i = inner_k_tiles(k)
     q = q.view(n // 8, 8, k // (16 * i), i // 2, 2, 2, 4, 2)  # nt r ko w s h c e
@@ -72,12 +74,12 @@ def pack_tiles_ref(w) -> torch.Tensor:
     return (words - ((words >> 31) << 32)).to(torch.int32)  # as signed 32-bit
 
 
-def pack_tiles(w) -> Int4Tiles:
+def pack_tiles(w: Int4Weight) -> Int4Tiles:
     """An Int4Weight (on CUDA, bf16 scales) in tinygemm's layout, by torch's own packing."""
     n, k = w.shape
     swapped = ((w.packed << 4) | (w.packed >> 4)).contiguous()  # even k in the high nibble
     tiles = torch.ops.aten._convert_weight_to_int4pack(swapped, inner_k_tiles(k))
-    return Int4Tiles(tiles, _scales_zeros(w), w.group_size, (n, k))
+    return Int4Tiles(tiles, scales_zeros(w), w.group_size, (n, k))
 
 
 def dequantize_tiles_ref(t: Int4Tiles) -> torch.Tensor:

@@ -11,12 +11,12 @@ from kernels import dispatch
 from kernels.int4_gemm import Int4Cuda, int4_gemm, int4_gemm_ref, prepare_int4
 from kernels.int4_tiles import (
     Int4Tiles,
-    _scales_zeros,
     dequantize_tiles_ref,
     inner_k_tiles,
     int4_tiles_gemm,
     pack_tiles,
     pack_tiles_ref,
+    scales_zeros,
     tiles_fit,
 )
 from kernels.int4_weight import Int4Weight, quantize_int4
@@ -29,13 +29,13 @@ def _int4(n, k, group, seed=0, device="cpu") -> Int4Weight:
 
 
 def _tiles_ref(w: Int4Weight) -> Int4Tiles:
-    return Int4Tiles(pack_tiles_ref(w), _scales_zeros(w), w.group_size, w.shape)
+    return Int4Tiles(pack_tiles_ref(w), scales_zeros(w), w.group_size, w.shape)
 
 
 def _tinygemm_weight(w: Int4Weight) -> torch.Tensor:
     """What the tiles stand for: tinygemm's (q - 8) scale + zero with bf16 scale and zero."""
     q = torch.stack([w.packed & 0xF, w.packed >> 4], -1).view(w.shape).float()
-    sz = _scales_zeros(w).float().repeat_interleave(w.group_size, 0)
+    sz = scales_zeros(w).float().repeat_interleave(w.group_size, 0)
     return (q - 8) * sz[..., 0].t() + sz[..., 1].t()
 
 
