@@ -352,7 +352,7 @@ def test_delta_beside_an_int4_base_layer():
         for names in (["", "A", "A", "B", "", "B", "A"], ["B", "A", "A", "B", "A", "B", "C"],
                       ["", "C", "", "", "C", "", ""], long):
             names = [n if n in slots else "" for n in names]
-            lora = LoraGroups.of(names, slots, torch.device("cpu"))
+            lora = LoraGroups.of(names, slots)
             rows = x[: len(names)]
             want = base(rows)
             for i, n in enumerate(names):
@@ -362,14 +362,14 @@ def test_delta_beside_an_int4_base_layer():
             torch.testing.assert_close(layer(rows, lora), want, rtol=1e-5, atol=1e-4)
 
     check({"A": 0, "B": 1, "C": 2})
-    lora = LoraGroups.of(long, {"A": 0, "B": 1, "C": 2}, torch.device("cpu"))
+    lora = LoraGroups.of(long, {"A": 0, "B": 1, "C": 2})
     assert lora.dense == ((0, 5, 5 + DENSE_ROWS), (2, 8 + DENSE_ROWS, 8 + 2 * DENSE_ROWS))
     assert lora.rows.tolist() == [0, 1, 2, 3, 4, 6 + DENSE_ROWS, 7 + DENSE_ROWS]
     assert lora.slots.tolist() == [1, 0] and lora.active == {0, 1, 2}
     layer.drop(0)
     assert layer.a.shape[0] == 2 and layer.targeted == {0}
     check({"B": 0, "C": 1})
-    assert LoraGroups.of(["", ""], {}, torch.device("cpu")) is None
+    assert LoraGroups.of(["", ""], {}) is None
     torch.testing.assert_close(layer(x), base(x))
 
 

@@ -53,7 +53,8 @@ def build_batch(step: ScheduledStep, device: torch.device, prev: InFlight | None
         max_decode_len=max(rows.dec_lens, default=0),
         max_chunk_len=max(rows.chunks, default=0),
         prompt_spans=rows.spans,
-        lora=LoraGroups.of(rows.adapters, lora_slots, device) if rows.any_adapter else None,
+        lora=(LoraGroups.of(rows.adapters, lora_slots, lambda t: to_device(t, device))
+              if rows.any_adapter else None),
     )
 
 

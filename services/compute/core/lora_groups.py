@@ -4,7 +4,7 @@ device's GEMMs, the rest in the layout kernels/lora.py's lora_delta_ takes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +29,12 @@ class LoraGroups:
     active: frozenset[int]
 
     @classmethod
-    def of(cls, names: list[str], slot_of: Mapping[str, int], device: torch.device,
-           ) -> LoraGroups | None:
+    def of(cls, names: list[str], slot_of: Mapping[str, int],
+           upload: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> LoraGroups | None:
         """The groups of a step whose row i belongs to adapter names[i] ("" for the base), each
         adapter's slot `slot_of[name]`; None where every row is a base row. One copy to the
-        device."""
+        device: `upload` (host int64 -> device, without waiting for the device; the batch's
+        `kernels.to_device`)."""
         dense, by_name, i = [], {}, 0
         while i < len(names):  # runs of one name
             j = i
@@ -55,6 +56,6 @@ class LoraGroups:
             starts.append(len(rows))
             slots.append(slot_of[name])
         n, G = len(rows), len(slots)
-        data = torch.tensor(rows + starts + slots, dtype=torch.int64).to(device)
+        data = upload(torch.tensor(rows + starts + slots, dtype=torch.int64))
         return cls(tuple(dense), data[:n], data[n : n + G + 1], data[n + G + 1 :],
                    max(len(g) for g in by_name.values()), active)
