@@ -221,15 +221,15 @@ def int4_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
 @dataclass
 class Int4Cuda:
     """An Int4Weight on CUDA with bf16 activations, with tinygemm's tiles of it beside
-    (kernels/int4_tiles.py): one-row steps run tinygemm (1.6-1.8x cuBLAS bf16 on an H200,
-    2x our Triton GEMV), the others the Triton path (tinygemm fell to 0.6x at 16 rows). The
-    tiles double the INT4 bytes: still half of bf16's."""
+    (kernels/int4_tiles.py): steps of TINYGEMM_ROWS rows run tinygemm, the others the Triton
+    path, each where it was measured faster (docs/benchmarks.md, GPU round three). The tiles
+    double the INT4 bytes: still half of bf16's."""
 
     weight: Int4Weight
     tiles: Int4Tiles
 
 
-TINYGEMM_ROWS = 1  # the rows at which tinygemm was measured faster than the Triton GEMV
+TINYGEMM_ROWS = 1  # the rows at which tinygemm beat the Triton GEMV on an H200
 
 
 def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu | Int4Blocks | Int4Cuda:
