@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_tiles import scales_zeros
-from kernels.int4_weight import Int4Weight, dequantize_int4, unpack_nibbles
+from kernels.int4_weight import Int4Weight, dequantize_int4, scales_zeros, unpack_nibbles
 from kernels.q8_gemm import round_activations
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.int4_weight import Int4Weight, unpack_nibbles
+from kernels.int4_weight import Int4Weight, scales_zeros, unpack_nibbles
 
 TILE_GROUPS = (32, 64, 128, 256)
 # bit of each of a word's 8 values, in the order (s, h, e) of the layout's k
@@ -52,14 +52,6 @@ def tiles_fit(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
     multiple of 8, K of 32, a group tinygemm takes."""
     return (dtype == torch.bfloat16 and n % 8 == 0 and inner_k_tiles(k) > 0
             and group_size in TILE_GROUPS and k % group_size == 0)
-
-
-def scales_zeros(w: Int4Weight) -> torch.Tensor:
-    """bf16 [K / G, N, 2]: (scale, zero = min + 8 scale) per group, the dequantization
-    (q - 8) scale + zero of PyTorch's int4 kernels (tinygemm here, its CPU twin in
-    kernels/int4_cpu.py) for an Int4Weight's q scale + min."""
-    s, mn = w.scales.float(), w.mins.float()
-    return torch.stack([s.t(), (mn + 8 * s).t()], dim=-1).to(torch.bfloat16).contiguous()
 
 
 def pack_tiles_ref(w: Int4Weight) -> torch.Tensor:

@@ -78,3 +78,11 @@ def dequantize_int4(w: Int4Weight) -> torch.Tensor:
     q = unpack_nibbles(w.packed).float()
     return (q * w.scales.float().repeat_interleave(g, 1)
             + w.mins.float().repeat_interleave(g, 1))
+
+
+def scales_zeros(w: Int4Weight) -> torch.Tensor:
+    """bf16 [K / G, N, 2]: (scale, zero = min + 8 scale) per group, the dequantization
+    (q - 8) scale + zero of PyTorch's int4 kernels (its CPU one, kernels/int4_cpu.py, and
+    tinygemm, kernels/int4_tiles.py) for an Int4Weight's q scale + min."""
+    s, mn = w.scales.float(), w.mins.float()
+    return torch.stack([s.t(), (mn + 8 * s).t()], dim=-1).to(torch.bfloat16).contiguous()

@@ -16,10 +16,9 @@ from kernels.int4_tiles import (
     int4_tiles_gemm,
     pack_tiles,
     pack_tiles_ref,
-    scales_zeros,
     tiles_fit,
 )
-from kernels.int4_weight import Int4Weight, quantize_int4
+from kernels.int4_weight import Int4Weight, quantize_int4, scales_zeros
 
 
 def _int4(n, k, group, seed=0, device="cpu") -> Int4Weight:
