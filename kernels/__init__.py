@@ -30,9 +30,16 @@ from kernels.kv_quant import dequantize_kv, quantize_kv
 from kernels.prefill_attention import prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_int8
 from kernels.rope import rope_kv_write
-from kernels.sampling import SamplingBatch, apply_penalties, sample, to_device, token_stats
+from kernels.sampling import (
+    SamplingBatch,
+    apply_penalties,
+    sample,
+    take_rows,
+    to_device,
+    token_stats,
+)
 
 __all__ = ["SamplingBatch", "add_rms_norm", "apply_penalties", "backend", "decode_attention",
            "dequantize_kv", "fused_moe", "gelu_tanh_mul", "prefill_attention", "quantize_kv",
            "rms_norm", "rms_norm_int8", "rope_kv_write", "sample", "set_backend", "silu_mul",
-           "silu_mul_int8", "to_device", "token_stats"]
+           "silu_mul_int8", "take_rows", "to_device", "token_stats"]

@@ -35,11 +35,15 @@ class Int4Tiles:
     tiles: torch.Tensor  # int32 [N / 8, K / (16 I), 32, I / 2]
     scales_zeros: torch.Tensor  # bf16 [K / G, N, 2]
     group_size: int
-    shape: tuple[int, int]  # (N, K)
 
     @property
     def inner_k_tiles(self) -> int:
         return 2 * self.tiles.shape[-1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(N, K) of the weight the tiles hold."""
+        return 8 * self.tiles.shape[0], 16 * self.inner_k_tiles * self.tiles.shape[1]
 
 
 def inner_k_tiles(k: int) -> int:
@@ -68,10 +72,9 @@ def pack_tiles_ref(w: Int4Weight) -> torch.Tensor:
 
 def pack_tiles(w: Int4Weight) -> Int4Tiles:
     """An Int4Weight (on CUDA, bf16 scales) in tinygemm's layout, by torch's own packing."""
-    n, k = w.shape
     swapped = ((w.packed << 4) | (w.packed >> 4)).contiguous()  # even k in the high nibble
-    tiles = torch.ops.aten._convert_weight_to_int4pack(swapped, inner_k_tiles(k))
-    return Int4Tiles(tiles, scales_zeros(w), w.group_size, (n, k))
+    tiles = torch.ops.aten._convert_weight_to_int4pack(swapped, inner_k_tiles(w.shape[1]))
+    return Int4Tiles(tiles, scales_zeros(w), w.group_size)
 
 
 def dequantize_tiles_ref(t: Int4Tiles) -> torch.Tensor:

@@ -232,6 +232,12 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] for a host list `rows`, its index uploaded by `to_device`: a list index would
+    upload from pageable memory and wait for the device."""
+    return t.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), t.device))
+
+
 def token_stats(
     prompts: list[list[int]], outputs: list[list[int]], vocab: int, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:

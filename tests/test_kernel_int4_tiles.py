@@ -28,7 +28,7 @@ def _int4(n, k, group, seed=0, device="cpu") -> Int4Weight:
 
 
 def _tiles_ref(w: Int4Weight) -> Int4Tiles:
-    return Int4Tiles(pack_tiles_ref(w), scales_zeros(w), w.group_size, w.shape)
+    return Int4Tiles(pack_tiles_ref(w), scales_zeros(w), w.group_size)
 
 
 def _tinygemm_weight(w: Int4Weight) -> torch.Tensor:
@@ -44,7 +44,7 @@ def test_tiles_round_trip_to_the_weight(n, k, group):
     t = _tiles_ref(w)
     i = inner_k_tiles(k)
     assert t.tiles.shape == (n // 8, k // (16 * i), 32, i // 2) and t.tiles.dtype == torch.int32
-    assert t.inner_k_tiles == i
+    assert t.inner_k_tiles == i and t.shape == (n, k)
     torch.testing.assert_close(dequantize_tiles_ref(t), _tinygemm_weight(w), rtol=0, atol=0)
     # and close to the Int4Weight's own values (bf16 rounding of zero = min + 8 scale only)
     from kernels.int4_weight import dequantize_int4

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from kernels import to_device
+from kernels import take_rows, to_device
 from services.compute.core.batch import ForwardBatch
 from services.compute.core.sequence import Sequence
 from services.compute.core.step import ScheduledStep, Work
@@ -48,7 +48,7 @@ class Drafter:
             passed = _decode_batch([seq for _, seq in active], i, batch.input_ids[rows])
             batch.input_ids[rows + 1] = self.model.forward(passed, self.kv).argmax(-1)
         drafted = [h + 1 + j for h, item in heads for j in range(len(item.drafts))]
-        return batch.input_ids[to_device(torch.tensor(drafted), self.device)]
+        return take_rows(batch.input_ids, drafted)
 
     def mirror(self, batch: ForwardBatch) -> None:
         """Write the draft model's K/V of every token of the step (no logits)."""

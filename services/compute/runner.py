@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from kernels import set_backend, to_device
+from kernels import set_backend, take_rows
 from kernels.cpu import isa, set_isa
 from kernels.kv_quant import KV_GROUP
 from services.compute import sampling
@@ -216,10 +216,9 @@ class ModelRunner:
         speculative verify, its first row only; none of a beam search)."""
         rows = [i for i, (item, j) in enumerate(step.rows) if j == 0 and item.kind is not Work.BEAM
                 and is_checkpoint(item.seq.num_output, self.probe_every)]
-        if rows:  # the index up through pinned memory: a list index would wait for the step
+        if rows:
             out.probe_rows = rows
-            index = to_device(torch.tensor(rows, dtype=torch.int64), hidden.device)
-            out.probes = hidden.index_select(0, index).float() @ self.probe
+            out.probes = take_rows(hidden, rows).float() @ self.probe
 
 
 def _configure_torch(config: EngineConfig, ranks=None) -> None:

@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kernels import SamplingBatch, apply_penalties, to_device, token_stats
+from kernels import SamplingBatch, apply_penalties, take_rows, to_device, token_stats
 from kernels import sample as sample_kernel
 from services.compute.core.sequence import Sequence
 from services.compute.inflight import PromptRows, TopRows, to_host
@@ -149,9 +149,7 @@ def top_rows(logits: torch.Tensor, ks: list[int]) -> TopRows | None:
     rows = [i for i, k in enumerate(ks) if k]
     if not rows:
         return None
-    picked = logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64),
-                                              logits.device))  # a list index would wait
-    ids, values = _top_k(picked.float().log_softmax(-1), max(ks))
+    ids, values = _top_k(take_rows(logits, rows).float().log_softmax(-1), max(ks))
     return TopRows(rows, [ks[i] for i in rows], ids, values)
 
 
