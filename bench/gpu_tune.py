@@ -1,8 +1,8 @@
-"""Launch shapes for the kernels that lost on the first GPU run, swept on the device: INT8- and
-FP8-KV decode attention (batch 64, context 4096), one long sequence's decode attention (batch 1,
-context 4096), the W4A16 GEMM at one row (4096x4096, 14336x4096, groups of 128), and at 2 to
-256 rows the fused kernel, dequantize + cuBLAS and tinygemm (kernels/int4_gemm.py's choices by
-rows: TINYGEMM_ROWS, SMALL_M).
+"""Launch shapes for the kernels that lost on the first GPU run, swept on the device: INT8-KV
+(groups of 8, or one scale a row) and FP8-KV decode attention (batch 64, context 4096), one
+long sequence's decode attention (batch 1, context 4096), the W4A16 GEMM at one row
+(4096x4096, 14336x4096, groups of 128), and at 2 to 256 rows the fused kernel, dequantize +
+cuBLAS and tinygemm (kernels/int4_gemm.py's choices by rows: TINYGEMM_ROWS, SMALL_M).
 
 Each candidate is timed replayed from a CUDA graph over cold copies of its inputs
 (bench/cuda_timing.py), beside the baseline the target names (the 16-bit kernel as it ships; the
@@ -45,7 +45,7 @@ from kernels.decode_attention import _decode_attention_triton as decode  # noqa:
 from kernels.int4_gemm import GemmTiling, gemm_tiling, int4_gemm_triton  # noqa: E402
 from kernels.int4_tiles import int4_tiles_gemm, pack_tiles  # noqa: E402
 from kernels.int4_weight import dequantize_int4, quantize_int4  # noqa: E402
-from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
+from kernels.kv_quant import KV_GROUP, quantize_kv, to_fp8  # noqa: E402
 
 
 def timer(cuda: bool):
@@ -60,14 +60,15 @@ def timer(cuda: bool):
 
 
 def decode_inputs(batch, ctx, heads, dt, dev, kv):
-    """A decode case; kv: None (16-bit), "int8" or "fp8"."""
+    """A decode case; kv: None (16-bit), "int8", "int8_rows" or "fp8"."""
     H, HKV, D = heads
     q = torch.randn(batch, H, D, dtype=dt, device=dev)
     k, v = (torch.randn(batch * ctx, HKV, D, dtype=dt, device=dev) for _ in range(2))
     starts = torch.arange(batch, dtype=torch.int32, device=dev) * ctx
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    if kv == "int8":
-        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+    if kv in ("int8", "int8_rows"):  # groups of KV_GROUP, or one scale a row of a head
+        group = D if kv == "int8_rows" else KV_GROUP
+        (k, ks), (v, vs) = quantize_kv(k, group), quantize_kv(v, group)
         return (q, k, v, starts, lens), dict(k_scale=ks, v_scale=vs)
     if kv == "fp8":
         k, v = to_fp8(k), to_fp8(v)
@@ -77,7 +78,8 @@ def decode_inputs(batch, ctx, heads, dt, dev, kv):
 def sweep_decode(name, batch, ctx, kv, candidates, heads, dt, dev, run) -> dict:
     """Candidates of the split kernel's tiling on one case; baseline: the 16-bit cache with the
     shipped tiling."""
-    nbytes = batch * ctx * heads[1] * heads[2] * 2 * {"int8": 1.25, "fp8": 1}.get(kv, 2)
+    per_value = {"int8": 1 + 2 / KV_GROUP, "int8_rows": 1 + 2 / heads[2], "fp8": 1}.get(kv, 2)
+    nbytes = batch * ctx * heads[1] * heads[2] * 2 * per_value
     copies = copies_for(int(nbytes)) if dev.type == "cuda" else 1
     sets = [decode_inputs(batch, ctx, heads, dt, dev, kv) for _ in range(copies)]
     base_sets = [decode_inputs(batch, ctx, heads, dt, dev, None) for _ in range(copies)]
@@ -116,12 +118,13 @@ def sweep_w4a16(m, n, k, group, candidates, dt, dev, run) -> dict:
     wqs = [dequantize_int4(q).to(dt) for q in w4s]
     base = run([lambda wq=wq: F.linear(x, wq) for wq in wqs])
     want = F.linear(x.float(), wqs[0].float())
-    tiles = [pack_tiles(q) for q in w4s] if "tiles" in candidates else []
+    tiles = {c: [pack_tiles(q, 4 if c == "tiles4" else None) for q in w4s]
+             for c in candidates if c in ("tiles", "tiles4")}  # tiles4: inner K tiles of 4
     rows = []
     for t in candidates:
-        gemm = (lambda q, t: int4_tiles_gemm(x, q)) if t == "tiles" else \
+        gemm = (lambda q, t: int4_tiles_gemm(x, q)) if t in tiles else \
             (lambda q, t: int4_gemm_triton(x, q, tiling=t))
-        weights = tiles if t == "tiles" else w4s
+        weights = tiles.get(t, w4s)
         try:
             err = (gemm(weights[0], t).float() - want).abs().max().item()
             ms = run([lambda q=q, t=t, f=gemm: f(q, t) for q in weights])
@@ -142,7 +145,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="tilings.json")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--cases", default="int8,fp8,decode_b1,w4a16",
+    p.add_argument("--cases", default="int8,int8_rows,fp8,decode_b1,w4a16",
                    help="which sweeps, comma-separated (default: all)")
     args = p.parse_args(argv)
     cases = set(args.cases.split(","))
@@ -157,19 +160,25 @@ def main(argv=None) -> None:
     dims = [(64, 64)] if q else [(4096, 4096), (14336, 4096)]
     group = 32 if q else 128
     # candidates that compile for sm_90 without spilling much (tests/sm90.py, cuobjdump)
-    quant_c = [Tiling(bn, w) for bn, w in (
-        [(32, 4), (64, 4)] if q else [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8)])]
+    quant_c = [Tiling(bn, w, st) for bn, w, st in (
+        [(32, 4, 2), (64, 4, 2)] if q else
+        [(32, 4, 2), (32, 4, 3), (32, 8, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2)])]
     long_c = [Tiling(bn, 4, 2, ms) for bn, ms in itertools.product(
-        (32,) if q else (32, 64), (32, 64) if q else (32, 64, 256))]
+        (32,) if q else (32, 64), (32, 64) if q else (32, 64, 256))] + ([] if q else [
+            Tiling(64, 4, 3, 256), Tiling(64, 4, 4, 256), Tiling(64, 8, 3, 256),
+            Tiling(32, 4, 4, 128)])  # fewer, longer splits, deeper load pipelines
     blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (128, 64)]
     gemv_c = [GemmTiling(16, bn, bk, sk) for (bn, bk), sk in itertools.product(
-        blocks, (1, 2) if q else (4, 8, 16))] + ([] if q else ["tiles"])
+        blocks, (1, 2) if q else (4, 8, 16))] + ([] if q else ["tiles", "tiles4"])
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"}
     print(res["device"])
     batch = 2 if q else 64
     if "int8" in cases:
         res["int8_decode_b64"] = sweep_decode("int8 b64", batch, ctx, "int8", quant_c, heads,
                                               dt, dev, run)
+    if "int8_rows" in cases:
+        res["int8_rows_decode_b64"] = sweep_decode("int8 rows b64", batch, ctx, "int8_rows",
+                                                   quant_c, heads, dt, dev, run)
     if "fp8" in cases and (not q or not cuda):  # e4m3 needs sm_89+ on CUDA
         res["fp8_decode_b64"] = sweep_decode("fp8 b64", batch, ctx, "fp8", quant_c, heads, dt,
                                              dev, run)

@@ -70,10 +70,11 @@ def pack_tiles_ref(w: Int4Weight) -> torch.Tensor:
     return (words - ((words >> 31) << 32)).to(torch.int32)  # as signed 32-bit
 
 
-def pack_tiles(w: Int4Weight) -> Int4Tiles:
-    """An Int4Weight (on CUDA, bf16 scales) in tinygemm's layout, by torch's own packing."""
+def pack_tiles(w: Int4Weight, inner: int | None = None) -> Int4Tiles:
+    """An Int4Weight (on CUDA, bf16 scales) in tinygemm's layout, by torch's own packing, with
+    `inner` K tiles (2, 4 or 8 dividing K / 16; None: the widest, `inner_k_tiles`)."""
     swapped = ((w.packed << 4) | (w.packed >> 4)).contiguous()  # even k in the high nibble
-    tiles = torch.ops.aten._convert_weight_to_int4pack(swapped, inner_k_tiles(w.shape[1]))
+    tiles = torch.ops.aten._convert_weight_to_int4pack(swapped, inner or inner_k_tiles(w.shape[1]))
     return Int4Tiles(tiles, scales_zeros(w), w.group_size)
 
 

@@ -60,30 +60,35 @@ def record_launches():
         InterpretedFunction.run = run
 
 
-def _signature(jit: JITFunction, args: dict) -> tuple[dict, dict]:
-    sig, consts = {}, {}
-    for p in jit.params:
+def _signature(jit: JITFunction, args: dict) -> tuple[dict, dict, dict]:
+    """Triton's JIT specialization of the arguments: types, constexprs (ints equal to 1 become
+    the constant 1) and the 16-divisibility hints of pointers and ints that vectorize loads."""
+    sig, consts, aligned = {}, {}, []
+    for i, p in enumerate(jit.params):
         v = args.get(p.name, p.default)
-        if p.is_constexpr:
+        if p.is_constexpr or (type(v) is int and v == 1 and not p.do_not_specialize):
             sig[p.name], consts[p.name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             sig[p.name] = "*" + _TYPES[v.dtype]
+            aligned += [i] if v.data_ptr() % 16 == 0 else []
         elif isinstance(v, bool):
             sig[p.name] = "i1"
         elif isinstance(v, int):
             sig[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            aligned += [i] if v % 16 == 0 and not p.do_not_specialize else []
         elif isinstance(v, float):
             sig[p.name] = "fp32"
         else:
             raise TypeError(f"{p.name}: no Triton type for {type(v).__name__}")
-    return sig, consts
+    return sig, consts, {str(i): True for i in aligned}
 
 
 def spec(launch: Launch) -> dict:
-    """A launch as JSON: the kernel's module and name, its signature, constexprs and options."""
-    sig, consts = _signature(JITFunction(launch.fn), launch.args)
+    """A launch as JSON: the kernel's module and name, its signature, constexprs, the indices
+    of its 16-aligned arguments, and options."""
+    sig, consts, aligned = _signature(JITFunction(launch.fn), launch.args)
     return dict(module=launch.fn.__module__, name=launch.fn.__name__, signature=sig,
-                constexprs=consts, options=launch.options)
+                constexprs=consts, aligned=aligned, options=launch.options)
 
 
 def compile_sm90(specs: list[dict]) -> list[dict]:
@@ -99,8 +104,9 @@ def compile_sm90(specs: list[dict]) -> list[dict]:
 def _compile_one(s: dict) -> dict:
     jit = getattr(importlib.import_module(s["module"]), s["name"])
     try:
+        attrs = {(int(i),): [["tt.divisibility", 16]] for i in s.get("aligned", {})}
         kernel = triton.compile(ASTSource(fn=jit, signature=s["signature"],
-                                          constexprs=s["constexprs"]),
+                                          constexprs=s["constexprs"], attrs=attrs),
                                 target=TARGET, options=s["options"])
     except Exception as exc:  # reported per kernel, asserted by the test
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}

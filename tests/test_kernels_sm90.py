@@ -25,7 +25,7 @@ SHAPES = dict(heads=(32, 8, 128), hidden=4096, inter=1024, vocab=4096, copy_mib=
               moe=dict(hidden=512, inter=256, experts=8, top_k=2), moe_tokens=[1, 4, 16],
               lora=dict(rank=16, rows=[8, 256], adapters=[4]),  # decode's and prefill's blocks
               device=torch.device("cpu"), dtype=torch.bfloat16)
-ON_CUDA = {"UPCAST_DOT": False}  # constexprs the launchers set differently off CUDA
+ON_CUDA = {"UPCAST_DOT": False, "PTX": True}  # constexprs the launchers set differently off CUDA
 # Kernels of a decode step, and the most local memory a thread of them may use at their shipped
 # launch shapes (the INT8 decode kernel at 255 registers keeps 8 bytes there).
 NO_SPILL = {"_decode_split_kernel", "_decode_combine_kernel", "_int4_gemm_kernel",
