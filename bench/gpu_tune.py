@@ -1,8 +1,8 @@
-"""Launch shapes for the kernels that lost on the first GPU run, swept on the device: INT8-KV
-(groups of 8, or one scale a row) and FP8-KV decode attention (batch 64, context 4096), one
-long sequence's decode attention (batch 1, context 4096), the W4A16 GEMM at one row
-(4096x4096, 14336x4096, groups of 128), and at 2 to 256 rows the fused kernel, dequantize +
-cuBLAS and tinygemm (kernels/int4_gemm.py's choices by rows: TINYGEMM_ROWS, SMALL_M).
+"""Launch shapes for the kernels that lost on the first GPU run, swept on the device: INT8- and
+FP8-KV decode attention (batch 64, context 4096), one long sequence's decode attention (batch 1,
+context 4096), the W4A16 GEMM at one row (4096x4096, 14336x4096, groups of 128), and at 2 to
+256 rows the fused kernel, dequantize + cuBLAS and tinygemm (kernels/int4_gemm.py's choices by
+rows: TINYGEMM_ROWS, SMALL_M).
 
 Each candidate is timed replayed from a CUDA graph over cold copies of its inputs
 (bench/cuda_timing.py), beside the baseline the target names (the 16-bit kernel as it ships; the
@@ -60,15 +60,14 @@ def timer(cuda: bool):
 
 
 def decode_inputs(batch, ctx, heads, dt, dev, kv):
-    """A decode case; kv: None (16-bit), "int8", "int8_rows" or "fp8"."""
+    """A decode case; kv: None (16-bit), "int8" or "fp8"."""
     H, HKV, D = heads
     q = torch.randn(batch, H, D, dtype=dt, device=dev)
     k, v = (torch.randn(batch * ctx, HKV, D, dtype=dt, device=dev) for _ in range(2))
     starts = torch.arange(batch, dtype=torch.int32, device=dev) * ctx
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    if kv in ("int8", "int8_rows"):  # groups of KV_GROUP, or one scale a row of a head
-        group = D if kv == "int8_rows" else KV_GROUP
-        (k, ks), (v, vs) = quantize_kv(k, group), quantize_kv(v, group)
+    if kv == "int8":
+        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
         return (q, k, v, starts, lens), dict(k_scale=ks, v_scale=vs)
     if kv == "fp8":
         k, v = to_fp8(k), to_fp8(v)
@@ -78,7 +77,7 @@ def decode_inputs(batch, ctx, heads, dt, dev, kv):
 def sweep_decode(name, batch, ctx, kv, candidates, heads, dt, dev, run) -> dict:
     """Candidates of the split kernel's tiling on one case; baseline: the 16-bit cache with the
     shipped tiling."""
-    per_value = {"int8": 1 + 2 / KV_GROUP, "int8_rows": 1 + 2 / heads[2], "fp8": 1}.get(kv, 2)
+    per_value = {"int8": 1 + 2 / KV_GROUP, "fp8": 1}.get(kv, 2)
     nbytes = batch * ctx * heads[1] * heads[2] * 2 * per_value
     copies = copies_for(int(nbytes)) if dev.type == "cuda" else 1
     sets = [decode_inputs(batch, ctx, heads, dt, dev, kv) for _ in range(copies)]
@@ -145,7 +144,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="tilings.json")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--cases", default="int8,int8_rows,fp8,decode_b1,w4a16",
+    p.add_argument("--cases", default="int8,fp8,decode_b1,w4a16",
                    help="which sweeps, comma-separated (default: all)")
     args = p.parse_args(argv)
     cases = set(args.cases.split(","))
@@ -176,9 +175,6 @@ def main(argv=None) -> None:
     if "int8" in cases:
         res["int8_decode_b64"] = sweep_decode("int8 b64", batch, ctx, "int8", quant_c, heads,
                                               dt, dev, run)
-    if "int8_rows" in cases:
-        res["int8_rows_decode_b64"] = sweep_decode("int8 rows b64", batch, ctx, "int8_rows",
-                                                   quant_c, heads, dt, dev, run)
     if "fp8" in cases and (not q or not cuda):  # e4m3 needs sm_89+ on CUDA
         res["fp8_decode_b64"] = sweep_decode("fp8 b64", batch, ctx, "fp8", quant_c, heads, dt,
                                              dev, run)

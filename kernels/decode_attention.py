@@ -55,7 +55,7 @@ class Tiling:
 
 
 # by the cache's kind; measured on an H200 (docs/benchmarks.md, bench/gpu_tune.py)
-TILINGS = {"16bit": Tiling(min_split_tokens=64), "int8": Tiling(block_n=32), "fp8": Tiling()}
+TILINGS = {"16bit": Tiling(min_split_tokens=64), "int8": Tiling(num_stages=3), "fp8": Tiling()}
 
 
 @triton.jit
@@ -108,12 +108,16 @@ def _dequant(x, scales, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_GROUP:
 
 
 @triton.jit
-def _i8_to_f16(x, ASM: tl.constexpr):
-    """int8 x -> fp16, exactly. ASM (CUDA): four values a register go into the fp16 bits
+def _int8_to_f16(x, scales, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 KV_GROUP: tl.constexpr, PTX: tl.constexpr):
+    """int8 x [BLOCK_N, D] times its groups' fp16 scales -> fp16, the product rounded once (11
+    bits, finer than bf16's 8). PTX (CUDA): four values a register become the fp16 bits
     0x6400 | (x + 128) = 1024 + x + 128 by two byte permutes, and one packed subtract of 1152 a
-    pair leaves x (FasterTransformer's conversion): ~1.25 instructions a value."""
-    if ASM:
-        return tl.inline_asm_elementwise(
+    pair leaves x exactly (FasterTransformer's conversion, ~1.25 instructions a value). Not
+    `is_pure`: that keeps Triton from moving it past the layout change into the dot's operand,
+    where it would convert the values one byte at a time."""
+    if PTX:
+        x = tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 t, m;
             xor.b32 t, $2, 0x80808080;
@@ -124,15 +128,9 @@ def _i8_to_f16(x, ASM: tl.constexpr):
             sub.f16x2 $1, $1, m;
             }""",
             constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
-    return x.to(tl.float32).to(tl.float16)
-
-
-@triton.jit
-def _int8_to_f16(x, scales, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 KV_GROUP: tl.constexpr, ASM: tl.constexpr):
-    """int8 x [BLOCK_N, D] times its groups' fp16 scales -> fp16 (`_i8_to_f16`, then one
-    product, rounded once to fp16: 11 bits, finer than bf16's 8)."""
-    x = tl.reshape(_i8_to_f16(x, ASM), (BLOCK_N, HEAD_DIM // KV_GROUP, KV_GROUP))
+    else:
+        x = x.to(tl.float32).to(tl.float16)
+    x = tl.reshape(x, (BLOCK_N, HEAD_DIM // KV_GROUP, KV_GROUP))
     return tl.reshape(x * scales[:, :, None], (BLOCK_N, HEAD_DIM))
 
 
@@ -176,7 +174,6 @@ def _decode_split_kernel(
     k_base = k_ptr + kvh * stride_kh + offs_d[None, :]  # [1, D]
     v_base = v_ptr + kvh * stride_vh + offs_d[None, :]
     s_off = kvh * stride_sh + tl.arange(0, HEAD_DIM // KV_GROUP)[None, :]  # [1, D / KV_GROUP]
-    s_row = kvh * stride_sh  # KV_GROUP == HEAD_DIM: the one scale of a row
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (log2 domain)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2
@@ -187,14 +184,7 @@ def _decode_split_kernel(
         rows = start + t  # [BLOCK_N] int64 cache slots
         k = tl.load(k_base + rows[:, None] * stride_kt, mask=t_mask[:, None], other=0.0)
         v = tl.load(v_base + rows[:, None] * stride_vt, mask=t_mask[:, None], other=0.0)
-        if KV_INT8 and KV_GROUP == HEAD_DIM:  # a scale per row: on the scores and the p's
-            k_sc = tl.load(ks_ptr + rows * stride_st + s_row, mask=t_mask, other=0.0)
-            v_sc = tl.load(vs_ptr + rows * stride_st + s_row, mask=t_mask, other=0.0)
-            if F16:
-                k, v = _i8_to_f16(k, PTX), _i8_to_f16(v, PTX)
-            else:  # exact: |x| <= 127
-                k, v = k.to(tl.float32).to(q.dtype), v.to(tl.float32).to(q.dtype)
-        elif KV_INT8:  # dequantize in registers: int8 x its group's fp16 scale, in q's dtype
+        if KV_INT8:  # dequantize in registers: int8 x its group's fp16 scale, in q's dtype
             s_ptrs = rows[:, None] * stride_st + s_off  # [BLOCK_N, D / KV_GROUP]
             k_sc = tl.load(ks_ptr + s_ptrs, mask=t_mask[:, None], other=0.0)
             v_sc = tl.load(vs_ptr + s_ptrs, mask=t_mask[:, None], other=0.0)
@@ -213,8 +203,6 @@ def _decode_split_kernel(
         s = _qk(q, k, USE_DOT, UPCAST_DOT)  # [BLOCK_H, BLOCK_N], log2 domain
         if not F16:
             s = s * qk_scale
-        if KV_INT8 and KV_GROUP == HEAD_DIM:
-            s = s * k_sc.to(tl.float32)[None, :]
         if SOFTCAP > 0:  # cap the true score: in the log2 domain the cap is SOFTCAP * log2(e)
             s = (SOFTCAP * 1.4426950408889634) * _tanh(s / (SOFTCAP * 1.4426950408889634))
         s = tl.where(t_mask[None, :], s, float("-inf"))
@@ -222,12 +210,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m - m_new)  # [BLOCK_H]
         p = tl.exp2(s - m_new[:, None])  # [BLOCK_H, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_INT8 and KV_GROUP == HEAD_DIM:  # p x scale / the chunk's largest: fp16's range
-            v_max = tl.maximum(tl.max(v_sc.to(tl.float32), axis=0), 1e-30)
-            pv = _pv(p * (v_sc.to(tl.float32) / v_max)[None, :], v, USE_DOT, UPCAST_DOT) * v_max
-        else:
-            pv = _pv(p, v, USE_DOT, UPCAST_DOT)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _pv(p, v, USE_DOT, UPCAST_DOT)
         m = m_new
 
     l_i = tl.maximum(l_i, 1.0)  # no-op (l >= 1: the max term is exp2(0)) except in empty splits
@@ -342,7 +325,6 @@ def _decode_attention_triton(
                              device=q.device)
         part_lse = torch.empty((batch, n_heads, num_splits), dtype=torch.float32, device=q.device)
     scales = (k_scale, v_scale) if int8 else (out, out)  # placeholders without INT8
-    kv_group = head_dim // k_scale.shape[-1] if int8 else KV_GROUP
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_starts, seq_lens, out, part_o, part_lse, *scales,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -350,7 +332,7 @@ def _decode_attention_triton(
         scales[0].stride(0), scales[0].stride(1), scale * math.log2(math.e),
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_N=tiling.block_n,
         USE_DOT=use_dot, UPCAST_DOT=not q.is_cuda and q.dtype == torch.bfloat16,
-        DIRECT=num_splits == 1, KV_INT8=int8, KV_GROUP=kv_group, KV_FP8=fp8, WINDOW=window,
+        DIRECT=num_splits == 1, KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=fp8, WINDOW=window,
         SOFTCAP=float(softcap),
         F16=(int8 or fp8) and q.dtype in (torch.bfloat16, torch.float16), PTX=q.is_cuda,
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
@@ -431,9 +413,7 @@ def decode_attention(
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    c_layout = k_scale is None or k_scale.shape[-1] * KV_GROUP == q.shape[-1]  # the C++ one's
-    if not use_triton(q) and k_cache.dtype != FP8 and c_layout and \
-            (ext := cpu_extension(q)) is not None:
+    if not use_triton(q) and k_cache.dtype != FP8 and (ext := cpu_extension(q)) is not None:
         return ext.decode_attention(q, k_cache, v_cache, seq_starts, seq_lens, scale, k_scale,
                                     v_scale, window, softcap)
     if not use_triton(q):

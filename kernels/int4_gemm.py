@@ -4,7 +4,7 @@ the layout each device's path wants, made once at load, and the call that runs i
 
 The Triton kernel reads the packed bytes and the group's scale and min per K block and
 dequantizes in registers: the weight is never materialized in float. On a CPU the paths are in
-kernels/int4_cpu.py; on CUDA with bf16 activations, tinygemm's tiles serve one-row steps
+kernels/int4_cpu.py; on CUDA with bf16 activations, tinygemm's tiles serve steps of few rows
 (kernels/int4_tiles.py).
 """
 
@@ -221,15 +221,15 @@ def int4_gemm_ref(x: torch.Tensor, w: Int4Weight, bias=None) -> torch.Tensor:
 @dataclass
 class Int4Cuda:
     """An Int4Weight on CUDA with bf16 activations, with tinygemm's tiles of it beside
-    (kernels/int4_tiles.py): steps of TINYGEMM_ROWS rows run tinygemm, the others the Triton
-    path, each where it was measured faster (docs/benchmarks.md, GPU round three). The tiles
+    (kernels/int4_tiles.py): steps of up to TINYGEMM_ROWS rows run tinygemm, the others the
+    Triton path, each where it was measured faster (docs/benchmarks.md, GPU round four). The tiles
     double the INT4 bytes: still half of bf16's."""
 
     weight: Int4Weight
     tiles: Int4Tiles
 
 
-TINYGEMM_ROWS = 1  # the rows at which tinygemm beat the Triton GEMV on an H200
+TINYGEMM_ROWS = 8  # tinygemm beat the Triton GEMV at 1-8 rows on an H200, lost at 16
 
 
 def prepare_int4(w: Int4Weight) -> Int4Weight | Int4Cpu | Int4Blocks | Int4Cuda:
@@ -249,7 +249,7 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu | Int4Blocks | Int4Cuda,
               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ w^T (+ bias) -> [..., N] in x's dtype; w from `prepare_int4`."""
     if isinstance(w, Int4Cuda):
-        if x.numel() == TINYGEMM_ROWS * x.shape[-1]:
+        if 0 < x.numel() <= TINYGEMM_ROWS * x.shape[-1]:
             return int4_tiles_gemm(x, w.tiles, bias)
         w = w.weight
     if isinstance(w, Int4Blocks):

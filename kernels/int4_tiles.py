@@ -1,9 +1,10 @@
-"""INT4 weights in tinygemm's tensor-core tile layout: CUDA's one-row GEMM for bf16 activations.
+"""INT4 weights in tinygemm's tensor-core tile layout: CUDA's few-row GEMM for bf16 activations.
 
 PyTorch's CUDA int4 kernel (`torch.ops.aten._weight_int4pack_mm`, tinygemm, the one gpt-fast
 and torchao serve with) reads the weight as m16n8k16 B-operand tiles, made once at load from an
-`Int4Weight` (`pack_tiles`). It is fast at one row and slow at more (docs/benchmarks.md), so
-`kernels/int4_gemm.py` keeps it beside the Int4Weight and calls it for one-row steps only.
+`Int4Weight` (`pack_tiles`). It is fast at up to 8 rows and slow at more (docs/benchmarks.md),
+so `kernels/int4_gemm.py` keeps it beside the Int4Weight and calls it for steps of up to
+`TINYGEMM_ROWS` rows only.
 
 Layout (`Int4Tiles.tiles`, int32 [N / 8, K / (16 I), 32, I / 2], I = inner_k_tiles in 2, 4, 8):
 the value at (n, k), with k = ((ko I / 2 + w) 2 + s) 16 + (h 4 + c) 2 + e, lies in word

@@ -28,14 +28,13 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_kv(x: torch.Tensor, group: int = KV_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, Hkv, D] (D a multiple of group) -> (int8 [N, Hkv, D], fp16 scales
-    [N, Hkv, D // group]). Each group's scale is its max |value| / 127, rounded to fp16
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, Hkv, D] (D a multiple of KV_GROUP) -> (int8 [N, Hkv, D], fp16 scales
+    [N, Hkv, D // KV_GROUP]). Each group's scale is its max |value| / 127, rounded to fp16
     first, so that dequantizing with the stored scale is what was quantized against; values
-    round half away from zero (what the Triton write does too). group = D: one scale per
-    row of a head (LMDeploy's per-token-head layout), which the decode kernel reads too."""
+    round half away from zero (what the Triton write does too)."""
     n, h, d = x.shape
-    groups = x.float().view(n, h, d // group, group)
+    groups = x.float().view(n, h, d // KV_GROUP, KV_GROUP)
     scale = (groups.abs().amax(-1) / 127.0).half()  # [N, Hkv, D / G]
     s = scale.float()[..., None]
     q = torch.where(s > 0, groups / torch.where(s > 0, s, 1.0), 0.0)
@@ -44,11 +43,9 @@ def quantize_kv(x: torch.Tensor, group: int = KV_GROUP) -> tuple[torch.Tensor, t
 
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(int8 [N, Hkv, D], fp16 [N, Hkv, D // group]) -> float32 [N, Hkv, D]; the group is
-    D // the scales' last dim."""
+    """(int8 [N, Hkv, D], fp16 [N, Hkv, D // KV_GROUP]) -> float32 [N, Hkv, D]."""
     n, h, d = q.shape
-    g = scale.shape[-1]
-    return (q.view(n, h, g, d // g).float() * scale.float()[..., None]).view(n, h, d)
+    return (q.view(n, h, d // KV_GROUP, KV_GROUP).float() * scale.float()[..., None]).view(n, h, d)
 
 
 def kv_rows(cache: torch.Tensor, scale: torch.Tensor | None, start: int, n: int) -> torch.Tensor:

@@ -273,12 +273,12 @@ def test_two_data_parallel_ranks_share_one_gpu(demo_model_dir):
     serve_two_ranks_on_one_device(demo_model_dir)
 
 
-# --- 4. INT4 weights on CUDA: tinygemm's tiles for one-row steps (kernels/int4_tiles.py) ------
+# --- 4. INT4 weights on CUDA: tinygemm's tiles for few-row steps (kernels/int4_tiles.py) ------
 
 @pytest.mark.gpu
-def test_int4_bf16_model_runs_tinygemm_at_one_row_in_graphs(demo_model_dir, monkeypatch):
-    """--quantization int4 --dtype bfloat16 on CUDA: steps of one row run tinygemm, the others
-    the Triton GEMV / dequantize + cuBLAS; CUDA-graph replay gives the eager tokens."""
+def test_int4_bf16_model_runs_tinygemm_at_few_rows_in_graphs(demo_model_dir, monkeypatch):
+    """--quantization int4 --dtype bfloat16 on CUDA: steps of up to 8 rows run tinygemm, the
+    others the Triton GEMV / dequantize + cuBLAS; CUDA-graph replay gives the eager tokens."""
     import kernels.int4_gemm as int4_module
 
     calls = {"tinygemm": 0, "triton": 0}

@@ -17,7 +17,7 @@ from kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
 )
-from kernels.kv_quant import KV_GROUP, dequantize_kv, quantize_kv, to_fp8
+from kernels.kv_quant import dequantize_kv, quantize_kv, to_fp8
 
 # the module (the package exports its public function under the same name)
 da = importlib.import_module("kernels.decode_attention")
@@ -101,16 +101,14 @@ def test_triton_matches_reference(group, head_dim, splits):
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("kv_group", [KV_GROUP, 64])
 @pytest.mark.parametrize("group,dtype", [(1, torch.float32), (4, torch.float32),
                                          (1, torch.bfloat16), (4, torch.bfloat16),
                                          (4, torch.float16)])
-def test_triton_reads_int8_kv_like_the_reference(group, dtype, kv_group, splits):
-    """INT8 caches (kernels/kv_quant.py), dequantized in registers (in fp16 for 16-bit
-    queries), in groups of KV_GROUP or one scale a row (kv_group = head_dim): the kernel
-    against the reference on the dequantized cache."""
+def test_triton_reads_int8_kv_like_the_reference(group, dtype, splits):
+    """INT8 caches (kernels/kv_quant.py), dequantized in registers (in fp16 by their bits for
+    16-bit queries): the kernel against the reference on the dequantized cache."""
     q, k, v, starts, lens = make_case([1, 37, 300], N_HEADS // group, 64, seed=7 + group)
-    (kq, ks), (vq, vs) = quantize_kv(k, kv_group), quantize_kv(v, kv_group)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     out = _decode_attention_triton(q.to(dtype), kq, vq, starts, lens, 0.125, 300,
                                    num_splits=splits, k_scale=ks, v_scale=vs)
     check(q.to(dtype), dequantize_kv(kq, ks), dequantize_kv(vq, vs), starts, lens, out,
@@ -254,16 +252,14 @@ def test_gpu_large(dtype, batch, max_len):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["int8", "int8_rows", "fp8"])
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_quantized_kv(kv, dtype):
-    """INT8 (groups of KV_GROUP, or a scale a row) and FP8 caches on CUDA (their dots in fp16,
-    INT8 converted by inline PTX) at Llama-3-8B's heads, long and short sequences, against the
-    reference on the dequantized cache."""
+    """INT8 and FP8 caches on CUDA (their dots in fp16) at Llama-3-8B's heads, long and short
+    sequences, against the reference on the dequantized cache."""
     q, k, v, starts, lens = make_case([4096, 1, 777, 2048], 8, 128, n_heads=32, seed=9)
-    if kv.startswith("int8"):
-        group = 128 if kv == "int8_rows" else KV_GROUP
-        (kq, ks), (vq, vs) = quantize_kv(k, group), quantize_kv(v, group)
+    if kv == "int8":
+        (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
         kd, vd = dequantize_kv(kq, ks), dequantize_kv(vq, vs)
         extra = dict(k_scale=ks.cuda(), v_scale=vs.cuda())
     else:

@@ -1,5 +1,5 @@
 """INT4 weights in tinygemm's tile layout (kernels/int4_tiles.py): the permutation and its
-inverse, and on a GPU torch's packing, tinygemm, and the one-row dispatch against the
+inverse, and on a GPU torch's packing, tinygemm, and the few-row dispatch against the
 references."""
 
 from __future__ import annotations
@@ -92,9 +92,9 @@ def test_tinygemm_matches_the_reference(m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(512,), (1, 512), (1, 1, 512), (3, 512), (40, 512)])
-def test_prepare_int4_keeps_tiles_beside_the_weight_for_one_row(shape):
-    """bf16 on CUDA: Int4Cuda; one row runs tinygemm, more the Triton path; both give the
-    reference's output. fp16 keeps the Int4Weight (tinygemm takes bf16 only)."""
+def test_prepare_int4_keeps_tiles_beside_the_weight_for_few_rows(shape):
+    """bf16 on CUDA: Int4Cuda; up to TINYGEMM_ROWS rows run tinygemm, more the Triton path;
+    both give the reference's output. fp16 keeps the Int4Weight (tinygemm takes bf16 only)."""
     assert dispatch.backend() == "auto"
     w = _int4(256, 512, 32, seed=2, device="cuda")
     prepared = prepare_int4(w)
