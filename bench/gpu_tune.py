@@ -145,7 +145,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="tilings.json")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--cases", default="int8,fp8,decode_b1,w4a16",
-                   help="which sweeps, comma-separated (default: all)")
+                   help="which sweeps, comma-separated (default: these; also deep_16bit)")
     args = p.parse_args(argv)
     cases = set(args.cases.split(","))
     cuda = torch.cuda.is_available()
@@ -165,7 +165,8 @@ def main(argv=None) -> None:
     long_c = [Tiling(bn, 4, 2, ms) for bn, ms in itertools.product(
         (32,) if q else (32, 64), (32, 64) if q else (32, 64, 256))] + ([] if q else [
             Tiling(64, 4, 3, 256), Tiling(64, 4, 4, 256), Tiling(64, 8, 3, 256),
-            Tiling(32, 4, 4, 128)])  # fewer, longer splits, deeper load pipelines
+            Tiling(32, 4, 4, 128), Tiling(64, 4, 3, 64)])  # longer splits, deeper pipelines
+    deep_c = [Tiling(32 if q else 64, 4, 3, ms) for ms in (64, 256)]  # at other contexts
     blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (128, 64)]
     gemv_c = [GemmTiling(16, bn, bk, sk) for (bn, bk), sk in itertools.product(
         blocks, (1, 2) if q else (4, 8, 16))] + ([] if q else ["tiles", "tiles4"])
@@ -180,6 +181,9 @@ def main(argv=None) -> None:
                                              dev, run)
     if "decode_b1" in cases:
         res["decode_b1"] = sweep_decode("16-bit b1", 1, ctx, None, long_c, heads, dt, dev, run)
+    for b, c in ((1, ctx // 4), (1, 4 * ctx), (batch, ctx)) if "deep_16bit" in cases else []:
+        res[f"deep_16bit_b{b}_ctx{c}"] = sweep_decode(f"16-bit b{b} ctx{c}", b, c, None, deep_c,
+                                                      heads, dt, dev, run)
     for n, k in dims if "w4a16" in cases else []:
         res[f"w4a16_m1_{n}x{k}"] = sweep_w4a16(1, n, k, group, gemv_c, dt, dev, run)
     for m in (2, 4, 8, 16, 64, 256) if "w4a16" in cases else []:
