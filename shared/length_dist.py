@@ -16,7 +16,6 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 
 LEVELS: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
 TAIL_FACTOR = 2.0  # F reaches 1 at this multiple of the last quantile
@@ -30,7 +29,7 @@ class LengthDist:
 
     def __post_init__(self):
         v = self.values
-        if len(v) != len(LEVELS) or v[0] < 1 or any(a > b for a, b in pairwise(v)):
+        if len(v) != len(LEVELS) or v[0] < 1 or list(v) != sorted(v):  # sorted: in C
             raise ValueError(f"need {len(LEVELS)} non-decreasing lengths >= 1, got {v!r}")
 
     @classmethod

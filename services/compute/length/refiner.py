@@ -94,9 +94,9 @@ class LengthRefiner:
         if not checkpoints:
             return
         seqs, generated, probes = zip(*checkpoints, strict=True)
-        for seq, g, probe in zip(seqs, generated, probes, strict=True):  # a copy: not a view
-            self.checkpoints.setdefault(seq.request_id, []).append((g, probe.copy()))
-        heads, probes = self.heads, np.stack(probes)  # [n, r]
+        heads, probes = self.heads, np.stack(probes)  # [n, r]: a copy, not the step's buffer
+        for seq, g, probe in zip(seqs, generated, probes, strict=True):
+            self.checkpoints.setdefault(seq.request_id, []).append((g, probe))
         for stage in STAGES:
             head = heads.get(stage)
             rows = [i for i, g in enumerate(generated) if stage_of(g) == stage]
