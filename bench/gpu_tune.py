@@ -44,7 +44,7 @@ from kernels.decode_attention import Tiling, decode_attention_reference  # noqa:
 from kernels.decode_attention import _decode_attention_triton as decode  # noqa: E402
 from kernels.int4_gemm import GemmTiling, gemm_tiling, int4_gemm_triton  # noqa: E402
 from kernels.int4_tiles import int4_tiles_gemm, pack_tiles  # noqa: E402
-from kernels.int4_weight import dequantize_int4, quantize_int4  # noqa: E402
+from kernels.int4_weight import dequantize_int4, quantize_int4, unpack_nibbles  # noqa: E402
 from kernels.kv_quant import KV_GROUP, quantize_kv, to_fp8  # noqa: E402
 
 
@@ -104,9 +104,28 @@ def sweep_decode(name, batch, ctx, kv, candidates, heads, dt, dev, run) -> dict:
     return dict(baseline_ms=round(base, 4), best=best, candidates=len(rows))
 
 
+def gemlite_layer(w):
+    """gemlite's GemLiteLinear (Mobius Labs' Triton W4A16 kernels, the ones torchao, SGLang and
+    HQQ serve with; its GEMV "RevSplitK" at one row) holding an Int4Weight: W = q scale + min
+    is its fma mode with zeros = -min / scale. CUDA only (it asks the device its name at
+    import); an H200 takes the H100's tuned configs, else gemlite autotunes on first call."""
+    import gemlite
+
+    layer_cls, dtype = gemlite.GemLiteLinear, gemlite.DType
+    configs = Path(gemlite.__file__).parent / "configs" / "h100.json"
+    if "h200" in torch.cuda.get_device_name().lower() and configs.exists():
+        layer_cls.load_config(str(configs))
+    n, k = w.shape
+    layer = layer_cls(4, group_size=w.group_size, in_features=k, out_features=n,
+                      input_dtype=dtype.BF16, output_dtype=dtype.BF16)
+    layer.pack(unpack_nibbles(w.packed), w.scales, -w.mins / w.scales, None)
+    return layer
+
+
 def sweep_w4a16(m, n, k, group, candidates, dt, dev, run) -> dict:
     """Candidates of the W4A16 GEMM's tiling (None: int4_gemm_triton's own choice; "tiles":
-    tinygemm's layout, kernels/int4_tiles.py) against cuBLAS bf16 on the dequantized weight."""
+    tinygemm's layout, kernels/int4_tiles.py; "gemlite": `gemlite_layer`) against cuBLAS bf16
+    on the dequantized weight."""
     w = torch.randn(n, k, dtype=dt, device=dev) * 0.02
     x = torch.randn(m, k, dtype=dt, device=dev)
     w4 = quantize_int4(w, group).to(dev, dt)
@@ -122,9 +141,12 @@ def sweep_w4a16(m, n, k, group, candidates, dt, dev, run) -> dict:
     rows = []
     for t in candidates:
         gemm = (lambda q, t: int4_tiles_gemm(x, q)) if t in tiles else \
+            (lambda q, t: q(x)) if t == "gemlite" else \
             (lambda q, t: int4_gemm_triton(x, q, tiling=t))
         weights = tiles.get(t, w4s)
         try:
+            if t == "gemlite":  # made here: a missing package is this candidate's failure
+                weights = [gemlite_layer(q) for q in w4s]
             err = (gemm(weights[0], t).float() - want).abs().max().item()
             ms = run([lambda q=q, t=t, f=gemm: f(q, t) for q in weights])
         except Exception as exc:
@@ -169,7 +191,7 @@ def main(argv=None) -> None:
     deep_c = [Tiling(32 if q else 64, 4, 3, ms) for ms in (64, 256)]  # at other contexts
     blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (128, 64)]
     gemv_c = [GemmTiling(16, bn, bk, sk) for (bn, bk), sk in itertools.product(
-        blocks, (1, 2) if q else (4, 8, 16))] + ([] if q else ["tiles", "tiles4"])
+        blocks, (1, 2) if q else (4, 8, 16))] + ([] if q else ["tiles", "tiles4", "gemlite"])
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"}
     print(res["device"])
     batch = 2 if q else 64
@@ -188,9 +210,9 @@ def main(argv=None) -> None:
         res[f"w4a16_m1_{n}x{k}"] = sweep_w4a16(1, n, k, group, gemv_c, dt, dev, run)
     for m in (2, 4, 8, 16, 64, 256) if "w4a16" in cases else []:
         n, k = dims[0]  # the fused kernel (gemm_tiling's), dequantize + cuBLAS, tinygemm
+        extra = [] if q else ["tiles", "gemlite"]
         res[f"w4a16_rows_m{m}_{n}x{k}"] = sweep_w4a16(
-            m, n, k, group, [gemm_tiling(m, n, k, group), None] + ([] if q else ["tiles"]),
-            dt, dev, run)
+            m, n, k, group, [gemm_tiling(m, n, k, group), None] + extra, dt, dev, run)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps({name: (r["best"] or {}).get("speedup") if isinstance(r, dict) else r
                       for name, r in res.items()}))
