@@ -1,4 +1,4 @@
-"""How config classes become flags and env vars: the machinery behind `shared/config.py`.
+"""How config classes become flags and env vars: the machinery behind `shared/config/`.
 
 Every field `foo_bar` of a config class is the flag `--foo-bar` and the env var
 `PIPELLM_FOO_BAR`; precedence: flag > env var > default. A field holding another config class
