@@ -81,7 +81,7 @@ EOF
     lengths) # ~5 min: the hidden-state length hook's cost per step, Llama-3-8B-shaped, batch 256
       python3 -c "import pathlib, bench.gpu_serve as g; g.build_model(pathlib.Path('/tmp/l3'), 2048)" \
         && run lengths python3 -m bench.length_step_cost --model /tmp/l3 --batch 256 \
-          --kv-cache-gib 8 --every 32 ;;
+          --kv-cache-gib 8 --every 32 --warmup 96 --rounds 5 ;;
     report)  python3 -m bench.gpu_report "$OUT_DIR" ;;
     all)     for s in tune tests kernels decode offline serve lengths report; do step "$s"; done ;;
     *)       echo "unknown step $1 (wheels tune tests kernels decode decode1k decode4k offline serve lengths report all)"

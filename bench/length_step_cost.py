@@ -14,6 +14,7 @@ waiting for the cores). Heads are learned before timing, so every checkpoint pre
 `--every 1` is the worst case: served, a request is a checkpoint once in 32 steps.
 
     python -m bench.length_step_cost [--batch 64] [--steps 32] [--rounds 3] [--every 32]
+                                     [--warmup 4]
 
 The last line is JSON.
 """
@@ -116,6 +117,8 @@ def main(argv=None) -> dict:
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="each engine's")
     p.add_argument("--steps", type=int, default=32, help="decode steps a round")
     p.add_argument("--rounds", type=int, default=3, help="turns each engine takes")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps first (on CUDA: enough "
+                   "for the graphs of every batch size the rounds meet)")
     p.add_argument("--every", type=int, default=32, help="checkpoint interval (served: 32)")
     p.add_argument("--worker", choices=("auto", "on", "off"), default="auto",
                    help="sync in a worker thread (auto: the engine's choice, on)")
@@ -128,7 +131,7 @@ def main(argv=None) -> dict:
                                     kv_cache_tokens=kv_tokens(model, args.kv_cache_gib)))
     streams = {"off": Stream(off, args.batch), "on": Stream(on, args.batch)}
     for stream in streams.values():
-        stream.run(4)  # prefill and warm-up
+        stream.run(args.warmup)  # prefill and warm-up
     hook.clear()
     sync.clear()
     learned = on.lengths.learned
