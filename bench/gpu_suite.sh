@@ -72,9 +72,10 @@ EOF
       step decode1k; step decode4k ;;
     decode1k) run decode1k python3 -m bench.decode_step --batches 1,16,64,256 --context 1024 ;;
     decode4k) run decode4k python3 -m bench.decode_step --batches 1,16,64 --context 4096 ;;  # 256x4096: 137 GB KV
-    offline) # ~8 min: the engine vs transformers generate (static cache), Llama-3-8B bf16
+    offline) # ~6 min: the engine on 1,000 ShareGPT requests (the published figures' count) vs
+             # transformers generate (static cache) on the first 32 (one batch: ~150 s)
       run offline python3 -m bench.offline_throughput --device cuda --dtype bfloat16 \
-        --shape llama3-8b --context 2048 --num-requests 256 --baseline-requests 64 \
+        --shape llama3-8b --context 2048 --num-requests 1000 --baseline-requests 32 \
         --max-batched-tokens 4096 --max-running 256 --hf-cache static ;;
     serve)   # ~6 min: pipellm up (every service) + pipellm-bench
       run serve python3 -m bench.gpu_serve ;;
