@@ -10,9 +10,12 @@ it times `LlamaModel.forward` (median of CUDA-event timed reps, after warm-up)
 with the Triton kernels (the PyTorch reference paths sync with the host: not capturable).
 Bound = (weight bytes + KV bytes read) / bandwidth, the bandwidth measured in the same run as a
 1 GiB device-to-device copy ((bytes read + written) / time); "% of bound" = bound / time.
-Target: >= 80% of the bound at batch 64 (PASS/MISS, graph replay and eager).
+Target: >= 80% of the bound at batch 64 (PASS/MISS, graph replay and eager). --quantization
+builds the projections as the server's method does (int4: groups of 128, tinygemm's tiles
+beside them on CUDA); the bound then counts the bytes of the quantized layout.
 
     python -m bench.decode_step [--quick] [--batches 1,64,256] [--context 1024]
+                                [--quantization none|int4|w8a8|fp8]
 
 --quick: a tiny model (fp16 on CPU under TRITON_INTERPRET=1 without CUDA: eager only, timings
 meaningless; with CUDA, also the graph). The last line printed is one JSON object.
@@ -46,6 +49,7 @@ from services.compute.core.sequence import SeqStatus, Sequence  # noqa: E402
 from services.compute.core.step import ScheduledStep, WorkItem  # noqa: E402
 from services.compute.kv.kv_cache import KVCache  # noqa: E402
 from services.compute.model.llama import LlamaModel  # noqa: E402
+from services.compute.model.quantization import Quantization  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402
 from shared.model_config import ModelConfig  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
@@ -62,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,64,256", help="comma-separated batch sizes")
     p.add_argument("--context", type=int, default=1024, help="KV length of every sequence")
     p.add_argument("--reps", type=int, default=20, help="timed forwards per batch and mode")
+    p.add_argument("--quantization", default="none", choices=["none", "int4", "w8a8", "fp8"],
+                   help="the projections' weights (--quantization; int4 in groups of 128)")
     p.add_argument("--quick", action="store_true", help="tiny model (smoke run; see docstring)")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -79,9 +85,10 @@ def model_config(quick: bool, dtype: str) -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                max_positions: int) -> LlamaModel:
-    """Random HF-named weights on `device` (std 0.02, norms ones) -> LlamaModel. The unfused
-    q/k/v and gate/up tensors die with the dict when this returns."""
+                max_positions: int, quant: Quantization | None = None) -> LlamaModel:
+    """Random HF-named weights on `device` (std 0.02, norms ones) -> LlamaModel, its
+    projections built by `quant`. The unfused q/k/v and gate/up tensors die with the dict when
+    this returns."""
     gen = torch.Generator(device=device).manual_seed(0)
     rand = lambda *shape: torch.empty(shape, dtype=dtype, device=device).normal_(
         0.0, 0.02, generator=gen)
@@ -98,7 +105,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
               p + "mlp.gate_proj.weight": rand(inter, N), p + "mlp.up_proj.weight": rand(inter, N),
               p + "mlp.down_proj.weight": rand(N, inter),
               p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones()}
-    return LlamaModel(cfg, w, device, max_positions)
+    return LlamaModel(cfg, w, device, max_positions, quant)
 
 
 def make_batch(batch: int, ctx: int, vocab: int, device: torch.device) -> ForwardBatch:
@@ -212,7 +219,9 @@ def setup(args, cuda: bool):
     dtype = torch.bfloat16 if cuda else torch.float16  # the interpreter's dot: no bf16
     bw = bandwidth_gbs(device, cuda)
     cfg = model_config(args.quick, str(dtype).removeprefix("torch."))
-    model = build_model(cfg, dtype, device, max_positions=args.context + 16)
+    group = min(128, cfg.hidden_size // 2)  # --quick's hidden size is 64
+    quant = Quantization(args.quantization, group, dtype)
+    model = build_model(cfg, dtype, device, max_positions=args.context + 16, quant=quant)
     if cuda:
         torch.cuda.empty_cache()  # return the unfused weight copies before the cache allocates
     kv = KVCache(cfg.num_layers, max(args.batches) * args.context, cfg.num_kv_heads, cfg.head_dim,
@@ -234,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
               "(CUDA graphs skipped); the timings below are meaningless")
     cfg, model, kv, bw = setup(args, cuda)
     print(f"model: {'tiny' if args.quick else 'Llama-3-8B-shaped'} random weights "
-          f"{weight_bytes(model, 0) / 1e9:.2f} GB {kv.k.dtype}; KV cache {kv.k.shape[1]} slots "
+          f"{weight_bytes(model, 0) / 1e9:.2f} GB {kv.k.dtype}, quantization "
+          f"{args.quantization}; KV cache {kv.k.shape[1]} slots "
           f"({2 * nbytes(kv.k) / 1e9:.2f} GB); context {args.context}; copy bandwidth "
           f"{bw:.1f} GB/s")
     res = {b: run_batch(model, kv, cfg, b, args, cuda, bw) for b in args.batches}
@@ -248,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"target batch {tb} {m} >= {TARGET_PCT:g}% of bound: {pct:.1f}% {v}")
     print(json.dumps(dict(device=device, torch=torch.__version__, triton=triton.__version__,
                           quick=args.quick, timings_meaningful=cuda, bandwidth_gbs=round(bw, 1),
+                          quantization=args.quantization,
                           context=args.context, batches=res, targets=verdicts)))
 
 

@@ -5,7 +5,8 @@
 #   bash bench/gpu_suite.sh wheels     # HERE (with the package index): the wheels the device
 #                                      # image lacks, into .whl/ (git-ignored: the device tool's
 #                                      # run carries it, carry=[".whl"])
-#   bash bench/gpu_suite.sh STEP...    # THERE: tune tests kernels decode (decode1k decode4k)
+#   bash bench/gpu_suite.sh STEP...    # THERE: tune tests kernels decode (decode1k decode4k
+#                                      # decode_int4)
 #                                      # offline serve lengths report, or all
 #
 # Each step writes STEP.json (its benchmark's last JSON line) and STEP.log into $OUT (the device
@@ -72,6 +73,9 @@ EOF
       step decode1k; step decode4k ;;
     decode1k) run decode1k python3 -m bench.decode_step --batches 1,16,64,256 --context 1024 ;;
     decode4k) run decode4k python3 -m bench.decode_step --batches 1,16,64 --context 4096 ;;  # 256x4096: 137 GB KV
+    decode_int4) # ~3 min: the same step with INT4 weights (W4A16: tinygemm up to 8 rows)
+      run decode_int4 python3 -m bench.decode_step --batches 1,8,16,64 --context 1024 \
+        --quantization int4 ;;
     offline) # ~6 min: the engine on 1,000 ShareGPT requests (the published figures' count) vs
              # transformers generate (static cache) on the first 32 (one batch: ~150 s)
       run offline python3 -m bench.offline_throughput --device cuda --dtype bfloat16 \
@@ -85,12 +89,12 @@ EOF
           --kv-cache-gib 8 --every 32 --warmup 96 --rounds 5 ;;
     report)  python3 -m bench.gpu_report "$OUT_DIR" ;;
     all)     for s in tune tests kernels decode offline serve lengths report; do step "$s"; done ;;
-    *)       echo "unknown step $1 (wheels tune tests kernels decode decode1k decode4k offline serve lengths report all)"
+    *)       echo "unknown step $1 (wheels tune tests kernels decode decode1k decode4k decode_int4 offline serve lengths report all)"
              exit 2 ;;
   esac
 }
 
-[ $# -ge 1 ] || { sed -n '2,14p' "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,15p' "$0"; exit 2; }
 if [ "$1" = wheels ]; then wheels; exit; fi
 install
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
