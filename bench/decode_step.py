@@ -203,7 +203,7 @@ def run_batch(model, kv, cfg, batch: int, args, cuda: bool, bw: float) -> dict:
     modes = [m for m in ("eager", "graph") if f"{m}_ms" in r]
     for m in modes:
         r[f"{m}_pct_bound"] = 100 * r["bound_ms"] / r[f"{m}_ms"]
-    finite = bool(eager_logits.isfinite().all())
+    r["logits_finite"] = finite = bool(eager_logits.isfinite().all())
     times = "  ".join(f"{m} {r[f'{m}_ms']:8.3f} ms ({r[f'{m}_pct_bound']:5.1f}% of bound)"
                       for m in modes)
     diff = r.get("graph_vs_eager_max_diff")

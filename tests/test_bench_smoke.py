@@ -512,3 +512,29 @@ def test_cpu_prefill_attention_bench_small(capsys):
     assert sum(out["batches"][0]) <= 300
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bench"] == \
         "cpu_prefill_attention"
+
+
+
+def test_decode_step_quick_builds_the_served_projections(capsys):
+    """bench/decode_step.py --quick (the tiny model, interpreted, eager only), 16-bit and
+    --quantization int4: finite logits at both batch sizes; with int4 the projections are the
+    server's Int4Linear, and the bytes the bound counts are the packed layout's."""
+    from bench import decode_step
+    from services.compute.model.linear.int4 import Int4Linear
+
+    built, real = [], decode_step.build_model
+    decode_step.build_model = lambda *a, **kw: built.append(real(*a, **kw)) or built[-1]
+    try:
+        outs = {}
+        for method in ("none", "int4"):
+            decode_step.main(["--quick", "--quantization", method])
+            outs[method] = last_json(capsys.readouterr().out)
+    finally:
+        decode_step.build_model = real
+    for method, out in outs.items():
+        assert out["quantization"] == method and set(out["batches"]) == {"1", "4"}
+        assert all(b["eager_ms"] > 0 and b["logits_finite"] for b in out["batches"].values())
+    dense, int4 = built
+    assert not isinstance(dense.layers[0].down, Int4Linear)
+    assert isinstance(int4.layers[0].down, Int4Linear)
+    assert int4.weight_bytes() < 0.75 * dense.weight_bytes()
