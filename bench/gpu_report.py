@@ -14,7 +14,7 @@ from pathlib import Path
 
 from services.compute.sim.cost import CostModel, fit_decode
 
-STEPS = ("tests", "kernels", "decode1k", "decode4k", "offline", "serve", "lengths")
+STEPS = ("tests", "kernels", "decode1k", "decode4k", "decode_int4", "offline", "serve", "lengths")
 TARGETS = {  # name -> (figure, threshold, what)
     "decode_graph_pct_bound": (80.0, "decode step, batch 64, ctx 1024, CUDA graph: % of bound"),
     "offline_ratio": (3.0, "offline ShareGPT throughput / transformers generate"),
@@ -82,7 +82,7 @@ def markdown(r: dict, figs: dict, fitted: dict | None) -> str:
              f"- kernel targets (bench/kernels.py): {(r.get('kernels') or {}).get('targets')}"]
     for name, (threshold, what) in TARGETS.items():
         lines.append(f"- {what}: {figs[name]} (target {threshold}: {verdict(name, figs[name])})")
-    for step in ("decode1k", "decode4k"):
+    for step in ("decode1k", "decode4k", "decode_int4"):  # decode_int4: not in the fit
         for b, row in sorted(((r.get(step) or {}).get("batches") or {}).items(), key=lambda x:
                              int(x[0])):
             lines.append(f"- {step} batch {b}: eager {row.get('eager_ms')} ms, graph "

@@ -351,7 +351,8 @@ def test_server_that_exits_early_raises_with_its_log(tmp_path):
 
 def test_gpu_report_fits_the_simulator_to_decode_timings(tmp_path, capsys):
     """The GPU suite's report on step files shaped like bench/decode_step.py's JSON, made from a
-    known cost model: the fit recovers it; missing steps read as not measured."""
+    known cost model: the fit recovers it (the INT4 step listed but not fitted); missing steps
+    read as not measured."""
     from bench import gpu_report
     from services.compute.sim.cost import CostModel
 
@@ -360,6 +361,8 @@ def test_gpu_report_fits_the_simulator_to_decode_timings(tmp_path, capsys):
         batches = {str(b): {"graph_ms": 1e3 * truth.decode(b, ctx).time_s, "graph_pct_bound": 81.0}
                    for b in (1, 16, 64, 256)}
         (tmp_path / f"{name}.json").write_text(json.dumps({"context": ctx, "batches": batches}))
+    int4 = {"1": {"graph_ms": 1.5, "graph_pct_bound": 70.0}}  # W4A16: listed, not fitted
+    (tmp_path / "decode_int4.json").write_text(json.dumps({"context": 1024, "batches": int4}))
     (tmp_path / "device.txt").write_text("NVIDIA H100 80GB HBM3, 81559 MiB, 580.1")
     (tmp_path / "lengths.json").write_text(json.dumps(
         {"step_ms_off": 10.0, "step_ms_on": 10.2, "slowdown": 0.02, "hook_share": 0.012}))
@@ -372,6 +375,8 @@ def test_gpu_report_fits_the_simulator_to_decode_timings(tmp_path, capsys):
                                "host_share_of_step": "not measured",
                                "length_hook_share": "NOT met"}  # 1.2% > 1%
     assert "10.2 ms with it" in text
+    assert "decode_int4 batch 1: eager None ms, graph 1.5 ms" in text
+    assert out["steps"]["decode_int4"]
 
 
 def test_gpu_suite_script_parses():
