@@ -214,12 +214,8 @@ class ModelRunner:
         """The probes [C, r] of the sampled rows that are length checkpoints (launched
         before Scheduler.advance: a row's token goes at index len(seq.token_ids); of a
         speculative verify, its first row only; none of a beam search)."""
-        rows, i = [], 0
-        for item in step.items:  # one pass, no per-row views: this runs every step
-            if item.samples and item.kind is not Work.BEAM and is_checkpoint(
-                    len(item.seq.token_ids) - item.seq.num_prompt, self.probe_every):
-                rows.append(i)
-            i += item.samples
+        rows = [i for i, (item, j) in enumerate(step.rows) if j == 0 and item.kind is not Work.BEAM
+                and is_checkpoint(item.seq.num_output, self.probe_every)]
         if rows:
             out.probe_rows = rows
             out.probes = take_rows(hidden, rows).float() @ self.probe
