@@ -19,6 +19,7 @@ meaningless). The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -104,17 +105,24 @@ def sweep_decode(name, batch, ctx, kv, candidates, heads, dt, dev, run) -> dict:
     return dict(baseline_ms=round(base, 4), best=best, candidates=len(rows))
 
 
+@functools.cache
+def _gemlite():
+    """gemlite, imported once (CUDA only: it asks the device its name at import); an H200 takes
+    the H100's tuned configs, else gemlite autotunes on first call."""
+    import gemlite
+
+    configs = Path(gemlite.__file__).parent / "configs" / "h100.json"
+    if "h200" in torch.cuda.get_device_name().lower() and configs.exists():
+        gemlite.GemLiteLinear.load_config(str(configs))
+    return gemlite
+
+
 def gemlite_layer(w):
     """gemlite's GemLiteLinear (Mobius Labs' Triton W4A16 kernels, the ones torchao, SGLang and
     HQQ serve with; its GEMV "RevSplitK" at one row) holding an Int4Weight: W = q scale + min
-    is its fma mode with zeros = -min / scale. CUDA only (it asks the device its name at
-    import); an H200 takes the H100's tuned configs, else gemlite autotunes on first call."""
-    import gemlite
-
+    is its fma mode with zeros = -min / scale."""
+    gemlite = _gemlite()
     layer_cls, dtype = gemlite.GemLiteLinear, gemlite.DType
-    configs = Path(gemlite.__file__).parent / "configs" / "h100.json"
-    if "h200" in torch.cuda.get_device_name().lower() and configs.exists():
-        layer_cls.load_config(str(configs))
     n, k = w.shape
     layer = layer_cls(4, group_size=w.group_size, in_features=k, out_features=n,
                       input_dtype=dtype.BF16, output_dtype=dtype.BF16)
