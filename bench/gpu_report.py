@@ -14,13 +14,17 @@ from pathlib import Path
 
 from services.compute.sim.cost import CostModel, fit_decode
 
-STEPS = ("tests", "kernels", "decode1k", "decode4k", "decode_int4", "offline", "serve", "lengths")
+STEPS = ("tests", "kernels", "decode1k", "decode4k", "decode_int4", "offline", "serve", "lengths",
+         "serve_sg", "vllm_serve")
 TARGETS = {  # name -> (figure, threshold, what)
     "decode_graph_pct_bound": (80.0, "decode step, batch 64, ctx 1024, CUDA graph: % of bound"),
     "offline_ratio": (3.0, "offline ShareGPT throughput / transformers generate"),
     "host_share_of_step": (0.10, "host work outside the forward, share of a step (at most)"),
     "length_hook_share": (0.01, "hidden-state length hook on the step path, batch 256, share "
                                 "of a step (at most)"),
+    "vs_vllm_throughput": (1.0, "served ShareGPT 1,000 at once, output tok/s / vLLM's (the "
+                                "lower of greedy and sampled)"),
+    "vs_vllm_tpot": (1.0, "p50 TPOT at 4 and 16 req/s, vLLM's / pipellm's (the lowest)"),
 }
 AT_MOST = ("host_share_of_step", "length_hook_share")
 
@@ -65,7 +69,27 @@ def figures(r: dict) -> dict:
     off = r.get("offline") or {}
     return {"decode_graph_pct_bound": d1k.get("graph_pct_bound"),
             "offline_ratio": off.get("ratio"), "host_share_of_step": off.get("host_share_of_step"),
-            "length_hook_share": (r.get("lengths") or {}).get("hook_share")}
+            "length_hook_share": (r.get("lengths") or {}).get("hook_share"),
+            **vs_vllm(r)}
+
+
+def side_by_side(r: dict) -> list[tuple[str, dict, dict]]:
+    """(run, pipellm's row, vLLM's row) for every run both servers completed."""
+    ours = (r.get("serve_sg") or {}).get("runs") or {}
+    theirs = (r.get("vllm_serve") or {}).get("runs") or {}
+    return [(name, ours[name], theirs[name]) for name in ours if name in theirs]
+
+
+def vs_vllm(r: dict) -> dict:
+    """The side-by-side targets' figures: the worst ratio over the runs each covers."""
+    tput, tpot = [], []
+    for name, ours, theirs in side_by_side(r):
+        if name.split("-")[0] == "sg" and theirs.get("output_throughput"):
+            tput.append(ours["output_throughput"] / theirs["output_throughput"])
+        elif ours.get("median_tpot_ms"):
+            tpot.append(theirs["median_tpot_ms"] / ours["median_tpot_ms"])
+    return {"vs_vllm_throughput": round(min(tput), 3) if tput else None,
+            "vs_vllm_tpot": round(min(tpot), 3) if tpot else None}
 
 
 def verdict(name: str, value) -> str:
@@ -105,6 +129,15 @@ def markdown(r: dict, figs: dict, fitted: dict | None) -> str:
     if serve:
         for name, row in serve.items():
             lines.append(f"- serving {name}: {row}")
+    rows = side_by_side(r)
+    if rows:
+        lines += ["", "| run | pipellm tok/s | vLLM tok/s | pipellm p50 TTFT / TPOT ms | "
+                  "vLLM p50 TTFT / TPOT ms |", "|---|---|---|---|---|"]
+        for name, ours, theirs in rows:
+            lines.append(f"| {name} | {ours['output_throughput']:.0f} | "
+                         f"{theirs['output_throughput']:.0f} | {ours['median_ttft_ms']:.0f} / "
+                         f"{ours['median_tpot_ms']:.1f} | {theirs['median_ttft_ms']:.0f} / "
+                         f"{theirs['median_tpot_ms']:.1f} |")
     return "\n".join(lines)
 
 

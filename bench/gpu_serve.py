@@ -1,15 +1,29 @@
-"""One serving run on a GPU through the real services: `pipellm up` (gateway, tokenizers,
-compute, detokenizer, embedded Redis) on a Llama-3-8B-shaped random bf16 model with the demo
-tokenizer's vocabulary (every generated id decodes), then `pipellm-bench` at request rate inf
-and at a fixed rate. Part of bench/gpu_suite.sh; the last line printed is one JSON object.
+"""Serving on a GPU through the real servers: `pipellm up` (gateway, tokenizers, compute,
+detokenizer, embedded Redis) or vLLM's `vllm serve` (its CUDA build carried by
+bench/vllm_gpu.py), on one Llama-3-8B-shaped random bf16 model with the demo tokenizer's
+vocabulary (every generated id decodes), driven by `pipellm-bench`: the same client, requests
+and seeds for both. Part of bench/gpu_suite.sh (steps serve, serve_sg, vllm_serve); the last
+line printed is one JSON object.
 
-    python -m bench.gpu_serve [--num-prompts 512] [--input-len 512] [--output-len 256]
+Workloads (`--workloads`), EOS ignored, each greedy and/or sampled (`--sampling`; sampled:
+temperature 0.7, top_p 0.9, names end in -s):
+
+    rand    random 512 in / 256 out, 512 prompts, all at once
+    rand8   the same at 8 req/s (Poisson)
+    sg      ShareGPT (data/, demo-tokenizer lengths), 1,000 prompts, all at once: the
+            published offline figures' count
+    sg4     ShareGPT at 4 req/s, --rate-prompts prompts
+    sg16    ShareGPT at 16 req/s
+
+    python -m bench.gpu_serve [--server pipellm|vllm] [--workloads sg,sg4,sg16]
+        [--sampling greedy,sampled] [--model-dir /tmp/l3-serve]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -19,33 +33,62 @@ import torch
 import transformers
 
 from bench.common import log, machine
-from bench.servers import Server, free_port, run_bench, running
+from bench.servers import Server, ServerError, free_port, run_bench, running
+from bench.vllm_gpu import SITE as VLLM_SITE
 from shared.demo_model import build_demo_tokenizer, ensure_demo_model
 
 SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
              num_key_value_heads=8, intermediate_size=14336, rope_theta=500000.0)
-KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "p99_ttft_ms",
-        "mean_tpot_ms", "p99_tpot_ms", "completed", "failed")
+KEYS = ("output_throughput", "request_throughput", "mean_ttft_ms", "median_ttft_ms",
+        "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "completed", "failed")
+RANDOM = ["--dataset-name", "random", "--random-input-len", "512", "--random-output-len", "256"]
+WORKLOADS = {  # name -> (pipellm-bench flags, prompts: an int or the flag that sets them)
+    "rand": ([*RANDOM, "--request-rate", "inf"], "num_prompts"),
+    "rand8": ([*RANDOM, "--request-rate", "8"], "num_prompts"),
+    "sg": (["--dataset-name", "sharegpt", "--request-rate", "inf"], "sharegpt_prompts"),
+    "sg4": (["--dataset-name", "sharegpt", "--request-rate", "4"], "rate_prompts"),
+    "sg16": (["--dataset-name", "sharegpt", "--request-rate", "16"], "rate_prompts"),
+}
+SAMPLING = {"greedy": ("", ["--temperature", "0"]),
+            "sampled": ("-s", ["--temperature", "0.7", "--top-p", "0.9"])}
+
+
+def _names(text: str, known) -> list[str]:
+    names = [s for s in text.split(",") if s]
+    if bad := [s for s in names if s not in known]:
+        raise argparse.ArgumentTypeError(f"unknown {bad}: choose from {', '.join(known)}")
+    return names
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-prompts", type=int, default=512)
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--rate", type=float, default=8.0, help="the fixed-rate run's requests/s")
-    p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--bench-timeout", type=float, default=400)
+    a = p.add_argument
+    a("--server", choices=("pipellm", "vllm"), default="pipellm")
+    a("--device", default="cuda", help="pipellm's (cpu: a smoke run on a small --model-dir)")
+    a("--workloads", type=lambda s: _names(s, WORKLOADS), default="rand,rand8")
+    a("--sampling", type=lambda s: _names(s, SAMPLING), default="greedy")
+    a("--num-prompts", type=int, default=512, help="of rand and rand8")
+    a("--sharegpt-prompts", type=int, default=1000, help="of sg")
+    a("--rate-prompts", type=int, default=200, help="of sg4 and sg16")
+    a("--warmup-prompts", type=int, default=16, help="unmeasured, per sampling mode")
+    a("--context", type=int, default=2048)
+    a("--model-dir", type=Path, default=None, help="kept and reused (default: a temporary "
+      "folder); both servers of one machine read the same weights")
+    a("--vllm-site", type=Path, default=VLLM_SITE)
+    a("--ready-timeout", type=float, default=600)
+    a("--bench-timeout", type=float, default=400)
+    a("--seed", type=int, default=0)
     return p.parse_args(argv)
 
 
 def build_model(out: Path, context: int) -> None:
-    """Random Llama-3-8B-shaped weights (bf16, made on the GPU) + the demo tokenizer."""
+    """Random Llama-3-8B-shaped weights (bf16, made on the GPU, seeded) + the demo tokenizer."""
     tok = build_demo_tokenizer()
     cfg = transformers.LlamaConfig(**SHAPE, vocab_size=tok.get_vocab_size(),
                                    max_position_embeddings=context, tie_word_embeddings=False,
                                    bos_token_id=tok.token_to_id("<s>"),
                                    eos_token_id=tok.token_to_id("</s>"), dtype="bfloat16")
+    torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
@@ -56,40 +99,71 @@ def build_model(out: Path, context: int) -> None:
         shutil.copy(demo / name, out / name)
 
 
+def make_server(args, model: Path, port: int, log_path: Path) -> Server:
+    if args.server == "pipellm":
+        argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port",
+                str(port), "--device", args.device, "--dtype", "bfloat16", "--max-model-len",
+                str(args.context)]
+        return Server("pipellm", argv, f"http://127.0.0.1:{port}/health", log_path)
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host",
+            "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len",
+            str(args.context)]
+    cuda_bin = "/usr/local/cuda/bin"  # flashinfer (vLLM's sampler) compiles with nvcc
+    env = {"PYTHONPATH": str(args.vllm_site),
+           "PATH": f"{os.environ.get('PATH', '')}:{cuda_bin}"}
+    return Server("vllm", argv, f"http://127.0.0.1:{port}/v1/models", log_path, env)
+
+
+def bench_argv(args, workload: str, sampling: str, port: int, model: Path, out: Path,
+               prompts: int | None = None) -> list[str]:
+    flags, count = WORKLOADS[workload]
+    n = prompts or getattr(args, count)
+    return [sys.executable, "-m", "loadgen.cli", "--base-url", f"http://127.0.0.1:{port}",
+            *flags, "--tokenizer", str(model), "--max-model-len", str(args.context),
+            "--num-prompts", str(n), "--ignore-eos", *SAMPLING[sampling][1],
+            "--seed", str(args.seed), "--disable-tqdm", "--save-result",
+            "--result-dir", str(out.parent), "--result-filename", out.name]
+
+
+def drive(args, port: int, model: Path, results: Path) -> dict:
+    """Every (sampling, workload) run against a ready server; {name: KEYS} of those that ran."""
+    rows = {}
+    for sampling in args.sampling:
+        suffix = SAMPLING[sampling][0]
+        warm = results / f"warmup{suffix}.json"  # a sampled warm-up also compiles samplers
+        run_bench(args, bench_argv(args, "rand", sampling, port, model, warm,
+                                   args.warmup_prompts), warm)
+        for workload in args.workloads:
+            name = workload + suffix
+            out = results / f"{name}.json"
+            res = run_bench(args, bench_argv(args, workload, sampling, port, model, out), out)
+            if res is not None:
+                rows[name] = {k: res.get(k) for k in KEYS}
+                log(f"{args.server} {name}: {json.dumps(rows[name])}")
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    print(f"machine: {machine()}; {torch.cuda.get_device_name()}")
+    device = torch.cuda.get_device_name() if args.device == "cuda" else machine()
+    print(f"machine: {machine()}; {device}; server {args.server}")
     with tempfile.TemporaryDirectory(prefix="pipellm-gpu-serve-") as tmp:
-        model, results = Path(tmp) / "model", Path(tmp) / "results"
-        build_model(model, args.context)
+        model, results = args.model_dir or Path(tmp) / "model", Path(tmp) / "results"
+        if not (model / "config.json").is_file():
+            build_model(model, args.context)
         port = free_port()
-        argv_up = [sys.executable, "-m", "services.cli", "up", "--model", str(model),
-                   "--port", str(port), "--device", "cuda", "--dtype", "bfloat16",
-                   "--max-model-len", str(args.context)]
-        server = Server("pipellm", argv_up, f"http://127.0.0.1:{port}/health",
-                        results / "pipellm.log")
-        rows = {}
-        with running(server, 600) as startup_s:
-            log(f"pipellm ready after {startup_s:.0f} s")
-            for name, rate in (("warmup", "inf"), ("rate_inf", "inf"),
-                               (f"rate_{args.rate:g}", str(args.rate))):
-                n = 16 if name == "warmup" else args.num_prompts
-                out = results / f"{name}.json"
-                res = run_bench(args, [sys.executable, "-m", "loadgen.cli", "--base-url",
-                                       f"http://127.0.0.1:{port}", "--dataset-name", "random",
-                                       "--random-input-len", str(args.input_len),
-                                       "--random-output-len", str(args.output_len),
-                                       "--ignore-eos", "--temperature", "0", "--request-rate",
-                                       rate, "--num-prompts", str(n), "--disable-tqdm",
-                                       "--save-result", "--result-dir", str(results),
-                                       "--result-filename", out.name], out)
-                if res is not None and name != "warmup":
-                    rows[name] = {k: res.get(k) for k in KEYS}
-                    log(f"{name}: {json.dumps(rows[name])}")
-        print(json.dumps({"device": torch.cuda.get_device_name(), "model": "llama3-8b-shape "
-                          "bf16 random (demo vocab)", "input_len": args.input_len,
-                          "output_len": args.output_len, "num_prompts": args.num_prompts,
-                          "startup_s": round(startup_s, 1), "runs": rows}))
+        server = make_server(args, model, port, results / f"{args.server}.log")
+        rows, startup_s = {}, None
+        try:
+            with running(server, args.ready_timeout) as startup_s:
+                log(f"{args.server} ready after {startup_s:.0f} s")
+                rows = drive(args, port, model, results)
+        except ServerError as e:  # its message ends with the server's last log lines
+            log(str(e))
+        print(json.dumps({"server": args.server, "device": device, "model": str(
+                          args.model_dir or "llama3-8b-shape bf16 random (demo vocab)"),
+                          "context": args.context, "startup_s": startup_s and
+                          round(startup_s, 1), "runs": rows}))
     return 0 if rows else 1
 
 

@@ -5,9 +5,12 @@
 #   bash bench/gpu_suite.sh wheels     # HERE (with the package index): the wheels the device
 #                                      # image lacks, into .whl/ (git-ignored: the device tool's
 #                                      # run carries it, carry=[".whl"])
+#   python -m bench.vllm_gpu pack      # HERE: vLLM's CUDA build in parts, into .vllm/ (git-
+#                                      # ignored; its plan says which call carries which part)
 #   bash bench/gpu_suite.sh STEP...    # THERE: tune tests kernels decode (decode1k decode4k
 #                                      # decode_int4)
-#                                      # offline serve lengths report, or all
+#                                      # offline serve lengths report, or all; serve_sg and
+#                                      # vllm_serve: pipellm and vLLM side by side
 #
 # Each step writes STEP.json (its benchmark's last JSON line) and STEP.log into $OUT (the device
 # tool's output folder) or out/gpu/; `report` fits the simulator's decode efficiency to the
@@ -83,13 +86,22 @@ EOF
         --max-batched-tokens 4096 --max-running 256 --hf-cache static ;;
     serve)   # ~6 min: pipellm up (every service) + pipellm-bench
       run serve python3 -m bench.gpu_serve ;;
+    serve_sg|vllm_serve) # ~4 min a sampling mode (SERVE_SAMPLING, default greedy,sampled):
+             # ShareGPT 1,000 at once, at 4 and at 16 req/s; the same model folder for both
+      local server=pipellm
+      if [ "$1" = vllm_serve ]; then
+        server=vllm
+        python3 -m bench.vllm_gpu recv && python3 -m bench.vllm_gpu unpack || return 1
+      fi
+      run "$1" python3 -m bench.gpu_serve --server "$server" --workloads sg,sg4,sg16 \
+        --sampling "${SERVE_SAMPLING:-greedy,sampled}" --model-dir /tmp/l3-serve ;;
     lengths) # ~5 min: the hidden-state length hook's cost per step, Llama-3-8B-shaped, batch 256
       python3 -c "import pathlib, bench.gpu_serve as g; g.build_model(pathlib.Path('/tmp/l3'), 2048)" \
         && run lengths python3 -m bench.length_step_cost --model /tmp/l3 --batch 256 \
           --kv-cache-gib 8 --every 32 --warmup 96 --rounds 5 ;;
     report)  python3 -m bench.gpu_report "$OUT_DIR" ;;
     all)     for s in tune tests kernels decode offline serve lengths report; do step "$s"; done ;;
-    *)       echo "unknown step $1 (wheels tune tests kernels decode decode1k decode4k decode_int4 offline serve lengths report all)"
+    *)       echo "unknown step $1 (wheels tune tests kernels decode decode1k decode4k decode_int4 offline serve serve_sg vllm_serve lengths report all)"
              exit 2 ;;
   esac
 }

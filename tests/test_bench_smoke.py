@@ -373,7 +373,9 @@ def test_gpu_report_fits_the_simulator_to_decode_timings(tmp_path, capsys):
     assert out["fit"]["overhead_ms"] == pytest.approx(0.5, rel=1e-2)
     assert out["verdicts"] == {"decode_graph_pct_bound": "met", "offline_ratio": "not measured",
                                "host_share_of_step": "not measured",
-                               "length_hook_share": "NOT met"}  # 1.2% > 1%
+                               "length_hook_share": "NOT met",  # 1.2% > 1%
+                               "vs_vllm_throughput": "not measured",
+                               "vs_vllm_tpot": "not measured"}
     assert "10.2 ms with it" in text
     assert "decode_int4 batch 1: eager None ms, graph 1.5 ms" in text
     assert out["steps"]["decode_int4"]
