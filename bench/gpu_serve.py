@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--sampling", type=lambda s: _names(s, SAMPLING), default="greedy")
     a("--num-prompts", type=int, default=512, help="of rand and rand8")
     a("--sharegpt-prompts", type=int, default=1000, help="of sg")
-    a("--rate-prompts", type=int, default=200, help="of sg4 and sg16")
+    a("--rate-prompts", type=int, default=120, help="of sg4 and sg16")
     a("--warmup-prompts", type=int, default=16, help="unmeasured, per sampling mode")
     a("--context", type=int, default=2048)
     a("--model-dir", type=Path, default=None, help="kept and reused (default: a temporary "

@@ -87,16 +87,17 @@ EOF
     serve)   # ~6 min: pipellm up (every service) + pipellm-bench
       run serve python3 -m bench.gpu_serve ;;
     serve_sg|vllm_serve) # ~4 min a sampling mode (SERVE_SAMPLING, default greedy,sampled):
-             # ShareGPT 1,000 at once, at 4 and at 16 req/s; the same model folder for both
+             # ShareGPT 1,000 at once, 120 at 4 and at 16 req/s; one model folder for all
       local server=pipellm
       if [ "$1" = vllm_serve ]; then
         server=vllm
         python3 -m bench.vllm_gpu recv && python3 -m bench.vllm_gpu unpack || return 1
       fi
       run "$1" python3 -m bench.gpu_serve --server "$server" --workloads sg,sg4,sg16 \
-        --sampling "${SERVE_SAMPLING:-greedy,sampled}" --model-dir /tmp/l3-serve ;;
+        --sampling "${SERVE_SAMPLING:-greedy,sampled}" --model-dir /tmp/l3 ;;
     lengths) # ~5 min: the hidden-state length hook's cost per step, Llama-3-8B-shaped, batch 256
-      python3 -c "import pathlib, bench.gpu_serve as g; g.build_model(pathlib.Path('/tmp/l3'), 2048)" \
+      python3 -c "import pathlib, bench.gpu_serve as g; p = pathlib.Path('/tmp/l3'); \
+        (p / 'config.json').is_file() or g.build_model(p, 2048)" \
         && run lengths python3 -m bench.length_step_cost --model /tmp/l3 --batch 256 \
           --kv-cache-gib 8 --every 32 --warmup 96 --rounds 5 ;;
     report)  python3 -m bench.gpu_report "$OUT_DIR" ;;

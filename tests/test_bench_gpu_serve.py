@@ -96,7 +96,7 @@ def test_both_servers_get_the_same_requests(tmp_path):
     assert sg[sg.index("--request-rate") + 1] == "inf"
     sg4s = gpu_serve.bench_argv(args, "sg4", "sampled", 8002, model, out)
     assert sg4s[sg4s.index("--request-rate") + 1] == "4"
-    assert sg4s[sg4s.index("--num-prompts") + 1] == "200"
+    assert sg4s[sg4s.index("--num-prompts") + 1] == "120"
     ep = cli.endpoint(cli.parser().parse_args(sg4s[3:]))  # after python -m loadgen.cli
     assert (ep.extra_body, ep.ignore_eos) == ({"temperature": 0.7, "top_p": 0.9}, True)
     with pytest.raises(SystemExit):
