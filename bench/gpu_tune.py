@@ -1,8 +1,9 @@
 """Launch shapes for the kernels that lost on the first GPU run, swept on the device: INT8- and
 FP8-KV decode attention (batch 64, context 4096), one long sequence's decode attention (batch 1,
-context 4096), the W4A16 GEMM at one row (4096x4096, 14336x4096, groups of 128), and at 2 to
-256 rows the fused kernel, dequantize + cuBLAS and tinygemm (kernels/int4_gemm.py's choices by
-rows: TINYGEMM_ROWS, SMALL_M).
+context 4096; also with the splits merged in the split kernel, Tiling.fused), the W4A16 GEMM at
+one row (4096x4096, 14336x4096, groups of 128), and at 2 to 256 rows the fused kernel,
+dequantize + cuBLAS and tinygemm (kernels/int4_gemm.py's choices by rows: TINYGEMM_ROWS,
+SMALL_M).
 
 Each candidate is timed replayed from a CUDA graph over cold copies of its inputs
 (bench/cuda_timing.py), beside the baseline the target names (the 16-bit kernel as it ships; the
@@ -25,7 +26,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.cuda_timing import copies_for, graph_ms  # noqa: E402
 from kernels import dispatch  # noqa: E402
-from kernels.decode_attention import Tiling, decode_attention_reference  # noqa: E402
+from kernels.decode_attention import TILINGS, Tiling, decode_attention_reference  # noqa: E402
 from kernels.decode_attention import _decode_attention_triton as decode  # noqa: E402
 from kernels.int4_gemm import GemmTiling, gemm_tiling, int4_gemm_triton  # noqa: E402
 from kernels.int4_tiles import int4_tiles_gemm, pack_tiles  # noqa: E402
@@ -175,7 +176,9 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="tilings.json")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--cases", default="int8,fp8,decode_b1,w4a16",
-                   help="which sweeps, comma-separated (default: these; also deep_16bit)")
+                   help="which sweeps, comma-separated (default: these; also deep_16bit, and "
+                   "fused: the shipped 16-bit tiling with and without Tiling.fused at other "
+                   "shapes)")
     args = p.parse_args(argv)
     cases = set(args.cases.split(","))
     cuda = torch.cuda.is_available()
@@ -196,7 +199,10 @@ def main(argv=None) -> None:
         (32,) if q else (32, 64), (32, 64) if q else (32, 64, 256))] + ([] if q else [
             Tiling(64, 4, 3, 256), Tiling(64, 4, 4, 256), Tiling(64, 8, 3, 256),
             Tiling(32, 4, 4, 128), Tiling(64, 4, 3, 64)])  # longer splits, deeper pipelines
+    long_c += [Tiling(32, 4, 2, 32, True)] + ([] if q else [  # one launch: splits merged
+        replace(long_c[0], fused=True), Tiling(64, 4, 2, 64, True), Tiling(64, 4, 3, 256, True)])
     deep_c = [Tiling(32 if q else 64, 4, 3, ms) for ms in (64, 256)]  # at other contexts
+    fused_c = [TILINGS["16bit"], replace(TILINGS["16bit"], fused=True)]
     blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (128, 64)]
     gemv_c = [GemmTiling(16, bn, bk, sk) for (bn, bk), sk in itertools.product(
         blocks, (1, 2) if q else (4, 8, 16))] + ([] if q else ["tiles", "tiles4", "gemlite"])
@@ -211,6 +217,9 @@ def main(argv=None) -> None:
                                              dev, run)
     if "decode_b1" in cases:
         res["decode_b1"] = sweep_decode("16-bit b1", 1, ctx, None, long_c, heads, dt, dev, run)
+    for b, c in ((1, ctx // 4), (1, 4 * ctx), (16, ctx)) if "fused" in cases else []:
+        res[f"fused_b{b}_ctx{c}"] = sweep_decode(f"16-bit fused b{b} ctx{c}", b, c, None,
+                                                 fused_c, heads, dt, dev, run)
     for b, c in ((1, ctx // 4), (1, 4 * ctx), (batch, ctx)) if "deep_16bit" in cases else []:
         res[f"deep_16bit_b{b}_ctx{c}"] = sweep_decode(f"16-bit b{b} ctx{c}", b, c, None, deep_c,
                                                       heads, dt, dev, run)

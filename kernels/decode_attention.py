@@ -11,6 +11,10 @@ Triton path, two launches:
        output (normalized) and its log2-sum-exp to a workspace. With num_splits == 1 it writes
        the final output directly and step 2 is skipped.
     2. `_decode_combine_kernel`, grid (B, n_heads): merges the splits' partials.
+With a fused tiling (`Tiling.fused`) step 2 happens inside step 1: each program counts its
+arrival on its (sequence, kv head)'s counter, and the last to arrive merges the group's splits
+and resets the counter to 0. The counters are one zeroed buffer per device, kept between
+launches (`_counters`): launches that share it run one after another on one stream.
 
 Sliding window (WINDOW > 0, a per-layer constant): the query at position p = len - 1 sees the
 keys at positions (p - WINDOW, p], transformers' `sliding_window_overlay` (kv > q - window).
@@ -52,6 +56,7 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 2
     min_split_tokens: int = 256
+    fused: bool = False  # the last split of a group merges the partials (no second launch)
 
 
 # by the cache's kind; measured on an H200 (docs/benchmarks.md, bench/gpu_tune.py)
@@ -150,6 +155,8 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr = 0.0,  # > 0: scores s -> SOFTCAP * tanh(s / SOFTCAP)
     F16: tl.constexpr = False,  # quantized K/V: the dots in fp16, q pre-scaled (see launcher)
     PTX: tl.constexpr = False,  # compiled for CUDA: inline PTX allowed (not interpreted)
+    counter_ptr=None,  # FUSED: int32 [>= B * n_kv_heads], zero between launches
+    FUSED: tl.constexpr = False, SPLITS_PAD: tl.constexpr = 1,
 ):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -223,6 +230,35 @@ def _decode_split_kernel(
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None],
                  mask=valid[:, None])
         tl.store(part_lse_ptr + row, m + tl.log2(l_i), mask=valid)
+        if FUSED:  # the last of the group's programs to arrive merges its splits
+            tl.debug_barrier()  # every thread's partial stores come before the arrival
+            counter = counter_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+                tl.debug_barrier()
+                tl.store(counter, 0)  # zero again for the next launch (and graph replay)
+                used = tl.cdiv(n - first, split_len)  # non-empty splits of b (>= 1)
+                for g in range(GROUP):
+                    _merge(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob,
+                           kvh * GROUP + g, b * tl.num_programs(1) * GROUP, num_splits, used,
+                           stride_oh, HEAD_DIM, SPLITS_PAD)
+
+
+@triton.jit
+def _merge(part_o_ptr, part_lse_ptr, out_ptr, h, row0, num_splits, used, stride_oh,
+           HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Head h's output from its first `used` splits' partials (rows row0 + h: of its sequence);
+    out_ptr points at the sequence's output. Loads bypass L1: other programs wrote them."""
+    offs_s = tl.arange(0, SPLITS_PAD)  # [S_PAD]
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    s_mask = offs_s < used
+    row = (row0 + h) * num_splits + offs_s  # [S_PAD]
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"),
+                  cache_modifier=".cg")  # [S_PAD]
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None],
+                other=0.0, cache_modifier=".cg")  # [S_PAD, D]
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # [S_PAD], 0 for skipped splits
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)  # [D]
+    tl.store(out_ptr + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -237,16 +273,27 @@ def _decode_combine_kernel(
     if WINDOW > 0:
         n = tl.minimum(n, WINDOW)
     used = tl.cdiv(n, _split_len(n, num_splits, BLOCK_N))  # non-empty splits of b (>= 1)
-    offs_s = tl.arange(0, SPLITS_PAD)  # [S_PAD]
-    offs_d = tl.arange(0, HEAD_DIM)  # [D]
-    s_mask = offs_s < used
-    row = (b * tl.num_programs(1) + h) * num_splits + offs_s  # [S_PAD]
-    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))  # [S_PAD]
-    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None],
-                other=0.0)  # [S_PAD, D]
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # [S_PAD], 0 for skipped splits
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)  # [D]
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    _merge(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob, h, b * tl.num_programs(1),
+           num_splits, used, stride_oh, HEAD_DIM, SPLITS_PAD)
+
+
+_COUNTERS = 1 << 16  # (sequence, kv head) pairs a fused launch can count: B * n_kv_heads
+_counter_buffers: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's zeroed arrival counters for a fused launch (every launch leaves them zero),
+    or None: too many pairs, or a first use while a CUDA graph is being captured (the buffer
+    must outlive every graph: it is made outside them, by an eager call such as the warm-up)."""
+    if needed > _COUNTERS:
+        return None
+    buf = _counter_buffers.get(device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _counter_buffers[device] = torch.zeros(_COUNTERS, dtype=torch.int32,
+                                                     device=device)
+    return buf
 
 
 @functools.cache
@@ -325,6 +372,9 @@ def _decode_attention_triton(
                              device=q.device)
         part_lse = torch.empty((batch, n_heads, num_splits), dtype=torch.float32, device=q.device)
     scales = (k_scale, v_scale) if int8 else (out, out)  # placeholders without INT8
+    counters = None
+    if tiling.fused and num_splits > 1:
+        counters = _counters(q.device, batch * n_kv_heads)
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_starts, seq_lens, out, part_o, part_lse, *scales,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -335,9 +385,11 @@ def _decode_attention_triton(
         DIRECT=num_splits == 1, KV_INT8=int8, KV_GROUP=KV_GROUP, KV_FP8=fp8, WINDOW=window,
         SOFTCAP=float(softcap),
         F16=(int8 or fp8) and q.dtype in (torch.bfloat16, torch.float16), PTX=q.is_cuda,
+        counter_ptr=out if counters is None else counters, FUSED=counters is not None,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         _decode_combine_kernel[(batch, n_heads)](
             part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1), num_splits,
             HEAD_DIM=head_dim, BLOCK_N=tiling.block_n,

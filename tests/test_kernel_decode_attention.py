@@ -115,6 +115,44 @@ def test_triton_reads_int8_kv_like_the_reference(group, dtype, splits):
           scale=0.125)
 
 
+@pytest.mark.parametrize("splits", [3, 8])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fused_merge_matches_reference_and_leaves_counters_zero(group, splits):
+    """The last program of each (sequence, kv head) merges the splits in the split kernel:
+    the two-launch path's output, short sequences' empty splits counted too, and the counters
+    zero again after every launch (a second launch, as a graph replays it, is right too)."""
+    fused = da.replace(TILINGS["16bit"], fused=True)
+    q, k, v, starts, lens = make_case([1, 37, 300], N_HEADS // group, 64, seed=11 + group)
+    for _ in range(2):
+        out = _decode_attention_triton(q, k, v, starts, lens, 0.125, 300, num_splits=splits,
+                                       tiling=fused)
+        check(q, k, v, starts, lens, out, scale=0.125)
+        assert not da._counter_buffers[q.device].any()
+    two = _decode_attention_triton(q, k, v, starts, lens, 0.125, 300, num_splits=splits)
+    torch.testing.assert_close(out, two, atol=1e-6, rtol=1e-6)
+
+
+def test_fused_merge_with_int8_window_and_softcap():
+    fused = da.replace(TILINGS["int8"], fused=True)
+    q, k, v, starts, lens = make_case([3, 90, 200], 2, 64, dtype=torch.bfloat16, seed=5)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    kw = dict(k_scale=ks, v_scale=vs, window=64, softcap=30.0)
+    out = _decode_attention_triton(q, kq, vq, starts, lens, 0.125, 200, 4, tiling=fused, **kw)
+    two = _decode_attention_triton(q, kq, vq, starts, lens, 0.125, 200, 4, **kw)
+    torch.testing.assert_close(out.float(), two.float(), atol=1e-2, rtol=1e-2)
+    ref = decode_attention_reference(q.float(), kq, vq, starts, lens, 0.125, **kw)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fused_merge_falls_back_to_two_launches_beyond_its_counters(monkeypatch):
+    monkeypatch.setattr(da, "_COUNTERS", 4)  # B * n_kv_heads = 6 pairs: more than it counts
+    assert da._counters(torch.device("cpu"), 6) is None
+    q, k, v, starts, lens = make_case([40, 80, 120], 2, 64, seed=2)
+    out = _decode_attention_triton(q, k, v, starts, lens, 0.125, 120, num_splits=4,
+                                   tiling=da.replace(TILINGS["16bit"], fused=True))
+    check(q, k, v, starts, lens, out, scale=0.125)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_kv_length_one(splits):
     q, k, v, starts, lens = make_case([1, 1, 1], 2, 64)

@@ -10,11 +10,13 @@ step (the INT8-KV decode kernel spilled 536 bytes a thread and ran at 0.09x the 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
 
 from bench import kernels as bench_kernels
+from kernels.decode_attention import TILINGS, _decode_attention_triton
 from kernels.int4_gemm import int4_gemm_triton
 from tests.sm90 import compile_sm90, record_launches, spec
 
@@ -47,6 +49,15 @@ def gemma_attention() -> None:
                                     softcap=50.0)
 
 
+def fused_decode_attention() -> None:
+    """The split kernel that merges its own splits (Tiling.fused), Llama-3-8B's heads."""
+    q = torch.randn(1, 32, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(512, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    i32 = dict(dtype=torch.int32)
+    _decode_attention_triton(q, k, v, torch.tensor([0], **i32), torch.tensor([512], **i32),
+                             128**-0.5, 512, 8, tiling=replace(TILINGS["16bit"], fused=True))
+
+
 @functools.cache
 def compiled() -> list[tuple[dict, dict]]:
     from kernels import dispatch
@@ -63,6 +74,7 @@ def compiled() -> list[tuple[dict, dict]]:
             w = bench_kernels.quantize_int4(torch.randn(64, 4096), 128).to("cpu", torch.bfloat16)
             int4_gemm_triton(x, w)  # more rows than SMALL_M: the dequant kernel
             gemma_attention()
+            fused_decode_attention()
     finally:
         dispatch.set_backend("auto")
     specs, seen = [], set()
