@@ -109,8 +109,8 @@ def make_server(args, model: Path, port: int, log_path: Path) -> Server:
             "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len",
             str(args.context)]
     cuda_bin = "/usr/local/cuda/bin"  # flashinfer (vLLM's sampler) compiles with nvcc
-    env = {"PYTHONPATH": str(args.vllm_site),
-           "PATH": f"{os.environ.get('PATH', '')}:{cuda_bin}"}
+    env = {"PYTHONPATH": str(args.vllm_site), "PATH": f"{os.environ.get('PATH', '')}:{cuda_bin}",
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}  # the device reaches no network
     return Server("vllm", argv, f"http://127.0.0.1:{port}/v1/models", log_path, env)
 
 
