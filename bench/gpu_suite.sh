@@ -6,7 +6,8 @@
 #                                      # image lacks, into .whl/ (git-ignored: the device tool's
 #                                      # run carries it, carry=[".whl"])
 #   python -m bench.vllm_gpu pack      # HERE: vLLM's CUDA build in parts, into .vllm/ (git-
-#                                      # ignored; its plan says which call carries which part)
+#                                      # ignored); any call of this script that carries a part
+#                                      # keeps it in /tmp for vllm_serve (one part a call)
 #   bash bench/gpu_suite.sh STEP...    # THERE: tune tests kernels decode (decode1k decode4k
 #                                      # decode_int4)
 #                                      # offline serve lengths report, or all; serve_sg and
@@ -91,7 +92,7 @@ EOF
       local server=pipellm
       if [ "$1" = vllm_serve ]; then
         server=vllm
-        python3 -m bench.vllm_gpu recv && python3 -m bench.vllm_gpu unpack || return 1
+        python3 -m bench.vllm_gpu unpack || return 1
       fi
       run "$1" python3 -m bench.gpu_serve --server "$server" --workloads sg,sg4,sg16 \
         --sampling "${SERVE_SAMPLING:-greedy,sampled}" --model-dir /tmp/l3 ;;
@@ -109,6 +110,9 @@ EOF
 
 [ $# -ge 1 ] || { sed -n '2,15p' "$0"; exit 2; }
 if [ "$1" = wheels ]; then wheels; exit; fi
+if compgen -G ".vllm/p*/*.0*" > /dev/null; then  # a carried part of vLLM: kept in /tmp
+  python3 -m bench.vllm_gpu recv || exit 1
+fi
 install
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
   > "$OUT_DIR/device.txt" 2>/dev/null || true

@@ -8,6 +8,8 @@ the machine stays warm (files outside the working tree are kept between a warm m
                                        # one tar.xz split into .vllm/p0 .. .vllm/pN (git-ignored);
                                        # prints the calls that carry them
     python -m bench.vllm_gpu recv      # THERE: each carried .vllm/pK into /tmp/vllm-parts
+                                       # (bench/gpu_suite.sh does it first: a part can ride
+                                       # along with any steps once .whl is installed there)
     python -m bench.vllm_gpu unpack    # THERE: all parts, checked, into /tmp/vllm-site
 
 `vllm serve` then runs as `python3 -m vllm.entrypoints.cli.main serve` with PYTHONPATH=SITE
@@ -175,8 +177,9 @@ def unpack(parts: Path = PARTS, site: Path = SITE) -> Path:
 
 
 def plan(sizes: list[int]) -> list[str]:
-    """The device calls that carry the parts: all but the last on their own, the last with
-    .whl and the steps that use vLLM."""
+    """Device calls that carry the parts: all but the last on their own (or beside any
+    gpu_suite.sh steps, on a machine that has installed .whl), the last with .whl and the step
+    that serves vLLM."""
     calls = [f'run(command="python3 -m bench.vllm_gpu recv", carry=[".vllm/p{k}"])'
              for k in range(len(sizes) - 1)]
     calls.append(f'run(command="bash bench/gpu_suite.sh vllm_serve", '
