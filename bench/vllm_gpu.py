@@ -76,23 +76,23 @@ def build_bundle(out: Path) -> None:
          "-r", str(REQUIREMENTS))
     with tempfile.TemporaryDirectory(prefix="vllm-site-") as tmp:
         site = Path(tmp) / "site"
-        pins = [line for line in REQUIREMENTS.read_text().splitlines()
-                if line and not line.startswith("#")]
-        wheels = [str(w) for w in WHEEL_CACHE.glob("*.whl")
-                  if _wheel_pin(w.name) in {p.lower() for p in pins}]
-        if len(wheels) != len(pins):
-            raise SystemExit(f"{len(pins)} pins but {len(wheels)} wheels in {WHEEL_CACHE}")
+        wanted = {p.lower() for p in pins()}
+        wheels = [str(w) for w in WHEEL_CACHE.glob("*.whl") if _wheel_pin(w.name) in wanted]
+        if len(wheels) != len(wanted):
+            raise SystemExit(f"{len(wanted)} pins but {len(wheels)} wheels in {WHEEL_CACHE}")
         _pip("install", "-q", "--no-deps", "--no-compile", *_target_args(), "--target",
              str(site), *wheels)
         for rel in TRIM:
             path = site / rel
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-        with open(out, "wb") as f:
-            tar = subprocess.Popen(["tar", "cf", "-", "-C", str(site), "."],
-                                   stdout=subprocess.PIPE)
-            subprocess.run(["xz", "-T0", "-9e"], stdin=tar.stdout, stdout=f, check=True)
-            if tar.wait() != 0:
-                raise SystemExit("tar failed")
+        subprocess.run(["tar", "cJf", str(out), "-C", str(site), "."], check=True,
+                       env={**os.environ, "XZ_OPT": "-9e -T0"})
+
+
+def pins() -> list[str]:
+    """bench/vllm_gpu.txt's `name==version` lines."""
+    return [line for line in REQUIREMENTS.read_text().splitlines()
+            if line and not line.startswith("#")]
 
 
 def _wheel_pin(filename: str) -> str:
@@ -105,31 +105,27 @@ def split(bundle: Path, carry: Path = CARRY) -> list[int]:
     """`bundle` into carry/pK/ parts (PART_MIB, the last at most LAST_MIB), each beside the
     manifest (every part's size and sha256, and the whole bundle's); the parts' sizes."""
     data, mib = bundle.read_bytes(), 1 << 20
-    cuts, start = [], 0
-    while len(data) - start > LAST_MIB * mib:
-        cuts.append((start, min(start + PART_MIB * mib, len(data))))
-        start = cuts[-1][1]
-    if start < len(data):
-        cuts.append((start, len(data)))
+    cuts = [0]
+    while len(data) - cuts[-1] > LAST_MIB * mib:
+        cuts.append(min(cuts[-1] + PART_MIB * mib, len(data)))
+    if cuts[-1] < len(data):
+        cuts.append(len(data))
+    chunks = [data[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    manifest = {"bundle": BUNDLE, "sha256": hashlib.sha256(data).hexdigest(), "parts": [
+        {"name": f"{BUNDLE}.{k:03d}", "bytes": len(c), "sha256": hashlib.sha256(c).hexdigest()}
+        for k, c in enumerate(chunks)]}
     shutil.rmtree(carry, ignore_errors=True)
-    manifest = {"bundle": BUNDLE, "sha256": hashlib.sha256(data).hexdigest(), "parts": []}
-    for k, (a, b) in enumerate(cuts):
-        chunk = data[a:b]
-        manifest["parts"].append({"name": f"{BUNDLE}.{k:03d}", "bytes": b - a,
-                                  "sha256": hashlib.sha256(chunk).hexdigest()})
-    for k, part in enumerate(manifest["parts"]):
+    for k, (chunk, part) in enumerate(zip(chunks, manifest["parts"], strict=True)):
         folder = carry / f"p{k}"
         folder.mkdir(parents=True)
-        a, b = cuts[k]
-        (folder / part["name"]).write_bytes(data[a:b])
+        (folder / part["name"]).write_bytes(chunk)
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return [b - a for a, b in cuts]
+    return [len(c) for c in chunks]
 
 
 def recv(carry: Path = CARRY, parts: Path = PARTS) -> dict:
     """Move each carried part (checked against its manifest) into `parts`; what is there."""
     parts.mkdir(parents=True, exist_ok=True)
-    manifest = None
     for folder in sorted(carry.glob("p*")):
         manifest = json.loads((folder / "manifest.json").read_text())
         shutil.copy(folder / "manifest.json", parts / "manifest.json")

@@ -71,8 +71,7 @@ def test_vllm_bundle_refuses_a_damaged_part(tmp_path, monkeypatch):
 
 
 def test_vllm_pins_name_every_wheel_once():
-    pins = [line for line in vllm_gpu.REQUIREMENTS.read_text().splitlines()
-            if line and not line.startswith("#")]
+    pins = vllm_gpu.pins()
     names = [p.split("==")[0] for p in pins]
     assert "vllm==0.24.0" in pins and len(names) == len(set(names))
     assert not {"torch", "triton", "numpy", "flashinfer-cubin"} & set(names)  # the image's
