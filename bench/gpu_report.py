@@ -14,8 +14,9 @@ from pathlib import Path
 
 from services.compute.sim.cost import CostModel, fit_decode
 
+PAIRS = {"": ("serve_sg", "vllm_serve"), "fp8": ("serve_sg_fp8", "vllm_serve_fp8")}
 STEPS = ("tests", "kernels", "decode1k", "decode4k", "decode_int4", "offline", "serve", "lengths",
-         "serve_sg", "vllm_serve")
+         *(step for pair in PAIRS.values() for step in pair))
 TARGETS = {  # name -> (figure, threshold, what)
     "decode_graph_pct_bound": (80.0, "decode step, batch 64, ctx 1024, CUDA graph: % of bound"),
     "offline_ratio": (3.0, "offline ShareGPT throughput / transformers generate"),
@@ -74,17 +75,22 @@ def figures(r: dict) -> dict:
 
 
 def side_by_side(r: dict) -> list[tuple[str, dict, dict]]:
-    """(run, pipellm's row, vLLM's row) for every run both servers completed."""
-    ours = (r.get("serve_sg") or {}).get("runs") or {}
-    theirs = (r.get("vllm_serve") or {}).get("runs") or {}
-    return [(name, ours[name], theirs[name]) for name in ours if name in theirs]
+    """(run, pipellm's row, vLLM's row) for every run both servers completed, bf16 and fp8
+    (an fp8 run's name starts with "fp8 ")."""
+    rows = []
+    for quant, (ours_step, theirs_step) in PAIRS.items():
+        ours = (r.get(ours_step) or {}).get("runs") or {}
+        theirs = (r.get(theirs_step) or {}).get("runs") or {}
+        rows += [(f"{quant} {name}".strip(), ours[name], theirs[name])
+                 for name in ours if name in theirs]
+    return rows
 
 
 def vs_vllm(r: dict) -> dict:
     """The side-by-side targets' figures: the worst ratio over the runs each covers."""
     tput, tpot = [], []
     for name, ours, theirs in side_by_side(r):
-        if name.split("-")[0] == "sg" and theirs.get("output_throughput"):
+        if name.split()[-1].split("-")[0] == "sg" and theirs.get("output_throughput"):
             tput.append(ours["output_throughput"] / theirs["output_throughput"])
         elif ours.get("median_tpot_ms"):
             tpot.append(theirs["median_tpot_ms"] / ours["median_tpot_ms"])

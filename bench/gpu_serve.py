@@ -65,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.add_argument
     a("--server", choices=("pipellm", "vllm"), default="pipellm")
     a("--device", default="cuda", help="pipellm's (cpu: a smoke run on a small --model-dir)")
+    a("--quantization", choices=("none", "fp8"), default="none", help="fp8: both servers "
+      "quantize the bf16 weights at load (e4m3; vLLM's and pipellm's --quantization fp8)")
     a("--workloads", type=lambda s: _names(s, WORKLOADS), default="rand,rand8")
     a("--sampling", type=lambda s: _names(s, SAMPLING), default="greedy")
     a("--num-prompts", type=int, default=512, help="of rand and rand8")
@@ -103,11 +105,11 @@ def make_server(args, model: Path, port: int, log_path: Path) -> Server:
     if args.server == "pipellm":
         argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port",
                 str(port), "--device", args.device, "--dtype", "bfloat16", "--max-model-len",
-                str(args.context)]
+                str(args.context), "--quantization", args.quantization]
         return Server("pipellm", argv, f"http://127.0.0.1:{port}/health", log_path)
     argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host",
             "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len",
-            str(args.context)]
+            str(args.context)] + (["--quantization", "fp8"] if args.quantization == "fp8" else [])
     cuda_bin = "/usr/local/cuda/bin"  # flashinfer (vLLM's sampler) compiles with nvcc
     env = {"PYTHONPATH": str(args.vllm_site), "PATH": f"{os.environ.get('PATH', '')}:{cuda_bin}",
            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}  # the device reaches no network
@@ -160,7 +162,8 @@ def main(argv=None) -> int:
                 rows = drive(args, port, model, results)
         except ServerError as e:  # its message ends with the server's last log lines
             log(str(e))
-        print(json.dumps({"server": args.server, "device": device, "model": str(
+        print(json.dumps({"server": args.server, "quantization": args.quantization,
+                          "device": device, "model": str(
                           args.model_dir or "llama3-8b-shape bf16 random (demo vocab)"),
                           "context": args.context, "startup_s": startup_s and
                           round(startup_s, 1), "runs": rows}))

@@ -87,15 +87,18 @@ EOF
         --max-batched-tokens 4096 --max-running 256 --hf-cache static ;;
     serve)   # ~6 min: pipellm up (every service) + pipellm-bench
       run serve python3 -m bench.gpu_serve ;;
-    serve_sg|vllm_serve) # ~4 min a sampling mode (SERVE_SAMPLING, default greedy,sampled):
-             # ShareGPT 1,000 at once, 120 at 4 and at 16 req/s; one model folder for all
-      local server=pipellm
-      if [ "$1" = vllm_serve ]; then
+    serve_sg|vllm_serve|serve_sg_fp8|vllm_serve_fp8) # ~4 min a sampling mode
+             # (SERVE_SAMPLING, default greedy,sampled): ShareGPT 1,000 at once, 120 at 4 and
+             # at 16 req/s; one model folder for all; _fp8: both quantize it at load
+      local server=pipellm quant=none
+      [[ $1 == *_fp8 ]] && quant=fp8
+      if [[ $1 == vllm_* ]]; then
         server=vllm
         python3 -m bench.vllm_gpu unpack || return 1
       fi
       run "$1" python3 -m bench.gpu_serve --server "$server" --workloads sg,sg4,sg16 \
-        --sampling "${SERVE_SAMPLING:-greedy,sampled}" --model-dir /tmp/l3 ;;
+        --sampling "${SERVE_SAMPLING:-greedy,sampled}" --model-dir /tmp/l3 \
+        --quantization "$quant" ;;
     lengths) # ~5 min: the hidden-state length hook's cost per step, Llama-3-8B-shaped, batch 256
       python3 -c "import pathlib, bench.gpu_serve as g; p = pathlib.Path('/tmp/l3'); \
         (p / 'config.json').is_file() or g.build_model(p, 2048)" \
@@ -103,7 +106,7 @@ EOF
           --kv-cache-gib 8 --every 32 --warmup 96 --rounds 5 ;;
     report)  python3 -m bench.gpu_report "$OUT_DIR" ;;
     all)     for s in tune tests kernels decode offline serve lengths report; do step "$s"; done ;;
-    *)       echo "unknown step $1 (wheels tune tests kernels decode decode1k decode4k decode_int4 offline serve serve_sg vllm_serve lengths report all)"
+    *)       echo "unknown step $1 (wheels tune tests kernels decode decode1k decode4k decode_int4 offline serve serve_sg vllm_serve serve_sg_fp8 vllm_serve_fp8 lengths report all)"
              exit 2 ;;
   esac
 }

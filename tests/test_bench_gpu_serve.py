@@ -90,6 +90,13 @@ def test_both_servers_get_the_same_requests(tmp_path):
     assert theirs.argv[theirs.argv.index("--dtype") + 1] == "bfloat16"
     assert theirs.env["PYTHONPATH"] == str(vllm_gpu.SITE)
     assert theirs.ready_url == "http://127.0.0.1:8002/v1/models"
+    assert "--quantization" not in theirs.argv  # bf16 unless asked
+    args.quantization = "fp8"  # both quantize the bf16 weights at load
+    fp8 = gpu_serve.make_server(args, model, 8002, tmp_path / "v.log").argv
+    assert fp8[fp8.index("--quantization") + 1] == "fp8"
+    args.server = "pipellm"
+    fp8 = gpu_serve.make_server(args, model, 8001, tmp_path / "p.log").argv
+    assert fp8[fp8.index("--quantization") + 1] == "fp8"
     sg = gpu_serve.bench_argv(args, "sg", "greedy", 8002, model, out)
     assert sg[sg.index("--num-prompts") + 1] == "1000"
     assert sg[sg.index("--request-rate") + 1] == "inf"
@@ -130,6 +137,8 @@ def test_gpu_report_puts_pipellm_beside_vllm(tmp_path, capsys):
                      "sg-s": (7000.0, 300.0, 24.0), "sg16": (1.0, 1.0, 1.0)})
     (tmp_path / "serve_sg.json").write_text(json.dumps(ours))
     (tmp_path / "vllm_serve.json").write_text(json.dumps(theirs))
+    (tmp_path / "serve_sg_fp8.json").write_text(json.dumps(_serve({"sg": (9500.0, 1, 2)})))
+    (tmp_path / "vllm_serve_fp8.json").write_text(json.dumps(_serve({"sg": (9000.0, 1, 2)})))
     gpu_report.main([str(tmp_path)])
     text = capsys.readouterr().out
     out = last_json(text)
@@ -138,4 +147,5 @@ def test_gpu_report_puts_pipellm_beside_vllm(tmp_path, capsys):
     assert out["verdicts"]["vs_vllm_throughput"] == "NOT met"
     assert out["verdicts"]["vs_vllm_tpot"] == "met"
     assert "| sg | 9000 | 10000 | 300 / 20.0 | 250 / 18.0 |" in text
+    assert "| fp8 sg | 9500 | 9000 | 1 / 2.0 | 1 / 2.0 |" in text
     assert "sg16" not in text  # a run only one server completed is not compared
