@@ -11,11 +11,13 @@ from kernels import dispatch
 from kernels.int8_gemm import int8_gemm, int8_gemm_cpu, int8_gemm_ref, int8_gemm_triton
 from kernels.int8_quant import (
     _launch,
+    quantize_fp8_rows,
     quantize_int8,
     quantize_int8_ref,
     silu_mul_int8_ref,
 )
 from kernels.rmsnorm import rms_norm_int8
+from services.compute.model.linear.fp8 import quantize_fp8
 
 
 @pytest.fixture
@@ -94,6 +96,21 @@ def test_quantize_int8_triton_is_the_reference(T, n, dtype):
     err = (ref.dequantize() - x.float()).abs()
     assert (err <= ref.scales[:, None] / 2 * (1 + 1e-5)).all()
     assert ref.values.abs().max() == 127
+
+
+@pytest.mark.parametrize("T,n", [(1, 96), (13, 1000), (3, 2500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_fp8_rows_triton_is_the_fp8_linears_reference(T, n, dtype):
+    """The FP8 linear's activations in one launch: the same e4m3 bits and scales as its
+    PyTorch chain (services/compute/model/linear/fp8.py), a zero row included."""
+    x = _acts(T, n, dtype, seed=4)
+    x[-1] = 0.0
+    values, scales = quantize_fp8_rows(x)
+    ref_values, ref_scales = quantize_fp8(x)
+    assert values.dtype == torch.float8_e4m3fn and scales.shape == (T, 1)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8))
+    assert values[:-1].float().abs().amax(-1).eq(448).all()  # each row's max maps to 448
 
 
 def test_zero_rows_quantize_to_zero():

@@ -18,6 +18,7 @@ import torch
 from bench import kernels as bench_kernels
 from kernels.decode_attention import TILINGS, _decode_attention_triton
 from kernels.int4_gemm import int4_gemm_triton
+from kernels.int8_quant import quantize_fp8_rows
 from tests.sm90 import compile_sm90, record_launches, spec
 
 # The benchmark's constexpr-determining sizes (heads, head_dim, hidden, groups) with few rows.
@@ -75,6 +76,7 @@ def compiled() -> list[tuple[dict, dict]]:
             int4_gemm_triton(x, w)  # more rows than SMALL_M: the dequant kernel
             gemma_attention()
             fused_decode_attention()
+            quantize_fp8_rows(torch.randn(4, 4096, dtype=torch.bfloat16))  # the FP8 linear's
     finally:
         dispatch.set_backend("auto")
     specs, seen = [], set()

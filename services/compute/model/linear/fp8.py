@@ -1,11 +1,15 @@
 """FP8 linear (W8A8 in float8 e4m3): weights with one scale per output channel (made at load),
-per-token dynamic activation scales, `torch._scaled_mm` with row-wise scales (cuBLASLt's FP8
-GEMM on GPUs with FP8 tensor cores, compute capability 8.9+; PyTorch's own kernel on CPU, a
-correct but unaccelerated path). Other GPUs are refused at start-up (`quantization.py`)."""
+per-token dynamic activation scales (one Triton launch on GPUs), `torch._scaled_mm` with
+row-wise scales (cuBLASLt's FP8 GEMM on GPUs with FP8 tensor cores, compute capability 8.9+;
+PyTorch's own kernel on CPU, a correct but unaccelerated path). Other GPUs are refused at
+start-up (`quantization.py`)."""
 
 from __future__ import annotations
 
 import torch
+
+from kernels.dispatch import use_triton
+from kernels.int8_quant import quantize_fp8_rows
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -46,7 +50,10 @@ class Fp8Linear:
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features, dtype=self.out_dtype)
-        xq, x_scale = quantize_fp8(x2, amax)
+        if amax is None and use_triton(x2):  # one launch instead of a chain of ops
+            xq, x_scale = quantize_fp8_rows(x2)
+        else:
+            xq, x_scale = quantize_fp8(x2, amax)
         out = torch._scaled_mm(xq, self.weight_t, scale_a=x_scale, scale_b=self.scales,
                                bias=self.bias, out_dtype=self.out_dtype)
         return out.view(*x.shape[:-1], self.out_features)
