@@ -8,7 +8,7 @@ import logging
 import sys
 
 from shared.config import EngineConfig, ServiceConfig, check_replicas
-from shared.settings import add_config_args, config_from_args
+from shared.settings import add_config_args, config_from_args, unset_by_device
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +88,21 @@ def main(argv: list[str] | None = None) -> int:
 SERVICES = ("gateway", "tokenizer", "compute", "detokenizer")
 
 
+def _by_device(args: argparse.Namespace) -> dict[str, int]:
+    """The step budget's settings the command line left to the device (--max-batched-tokens,
+    --max-running), the running batch never above the step's tokens."""
+    unset = unset_by_device(EngineConfig, args)
+    if not unset:
+        return {}
+    from services.compute.backend import device_step_budget
+
+    budget = device_step_budget(args.device, args.backend)
+    tokens = budget["max_batched_tokens"] if "max_batched_tokens" in unset \
+        else args.max_batched_tokens
+    budget["max_running"] = min(budget["max_running"], tokens)
+    return {k: v for k, v in budget.items() if k in unset}
+
+
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the flags; no --model means the default model (SmolLM2, else demo)."""
     from shared import default_model
@@ -96,7 +111,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if model and args.model and model != args.model:
         raise ValueError(f"two models given: {model} and --model {args.model}")
     model = model or args.model
-    config = config_from_args(EngineConfig, args, model=model or default_model.resolve())
+    config = config_from_args(EngineConfig, args, model=model or default_model.resolve(),
+                              **_by_device(args))
     from shared.generation_config import GenerationDefaults
 
     GenerationDefaults.of(config)  # a bad --generation-config or override fails here

@@ -25,15 +25,18 @@ _METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
 def setting(default=dataclasses.MISSING, help: str = "", *, group: str = "", alias: str = "",
-            default_factory=dataclasses.MISSING, flat: bool = False, many: bool = False):
+            default_factory=dataclasses.MISSING, flat: bool = False, many: bool = False,
+            by_device: bool = False):
     """A config field: its default, the one-line help of its flag, its --help group, and
     `alias`, the flag vLLM users know it by (without the dashes). `flat`, for a field holding
     a config class: its settings keep their own names, not prefixed with the field's. `many`,
     for a str setting: its flag takes one or more values (vLLM's nargs="+"), joined by a
-    space."""
+    space. `by_device`: the flag's default is unset, and a command line that leaves it so gets
+    the device's value at start-up (`unset_by_device`); code that builds the config gets
+    `default`."""
     return dataclasses.field(default=default, default_factory=default_factory,
                              metadata={"help": help, "group": group, "alias": alias,
-                                       "flat": flat, "many": many})
+                                       "flat": flat, "many": many, "by_device": by_device})
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type,
@@ -45,13 +48,16 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type,
             continue
         env = os.environ.get(_env_name(dest))
         default = f.default if env is None else _parse(typ, env)
+        if env is None and f.metadata.get("by_device"):
+            default = None
         if isinstance(default, enum.Enum):
             default = default.value
         flags = ["--" + dest.replace("_", "-")]
         if f.metadata.get("alias"):
             flags.append("--" + f.metadata["alias"])
         help = f.metadata.get("help", "")
-        help += f" (default: {'unset' if default is None else default!r}"
+        shown = "by device" if f.metadata.get("by_device") else "unset"
+        help += f" (default: {shown if default is None else default!r}"
         help += f", from {_env_name(dest)})" if env is not None else ")"
         group = _group(parser, f.metadata.get("group") or "other")
         if typ is bool:
@@ -72,9 +78,17 @@ class _JoinValues(argparse.Action):
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides):
     """Build the frozen config `cls` from parsed flags (and explicit overrides, named as in
-    `with_settings`)."""
-    values = {dest: getattr(args, dest) for dest, _, _ in _leaf_fields(cls) if hasattr(args, dest)}
+    `with_settings`); a `by_device` setting left unset takes its field's default."""
+    unset = set(unset_by_device(cls, args))
+    values = {dest: getattr(args, dest) for dest, _, _ in _leaf_fields(cls)
+              if hasattr(args, dest) and dest not in unset}
     return _build(cls, {**values, **overrides})
+
+
+def unset_by_device(cls: type, args: argparse.Namespace) -> list[str]:
+    """The `by_device` settings of `cls` that neither a flag nor an env var set."""
+    return [dest for dest, f, _ in _leaf_fields(cls)
+            if f.metadata.get("by_device") and getattr(args, dest, 0) is None]
 
 
 def with_settings(config, **changes):

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from services.compute.backend import resolve
-from shared.config import EngineConfig, ServiceConfig, SimConfig
+from shared.config import EngineConfig, ServiceConfig, SimConfig, step_budget
 from shared.model_config import served_context
 from shared.settings import add_config_args, config_from_args, env_for, settings, with_settings
 
@@ -58,3 +58,42 @@ def test_context_length_resolved_once_for_every_service(demo_model_dir):
     sim = resolve(with_settings(torch_cfg, backend="sim", sim_model="llama-2-7b"))
     assert served_context(sim) == sim.max_model_len == 4096  # the simulated model's context
     assert resolve(sim) == sim
+
+
+def test_step_budget_is_vllms_on_a_gpu_and_the_defaults_on_a_cpu():
+    assert step_budget("cpu") == {"max_batched_tokens": 512, "max_running": 256}
+    assert step_budget("cuda", 139.8, "NVIDIA H200") == {"max_batched_tokens": 8192,
+                                                        "max_running": 1024}
+    assert step_budget("cuda", 79.3, "NVIDIA A100-SXM4-80GB") == {"max_batched_tokens": 2048,
+                                                                 "max_running": 256}
+    assert step_budget("cuda", 23.6, "NVIDIA L4")["max_batched_tokens"] == 2048
+
+
+def test_a_command_line_leaves_the_step_budget_to_the_device(monkeypatch):
+    """--max-batched-tokens and --max-running unset: the device's (a GPU's budget here, as on
+    an H200); set by a flag or an env var: as set, the running batch never above the step's
+    tokens; code that builds a config, and the help, say what applies."""
+    from services import cli
+    from services.compute import backend
+
+    gpu = step_budget("cuda", 139.8, "NVIDIA H200")
+    monkeypatch.setattr(backend, "device_step_budget", lambda device, kind: dict(gpu))
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, EngineConfig)
+    assert "(default: 'by device')" in " ".join(parser.format_help().split())
+
+    def config(argv):
+        args = parser.parse_args(argv)
+        return config_from_args(EngineConfig, args, **cli._by_device(args)).scheduler
+
+    assert (config([]).max_batched_tokens, config([]).max_running) == (8192, 1024)
+    small = config(["--max-num-batched-tokens", "512"])
+    assert (small.max_batched_tokens, small.max_running) == (512, 512)
+    assert config(["--max-running", "64"]).max_batched_tokens == 8192
+    monkeypatch.setenv("PIPELLM_MAX_RUNNING", "32")  # an env var sets it too (children)
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, EngineConfig)
+    assert config([]).max_running == 32
+    assert EngineConfig().scheduler.max_batched_tokens == 512  # built in code: the default
+    assert config_from_args(EngineConfig, parser.parse_args([])).scheduler.max_batched_tokens \
+        == 512  # no device asked: the field's default

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from services.compute import sim
-from shared.config import BackendName, EngineConfig
+from shared.config import BackendName, EngineConfig, step_budget
 from shared.model_config import ModelConfig, context_length
 
 
@@ -43,6 +43,21 @@ def resolve(config: EngineConfig) -> EngineConfig:
 
         refuse(config, mc, resolve_device(config.device))
     return dataclasses.replace(config, max_model_len=context)
+
+
+def device_step_budget(device: str, backend: str) -> dict[str, int]:
+    """`step_budget` of the device --device names (the CPU's for the sim backend)."""
+    if backend == BackendName.SIM:
+        return step_budget("cpu")
+    import torch
+
+    from services.compute.runner import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        return step_budget("cpu")
+    props = torch.cuda.get_device_properties(dev.index or 0)
+    return step_budget("cuda", props.total_memory / 2**30, props.name)
 
 
 def make_runner(config: EngineConfig):

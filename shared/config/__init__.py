@@ -15,7 +15,7 @@ from shared.config.choices import (
     SchedulingPolicyName,
 )
 from shared.config.engine import EngineConfig
-from shared.config.scheduler import SchedulerConfig
+from shared.config.scheduler import SchedulerConfig, step_budget
 from shared.config.service import (
     TOOL_CALL_PARSERS,
     ServiceConfig,
@@ -26,6 +26,6 @@ from shared.config.service import (
 from shared.config.sim import SimConfig
 
 __all__ = ["TOOL_CALL_PARSERS", "Admission", "BackendName", "Batching", "ConvertName",
-           "EngineConfig", "KVPolicyName", "RunnerName", "SchedulerConfig",
+           "EngineConfig", "KVPolicyName", "RunnerName", "SchedulerConfig", "step_budget",
            "SchedulingPolicyName", "ServiceConfig", "SimConfig", "auto_tokenizer_workers",
            "check_replicas", "replica_master_port"]

@@ -21,10 +21,13 @@ class SchedulerConfig:
     """The scheduler's settings (services/compute/scheduling/scheduler.py says what they
     mean). `EngineConfig.scheduler`, flat: the flags keep their names (`--max-running`)."""
 
-    max_batched_tokens: int = setting(512, "tokens per merged prefill+decode step",
-                                      group=SCHEDULING, alias="max-num-batched-tokens")
-    max_running: int = setting(256, "requests in the running batch", group=SCHEDULING,
-                               alias="max-num-seqs")
+    max_batched_tokens: int = setting(512, "tokens per merged prefill+decode step; by device: "
+                                      "512 on a CPU, on a GPU vLLM's (8192 with 70 GiB or "
+                                      "more, else 2048)", group=SCHEDULING,
+                                      alias="max-num-batched-tokens", by_device=True)
+    max_running: int = setting(256, "requests in the running batch; by device: 256, or 1024 "
+                               "on a GPU with 70 GiB or more (vLLM's)", group=SCHEDULING,
+                               alias="max-num-seqs", by_device=True)
     kv_policy: KVPolicyName = setting(KVPolicyName.PREDICTED, "KV segment per request sized "
                                       "by: predicted (its predicted output length), max "
                                       "(max_tokens) or paged (sim only)", group=SCHEDULING)
@@ -96,3 +99,16 @@ class SchedulerConfig:
     def speculative(self) -> SpeculativeConfig | None:
         """--speculative-config, parsed (None: no speculation)."""
         return SpeculativeConfig.parse(self.speculative_config)
+
+
+def step_budget(device: str, memory_gib: float = 0.0, name: str = "") -> dict[str, int]:
+    """The step budget a command line that sets neither --max-batched-tokens nor
+    --max-running gets on `device` ("cpu" or "cuda"; a GPU's memory and name): on a CPU the
+    fields' defaults; on a GPU vLLM's serving defaults (an A100 takes the smaller pair, as
+    vLLM's measurements found more to be slower there)."""
+    if device != "cuda":
+        return {"max_batched_tokens": SchedulerConfig.max_batched_tokens,
+                "max_running": SchedulerConfig.max_running}
+    if memory_gib >= 70 and "a100" not in name.lower():
+        return {"max_batched_tokens": 8192, "max_running": 1024}
+    return {"max_batched_tokens": 2048, "max_running": 256}
