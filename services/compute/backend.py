@@ -46,10 +46,14 @@ def resolve(config: EngineConfig) -> EngineConfig:
 
 
 def device_step_budget(device: str, backend: str) -> dict[str, int]:
-    """`step_budget` of the device --device names (the CPU's for the sim backend)."""
+    """`step_budget` of the device --device names (the CPU's for the sim backend, and for a
+    slim service without torch, which runs no step)."""
     if backend == BackendName.SIM:
         return step_budget("cpu")
-    import torch
+    try:
+        import torch
+    except ImportError:
+        return step_budget("cpu")
 
     from services.compute.runner import resolve_device
 
