@@ -20,14 +20,18 @@ import torch
 from services.compute.core.batch import ForwardBatch
 
 log = logging.getLogger(__name__)
-GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 1025, 32))
+# vLLM's capture sizes stop at 512 too: larger decode steps run eagerly, their launches hidden
+# behind the long step, and each graph keeps its own [B, vocab] logits
+GRAPH_SIZES = (1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32))
 
 
 class DecodeGraphs:
-    """Graphs of `model.forward_hidden` for decode batches up to `max_batch` rows (GPU only)."""
+    """Graphs of `model.forward_hidden` for decode batches up to `max_batch` rows, at most
+    GRAPH_SIZES[-1] (GPU only)."""
 
     def __init__(self, model, kv, max_batch: int, max_seq_len: int, pad_slot: int):
         self.model, self.kv, self.pad_slot = model, kv, pad_slot
+        max_batch = min(max_batch, GRAPH_SIZES[-1])
         self.sizes = [b for b in GRAPH_SIZES if b < max_batch] + [max_batch]
         n, dev = self.sizes[-1], kv.k.device
         self.max_seq_len = max_seq_len
