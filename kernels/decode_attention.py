@@ -386,7 +386,7 @@ def _decode_attention_triton(
         SOFTCAP=float(softcap),
         F16=(int8 or fp8) and q.dtype in (torch.bfloat16, torch.float16), PTX=q.is_cuda,
         counter_ptr=out if counters is None else counters, FUSED=counters is not None,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=1 if counters is None else triton.next_power_of_2(num_splits),
         num_warps=tiling.num_warps, num_stages=tiling.num_stages,
     )
     if num_splits > 1 and counters is None:
