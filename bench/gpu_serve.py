@@ -101,6 +101,13 @@ def build_model(out: Path, context: int) -> None:
         shutil.copy(demo / name, out / name)
 
 
+def describe(model: Path) -> str:
+    """The served model in a few words, from its config.json."""
+    c = json.loads((model / "config.json").read_text())
+    return (f"{c['model_type']} {c['num_hidden_layers']} layers x {c['hidden_size']}, vocab "
+            f"{c['vocab_size']}, {c.get('dtype') or c.get('torch_dtype')}, {model}")
+
+
 def make_server(args, model: Path, port: int, log_path: Path) -> Server:
     if args.server == "pipellm":
         argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port",
@@ -160,13 +167,13 @@ def main(argv=None) -> int:
             with running(server, args.ready_timeout) as startup_s:
                 log(f"{args.server} ready after {startup_s:.0f} s")
                 rows = drive(args, port, model, results)
+                if len(rows) < len(args.workloads) * len(args.sampling):
+                    log(f"some runs failed; {args.server}'s log ends:\n{server.log_tail(30)}")
         except ServerError as e:  # its message ends with the server's last log lines
             log(str(e))
         print(json.dumps({"server": args.server, "quantization": args.quantization,
-                          "device": device, "model": str(
-                          args.model_dir or "llama3-8b-shape bf16 random (demo vocab)"),
-                          "context": args.context, "startup_s": startup_s and
-                          round(startup_s, 1), "runs": rows}))
+                          "device": device, "model": describe(model), "context": args.context,
+                          "startup_s": startup_s and round(startup_s, 1), "runs": rows}))
     return 0 if rows else 1
 
 

@@ -118,6 +118,7 @@ def test_gpu_serve_drives_pipellm_end_to_end_on_the_cpu(demo_model_dir, capsys):
                          "2", "--ready-timeout", "300"])
     out = last_json(capsys.readouterr().out)
     assert rc == 0 and out["server"] == "pipellm" and out["startup_s"] > 0
+    assert out["model"].startswith("llama 4 layers x 128, vocab 1000")
     assert sorted(out["runs"]) == ["sg", "sg-s", "sg16", "sg16-s"]
     for name, row in out["runs"].items():
         assert (row["completed"], row["failed"]) == (6 if name.startswith("sg-") or name == "sg"
