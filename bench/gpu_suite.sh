@@ -86,7 +86,7 @@ EOF
         --shape llama3-8b --context 2048 --num-requests 1000 --baseline-requests 32 \
         --max-batched-tokens 4096 --max-running 256 --hf-cache static ;;
     serve)   # ~6 min: pipellm up (every service) + pipellm-bench
-      run serve python3 -m bench.gpu_serve ;;
+      run serve python3 -m bench.gpu_serve --model-dir /tmp/l3 ;;
     serve_sg|vllm_serve|serve_sg_fp8|vllm_serve_fp8) # ~4 min a sampling mode
              # (SERVE_SAMPLING, default greedy,sampled): ShareGPT 1,000 at once, 120 at 4 and
              # at 16 req/s; one model folder for all; _fp8: both quantize it at load
