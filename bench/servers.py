@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import log
+from shared.redis_server import free_port  # noqa: F401  (the benches' servers take it here)
 
 
 class ServerError(RuntimeError):
@@ -100,12 +100,6 @@ def http_ok(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def terminate_on_sigterm() -> None:

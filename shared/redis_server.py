@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -27,7 +28,23 @@ def redis_binary() -> str:
     return found
 
 
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PICK = random.SystemRandom()  # not the seedable module state: processes seeded alike collide
+
+
 def free_port() -> int:
+    """A free loopback port, below the kernel's ephemeral range where one is free there:
+    outgoing connections take their ports from that range, and could take a port picked in
+    it before its server binds it."""
+    low = int(_EPHEMERAL.read_text().split()[0]) if _EPHEMERAL.is_file() else 32768
+    for _ in range(64):
+        port = _PICK.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

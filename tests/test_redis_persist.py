@@ -21,3 +21,23 @@ def test_learned_lengths_survive_a_redis_restart(tmp_path):
     (tmp_path / "fresh").mkdir()
     with EmbeddedRedis(data_dir=str(tmp_path / "fresh")) as r:
         assert sum(LengthPredictor(redis.Redis.from_url(r.url), "m").counts()) == 0
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_bind():
+    """Ports the stacks and the embedded Redis take: free, and outside the range outgoing
+    connections draw from (a port picked there can be taken before its server binds it);
+    random.seed in a process does not make two processes pick alike."""
+    import random
+    import socket
+
+    from shared.redis_server import _EPHEMERAL, free_port
+
+    low = int(_EPHEMERAL.read_text().split()[0]) if _EPHEMERAL.is_file() else 32768
+    random.seed(0)
+    ports = {free_port() for _ in range(20)}
+    random.seed(0)
+    assert ports != {free_port() for _ in range(20)}  # not the seeded module state
+    for port in ports:
+        assert 1024 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
