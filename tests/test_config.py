@@ -97,3 +97,19 @@ def test_a_command_line_leaves_the_step_budget_to_the_device(monkeypatch):
     assert EngineConfig().scheduler.max_batched_tokens == 512  # built in code: the default
     assert config_from_args(EngineConfig, parser.parse_args([])).scheduler.max_batched_tokens \
         == 512  # no device asked: the field's default
+
+
+def test_a_cpu_build_of_torch_answers_the_step_budget_without_importing_it():
+    """`pipellm up` imports no torch of its own: on a CPU build the device's budget is read
+    from torch's metadata (this project's machines run torch 2.13.0+cpu)."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    if not importlib.metadata.version("torch").endswith("+cpu"):
+        pytest.skip("not a CPU build of torch")
+    code = ("import sys; from services import cli; a = cli.build_parser().parse_args(['serve'])"
+            "; print(cli._by_device(a), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "{'max_batched_tokens': 512, 'max_running': 256} False"

@@ -14,6 +14,7 @@ never asks which kind it is.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 
 from services.compute import sim
 from shared.config import BackendName, EngineConfig, step_budget
@@ -47,13 +48,12 @@ def resolve(config: EngineConfig) -> EngineConfig:
 
 def device_step_budget(device: str, backend: str) -> dict[str, int]:
     """`step_budget` of the device --device names (the CPU's for the sim backend, and for a
-    slim service without torch, which runs no step)."""
-    if backend == BackendName.SIM:
+    slim service without torch, which runs no step). Where no GPU can be meant (--device cpu,
+    or a CPU build of torch) it is decided without importing torch: `pipellm up` itself
+    imports none otherwise."""
+    if backend == BackendName.SIM or device == "cpu" or not _torch_may_have_cuda():
         return step_budget("cpu")
-    try:
-        import torch
-    except ImportError:
-        return step_budget("cpu")
+    import torch
 
     from services.compute.runner import resolve_device
 
@@ -62,6 +62,15 @@ def device_step_budget(device: str, backend: str) -> dict[str, int]:
         return step_budget("cpu")
     props = torch.cuda.get_device_properties(dev.index or 0)
     return step_budget("cuda", props.total_memory / 2**30, props.name)
+
+
+def _torch_may_have_cuda() -> bool:
+    """False for no torch (a slim service) or a CPU build ("2.13.0+cpu"), read from its
+    metadata; else True (importing torch decides)."""
+    try:
+        return not importlib.metadata.version("torch").endswith("+cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def make_runner(config: EngineConfig):
