@@ -74,23 +74,22 @@ def figures(r: dict) -> dict:
             **vs_vllm(r)}
 
 
-def side_by_side(r: dict) -> list[tuple[str, dict, dict]]:
-    """(run, pipellm's row, vLLM's row) for every run both servers completed, bf16 and fp8
-    (an fp8 run's name starts with "fp8 ")."""
+def side_by_side(r: dict) -> list[tuple[str, str, dict, dict]]:
+    """(quantization: "" or "fp8", run, pipellm's row, vLLM's row) for every run both servers
+    completed."""
     rows = []
     for quant, (ours_step, theirs_step) in PAIRS.items():
         ours = (r.get(ours_step) or {}).get("runs") or {}
         theirs = (r.get(theirs_step) or {}).get("runs") or {}
-        rows += [(f"{quant} {name}".strip(), ours[name], theirs[name])
-                 for name in ours if name in theirs]
+        rows += [(quant, name, ours[name], theirs[name]) for name in ours if name in theirs]
     return rows
 
 
 def vs_vllm(r: dict) -> dict:
     """The side-by-side targets' figures: the worst ratio over the runs each covers."""
     tput, tpot = [], []
-    for name, ours, theirs in side_by_side(r):
-        if name.split()[-1].split("-")[0] == "sg" and theirs.get("output_throughput"):
+    for _, name, ours, theirs in side_by_side(r):
+        if name.split("-")[0] == "sg" and theirs.get("output_throughput"):
             tput.append(ours["output_throughput"] / theirs["output_throughput"])
         elif ours.get("median_tpot_ms"):
             tpot.append(theirs["median_tpot_ms"] / ours["median_tpot_ms"])
@@ -139,8 +138,9 @@ def markdown(r: dict, figs: dict, fitted: dict | None) -> str:
     if rows:
         lines += ["", "| run | pipellm tok/s | vLLM tok/s | pipellm p50 TTFT / TPOT ms | "
                   "vLLM p50 TTFT / TPOT ms |", "|---|---|---|---|---|"]
-        for name, ours, theirs in rows:
-            lines.append(f"| {name} | {ours['output_throughput']:.0f} | "
+        for quant, name, ours, theirs in rows:
+            label = f"{quant} {name}".strip()
+            lines.append(f"| {label} | {ours['output_throughput']:.0f} | "
                          f"{theirs['output_throughput']:.0f} | {ours['median_ttft_ms']:.0f} / "
                          f"{ours['median_tpot_ms']:.1f} | {theirs['median_ttft_ms']:.0f} / "
                          f"{theirs['median_tpot_ms']:.1f} |")
