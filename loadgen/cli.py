@@ -21,6 +21,7 @@ from loadgen import arrivals, plots, report, runner, sweep, workload
 from loadgen.client import Endpoint
 from loadgen.metrics import METRICS, parse_slos
 from loadgen.runner import RunConfig
+from shared.open_files import raise_open_files_limit
 
 
 def parser() -> argparse.ArgumentParser:
@@ -90,6 +91,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 no request succeeded or the server is unreachable, 2 bad usage."""
     args = parser().parse_args(argv)
+    raise_open_files_limit()  # a connection per request in flight
     try:
         slos = parse_slos(args.goodput)
         sweep_cfg = sweep.SweepConfig(parse_slos(args.sweep_slo), args.sweep_percentile,

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from shared.config import EngineConfig, ServiceConfig, check_replicas
+from shared.open_files import raise_open_files_limit
 from shared.settings import add_config_args, config_from_args, unset_by_device
 
 
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             from services.compute.sim import roofline
 
             return roofline.run(args)
+        if args.command in ("serve", "up", "service"):  # children inherit it
+            raise_open_files_limit()
         if args.command == "service":
             return _service(args)
         if args.command == "run-batch":
@@ -155,7 +158,12 @@ def _log_generation_defaults(config: EngineConfig):
 
 
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServiceConfig]:
-    return _engine_config(args), config_from_args(ServiceConfig, args)
+    """Both configs; --max-pending left unset follows the running batch the engine got."""
+    engine = _engine_config(args)
+    pending = {"max_pending": ServiceConfig.pending_by_device(
+        engine.scheduler.max_running, args.data_parallel_size)} \
+        if "max_pending" in unset_by_device(ServiceConfig, args) else {}
+    return engine, config_from_args(ServiceConfig, args, **pending)
 
 
 def _service(args: argparse.Namespace) -> int:

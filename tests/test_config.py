@@ -99,6 +99,52 @@ def test_a_command_line_leaves_the_step_budget_to_the_device(monkeypatch):
         == 512  # no device asked: the field's default
 
 
+def test_max_pending_left_unset_follows_the_running_batch(monkeypatch, demo_model_dir):
+    """--max-pending unset: 8 per slot of the running batch the engine got, times the
+    data-parallel ranks (an H200's 1024 running: 8192, so a 1,000-request burst is queued);
+    set by a flag or an env var: as set; built in code: the field's default."""
+    from services import cli
+    from services.compute import backend
+
+    gpu = step_budget("cuda", 139.8, "NVIDIA H200")
+    monkeypatch.setattr(backend, "device_step_budget", lambda device, kind: dict(gpu))
+
+    def pending(argv):
+        return cli._configs(cli.build_parser().parse_args(
+            ["service", "gateway", "--model", str(demo_model_dir), *argv]))[1].max_pending
+
+    assert pending([]) == 8 * 1024
+    assert pending(["--max-running", "16", "--data-parallel-size", "2"]) == 8 * 16 * 2
+    assert pending(["--max-pending", "3"]) == 3
+    monkeypatch.setenv("PIPELLM_MAX_PENDING", "5")  # how children get the parent's value
+    assert pending([]) == 5
+    assert ServiceConfig().max_pending == 512
+
+
+def test_the_open_files_limit_is_raised_to_the_target_or_the_hard_limit(monkeypatch, caplog):
+    import resource
+
+    from shared import open_files
+
+    calls = []
+    monkeypatch.setattr(resource, "setrlimit", lambda kind, pair: calls.append(pair))
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 4096))
+    assert open_files.raise_open_files_limit() == 4096 and calls == [(4096, 4096)]
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, resource.RLIM_INFINITY))
+    assert open_files.raise_open_files_limit() == 65535
+    assert calls[-1] == (65535, resource.RLIM_INFINITY)
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (100_000, 200_000))
+    assert open_files.raise_open_files_limit() == 100_000 and len(calls) == 2  # never lowered
+
+    def refuse(kind, pair):
+        raise ValueError("not allowed")
+
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (1024, 4096))
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    assert open_files.raise_open_files_limit() == 1024
+    assert "open-files limit stays 1024" in caplog.text
+
+
 def test_a_cpu_build_of_torch_answers_the_step_budget_without_importing_it():
     """`pipellm up` imports no torch of its own: on a CPU build the device's budget is read
     from torch's metadata (this project's machines run torch 2.13.0+cpu)."""

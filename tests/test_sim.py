@@ -371,6 +371,21 @@ def test_load_generator_against_the_sim_backend(sim_stack, tmp_path):
     assert r["mean_tpot_ms"] >= 26.0e9 / (2.039e12 * 0.8) * 1e3 * 0.95
     assert r["mean_ttft_ms"] < r["mean_e2el_ms"]
 
+def test_a_burst_of_a_thousand_requests_is_queued_not_refused(sim_stack, tmp_path):
+    """1,000 requests at once (the published offline benchmarks' count) with the default
+    --max-pending: every one answered in full, none refused with 429 (it was 512 a gateway)."""
+    from loadgen import cli
+
+    argv = ["--base-url", sim_stack.url, "--dataset-name", "random", "--random-input-len", "8",
+            "--random-output-len", "2", "--ignore-eos", "--num-prompts", "1000",
+            "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "r.json"]
+    assert cli.main(argv) == 0
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert (r["completed"], r["failed"]) == (1000, 0), [e for e in r["errors"] if e][:3]
+    assert r["output_lens"] == [2] * 1000
+
+
 def test_online_predictor_hook_is_asked_at_arrival_and_taught_at_finish():
     """A predictor that knows the true lengths gives exactly the oracle items' run; it is asked
     once per request in arrival order and taught each true length at finish."""

@@ -12,6 +12,7 @@ from shared.settings import setting
 
 # services/gateway/tool_formats.PARSERS' names (tests/test_tool_formats.py checks it)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+PENDING_PER_SLOT = 8  # --max-pending by device: requests held per slot of the running batch
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,9 @@ class ServiceConfig:
                                    group=SERVER)
     seed: int | None = setting(None, "requests without a seed draw theirs from this seed "
                                "(reproducible runs); unset: from the OS", group=SERVER)
-    max_pending: int = setting(512, "requests in flight at the gateway before it answers 429",
-                               group=SERVER)
+    max_pending: int = setting(512, "requests in flight at the gateway before it answers 429; "
+                               "by device: 8 per slot of the running batch (--max-running) "
+                               "on each data-parallel rank", group=SERVER, by_device=True)
     strict_request_fields: bool = setting(False, "answer a request key the API does not know "
                                           "with a 400; by default it is ignored and logged, "
                                           "as vLLM does", group=SERVER)
@@ -133,6 +135,13 @@ class ServiceConfig:
         if self.max_prompt_bytes < 0:
             raise ValueError("--max-prompt-bytes must be 0 (automatic) or more")
         self.origins()  # a malformed --allowed-origins fails at start-up
+
+    @staticmethod
+    def pending_by_device(max_running: int, data_parallel_size: int) -> int:
+        """--max-pending left unset: a queue of 7 running batches' worth behind the running
+        ones, so a burst the size of a benchmark's (1,000 at once) is queued, as vLLM and
+        SGLang queue it, not refused."""
+        return PENDING_PER_SLOT * max_running * data_parallel_size
 
     def prompt_bytes_limit(self, max_model_len: int) -> int:
         """The prompt size cap in bytes: --max-prompt-bytes, or when 0, 16 bytes per token of
