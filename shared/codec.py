@@ -1,8 +1,10 @@
 """The one wire codec: msgpack, never pickle. Messages are registered dataclasses.
 
-A dataclass travels as a map with its registered name under "_t"; nested registered dataclasses
-(e.g. SamplingParams inside a request) likewise. Token id arrays travel as packed int32 bytes:
-a field holding `array('i')` becomes msgpack extension 1, `array('f')` (float32) extension 2.
+A dataclass travels as a map with its registered name under "_t" and the fields that differ
+from their defaults (the receiver's constructor fills in the rest); nested registered
+dataclasses (e.g. SamplingParams inside a request) likewise. Token id arrays travel as packed
+int32 bytes: a field holding `array('i')` becomes msgpack extension 1, `array('f')` (float32)
+extension 2.
 Decoding builds only registered classes through their constructors, so a peer can never make
 this process run code, and a malformed message raises DecodeError.
 """
@@ -17,8 +19,12 @@ from typing import Any
 import msgpack
 
 _INT32, _FLOAT32 = 1, 2
+_TYPECODES = {_INT32: "i", _FLOAT32: "f"}  # extension code -> array typecode
+_CODES = {t: c for c, t in _TYPECODES.items()}
 _REGISTRY: dict[str, type] = {}
-_FIELDS: dict[type, tuple[str, ...]] = {}  # a registered class's init fields, looked up once
+_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}  # a registered class's init fields
+# and their defaults, looked up once
+_REQUIRED = object()  # the default of a field that has none
 _LITTLE = sys.byteorder == "little"
 
 
@@ -65,30 +71,41 @@ def decode(data: bytes) -> Any:
 
 def _default(obj: Any) -> Any:
     if isinstance(obj, array):
-        code = {"i": _INT32, "f": _FLOAT32}.get(obj.typecode)
+        code = _CODES.get(obj.typecode)
         if code is None:
             raise TypeError(f"array typecode {obj.typecode!r} cannot be sent")
         if not _LITTLE:  # the wire is little-endian
             obj = array(obj.typecode, obj)
             obj.byteswap()
         return msgpack.ExtType(code, obj.tobytes())
-    names = _FIELDS.get(type(obj))
-    if names is None and dataclasses.is_dataclass(obj) and type(obj).__name__ in _REGISTRY:
-        names = _FIELDS[type(obj)] = tuple(f.name for f in dataclasses.fields(obj) if f.init)
-    if names is None:
+    fields = _FIELDS.get(type(obj))
+    if fields is None and dataclasses.is_dataclass(obj) and type(obj).__name__ in _REGISTRY:
+        fields = _FIELDS[type(obj)] = tuple((f.name, _default_of(f))
+                                            for f in dataclasses.fields(obj) if f.init)
+    if fields is None:
         raise TypeError(f"{type(obj).__name__} is not a registered message")
     out = {"_t": type(obj).__name__}
-    for name in names:
-        out[name] = getattr(obj, name)
+    for name, default in fields:
+        value = getattr(obj, name)
+        if value is not default and (default is _REQUIRED or value != default):
+            out[name] = value
     return out
 
 
+def _default_of(f: dataclasses.Field) -> Any:
+    """The value a field takes when a message leaves it out (_REQUIRED: it never does)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return _REQUIRED
+
+
 def _ext_hook(code: int, data: bytes) -> array:
-    typecode = {_INT32: "i", _FLOAT32: "f"}.get(code)
+    typecode = _TYPECODES.get(code)
     if typecode is None or len(data) % 4:
         raise DecodeError(f"bad extension {code} of {len(data)} bytes")
-    out = array(typecode)
-    out.frombytes(data)
+    out = array(typecode, data)
     if not _LITTLE:
         out.byteswap()
     return out
