@@ -14,6 +14,7 @@ import pytest
 
 from bench import (
     ablation,
+    codec,
     length_predictor,
     llamacpp,
     peers_report,
@@ -545,3 +546,11 @@ def test_decode_step_quick_builds_the_served_projections(capsys):
     assert not isinstance(dense.layers[0].down, Int4Linear)
     assert isinstance(int4.layers[0].down, Int4Linear)
     assert int4.weight_bytes() < 0.75 * dense.weight_bytes()
+
+
+def test_codec_bench_times_both_encodings_of_the_same_batch(capsys):
+    out = codec.main(["--deltas", "8", "--rounds", "1", "--reps", "5"])
+    assert last_json(capsys.readouterr().out) == out
+    now, base = out["per_delta"]["fields at defaults left out"], \
+        out["per_delta"]["every field (baseline)"]
+    assert 0 < now["bytes"] < base["bytes"] and now["decode_us"] > 0
