@@ -4,6 +4,10 @@
                                  timestamps (*_at, unix seconds), token counts, finish reasons;
                                  expires request_ttl_s after the request ends
     pipellm:svc:<server>:<service>:<instance>   heartbeat, expires after a few missed beats
+    pipellm:svcs:<server>        set: the names of that server's heartbeat keys (each beat adds
+                                 its own; readers drop those that expired), so liveness is
+                                 read without scanning the keyspace, which holds every
+                                 request of the last request_ttl_s
     pipellm:stats:<server>:<rank>   hash: a compute engine's gauges and counters (rank: its
                                  data-parallel rank); expires after a few missed beats
     pipellm:resp:<id>            hash: a stored Responses API response (its object, request,
@@ -81,8 +85,33 @@ def resp_running_key(server: str) -> str:
 
 
 def heartbeat(pipe, server: str, service: str, instance: str, ttl_s: float) -> None:
-    pipe.set(f"{PREFIX}svc:{server}:{service}:{instance}", str(time.time()),
-             px=int(ttl_s * 1000))
+    key = f"{PREFIX}svc:{server}:{service}:{instance}"
+    pipe.set(key, str(time.time()), px=int(ttl_s * 1000))
+    pipe.sadd(heartbeats_key(server), key)
+
+
+def heartbeats_key(server: str) -> str:
+    """Set of a server's heartbeat keys, live or expired (`live_heartbeats` tells which)."""
+    return f"{PREFIX}svcs:{server}"
+
+
+def read_heartbeats(client: redis.Redis, server: str) -> list[str]:
+    """A server's live heartbeat keys, read with a sync client (the expired ones dropped from
+    its set); services/gateway/health.py reads them the same way with an asyncio one."""
+    keys = list(client.smembers(heartbeats_key(server)))
+    live, expired = live_heartbeats(keys, client.mget(keys) if keys else [])
+    if expired:
+        client.srem(heartbeats_key(server), *expired)
+    return live
+
+
+def live_heartbeats(keys, values) -> tuple[list[str], list[str]]:
+    """(live, expired) of a server's heartbeat keys (SMEMBERS heartbeats_key), given their
+    values (MGET of them: None where a key expired). The caller SREMs the expired."""
+    live, expired = [], []
+    for key, value in zip(keys, values, strict=True):
+        (live if value is not None else expired).append(_s(key))
+    return live, expired
 
 
 def lora_key(server: str) -> str:
@@ -93,11 +122,6 @@ def lora_key(server: str) -> str:
 
 def stats_key(server: str, rank: int = 0) -> str:
     return f"{PREFIX}stats:{server}:{rank}"
-
-
-def stats_pattern(server: str) -> str:
-    """SCAN pattern of a server's engine stats, one hash per compute rank."""
-    return f"{PREFIX}stats:{server}:*"
 
 
 def set_stats(pipe, server: str, rank: int, stats: dict[str, Any], ttl_s: float) -> None:
@@ -142,18 +166,13 @@ def reset_pending(client, server: str, rank: int) -> None:
     client.hset(stats_key(server, rank), mapping=dict.fromkeys(_PENDING, 0))
 
 
-def service_pattern(server: str) -> str:
-    """SCAN pattern of a server's heartbeats."""
-    return f"{PREFIX}svc:{server}:*"
-
-
 def rank_of(instance: str) -> int:
     """The data-parallel rank of a heartbeat's instance (Heartbeat's `rank`)."""
     return int(instance.split(".", 1)[0]) if "." in instance else 0
 
 
 def live_services(keys: list[bytes | str]) -> dict[str, set[str]]:
-    """Heartbeat keys of one server (SCAN service_pattern) -> {service: {instances}}."""
+    """Live heartbeat keys of one server (`live_heartbeats`) -> {service: {instances}}."""
     out: dict[str, set[str]] = {}
     for key in keys:
         key = key.decode() if isinstance(key, bytes) else key
@@ -193,8 +212,9 @@ class Heartbeat:
         healthy = True
         while True:
             try:
-                heartbeat(self.client, self.server, self.service, self.instance,
-                          4 * self.period_s)
+                pipe = self.client.pipeline(transaction=False)
+                heartbeat(pipe, self.server, self.service, self.instance, 4 * self.period_s)
+                pipe.execute()
                 healthy = True
             except redis.RedisError as e:
                 if healthy:

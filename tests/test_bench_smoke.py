@@ -15,6 +15,7 @@ import pytest
 from bench import (
     ablation,
     codec,
+    health_check,
     length_predictor,
     llamacpp,
     peers_report,
@@ -554,3 +555,10 @@ def test_codec_bench_times_both_encodings_of_the_same_batch(capsys):
     now, base = out["per_delta"]["fields at defaults left out"], \
         out["per_delta"]["every field (baseline)"]
     assert 0 < now["bytes"] < base["bytes"] and now["decode_us"] > 0
+
+
+def test_health_check_bench_times_both_reads(capsys):
+    out = health_check.main(["--keys", "0,300", "--reps", "2"])
+    assert last_json(capsys.readouterr().out) == out
+    assert [r["request_keys"] for r in out["rows"]] == [0, 300]
+    assert all(r["set_ms"] > 0 and r["scan_ms"] > 0 for r in out["rows"])

@@ -118,7 +118,7 @@ def test_restart_reset_clamps_late_settlements(client, inboxes):
 
 
 def test_a_compute_without_heartbeat_gets_nothing(client, inboxes):
-    client.delete(*client.keys(state.service_pattern(SERVER).replace("*", "compute:0*")))
+    client.delete(*client.keys(f"{state.PREFIX}svc:{SERVER}:compute:0*"))
     a = tokenizer(client, inboxes)
     for i in range(4):
         a.send([request(i, 8)])

@@ -82,7 +82,7 @@ class Gateway:
         self.pending = PendingLimit(svc.max_pending)  # counted before the body is read
         self.metrics = Metrics(model_name)
         self.health = Health(redis_client, svc.server, self.registry, self.resume_lost,
-                             self._abort_ids, self.metrics)
+                             self._abort_ids, self.metrics, svc.data_parallel_size)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
         self.chat_settings = protocol.ChatSettings.of(svc, template)

@@ -24,11 +24,13 @@ RESUME_TIMEOUT_S = 120.0  # a model's load time and the supervisor's back-off fi
 
 class Health:
     def __init__(self, client: aioredis.Redis, server: str, registry, resume, abort_ids,
-                 metrics):
-        """`server`: this server's id in Redis (ServiceConfig.server);
+                 metrics, ranks: int = 1):
+        """`server`: this server's id in Redis (ServiceConfig.server); `ranks`: its compute
+        processes (data-parallel ranks), whose engine stats /metrics shows;
         resume(only_without_output, ranks): continue lost requests (ranks: of the computes
         that restarted, None: of any); abort_ids(ids, status)."""
         self.client, self.server, self.registry, self.metrics = client, server, registry, metrics
+        self.ranks = ranks
         self.resume, self.abort_ids = resume, abort_ids
         self.ok = False
         self.reason = "starting"
@@ -45,12 +47,11 @@ class Health:
 
     async def refresh(self) -> None:
         try:
-            keys = [k async for k in self.client.scan_iter(
-                match=state.service_pattern(self.server))]
-            stats = [k async for k in self.client.scan_iter(
-                match=state.stats_pattern(self.server))]
-            self.metrics.engines = [state.decode_hash(await self.client.hgetall(k))
-                                    for k in sorted(stats)]
+            keys = await self._heartbeats()
+            pipe = self.client.pipeline(transaction=False)
+            for rank in range(self.ranks):
+                pipe.hgetall(state.stats_key(self.server, rank))
+            self.metrics.engines = [state.decode_hash(h) for h in await pipe.execute() if h]
         except aioredis.RedisError as e:
             self.ok, self.reason = False, f"redis unavailable: {e}"
             return
@@ -61,6 +62,14 @@ class Health:
         await self._restarts(live)
         await self._outages(missing)
         self.seen = {s: self.seen.get(s, set()) | live.get(s, set()) for s in state.SERVICES}
+
+    async def _heartbeats(self) -> list[str]:
+        """The live heartbeat keys (state.read_heartbeats, on this asyncio client)."""
+        keys = list(await self.client.smembers(state.heartbeats_key(self.server)))
+        live, expired = state.live_heartbeats(keys, await self.client.mget(keys) if keys else [])
+        if expired:
+            await self.client.srem(state.heartbeats_key(self.server), *expired)
+        return live
 
     async def _restarts(self, live: dict[str, set[str]]) -> None:
         for service, only_without_output in (("compute", False), ("detokenizer", False),

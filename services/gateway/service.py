@@ -28,6 +28,7 @@ from shared.tokenizer import load_tokenizer
 from shared.transport import AsyncFanout, AsyncReceiver, AsyncSender
 
 log = logging.getLogger("pipellm.gateway")
+LISTEN_BACKLOG = 2048
 
 
 def build(engine_cfg: EngineConfig, svc: ServiceConfig) -> tuple[Gateway, AsyncReceiver]:
@@ -114,7 +115,9 @@ async def run(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     asyncio.create_task(resume_background(gw))  # noqa: RUF006 (ends by itself)
     runner = web.AppRunner(gw.app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, svc.host, svc.port).start()
+    # uvicorn's (vLLM's server) listen backlog: aiohttp's 128 can overflow when a benchmark
+    # opens a thousand connections at once, and each dropped SYN costs its client a second
+    await web.TCPSite(runner, svc.host, svc.port, backlog=LISTEN_BACKLOG).start()
     log.info("gateway on http://%s:%d serving %s", svc.host, svc.port, gw.model_name)
     try:
         await asyncio.gather(*tasks)

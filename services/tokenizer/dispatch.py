@@ -38,7 +38,7 @@ class Dispatcher:
         self.server, self.default_len = server, default_len
         self.loads = [ReplicaLoad() for _ in senders]
         self.live: set[int] = set()  # ranks whose heartbeat is there
-        self._next_scan = 0.0
+        self._next_liveness = 0.0
         self._turn = 0  # embeddings requests: the next live compute's turn
 
     def send(self, gens: list[GenerateRequest]) -> int:
@@ -60,7 +60,7 @@ class Dispatcher:
         prefill, over before the loads are published again); returns its rank."""
         rank = 0
         if len(self.senders) > 1:
-            self._scan_liveness()
+            self._read_liveness()
             live = sorted(r for r in self.live if r < len(self.senders)) or [0]
             rank, self._turn = live[self._turn % len(live)], self._turn + 1
         self.senders[rank].send(req)
@@ -74,7 +74,7 @@ class Dispatcher:
         (state.set_route: a restarted compute's streams are resumed, no others). Without
         Redis, or after RETRIES conflicts: by the loads last read, plus what was routed
         since."""
-        self._scan_liveness()
+        self._read_liveness()
         keys = [state.stats_key(self.server, r) for r in range(len(self.senders))]
         tokens = info.predicted_tokens * count
         for _ in range(RETRIES):
@@ -120,14 +120,14 @@ class Dispatcher:
                 for rank, (demand, running, waiting, prefill, capacity, step, pending, prompt)
                 in enumerate(pipe.execute())]
 
-    def _scan_liveness(self) -> None:
+    def _read_liveness(self) -> None:
         """Which computes beat, every LIVENESS_S (on a Redis error: the last answer)."""
         now = time.monotonic()
-        if now < self._next_scan:
+        if now < self._next_liveness:
             return
-        self._next_scan = now + LIVENESS_S
+        self._next_liveness = now + LIVENESS_S
         try:
-            beats = list(self.client.scan_iter(match=state.service_pattern(self.server)))
+            beats = state.read_heartbeats(self.client, self.server)
         except redis.RedisError:
             return
         self.live = {state.rank_of(i) for i in state.live_services(beats).get("compute", ())}
