@@ -30,7 +30,6 @@ from bench.common import log  # noqa: E402
 from shared import codec  # noqa: E402
 from shared.messages import Delta, DeltaBatch, Tokens  # noqa: E402
 
-
 _NAMES: dict[type, tuple[str, ...]] = {}
 
 
