@@ -134,6 +134,12 @@ def markdown(r: dict, figs: dict, fitted: dict | None) -> str:
     if serve:
         for name, row in serve.items():
             lines.append(f"- serving {name}: {row}")
+    for step in ("serve", "serve_sg"):  # what pipellm's processes held on the device
+        memory = (r.get(step) or {}).get("gpu_memory_mib")
+        if memory:
+            parent = memory["processes"].get(memory["parent_pid"], 0)
+            lines.append(f"- {step}: GPU memory by process {memory['processes']} MiB; the "
+                         f"`pipellm up` parent (pid {memory['parent_pid']}) {parent} MiB")
     rows = side_by_side(r)
     if rows:
         lines += ["", "| run | pipellm tok/s | vLLM tok/s | pipellm p50 TTFT / TPOT ms | "

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -134,6 +135,18 @@ def bench_argv(args, workload: str, sampling: str, port: int, model: Path, out: 
             "--result-dir", str(out.parent), "--result-filename", out.name]
 
 
+def gpu_processes() -> dict[str, int]:
+    """MiB of GPU memory per process id, as nvidia-smi lists them ({} without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    rows = (line.split(",") for line in out.splitlines() if line.count(",") == 1)
+    return {pid.strip(): int(mib) for pid, mib in rows if mib.strip().isdigit()}
+
+
 def drive(args, port: int, model: Path, results: Path) -> dict:
     """Every (sampling, workload) run against a ready server; {name: KEYS} of those that ran."""
     rows = {}
@@ -162,10 +175,12 @@ def main(argv=None) -> int:
             build_model(model, args.context)
         port = free_port()
         server = make_server(args, model, port, results / f"{args.server}.log")
-        rows, startup_s = {}, None
+        rows, startup_s, memory = {}, None, {}
         try:
             with running(server, args.ready_timeout) as startup_s:
                 log(f"{args.server} ready after {startup_s:.0f} s")
+                # the `pipellm up` parent (the process started here) should hold none
+                memory = {"parent_pid": str(server.proc.pid), "processes": gpu_processes()}
                 rows = drive(args, port, model, results)
                 if len(rows) < len(args.workloads) * len(args.sampling):
                     log(f"some runs failed; {args.server}'s log ends:\n{server.log_tail(30)}")
@@ -173,7 +188,8 @@ def main(argv=None) -> int:
             log(str(e))
         print(json.dumps({"server": args.server, "quantization": args.quantization,
                           "device": device, "model": describe(model), "context": args.context,
-                          "startup_s": startup_s and round(startup_s, 1), "runs": rows}))
+                          "startup_s": startup_s and round(startup_s, 1),
+                          "gpu_memory_mib": memory, "runs": rows}))
     return 0 if rows else 1
 
 

@@ -118,6 +118,7 @@ def test_gpu_serve_drives_pipellm_end_to_end_on_the_cpu(demo_model_dir, capsys):
                          "2", "--ready-timeout", "300"])
     out = last_json(capsys.readouterr().out)
     assert rc == 0 and out["server"] == "pipellm" and out["startup_s"] > 0
+    assert out["gpu_memory_mib"]["parent_pid"].isdigit()  # processes: {} without nvidia-smi
     assert out["model"].startswith("llama 4 layers x 128, vocab 1000")
     assert sorted(out["runs"]) == ["sg", "sg-s", "sg16", "sg16-s"]
     for name, row in out["runs"].items():
@@ -134,6 +135,7 @@ def _serve(runs: dict) -> dict:
 def test_gpu_report_puts_pipellm_beside_vllm(tmp_path, capsys):
     ours = _serve({"sg": (9000.0, 300.0, 20.0), "sg4": (500.0, 40.0, 7.0),
                    "sg-s": (8000.0, 320.0, 22.0)})
+    ours["gpu_memory_mib"] = {"parent_pid": "7", "processes": {"9": 120000}}
     theirs = _serve({"sg": (10000.0, 250.0, 18.0), "sg4": (500.0, 35.0, 7.7),
                      "sg-s": (7000.0, 300.0, 24.0), "sg16": (1.0, 1.0, 1.0)})
     (tmp_path / "serve_sg.json").write_text(json.dumps(ours))
@@ -150,3 +152,4 @@ def test_gpu_report_puts_pipellm_beside_vllm(tmp_path, capsys):
     assert "| sg | 9000 | 10000 | 300 / 20.0 | 250 / 18.0 |" in text
     assert "| fp8 sg | 9500 | 9000 | 1 / 2.0 | 1 / 2.0 |" in text
     assert "sg16" not in text  # a run only one server completed is not compared
+    assert "the `pipellm up` parent (pid 7) 0 MiB" in text
