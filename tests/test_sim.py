@@ -356,32 +356,31 @@ def test_stack_with_sim_backend_answers_http(sim_stack):
     assert status == 200 and body["usage"]["completion_tokens"] == 12
 
 
+def bench_sim(stack, tmp_path, prompts: int, input_len: int, output_len: int) -> dict:
+    """pipellm-bench's saved result of `prompts` random requests sent at once to `stack`."""
+    from loadgen import cli
+
+    argv = ["--base-url", stack.url, "--dataset-name", "random", "--random-input-len",
+            str(input_len), "--random-output-len", str(output_len), "--ignore-eos",
+            "--num-prompts", str(prompts), "--disable-tqdm", "--save-result", "--result-dir",
+            str(tmp_path), "--result-filename", "r.json"]
+    assert cli.main(argv) == 0
+    return json.loads((tmp_path / "r.json").read_text())
+
+
 def test_load_generator_against_the_sim_backend(sim_stack, tmp_path):
     """pipellm-bench over HTTP against the simulated GPU: 16 requests of 32 tokens each at
     once; each token takes at least one modelled ~16 ms step, so TPOT cannot be below that."""
-    from loadgen import cli
-
-    argv = ["--base-url", sim_stack.url, "--dataset-name", "random", "--random-input-len", "24",
-            "--random-output-len", "32", "--ignore-eos", "--num-prompts", "16",
-            "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
-            "--result-filename", "r.json"]
-    assert cli.main(argv) == 0
-    r = json.loads((tmp_path / "r.json").read_text())
+    r = bench_sim(sim_stack, tmp_path, 16, 24, 32)
     assert (r["completed"], r["failed"]) == (16, 0) and r["output_lens"] == [32] * 16
     assert r["mean_tpot_ms"] >= 26.0e9 / (2.039e12 * 0.8) * 1e3 * 0.95
     assert r["mean_ttft_ms"] < r["mean_e2el_ms"]
 
+
 def test_a_burst_of_a_thousand_requests_is_queued_not_refused(sim_stack, tmp_path):
     """1,000 requests at once (the published offline benchmarks' count) with the default
     --max-pending: every one answered in full, none refused with 429 (it was 512 a gateway)."""
-    from loadgen import cli
-
-    argv = ["--base-url", sim_stack.url, "--dataset-name", "random", "--random-input-len", "8",
-            "--random-output-len", "2", "--ignore-eos", "--num-prompts", "1000",
-            "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
-            "--result-filename", "r.json"]
-    assert cli.main(argv) == 0
-    r = json.loads((tmp_path / "r.json").read_text())
+    r = bench_sim(sim_stack, tmp_path, 1000, 8, 2)
     assert (r["completed"], r["failed"]) == (1000, 0), [e for e in r["errors"] if e][:3]
     assert r["output_lens"] == [2] * 1000
 
