@@ -5,9 +5,10 @@
                                  expires request_ttl_s after the request ends
     pipellm:svc:<server>:<service>:<instance>   heartbeat, expires after a few missed beats
     pipellm:svcs:<server>        set: the names of that server's heartbeat keys (each beat adds
-                                 its own; readers drop those that expired), so liveness is
-                                 read without scanning the keyspace, which holds every
-                                 request of the last request_ttl_s
+                                 its own; readers drop those that expired; the set expires a
+                                 while after the last beat), so liveness is read without
+                                 scanning the keyspace, which holds every request of the last
+                                 request_ttl_s
     pipellm:stats:<server>:<rank>   hash: a compute engine's gauges and counters (rank: its
                                  data-parallel rank); expires after a few missed beats
     pipellm:resp:<id>            hash: a stored Responses API response (its object, request,
@@ -88,6 +89,7 @@ def heartbeat(pipe, server: str, service: str, instance: str, ttl_s: float) -> N
     key = f"{PREFIX}svc:{server}:{service}:{instance}"
     pipe.set(key, str(time.time()), px=int(ttl_s * 1000))
     pipe.sadd(heartbeats_key(server), key)
+    pipe.expire(heartbeats_key(server), max(int(ttl_s * 10), 60))  # gone with the server
 
 
 def heartbeats_key(server: str) -> str:

@@ -126,7 +126,7 @@ def test_health_reads_heartbeats_and_stats_without_scanning_the_keyspace():
 
         async def main():
             aclient = aioredis.Redis.from_url(r.url)
-            health = Health(aclient, "s1", None, None, None, Metrics("m"), ranks=2)
+            health = Health(aclient, "s1", None, None, None, Metrics("m"), computes=2)
 
             async def no_scan(*a, **k):
                 raise AssertionError("scanned the keyspace")

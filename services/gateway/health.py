@@ -24,13 +24,13 @@ RESUME_TIMEOUT_S = 120.0  # a model's load time and the supervisor's back-off fi
 
 class Health:
     def __init__(self, client: aioredis.Redis, server: str, registry, resume, abort_ids,
-                 metrics, ranks: int = 1):
-        """`server`: this server's id in Redis (ServiceConfig.server); `ranks`: its compute
+                 metrics, computes: int = 1):
+        """`server`: this server's id in Redis (ServiceConfig.server); `computes`: its compute
         processes (data-parallel ranks), whose engine stats /metrics shows;
         resume(only_without_output, ranks): continue lost requests (ranks: of the computes
         that restarted, None: of any); abort_ids(ids, status)."""
         self.client, self.server, self.registry, self.metrics = client, server, registry, metrics
-        self.ranks = ranks
+        self.computes = computes
         self.resume, self.abort_ids = resume, abort_ids
         self.ok = False
         self.reason = "starting"
@@ -49,7 +49,7 @@ class Health:
         try:
             keys = await self._heartbeats()
             pipe = self.client.pipeline(transaction=False)
-            for rank in range(self.ranks):
+            for rank in range(self.computes):
                 pipe.hgetall(state.stats_key(self.server, rank))
             self.metrics.engines = [state.decode_hash(h) for h in await pipe.execute() if h]
         except aioredis.RedisError as e:
