@@ -1,11 +1,14 @@
 """Host time per decode step: Scheduler.schedule + build_batch + update with N requests running
-and fake tokens (no model), the heap frozen for the garbage collector as compute freezes it
-once started (services/compute/warmup.py) vs left as is. Each variant runs in a fresh process,
-rounds alternating; prompts are random (20-200 tokens), context 1024.
+and fake tokens (no model), with the garbage collector as compute sets it once started (shared/
+heap.py: the heap frozen, young collections every --gc-young-threshold allocations:
+"settled"), as it set it before (the heap frozen alone: "frozen") and as CPython leaves it
+("default"). Each variant runs in a fresh process, rounds alternating; prompts are random
+(20-200 tokens), context 1024.
 
     python -m bench.host_step [--requests 256] [--steps 300] [--rounds 3]
 
-The last line printed is JSON: {"frozen_ms", "default_ms", "ratio", ...} (means over rounds).
+The last line printed is JSON: {"settled_ms", "frozen_ms", "default_ms", "ratio", ...} (means
+over rounds; ratio: frozen / settled).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ if str(ROOT) not in sys.path:
 
 from bench.common import log, machine  # noqa: E402
 
-VARIANTS = ("default", "frozen")
+VARIANTS = ("default", "frozen", "settled")
 
 
 def one_run(variant: str, requests: int, steps: int) -> dict:
@@ -35,7 +38,7 @@ def one_run(variant: str, requests: int, steps: int) -> dict:
                for _ in range(requests)]
     args = argparse.Namespace(max_batched_tokens=2048, max_running=requests,
                               overhead_steps=steps)
-    return measure_overhead(prompts, 1024, requests * 1024, args, freeze=variant == "frozen")
+    return measure_overhead(prompts, 1024, requests * 1024, args, heap=variant)
 
 
 def main() -> None:
@@ -64,11 +67,9 @@ def main() -> None:
     print("| heap | ms/step mean | p99 |\n|---|---|---|")
     for v in VARIANTS:
         print(f"| {v} | {mean[v]:.3f} | {p99[v]:.3f} |")
-    print(json.dumps({"frozen_ms": round(mean["frozen"], 3),
-                      "default_ms": round(mean["default"], 3),
-                      "frozen_p99_ms": round(p99["frozen"], 3),
-                      "default_p99_ms": round(p99["default"], 3),
-                      "ratio": round(mean["default"] / mean["frozen"], 2),
+    print(json.dumps({**{f"{v}_ms": round(mean[v], 3) for v in VARIANTS},
+                      **{f"{v}_p99_ms": round(p99[v], 3) for v in VARIANTS},
+                      "ratio": round(mean["frozen"] / mean["settled"], 2),
                       "requests": args.requests, "rounds": args.rounds}))
 
 

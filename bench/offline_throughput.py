@@ -44,9 +44,9 @@ from services.compute.core.step import StepSample  # noqa: E402
 from services.compute.inflight import InFlight  # noqa: E402
 from services.compute.scheduling.kv_space import KVSpace  # noqa: E402
 from services.compute.scheduling.scheduler import Scheduler  # noqa: E402
-from services.compute.warmup import freeze_heap  # noqa: E402
-from shared.config import EngineConfig, SchedulerConfig  # noqa: E402
+from shared.config import EngineConfig, SchedulerConfig, ServiceConfig  # noqa: E402
 from shared.demo_model import build_demo_tokenizer  # noqa: E402
+from shared.heap import settle_heap  # noqa: E402
 from shared.length_dist import LengthDist  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
@@ -230,9 +230,10 @@ def _hf_batch(model, prompts: list[list[int]], new_tokens: int, cache: str = "dy
 
 
 def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
-                     args: argparse.Namespace, freeze: bool = True) -> dict:
-    """schedule + build_batch + update per decode step, all requests running, fake tokens
-    (`freeze`: with the heap frozen once the requests run, as compute's is once started)."""
+                     args: argparse.Namespace, heap: str = "settled") -> dict:
+    """schedule + build_batch + update per decode step, all requests running, fake tokens;
+    once the requests run, `heap` "settled" (shared/heap.py, as compute's is once started),
+    "frozen" (gc.freeze alone, compute's setting before) or "default" (CPython's)."""
     cfg = EngineConfig(scheduler=SchedulerConfig(max_batched_tokens=args.max_batched_tokens,
                                                  max_running=args.max_running))
     sched = Scheduler(cfg.scheduler, KVSpace(cfg.scheduler, capacity))
@@ -252,8 +253,11 @@ def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
 
     while sched.waiting or any(s.pending > 1 for s in sched.running):  # prefill
         fake_step()
-    if freeze:
-        freeze_heap()
+    if heap == "settled":
+        settle_heap(ServiceConfig.gc_young_threshold)
+    elif heap == "frozen":
+        gc.collect()
+        gc.freeze()
     running = len(sched.running)
     n_steps = min(args.overhead_steps, min(s.max_len - s.num_tokens for s in sched.running) - 1)
     moves0, times, cpu = sched.kv.stats.moves, [], []

@@ -176,10 +176,10 @@ def _service(args: argparse.Namespace) -> int:
 
 def _run_batch(args: argparse.Namespace) -> int:
     from services.compute.backend import build_engine
-    from services.compute.warmup import freeze_heap
     from services.gateway.protocol import ChatSettings
     from services.run_batch import run_batch
     from services.tokenizer.service import Tokenizer
+    from shared.heap import settle_heap
     from shared.model_config import served_name
 
     config = _engine_config(args)
@@ -188,7 +188,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     defaults = _log_generation_defaults(config)
     svc = config_from_args(ServiceConfig, args)  # the chat flags (checked)
     engine, tokenizer = build_engine(config), Tokenizer(config)
-    freeze_heap()
+    settle_heap(svc.gc_young_threshold)
     name = args.served_model_name or served_name(config.model)
     with open(args.output_file, "w", encoding="utf-8") as dst:
         n, failed, tokens, seconds = run_batch(

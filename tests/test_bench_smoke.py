@@ -21,6 +21,7 @@ from bench import (
     peers_report,
     prefix_cache,
     prefix_sim,
+    serve_host,
     servers,
     vllm_cpu,
     vs_peers,
@@ -477,17 +478,22 @@ def test_spec_sim_prints_the_best_k_per_batch(capsys):
     assert ngram["b1 a0.7"]["speedup"] > draft["b1 a0.7"]["speedup"]  # no draft steps
 
 
-def test_host_step_times_a_decode_step_with_the_heap_frozen_or_not():
+def test_host_step_times_a_decode_step_with_each_heap_setting():
     import gc
 
     from bench.host_step import one_run
+    from shared.config import ServiceConfig
 
     out = one_run("default", 8, 5)
     assert out["running"] == 8 and out["steps"] == 5 and out["mean"] > 0
-    frozen = gc.get_freeze_count()
-    one_run("frozen", 8, 5)
-    assert gc.get_freeze_count() > frozen  # measured as compute runs: start-up's heap frozen
-    gc.unfreeze()
+    thresholds, frozen = gc.get_threshold(), gc.get_freeze_count()
+    try:
+        one_run("settled", 8, 5)  # measured as compute runs: start-up's heap frozen, and
+        assert gc.get_freeze_count() > frozen  # young collections every so many allocations
+        assert gc.get_threshold()[0] == ServiceConfig.gc_young_threshold
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
 
 
 def test_cpu_attention_quick(capsys):
@@ -562,3 +568,13 @@ def test_health_check_bench_times_both_reads(capsys):
     assert last_json(capsys.readouterr().out) == out
     assert [r["request_keys"] for r in out["rows"]] == [0, 300]
     assert all(r["set_ms"] > 0 and r["scan_ms"] > 0 for r in out["rows"])
+
+
+def test_serve_host_counts_each_process_cpu_per_token(capsys):
+    """Both variants served on the simulated backend, every service's CPU counted."""
+    out = serve_host.main(["--prompts", "16", "--rounds", "1"])
+    assert last_json(capsys.readouterr().out) == out
+    for variant in ("now", "baseline"):
+        per = out["variants"][variant]["us_per_token"]
+        assert set(per) == {"gateway", "tokenizer", "compute", "detokenizer", "client"}
+        assert min(per["gateway"], per["compute"], per["detokenizer"], per["client"]) > 0

@@ -121,6 +121,12 @@ def test_max_pending_left_unset_follows_the_running_batch(monkeypatch, demo_mode
     assert ServiceConfig().max_pending == 512
 
 
+def test_gc_young_threshold_must_be_positive():
+    assert ServiceConfig().gc_young_threshold == 50_000
+    with pytest.raises(ValueError, match="--gc-young-threshold"):
+        ServiceConfig(gc_young_threshold=0)
+
+
 def test_the_open_files_limit_is_raised_to_the_target_or_the_hard_limit(monkeypatch, caplog):
     import resource
 

@@ -23,9 +23,10 @@ from services.compute.embed_core import EmbedCore
 from services.compute.engine import LLMEngine
 from services.compute.length.store import redis_stores
 from services.compute.structured import GrammarQueue
-from services.compute.warmup import freeze_heap, warm_up
+from services.compute.warmup import warm_up
 from shared import state
 from shared.config import EngineConfig, ServiceConfig
+from shared.heap import settle_heap
 from shared.lora import LoraModule, runtime_adapters
 from shared.messages import Abort, EmbedRequest, GenerateRequest, LoraUpdate
 from shared.transport import Receiver, Sender, Senders
@@ -142,7 +143,7 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     if engine_cfg.enable_lora:
         load_runtime_adapters(engine, client, svc.server)
     startup = warm_up(engine)  # before the heartbeat starts: /health is green only after it
-    freeze_heap()
+    settle_heap(svc.gc_young_threshold)
     ComputeService(engine, svc, client, startup).run()
 
 

@@ -4,7 +4,6 @@ reports ready (its heartbeat, hence the gateway's /health), not on the first req
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 
@@ -50,11 +49,3 @@ def warm_up(engine: LLMEngine) -> str:
     seconds = time.monotonic() - start
     log.info("warm-up: 2 requests, a %d-token prefill and a decode step, in %.2f s", n, seconds)
     return "; ".join([*done, f"warm-up {seconds:.1f} s"])
-
-
-def freeze_heap() -> None:
-    """Take what start-up allocated (modules, the model's wrappers, tokenizer tables) out of the
-    garbage collector's traversals, as vLLM's engine does once started: a collection then
-    visits only what serving allocates (docs/benchmarks.md, "Host time per step")."""
-    gc.collect()
-    gc.freeze()

@@ -21,6 +21,7 @@ from services.detokenizer.stop import StopMatcher
 from shared import state
 from shared.choice import api_id
 from shared.config import EngineConfig, ServiceConfig
+from shared.heap import settle_heap
 from shared.length_predictor import LengthPredictor, model_key
 from shared.messages import Abort, Delta, DeltaBatch, Route, StepOutput, Tokens
 from shared.reasoning import Splitter, parser
@@ -202,6 +203,7 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     detok = Detokenizer(load_tokenizer(engine_cfg.model), svc.request_ttl_s)
     predictor = LengthPredictor(state.fast_client(svc.redis_url), model_key(engine_cfg.model)) \
         if svc.length_predictor else None
+    settle_heap(svc.gc_young_threshold)
     while True:
         msg = inbox.recv()
         if isinstance(msg, StepOutput):

@@ -19,6 +19,7 @@ from services.gateway.lora_api import runtime_updates_allowed
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, SchedulingPolicyName, ServiceConfig
 from shared.generation_config import GenerationDefaults
+from shared.heap import settle_heap
 from shared.lora import LoraModule, parse_lora_modules, runtime_adapters
 from shared.messages import DeltaBatch, EmbedResult
 from shared.model_config import ModelConfig, served_context, served_name
@@ -119,6 +120,7 @@ async def run(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     # opens a thousand connections at once, and each dropped SYN costs its client a second
     await web.TCPSite(runner, svc.host, svc.port, backlog=LISTEN_BACKLOG).start()
     log.info("gateway on http://%s:%d serving %s", svc.host, svc.port, gw.model_name)
+    settle_heap(svc.gc_young_threshold)
     try:
         await asyncio.gather(*tasks)
     finally:

@@ -29,6 +29,7 @@ from shared.choice import ChoiceId
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
 from shared.grammar import GrammarError, GrammarSpec, validate
+from shared.heap import settle_heap
 from shared.length_dist import LengthDist
 from shared.length_predictor import LengthPredictor, length_features, model_key
 from shared.lora import adapter_scope
@@ -223,6 +224,7 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
                         client, svc.server, engine_cfg.default_predicted_len)
     replies = Senders(ctx)
     state.Heartbeat(client, svc.server, "tokenizer", svc.heartbeat_s)
+    settle_heap(svc.gc_young_threshold)
     while True:
         msg = inbox.recv()
         if isinstance(msg, TokenizeRequest):

@@ -91,6 +91,9 @@ class ServiceConfig:
     request_ttl_s: int = setting(3600, "seconds a finished request's state stays in Redis",
                                  group=WIRING)
     heartbeat_s: float = setting(0.5, "seconds between each service's heartbeats", group=WIRING)
+    gc_young_threshold: int = setting(50_000, "net allocations between the garbage collector's "
+                                      "young collections in each service once started "
+                                      "(shared/heap.py; CPython's default: 700)", group=WIRING)
     data_parallel_size: int = setting(
         1, "compute processes, one per device (vLLM's --data-parallel-size): with CUDA, "
         "devices 0..N-1 of those visible; on a CPU each gets its share of the cores. A "
@@ -132,6 +135,8 @@ class ServiceConfig:
                              f"{', '.join(POLICIES)}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError("--data-parallel-size must be at least 1 (and a rank below it)")
+        if self.gc_young_threshold < 1:
+            raise ValueError("--gc-young-threshold must be at least 1")
         if self.max_prompt_bytes < 0:
             raise ValueError("--max-prompt-bytes must be 0 (automatic) or more")
         self.origins()  # a malformed --allowed-origins fails at start-up
