@@ -1,10 +1,10 @@
 """The garbage collector's settings for a serving process, applied once it has started.
 
 A service allocates a few objects per streamed token (messages, arrays, dicts, chunks), nearly
-all freed by reference counting at once. With CPython's default thresholds (a young collection
-every 700 net allocations) and a thousand requests in flight, whose objects live for the
-request's length, collections ran back to back and full ones walked every live request: 36% of
-the gateway's CPU in a burst of 1,000 (docs/benchmarks.md, "The wire codec").
+all freed by reference counting at once, while a thousand requests in flight keep theirs for
+the request's length: CPython's default young threshold (700) then runs collections back to
+back, each walking what the live requests hold (docs/benchmarks.md, "The serving path's CPU
+per token").
 """
 
 from __future__ import annotations
