@@ -80,8 +80,8 @@ def redis_client(svc: ServiceConfig) -> aioredis.Redis:
     /v1/requests. The pool blocks when all are busy instead of failing, so a burst past the
     margin waits rather than reads as "Redis unavailable". A pooled connection that died with a
     restarted Redis is retried on a fresh one (pool connections otherwise never retry). The
-    library's version is given, not looked up: redis-py reads it from the package metadata
-    for every new connection (0.3 ms each, a burst's thousand of them at once)."""
+    library's version is given, not looked up: redis-py otherwise reads it from the package
+    metadata for every new connection, and a burst opens a thousand (docs/benchmarks.md)."""
     pool = aioredis.BlockingConnectionPool.from_url(
         svc.redis_url, max_connections=svc.max_pending + 32, timeout=5,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
