@@ -8,8 +8,8 @@ alternating, the baseline measured in the same run:
     baseline   --gc-young-threshold 700 (CPython's young threshold; the heap still frozen)
 
 Workload: --prompts ShareGPT prompts at once (1,000: the published offline count), their
-answers' lengths, EOS ignored; the demo model's tokenizer (vocabulary of the sim's model's
-size is not needed: the sim emits ids of the served tokenizer's).
+answers' lengths, EOS ignored; the demo model serves the tokenizer (the simulator emits ids of
+its vocabulary).
 
     python -m bench.serve_host [--prompts 1000] [--rounds 2]
 

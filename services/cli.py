@@ -160,10 +160,11 @@ def _log_generation_defaults(config: EngineConfig):
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServiceConfig]:
     """Both configs; --max-pending left unset follows the running batch the engine got."""
     engine = _engine_config(args)
-    pending = {"max_pending": ServiceConfig.pending_by_device(
-        engine.scheduler.max_running, args.data_parallel_size)} \
-        if "max_pending" in unset_by_device(ServiceConfig, args) else {}
-    return engine, config_from_args(ServiceConfig, args, **pending)
+    derived = {}
+    if "max_pending" in unset_by_device(ServiceConfig, args):
+        derived["max_pending"] = ServiceConfig.pending_by_device(engine.scheduler.max_running,
+                                                                 args.data_parallel_size)
+    return engine, config_from_args(ServiceConfig, args, **derived)
 
 
 def _service(args: argparse.Namespace) -> int:

@@ -173,11 +173,10 @@ def rank_of(instance: str) -> int:
     return int(instance.split(".", 1)[0]) if "." in instance else 0
 
 
-def live_services(keys: list[bytes | str]) -> dict[str, set[str]]:
+def live_services(keys: list[str]) -> dict[str, set[str]]:
     """Live heartbeat keys of one server (`live_heartbeats`) -> {service: {instances}}."""
     out: dict[str, set[str]] = {}
     for key in keys:
-        key = key.decode() if isinstance(key, bytes) else key
         service, instance = key.rsplit(":", 2)[1:]
         out.setdefault(service, set()).add(instance)
     return out
