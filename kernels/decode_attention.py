@@ -116,13 +116,16 @@ def _dequant(x, scales, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, KV_GROUP:
 def _int8_to_f16(x, scales, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  KV_GROUP: tl.constexpr, PTX: tl.constexpr):
     """int8 x [BLOCK_N, D] times its groups' fp16 scales -> fp16, the product rounded once (11
-    bits, finer than bf16's 8). PTX (CUDA): four values a register become the fp16 bits
-    0x6400 | (x + 128) = 1024 + x + 128 by two byte permutes, and one packed subtract of 1152 a
-    pair leaves x exactly (FasterTransformer's conversion, ~1.25 instructions a value). Not
-    `is_pure`: that keeps Triton from moving it past the layout change into the dot's operand,
-    where it would convert the values one byte at a time."""
+    bits, finer than bf16's 8). PTX (CUDA), four values a register: two byte permutes make the
+    fp16 bits 0x6400 | (x + 128) = 1024 + x + 128, one packed subtract of 1152 a pair leaves x
+    exactly (FasterTransformer's conversion), one packed multiply a pair by the scales (which
+    Triton packs in pairs for free): 1.75 instructions a value. Not `is_pure`: that keeps
+    Triton from moving it past the layout change into the dot's operand, where it would
+    convert the values one byte at a time."""
+    s = tl.reshape(tl.broadcast_to(scales[:, :, None], (BLOCK_N, HEAD_DIM // KV_GROUP, KV_GROUP)),
+                   (BLOCK_N, HEAD_DIM))
     if PTX:
-        x = tl.inline_asm_elementwise(
+        return tl.inline_asm_elementwise(
             asm="""{
             .reg .b32 t, m;
             xor.b32 t, $2, 0x80808080;
@@ -131,12 +134,28 @@ def _int8_to_f16(x, scales, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
             prmt.b32 $1, t, 0x64646464, 0x5352;
             sub.f16x2 $0, $0, m;
             sub.f16x2 $1, $1, m;
+            mul.f16x2 $0, $0, $3;
+            mul.f16x2 $1, $1, $4;
+            }""",
+            constraints="=r,=r,r,r,r", args=[x, s], dtype=tl.float16, is_pure=False, pack=4)
+    return x.to(tl.float32).to(tl.float16) * s
+
+
+@triton.jit
+def _fp8_to_f16(x, PTX: tl.constexpr):
+    """e4m3 x -> fp16, exactly. PTX (CUDA): one packed conversion a pair, kept before the layout
+    change into the dot's operand as `_int8_to_f16` is (where Triton would place its own
+    conversion, it loads the bytes one at a time from shared memory)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            mov.b32 {lo, hi}, $2;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
             }""",
             constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        x = x.to(tl.float32).to(tl.float16)
-    x = tl.reshape(x, (BLOCK_N, HEAD_DIM // KV_GROUP, KV_GROUP))
-    return tl.reshape(x * scales[:, :, None], (BLOCK_N, HEAD_DIM))
+    return x.to(tl.float16)
 
 
 @triton.jit
@@ -202,8 +221,8 @@ def _decode_split_kernel(
                 k = _dequant(k, k_sc, BLOCK_N, HEAD_DIM, KV_GROUP).to(q.dtype)
                 v = _dequant(v, v_sc, BLOCK_N, HEAD_DIM, KV_GROUP).to(q.dtype)
         if KV_FP8:  # e4m3 values, scale 1
-            if F16:  # one packed conversion (e4m3x2 -> f16x2 on sm_90)
-                k, v = k.to(tl.float16), v.to(tl.float16)
+            if F16:
+                k, v = _fp8_to_f16(k, PTX), _fp8_to_f16(v, PTX)
             else:
                 k = k.to(tl.float32).to(q.dtype)
                 v = v.to(tl.float32).to(q.dtype)

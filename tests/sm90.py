@@ -3,8 +3,9 @@
 `record_launches()` records every kernel launch made under the interpreter (its kernel and the
 arguments it was called with); `compile_sm90(specs)` compiles them for sm_90 through Triton's own
 compiler and ptxas in a process without the interpreter, and returns the register and local-memory
-(spill) use cuobjdump reads from each binary. What only the compiler rejects (globals that are not
-constexpr, unsupported ops) fails here, where the interpreter runs it happily.
+(spill) use cuobjdump reads from each binary, and the opcodes of its longest loop. What only the
+compiler rejects (globals that are not constexpr, unsupported ops) fails here, where the
+interpreter runs it happily.
 """
 
 from __future__ import annotations
@@ -93,12 +94,32 @@ def spec(launch: Launch) -> dict:
 
 def compile_sm90(specs: list[dict]) -> list[dict]:
     """Each spec compiled for sm_90 in a fresh process (kernels imported as compiled, not
-    interpreted, functions): {"regs", "spill" (stack bytes per thread)} or {"error"}."""
+    interpreted, functions): {"regs", "spill" (stack bytes per thread), "loop" (`loop_ops`)}
+    or {"error"}."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     out = subprocess.run([sys.executable, "-m", "tests.sm90"], input=json.dumps(specs),
                          capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def loop_ops(sass: str) -> dict[str, int]:
+    """The opcodes (predicates and modifiers dropped) of the longest loop in a kernel's SASS,
+    the span from a backward branch's target to the branch, counted."""
+    ops = []  # (address, opcode)
+    line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)([^;]*);"  # [@P0] OP.X ...;
+    for m in re.finditer(line, sass):
+        ops.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = [(int(t.group(1), 16), addr) for addr, op, rest in ops if op == "BRA"
+             and (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < addr]
+    if not loops:
+        return {}
+    lo, hi = max(loops, key=lambda span: span[1] - span[0])
+    counts: dict[str, int] = {}
+    for addr, op, _ in ops:
+        if lo <= addr <= hi:
+            counts[op] = counts.get(op, 0) + 1
+    return counts
 
 
 def _compile_one(s: dict) -> dict:
@@ -114,10 +135,11 @@ def _compile_one(s: dict) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], check=True,
-                               capture_output=True, text=True).stdout
+        usage, sass = (subprocess.run([cuobjdump, flag, f.name], check=True, capture_output=True,
+                                      text=True).stdout for flag in ("--dump-resource-usage",
+                                                                     "-sass"))
     regs, stack = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK"))
-    return {"regs": regs, "spill": stack}
+    return {"regs": regs, "spill": stack, "loop": loop_ops(sass)}
 
 
 if __name__ == "__main__":
