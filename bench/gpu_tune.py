@@ -1,7 +1,8 @@
 """Launch shapes for the kernels that lost on the first GPU run, swept on the device: INT8- and
 FP8-KV decode attention (batch 64, context 4096), one long sequence's decode attention (batch 1,
 context 4096; also with the splits merged in the split kernel, Tiling.fused), the W4A16 GEMM at
-one row (4096x4096, 14336x4096, groups of 128), and at 2 to 256 rows the fused kernel,
+one row (4096x4096, 14336x4096, groups of 128; split along K, the splits added by a second
+launch or by each tile's last split), and at 2 to 256 rows the fused kernel,
 dequantize + cuBLAS and tinygemm (kernels/int4_gemm.py's choices by rows: TINYGEMM_ROWS,
 SMALL_M).
 
@@ -204,8 +205,9 @@ def main(argv=None) -> None:
     deep_c = [Tiling(32 if q else 64, 4, 3, ms) for ms in (64, 256)]  # at other contexts
     fused_c = [TILINGS["16bit"], replace(TILINGS["16bit"], fused=True)]
     blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (128, 64)]
-    gemv_c = [GemmTiling(16, bn, bk, sk) for (bn, bk), sk in itertools.product(
-        blocks, (1, 2) if q else (4, 8, 16))] + ([] if q else ["tiles", "tiles4", "gemlite"])
+    gemv_c = [GemmTiling(16, bn, bk, sk, fused=f) for (bn, bk), sk, f in itertools.product(
+        blocks, (1, 2) if q else (4, 8, 16), (False, True)) if sk > 1 or not f] + (
+        [] if q else ["tiles", "tiles4", "gemlite"])  # fused: the splits added in one launch
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"}
     print(res["device"])
     batch = 2 if q else 64
@@ -228,8 +230,10 @@ def main(argv=None) -> None:
     for m in (2, 4, 8, 16, 64, 256) if "w4a16" in cases else []:
         n, k = dims[0]  # the fused kernel (gemm_tiling's), dequantize + cuBLAS, tinygemm
         extra = [] if q else ["tiles", "gemlite"]
+        t = gemm_tiling(m, n, k, group)
         res[f"w4a16_rows_m{m}_{n}x{k}"] = sweep_w4a16(
-            m, n, k, group, [gemm_tiling(m, n, k, group), None] + extra, dt, dev, run)
+            m, n, k, group, [t] + [replace(t, fused=True)] * (t.split_k > 1) + [None] + extra,
+            dt, dev, run)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps({name: (r["best"] or {}).get("speedup") if isinstance(r, dict) else r
                       for name, r in res.items()}))

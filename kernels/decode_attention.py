@@ -13,8 +13,7 @@ Triton path, two launches:
     2. `_decode_combine_kernel`, grid (B, n_heads): merges the splits' partials.
 With a fused tiling (`Tiling.fused`) step 2 happens inside step 1: each program counts its
 arrival on its (sequence, kv head)'s counter, and the last to arrive merges the group's splits
-and resets the counter to 0. The counters are one zeroed buffer per device, kept between
-launches (`_counters`): launches that share it run one after another on one stream.
+and resets the counter to 0 (kernels/arrivals.py).
 
 Sliding window (WINDOW > 0, a per-layer constant): the query at position p = len - 1 sees the
 keys at positions (p - WINDOW, p], transformers' `sliding_window_overlay` (kv > q - window).
@@ -37,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import arrivals
 from kernels.dispatch import cpu_extension, use_triton
 from kernels.kv_quant import FP8, KV_GROUP, kv_rows
 
@@ -296,25 +296,6 @@ def _decode_combine_kernel(
            num_splits, used, stride_oh, HEAD_DIM, SPLITS_PAD)
 
 
-_COUNTERS = 1 << 16  # (sequence, kv head) pairs a fused launch can count: B * n_kv_heads
-_counter_buffers: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed arrival counters for a fused launch (every launch leaves them zero),
-    or None: too many pairs, or a first use while a CUDA graph is being captured (the buffer
-    must outlive every graph: it is made outside them, by an eager call such as the warm-up)."""
-    if needed > _COUNTERS:
-        return None
-    buf = _counter_buffers.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _counter_buffers[device] = torch.zeros(_COUNTERS, dtype=torch.int32,
-                                                     device=device)
-    return buf
-
-
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -393,7 +374,7 @@ def _decode_attention_triton(
     scales = (k_scale, v_scale) if int8 else (out, out)  # placeholders without INT8
     counters = None
     if tiling.fused and num_splits > 1:
-        counters = _counters(q.device, batch * n_kv_heads)
+        counters = arrivals.counters(q.device, batch * n_kv_heads)
     _decode_split_kernel[(batch, n_kv_heads, num_splits)](
         q, k_cache, v_cache, seq_starts, seq_lens, out, part_o, part_lse, *scales,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),

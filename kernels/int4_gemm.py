@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import arrivals
 from kernels.cpu import extension
 from kernels.dispatch import block_gemm_extension, cpu_fast_path, use_triton
 from kernels.int4_cpu import Int4Blocks, Int4Cpu, int4_gemm_cpu, pack_int4_blocks, pack_int4_cpu
@@ -36,6 +37,37 @@ def _nibbles(q, dtype: tl.constexpr):
     return q.to(tl.float32).to(dtype)
 
 
+def _nibble_asm(magic: int) -> tl.constexpr:
+    """PTX for four packed bytes: their low nibbles as 16-bit floats (two registers), then their
+    high nibbles; each value's bits are magic's byte over the nibble, `_nibbles`' values."""
+    return tl.constexpr(f"""{{
+        .reg .b32 t, u;
+        and.b32 t, $4, 0x0F0F0F0F;
+        shr.b32 u, $4, 4;
+        and.b32 u, u, 0x0F0F0F0F;
+        prmt.b32 $0, t, {magic:#x}, 0x5150;
+        prmt.b32 $1, t, {magic:#x}, 0x5352;
+        prmt.b32 $2, u, {magic:#x}, 0x5150;
+        prmt.b32 $3, u, {magic:#x}, 0x5352;
+        }}""")
+
+
+_NIBBLES_BF16, _NIBBLES_F16 = _nibble_asm(0x43434343), _nibble_asm(0x64646464)
+
+
+@triton.jit
+def _nibble_pairs(b, dtype: tl.constexpr, PTX: tl.constexpr):
+    """(low, high) nibbles of uint8 b as `_nibbles` makes them. PTX (CUDA, bf16 or fp16):
+    seven instructions per four bytes, kept before the layout change into the dot's operand
+    (not `is_pure`), where Triton's own byte ops took about twice as many."""
+    if PTX:
+        asm: tl.constexpr = _NIBBLES_BF16 if dtype == tl.bfloat16 else _NIBBLES_F16
+        lo, hi = tl.inline_asm_elementwise(asm=asm, constraints="=r,=r,=r,=r,r", args=[b],
+                                           dtype=(tl.int16, tl.int16), is_pure=False, pack=4)
+        return lo.to(dtype, bitcast=True), hi.to(dtype, bitcast=True)
+    return _nibbles(b & 0xF, dtype), _nibbles(b >> 4, dtype)
+
+
 def _nibble_offset(dtype: torch.dtype) -> float:
     """What `_nibbles` adds to each value in `dtype`."""
     return {torch.bfloat16: 128.0, torch.float16: 1024.0}.get(dtype, 0.0)
@@ -47,7 +79,9 @@ def _int4_gemm_kernel(
     qw_ptr,  # [N, K // 2] uint8 packed weight
     s_ptr, m_ptr,  # [N, K // G] scales, mins
     bias_ptr,  # [N] (read when HAS_BIAS)
-    out_ptr,  # SPLIT_K == 1: [M, N] in x's dtype; else fp32 partial sums [SPLIT_K, M, N]
+    out_ptr,  # [M, N] in x's dtype (SPLIT_K > 1: written by the last split when FUSED)
+    part_ptr,  # SPLIT_K > 1: fp32 partial sums [SPLIT_K, M, N]
+    counter_ptr,  # FUSED: int32 [>= tiles], zero between launches (kernels/arrivals.py)
     M, N, K, stride_x,
     G: tl.constexpr,  # group size, a multiple of BLOCK_K: a K block lies in one group
     OFFSET: tl.constexpr,  # `_nibble_offset` of x's dtype
@@ -55,6 +89,8 @@ def _int4_gemm_kernel(
     PRECISION: tl.constexpr,  # "ieee" for float32 activations (no TF32), else the default
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,  # programs along K; each takes every SPLIT_K-th K block
+    FUSED: tl.constexpr = False,  # the last split of a tile adds the partials (one launch)
+    PTX: tl.constexpr = False,  # compiled for CUDA: inline PTX allowed (not interpreted)
 ):
     """Per K block, with s and m its group's scale and min per row n:
     sum_k x[k] (q[n, k] s + m) = s (x_even . q_low + x_odd . q_high) + m sum_k x[k]:
@@ -73,9 +109,9 @@ def _int4_gemm_kernel(
         x_even = tl.load(x_rows + k0, mask=m_ok[:, None], other=0.0)  # [BM, BK / 2]
         x_odd = tl.load(x_rows + k0 + 1, mask=m_ok[:, None], other=0.0)
         b = tl.load(w_rows + k0 // 2, mask=n_ok[:, None], other=0)  # [BN, BK / 2] uint8
-        dots = tl.dot(x_even, tl.trans(_nibbles(b & 0xF, x_even.dtype)), input_precision=PRECISION)
-        dots = tl.dot(x_odd, tl.trans(_nibbles(b >> 4, x_even.dtype)), dots,
-                      input_precision=PRECISION)  # [BM, BN]
+        lo, hi = _nibble_pairs(b, x_even.dtype, PTX)
+        dots = tl.dot(x_even, tl.trans(lo), input_precision=PRECISION)
+        dots = tl.dot(x_odd, tl.trans(hi), dots, input_precision=PRECISION)  # [BM, BN]
         g = rn.to(tl.int64) * (K // G) + k0 // G  # [BN]
         s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
         mn = tl.load(m_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
@@ -84,11 +120,28 @@ def _int4_gemm_kernel(
     out = rm[:, None].to(tl.int64) * N + rn[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store(acc, out_ptr + out, mask, bias_ptr + rn, n_ok, HAS_BIAS)
     else:
-        tl.store(out_ptr + split.to(tl.int64) * M * N + out, acc, mask=mask)
+        tl.store(part_ptr + split.to(tl.int64) * M * N + out, acc, mask=mask)
+        if FUSED:  # the last of the tile's splits to arrive adds them up
+            tl.debug_barrier()  # every thread's partial stores come before the arrival
+            counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+                tl.debug_barrier()
+                tl.store(counter, 0)  # zero again for the next launch (and graph replay)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for i in tl.static_range(SPLIT_K):  # other programs wrote them: bypass L1
+                    acc += tl.load(part_ptr + i * M * N + out, mask=mask, other=0.0,
+                                   cache_modifier=".cg")
+                _store(acc, out_ptr + out, mask, bias_ptr + rn, n_ok, HAS_BIAS)
+
+
+@triton.jit
+def _store(acc, out_ptrs, mask, bias_ptrs, n_ok, HAS_BIAS: tl.constexpr):
+    """acc [BM, BN] (+ bias [BN]) stored in the output's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -139,8 +192,9 @@ def dequantize_int4_triton(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class GemmTiling:
     """One launch shape of `_int4_gemm_kernel`. split_k > 1 splits K over that many programs,
-    their fp32 partial sums added by `_split_k_sum_kernel`: at a few rows the N tiles alone are
-    too few programs to keep the memory system busy."""
+    their fp32 partial sums added by `_split_k_sum_kernel`, or with `fused` by each tile's last
+    split to finish: at a few rows the N tiles alone are too few programs to keep the memory
+    system busy."""
 
     block_m: int
     block_n: int
@@ -148,6 +202,7 @@ class GemmTiling:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    fused: bool = False  # split_k > 1: the last split of a tile adds the partials (one launch)
 
 
 SMALL_M = 16  # rows up to which the GEMV tiling (split along K) runs; above, dequantize + cuBLAS
@@ -196,17 +251,22 @@ def int4_gemm_triton(x: torch.Tensor, w: Int4Weight, bias=None,
     part = out if t.split_k == 1 else torch.empty(t.split_k, m, n, dtype=torch.float32,
                                                   device=x.device)
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), t.split_k)
-    _int4_gemm_kernel[grid](x2, w.packed, w.scales, w.mins, bias if bias is not None else out,
-                            part, m, n, k, x2.stride(0), G=g,
+    counters = None
+    if t.fused and t.split_k > 1:
+        counters = arrivals.counters(x.device, grid[0] * grid[1])
+    bias_or_out = bias if bias is not None else out
+    _int4_gemm_kernel[grid](x2, w.packed, w.scales, w.mins, bias_or_out, out, part,
+                            out if counters is None else counters, m, n, k, x2.stride(0), G=g,
                             OFFSET=_nibble_offset(x.dtype), HAS_BIAS=bias is not None,
                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                            SPLIT_K=t.split_k, num_warps=t.num_warps, num_stages=t.num_stages)
-    if t.split_k > 1:
+                            SPLIT_K=t.split_k, FUSED=counters is not None,
+                            PTX=x.is_cuda and x.dtype in (torch.bfloat16, torch.float16),
+                            num_warps=t.num_warps, num_stages=t.num_stages)
+    if t.split_k > 1 and counters is None:
         _split_k_sum_kernel[(triton.cdiv(m * n, 1024),)](
-            part, bias if bias is not None else out, out, m * n, n, HAS_BIAS=bias is not None,
-            SPLIT_K=t.split_k, SPLITS_PAD=triton.next_power_of_2(t.split_k), BLOCK=1024,
-            num_warps=4)
+            part, bias_or_out, out, m * n, n, HAS_BIAS=bias is not None, SPLIT_K=t.split_k,
+            SPLITS_PAD=triton.next_power_of_2(t.split_k), BLOCK=1024, num_warps=4)
     return out.view(*x.shape[:-1], n)
 
 

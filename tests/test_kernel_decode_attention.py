@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from kernels import dispatch
+from kernels import arrivals, dispatch
 from kernels.cpu import extension as cpu_extension
 from kernels.decode_attention import (
     TILINGS,
@@ -127,7 +127,7 @@ def test_fused_merge_matches_reference_and_leaves_counters_zero(group, splits):
         out = _decode_attention_triton(q, k, v, starts, lens, 0.125, 300, num_splits=splits,
                                        tiling=fused)
         check(q, k, v, starts, lens, out, scale=0.125)
-        assert not da._counter_buffers[q.device].any()
+        assert not arrivals._buffers[q.device].any()
     two = _decode_attention_triton(q, k, v, starts, lens, 0.125, 300, num_splits=splits)
     torch.testing.assert_close(out, two, atol=1e-6, rtol=1e-6)
 
@@ -145,8 +145,8 @@ def test_fused_merge_with_int8_window_and_softcap():
 
 
 def test_fused_merge_falls_back_to_two_launches_beyond_its_counters(monkeypatch):
-    monkeypatch.setattr(da, "_COUNTERS", 4)  # B * n_kv_heads = 6 pairs: more than it counts
-    assert da._counters(torch.device("cpu"), 6) is None
+    monkeypatch.setattr(arrivals, "SLOTS", 4)  # B * n_kv_heads = 6 pairs: more than it counts
+    assert arrivals.counters(torch.device("cpu"), 6) is None
     q, k, v, starts, lens = make_case([40, 80, 120], 2, 64, seed=2)
     out = _decode_attention_triton(q, k, v, starts, lens, 0.125, 120, num_splits=4,
                                    tiling=da.replace(TILINGS["16bit"], fused=True))

@@ -3,10 +3,12 @@ interpreter without a GPU) and the CPU path, each against the PyTorch reference.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from kernels import dispatch
+from kernels import arrivals, dispatch
 from kernels import int4_gemm as int4_module
 from kernels.cpu import extension
 from kernels.int4_cpu import Int4Blocks, Int4Cpu, int4_q8_gemm_ref, pack_int4_cpu
@@ -91,16 +93,23 @@ def test_int4_gemm_triton_matches_reference_fp32(M, N, K, group, with_bias):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("tiling", [GemmTiling(16, 32, 32, split_k=2),
                                     GemmTiling(16, 64, 32, split_k=4),  # N tiles past N
                                     GemmTiling(16, 16, 32, split_k=3)])  # uneven K share
 @pytest.mark.parametrize("group", [32, 64])
-def test_split_k_tilings_match_the_reference(tiling, group):
+def test_split_k_tilings_match_the_reference(tiling, group, fused):
+    """Split along K, the partials added by a second launch or (fused) by each tile's last
+    split, which leaves the arrival counters zero: a second launch (a graph replay) is right
+    too."""
     w = quantize_int4(_weight(40, 512), group)
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
     bias = torch.randn(40)
-    torch.testing.assert_close(int4_gemm_triton(x, w, bias, tiling), int4_gemm_ref(x, w, bias),
-                               rtol=1e-5, atol=1e-5)
+    for _ in range(2 if fused else 1):
+        out = int4_gemm_triton(x, w, bias, replace(tiling, fused=fused))
+        torch.testing.assert_close(out, int4_gemm_ref(x, w, bias), rtol=1e-5, atol=1e-5)
+    if fused:
+        assert not arrivals.counters(x.device, 1).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,7 +17,7 @@ import torch
 
 from bench import kernels as bench_kernels
 from kernels.decode_attention import TILINGS, _decode_attention_triton
-from kernels.int4_gemm import int4_gemm_triton
+from kernels.int4_gemm import gemm_tiling, int4_gemm_triton
 from kernels.int8_quant import quantize_fp8_rows
 from tests.sm90 import compile_sm90, record_launches, spec
 
@@ -74,6 +74,8 @@ def compiled() -> list[tuple[dict, dict]]:
             x = torch.randn(32, 4096, dtype=torch.bfloat16)
             w = bench_kernels.quantize_int4(torch.randn(64, 4096), 128).to("cpu", torch.bfloat16)
             int4_gemm_triton(x, w)  # more rows than SMALL_M: the dequant kernel
+            int4_gemm_triton(x[:1], w, tiling=replace(gemm_tiling(1, 4096, 4096, 128),
+                                                      fused=True))  # split-K in one launch
             gemma_attention()
             fused_decode_attention()
             quantize_fp8_rows(torch.randn(4, 4096, dtype=torch.bfloat16))  # the FP8 linear's
@@ -122,3 +124,17 @@ def test_8bit_decode_loops_convert_before_the_layout_change():
     assert loops["16bit"] > 100, loops  # the loop was found
     assert loops["int8"] <= 1.75 * loops["16bit"], loops
     assert loops["fp8"] <= 1.2 * loops["16bit"], loops
+
+
+def test_int4_gemv_loop_unpacks_nibbles_in_few_instructions():
+    """The W4A16 GEMV at one row (Llama-3-8B's 4096 x 4096, its GEMV tiling, fused or not):
+    the nibbles unpacked by inline PTX, 7 instructions per 4 bytes, before the layout change.
+    Triton's own byte ops made the loop 6.7 instructions a nibble."""
+    loops = []
+    for s, r in compiled():
+        c = s["constexprs"]
+        if s["name"] == "_int4_gemm_kernel" and c["BLOCK_N"] == 128 and c["SPLIT_K"] > 1:
+            threads = 32 * s["options"]["num_warps"]
+            loops.append(sum(r["loop"].values()) / (c["BLOCK_N"] * c["BLOCK_K"] / threads))
+    assert len(loops) >= 2, loops  # the benchmark's and the fused launch
+    assert max(loops) <= 5.5, loops
