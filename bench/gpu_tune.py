@@ -204,8 +204,10 @@ def main(argv=None) -> None:
         replace(long_c[0], fused=True), Tiling(64, 4, 2, 64, True), Tiling(64, 4, 3, 256, True)])
     deep_c = [Tiling(32 if q else 64, 4, 3, ms) for ms in (64, 256)]  # at other contexts
     fused_c = [TILINGS["16bit"], replace(TILINGS["16bit"], fused=True)]
-    blocks = [(32, 32)] if q else [(32, 64), (32, 128), (64, 64), (128, 64)]
-    gemv_c = [GemmTiling(16, bn, bk, sk, fused=f) for (bn, bk), sk, f in itertools.product(
+    # (block_n, block_k, warps); the last two make the fewest SASS instructions a nibble
+    blocks = [(32, 32, 4)] if q else [(32, 64, 4), (32, 128, 4), (64, 64, 4), (128, 64, 4),
+                                      (128, 128, 4), (256, 64, 8)]
+    gemv_c = [GemmTiling(16, bn, bk, sk, w, fused=f) for (bn, bk, w), sk, f in itertools.product(
         blocks, (1, 2) if q else (4, 8, 16), (False, True)) if sk > 1 or not f] + (
         [] if q else ["tiles", "tiles4", "gemlite"])  # fused: the splits added in one launch
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)"}
