@@ -439,15 +439,25 @@ def apply_tilings(tuned: dict) -> None:
     best = lambda key: (tuned.get(key) or {}).get("best")  # noqa: E731
     if r := best("int8_decode_b64"):
         decode_attention_module.TILINGS["int8"] = Tiling(**r["tiling"])
+    if r := best("fp8_decode_b64"):
+        decode_attention_module.TILINGS["fp8"] = Tiling(**r["tiling"])
     if r := best("decode_b1"):
         decode_attention_module.TILINGS["16bit"] = Tiling(**r["tiling"])
+    tinygemm_rows = []  # the rows at which tinygemm's tiles won
     for key in tuned:
-        if key.startswith("w4a16_m1_") and (r := best(key)):
-            n, k = map(int, key.removeprefix("w4a16_m1_").split("x"))
-            if isinstance(r["tiling"], dict):  # "tiles" (tinygemm) is no Triton tiling
+        if key.startswith(("w4a16_m1_", "w4a16_rows_m")) and (r := best(key)):
+            rows = 1 if key.startswith("w4a16_m1_") else int(key.split("_")[2][1:])
+            if r["tiling"] == "tiles":
+                tinygemm_rows.append(rows)
+            elif rows == 1 and isinstance(r["tiling"], dict):  # a Triton tiling won
+                n, k = map(int, key.removeprefix("w4a16_m1_").split("x"))
                 int4_gemm_module.TUNED[n, k] = GemmTiling(**r["tiling"])
+    if any(key.startswith("w4a16_m1_") for key in tuned):
+        int4_gemm_module.TINYGEMM_ROWS = max(tinygemm_rows, default=0)
     print(f"tilings from bench/gpu_tune.py: 16-bit {decode_attention_module.TILINGS['16bit']}, "
-          f"int8 {decode_attention_module.TILINGS['int8']}, W4A16 {int4_gemm_module.TUNED}")
+          f"int8 {decode_attention_module.TILINGS['int8']}, "
+          f"fp8 {decode_attention_module.TILINGS['fp8']}, W4A16 {int4_gemm_module.TUNED}, "
+          f"tinygemm up to {int4_gemm_module.TINYGEMM_ROWS} rows")
 
 
 def main(argv: list[str] | None = None) -> None:
