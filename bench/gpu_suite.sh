@@ -58,8 +58,9 @@ run() {  # run NAME CMD...: its output to NAME.log, its last line (JSON) to NAME
 
 step() {
   case $1 in
-    tests)   # ~3 min
-      echo "== tests"; python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests 2>&1 \
+    tests)   # ~3 min; TESTS_K="int4 or decode_attention" (say) runs only those (pytest -k)
+      echo "== tests"; python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
+        ${TESTS_K:+-k "$TESTS_K"} tests 2>&1 \
         | tee "$OUT_DIR/tests.log"
       python3 - "$OUT_DIR/tests.log" > "$OUT_DIR/tests.json" <<'EOF'
 import json, re, sys

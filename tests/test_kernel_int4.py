@@ -146,6 +146,25 @@ def test_gemm_tiling_splits_k_for_few_rows():
                          tiling=GemmTiling(16, 16, 64))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_gpu_gemv_tilings(dtype, m):
+    """On CUDA the nibbles unpack by inline PTX: the GEMV's tilings (split along K, the
+    partials added by a second launch or by each tile's last split, the widest blocks the
+    sweep tries) against the reference, twice each (the counters left zero)."""
+    w = quantize_int4(_weight(4096, 1024), 128).to("cuda", dtype)
+    x = torch.randn(m, 1024, generator=torch.Generator().manual_seed(m)).to("cuda", dtype)
+    bias = torch.randn(4096).to("cuda", dtype)
+    want = int4_gemm_ref(x, w, bias).float()
+    for t in (gemm_tiling(m, 4096, 1024, 128), GemmTiling(16, 256, 64, 4, 8),
+              GemmTiling(16, 128, 128, 4)):
+        for fused in (False, True):
+            for _ in range(2):
+                out = int4_gemm_triton(x, w, bias, replace(t, fused=fused))
+                torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_int4_gemm_triton_bf16(interpreter_bf16_dot):
     w = quantize_int4(_weight(64, 128), 32).to("cpu", torch.bfloat16)
     x = torch.randn(3, 7, 128).bfloat16()
