@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import secrets
+import time
 from dataclasses import dataclass, field
 
 from services.compute.beam.search import BeamSearch
@@ -26,6 +27,7 @@ from services.compute.pooling.reward import RewardHead, reward
 from services.compute.pooling.scoring import ScoringHead, classify
 from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
+from services.compute.step_stats import StepCounts
 from services.compute.structured import GrammarState, ReasoningGate
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
@@ -92,7 +94,8 @@ class LLMEngine:
         # speculation proposes from committed tokens and commits a varying number of them
         self.overlap = self.overlap and config.scheduler.speculative is None
         self._inflight = None  # (ScheduledStep, its runner handle): launched, not committed
-        self._added = self._tokens = 0  # requests added, tokens committed (EngineStats)
+        self._added = 0  # requests added (EngineStats)
+        self.counts = StepCounts()  # what the steps ran (EngineStats, the stats line)
         # the runner decides which rows are checkpoints (--length-refine-every)
         self.lengths = LengthRefiner((length_stores or memory_stores)(runner.probe_dim)) \
             if getattr(runner, "probe", None) is not None else None
@@ -191,7 +194,9 @@ class LLMEngine:
             self._commit(result)
         if step.num_tokens:
             prev = self._inflight[1] if self._inflight else None
+            start = time.perf_counter()
             launched = (step, self.runner.launch(step, prev))
+            self.counts.add_step(step, time.perf_counter() - start)
             self.scheduler.advance(step)
             if self._inflight:
                 self._commit(result)
@@ -204,7 +209,9 @@ class LLMEngine:
         """Wait for the step in flight and apply its results; its records go into `result`."""
         step, handle = self._inflight
         self._inflight = None
+        start = time.perf_counter()
         sample = handle.result()
+        self.counts.wait_s += time.perf_counter() - start
         if self.lengths is not None and sample.probes is not None:
             self._observe_lengths(step, sample)
         done = self.scheduler.commit(step, sample)
@@ -215,7 +222,7 @@ class LLMEngine:
                     self.lengths.finished(seq)
         result.outputs.extend(done.outputs)
         result.prompt.extend(done.prompt)
-        self._tokens += sum(len(r.token_ids) for r in done.outputs)
+        self.counts.generated += sum(len(r.token_ids) for r in done.outputs)
 
     def _observe_lengths(self, step: ScheduledStep, sample) -> None:
         """Hand the length refiner the checkpoint rows the runner probed (StepSample)."""
@@ -238,7 +245,7 @@ class LLMEngine:
             moves=self.kv.stats.moves, grows_in_place=self.kv.stats.grows_in_place,
             preemptions=s.stats.preemptions, demand=self.scheduler.demand(),
             prefill=prefill_backlog(s), step_tokens=self.config.scheduler.max_batched_tokens,
-            requests=self._added, tokens=self._tokens, **prefix,
+            requests=self._added, tokens=self.counts.generated, **prefix,
             **_speculation(s.speculation))
 
     def load_lora(self, module: LoraModule) -> None:

@@ -20,8 +20,9 @@ import zmq
 from services.compute.backend import build_engine
 from services.compute.compute_core import ComputeCore
 from services.compute.embed_core import EmbedCore
-from services.compute.engine import LLMEngine
+from services.compute.engine import EngineStats, LLMEngine
 from services.compute.length.store import redis_stores
+from services.compute.step_stats import StatsLine
 from services.compute.structured import GrammarQueue
 from services.compute.warmup import warm_up
 from shared import state
@@ -57,6 +58,8 @@ class ComputeService:
         self.poller.register(self.control.sock, zmq.POLLIN)
         state.Heartbeat(redis_client, svc.server, "compute", svc.heartbeat_s, rank=rank)
         self._next_stats = 0.0
+        every = 0.0 if svc.disable_log_stats else svc.log_stats_interval
+        self.stats_line = StatsLine(every) if every > 0 else None
         self.lora_failed: dict[str, list[str]] = {}  # the last adapter that failed to load:
         # its path and why
         self.received = [0, 0]  # routed KV tokens, tokens to prefill: since the last stats
@@ -120,9 +123,11 @@ class ComputeService:
         self.core.expire_early_aborts()
         try:
             rank = self.svc.data_parallel_rank
+            stats = self.engine.stats()
+            self.log_stats(stats)
             pipe = self.redis.pipeline(transaction=True)  # demand and pending change together
             state.set_stats(pipe, self.svc.server, rank, {
-                **vars(self.engine.stats()), **self.engine.runner.summary,
+                **vars(stats), **self.engine.runner.summary,
                 **self.engine.lora_info(),
                 **({"lora_failed": json.dumps(self.lora_failed)} if self.lora_failed else {}),
                 "max_model_len": self.engine.max_model_len, "startup": self.startup,
@@ -133,6 +138,19 @@ class ComputeService:
             self.received = [0, 0]
         except redis.RedisError:
             pass  # the heartbeat thread reports the outage
+
+
+    def log_stats(self, stats: EngineStats) -> None:
+        """The stats line, when one is due (step_stats.StatsLine)."""
+        if self.stats_line is None:
+            return
+        hit = None
+        if self.engine.config.scheduler.enable_prefix_caching:
+            hit = stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0
+        text = self.stats_line.line(self.engine.counts, stats.running, stats.waiting,
+                                    stats.used / max(stats.capacity, 1), hit)
+        if text:
+            log.info("Engine %03d: %s", self.svc.data_parallel_rank, text)
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:

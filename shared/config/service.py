@@ -69,6 +69,11 @@ class ServiceConfig:
     max_prompt_bytes: int = setting(0, "largest prompt (UTF-8 bytes of the prompt, or of all "
                                     "chat messages), else 400; 0: 16 bytes per token of the "
                                     "context length, at least 64 KiB", group=SERVER)
+    log_stats_interval: float = setting(
+        10.0, "seconds between compute's stats lines in its log, as vLLM's engine logs them "
+        "(prompt and generation throughput, running and waiting requests, KV cache usage, "
+        "prefix cache hit rate), then where its steps' time went; 0: none", group=SERVER)
+    disable_log_stats: bool = setting(False, "no stats lines (vLLM's flag)", group=SERVER)
     length_predictor: bool = setting(True, "predict output lengths (in Redis) and learn them "
                                      "as requests finish", group=SCHEDULING)
     redis_url: str = setting("", "Redis for request state and the length predictor; empty "
@@ -135,6 +140,8 @@ class ServiceConfig:
                              f"{', '.join(POLICIES)}")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError("--data-parallel-size must be at least 1 (and a rank below it)")
+        if self.log_stats_interval < 0:
+            raise ValueError("--log-stats-interval must be 0 (none) or more")
         if self.gc_young_threshold < 1:
             raise ValueError("--gc-young-threshold must be at least 1")
         if self.max_prompt_bytes < 0:

@@ -1,0 +1,62 @@
+"""The engine's step counts and compute's periodic stats line (services/compute/step_stats.py),
+with a clock the test moves: the first line after the interval, throughputs over it, nothing
+for an idle interval."""
+
+from __future__ import annotations
+
+from services.compute.core.step import ScheduledStep, Work, WorkItem
+from services.compute.step_stats import StatsLine, StepCounts
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _step(decode: int, prefill: list[int]) -> ScheduledStep:
+    """A step of `decode` decode rows and prefill chunks of these sizes (the items' kinds and
+    sizes are all the counts read)."""
+    items = [WorkItem(None, Work.DECODE, 1, 1) for _ in range(decode)]
+    items += [WorkItem(None, Work.PREFILL, n, 0) for n in prefill]
+    return ScheduledStep(items)
+
+
+def test_counts_add_steps_by_kind():
+    c = StepCounts()
+    c.add_step(_step(3, [100, 28]), 0.01)
+    c.add_step(_step(4, []), 0.02)
+    assert (c.steps, c.decode_rows, c.prompt_tokens) == (2, 7, 128)
+    assert abs(c.launch_s - 0.03) < 1e-12
+    assert c.minus(StepCounts(steps=1, decode_rows=3)).decode_rows == 4
+
+
+def test_the_line_gives_the_interval_s_rates_and_where_the_time_went():
+    clock, counts = Clock(), StepCounts()
+    line = StatsLine(10.0, clock)
+    for _ in range(20):
+        counts.add_step(_step(50, [200]), 0.3)
+    counts.generated, counts.wait_s = 1000, 2.0
+    clock.t += 5
+    assert line.line(counts, 50, 7, 0.25, None) is None  # not yet due
+    clock.t += 5
+    text = line.line(counts, 50, 7, 0.25, 0.5)
+    assert text == ("Avg prompt throughput: 400.0 tokens/s, Avg generation throughput: 100.0 "
+                    "tokens/s, Running: 50 reqs, Waiting: 7 reqs, KV cache usage: 25.0%, "
+                    "Prefix cache hit rate: 50.0%; steps: 2.0/s, 50.0 decode rows and 200.0 "
+                    "prompt tokens a step, launch 60% and wait 20% of the time")
+    clock.t += 10  # the next interval counts only its own steps
+    counts.add_step(_step(1, []), 0.0)
+    counts.generated += 10
+    assert "Avg generation throughput: 1.0 tokens/s" in line.line(counts, 1, 0, 0.0, None)
+
+
+def test_an_idle_interval_logs_nothing():
+    clock = Clock()
+    line = StatsLine(10.0, clock)
+    clock.t += 11
+    assert line.line(StepCounts(), 0, 0, 0.0, None) is None
+    clock.t += 11
+    assert "Waiting: 3 reqs" in line.line(StepCounts(), 0, 3, 0.0, None)  # held, not run
