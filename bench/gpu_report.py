@@ -9,6 +9,7 @@ line with everything.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -134,6 +135,11 @@ def markdown(r: dict, figs: dict, fitted: dict | None) -> str:
     if serve:
         for name, row in serve.items():
             lines.append(f"- serving {name}: {row}")
+    for step in ("serve_sg", "serve_sg_fp8"):  # where pipellm's steps spent the runs
+        for name, row in ((r.get(step) or {}).get("runs") or {}).items():
+            busiest = max(row.get("engine") or [], key=_generated, default=None)
+            if busiest:
+                lines.append(f"- {step} {name}, compute's busiest stats line: {busiest}")
     for step in ("serve", "serve_sg"):  # what pipellm's processes held on the device
         memory = (r.get(step) or {}).get("gpu_memory_mib")
         if memory:
@@ -151,6 +157,12 @@ def markdown(r: dict, figs: dict, fitted: dict | None) -> str:
                          f"{ours['median_tpot_ms']:.1f} | {theirs['median_ttft_ms']:.0f} / "
                          f"{theirs['median_tpot_ms']:.1f} |")
     return "\n".join(lines)
+
+
+def _generated(line: str) -> float:
+    """A stats line's generation throughput (services/compute/step_stats.py)."""
+    m = re.search(r"generation throughput: ([\d.]+)", line)
+    return float(m.group(1)) if m else 0.0
 
 
 def main(argv=None) -> int:

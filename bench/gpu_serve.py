@@ -50,6 +50,8 @@ WORKLOADS = {  # name -> (pipellm-bench flags, prompts: an int or the flag that 
     "sg4": (["--dataset-name", "sharegpt", "--request-rate", "4"], "rate_prompts"),
     "sg16": (["--dataset-name", "sharegpt", "--request-rate", "16"], "rate_prompts"),
 }
+STATS_INTERVAL_S = 2  # pipellm's stats lines (--log-stats-interval), several a run
+ENGINE_LINE = "Engine 000: "
 SAMPLING = {"greedy": ("", ["--temperature", "0"]),
             "sampled": ("-s", ["--temperature", "0.7", "--top-p", "0.9"])}
 
@@ -113,7 +115,8 @@ def make_server(args, model: Path, port: int, log_path: Path) -> Server:
     if args.server == "pipellm":
         argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port",
                 str(port), "--device", args.device, "--dtype", "bfloat16", "--max-model-len",
-                str(args.context), "--quantization", args.quantization]
+                str(args.context), "--quantization", args.quantization,
+                "--log-stats-interval", str(STATS_INTERVAL_S)]
         return Server("pipellm", argv, f"http://127.0.0.1:{port}/health", log_path)
     argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--host",
             "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len",
@@ -147,8 +150,18 @@ def gpu_processes() -> dict[str, int]:
     return {pid.strip(): int(mib) for pid, mib in rows if mib.strip().isdigit()}
 
 
-def drive(args, port: int, model: Path, results: Path) -> dict:
-    """Every (sampling, workload) run against a ready server; {name: KEYS} of those that ran."""
+def engine_lines(log_path: Path, start: int) -> list[str]:
+    """pipellm compute's stats lines (services/compute/step_stats.py) in its log past byte
+    `start`: what a run's steps did, read beside its figures."""
+    with open(log_path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    return [line.split(ENGINE_LINE, 1)[1] for line in text.splitlines() if ENGINE_LINE in line]
+
+
+def drive(args, port: int, model: Path, results: Path, log_path: Path) -> dict:
+    """Every (sampling, workload) run against a ready server; {name: KEYS} of those that ran,
+    with pipellm's stats lines of the run (`engine`)."""
     rows = {}
     for sampling in args.sampling:
         suffix = SAMPLING[sampling][0]
@@ -158,9 +171,12 @@ def drive(args, port: int, model: Path, results: Path) -> dict:
         for workload in args.workloads:
             name = workload + suffix
             out = results / f"{name}.json"
+            start = log_path.stat().st_size
             res = run_bench(args, bench_argv(args, workload, sampling, port, model, out), out)
             if res is not None:
                 rows[name] = {k: res.get(k) for k in KEYS}
+                if args.server == "pipellm":
+                    rows[name]["engine"] = engine_lines(log_path, start)
                 log(f"{args.server} {name}: {json.dumps(rows[name])}")
     return rows
 
@@ -181,7 +197,7 @@ def main(argv=None) -> int:
                 log(f"{args.server} ready after {startup_s:.0f} s")
                 # the `pipellm up` parent (the process started here) should hold none
                 memory = {"parent_pid": str(server.proc.pid), "processes": gpu_processes()}
-                rows = drive(args, port, model, results)
+                rows = drive(args, port, model, results, server.log_path)
                 if len(rows) < len(args.workloads) * len(args.sampling):
                     log(f"some runs failed; {args.server}'s log ends:\n{server.log_tail(30)}")
         except ServerError as e:  # its message ends with the server's last log lines

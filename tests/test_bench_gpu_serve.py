@@ -125,6 +125,9 @@ def test_gpu_serve_drives_pipellm_end_to_end_on_the_cpu(demo_model_dir, capsys):
         assert (row["completed"], row["failed"]) == (6 if name.startswith("sg-") or name == "sg"
                                                      else 4, 0), name
         assert row["output_throughput"] > 0 and row["median_tpot_ms"] > 0
+    # compute's stats lines of the runs that lasted past one interval (2 s)
+    assert any(line.startswith("Avg prompt throughput:") and "decode rows" in line
+               for row in out["runs"].values() for line in row["engine"])
 
 
 def _serve(runs: dict) -> dict:
@@ -136,6 +139,8 @@ def test_gpu_report_puts_pipellm_beside_vllm(tmp_path, capsys):
     ours = _serve({"sg": (9000.0, 300.0, 20.0), "sg4": (500.0, 40.0, 7.0),
                    "sg-s": (8000.0, 320.0, 22.0)})
     ours["gpu_memory_mib"] = {"parent_pid": "7", "processes": {"9": 120000}}
+    ours["runs"]["sg"]["engine"] = ["Avg prompt throughput: 9.0 tokens/s, Avg generation "
+                                    f"throughput: {g} tokens/s, ..." for g in (5.0, 80.5, 7.0)]
     theirs = _serve({"sg": (10000.0, 250.0, 18.0), "sg4": (500.0, 35.0, 7.7),
                      "sg-s": (7000.0, 300.0, 24.0), "sg16": (1.0, 1.0, 1.0)})
     (tmp_path / "serve_sg.json").write_text(json.dumps(ours))
@@ -153,3 +158,5 @@ def test_gpu_report_puts_pipellm_beside_vllm(tmp_path, capsys):
     assert "| fp8 sg | 9500 | 9000 | 1 / 2.0 | 1 / 2.0 |" in text
     assert "sg16" not in text  # a run only one server completed is not compared
     assert "the `pipellm up` parent (pid 7) 0 MiB" in text
+    assert "serve_sg sg, compute's busiest stats line: Avg prompt throughput: 9.0 tokens/s, " \
+        "Avg generation throughput: 80.5 tokens/s" in text
