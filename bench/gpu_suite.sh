@@ -70,10 +70,11 @@ EOF
       ;;
     tune)    # ~3 min; TUNE_CASES=decode_b1,w4a16 (say) runs only those sweeps
              run tune python3 -m bench.gpu_tune --out "$OUT_DIR/tilings.json" \
-               ${TUNE_CASES:+--cases "$TUNE_CASES"} ;;
-    kernels) # ~3 min, with tune's tilings where it ran
-      run kernels python3 -m bench.kernels \
-        $( [ -f "$OUT_DIR/tilings.json" ] && echo --tilings "$OUT_DIR/tilings.json" ) ;;
+               ${TUNE_CASES:+--cases "$TUNE_CASES"}
+             cp "$OUT_DIR/tilings.json" /tmp/tilings.json 2>/dev/null ;;  # a warm machine keeps /tmp
+    kernels) # ~3 min, with the last tune's tilings where it ran (this call's, or /tmp's)
+      local tilings="$OUT_DIR/tilings.json"; [ -f "$tilings" ] || tilings=/tmp/tilings.json
+      run kernels python3 -m bench.kernels $( [ -f "$tilings" ] && echo --tilings "$tilings" ) ;;
     decode)  # ~6 min: eager vs CUDA graph, Llama-3-8B bf16, two contexts
       step decode1k; step decode4k ;;
     decode1k) run decode1k python3 -m bench.decode_step --batches 1,16,64,256 --context 1024 ;;
