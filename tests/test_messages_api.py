@@ -122,6 +122,14 @@ def test_bad_bodies_are_400s(body, param):
     assert e.value.param == param and e.value.status in (400, 404)
 
 
+@pytest.mark.parametrize("messages, says", [([], "messages must not be empty"),
+                                             ("hi", "messages must be an array, got string")])
+def test_messages_must_be_a_non_empty_array(messages, says):
+    with pytest.raises(APIError) as e:
+        parse_request({"model": "m", "max_tokens": 5, "messages": messages}, "m", chat=CHAT)
+    assert e.value.message == says
+
+
 def test_max_tokens_is_required_except_to_count():
     body = {"messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(APIError):

@@ -26,9 +26,10 @@ _SERVER_BLOCKS = frozenset({"server_tool_use", "web_search_tool_result", "web_fe
 def chat_messages(system: Any, messages: Any, notes: list[str]) -> tuple[list[dict], bool]:
     """(the chat messages, whether the last one is an assistant prefill to continue)."""
     out = [] if system is None else [{"role": "system", "content": _system(system)}]
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty array, got "
-                          f"{json_type(messages)}", "messages")
+    if not isinstance(messages, list):
+        raise bad_request(f"messages must be an array, got {json_type(messages)}", "messages")
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
