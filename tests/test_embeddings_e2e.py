@@ -72,6 +72,11 @@ def vectors(response) -> np.ndarray:
                      for d in response.data], dtype=np.float32)
 
 
+def test_the_banner_says_what_it_serves(served):
+    banner = served[3].wait_for_log("pooling runner: embeddings and scores")
+    assert "sampling defaults" not in banner and "tool_choice" not in banner
+
+
 def test_fifty_sentences_float_and_base64(served):
     client, model, st, _ = served
     texts = sentences()
