@@ -139,7 +139,6 @@ class ComputeService:
         except redis.RedisError:
             pass  # the heartbeat thread reports the outage
 
-
     def log_stats(self, stats: EngineStats) -> None:
         """The stats line, when one is due (step_stats.StatsLine)."""
         if self.stats_line is None:
