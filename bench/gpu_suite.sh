@@ -71,7 +71,8 @@ EOF
     tune)    # ~3 min; TUNE_CASES=decode_b1,w4a16 (say) runs only those sweeps
              run tune python3 -m bench.gpu_tune --out "$OUT_DIR/tilings.json" \
                ${TUNE_CASES:+--cases "$TUNE_CASES"}
-             cp "$OUT_DIR/tilings.json" /tmp/tilings.json 2>/dev/null ;;  # a warm machine keeps /tmp
+             local rc=$?  # its tilings also in /tmp, which a warm machine keeps between calls
+             cp "$OUT_DIR/tilings.json" /tmp/tilings.json 2>/dev/null; return $rc ;;
     kernels) # ~3 min, with the last tune's tilings where it ran (this call's, or /tmp's)
       local tilings="$OUT_DIR/tilings.json"; [ -f "$tilings" ] || tilings=/tmp/tilings.json
       run kernels python3 -m bench.kernels $( [ -f "$tilings" ] && echo --tilings "$tilings" ) ;;
