@@ -3,10 +3,10 @@
 Floors, lowest first: `core/` (the types every room uses), then `kv/`, then `model/`,
 `length/`, `speculative/` (the proposers) and `beam/`, then `scheduling/`, the grammars
 (`structured`) and the LoRA adapters' loading (`lora`), then the step's device-side helpers
-(and `pooling`, which builds a prefill-only batch of its own), then tensor parallelism (`tp`:
-a rank's model, with its adapters and scoring rows), then the runners, the engine,
-and the process and backend wiring on top (and the simulated cluster of engines,
-`sim_cluster`). A module may import its own room or lower floors.
+(and `pooling`, which builds a prefill-only batch of its own, and `step_stats`, what the steps
+ran), then tensor parallelism (`tp`: a rank's model, with its adapters and scoring rows), then
+the runners, the engine, and the process and backend wiring on top (and the simulated cluster
+of engines, `sim_cluster`). A module may import its own room or lower floors.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ FLOORS = {
     "kv": 1,
     "model": 2, "length": 2, "speculative": 2, "beam": 2,
     "scheduling": 3, "inflight": 3, "structured": 3, "lora": 3,
-    "batch": 4, "cuda_graphs": 4, "sampling": 4, "drafter": 4, "pooling": 4,
+    "batch": 4, "cuda_graphs": 4, "sampling": 4, "drafter": 4, "pooling": 4, "step_stats": 4,
     "tp": 5,
     "runner": 6, "sim": 6,
     "engine": 7,
