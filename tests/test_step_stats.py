@@ -5,6 +5,7 @@ for an idle interval."""
 from __future__ import annotations
 
 from services.compute.core.step import ScheduledStep, Work, WorkItem
+from services.compute.engine import EngineStats
 from services.compute.step_stats import StatsLine, StepCounts
 
 
@@ -24,6 +25,12 @@ def _step(decode: int, prefill: list[int]) -> ScheduledStep:
     return ScheduledStep(items)
 
 
+def _stats(running: int, waiting: int, **kw) -> EngineStats:
+    fields = dict(capacity=1000, reserved=0, used=0, running=running, waiting=waiting,
+                  moves=0, grows_in_place=0, preemptions=0)
+    return EngineStats(**{**fields, **kw})
+
+
 def test_counts_add_steps_by_kind():
     c = StepCounts()
     c.add_step(_step(3, [100, 28]), 0.01)
@@ -39,24 +46,27 @@ def test_the_line_gives_the_interval_s_rates_and_where_the_time_went():
     for _ in range(20):
         counts.add_step(_step(50, [200]), 0.3)
     counts.generated, counts.wait_s = 1000, 2.0
+    stats = _stats(50, 7, used=250, reserved=750, demand=3260, prefix_queries=400,
+                   prefix_hits=200)
     clock.t += 5
-    assert line.line(counts, 50, 7, 0.25, None) is None  # not yet due
+    assert line.line(counts, stats, True) is None  # not yet due
     clock.t += 5
-    text = line.line(counts, 50, 7, 0.25, 0.5)
-    assert text == ("Avg prompt throughput: 400.0 tokens/s, Avg generation throughput: 100.0 "
-                    "tokens/s, Running: 50 reqs, Waiting: 7 reqs, KV cache usage: 25.0%, "
-                    "Prefix cache hit rate: 50.0%; steps: 2.0/s, 50.0 decode rows and 200.0 "
-                    "prompt tokens a step, launch 60% and wait 20% of the time")
+    assert line.line(counts, stats, True) == (
+        "Avg prompt throughput: 400.0 tokens/s, Avg generation throughput: 100.0 tokens/s, "
+        "Running: 50 reqs, Waiting: 7 reqs, KV cache usage: 25.0% (reserved 75.0%, predicted "
+        "demand 326.0%), Prefix cache hit rate: 50.0%; steps: 2.0/s, 50.0 decode rows and "
+        "200.0 prompt tokens a step, launch 60% and wait 20% of the time")
     clock.t += 10  # the next interval counts only its own steps
     counts.add_step(_step(1, []), 0.0)
     counts.generated += 10
-    assert "Avg generation throughput: 1.0 tokens/s" in line.line(counts, 1, 0, 0.0, None)
+    text = line.line(counts, _stats(1, 0), False)
+    assert "Avg generation throughput: 1.0 tokens/s" in text and "Prefix" not in text
 
 
 def test_an_idle_interval_logs_nothing():
     clock = Clock()
     line = StatsLine(10.0, clock)
     clock.t += 11
-    assert line.line(StepCounts(), 0, 0, 0.0, None) is None
+    assert line.line(StepCounts(), _stats(0, 0), False) is None
     clock.t += 11
-    assert "Waiting: 3 reqs" in line.line(StepCounts(), 0, 3, 0.0, None)  # held, not run
+    assert "Waiting: 3 reqs" in line.line(StepCounts(), _stats(0, 3), False)  # held, not run

@@ -141,15 +141,11 @@ class ComputeService:
 
     def log_stats(self, stats: EngineStats) -> None:
         """The stats line, when one is due (step_stats.StatsLine)."""
-        if self.stats_line is None:
-            return
-        hit = None
-        if self.engine.config.scheduler.enable_prefix_caching:
-            hit = stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0
-        text = self.stats_line.line(self.engine.counts, stats.running, stats.waiting,
-                                    stats.used / max(stats.capacity, 1), hit)
-        if text:
-            log.info("Engine %03d: %s", self.svc.data_parallel_rank, text)
+        if self.stats_line is not None:
+            text = self.stats_line.line(self.engine.counts, stats,
+                                        self.engine.config.scheduler.enable_prefix_caching)
+            if text:
+                log.info("Engine %03d: %s", self.svc.data_parallel_rank, text)
 
 
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:

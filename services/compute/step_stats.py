@@ -47,24 +47,29 @@ class StatsLine:
         self.interval_s, self.clock = interval_s, clock
         self._last, self._at = StepCounts(), clock()
 
-    def line(self, counts: StepCounts, running: int, waiting: int, kv_used: float,
-             prefix_hit: float | None) -> str | None:
+    def line(self, counts: StepCounts, stats, prefix_cache: bool) -> str | None:
         """The line, once the interval has passed (None before, and for an idle interval).
-        `kv_used`: the KV slots holding tokens, a fraction; `prefix_hit`: the prefix cache's
-        hit rate since start (None without one)."""
+        `stats`: the engine's EngineStats (requests running and waiting; KV slots: capacity,
+        used, reserved by the running requests' segments, and the demand that every held
+        request's predicted length makes, what admission weighs); `prefix_cache`: whether to
+        give the prefix cache's hit rate since start."""
         now = self.clock()
         if now - self._at < self.interval_s:
             return None
         d, dt = counts.minus(self._last), now - self._at
         self._last, self._at = replace(counts), now
-        if not d.steps and not running and not waiting:
+        if not d.steps and not stats.running and not stats.waiting:
             return None
+        slots = max(stats.capacity, 1)
         text = (f"Avg prompt throughput: {d.prompt_tokens / dt:.1f} tokens/s, "
                 f"Avg generation throughput: {d.generated / dt:.1f} tokens/s, "
-                f"Running: {running} reqs, Waiting: {waiting} reqs, "
-                f"KV cache usage: {100 * kv_used:.1f}%")
-        if prefix_hit is not None:
-            text += f", Prefix cache hit rate: {100 * prefix_hit:.1f}%"
+                f"Running: {stats.running} reqs, Waiting: {stats.waiting} reqs, "
+                f"KV cache usage: {100 * stats.used / slots:.1f}% (reserved "
+                f"{100 * stats.reserved / slots:.1f}%, predicted demand "
+                f"{100 * stats.demand / slots:.1f}%)")
+        if prefix_cache:
+            hit = stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0
+            text += f", Prefix cache hit rate: {100 * hit:.1f}%"
         if d.steps:
             text += (f"; steps: {d.steps / dt:.1f}/s, {d.decode_rows / d.steps:.1f} decode rows "
                      f"and {d.prompt_tokens / d.steps:.1f} prompt tokens a step, "
