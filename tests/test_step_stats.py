@@ -33,8 +33,8 @@ def _stats(running: int, waiting: int, **kw) -> EngineStats:
 
 def test_counts_add_steps_by_kind():
     c = StepCounts()
-    c.add_step(_step(3, [100, 28]), 0.01)
-    c.add_step(_step(4, []), 0.02)
+    for step, launch_s in ((_step(3, [100, 28]), 0.01), (_step(4, []), 0.02)):
+        c.add_step(step, step.num_tokens, launch_s)
     assert (c.steps, c.decode_rows, c.prompt_tokens) == (2, 7, 128)
     assert abs(c.launch_s - 0.03) < 1e-12
     assert c.minus(StepCounts(steps=1, decode_rows=3)).decode_rows == 4
@@ -44,7 +44,7 @@ def test_the_line_gives_the_interval_s_rates_and_where_the_time_went():
     clock, counts = Clock(), StepCounts()
     line = StatsLine(10.0, clock)
     for _ in range(20):
-        counts.add_step(_step(50, [200]), 0.3)
+        counts.add_step(_step(50, [200]), 250, 0.3)
     counts.generated, counts.wait_s = 1000, 2.0
     stats = _stats(50, 7, used=250, reserved=750, demand=3260, prefix_queries=400,
                    prefix_hits=200)
@@ -57,7 +57,7 @@ def test_the_line_gives_the_interval_s_rates_and_where_the_time_went():
         "demand 326.0%), Prefix cache hit rate: 50.0%; steps: 2.0/s, 50.0 decode rows and "
         "200.0 prompt tokens a step, launch 60% and wait 20% of the time")
     clock.t += 10  # the next interval counts only its own steps
-    counts.add_step(_step(1, []), 0.0)
+    counts.add_step(_step(1, []), 1, 0.0)
     counts.generated += 10
     text = line.line(counts, _stats(1, 0), False)
     assert "Avg generation throughput: 1.0 tokens/s" in text and "Prefix" not in text

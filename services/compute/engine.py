@@ -190,13 +190,14 @@ class LLMEngine:
         step = self.scheduler.schedule()
         result.admitted.extend(s.request_id for s in step.admitted)
         result.cached_tokens.extend(s.cached_tokens for s in step.admitted)
-        if self._inflight and (not step.num_tokens or _reads_token_values(step)):
+        tokens = step.num_tokens
+        if self._inflight and (not tokens or _reads_token_values(step)):
             self._commit(result)
-        if step.num_tokens:
+        if tokens:
             prev = self._inflight[1] if self._inflight else None
             start = time.perf_counter()
             launched = (step, self.runner.launch(step, prev))
-            self.counts.add_step(step, time.perf_counter() - start)
+            self.counts.add_step(step, tokens, time.perf_counter() - start)
             self.scheduler.advance(step)
             if self._inflight:
                 self._commit(result)

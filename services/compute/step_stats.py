@@ -25,14 +25,18 @@ class StepCounts:
     launch_s: float = 0.0
     wait_s: float = 0.0
 
-    def add_step(self, step: ScheduledStep, launch_s: float) -> None:
+    def add_step(self, step: ScheduledStep, tokens: int, launch_s: float) -> None:
+        """A launched step of `tokens` rows (its num_tokens). Its items are ordered by kind,
+        the prefill chunks last: only those are read, not every decode row."""
+        prompt = 0
+        for item in reversed(step.items):
+            if item.kind is not Work.PREFILL:
+                break
+            prompt += item.tokens
         self.steps += 1
         self.launch_s += launch_s
-        for item in step.items:
-            if item.kind is Work.PREFILL:
-                self.prompt_tokens += item.tokens
-            else:
-                self.decode_rows += item.tokens
+        self.prompt_tokens += prompt
+        self.decode_rows += tokens - prompt
 
     def minus(self, other: StepCounts) -> StepCounts:
         return StepCounts(**{f.name: getattr(self, f.name) - getattr(other, f.name)
