@@ -226,9 +226,9 @@ def banner(engine: EngineConfig, svc: ServiceConfig) -> str:
     if stats.get("startup"):  # what compute compiled and warmed before it reported ready
         lines.append(f"  compute: {stats['startup']}")
     if engine.pooling:  # no sampling, no tools
-        lines.append("  pooling runner: a reward model's per-token scores on /pooling, no "
-                     "generation" if engine.reward else "  pooling runner: embeddings and "
-                     "scores (docs/usage.md, 'Embeddings'), no generation")
+        what = ("a reward model's per-token scores on /pooling" if engine.reward
+                else "embeddings and scores (docs/usage.md, 'Embeddings')")
+        lines.append(f"  pooling runner: {what}, no generation")
         return "\n".join(lines)
     lines.append(f"  {GenerationDefaults.of(engine).describe()}")  # --generation-config
     lines.append("  " + tool_prompt.describe(svc, load_chat_template(engine.model,
