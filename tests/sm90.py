@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -106,20 +107,14 @@ def compile_sm90(specs: list[dict]) -> list[dict]:
 def loop_ops(sass: str) -> dict[str, int]:
     """The opcodes (predicates and modifiers dropped) of the longest loop in a kernel's SASS,
     the span from a backward branch's target to the branch, counted."""
-    ops = []  # (address, opcode)
     line = r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)([^;]*);"  # [@P0] OP.X ...;
-    for m in re.finditer(line, sass):
-        ops.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    ops = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in re.finditer(line, sass)]
     loops = [(int(t.group(1), 16), addr) for addr, op, rest in ops if op == "BRA"
              and (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < addr]
     if not loops:
         return {}
     lo, hi = max(loops, key=lambda span: span[1] - span[0])
-    counts: dict[str, int] = {}
-    for addr, op, _ in ops:
-        if lo <= addr <= hi:
-            counts[op] = counts.get(op, 0) + 1
-    return counts
+    return dict(Counter(op for addr, op, _ in ops if lo <= addr <= hi))
 
 
 def _compile_one(s: dict) -> dict:
