@@ -10,10 +10,13 @@ Inputs: --num-inputs ShareGPT texts (prompts and answers of data/sharegpt_sample
 each cut to 2,000 characters). Workloads, each every input once:
     single   one input a request, 32 requests in flight (a RAG indexer's stream)
     batch32  32 inputs a request, 4 requests in flight (a bulk indexer)
+and the latency of a RAG app's question: --queries ShareGPT prompts cut to QUERY_CHARS, one
+request at a time (`query`: p50 and p99 ms of a request, client to vectors).
 The client is this script's (aiohttp, OpenAI's /v1/embeddings body, float vectors). Reported:
-inputs/s per (server, workload), medians over the rounds, pipellm's ratio to each peer, and how
-far each server's vectors agree with pipellm's (mean cosine over the first 16 inputs: the same
-pooling should give about 1). Target: pipellm ahead of both.
+inputs/s per (server, workload), medians over the rounds, pipellm's ratio to each peer (for
+`query`: the peer's p50 over pipellm's), and how far each server's vectors agree with
+pipellm's (mean cosine over the first 16 inputs: the same pooling should give about 1).
+Target: pipellm ahead of both.
 
     python -m bench.pooling [--rounds 1] [--servers pipellm,vllm-bf16,llamacpp] [--quick]
 
@@ -43,7 +46,9 @@ from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # 
 WORKLOADS = {"single": (1, 32), "batch32": (32, 4)}  # name -> (inputs a request, in flight)
 SERVERS = ("pipellm", "vllm-bf16", "llamacpp")
 MAX_CHARS = 2000
+QUERY_CHARS = 200  # a question to a RAG app: the start of a ShareGPT prompt
 AGREE = 16  # inputs whose vectors are compared across servers
+LATENCY = ("query_p50_ms", "query_p99_ms")  # the query workload's figures (lower is better)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,15 +56,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--servers", default=",".join(SERVERS), help="of " + ", ".join(SERVERS))
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--num-inputs", type=int, default=1000)
+    p.add_argument("--queries", type=int, default=200, help="the query workload's requests")
     p.add_argument("--quick", action="store_true", help="1 round, 64 inputs")
     p.add_argument("--llamacpp-ubatch", type=int, default=2048,
                    help="llama.cpp's -b and -ub: every input must fit one ubatch")
     own, rest = p.parse_known_args(argv)  # the rest: bench/vs_peers.py's server options
     args = vs_peers.parse_args(["--servers", own.servers, *rest])
-    args.rounds, args.num_inputs = own.rounds, own.num_inputs
+    args.rounds, args.num_inputs, args.queries = own.rounds, own.num_inputs, own.queries
     args.llamacpp_ubatch = own.llamacpp_ubatch
     if own.quick:
-        args.rounds, args.num_inputs = 1, 64
+        args.rounds, args.num_inputs, args.queries = 1, 64, 32
     return args
 
 
@@ -68,6 +74,32 @@ def inputs(n: int) -> list[str]:
     texts = [t[:MAX_CHARS] for pair in sharegpt_pairs(default_data_dir() / SHAREGPT_FILE)
              for t in pair if t.strip()]
     return (texts * (n // len(texts) + 1))[:n]
+
+
+def queries(n: int) -> list[str]:
+    """`n` questions: ShareGPT prompts cut to QUERY_CHARS, from the last pair backwards (not
+    the throughput workloads' first inputs, which a prefix cache could hold)."""
+    texts = [q[:QUERY_CHARS] for q, _ in sharegpt_pairs(default_data_dir() / SHAREGPT_FILE)
+             if q.strip()][::-1]
+    return (texts * (n // len(texts) + 1))[:n]
+
+
+async def query_latencies(url: str, model: str, texts: list[str]) -> list[float]:
+    """Seconds of each of `texts` embedded in a request of its own, one request at a time;
+    raises on any failed request."""
+    import aiohttp
+
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for text in texts:
+            body = {"model": model, "input": text, "encoding_format": "float"}
+            t0 = time.perf_counter()
+            async with session.post(url + "/v1/embeddings", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
+                await r.json()
+            out.append(time.perf_counter() - t0)
+    return out
 
 
 async def embed_all(url: str, model: str, texts: list[str], per_request: int,
@@ -123,8 +155,10 @@ def make_server(args, name: str, port: int, log_path: Path) -> servers.Server:
     return vs_peers.make_server(args, name, port, log_path)
 
 
-def serve(args, name: str, texts: list[str], rep: int) -> tuple[dict[str, float], list | None]:
-    """Start `name`, run every workload; ({workload: inputs/s}, the first AGREE vectors)."""
+def serve(args, name: str, texts: list[str], questions: list[str], rep: int
+          ) -> tuple[dict[str, float], list | None]:
+    """Start `name`, run every workload; ({workload: inputs/s, LATENCY's: ms}, the first AGREE
+    vectors)."""
     port = servers.free_port()
     tag = f"{name}-rep{rep}"
     server = make_server(args, name, port, args.results_dir / f"{tag}.log")
@@ -141,6 +175,9 @@ def serve(args, name: str, texts: list[str], rep: int) -> tuple[dict[str, float]
                 rates[wl] = len(texts) / seconds
                 first = first or vectors[:AGREE]
                 log(f"{name} {wl}: {rates[wl]:.1f} inputs/s ({seconds:.1f} s)")
+            ms = np.asarray(asyncio.run(query_latencies(url, model, questions))) * 1e3
+            rates |= dict(zip(LATENCY, np.percentile(ms, (50, 99)).tolist(), strict=True))
+            log(f"{name} query: p50 {rates[LATENCY[0]]:.1f} ms, p99 {rates[LATENCY[1]]:.1f} ms")
     except (servers.ServerError, RuntimeError) as exc:
         log(f"{tag}: {exc}")
     return rates, first
@@ -166,30 +203,35 @@ def main(argv: list[str] | None = None) -> dict:
     servers.terminate_on_sigterm()
     t0 = time.monotonic()
     vs_peers.prepare(args)
-    texts = inputs(args.num_inputs)
+    texts, questions = inputs(args.num_inputs), queries(args.queries)
     print(f"machine: {machine()}; {len(texts)} ShareGPT inputs (<= {MAX_CHARS} chars); "
           f"results in {args.results_dir}")
-    runs = {s: {wl: [] for wl in WORKLOADS} for s in args.servers}
+    columns = (*WORKLOADS, *LATENCY)
+    runs = {s: {c: [] for c in columns} for s in args.servers}
     vectors: dict[str, list] = {}
     for rep in range(args.rounds):
         for s in args.servers:
-            rates, first = serve(args, s, texts, rep)
+            rates, first = serve(args, s, texts, questions, rep)
             for wl, r in rates.items():
                 runs[s][wl].append(r)
             if first is not None:
                 vectors.setdefault(s, first)
     med = {s: {wl: statistics.median(v) for wl, v in r.items() if v} for s, r in runs.items()}
-    print("\n| server | " + " | ".join(WORKLOADS) + " |\n|---|" + "---|" * len(WORKLOADS))
+    print("\n| server | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
     for s, m in med.items():
-        print(f"| {s} | " + " | ".join(f"{m[wl]:.1f}" if wl in m else "failed"
-                                       for wl in WORKLOADS) + " |")
+        print(f"| {s} | " + " | ".join(f"{m[c]:.1f}" if c in m else "failed"
+                                       for c in columns) + " |")
     ours = med.get("pipellm", {})
-    ratios = {peer: {wl: round(ours[wl] / m[wl], 2) for wl in WORKLOADS
-                     if wl in ours and wl in m} for peer, m in med.items() if peer != "pipellm"}
+    ratios = {peer: {wl: round(ours[wl] / m[wl], 2) for wl in WORKLOADS if wl in ours and wl in m}
+              | ({"query_p50": round(m[LATENCY[0]] / ours[LATENCY[0]], 2)}
+                 if LATENCY[0] in ours and LATENCY[0] in m else {})
+              for peer, m in med.items() if peer != "pipellm"}
     agree = agreement(vectors)
-    print(f"pipellm / peer (inputs/s): {ratios} (target > 1); cosine to pipellm: {agree}")
+    print(f"pipellm / peer (inputs/s; query: the peer's p50 ms / pipellm's): {ratios} "
+          f"(target > 1); cosine to pipellm: {agree}")
     out = {"bench": "pooling", "machine": machine(), "rounds": args.rounds,
-           "inputs": len(texts), "vs_peers": ratios, "agreement": agree, "inputs_per_s": med,
+           "inputs": len(texts), "queries": len(questions), "vs_peers": ratios,
+           "agreement": agree, "inputs_per_s": med,
            "commands": args.commands, "seconds": round(time.monotonic() - t0)}
     print(json.dumps(out))
     return out
