@@ -6,12 +6,13 @@ L2-normalized: what `--convert embed` makes of a causal LM); pipellm and llama.c
 GGUF (pipellm: `--runner pooling`, the GGUF names no pooling: the last token; llama.cpp:
 `--embeddings --pooling last`), vLLM the GGUF's HF expansion in bf16 (`--runner pooling
 --convert embed --pooler-config` LAST, `use_activation`: normalized) on every core.
-Inputs: --num-inputs ShareGPT texts (prompts and answers of data/sharegpt_samples_1024.json,
-each cut to 2,000 characters). Workloads, each every input once:
+Inputs: the prompts and answers of data/sharegpt_samples_1024.json cut into pieces of 2,000
+characters (a RAG indexer's chunks; 2,290 distinct pieces), no piece sent to a server twice, so that
+no prefix cache (vLLM's) serves one from memory: --num-inputs pieces for each workload,
     single   one input a request, 32 requests in flight (a RAG indexer's stream)
     batch32  32 inputs a request, 4 requests in flight (a bulk indexer)
-and the latency of a RAG app's question: --queries ShareGPT prompts cut to QUERY_CHARS, one
-request at a time (`query`: p50 and p99 ms of a request, client to vectors).
+32 more to warm up, and --queries more cut to QUERY_CHARS for the latency of a RAG app's
+question (`query`: one request at a time; p50 and p99 ms of a request, client to vectors).
 The client is this script's (aiohttp, OpenAI's /v1/embeddings body, float vectors). Reported:
 inputs/s per (server, workload), medians over the rounds, pipellm's ratio to each peer (for
 `query`: the peer's p50 over pipellm's), and how far each server's vectors agree with
@@ -31,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,7 @@ SERVERS = ("pipellm", "vllm-bf16", "llamacpp")
 MAX_CHARS = 2000
 QUERY_CHARS = 200  # a question to a RAG app: the start of a ShareGPT prompt
 AGREE = 16  # inputs whose vectors are compared across servers
+WARM_UP = 32  # inputs embedded before the workloads
 LATENCY = ("query_p50_ms", "query_p99_ms")  # the query workload's figures (lower is better)
 
 
@@ -76,12 +79,28 @@ def inputs(n: int) -> list[str]:
     return (texts * (n // len(texts) + 1))[:n]
 
 
-def queries(n: int) -> list[str]:
-    """`n` questions: ShareGPT prompts cut to QUERY_CHARS, from the last pair backwards (not
-    the throughput workloads' first inputs, which a prefix cache could hold)."""
-    texts = [q[:QUERY_CHARS] for q, _ in sharegpt_pairs(default_data_dir() / SHAREGPT_FILE)
-             if q.strip()][::-1]
-    return (texts * (n // len(texts) + 1))[:n]
+@dataclass
+class Texts:
+    """What one server is sent, no text twice (a prefix cache serves none of it from memory):
+    each workload's own --num-inputs texts, the warm-up's and the questions."""
+
+    workloads: dict[str, list[str]]
+    warm_up: list[str]
+    questions: list[str]
+
+
+def distinct_texts(n: int, questions: int) -> Texts:
+    """ShareGPT's prompts and answers cut into MAX_CHARS pieces, in order (a RAG indexer's
+    chunks): n a workload, then WARM_UP, then the questions (pieces cut to QUERY_CHARS)."""
+    pieces = list(dict.fromkeys(  # the data's repeated texts ("continue") once
+        t[i:i + MAX_CHARS] for pair in sharegpt_pairs(default_data_dir() / SHAREGPT_FILE)
+        for t in pair if t.strip() for i in range(0, len(t), MAX_CHARS)))
+    need = n * len(WORKLOADS) + WARM_UP + questions
+    if need > len(pieces):
+        raise SystemExit(f"{need} distinct texts asked for, the data has {len(pieces)}")
+    at = {wl: pieces[i * n:(i + 1) * n] for i, wl in enumerate(WORKLOADS)}
+    rest = pieces[n * len(WORKLOADS):need]
+    return Texts(at, rest[:WARM_UP], [q[:QUERY_CHARS] for q in rest[WARM_UP:]])
 
 
 async def query_latencies(url: str, model: str, texts: list[str]) -> list[float]:
@@ -155,10 +174,9 @@ def make_server(args, name: str, port: int, log_path: Path) -> servers.Server:
     return vs_peers.make_server(args, name, port, log_path)
 
 
-def serve(args, name: str, texts: list[str], questions: list[str], rep: int
-          ) -> tuple[dict[str, float], list | None]:
-    """Start `name`, run every workload; ({workload: inputs/s, LATENCY's: ms}, the first AGREE
-    vectors)."""
+def serve(args, name: str, texts: Texts, rep: int) -> tuple[dict[str, float], list | None]:
+    """Start `name`, warm it up, run every workload; ({workload: inputs/s, LATENCY's: ms},
+    the first AGREE vectors of the first workload)."""
     port = servers.free_port()
     tag = f"{name}-rep{rep}"
     server = make_server(args, name, port, args.results_dir / f"{tag}.log")
@@ -168,14 +186,15 @@ def serve(args, name: str, texts: list[str], questions: list[str], rep: int
         with servers.running(server, args.ready_timeout) as startup_s:
             log(f"{tag} ready after {startup_s:.0f} s")
             model = served_model(url)
-            asyncio.run(embed_all(url, model, texts[:32], 8, 4))  # warm-up
+            asyncio.run(embed_all(url, model, texts.warm_up, 8, 4))
             for wl, (per_request, in_flight) in WORKLOADS.items():
-                seconds, vectors = asyncio.run(embed_all(url, model, texts, per_request,
+                sent = texts.workloads[wl]
+                seconds, vectors = asyncio.run(embed_all(url, model, sent, per_request,
                                                          in_flight))
-                rates[wl] = len(texts) / seconds
+                rates[wl] = len(sent) / seconds
                 first = first or vectors[:AGREE]
                 log(f"{name} {wl}: {rates[wl]:.1f} inputs/s ({seconds:.1f} s)")
-            ms = np.asarray(asyncio.run(query_latencies(url, model, questions))) * 1e3
+            ms = np.asarray(asyncio.run(query_latencies(url, model, texts.questions))) * 1e3
             rates |= dict(zip(LATENCY, np.percentile(ms, (50, 99)).tolist(), strict=True))
             log(f"{name} query: p50 {rates[LATENCY[0]]:.1f} ms, p99 {rates[LATENCY[1]]:.1f} ms")
     except (servers.ServerError, RuntimeError) as exc:
@@ -203,15 +222,16 @@ def main(argv: list[str] | None = None) -> dict:
     servers.terminate_on_sigterm()
     t0 = time.monotonic()
     vs_peers.prepare(args)
-    texts, questions = inputs(args.num_inputs), queries(args.queries)
-    print(f"machine: {machine()}; {len(texts)} ShareGPT inputs (<= {MAX_CHARS} chars); "
+    texts = distinct_texts(args.num_inputs, args.queries)
+    print(f"machine: {machine()}; {args.num_inputs} ShareGPT inputs (<= {MAX_CHARS} chars) a "
+          f"workload, {args.queries} questions; "
           f"results in {args.results_dir}")
     columns = (*WORKLOADS, *LATENCY)
     runs = {s: {c: [] for c in columns} for s in args.servers}
     vectors: dict[str, list] = {}
     for rep in range(args.rounds):
         for s in args.servers:
-            rates, first = serve(args, s, texts, questions, rep)
+            rates, first = serve(args, s, texts, rep)
             for wl, r in rates.items():
                 runs[s][wl].append(r)
             if first is not None:
@@ -230,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"pipellm / peer (inputs/s; query: the peer's p50 ms / pipellm's): {ratios} "
           f"(target > 1); cosine to pipellm: {agree}")
     out = {"bench": "pooling", "machine": machine(), "rounds": args.rounds,
-           "inputs": len(texts), "queries": len(questions), "vs_peers": ratios,
+           "inputs": args.num_inputs, "queries": args.queries, "vs_peers": ratios,
            "agreement": agree, "inputs_per_s": med,
            "commands": args.commands, "seconds": round(time.monotonic() - t0)}
     print(json.dumps(out))
