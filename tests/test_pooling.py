@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from services.compute.backend import build_engine
-from services.compute.pooling import finish, pool
+from services.compute.pooling import finish, forward_budget, pool
+from services.compute.pooling.embedder import MIN_SHARED, shared_prefix
 from services.compute.pooling.forward import hidden_states, prefill_batch
 from shared.config import EngineConfig
 from shared.pooling import PoolingConfig
@@ -134,6 +135,39 @@ def test_busy_kv_cache(embedder):
     finally:
         alloc.free(held)
     assert alloc.free_slots == alloc.capacity
+
+
+def test_a_shared_prefix_runs_once(embedder, monkeypatch):
+    """Prompts that all start with one long instruction embed as each does alone; pooled by
+    the last token, the instruction runs once (a forward of its own), each prompt's rest in the
+    next; mean pooling reads every row, so it runs every prompt whole."""
+    eng, _, ids, _ = embedder
+    prefix = ids[2][:60]  # the start of the 150-word sentence before each
+    prompts = [prefix + p for p in ids[3:11]]
+    assert sum(map(len, prompts)) <= forward_budget(eng)  # one forward's group
+    alone = torch.cat([eng.embed([p]) for p in prompts])
+    fed, forward = [], eng.runner.pooled_hidden
+
+    def counted(batch, rows=None, moves=()):
+        fed.append(batch.input_ids.numel())
+        return forward(batch, rows, moves)
+
+    monkeypatch.setattr(eng.runner, "pooled_hidden", counted)
+    together = eng.embed(prompts)
+    assert torch.allclose(together, alone, atol=1e-5), (together - alone).abs().max()
+    shared, total = shared_prefix(prompts), sum(map(len, prompts))
+    assert shared >= len(prefix)
+    assert fed == ([shared, total - len(prompts) * shared] if eng.pooling.mode == "last"
+                   else [total])
+    assert eng.kv.allocator.free_slots == eng.kv.allocator.capacity
+
+
+def test_shared_prefix_bounds():
+    p = list(range(3, 40))
+    assert shared_prefix([p]) == 0  # one prompt: nothing to share
+    assert shared_prefix([p, p + [1]]) == len(p) - 1  # each prompt keeps a row to pool
+    assert shared_prefix([p[:20] + [1], p[:20] + [2], p[:25]]) == 20
+    assert shared_prefix([p[:MIN_SHARED - 1] + [1], p[:MIN_SHARED - 1] + [2]]) == 0
 
 
 def test_bad_prompts_are_clear_errors(embedder):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.compute.backend import build_engine
+from services.compute.pooling.embedder import MIN_SHARED, shared_prefix
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from shared.sampling import InvalidParams
@@ -66,6 +67,22 @@ def test_yes_no_reranker_matches_transformers(tmp_path):
     ref = torch.tensor(yes_no_reference(model, ids))
     assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
     assert ours.std() > 1e-3
+
+
+def test_a_reranker_scores_documents_behind_one_query(tmp_path):
+    """A rerank's prompts (an instruction and the query, then each document): the shared
+    prefix runs once, every score still transformers' on the whole prompt."""
+    model = build_yes_no(tmp_path)
+    eng = engine(tmp_path, hf_overrides=YES_NO_OVERRIDES)
+    texts = sentences(11, seed=7)  # the third: 150 words
+    query = token_ids(texts[2:3])[0][:40]
+    ids = [query + doc for doc in token_ids(texts[3:])]
+    assert len(query) >= MIN_SHARED and shared_prefix(ids) >= len(query)
+    ours = torch.sigmoid(eng.classify(ids)[:, 0])
+    ref = torch.tensor(yes_no_reference(model, ids))
+    assert torch.allclose(ours, ref, atol=1e-5), (ours - ref).abs().max()
+    assert ours.std() > 1e-3
+    assert eng.kv.allocator.free_slots == eng.kv.allocator.capacity
 
 
 def test_embedder_has_no_head(tmp_path):

@@ -33,6 +33,16 @@ def test_two_ranks_embed_as_one(model_dir, name, pooling):  # noqa: F811
         assert (a - b).abs().max().item() < POOL_TOL
 
 
+def test_a_shared_prefix_as_one_rank(model_dir):  # noqa: F811
+    """Prompts behind one instruction, pooled by the last token: rank 0 runs the instruction
+    once and broadcasts the moves that copy its K/V with the next forward; every rank moves."""
+    prompts = [PROMPTS[40] + p for p in PROMPTS[:12]]  # the same 21 tokens before each
+    one, two = on_both(model_dir("qwen3"), lambda e: e.embed(prompts), runner="pooling",
+                       pooler_config='{"pooling_type": "LAST"}')
+    assert one.shape == two.shape and one.shape[0] == 12 and one.abs().max() > 0
+    assert (one - two).abs().max().item() < POOL_TOL
+
+
 def test_a_classifier_scores_as_one_rank(tmp_path):
     """A sequence classifier's `score` head, whole on every rank, over rank 0's pooled rows."""
     build_classifier(tmp_path, 3)

@@ -178,13 +178,17 @@ class ModelRunner:
                                                        offsets)
         return out.seal()
 
-    def pooled_hidden(self, batch, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """A pooling forward's final-normed hidden states of `rows` (pooling/forward.py), the
-        other tensor-parallel ranks running it beside this one."""
+    def pooled_hidden(self, batch, rows: torch.Tensor | None = None,
+                      moves: list[tuple[int, int, int]] = ()) -> torch.Tensor:
+        """A pooling forward's final-normed hidden states of `rows` (pooling/forward.py), after
+        the KV `moves` (src, dst, n), the other tensor-parallel ranks doing both beside this
+        one."""
         if self.ranks is not None:
             from services.compute.tp.step import StepInputs, broadcast
 
-            broadcast(StepInputs.pooling(batch, rows))
+            broadcast(StepInputs.pooling(moves, batch, rows))
+        for src, dst, n in moves:
+            self.kv.move(src, dst, n)
         return hidden_states(self.model, batch, self.kv, rows)
 
     def attach_adapter(self, module, max_rank: int) -> None:

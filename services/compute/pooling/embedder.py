@@ -5,13 +5,17 @@ InvalidParams), then run in batches of at most max(`max_batched_tokens`, MIN_BAT
 prompt tokens (a prefill-only step has no decodes' latency to protect; a longer prompt runs
 alone), each batch one prefill-only forward into KV slots taken from the engine's
 allocator (a batch whose prompts do not all fit runs the head that does) and freed before the
-next batch, whatever happens. Requests the engine is running keep their slots: the pooled
-prompts only use free ones. Result: [N, dim] float32 on the CPU, in prompt order (mode "all":
-[total tokens, dim], each prompt's rows in turn).
+next batch, whatever happens. Pooled by their last token, a batch's prompts that all start
+with the same MIN_SHARED tokens or more (a reranker's query before each document) run that
+prefix once: a forward of its own, its K/V copied into every prompt's slots, then the rest.
+Requests the engine is running keep their slots: the pooled prompts only use free ones.
+Result: [N, dim] float32 on the CPU, in prompt order (mode "all": [total tokens, dim], each
+prompt's rows in turn).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -22,6 +26,7 @@ from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams
 
 MIN_BATCH_TOKENS = 2048  # at least this per pooling forward (bench/pooling.py)
+MIN_SHARED = 16  # a common prefix of the prompts of a forward this long is computed once
 
 
 class NoKVRoom(RuntimeError):
@@ -76,19 +81,43 @@ def _run_group(engine, group: list[list[int]], pooling: PoolingConfig,
         if not starts:
             raise NoKVRoom(f"no {len(group[0])} free KV slots for a pooled prompt")
         group = group[:len(starts)]
-        batch = prefill_batch(group, starts, runner.device)
-        lens = [len(p) for p in group]
+        shared = shared_prefix(group) if pooling.mode == "last" else 0
+        moves = _prefill_shared(runner, group[0][:shared], starts)
+        batch = prefill_batch(group, starts, runner.device, shared)
+        lens = [len(p) - shared for p in group]  # the rows each prompt has in `batch`
         keep = pooled_rows(lens, pooling.mode)  # last or first rows: the last MLP on those alone
-        if keep is None:
-            vectors = pool(runner.pooled_hidden(batch), lens, pooling.mode)
-        else:
-            vectors = runner.pooled_hidden(batch, keep.to(runner.device)).float()
+        hidden = runner.pooled_hidden(batch, None if keep is None else keep.to(runner.device),
+                                      moves)
+        vectors = hidden.float() if keep is not None else pool(hidden, lens, pooling.mode)
         if head is not None:
             return head(vectors).cpu(), len(group)
         return finish(vectors, pooling.normalize, dim).cpu(), len(group)
     finally:
         for start in starts:
             allocator.free(start)
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """How many tokens every one of `prompts` starts with, to run once for all (a reranker's
+    instruction and query before each document, an embedder's instruction before each query):
+    0 for fewer than two prompts or a prefix under MIN_SHARED tokens; at most the shortest
+    prompt's length - 1, so that each prompt keeps a row of its own to pool."""
+    if len(prompts) < 2:
+        return 0
+    n = min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1)
+    return n if n >= MIN_SHARED else 0
+
+
+def _prefill_shared(runner, prefix: list[int], starts: list[int]) -> list[tuple[int, int, int]]:
+    """The K/V of `prefix` written into the first prompt's slots (at starts[0]) by a forward of
+    its own, and the moves (src, dst, n) that copy it into the other prompts' (none for an
+    empty prefix)."""
+    if not prefix:
+        return []
+    n = len(prefix)
+    last = torch.tensor([n - 1], device=runner.device)  # a row the forward must keep
+    runner.pooled_hidden(prefill_batch([prefix], starts[:1], runner.device), last)
+    return [(starts[0], start, n) for start in starts[1:]]
 
 
 def check_prompts(prompts: list[list[int]], max_len: int, vocab: int) -> None:

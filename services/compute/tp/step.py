@@ -38,8 +38,9 @@ class StepInputs:
         return cls(list(moves), dataclasses.replace(batch, prompt_spans=[]))
 
     @classmethod
-    def pooling(cls, batch: ForwardBatch, rows: torch.Tensor | None) -> StepInputs:
-        return cls([], batch, True, rows)
+    def pooling(cls, moves: list[tuple[int, int, int]], batch: ForwardBatch,
+                rows: torch.Tensor | None) -> StepInputs:
+        return cls(list(moves), batch, True, rows)
 
 
 @dataclass(frozen=True)
