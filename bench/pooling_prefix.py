@@ -1,0 +1,114 @@
+"""A reranker's shared prefix, run once or per document: the pooling runner in process on the
+default model (SmolLM2-135M-Instruct's GGUF, last-token pooling), rerank-shaped prompts in
+Qwen3-Reranker's format (a system line and an instruction, the query, then one document each,
+then the assistant's empty thinking), one `LLMEngine.embed` call a rerank (what compute does
+with one /rerank request's documents).
+
+Queries: ShareGPT prompts cut to 200 characters; documents: ShareGPT answers cut to
+--doc-chars, --docs a query, --queries queries, every text once. Two variants on the same
+prompts, rounds alternating:
+    shared   the default: a forward's prompts run their common prefix once
+             (pooling/embedder.py, MIN_SHARED)
+    whole    every prompt whole (MIN_SHARED above every prompt's length)
+Reported: documents/s of each (median over --rounds), shared / whole, and the largest
+difference between the two variants' vectors.
+
+    python -m bench.pooling_prefix [--queries 8] [--docs 32] [--doc-chars 1000] [--rounds 3]
+
+The last line printed is one JSON object with the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # also runnable as `python bench/pooling_prefix.py`
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import log, machine  # noqa: E402
+from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # noqa: E402
+
+SYSTEM = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the '
+          'Query and the Instruct provided. Note that the answer can only be "yes" or "no".'
+          '<|im_end|>\n<|im_start|>user\n')
+INSTRUCT = "Given a web search query, retrieve relevant passages that answer the query"
+SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--queries", type=int, default=8)
+    p.add_argument("--docs", type=int, default=32, help="documents a query")
+    p.add_argument("--doc-chars", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=3)
+    return p.parse_args(argv)
+
+
+def reranks(queries: int, docs: int, doc_chars: int) -> list[list[str]]:
+    """`queries` lists of `docs` prompts: one query before each of its documents."""
+    pairs = [(q, a) for q, a in sharegpt_pairs(default_data_dir() / SHAREGPT_FILE)
+             if q.strip() and a.strip()]
+    if queries * (docs + 1) > len(pairs):
+        raise SystemExit(f"{queries * (docs + 1)} texts asked for, the data has {len(pairs)}")
+    out = []
+    for i in range(queries):
+        query = pairs[i][0][:200]
+        answers = [a[:doc_chars] for _, a in pairs[queries + i * docs:queries + (i + 1) * docs]]
+        out.append([f"{SYSTEM}<Instruct>: {INSTRUCT}\n<Query>: {query}\n<Document>: {doc}"
+                    f"{SUFFIX}" for doc in answers])
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    from services.compute.backend import build_engine
+    from services.compute.pooling import embedder
+    from shared.config import EngineConfig
+    from shared.default_model import cached_path, fetch
+    from shared.settings import with_settings
+    from shared.tokenizer import encode, load_tokenizer
+
+    gguf = cached_path() or fetch()
+    engine = build_engine(with_settings(EngineConfig(), model=str(gguf), runner="pooling"))
+    tok = load_tokenizer(str(gguf))
+    prompts = [[encode(tok, t) for t in rerank]
+               for rerank in reranks(args.queries, args.docs, args.doc_chars)]
+    tokens = sum(len(p) for r in prompts for p in r)
+    shared = statistics.mean(embedder.shared_prefix(r) for r in prompts)
+    print(f"machine: {machine()}; {args.queries} reranks of {args.docs} documents, {tokens} "
+          f"tokens, a shared prefix of {shared:.0f} tokens on average")
+    every = {"shared": embedder.MIN_SHARED, "whole": 1 << 30}
+    engine.embed(prompts[0][:4])  # warm-up
+    rates: dict[str, list[float]] = {v: [] for v in every}
+    vectors = {}
+    for rep in range(args.rounds):
+        for variant, min_shared in every.items():
+            embedder.MIN_SHARED = min_shared
+            t0 = time.perf_counter()
+            out = [engine.embed(r) for r in prompts]
+            rates[variant].append(args.queries * args.docs / (time.perf_counter() - t0))
+            vectors[variant] = out
+            log(f"round {rep}: {variant} {rates[variant][-1]:.1f} documents/s")
+    embedder.MIN_SHARED = every["shared"]
+    med = {v: statistics.median(r) for v, r in rates.items()}
+    diff = max((a - b).abs().max().item()
+               for a, b in zip(vectors["shared"], vectors["whole"], strict=True))
+    ratio = med["shared"] / med["whole"]
+    print(f"documents/s: shared {med['shared']:.1f}, whole {med['whole']:.1f}: {ratio:.2f}x; "
+          f"largest difference between the two variants' unit vectors {diff:.2e}")
+    out = {"bench": "pooling_prefix", "machine": machine(), "queries": args.queries,
+           "docs": args.docs, "tokens": tokens, "shared_prefix_tokens": round(shared, 1),
+           "docs_per_s": {v: round(m, 2) for v, m in med.items()}, "ratio": round(ratio, 3),
+           "max_abs_diff": diff}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
