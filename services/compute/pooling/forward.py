@@ -3,9 +3,9 @@
 It builds the same ForwardBatch the engine's prefill steps use (no decodes; one chunk per
 prompt covering the whole prompt at positions 0..n-1, or its tokens after a prefix whose K/V
 its slots already hold, its K/V written to the contiguous slots starting at that prompt's
-`start`) through LlamaModel.normed_hidden: every row normed, no LM
-head (over every row of a mean-pooled batch it would cost a [T, vocab] matrix). The caller owns
-the slots: they hold the prompts' K/V afterwards, until it frees them.
+`start`) through LlamaModel.normed_hidden: every row normed, no LM head (over every row of a
+mean-pooled batch it would cost a [T, vocab] matrix). The caller owns the slots: they hold
+the prompts' K/V afterwards, until it frees them.
 """
 
 from __future__ import annotations
