@@ -62,16 +62,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def bodies(reranks: int, docs: int, doc_chars: int) -> list[dict]:
     """`reranks` + 1 /v1/rerank bodies (the first for the warm-up), no text in two of them."""
-    pairs = [(q, a) for q, a in sharegpt_pairs(default_data_dir() / SHAREGPT_FILE)
-             if q.strip() and a.strip()]
+    pairs = sharegpt_pairs(default_data_dir() / SHAREGPT_FILE)
     n = reranks + 1
-    if n * (docs + 1) > len(pairs):
-        raise SystemExit(f"{n * (docs + 1)} texts asked for, the data has {len(pairs)}")
-    return [{"query": f"{SYSTEM}<Instruct>: {INSTRUCT}\n<Query>: {pairs[i][0][:200]}\n"
-                      "<Document>: ",
-             "documents": [a[:doc_chars] + SUFFIX
-                           for _, a in pairs[n + i * docs:n + (i + 1) * docs]]}
-            for i in range(n)]
+    questions = list(dict.fromkeys(q[:200] for q, _ in pairs if q.strip()))[:n]
+    answers = list(dict.fromkeys(a[:doc_chars] for _, a in pairs if a.strip()))[n:]
+    if len(questions) < n or len(answers) < n * docs:
+        raise SystemExit(f"{n} questions and {n * docs} answers asked for, the data has "
+                         f"{len(questions)} and {len(answers)}")
+    return [{"query": f"{SYSTEM}<Instruct>: {INSTRUCT}\n<Query>: {q}\n<Document>: ",
+             "documents": [a + SUFFIX for a in answers[i * docs:(i + 1) * docs]]}
+            for i, q in enumerate(questions)]
 
 
 def rerank(url: str, body: dict) -> tuple[float, list[float]]:

@@ -578,3 +578,25 @@ def test_serve_host_counts_each_process_cpu_per_token(capsys):
         per = out["variants"][variant]["us_per_token"]
         assert set(per) == {"gateway", "tokenizer", "compute", "detokenizer", "client"}
         assert min(per["gateway"], per["compute"], per["detokenizer"], per["client"]) > 0
+
+
+def test_pooling_benches_send_no_text_twice():
+    """bench/pooling.py and bench/rerank.py give every workload, warm-up and question texts of
+    their own (a server's prefix cache must not serve any of them from memory)."""
+    from bench import pooling, rerank
+
+    texts = pooling.distinct_texts(1000, 200)
+    sent = [t for ts in texts.workloads.values() for t in ts] + texts.warm_up + texts.questions
+    assert [len(t) for t in texts.workloads.values()] == [1000, 1000]
+    assert len(texts.warm_up) == pooling.WARM_UP and len(texts.questions) == 200
+    assert len(set(sent)) == len(sent) and max(map(len, texts.questions)) <= pooling.QUERY_CHARS
+    with pytest.raises(SystemExit, match="distinct texts"):
+        pooling.distinct_texts(2000, 200)
+    bodies = rerank.bodies(8, 32, 1000)
+    docs = [d for b in bodies for d in b["documents"]]
+    assert len(bodies) == 9 and {len(b["documents"]) for b in bodies} == {32}
+    assert len(set(docs)) == len(docs) and len({b["query"] for b in bodies}) == 9
+    assert rerank.agreement([[0.1, 0.9, 0.5], [0.7, 0.2, 0.1]],
+                            [[0.3, 1.9, 1.1], [1.5, 0.5, 0.3]]) == {"pearson": 1.0,
+                                                                   "same_best": 1.0}
+    assert rerank.agreement([[0.9, 0.1]], [[0.1, 0.9]]) == {"pearson": -1.0, "same_best": 0.0}
