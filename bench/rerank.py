@@ -96,7 +96,7 @@ def make_server(args, name: str, port: int, log_path: Path) -> servers.Server:
 
 def serve(args, name: str, work: list[dict], rep: int) -> tuple[list[float], list[list[float]]]:
     """Start `name`, warm it up on work[0], rerank the rest one at a time: (seconds of each
-    rerank, the scores of each); empty where the server failed."""
+    rerank, the scores of each); both empty where the server or a request failed."""
     port = servers.free_port()
     tag = f"{name}-rep{rep}"
     server = make_server(args, name, port, args.results_dir / f"{tag}.log")
@@ -112,8 +112,9 @@ def serve(args, name: str, work: list[dict], rep: int) -> tuple[list[float], lis
                 scores.append(sc)
             log(f"{name}: {len(seconds) * args.docs / sum(seconds):.1f} documents/s, "
                 f"a rerank {statistics.median(seconds):.2f} s")
-    except (servers.ServerError, OSError) as exc:
+    except (servers.ServerError, OSError) as exc:  # a failed server reports nothing
         log(f"{tag}: {exc}")
+        return [], []
     return seconds, scores
 
 
