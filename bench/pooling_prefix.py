@@ -4,9 +4,9 @@ Qwen3-Reranker's format (a system line and an instruction, the query, then one d
 then the assistant's empty thinking), one `LLMEngine.embed` call a rerank (what compute does
 with one /rerank request's documents).
 
-Queries: ShareGPT prompts cut to 200 characters; documents: ShareGPT answers cut to
---doc-chars, --docs a query, --queries queries, every text once. Two variants on the same
-prompts, rounds alternating:
+The reranks are bench/rerank.py's (`bodies`): queries of ShareGPT prompts cut to 200
+characters, documents of ShareGPT answers cut to --doc-chars, --docs a query, --queries
+queries, every text once. Two variants on the same prompts, rounds alternating:
     shared   the default: a forward's prompts run their common prefix once
              (pooling/embedder.py, MIN_SHARED)
     whole    every prompt whole (MIN_SHARED above every prompt's length)
@@ -32,13 +32,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/pooling_prefix.p
     sys.path.insert(0, str(ROOT))
 
 from bench.common import log, machine  # noqa: E402
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # noqa: E402
-
-SYSTEM = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the '
-          'Query and the Instruct provided. Note that the answer can only be "yes" or "no".'
-          '<|im_end|>\n<|im_start|>user\n')
-INSTRUCT = "Given a web search query, retrieve relevant passages that answer the query"
-SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+from bench.rerank import bodies  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,21 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--doc-chars", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=3)
     return p.parse_args(argv)
-
-
-def reranks(queries: int, docs: int, doc_chars: int) -> list[list[str]]:
-    """`queries` lists of `docs` prompts: one query before each of its documents."""
-    pairs = [(q, a) for q, a in sharegpt_pairs(default_data_dir() / SHAREGPT_FILE)
-             if q.strip() and a.strip()]
-    if queries * (docs + 1) > len(pairs):
-        raise SystemExit(f"{queries * (docs + 1)} texts asked for, the data has {len(pairs)}")
-    out = []
-    for i in range(queries):
-        query = pairs[i][0][:200]
-        answers = [a[:doc_chars] for _, a in pairs[queries + i * docs:queries + (i + 1) * docs]]
-        out.append([f"{SYSTEM}<Instruct>: {INSTRUCT}\n<Query>: {query}\n<Document>: {doc}"
-                    f"{SUFFIX}" for doc in answers])
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -77,14 +56,14 @@ def main(argv: list[str] | None = None) -> dict:
     gguf = cached_path() or fetch()
     engine = build_engine(with_settings(EngineConfig(), model=str(gguf), runner="pooling"))
     tok = load_tokenizer(str(gguf))
-    prompts = [[encode(tok, t) for t in rerank]
-               for rerank in reranks(args.queries, args.docs, args.doc_chars)]
+    warm_up, *work = bodies(args.queries, args.docs, args.doc_chars)
+    prompts = [[encode(tok, b["query"] + doc) for doc in b["documents"]] for b in work]
     tokens = sum(len(p) for r in prompts for p in r)
     shared = statistics.mean(embedder.shared_prefix(r) for r in prompts)
     print(f"machine: {machine()}; {args.queries} reranks of {args.docs} documents, {tokens} "
           f"tokens, a shared prefix of {shared:.0f} tokens on average")
     every = {"shared": embedder.MIN_SHARED, "whole": 1 << 30}
-    engine.embed(prompts[0][:4])  # warm-up
+    engine.embed([encode(tok, warm_up["query"] + doc) for doc in warm_up["documents"][:4]])
     rates: dict[str, list[float]] = {v: [] for v in every}
     vectors = {}
     for rep in range(args.rounds):

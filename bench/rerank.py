@@ -37,10 +37,14 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/rerank.py`
 
 from bench import servers, vs_peers  # noqa: E402
 from bench.common import log, machine  # noqa: E402
-from bench.pooling_prefix import INSTRUCT, SUFFIX, SYSTEM  # noqa: E402
 from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # noqa: E402
 
 SERVERS = ("pipellm", "vllm-bf16")
+SYSTEM = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the '
+          'Query and the Instruct provided. Note that the answer can only be "yes" or "no".'
+          '<|im_end|>\n<|im_start|>user\n')  # Qwen3-Reranker's format, its model card's
+INSTRUCT = "Given a web search query, retrieve relevant passages that answer the query"
+SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 YES_NO = {"architectures": ["LlamaForSequenceClassification"],
           "classifier_from_token": ["no", "yes"]}
 VLLM_YES_NO = {**YES_NO, "method": "from_2_way_softmax"}  # vLLM's name for that rule
