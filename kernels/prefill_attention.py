@@ -376,6 +376,7 @@ def prefill_attention(
     v_scale: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    coarse_p: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix plus themselves
     (with `window` > 0, a Python int, the query at position p sees keys (p - window, p] only).
@@ -388,6 +389,9 @@ def prefill_attention(
     registers; off Triton the GEMM path dequantizes one sequence's rows at a time. FP8 caches
     (float8_e4m3fn, scale 1) convert likewise. softcap > 0 (Gemma 2; 0: none): each score
     s = scale * q.k becomes softcap * tanh(s / softcap) before the mask and softmax.
+    coarse_p: the softmax's numerators may be rounded to q's dtype alone, as FlashAttention
+    does (the AMX kernel then runs one P V product instead of two; the other paths keep P in
+    float32 and ignore it): a pooling forward's choice, whose vectors need no more.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -395,7 +399,7 @@ def prefill_attention(
         if _kernel_takes(q, k_cache, v_cache, k_scale, window, softcap):
             return cpu_extension(q).prefill_attention(
                 q, k_cache, v_cache, cu_q_lens.to(torch.int32), seq_starts.to(torch.int32),
-                ctx_lens.to(torch.int32), scale, window, k_scale, v_scale)
+                ctx_lens.to(torch.int32), scale, window, k_scale, v_scale, coarse_p)
         if k_scale is not None or k_cache.dtype == FP8 or cpu_fast_path(q):
             return _prefill_attention_cpu(q, k_cache, v_cache, cu_q_lens, seq_starts, ctx_lens,
                                           scale, k_scale, v_scale, window, softcap)

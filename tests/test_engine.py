@@ -125,3 +125,23 @@ def test_max_tokens_none_runs_to_the_context(engine):
                                                           ignore_eos=True))
     assert seq.num_tokens == engine.max_model_len and seq.finish_reason == "length"
     assert seq.params.max_tokens == engine.max_model_len - len(PROMPTS[0])
+
+
+def test_only_pooling_forwards_round_p_coarsely(engine, monkeypatch):
+    """Generation steps keep the prefill attention's P fine (greedy answers and logprobs
+    depend on it); a pooling forward on the same engine asks for coarse P
+    (kernels/prefill_attention.py)."""
+    from services.compute.model import llama
+
+    asked, attend = [], llama.prefill_attention
+
+    def spy(*args, coarse_p=False, **kwargs):
+        asked.append(coarse_p)
+        return attend(*args, coarse_p=coarse_p, **kwargs)
+
+    monkeypatch.setattr(llama, "prefill_attention", spy)
+    run(engine, PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert asked and not any(asked)
+    asked.clear()
+    engine.embed(PROMPTS)
+    assert asked and all(asked)

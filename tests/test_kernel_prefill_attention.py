@@ -356,26 +356,82 @@ def _amx_extension():
     return ext
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(6, 2, 64), (9, 3, 64), (4, 4, 128)])
-def test_amx_kernel_matches_dense_softmax(n_heads, n_kv_heads, head_dim):
-    """bf16 on AMX tiles: fresh prompts across several 64-key groups (300, 70), chunks over a
-    cached prefix (150 over 90, 5 over 13), a decode-like token over 200, a sequence with no
-    new token; NaN in every slot outside the segments (never read). The public function runs
-    it for bf16 at the amx level."""
-    from kernels.prefill_attention import _kernel_takes
+@pytest.fixture(params=["tiles", "emulated"])
+def amx_kernel(request):
+    """A module whose prefill_attention runs the AMX kernel on bf16: the main one on this
+    CPU's tiles, or kernels/cpu/emulated.py's on emulated tiles (any CPU with AVX512-BF16),
+    else a skip."""
+    if request.param == "tiles":
+        return _amx_extension()
+    from kernels.cpu import emulated, isa
 
-    ext = _amx_extension()
-    batch = make_batch((300, 150, 1, 5, 0, 70), (0, 90, 200, 13, 7, 0), n_heads, n_kv_heads,
-                       head_dim, torch.bfloat16, garbage="nan", seed=5)
-    q, k, v, cu, starts, ctx = batch
-    assert _kernel_takes(q, k, v, None, 0, 0.0)
-    out = ext.prefill_attention(q, k, v, cu, starts, ctx, 0.1)
-    assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    assert torch.equal(prefill_attention(*batch, 0.1), out)
+    if not emulated.runnable():
+        pytest.skip(f"the emulated AMX kernel needs AVX512-BF16 ({isa.describe()})")
+    return emulated.module()
+
+
+def _amx_batch(n_heads, n_kv_heads, head_dim):
+    """Fresh prompts across several 64-key groups (300, 70), chunks over a cached prefix (150
+    over 90, 5 over 13), a decode-like token over 200, a sequence with no new token; NaN in
+    every slot outside the segments (never read)."""
+    return make_batch((300, 150, 1, 5, 0, 70), (0, 90, 200, 13, 7, 0), n_heads, n_kv_heads,
+                      head_dim, torch.bfloat16, garbage="nan", seed=5)
+
+
+AMX_HEADS = pytest.mark.parametrize("n_heads,n_kv_heads,head_dim",
+                                    [(6, 2, 64), (9, 3, 64), (4, 4, 128)])
+
+
+@AMX_HEADS
+def test_amx_kernel_matches_dense_softmax(amx_kernel, n_heads, n_kv_heads, head_dim):
+    """bf16 on AMX tiles, P in two bf16 parts: as close to a float64 softmax as the float32
+    GEMMs are."""
+    batch = _amx_batch(n_heads, n_kv_heads, head_dim)
+    out = amx_kernel.prefill_attention(*batch, 0.1)
+    assert out.dtype == torch.bfloat16 and out.shape == batch[0].shape
     exp = dense_attention(*batch, 0.1)
     torch.testing.assert_close(out.double(), exp, atol=2e-2, rtol=2e-2)
     gemm_err = (_prefill_attention_cpu(*batch, 0.1).double() - exp).abs().max()
     assert (out.double() - exp).abs().max() <= 1.5 * gemm_err  # as close as the float32 GEMMs
+
+
+@AMX_HEADS
+def test_amx_kernel_coarse_p(amx_kernel, n_heads, n_kv_heads, head_dim):
+    """With coarse_p (a pooling forward's), P rounded to bf16 alone: another result than the
+    two parts' (the second product is gone), still within bf16's reach of a float64
+    softmax."""
+    batch = _amx_batch(n_heads, n_kv_heads, head_dim)
+    fine = amx_kernel.prefill_attention(*batch, 0.1)
+    coarse = amx_kernel.prefill_attention(*batch, 0.1, coarse_p=True)
+    assert not torch.equal(coarse, fine)
+    exp = dense_attention(*batch, 0.1)
+    gemm_err = (_prefill_attention_cpu(*batch, 0.1).double() - exp).abs().max()
+    assert (coarse.double() - exp).abs().max() <= 2 * gemm_err
+    assert (coarse.double() - fine.double()).abs().mean() < 1e-3
+
+
+def test_public_function_runs_the_amx_kernel():
+    """At the amx level, the public function sends bf16 to the AMX kernel, coarse_p with it."""
+    from kernels.prefill_attention import _kernel_takes
+
+    ext = _amx_extension()
+    batch = _amx_batch(9, 3, 64)
+    assert _kernel_takes(*batch[:3], None, 0, 0.0)
+    for coarse in (False, True):
+        assert torch.equal(prefill_attention(*batch, 0.1, coarse_p=coarse),
+                           ext.prefill_attention(*batch, 0.1, coarse_p=coarse))
+
+
+@VECTOR_LEVELS
+def test_vector_kernel_ignores_coarse_p(block_gemm_level):
+    """The float32 kernels keep P in float32 whatever coarse_p says (float16: never the AMX
+    kernel's)."""
+    from kernels.cpu import extension
+
+    batch = make_batch((300, 5, 70), (0, 13, 0), 9, 3, 64, torch.float16, seed=6)
+    ext = extension()
+    assert torch.equal(ext.prefill_attention(*batch, 0.1, coarse_p=True),
+                       ext.prefill_attention(*batch, 0.1))
 
 
 @VECTOR_LEVELS

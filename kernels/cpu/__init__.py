@@ -31,6 +31,8 @@ One module, one source per concept (bindings.cpp declares and binds them all):
                           (prefill_attention_<isa>.cpp; bf16 on AMX tiles: _amx.cpp)
                                                              kernels/prefill_attention.py
     common.h              the row kernels' shared helpers
+    amx_emulate.h         AMX tiles in plain C++: emulated.py builds the AMX kernels on them
+                          as a test-only module, so any CPU with AVX512-BF16 tests them
     simd_<isa>.h          the float vector traits the vectorized kernels are templates over
 
 One build for every x86 CPU from AVX2 up (`-march=x86-64-v3`, never -march=native, so a build or

@@ -44,7 +44,8 @@ void lora_delta(Tensor y, Tensor x, Tensor a, Tensor b, Tensor rows, Tensor star
 bool prefill_attention_amx_ready();
 Tensor prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens,
                          Tensor seq_starts, Tensor ctx_lens, double scale, int64_t window,
-                         std::optional<Tensor> k_scale, std::optional<Tensor> v_scale);
+                         std::optional<Tensor> k_scale, std::optional<Tensor> v_scale,
+                         bool coarse_p);
 // sampling.cpp
 std::tuple<Tensor, Tensor> sample_rows(Tensor logits, std::optional<Tensor> raw_logits,
                                        Tensor temperature, Tensor top_p, Tensor min_p,
@@ -75,7 +76,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 on AMX tiles)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_q_lens"),
         py::arg("seq_starts"), py::arg("ctx_lens"), py::arg("scale"), py::arg("window") = 0,
-        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("coarse_p") = false);
   m.def("silu_mul", &silu_mul, "silu(gate) * up: [..., 2I] -> [..., I]", py::arg("gate_up"));
   m.def("quantize_int8", &quantize_int8, "per-token INT8: (int8 [T, K], scales [T])",
         py::arg("x"));

@@ -6,17 +6,24 @@
 // queries are the last of its keys). bf16 caches with D a multiple of 64 and no window run on
 // AMX tiles where this process may use them; everything else in float32 vectors of the block
 // GEMMs' ISA level (avx2, or avx512 for every AVX-512 level). kernels/prefill_attention.py
-// sends it only what it takes; anything else is a TORCH_CHECK error.
+// sends it only what it takes; anything else is a TORCH_CHECK error. Built with
+// PIPELLM_AMX_EMULATE (kernels/cpu/emulated.py), it runs the AMX kernel's cases alone, on
+// emulated tiles.
 #include <torch/extension.h>
 
-#include "lora.h"
 #include "prefill_attention.h"
+
+#ifdef PIPELLM_AMX_EMULATE
+bool prefill_attention_amx_ready() { return true; }
+#else
+#include "lora.h"
 
 std::string vector_isa();  // block_gemm.cpp: avx512, avx2 or "" at the chosen level
 
 bool prefill_attention_amx_ready() {
   return vector_isa() == "avx512" && pipellm::lora::amx_ready();
 }
+#endif
 
 namespace {
 
@@ -38,10 +45,14 @@ void (*kernel_for(DType dtype, Cache cache, int64_t D, int64_t window))(
   if (dtype == DType::kBFloat16 && cache == Cache::kSame && D % 64 == 0 && window == 0 &&
       prefill_attention_amx_ready())
     return pipellm::prefill::run_amx;
+#ifdef PIPELLM_AMX_EMULATE
+  TORCH_CHECK(false, "prefill_attention: the emulated build runs the AMX kernel's cases only");
+#else
   const std::string level = vector_isa();
   if (level == "avx512") return pipellm::prefill::run_avx512;
   if (level == "avx2") return pipellm::prefill::run_avx2;
   TORCH_CHECK(false, "prefill_attention: no kernel for this CPU (no ISA level chosen)");
+#endif
 }
 
 // the caches' kind; INT8's scales checked ([capacity, Hkv, D / 8] fp16, unit stride along D)
@@ -70,7 +81,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
                                 torch::Tensor cu_q_lens, torch::Tensor seq_starts,
                                 torch::Tensor ctx_lens, double scale, int64_t window,
                                 std::optional<torch::Tensor> k_scale,
-                                std::optional<torch::Tensor> v_scale) {
+                                std::optional<torch::Tensor> v_scale, bool coarse_p) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
               v_cache.scalar_type() == k_cache.scalar_type(),
               "q [T, H, D] and caches [capacity, Hkv, D] of one dtype");
@@ -100,7 +111,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
       v_cache.stride(1), static_cast<float>(scale), dtype, window, cache,
       k_scale ? k_scale->data_ptr() : nullptr, v_scale ? v_scale->data_ptr() : nullptr,
       k_scale ? k_scale->stride(0) : 0, k_scale ? k_scale->stride(1) : 0,
-      v_scale ? v_scale->stride(0) : 0, v_scale ? v_scale->stride(1) : 0};
+      v_scale ? v_scale->stride(0) : 0, v_scale ? v_scale->stride(1) : 0, coarse_p};
   run(args);
   return out;
 }

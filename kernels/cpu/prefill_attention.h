@@ -34,6 +34,10 @@ struct Args {
   const void* k_scale;
   const void* v_scale;
   int64_t ks_ts, ks_hs, vs_ts, vs_hs;
+  // P (the softmax's numerators) rounded to bf16 alone, as FlashAttention keeps it, where the
+  // AMX kernel otherwise keeps ~16 bits in two bf16 parts (pooling's choice: half its P V
+  // products); the float32 kernels ignore it
+  bool coarse_p;
 };
 
 void run_amx(const Args& args);

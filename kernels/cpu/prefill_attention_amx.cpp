@@ -4,8 +4,9 @@
 // shared counter:
 //   S = Q K^T over the keys the block sees (64 at a time: C tiles 0-3, Q in tile 4, K in 5),
 //   each row's exact softmax in float32 (AVX-512) of its causal keys, P = e^(s - max) as two
-//   bf16 parts (its rounding and the rest: about 16 bits, where FlashAttention keeps 8), zeros
-//   past the row's last key;
+//   bf16 parts (its rounding and the rest: about 16 bits, where FlashAttention keeps 8), or
+//   with `coarse_p` its rounding alone (8 bits, one tile product fewer), zeros past the row's
+//   last key;
 //   O = P V (64 output dims at a time: C tiles 0-3, P's parts in tiles 6 and 5, V in 7),
 //   divided by the row's sum and rounded to bf16.
 // Not an online softmax: a block's scores for every key it sees are held at once (16 rows of
@@ -21,6 +22,9 @@
 PIPELLM_TARGET_BEGIN("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 #include "simd_avx512.h"
 #include "prefill_attention_schedule.h"
+#ifdef PIPELLM_AMX_EMULATE
+#include "amx_emulate.h"
+#endif
 
 namespace {
 
@@ -89,7 +93,8 @@ void pack(const Args& a, int64_t s, int64_t g, bf16* kp, bf16* vp) {
 struct Scratch {
   std::vector<float> s;  // [16, width] scores
   std::vector<bf16> p;   // [16, width] e^(s - max) rounded to bf16
-  std::vector<bf16> lo;  // [16, width] what that rounding left out, rounded to bf16
+  std::vector<bf16> lo;  // [16, width] what that rounding left out, rounded to bf16 (unused
+                         // with coarse_p)
   std::vector<bf16> q;   // [16, D] the block's queries (zero rows past the last)
   std::vector<float> o;  // [16, 64] one pass of P V
   std::vector<float> sum;
@@ -126,15 +131,16 @@ V::F exp2(V::F x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// e as two bf16 parts at p and lo: e's rounding and the rest (together ~16 bits of e)
+// e as two bf16 parts at p and lo: e's rounding and the rest (together ~16 bits of e); lo
+// null: the rounding alone
 void store_split(bf16* p, bf16* lo, V::F e) {
   const V::F hi = V::round_bf16(e);
   V::store(p, hi);
-  V::store(lo, V::sub(e, hi));
+  if (lo) V::store(lo, V::sub(e, hi));
 }
 
-// row r of p and lo: e^(scale * (s - max)) over keys [0, seen) split in two bf16 parts, zeros
-// over [seen, nk32); the sum
+// row r of p and lo: e^(scale * (s - max)) over keys [0, seen) split in two bf16 parts (lo
+// null: rounded to bf16 alone), zeros over [seen, nk32); the sum
 float softmax_row(const float* s, bf16* p, bf16* lo, int64_t seen, int64_t nk32,
                   float scale) {
   const int64_t full = seen / 16 * 16;
@@ -148,22 +154,22 @@ float softmax_row(const float* s, bf16* p, bf16* lo, int64_t seen, int64_t nk32,
   for (int64_t j = 0; j < full; j += 16) {
     const V::F e = exp2(_mm512_fmsub_ps(V::loadf(s + j), sc, mx));
     acc = V::add(acc, e);
-    store_split(p + j, lo + j, e);
+    store_split(p + j, lo ? lo + j : nullptr, e);
   }
   if (tail) {
     const V::F e = _mm512_maskz_mov_ps(tail, exp2(_mm512_fmsub_ps(
         _mm512_maskz_loadu_ps(tail, s + full), sc, mx)));
     acc = V::add(acc, e);
-    store_split(p + full, lo + full, e);
+    store_split(p + full, lo ? lo + full : nullptr, e);
   }
   for (int64_t j = full + (tail ? 16 : 0); j < nk32; j += 16) {
     V::store(p + j, V::fzero());
-    V::store(lo + j, V::fzero());
+    if (lo) V::store(lo + j, V::fzero());
   }
   return V::sum(acc);
 }
 
-// out rows [0, m) of the block = (P V) / sum, 64 dims a pass
+// out rows [0, m) of the block = (P V) / sum, 64 dims a pass (lo null: P's first part alone)
 void weighted(const bf16* p, const bf16* lo, const bf16* vp, int64_t D, int64_t nk32,
               int64_t width, const float* sum, int64_t m, float* o, bf16* out,
               int64_t out_ts) {
@@ -171,12 +177,19 @@ void weighted(const bf16* p, const bf16* lo, const bf16* vp, int64_t D, int64_t 
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t t = 0; t < nk32 / kStep; ++t) {
       _tile_loadd(6, p + t * kStep, width * sizeof(bf16));
-      _tile_loadd(5, lo + t * kStep, width * sizeof(bf16));
       const bf16* b = vp + (t * (D / 16) + e / 16) * kTile;
-      _tile_loadd(7, b, 64); _tile_dpbf16ps(0, 6, 7); _tile_dpbf16ps(0, 5, 7);
-      _tile_loadd(7, b + kTile, 64); _tile_dpbf16ps(1, 6, 7); _tile_dpbf16ps(1, 5, 7);
-      _tile_loadd(7, b + 2 * kTile, 64); _tile_dpbf16ps(2, 6, 7); _tile_dpbf16ps(2, 5, 7);
-      _tile_loadd(7, b + 3 * kTile, 64); _tile_dpbf16ps(3, 6, 7); _tile_dpbf16ps(3, 5, 7);
+      if (lo) {
+        _tile_loadd(5, lo + t * kStep, width * sizeof(bf16));
+        _tile_loadd(7, b, 64); _tile_dpbf16ps(0, 6, 7); _tile_dpbf16ps(0, 5, 7);
+        _tile_loadd(7, b + kTile, 64); _tile_dpbf16ps(1, 6, 7); _tile_dpbf16ps(1, 5, 7);
+        _tile_loadd(7, b + 2 * kTile, 64); _tile_dpbf16ps(2, 6, 7); _tile_dpbf16ps(2, 5, 7);
+        _tile_loadd(7, b + 3 * kTile, 64); _tile_dpbf16ps(3, 6, 7); _tile_dpbf16ps(3, 5, 7);
+      } else {
+        _tile_loadd(7, b, 64); _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(7, b + kTile, 64); _tile_dpbf16ps(1, 6, 7);
+        _tile_loadd(7, b + 2 * kTile, 64); _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(7, b + 3 * kTile, 64); _tile_dpbf16ps(3, 6, 7);
+      }
     }
     _tile_stored(0, o, 256); _tile_stored(1, o + 16, 256);
     _tile_stored(2, o + 32, 256); _tile_stored(3, o + 48, 256);
@@ -201,20 +214,20 @@ void block(const Args& a, int64_t s, int64_t h, int64_t i0, const bf16* kp, cons
     else std::memset(w.q.data() + r * D, 0, D * sizeof(bf16));
   }
   scores(w.q.data(), kp, D, nk64, w.s.data(), width);
+  bf16* lo = a.coarse_p ? nullptr : w.lo.data();
   for (int64_t r = 0; r < kRows; ++r) {
     bf16* pr = w.p.data() + r * width;
-    bf16* lr = w.lo.data() + r * width;
+    bf16* lr = lo ? lo + r * width : nullptr;
     if (r < m) {
       w.sum[r] = softmax_row(w.s.data() + r * width, pr, lr, prefix + i0 + r + 1, nk32,
                              a.scale);
     } else {
       std::memset(pr, 0, nk32 * sizeof(bf16));
-      std::memset(lr, 0, nk32 * sizeof(bf16));
+      if (lr) std::memset(lr, 0, nk32 * sizeof(bf16));
     }
   }
   bf16* out = static_cast<bf16*>(a.out) + ((a.cu[s] + i0) * a.H + h) * D;
-  weighted(w.p.data(), w.lo.data(), vp, D, nk32, width, w.sum.data(), m, w.o.data(), out,
-           a.H * D);
+  weighted(w.p.data(), lo, vp, D, nk32, width, w.sum.data(), m, w.o.data(), out, a.H * D);
 }
 
 }  // namespace
@@ -240,7 +253,8 @@ void pipellm::prefill::run_amx(const Args& a) {
     if (w.s.empty()) {  // a thread's first block: its tiles and buffers
       configure_tiles();
       w = Scratch{std::vector<float>(kRows * widest), std::vector<bf16>(kRows * widest),
-                  std::vector<bf16>(kRows * widest), std::vector<bf16>(kRows * a.D),
+                  std::vector<bf16>(a.coarse_p ? 0 : kRows * widest),
+                  std::vector<bf16>(kRows * a.D),
                   std::vector<float>(kRows * 64), std::vector<float>(kRows)};
     }
     const int64_t g = it.h / G;

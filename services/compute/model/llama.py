@@ -223,7 +223,8 @@ class LlamaModel:
             parts.append(prefill_attention(q[nd:], kv.k[i], kv.v[i], batch.prefill_cu,
                                            batch.prefill_starts, batch.prefill_lens, self.scale,
                                            max_q_len=batch.max_chunk_len, k_scale=k_scale,
-                                           v_scale=v_scale, window=window, softcap=cap))
+                                           v_scale=v_scale, window=window, softcap=cap,
+                                           coarse_p=batch.coarse_p))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return _project(layer.o, out.reshape(T, -1), batch)
 

@@ -4,8 +4,9 @@ It builds the same ForwardBatch the engine's prefill steps use (no decodes; one 
 prompt covering the whole prompt at positions 0..n-1, or its tokens after a prefix whose K/V
 its slots already hold, its K/V written to the contiguous slots starting at that prompt's
 `start`) through LlamaModel.normed_hidden: every row normed, no LM head (over every row of a
-mean-pooled batch it would cost a [T, vocab] matrix). The caller owns the slots: they hold
-the prompts' K/V afterwards, until it frees them.
+mean-pooled batch it would cost a [T, vocab] matrix), its attention's P rounded to bf16 alone
+where a kernel offers that (`coarse_p`: a vector needs no more). The caller owns the slots:
+they hold the prompts' K/V afterwards, until it frees them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def prefill_batch(prompts: list[list[int]], starts: list[int], device: torch.dev
         logits_indices=flat[3 * T:], num_decodes=0, decode_starts=empty, decode_lens=empty,
         prefill_cu=meta[:P + 1], prefill_starts=meta[P + 1:2 * P + 1],
         prefill_lens=meta[2 * P + 1:], max_decode_len=0, max_chunk_len=max(lens) - cached,
-        prompt_spans=[])
+        prompt_spans=[], coarse_p=True)
 
 
 @torch.inference_mode()

@@ -1,0 +1,22 @@
+// The module of kernels/cpu/emulated.py: the AMX kernels built from their own sources with
+// PIPELLM_AMX_EMULATE (tiles emulated: amx_emulate.h), bound as the main module binds them.
+#include <torch/extension.h>
+
+#include <optional>
+
+using torch::Tensor;
+
+// prefill_attention.cpp
+Tensor prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens,
+                         Tensor seq_starts, Tensor ctx_lens, double scale, int64_t window,
+                         std::optional<Tensor> k_scale, std::optional<Tensor> v_scale,
+                         bool coarse_p);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("prefill_attention", &prefill_attention,
+        "prefill_attention's AMX kernel on emulated tiles (bf16, head_dim a multiple of 64)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cu_q_lens"),
+        py::arg("seq_starts"), py::arg("ctx_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+        py::arg("coarse_p") = false);
+}
