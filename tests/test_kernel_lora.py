@@ -218,6 +218,27 @@ def cpu_level(request):
     ext.set_block_gemm_isa(previous)
 
 
+@pytest.fixture(params=["tiles", "emulated"])
+def amx_lora(request):
+    """A module whose lora_delta runs the AMX variant given packed bf16 stacks: the main one on
+    this CPU's tiles (at the avx512 level the AMX variant needs), or kernels/cpu/emulated.py's
+    on emulated tiles (any CPU with AVX512-BF16), else a skip."""
+    from kernels.cpu import emulated, extension, isa
+
+    if request.param == "emulated":
+        if not emulated.runnable():
+            pytest.skip(f"the emulated AMX kernels need AVX512-BF16 ({isa.describe()})")
+        yield emulated.module()
+        return
+    if "amx" not in isa.cpu_levels():
+        pytest.skip(f"this CPU has no AMX ({isa.describe()})")
+    ext = extension()
+    previous = ext.block_gemm_isa()
+    ext.set_block_gemm_isa("avx512")
+    yield ext
+    ext.set_block_gemm_isa(previous)
+
+
 CPU_DTYPES = [*DTYPES, (torch.float16, torch.float16), (torch.bfloat16, torch.float16)]
 
 
@@ -287,16 +308,14 @@ def test_cpu_kernel_reads_only_the_part_blocks_of_b(cpu_level, ends):
     (64, 128, 208, 64, [20, 10, 7, 27], [208]),  # groups past one block of 16 rows, 4 C tiles
     (9, 32, 16, 80, [9], [16]),  # R past 4 C tiles
 ])
-def test_cpu_amx_tiles_match_reference(T, d_in, d_out, rank, sizes, ends, y_dtype):
+def test_cpu_amx_tiles_match_reference(amx_lora, T, d_in, d_out, rank, sizes, ends, y_dtype):
     """The kernel's AMX variant (kernels/cpu/lora_amx.cpp: bf16 x, a and b given packed too),
-    on a CPU with AMX: the reference within h's rounding to bf16 (b block-diagonal over the
-    parts; where they are whole blocks of 64 columns, its off-part values are not read), rows
-    outside the groups untouched; it is what ran (its float32 y differs from the AVX-512
-    variant's, which keeps h in float32)."""
-    from kernels.cpu import extension, isa
+    on this CPU's tiles or on emulated ones: the reference within h's rounding to bf16 (b
+    block-diagonal over the parts; where they are whole blocks of 64 columns, its off-part
+    values are not read), rows outside the groups untouched; it is what ran (its float32 y
+    differs from the AVX-512 variant's, which keeps h in float32)."""
+    from kernels.cpu import extension
 
-    if "amx" not in isa.cpu_levels():
-        pytest.skip(f"this CPU has no AMX ({isa.describe()})")
     ext = extension()
     y, x, a, b, rows, starts, slots, max_rows = make_case(T, d_in, d_out, rank, sizes,
                                                           torch.bfloat16, y_dtype, seed=T + rank)
@@ -307,12 +326,12 @@ def test_cpu_amx_tiles_match_reference(T, d_in, d_out, rank, sizes, ends, y_dtyp
     given = b if all(e % 64 == 0 for e in ends) else diag
     want, got, plain = y.clone(), y.clone(), y.clone()
     lora_delta_reference(want, x, a, diag, rows, starts, slots, max_rows)
+    amx_lora.lora_delta(got, x, a, given, rows, starts, slots, ends, vnni_pack(a),
+                        vnni_pack(given))
     previous = ext.block_gemm_isa()
     ext.set_block_gemm_isa("avx512")
     try:
-        ext.lora_delta(got, x, a, given, rows, starts, slots, ends, vnni_pack(a),
-                       vnni_pack(given))
-        ext.lora_delta(plain, x, a, diag, rows, starts, slots, ends)
+        ext.lora_delta(plain, x, a, diag, rows, starts, slots, ends)  # no packed stacks
     finally:
         ext.set_block_gemm_isa(previous)
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2e-2)

@@ -4,7 +4,8 @@ amx_emulate.h stands in for the tile instructions; the rest of their code, AVX-5
 AVX512-BF16, runs natively). Slow, and never used by the product.
 
     runnable()  whether this CPU runs it (AVX512-BF16)
-    module()    prefill_attention(...) as the main module binds it, its AMX cases only
+    module()    lora_delta(...) and prefill_attention(...) as the main module binds them,
+                their AMX cases only
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 from kernels.cpu import _FLAGS, _build_lock, isa
 
 NAME = "pipellm_amx_emulated"
-_SOURCES = ("amx_emulated.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp")
+_SOURCES = ("amx_emulated.cpp", "lora.cpp", "lora_amx.cpp", "prefill_attention.cpp",
+            "prefill_attention_amx.cpp")
 
 
 def runnable() -> bool:

@@ -7,7 +7,8 @@
 // run (set_block_gemm_isa: avx2 or an avx512 level), which needs R and out multiples of 16;
 // given a and b packed too (a_vnni, b_vnni: kernels/lora.py's cpu_packed, which gives them at
 // the amx level), bf16 x and a CPU whose AMX tiles this process may use, AMX (lora_amx.cpp).
-// kernels/lora.py sends other calls to the reference.
+// kernels/lora.py sends other calls to the reference. Built with PIPELLM_AMX_EMULATE
+// (kernels/cpu/emulated.py), it runs the AMX variant's cases alone, on emulated tiles.
 #include <torch/extension.h>
 
 #include <optional>
@@ -75,5 +76,9 @@ void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor
                 "a_vnni and b_vnni must be a and b packed (kernels/lora.py's vnni_pack)");
     return pipellm::lora::run_amx(args, a_vnni->data_ptr(), b_vnni->data_ptr());
   }
+#ifdef PIPELLM_AMX_EMULATE
+  TORCH_CHECK(false, "lora_delta: the emulated build runs the AMX variant's cases only");
+#else
   (avx512 ? pipellm::lora::run_avx512 : pipellm::lora::run_avx2)(args);
+#endif
 }

@@ -21,6 +21,9 @@
 
 PIPELLM_TARGET_BEGIN("avx,avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 #include "simd_avx512.h"
+#ifdef PIPELLM_AMX_EMULATE
+#include "amx_emulate.h"
+#endif
 
 namespace {
 
@@ -163,9 +166,13 @@ void pipellm::lora::run_amx(const Args& args, const void* a_vnni, const void* b_
 PIPELLM_TARGET_END
 
 bool pipellm::lora::amx_ready() {
+#ifdef PIPELLM_AMX_EMULATE
+  return true;  // emulated tiles need no permission
+#else
   // Linux hands AMX's tile state to a process that asks (ARCH_REQ_XCOMP_PERM, XTILEDATA)
   static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return ready;
+#endif
 }
 #else
 void pipellm::lora::run_amx(const Args&, const void*, const void*) {

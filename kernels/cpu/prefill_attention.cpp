@@ -11,19 +11,14 @@
 // emulated tiles.
 #include <torch/extension.h>
 
-#include "prefill_attention.h"
-
-#ifdef PIPELLM_AMX_EMULATE
-bool prefill_attention_amx_ready() { return true; }
-#else
 #include "lora.h"
+#include "prefill_attention.h"
 
 std::string vector_isa();  // block_gemm.cpp: avx512, avx2 or "" at the chosen level
 
 bool prefill_attention_amx_ready() {
   return vector_isa() == "avx512" && pipellm::lora::amx_ready();
 }
-#endif
 
 namespace {
 
