@@ -3,7 +3,8 @@ over a batch of whole prompts, per code path of kernels/prefill_attention.py: th
 path (`_prefill_attention_cpu`, what runs without the C++ kernels or with a window, softcap or
 INT8) against the C++ kernel (kernels/cpu/prefill_attention.cpp) at every ISA level this CPU
 runs (switched in process: avx2 and avx512 in float32 vectors; bf16 on an AMX CPU at the
-avx512 levels: AMX tiles), and torch's SDPA per sequence (the reference) as a third opinion.
+avx512 levels: AMX tiles, P in two bf16 parts and, as pooling forwards run it, in one:
+`amx_coarse_p`), and torch's SDPA per sequence (the reference) as a third opinion.
 Prompts: ShareGPT texts' token lengths (data/sharegpt_samples_1024.json, cut to 2,000
 characters as bench/pooling.py cuts them) up to --tokens a batch, the first --batches batches.
 Reported per thread count: the median ms of a batch over --reps, and the ratio GEMM ms /
@@ -83,14 +84,16 @@ def kernel_paths(ext, dtype: torch.dtype) -> dict:
         tiles = dtype == torch.bfloat16 and ext.prefill_attention_amx_ready()
         name = "amx" if tiles else ("avx2" if level == "avx2" else "avx512")
 
-        def run(c, level=level):
+        def run(c, level=level, coarse_p=False):
             ext.set_block_gemm_isa(level)
             try:
-                return ext.prefill_attention(*c, HEAD_DIM ** -0.5)
+                return ext.prefill_attention(*c, HEAD_DIM ** -0.5, coarse_p=coarse_p)
             finally:
                 ext.set_block_gemm_isa(own)
 
         paths.setdefault(name, run)
+        if tiles:  # P in bf16 alone (a pooling forward's: ForwardBatch.coarse_p)
+            paths.setdefault("amx_coarse_p", lambda c, run=run: run(c, coarse_p=True))
     ext.set_block_gemm_isa(own)
     return paths
 

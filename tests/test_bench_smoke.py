@@ -523,7 +523,9 @@ def test_cpu_prefill_attention_bench_small(capsys):
 
     out = cpu_prefill_attention.main(["--tokens", "300", "--batches", "1", "--threads", "1",
                                       "--reps", "2"])
-    assert set(out["ms"][1]) == {"gemm", "amx", "sdpa"} and out["gemm_over_amx"][1] > 0
+    assert set(out["ms"][1]) == {"gemm", "avx2", "amx", "amx_coarse_p", "sdpa"}
+    assert set(out["gemm_over_kernel"][1]) == {"avx2", "amx", "amx_coarse_p"}
+    assert min(out["gemm_over_kernel"][1].values()) > 0
     assert sum(out["batches"][0]) <= 300
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bench"] == \
         "cpu_prefill_attention"
