@@ -23,8 +23,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 Q_LENS, PREFIXES = (1, 5, 70), (200, 13, 0)  # check_triton defaults to max_q_len=70
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
-# the vector kernel has an AVX2 and an AVX-512 variant (block_gemm_level: the ones a CPU runs)
-VECTOR_LEVELS = pytest.mark.parametrize("block_gemm_level", ["avx2", "avx512"], indirect=True)
+# the vector kernel has an AVX2 and an AVX-512 variant (block_gemm_level: the ones a CPU runs);
+# from avx512_vnni on, bf16 runs as bf16 products where the CPU has AVX512-BF16
+VECTOR_LEVELS = pytest.mark.parametrize("block_gemm_level", ["avx2", "avx512", "avx512_vnni"],
+                                        indirect=True)
 
 
 pytestmark = pytest.mark.usefixtures("interpreter_bf16_dot")
@@ -432,6 +434,33 @@ def test_vector_kernel_ignores_coarse_p(block_gemm_level):
     ext = extension()
     assert torch.equal(ext.prefill_attention(*batch, 0.1, coarse_p=True),
                        ext.prefill_attention(*batch, 0.1))
+
+
+@pytest.mark.parametrize("block_gemm_level", ["avx512_vnni"], indirect=True)
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(9, 3, 64), (6, 2, 96), (4, 2, 16)])
+@pytest.mark.parametrize("window", [0, 50])
+def test_bf16_products_match_dense_softmax(block_gemm_level, n_heads, n_kv_heads, head_dim,
+                                           window):
+    """bf16 from the avx512_vnni level on, on a CPU with AVX512-BF16 (without AMX tiles, or
+    where the tiles do not apply): bf16 pair products, P in two bf16 parts, as close to a
+    float64 softmax as the float32 GEMMs; with coarse_p, P in one part. Not the avx512
+    level's float32 products (which it returns to)."""
+    from kernels.cpu import extension, isa
+
+    if "avx512_bf16" not in isa.cpu_flags():
+        pytest.skip(f"this CPU has no AVX512-BF16 ({isa.describe()})")
+    ext = extension()
+    batch = make_batch((300, 150, 1, 5, 0, 70), (0, 90, 200, 13, 7, 0), n_heads, n_kv_heads,
+                       head_dim, torch.bfloat16, garbage="nan", seed=5)
+    fine = ext.prefill_attention(*batch, 0.1, window)
+    coarse = ext.prefill_attention(*batch, 0.1, window, coarse_p=True)
+    exp = dense_attention(*batch, 0.1, window=window)
+    gemm_err = (_prefill_attention_cpu(*batch, 0.1, window=window).double() - exp).abs().max()
+    assert (fine.double() - exp).abs().max() <= 1.5 * gemm_err
+    assert (coarse.double() - exp).abs().max() <= 2 * gemm_err
+    assert not torch.equal(coarse, fine)
+    ext.set_block_gemm_isa("avx512")
+    assert not torch.equal(ext.prefill_attention(*batch, 0.1, window), fine)
 
 
 @VECTOR_LEVELS

@@ -65,6 +65,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "token_bitmask.cpp", "sampling.cpp", "sampling_filters.cpp", "lora.cpp", "lora_avx2.cpp",
     "lora_avx512.cpp", "lora_amx.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp",
     "prefill_attention_avx2.cpp", "prefill_attention_avx512.cpp",
+    "prefill_attention_avx512_bf16.cpp",
     "activation_avx512.cpp", "norm_avx512.cpp")]
 _FLAGS = ["-O3", *(["-march=x86-64-v3"] if isa.is_x86() else []), "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()

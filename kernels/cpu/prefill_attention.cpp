@@ -4,8 +4,9 @@
 // scales [capacity, Hkv, D / 8]; or float8_e4m3fn) with unit stride along D, D a multiple of 16,
 // H a multiple of Hkv; cu_q_lens [S + 1], seq_starts [S], ctx_lens [S] int32 (each sequence's
 // queries are the last of its keys). bf16 caches with D a multiple of 64 and no window run on
-// AMX tiles where this process may use them; everything else in float32 vectors of the block
-// GEMMs' ISA level (avx2, or avx512 for every AVX-512 level). kernels/prefill_attention.py
+// AMX tiles where this process may use them; other bf16 caches of bf16 queries as bf16 products
+// at the avx512_vnni level on a CPU with AVX512-BF16; everything else in float32 vectors of the
+// block GEMMs' ISA level (avx2, or avx512 for every AVX-512 level). kernels/prefill_attention.py
 // sends it only what it takes; anything else is a TORCH_CHECK error. Built with
 // PIPELLM_AMX_EMULATE (kernels/cpu/emulated.py), it runs the AMX kernel's cases alone, on
 // emulated tiles.
@@ -15,6 +16,7 @@
 #include "prefill_attention.h"
 
 std::string vector_isa();  // block_gemm.cpp: avx512, avx2 or "" at the chosen level
+std::string block_gemm_isa();  // block_gemm.cpp: the chosen level's name
 
 bool prefill_attention_amx_ready() {
   return vector_isa() == "avx512" && pipellm::lora::amx_ready();
@@ -44,6 +46,11 @@ void (*kernel_for(DType dtype, Cache cache, int64_t D, int64_t window))(
   TORCH_CHECK(false, "prefill_attention: the emulated build runs the AMX kernel's cases only");
 #else
   const std::string level = vector_isa();
+  // bf16 products from the avx512_vnni level on (every CPU with AVX512-BF16 has VNNI; the
+  // avx512 level keeps float32 products, for CPUs without it and for tests)
+  if (dtype == DType::kBFloat16 && cache == Cache::kSame && block_gemm_isa() == "avx512_vnni" &&
+      __builtin_cpu_supports("avx512bf16"))
+    return pipellm::prefill::run_avx512_bf16;
   if (level == "avx512") return pipellm::prefill::run_avx512;
   if (level == "avx2") return pipellm::prefill::run_avx2;
   TORCH_CHECK(false, "prefill_attention: no kernel for this CPU (no ISA level chosen)");

@@ -6,6 +6,9 @@
 //   run_avx512  float32 vectors of 16 over float, bf16 or half queries, head_dim a multiple of
 //               16, caches of q's dtype, INT8 with scales or FP8 (kernels/kv_quant.py)
 //   run_avx2    the same, vectors of 8 (prefill_attention_<isa>.cpp: prefill_attention_kernel.h)
+//   run_avx512_bf16  bf16 queries and caches in vectors of 16 at AVX-512 levels from avx512_vnni
+//               on, on a CPU with AVX512-BF16: products of bf16 pairs, float32 sums
+//               (prefill_attention_avx512_bf16.cpp)
 #pragma once
 
 #include <cstdint>
@@ -43,5 +46,6 @@ struct Args {
 void run_amx(const Args& args);
 void run_avx2(const Args& args);
 void run_avx512(const Args& args);
+void run_avx512_bf16(const Args& args);
 
 }  // namespace pipellm::prefill
