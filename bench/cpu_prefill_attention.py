@@ -3,9 +3,9 @@ over a batch of whole prompts, per code path of kernels/prefill_attention.py: th
 path (`_prefill_attention_cpu`, what runs without the C++ kernels or with a window, softcap or
 INT8) against the C++ kernel (kernels/cpu/prefill_attention.cpp) at every ISA level this CPU
 runs (switched in process: avx2 and avx512 in float32 vectors; bf16 on an AMX CPU at the
-avx512 levels: AMX tiles; bf16 at the avx512_vnni level on a CPU with AVX512-BF16 and no AMX:
-bf16 products; both with P in two bf16 parts and, as pooling forwards run them, in one:
-`*_coarse_p`), and torch's SDPA per sequence (the reference) as a third opinion.
+avx512 levels: AMX tiles; and bf16 as a pooling forward runs it, P rounded to bf16 alone
+(coarse_p): `amx_coarse_p` on the tiles, `avx512_bf16` as bf16 products on a CPU with
+AVX512-BF16 and no AMX), and torch's SDPA per sequence (the reference) as a third opinion.
 Prompts: ShareGPT texts' token lengths (data/sharegpt_samples_1024.json, cut to 2,000
 characters as bench/pooling.py cuts them) up to --tokens a batch, the first --batches batches.
 Reported per thread count: the median ms of a batch over --reps, and the ratio GEMM ms /
@@ -84,9 +84,10 @@ def kernel_paths(ext, dtype: torch.dtype) -> dict:
     for level in (lv for lv in isa.cpu_levels() if lv in isa.BLOCK_GEMM_LEVELS):
         ext.set_block_gemm_isa(level)
         tiles = bf16 and ext.prefill_attention_amx_ready()
-        pairs = bf16 and level == "avx512_vnni" and "avx512_bf16" in isa.cpu_flags()
-        name = "amx" if tiles else "avx2" if level == "avx2" else \
-            "avx512_bf16" if pairs else "avx512"
+        name = "amx" if tiles else ("avx2" if level == "avx2" else "avx512")
+        # P in bf16 alone (ForwardBatch.coarse_p): the tiles' one product, or bf16 products
+        coarse = {"amx": "amx_coarse_p", "avx512": "avx512_bf16"}.get(name) \
+            if bf16 and (tiles or "avx512_bf16" in isa.cpu_flags()) else None
 
         def run(c, level=level, coarse_p=False):
             ext.set_block_gemm_isa(level)
@@ -98,8 +99,8 @@ def kernel_paths(ext, dtype: torch.dtype) -> dict:
         if name in paths:
             continue
         paths[name] = run
-        if name in ("amx", "avx512_bf16"):  # P in bf16 alone too (ForwardBatch.coarse_p)
-            paths[f"{name}_coarse_p"] = lambda c, run=run: run(c, coarse_p=True)
+        if coarse:
+            paths[coarse] = lambda c, run=run: run(c, coarse_p=True)
     ext.set_block_gemm_isa(own)
     return paths
 

@@ -351,8 +351,10 @@ def _kernel_takes(q, k_cache, v_cache, k_scale, window, softcap) -> bool:
     """Whether kernels/cpu/prefill_attention.cpp runs this call: q float32, bf16 or float16 and
     caches of its dtype, INT8 (with scales) or FP8, unit stride along head_dim, head_dim a
     multiple of 16, no softcap, the C++ kernels at an x86 level (kernels/cpu/isa.py). It runs
-    bf16 caches without a window on AMX tiles at the amx level, else float32 vectors of the
-    level (INT8 and FP8 dequantized as it packs each sequence's keys and values)."""
+    bf16 caches without a window on AMX tiles at the amx level, other bf16 caches with
+    coarse_p as bf16 products at the AVX-512 levels on a CPU with AVX512-BF16, else float32
+    vectors of the level (INT8 and FP8 dequantized as it packs each sequence's keys and
+    values)."""
     caches = k_cache.dtype == v_cache.dtype and (
         k_cache.dtype == torch.int8 if k_scale is not None else k_cache.dtype in (q.dtype, FP8))
     if not (caches and q.dtype in _KERNEL_DTYPES and softcap == 0 and q.shape[-1] % 16 == 0
@@ -389,9 +391,10 @@ def prefill_attention(
     registers; off Triton the GEMM path dequantizes one sequence's rows at a time. FP8 caches
     (float8_e4m3fn, scale 1) convert likewise. softcap > 0 (Gemma 2; 0: none): each score
     s = scale * q.k becomes softcap * tanh(s / softcap) before the mask and softmax.
-    coarse_p: the softmax's numerators may be rounded to q's dtype alone, as FlashAttention
-    does (the AMX kernel then runs one P V product instead of two; the other paths keep P in
-    float32 and ignore it): a pooling forward's choice, whose vectors need no more.
+    coarse_p: bf16 may run at FlashAttention's precision, the softmax's numerators rounded to
+    bf16 alone (AMX tiles then run one P V product instead of two; a CPU with AVX512-BF16 and
+    no AMX runs bf16 products instead of float32 ones; the other paths ignore it): a pooling
+    forward's choice, whose vectors need no more. Generation keeps its results bit for bit.
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5

@@ -513,8 +513,8 @@ def test_cpu_attention_quick(capsys):
 
 def test_cpu_prefill_attention_bench_small(capsys):
     """bench/cpu_prefill_attention.py on one small batch: every path this CPU runs timed (AMX
-    tiles or bf16 products, each with P in one bf16 part too, where the CPU has them), the
-    ratios and one JSON line."""
+    tiles, and a pooling forward's coarse P on the tiles or as bf16 products, where the CPU
+    has them), the ratios and one JSON line."""
     from kernels.cpu import extension, isa
 
     ext = extension()
@@ -526,10 +526,10 @@ def test_cpu_prefill_attention_bench_small(capsys):
                                       "--reps", "2"])
     names = set(out["ms"][1])
     assert {"gemm", "avx2", "sdpa"} <= names and sum(out["batches"][0]) <= 300
-    bf16 = "amx" if ext.prefill_attention_amx_ready() else \
+    coarse = "amx_coarse_p" if ext.prefill_attention_amx_ready() else \
         "avx512_bf16" if "avx512_bf16" in isa.cpu_flags() else None
-    if bf16:
-        assert {bf16, f"{bf16}_coarse_p"} <= names
+    if coarse:
+        assert coarse in names
     assert set(out["gemm_over_kernel"][1]) == names - {"gemm", "sdpa"}
     assert min(out["gemm_over_kernel"][1].values()) > 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bench"] == \

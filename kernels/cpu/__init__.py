@@ -28,7 +28,8 @@ One module, one source per concept (bindings.cpp declares and binds them all):
     lora.cpp              lora_delta: the segmented LoRA delta, one variant per ISA level
                           (lora_<isa>.cpp, AMX tiles at the amx level)  kernels/lora.py
     prefill_attention.cpp prefill_attention: causal prefill, one variant per ISA level
-                          (prefill_attention_<isa>.cpp; bf16 on AMX tiles: _amx.cpp)
+                          (prefill_attention_<isa>.cpp; bf16 on AMX tiles: _amx.cpp; a
+                          pooling forward's bf16 products on AVX512-BF16: _avx512_bf16.cpp)
                                                              kernels/prefill_attention.py
     common.h              the row kernels' shared helpers
     amx_emulate.h         AMX tiles in plain C++: emulated.py builds the AMX kernels on them

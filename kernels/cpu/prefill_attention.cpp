@@ -4,19 +4,18 @@
 // scales [capacity, Hkv, D / 8]; or float8_e4m3fn) with unit stride along D, D a multiple of 16,
 // H a multiple of Hkv; cu_q_lens [S + 1], seq_starts [S], ctx_lens [S] int32 (each sequence's
 // queries are the last of its keys). bf16 caches with D a multiple of 64 and no window run on
-// AMX tiles where this process may use them; other bf16 caches of bf16 queries as bf16 products
-// at the avx512_vnni level on a CPU with AVX512-BF16; everything else in float32 vectors of the
-// block GEMMs' ISA level (avx2, or avx512 for every AVX-512 level). kernels/prefill_attention.py
-// sends it only what it takes; anything else is a TORCH_CHECK error. Built with
-// PIPELLM_AMX_EMULATE (kernels/cpu/emulated.py), it runs the AMX kernel's cases alone, on
-// emulated tiles.
+// AMX tiles where this process may use them; other bf16 caches of bf16 queries with coarse_p as
+// bf16 products at the AVX-512 levels on a CPU with AVX512-BF16; everything else in float32
+// vectors of the block GEMMs' ISA level (avx2, or avx512 for every AVX-512 level).
+// kernels/prefill_attention.py sends it only what it takes; anything else is a TORCH_CHECK
+// error. Built with PIPELLM_AMX_EMULATE (kernels/cpu/emulated.py), it runs the AMX kernel's
+// cases alone, on emulated tiles.
 #include <torch/extension.h>
 
 #include "lora.h"
 #include "prefill_attention.h"
 
 std::string vector_isa();  // block_gemm.cpp: avx512, avx2 or "" at the chosen level
-std::string block_gemm_isa();  // block_gemm.cpp: the chosen level's name
 
 bool prefill_attention_amx_ready() {
   return vector_isa() == "avx512" && pipellm::lora::amx_ready();
@@ -37,7 +36,7 @@ DType dtype_of(at::ScalarType t) {
 }
 
 // the kernel for these inputs at the chosen level
-void (*kernel_for(DType dtype, Cache cache, int64_t D, int64_t window))(
+void (*kernel_for(DType dtype, Cache cache, int64_t D, int64_t window, bool coarse_p))(
     const pipellm::prefill::Args&) {
   if (dtype == DType::kBFloat16 && cache == Cache::kSame && D % 64 == 0 && window == 0 &&
       prefill_attention_amx_ready())
@@ -46,9 +45,9 @@ void (*kernel_for(DType dtype, Cache cache, int64_t D, int64_t window))(
   TORCH_CHECK(false, "prefill_attention: the emulated build runs the AMX kernel's cases only");
 #else
   const std::string level = vector_isa();
-  // bf16 products from the avx512_vnni level on (every CPU with AVX512-BF16 has VNNI; the
-  // avx512 level keeps float32 products, for CPUs without it and for tests)
-  if (dtype == DType::kBFloat16 && cache == Cache::kSame && block_gemm_isa() == "avx512_vnni" &&
+  // bf16 products for a pooling forward (generation keeps float32 products: greedy answers
+  // follow the sums' rounding order, bit for bit as before)
+  if (dtype == DType::kBFloat16 && cache == Cache::kSame && coarse_p && level == "avx512" &&
       __builtin_cpu_supports("avx512bf16"))
     return pipellm::prefill::run_avx512_bf16;
   if (level == "avx512") return pipellm::prefill::run_avx512;
@@ -105,7 +104,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
                 st[s] + n[s] <= k_cache.size(0), "a sequence's queries or keys out of range");
   const DType dtype = dtype_of(q.scalar_type());
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
-  const auto run = kernel_for(dtype, cache, D, window);
+  const auto run = kernel_for(dtype, cache, D, window, coarse_p);
   auto out = torch::empty({q.size(0), H, D}, q.options());
   const pipellm::prefill::Args args{
       q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), cu, st, n, S, H, Hkv,

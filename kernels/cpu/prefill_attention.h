@@ -6,8 +6,8 @@
 //   run_avx512  float32 vectors of 16 over float, bf16 or half queries, head_dim a multiple of
 //               16, caches of q's dtype, INT8 with scales or FP8 (kernels/kv_quant.py)
 //   run_avx2    the same, vectors of 8 (prefill_attention_<isa>.cpp: prefill_attention_kernel.h)
-//   run_avx512_bf16  bf16 queries and caches in vectors of 16 at AVX-512 levels from avx512_vnni
-//               on, on a CPU with AVX512-BF16: products of bf16 pairs, float32 sums
+//   run_avx512_bf16  bf16 queries and caches with coarse_p in vectors of 16 at the AVX-512
+//               levels, on a CPU with AVX512-BF16: products of bf16 pairs, float32 sums
 //               (prefill_attention_avx512_bf16.cpp)
 #pragma once
 
@@ -37,9 +37,10 @@ struct Args {
   const void* k_scale;
   const void* v_scale;
   int64_t ks_ts, ks_hs, vs_ts, vs_hs;
-  // P (the softmax's numerators) rounded to bf16 alone, as FlashAttention keeps it, where the
-  // AMX kernel otherwise keeps ~16 bits in two bf16 parts (pooling's choice: half its P V
-  // products); the float32 kernels ignore it
+  // P (the softmax's numerators) rounded to bf16 alone, as FlashAttention keeps it (pooling's
+  // choice): run_amx then runs one P V product where it otherwise runs two (~16 bits of P),
+  // and bf16 runs as run_avx512_bf16's bf16 products where the CPU has them; the float32
+  // kernels keep P in float32
   bool coarse_p;
 };
 

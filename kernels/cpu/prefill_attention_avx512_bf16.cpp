@@ -1,6 +1,6 @@
-// The prefill attention for AVX-512 with AVX512-BF16 on bf16 caches of bf16 queries: both
-// products as bf16 pairs summed in float32 (VDPBF16PS; prefill_attention_kernel.h, kPairs).
-// Other caches (INT8, FP8) run the float32 variant of run_avx512.
+// The prefill attention for AVX-512 with AVX512-BF16 on bf16 caches of bf16 queries, P rounded
+// to bf16 (a pooling forward's coarse_p): both products as bf16 pairs summed in float32
+// (VDPBF16PS; prefill_attention_kernel.h, kPairs).
 #include "prefill_attention.h"
 #include "isa_target.h"
 

@@ -11,12 +11,11 @@
 //   O = P V, kR rows x up to kC vectors of head dims at a time, divided by the row's sum.
 // Not an online softmax: a block's scores for every key it sees are held at once (kRows rows of
 // floats per thread), which a prompt's keys fit in.
-// With kPairs (AVX-512 and bf16 caches of bf16 queries, on a CPU with AVX512-BF16), both
-// products run as bf16 pairs summed in float32 (VDPBF16PS: twice the float FMA's work an
-// instruction): K packed as [n_pad / L][D / 2][L] words (a word: one key's two adjacent dims), V
-// as [n_pad / 2][D] words (two adjacent keys' values of one dim), the queries unscaled (the
-// scores scaled as stored), P rounded to bf16 in two parts (its rounding and the rest: ~16 bits)
-// or, with coarse_p, in one.
+// With kPairs (AVX-512 and bf16 caches of bf16 queries, on a CPU with AVX512-BF16; a pooling
+// forward's: coarse_p), both products run as bf16 pairs summed in float32 (VDPBF16PS: twice the
+// float FMA's work an instruction), FlashAttention's precision: K packed as [n_pad / L][D / 2][L]
+// words (a word: one key's two adjacent dims), V as [n_pad / 2][D] words (two adjacent keys'
+// values of one dim), the queries unscaled (the scores scaled as stored), P rounded to bf16.
 #pragma once
 
 namespace {
@@ -192,45 +191,37 @@ struct VecAttention {
         V::store(s + (r0 + r) * width + k0 + c * L, V::mul(acc[r][c], scale));
   }
 
-  // kPairs: o[r][e .. e + C * L) = sum_j (p + lo)[r][j] v[j][e ..], rows r0 .. r0 + kR, key
-  // pairs [t0, t1) (lo null: p alone)
+  // kPairs: o[r][e .. e + C * L) = sum_j p[r][j] v[j][e ..], rows r0 .. r0 + kR, key pairs
+  // [t0, t1)
   template <int C>
-  void weighted_tile_pairs(const c10::BFloat16* p, const c10::BFloat16* lo, int64_t width,
-                           const c10::BFloat16* vp, int64_t t0, int64_t t1, int64_t r0,
-                           int64_t e, float* o) const {
+  void weighted_tile_pairs(const c10::BFloat16* p, int64_t width, const c10::BFloat16* vp,
+                           int64_t t0, int64_t t1, int64_t r0, int64_t e, float* o) const {
     const int64_t D = a.D, half = width / 2;
     F acc[kR][C];
     for (auto& row : acc)
       for (F& x : row) x = V::fzero();
     const auto* vw = reinterpret_cast<const int32_t*>(vp);
     const auto* pw = reinterpret_cast<const int32_t*>(p);
-    const auto* lw = reinterpret_cast<const int32_t*>(lo);
     for (int64_t t = t0; t < t1; ++t) {
       __m512bh vv[C];
       for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vw + t * D + e + c * L);
       for (int r = 0; r < kR; ++r) {
         const auto pv = (__m512bh)_mm512_set1_epi32(pw[(r0 + r) * half + t]);
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pv, vv[c]);
-        if (lw) {
-          const auto lv = (__m512bh)_mm512_set1_epi32(lw[(r0 + r) * half + t]);
-          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], lv, vv[c]);
-        }
       }
     }
     for (int r = 0; r < kR; ++r)
       for (int c = 0; c < C; ++c) V::store(o + (r0 + r) * D + e + c * L, acc[r][c]);
   }
 
-  void weighted_pairs(const c10::BFloat16* p, const c10::BFloat16* lo, int64_t width,
-                      const c10::BFloat16* vp, int64_t t0, int64_t t1, int64_t r0,
-                      float* o) const {
+  void weighted_pairs(const c10::BFloat16* p, int64_t width, const c10::BFloat16* vp,
+                      int64_t t0, int64_t t1, int64_t r0, float* o) const {
     int64_t e = 0;
-    for (; e + kC * L <= a.D; e += kC * L)
-      weighted_tile_pairs<kC>(p, lo, width, vp, t0, t1, r0, e, o);
+    for (; e + kC * L <= a.D; e += kC * L) weighted_tile_pairs<kC>(p, width, vp, t0, t1, r0, e, o);
     switch ((a.D - e) / L) {  // the vectors left: fewer than kC
-      case 3: weighted_tile_pairs<3>(p, lo, width, vp, t0, t1, r0, e, o); break;
-      case 2: weighted_tile_pairs<2>(p, lo, width, vp, t0, t1, r0, e, o); break;
-      case 1: weighted_tile_pairs<1>(p, lo, width, vp, t0, t1, r0, e, o); break;
+      case 3: weighted_tile_pairs<3>(p, width, vp, t0, t1, r0, e, o); break;
+      case 2: weighted_tile_pairs<2>(p, width, vp, t0, t1, r0, e, o); break;
+      case 1: weighted_tile_pairs<1>(p, width, vp, t0, t1, r0, e, o); break;
     }
   }
 
@@ -241,7 +232,7 @@ struct VecAttention {
 
   struct Scratch {
     std::vector<float> s, q, o, sum;  // [kRows, width] scores, [kRows, D] queries and outputs
-    std::vector<c10::BFloat16> qb, p, lo;  // kPairs: [kRows, D] queries, [kRows, width] P's parts
+    std::vector<c10::BFloat16> qb, p;  // kPairs: [kRows, D] queries, [kRows, width] P
   };
 
   // the queries [i0, i0 + kRows) of sequence s at head h
@@ -278,17 +269,12 @@ struct VecAttention {
       w.sum[r] = softmax_row(w.s.data() + r * width, k_lo,
                              std::min(visible_from(first + r), seen - 1), seen, nk);
     }
-    if constexpr (kPairs) {  // P in bf16 parts, pairs of keys from lo_first's down
-      c10::BFloat16* lo = a.coarse_p ? nullptr : w.lo.data();
+    if constexpr (kPairs) {  // P in bf16, pairs of keys from lo_first's down
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = r * width + k_lo; j < r * width + nk; j += L) {
-          const F x = V::loadf(w.s.data() + j), hi = V::round_bf16(x);
-          V::store(w.p.data() + j, hi);
-          if (lo) V::store(lo + j, V::sub(x, hi));
-        }
+        for (int64_t j = r * width + k_lo; j < r * width + nk; j += L)
+          V::store(w.p.data() + j, V::loadf(w.s.data() + j));
       for (int64_t r0 = 0; r0 < rows; r0 += kR)
-        weighted_pairs(w.p.data(), lo, width, vp, lo_first / 2, (seen_last + 1) / 2, r0,
-                       w.o.data());
+        weighted_pairs(w.p.data(), width, vp, lo_first / 2, (seen_last + 1) / 2, r0, w.o.data());
     } else {
       for (int64_t r0 = 0; r0 < rows; r0 += kR)
         weighted(w.s.data(), width, vp, lo_first, seen_last, r0, w.o.data());
@@ -339,8 +325,7 @@ struct VecAttention {
         w = Scratch{std::vector<float>(kRows * widest), std::vector<float>(floats * a.D),
                     std::vector<float>(kRows * a.D), std::vector<float>(kRows),
                     std::vector<c10::BFloat16>(pairs * a.D),
-                    std::vector<c10::BFloat16>(pairs * widest),
-                    std::vector<c10::BFloat16>(a.coarse_p ? 0 : pairs * widest)};
+                    std::vector<c10::BFloat16>(pairs * widest)};
       }
       const int64_t g = it.h / G;
       block(it.s, it.h, it.i0, kt_of(it.s, g), vp_of(it.s, g), w, widest);
