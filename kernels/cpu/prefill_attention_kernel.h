@@ -128,15 +128,24 @@ struct VecAttention {
       for (int c = 0; c < C; ++c) V::store(o + (r0 + r) * D + e + c * L, acc[r][c]);
   }
 
+  // tile(std::integral_constant<int, C>{}, e) over the head dims: C = kC vectors from e at a
+  // time, then the vectors left (fewer than kC)
+  template <class Tile>
+  void over_dims(const Tile& tile) const {
+    int64_t e = 0;
+    for (; e + kC * L <= a.D; e += kC * L) tile(std::integral_constant<int, kC>{}, e);
+    switch ((a.D - e) / L) {
+      case 3: tile(std::integral_constant<int, 3>{}, e); break;
+      case 2: tile(std::integral_constant<int, 2>{}, e); break;
+      case 1: tile(std::integral_constant<int, 1>{}, e); break;
+    }
+  }
+
   void weighted(const float* p, int64_t width, const float* vp, int64_t j0, int64_t j1,
                 int64_t r0, float* o) const {
-    int64_t e = 0;
-    for (; e + kC * L <= a.D; e += kC * L) weighted_tile<kC>(p, width, vp, j0, j1, r0, e, o);
-    switch ((a.D - e) / L) {  // the vectors left: fewer than kC
-      case 3: weighted_tile<3>(p, width, vp, j0, j1, r0, e, o); break;
-      case 2: weighted_tile<2>(p, width, vp, j0, j1, r0, e, o); break;
-      case 1: weighted_tile<1>(p, width, vp, j0, j1, r0, e, o); break;
-    }
+    over_dims([&](auto C, int64_t e) {
+      weighted_tile<decltype(C)::value>(p, width, vp, j0, j1, r0, e, o);
+    });
   }
 
   // kPairs: sequence s's KV head g (bf16 caches) packed in words, keys past n zero
@@ -216,13 +225,9 @@ struct VecAttention {
 
   void weighted_pairs(const c10::BFloat16* p, int64_t width, const c10::BFloat16* vp,
                       int64_t t0, int64_t t1, int64_t r0, float* o) const {
-    int64_t e = 0;
-    for (; e + kC * L <= a.D; e += kC * L) weighted_tile_pairs<kC>(p, width, vp, t0, t1, r0, e, o);
-    switch ((a.D - e) / L) {  // the vectors left: fewer than kC
-      case 3: weighted_tile_pairs<3>(p, width, vp, t0, t1, r0, e, o); break;
-      case 2: weighted_tile_pairs<2>(p, width, vp, t0, t1, r0, e, o); break;
-      case 1: weighted_tile_pairs<1>(p, width, vp, t0, t1, r0, e, o); break;
-    }
+    over_dims([&](auto C, int64_t e) {
+      weighted_tile_pairs<decltype(C)::value>(p, width, vp, t0, t1, r0, e, o);
+    });
   }
 
   // the first key the query at position pos sees
