@@ -35,5 +35,6 @@ class ForwardBatch:
     prompt_spans: list[tuple[Sequence, int, int]]  # (seq, first prompt position scored, count):
     # the R prompt rows in order; row j of a span scores token_ids[position + j]
     lora: LoraGroups | None = None  # the rows of each LoRA adapter; None: all base rows
-    coarse_p: bool = False  # the prefill attention may round P to bf16 alone: a pooling
-    # forward's (kernels/prefill_attention.py), never a generation step's
+    coarse_p: bool = False  # the prefill attention may run bf16 at FlashAttention's precision
+    # (P rounded to bf16 alone): a pooling forward's (kernels/prefill_attention.py), never a
+    # generation step's

@@ -4,9 +4,9 @@ It builds the same ForwardBatch the engine's prefill steps use (no decodes; one 
 prompt covering the whole prompt at positions 0..n-1, or its tokens after a prefix whose K/V
 its slots already hold, its K/V written to the contiguous slots starting at that prompt's
 `start`) through LlamaModel.normed_hidden: every row normed, no LM head (over every row of a
-mean-pooled batch it would cost a [T, vocab] matrix), its attention's P rounded to bf16 alone
-where a kernel offers that (`coarse_p`: a vector needs no more). The caller owns the slots:
-they hold the prompts' K/V afterwards, until it frees them.
+mean-pooled batch it would cost a [T, vocab] matrix), its attention at FlashAttention's
+precision where a kernel offers it (`coarse_p`: P rounded to bf16; a vector needs no more).
+The caller owns the slots: they hold the prompts' K/V afterwards, until it frees them.
 """
 
 from __future__ import annotations
