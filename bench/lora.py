@@ -47,15 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="1 round, 8 prompts, lora4 only")
-    p.add_argument("--results-dir", type=Path, default=None)
-    own, rest = p.parse_known_args(argv)  # the rest: bench/vs_peers.py's server options
-    peers = vs_peers.parse_args(["--servers", own.servers, *rest,
-                                 *(["--results-dir", str(own.results_dir)]
-                                   if own.results_dir else [])])
-    for k, v in vars(own).items():
-        if k not in ("servers", "results_dir"):
-            setattr(peers, k, v)
-    if own.quick:
+    peers = vs_peers.with_own_flags(p, argv)
+    if peers.quick:
         peers.rounds, peers.num_prompts = 1, 8
     return peers
 

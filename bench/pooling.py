@@ -63,11 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="1 round, 64 inputs")
     p.add_argument("--llamacpp-ubatch", type=int, default=2048,
                    help="llama.cpp's -b and -ub: every input must fit one ubatch")
-    own, rest = p.parse_known_args(argv)  # the rest: bench/vs_peers.py's server options
-    args = vs_peers.parse_args(["--servers", own.servers, *rest])
-    args.rounds, args.num_inputs, args.queries = own.rounds, own.num_inputs, own.queries
-    args.llamacpp_ubatch = own.llamacpp_ubatch
-    if own.quick:
+    args = vs_peers.with_own_flags(p, argv)
+    if args.quick:
         args.rounds, args.num_inputs, args.queries = 1, 64, 32
     return args
 

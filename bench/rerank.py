@@ -57,11 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reranks", type=int, default=8)
     p.add_argument("--docs", type=int, default=32, help="documents a rerank")
     p.add_argument("--doc-chars", type=int, default=1000)
-    own, rest = p.parse_known_args(argv)  # the rest: bench/vs_peers.py's server options
-    args = vs_peers.parse_args(["--servers", own.servers, *rest])
-    for k in ("rounds", "reranks", "docs", "doc_chars"):
-        setattr(args, k, getattr(own, k))
-    return args
+    return vs_peers.with_own_flags(p, argv)
 
 
 def bodies(reranks: int, docs: int, doc_chars: int) -> list[dict]:

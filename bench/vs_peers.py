@@ -141,6 +141,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def with_own_flags(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """A bench script's arguments: its parser `p`'s flags (one of them --servers, handed on)
+    set over this script's server options, which the rest of `argv` gives."""
+    own, rest = p.parse_known_args(argv)
+    args = parse_args(["--servers", own.servers, *rest])
+    for k, v in vars(own).items():
+        if k != "servers":
+            setattr(args, k, v)
+    return args
+
+
 def make_server(args: argparse.Namespace, name: str, port: int, log_path: Path,
                 slots: int | None = None) -> servers.Server:
     """Server `name` on `port` (args.gguf, args.hf_dir and the binaries resolved)."""
