@@ -20,10 +20,9 @@ from services.gateway.embeddings_api import answer as embeddings_answer
 from services.gateway.embeddings_request import EmbeddingSettings, parse_embeddings
 from services.gateway.errors import APIError
 from services.gateway.score_api import check_serves, rerank_answer, score_answer
-from services.gateway.score_pairs import pair_scores, pairs_message
+from services.gateway.score_pairs import pair_scores, pairs_message, truncate_pairs
 from services.gateway.score_request import parse_rerank, parse_score
 from services.tokenizer.embed import EmbedInputError, prepare_embed
-from shared.codec import int32s
 from shared.messages import EmbedRequest, EmbedResult
 
 PooledAnswer = Callable[[EmbedResult], dict]  # a line's EmbedResult -> its body
@@ -63,12 +62,8 @@ class PoolingLines:
             check_serves(settings, "Embeddings API")
             req = parse_embeddings(body, self.model_name, settings,
                                    max_text_bytes=self.max_text_bytes)
-            msg = EmbedRequest(rid, REPLY_TO, inputs=[int32s(ids) for ids in req.ids or ()],
-                               texts=None if req.texts is None else list(req.texts),
-                               dimensions=req.dimensions or 0,
-                               truncate_prompt_tokens=req.truncate_prompt_tokens,
-                               add_special_tokens=req.add_special_tokens)
-            return PooledLine(msg, lambda result: embeddings_answer(result, req))
+            return PooledLine(req.message(rid, REPLY_TO),
+                              lambda result: embeddings_answer(result, req))
         limits = {"model_name": self.model_name, "max_model_len": settings.max_model_len,
                   "max_text_bytes": self.max_text_bytes}
         rerank = url.endswith("/rerank")
@@ -81,7 +76,8 @@ class PoolingLines:
             return (rerank_answer(req, scores, tokens) if rerank
                     else score_answer(req.model, scores, tokens))
 
-        return PooledLine(pairs_message(req, scoring, rid, REPLY_TO), answer,
+        cut = truncate_pairs(req, self.tokenizer.tok)
+        return PooledLine(pairs_message(cut, scoring, rid, REPLY_TO), answer,
                           "documents" if rerank else "text_2")
 
     def run(self, lines: list[PooledLine]) -> list[dict | APIError]:

@@ -259,13 +259,16 @@ class EmbedRequest:
     inputs: list[array] = field(default_factory=list)  # int32 token ids, one array per input
     texts: list[str] | None = None  # text inputs, tokenized by the tokenizer
     dimensions: int = 0  # > 0: Matryoshka truncation to this width
-    truncate_prompt_tokens: int = 0  # > 0: keep each input's last this many tokens; -1: the
+    truncate_prompt_tokens: int = 0  # > 0: keep this many of each input's tokens; -1: the
     # context length's
+    truncation_side: str = "right"  # which end truncation keeps: "right" the first tokens (the
+    # pooling runner's default, vLLM's and sentence-transformers'), "left" the last
     add_special_tokens: bool = True  # texts: the tokenizer's special tokens (BOS/EOS) added
     task: str = "embed"  # "embed": pooled vectors; "classify": the scoring head's logits (the
     # last token's; /score, /rerank, /classify), num_labels a row (1 for a yes/no reranker);
     # "reward": every token's reward head output (--convert reward's /pooling), a row per token
     texts_2: list[str] | None = None  # pairs: texts[i] tokenized with texts_2[i] as its pair
+    use_activation: bool | None = None  # task embed: L2-normalize (None: as the model does)
 
 
 @message

@@ -59,6 +59,13 @@ def test_the_four_input_shapes():
     assert parse({"input": "x", "truncate_prompt_tokens": 100}).truncate_prompt_tokens == 100
     assert parse({"input": "x"}).add_special_tokens
     assert not parse({"input": "x", "add_special_tokens": False}).add_special_tokens
+    r = parse({"input": "x"})
+    assert (r.truncation_side, r.use_activation) == ("right", None)
+    r = parse({"input": "x", "truncation_side": "left", "use_activation": False})
+    assert (r.truncation_side, r.use_activation) == ("left", False)
+    msg = r.message("id", "gw")
+    assert (msg.texts, msg.truncation_side, msg.use_activation, msg.task) == (
+        ["x"], "left", False, "embed")
     assert parse({"input": ["a"] * MAX_INPUTS}).count == MAX_INPUTS
 
 
@@ -87,6 +94,9 @@ def test_the_four_input_shapes():
     ({"input": "x", "truncate_prompt_tokens": 101}, "truncate_prompt_tokens", "max_model_len"),
     ({"input": "x", "stream": True}, "stream", "Unrecognized"),
     ({"input": "x", "add_special_tokens": 1}, "add_special_tokens", "boolean"),
+    ({"input": "x", "truncation_side": "middle"}, "truncation_side", "'left' or 'right'"),
+    ({"input": "x", "use_activation": "yes"}, "use_activation", "boolean"),
+    ({"input": "x", "normalize": False}, "normalize", "use_activation"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(body, param, match):
     rejects(body, param, match)
@@ -109,8 +119,9 @@ def test_answer_float_and_base64():
     result = EmbedResult("r", array("f", rows.ravel()), 3, array("i", [4, 7]))
     req = parse({"input": ["a", "b"]})
     out = answer(result, req)
-    assert out["object"] == "list" and out["model"] == "m"
-    assert out["usage"] == {"prompt_tokens": 11, "total_tokens": 11}
+    assert out["object"] == "list" and out["model"] == "m" and out["id"] == "r"
+    assert isinstance(out["created"], int)
+    assert out["usage"] == {"prompt_tokens": 11, "total_tokens": 11, "completion_tokens": 0}
     assert [d["index"] for d in out["data"]] == [0, 1]
     assert np.array_equal(np.array([d["embedding"] for d in out["data"]], np.float32), rows)
     b64 = answer(result, parse({"input": ["a", "b"], "encoding_format": "base64"}))
@@ -134,10 +145,13 @@ def test_tokenizer_prepares_ids(demo_model_dir):
     long = tok.encode(texts[1]).ids
     cut = prepare_embed(tok, EmbedRequest("r", "a", texts=texts[1:], truncate_prompt_tokens=3),
                         100, 1000)
-    assert list(cut.inputs[0]) == long[-3:]
+    assert list(cut.inputs[0]) == long[:3]  # the pooling runner keeps the first tokens
+    tail = prepare_embed(tok, EmbedRequest("r", "a", texts=texts[1:], truncate_prompt_tokens=3,
+                                           truncation_side="left"), 100, 1000)
+    assert list(tail.inputs[0]) == long[-3:]
     whole = prepare_embed(tok, EmbedRequest("r", "a", inputs=[array("i", range(9))],
                                             truncate_prompt_tokens=-1), 5, 1000)
-    assert list(whole.inputs[0]) == [4, 5, 6, 7, 8]
+    assert list(whole.inputs[0]) == [0, 1, 2, 3, 4]
     with pytest.raises(EmbedInputError, match="maximum context length is 5"):
         prepare_embed(tok, EmbedRequest("r", "a", inputs=[array("i", range(6))]), 5, 1000)
     with pytest.raises(EmbedInputError, match="vocabulary"):
@@ -153,8 +167,9 @@ class FakeEngine:
     def __init__(self):
         self.calls = []
 
-    def embed(self, prompts, dimensions=None):
-        self.calls.append((len(prompts), dimensions))
+    def embed(self, prompts, dimensions=None, normalize=None):
+        self.calls.append((len(prompts), dimensions) if normalize is None
+                          else (len(prompts), dimensions, normalize))
         if any(13 in p for p in prompts):
             raise InvalidParams("input", "unlucky token")
         if any(14 in p for p in prompts):
@@ -174,8 +189,10 @@ def test_embed_core_batches_by_width_and_isolates_errors():
     core.submit(EmbedRequest("a", "gw1", ids([1, 2], [3])))
     core.submit(EmbedRequest("b", "gw2", ids([5, 6, 7]), dimensions=2))
     core.submit(EmbedRequest("c", "gw1", ids([9])))
+    core.submit(EmbedRequest("raw", "gw1", ids([8]), use_activation=False))
     out = dict((r.request_id, (to, r)) for to, r in core.run())
-    assert sorted(engine.calls) == [(1, 2), (3, None)]  # a and c in one call
+    # a and c in one call; raw (unnormalized) in its own
+    assert sorted(engine.calls, key=str) == [(1, 2), (1, None, False), (3, None)]
     assert not core.has_work()
     to, a = out["a"]
     assert to == "gw1" and a.dim == 4 and list(a.num_tokens) == [2, 1]

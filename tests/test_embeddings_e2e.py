@@ -119,6 +119,10 @@ def test_one_string_token_ids_and_dimensions(served):
     assert cosines(by_ids, st.encode(texts[1:2]))[0] >= 0.999
     many = vectors(client.embeddings.create(model=model, input=ids))
     assert cosines(many, st.encode(texts)).min() >= 0.999
+    raw = vectors(client.embeddings.create(model=model, input=texts, encoding_format="float",
+                                           extra_body={"use_activation": False}))
+    assert np.abs(np.linalg.norm(raw, axis=1) - 1).min() > 0.01  # not normalized
+    assert cosines(raw, st.encode(texts)).min() >= 0.999  # the same direction
     for fmt in ("float", "base64"):
         small = vectors(client.embeddings.create(model=model, input=texts, dimensions=16,
                                                  encoding_format=fmt))
@@ -135,8 +139,14 @@ def test_truncate_prompt_tokens(served):
     r = client.embeddings.create(model=model, input=long, extra_body={
         "truncate_prompt_tokens": 10}, encoding_format="float")
     assert r.usage.prompt_tokens == 10
+    # the first 10 tokens by default (vLLM's pooling runner), the last 10 with "left"
+    head = client.embeddings.create(model=model, input=ids[:10], encoding_format="float")
+    assert cosines(vectors(r), vectors(head))[0] >= 0.9999
+    left = client.embeddings.create(model=model, input=long, encoding_format="float", extra_body={
+        "truncate_prompt_tokens": 10, "truncation_side": "left"})
     tail = client.embeddings.create(model=model, input=ids[-10:], encoding_format="float")
-    assert cosines(vectors(r), vectors(tail))[0] >= 0.9999
+    assert cosines(vectors(left), vectors(tail))[0] >= 0.9999
+    assert cosines(vectors(left), vectors(head))[0] < 0.999
     r = client.embeddings.create(model=model, input=long, extra_body={
         "truncate_prompt_tokens": -1})
     assert r.usage.prompt_tokens == MAX_LEN
@@ -212,6 +222,10 @@ def test_score_and_rerank_are_the_cosine_of_embeddings(served, llama_served):
                                                "text_2": docs})
             assert status == 200, answer
             assert np.allclose([d["score"] for d in answer["data"]], ref, atol=1e-4)
+        status, answer = stack.post("/score", {"model": model, "queries": query,
+                                               "documents": docs})  # vLLM's newer names
+        assert status == 200 and np.allclose([d["score"] for d in answer["data"]], ref,
+                                             atol=1e-4), answer
         pairs = sentence_transformers.util.pairwise_cos_sim(st.encode(docs[:4]),
                                                             st.encode(docs[4:]))
         status, answer = stack.post("/score", {"model": model, "text_1": docs[:4],

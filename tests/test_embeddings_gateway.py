@@ -82,7 +82,7 @@ def test_a_request_and_its_answer(demo_model_dir, redis_url):
         demo_model_dir, redis_url, body)
     assert isinstance(sent, EmbedRequest) and sent.texts == ["a b", "c"] and sent.dimensions == 2
     assert status == 200 and [d["embedding"] for d in answer["data"]] == [[1, 2], [3, 4]]
-    assert answer["usage"] == {"prompt_tokens": 5, "total_tokens": 5}
+    assert answer["usage"] == {"prompt_tokens": 5, "total_tokens": 5, "completion_tokens": 0}
     assert sent_ids.texts is None and [list(i) for i in sent_ids.inputs] == [[1, 2]]
     assert bad_status == 400 and bad["error"]["param"] == "input"
     assert left == 0

@@ -28,6 +28,7 @@ from services.gateway.score_api import (
     sigmoid,
     softmax,
 )
+from services.gateway.score_pairs import pair_scores, pairs_message, truncate_pairs
 from services.gateway.score_request import (
     MAX_PAIRS,
     PairsRequest,
@@ -61,6 +62,16 @@ def test_score_pairs_as_vllm_forms_them():
                  ).truncate_prompt_tokens == 7
     assert score({"text_1": ["q"], "text_2": ["a", "b"]}).shared_first
     assert not score({"text_1": ["x", "y"], "text_2": ["a", "b"]}).shared_first
+    # vLLM's other names for the two sides
+    for first, second in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):
+        req = score({first: "q", second: ["a", "b"]})
+        assert req.pairs == (("q", "a"), ("q", "b")) and req.shared_first
+    req = score({"text_1": "q", "text_2": "d", "max_tokens_per_query": 3,
+                 "max_tokens_per_doc": 5, "truncation_side": "left", "use_activation": False})
+    assert (req.max_tokens, req.truncation_side, req.use_activation) == ((3, 5), "left", False)
+    plain = score({"text_1": "q", "text_2": "d"})
+    assert (plain.max_tokens, plain.truncation_side, plain.use_activation) == (
+        (0, 0), "right", True)
 
 
 def test_rerank_body():
@@ -68,6 +79,7 @@ def test_rerank_body():
     assert req == PairsRequest("m", (("q", "a"), ("q", "b")), 0, 1, True, shared_first=True)
     assert not rerank({"query": "q", "documents": ["a"], "return_documents": False}
                       ).return_documents
+    assert rerank({"query": "q", "documents": "a"}).pairs == (("q", "a"),)
     c = parse_classify({"input": ["a", "b"]}, "m", 100, **LIMITS)
     assert c.texts == ("a", "b") and c.ids is None
     assert parse_classify({"input": [1, 2]}, "m", 100, **LIMITS).ids == ((1, 2),)
@@ -84,6 +96,13 @@ BAD = [
     (score, {"text_1": "a" * 1001, "text_2": "b"}, "text_1"),
     (score, {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 101},
      "truncate_prompt_tokens"),
+    (score, {"queries": "a"}, "documents"),
+    (score, {"items": ["a"]}, "queries"),
+    (score, {"queries": ["a", "b"], "documents": ["c"] * 3}, "documents"),
+    (score, {"text_1": "a", "text_2": "b", "max_tokens_per_doc": -1}, "max_tokens_per_doc"),
+    (score, {"text_1": "a", "text_2": "b", "max_tokens_per_query": 101},
+     "max_tokens_per_query"),
+    (score, {"text_1": "a", "text_2": "b", "use_activation": 1}, "use_activation"),
     (rerank, {"documents": ["a"]}, "query"),
     (rerank, {"query": "", "documents": ["a"]}, "query"),
     (rerank, {"query": ["q"], "documents": ["a"]}, "query"),
@@ -130,7 +149,7 @@ def test_answers():
     req = PairsRequest("m", (("q", "a"), ("q", "b"), ("q", "c")))
     ranked = rerank_answer(req, [0.1, 0.9, 0.5], 12)
     assert set(ranked) == {"id", "model", "usage", "results"}
-    assert ranked["usage"] == {"total_tokens": 12}
+    assert ranked["usage"] == {"prompt_tokens": 12, "total_tokens": 12}
     assert ranked["results"] == [{"index": 1, "relevance_score": 0.9, "document": {"text": "b"}},
                                  {"index": 2, "relevance_score": 0.5, "document": {"text": "c"}},
                                  {"index": 0, "relevance_score": 0.1, "document": {"text": "a"}}]
@@ -150,6 +169,10 @@ def test_classify_and_pooling_answers():
     one = classify_answer(parse_classify({"input": "a"}, "m", 100, **LIMITS),
                           EmbedResult("r", array("f", [-1.0]), 1, array("i", [2])), ("s",))
     assert one["data"][0]["probs"] == [pytest.approx(1 / (1 + math.e))]
+    raw = classify_answer(parse_classify({"input": "a", "use_activation": False}, "m", 100,
+                                         **LIMITS),
+                          EmbedResult("r", array("f", [-1.0]), 1, array("i", [2])), ("s",))
+    assert raw["data"][0]["probs"] == [-1.0]
     rows = EmbedResult("r", array("f", [1.0, 2.0]), 2, array("i", [3]))
     pooled = pooling_answer(rows, EmbeddingsRequest("m", ("a",), None))
     assert pooled["data"] == [{"index": 0, "object": "pooling", "data": [1.0, 2.0]}]
@@ -173,11 +196,35 @@ def test_tokenizer_pairs(demo_model_dir):
     assert codec.decode(codec.encode(msg)) == msg
 
 
+def test_pairs_cut_to_their_token_limits(demo_model_dir):
+    """max_tokens_per_query / max_tokens_per_doc: each text cut to what tokenizes to its first
+    k tokens (vLLM's rule), before the pairs become one message; the scores of a head are the
+    sigmoid of its logits, or the logits with use_activation false."""
+    tok = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+    query, doc = "where does the river meet the sea", "the river meets the sea at the delta"
+    req = score({"text_1": query, "text_2": [doc, "a"], "max_tokens_per_query": 3,
+                 "max_tokens_per_doc": 4})
+    cut = truncate_pairs(req, tok)
+    ids = lambda text: tok.encode(text, add_special_tokens=False).ids  # noqa: E731
+    assert ids(cut.pairs[0][0]) == ids(query)[:3] and ids(cut.pairs[0][1]) == ids(doc)[:4]
+    assert cut.pairs[1] == (cut.pairs[0][0], "a")  # under the limit: as it was
+    assert query.startswith(cut.pairs[0][0]) and doc.startswith(cut.pairs[0][1])
+    assert truncate_pairs(score({"text_1": query, "text_2": doc}), tok).pairs == ((query, doc),)
+    head = ScoringConfig(CLASSIFY, ("score",))
+    result = EmbedResult("r", array("f", [0.0, -2.0]), 1, array("i", [3, 3]))
+    assert pair_scores(req, head, result) == [0.5, sigmoid(-2.0)]
+    raw = score({"text_1": query, "text_2": [doc, "a"], "use_activation": False})
+    assert pair_scores(raw, head, result) == [0.0, -2.0]
+    msg = pairs_message(cut, head, "r", "gw")
+    assert (msg.texts, msg.texts_2, msg.truncation_side) == (
+        [cut.pairs[0][0]] * 2, [cut.pairs[0][1], "a"], "right")
+
+
 class FakeEngine:
     def __init__(self):
         self.calls = []
 
-    def embed(self, prompts, dimensions=None):
+    def embed(self, prompts, dimensions=None, normalize=None):
         self.calls.append(("embed", len(prompts)))
         return torch.ones(len(prompts), 4)
 
@@ -249,7 +296,7 @@ def test_embedder_scores_by_cosine(demo_model_dir, redis_url):  # noqa: F811
     assert [r["relevance_score"] for r in answer["results"]] == pytest.approx(
         [0.6, 0.0, cos_b])
     assert answer["results"][1]["document"] == {"text": "x"}
-    assert answer["usage"] == {"total_tokens": 8}
+    assert answer["usage"] == {"prompt_tokens": 8, "total_tokens": 8}
     assert sc.texts == ["q", "x", "a", "a"]  # N and N: every text_1 embedded
     assert status2 == 200 and [d["score"] for d in scored["data"]] == pytest.approx([0.6, 0.8])
     assert scored["usage"]["prompt_tokens"] == 8
@@ -282,7 +329,7 @@ def test_rerank_through_the_gateway(demo_model_dir, redis_url):  # noqa: F811
     assert pair.task == "classify" and pair.texts == ["q", "q"] and pair.texts_2 == ["a", "b"]
     assert status == 200 and [r["index"] for r in answer["results"]] == [1, 0]
     assert answer["results"][0]["relevance_score"] == pytest.approx(sigmoid(2.0))
-    assert answer["usage"] == {"total_tokens": 7}
+    assert answer["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
     assert prompt.texts == [reranker_prompt("q", "a"), reranker_prompt("q", "b")]
     assert prompt.texts_2 is None and not prompt.add_special_tokens
     assert bad == 400 and err["error"]["param"] == "text_2"

@@ -109,6 +109,32 @@ def test_score_matches_cross_encoder(cross_encoder):
     assert np.allclose([d["score"] for d in one_to_many["data"]], ref[:4], atol=1e-5)
     single = post(stack, "/score", {"text_1": queries[0], "text_2": docs[0][0]})
     assert len(single["data"]) == 1 and abs(single["data"][0]["score"] - ref[0]) < 1e-5
+    newer = post(stack, "/score", {"queries": queries[0], "items": docs[0]})  # vLLM's names
+    assert np.allclose([d["score"] for d in newer["data"]], ref[:4], atol=1e-5)
+    logits = post(stack, "/score", {"queries": queries[0], "documents": docs[0],
+                                    "use_activation": False})
+    assert np.allclose([d["score"] for d in logits["data"]], np.log(ref[:4] / (1 - ref[:4])),
+                       atol=1e-4)
+
+
+def test_rerank_cuts_documents_to_max_tokens_per_doc(cross_encoder):
+    """max_tokens_per_doc: each document cut after its fifth token (vLLM's rule, on the
+    offsets of transformers' tokenizer), then scored as CrossEncoder scores the cut pairs."""
+    stack, ce = cross_encoder
+    queries, docs = queries_and_documents(seed=2, words=30)
+    tok = ce.tokenizer
+    for q, ds in zip(queries[:3], docs[:3], strict=True):
+        cut = []
+        for d in ds:
+            offsets = tok(d, add_special_tokens=False, return_offsets_mapping=True)[
+                "offset_mapping"]
+            cut.append(d if len(offsets) <= 5 else d[:min(offsets[4][1], offsets[5][0])])
+        ref = ce.predict([(q, d) for d in cut])
+        answer = post(stack, "/rerank", {"query": q, "documents": ds, "max_tokens_per_doc": 5})
+        got = [r["relevance_score"] for r in sorted(answer["results"], key=lambda r: r["index"])]
+        assert np.allclose(got, ref, atol=1e-5), (got, ref)
+        assert [r["document"]["text"] for r in answer["results"]] == [
+            ds[r["index"]] for r in answer["results"]]  # the documents as sent
 
 
 def test_pooling_and_embeddings_beside_scores(cross_encoder):
@@ -124,7 +150,7 @@ BAD = {
     "empty query": ("/rerank", {"query": "", "documents": ["a"]}, "query"),
     "query not a string": ("/rerank", {"query": 3, "documents": ["a"]}, "query"),
     "no documents": ("/rerank", {"query": "a", "documents": []}, "documents"),
-    "documents a string": ("/rerank", {"query": "a", "documents": "a"}, "documents"),
+    "documents a number": ("/rerank", {"query": "a", "documents": 5}, "documents"),
     "an empty document": ("/rerank", {"query": "a", "documents": ["a", ""]}, "documents"),
     "a document of another type": ("/rerank", {"query": "a", "documents": [5]}, "documents"),
     "a document object without text": ("/rerank", {"query": "a", "documents": [{"t": "a"}]},

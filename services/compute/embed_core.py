@@ -3,7 +3,7 @@
 Requests queue as they arrive and run between engine steps, a forward's worth at a time: the
 oldest requests up to the budget of one pooling forward (at least one request; pooling's
 forward_budget), so that each answer leaves as soon as its forward is done and new requests
-join the next one. Of those, all that ask for the same task and width go through
+join the next one. Of those, all that ask for the same task, width and normalization go through
 `LLMEngine.embed` (or `classify`: the scoring head's logits; `reward`: every token's reward head
 output, a row per token) together. Should a joined run fail (an input the tokenizer let
 through that the engine refuses), each request of it runs alone, so only the bad one gets the
@@ -42,9 +42,9 @@ class EmbedCore:
     def run(self) -> list[tuple[str, EmbedResult]]:
         """(reply address, result) of the oldest queued requests up to the budget, in arrival
         order per task and width; the rest stay queued."""
-        by_width: dict[tuple[str, int], list[EmbedRequest]] = {}
+        by_width: dict[tuple, list[EmbedRequest]] = {}
         for req in self._take():
-            by_width.setdefault((req.task, req.dimensions), []).append(req)
+            by_width.setdefault((req.task, req.dimensions, req.use_activation), []).append(req)
         out = []
         for group in by_width.values():
             results = self._run(group)
@@ -74,7 +74,8 @@ class EmbedCore:
             elif group[0].task == "reward":
                 vectors = self.engine.reward(prompts)
             else:
-                vectors = self.engine.embed(prompts, group[0].dimensions or None)
+                vectors = self.engine.embed(prompts, group[0].dimensions or None,
+                                            group[0].use_activation)
             return _results(group, np.ascontiguousarray(vectors.numpy(), dtype=np.float32))
         except InvalidParams as e:
             return [_error(req, str(e), 400, e.param) for req in group]

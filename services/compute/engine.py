@@ -15,7 +15,7 @@ import functools
 import itertools
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.compute.beam.search import BeamSearch
 from services.compute.core.sequence import SeqStatus, Sequence
@@ -305,9 +305,13 @@ class LLMEngine:
         """How `embed` pools: the model's (shared/pooling.py), read once."""
         return PoolingConfig.resolve(self.config.model, self.config.pooler_config)
 
-    def embed(self, prompts: list[list[int]], dimensions: int | None = None):
-        """[N, dim] float32 pooled embeddings of whole prompts (services/compute/pooling)."""
-        return embed(self, prompts, self.pooling, dimensions)
+    def embed(self, prompts: list[list[int]], dimensions: int | None = None,
+              normalize: bool | None = None):
+        """[N, dim] float32 pooled embeddings of whole prompts (services/compute/pooling),
+        L2-normalized as `normalize` says (None: as the model's pooling config does)."""
+        pooling = self.pooling if normalize is None else replace(self.pooling,
+                                                                  normalize=normalize)
+        return embed(self, prompts, pooling, dimensions)
 
     @functools.cached_property
     def scoring(self) -> ScoringHead:

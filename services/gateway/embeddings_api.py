@@ -31,7 +31,6 @@ from services.gateway.embeddings_request import (
 from services.gateway.errors import APIError, bad_request, unavailable
 from services.gateway.inflight import MAX_RESUMES
 from services.gateway.validation import read_json_body
-from shared.codec import int32s
 from shared.messages import Delta, EmbedRequest, EmbedResult
 
 log = logging.getLogger("pipellm.gateway")
@@ -71,13 +70,9 @@ class EmbeddingsAPI:
     async def run(self, req: EmbeddingsRequest) -> EmbedResult:
         """Send `req` on and wait for its EmbedResult (a reward model's: per token); an error
         as an APIError."""
-        texts = None if req.texts is None else list(req.texts)
-        return await self.exchange(EmbedRequest(
+        return await self.exchange(req.message(
             f"embd-{secrets.token_hex(12)}", self.gw.svc.addr("gateway"),
-            inputs=[int32s(ids) for ids in req.ids or ()], texts=texts,
-            dimensions=req.dimensions or 0, truncate_prompt_tokens=req.truncate_prompt_tokens,
-            add_special_tokens=req.add_special_tokens,
-            task="reward" if self.settings.reward else "embed"))
+            "reward" if self.settings.reward else "embed"))
 
     async def exchange(self, msg: EmbedRequest) -> EmbedResult:
         """Send `msg` (an embeddings, pooling or scoring request) to a tokenizer and wait for
@@ -137,8 +132,9 @@ def answer(result: EmbedResult, req: EmbeddingsRequest) -> dict:
                      "embedding": encode_base64(row) if req.encoding_format == "base64"
                      else row.tolist()})
     tokens = sum(result.num_tokens)
-    return {"object": "list", "data": data, "model": req.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return {"id": result.request_id, "object": "list", "created": int(time.time()),
+            "data": data, "model": req.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
 
 def encode_base64(row: array) -> str:

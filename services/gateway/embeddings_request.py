@@ -5,8 +5,12 @@
   prompt size limit (--max-prompt-bytes).
 - `encoding_format`: "float" (default) or "base64" (each vector's little-endian float32 bytes).
 - `dimensions`: a Matryoshka width the model gives (EmbeddingSettings.check_dimensions).
-- `truncate_prompt_tokens` (vLLM's): keep each input's last k tokens; -1: the context length.
+- `truncate_prompt_tokens` (vLLM's): keep k of each input's tokens; -1: the context length;
+  `truncation_side` which: "right" (default, as vLLM's pooling runner and sentence-transformers
+  truncate) the first k, "left" the last k.
 - `add_special_tokens` (vLLM's, default true): texts get the tokenizer's special tokens.
+- `use_activation` (vLLM's): false, the pooled vectors unnormalized; true, L2-normalized;
+  absent, as the model's pooling config says. vLLM's older `normalize` is a 400 naming it.
 - `user` is accepted and ignored; other keys as --strict-request-fields says.
 Token ids are checked against the vocabulary and the context by the tokenizer service.
 """
@@ -19,6 +23,7 @@ from typing import Any
 
 from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import check_model
+from services.gateway.request_fields import truncation_side
 from services.gateway.validation import (
     get_bool,
     get_int,
@@ -27,12 +32,15 @@ from services.gateway.validation import (
     json_type,
     token_ids,
 )
+from shared.codec import int32s
+from shared.messages import EmbedRequest
 from shared.pooling import PoolingConfig
 from shared.scoring import ScoringConfig
 
 MAX_INPUTS = 2048
 KEYS = frozenset({"model", "input", "encoding_format", "dimensions", "user",
-                  "truncate_prompt_tokens", "add_special_tokens"})
+                  "truncate_prompt_tokens", "truncation_side", "add_special_tokens",
+                  "use_activation", "normalize"})
 FORMATS = ("float", "base64")
 
 
@@ -76,10 +84,22 @@ class EmbeddingsRequest:
     dimensions: int | None = None
     truncate_prompt_tokens: int = 0
     add_special_tokens: bool = True
+    truncation_side: str = "right"
+    use_activation: bool | None = None  # None: the model's pooling config says
 
     @property
     def count(self) -> int:
         return len(self.texts if self.texts is not None else self.ids)
+
+    def message(self, request_id: str, reply_to: str, task: str = "embed") -> EmbedRequest:
+        """The EmbedRequest that asks the tokenizers (then compute) for this."""
+        return EmbedRequest(request_id, reply_to, inputs=[int32s(ids) for ids in self.ids or ()],
+                            texts=None if self.texts is None else list(self.texts),
+                            dimensions=self.dimensions or 0,
+                            truncate_prompt_tokens=self.truncate_prompt_tokens,
+                            truncation_side=self.truncation_side,
+                            add_special_tokens=self.add_special_tokens,
+                            use_activation=self.use_activation, task=task)
 
 
 def parse_embeddings(body: Any, model_name: str, settings: EmbeddingSettings, *,
@@ -95,13 +115,24 @@ def parse_embeddings(body: Any, model_name: str, settings: EmbeddingSettings, *,
     dimensions = get_int(body, "dimensions", lo=1)
     settings.check_dimensions(dimensions)
     texts, ids = parse_input(body.get("input"), max_text_bytes)
+    k, side = truncation(body, settings.max_model_len)
     return EmbeddingsRequest(get_str(body, "model", model_name), texts, ids, fmt, dimensions,
-                             truncation(body, settings.max_model_len),
-                             get_bool(body, "add_special_tokens", True))
+                             k, get_bool(body, "add_special_tokens", True), side,
+                             use_activation(body, None))
 
 
-def truncation(body: dict, max_model_len: int) -> int:
-    """truncate_prompt_tokens: 0 (absent), -1 (to the context) or 1..the context length."""
+def use_activation(body: dict, default: bool | None = True) -> bool | None:
+    """vLLM's use_activation (a pooling head's activation: an embedding's normalization, a
+    score's sigmoid, a classifier's softmax); its removed `normalize` is a 400."""
+    if "normalize" in body:
+        raise bad_request("Parameter `normalize` was removed; use `use_activation` instead.",
+                          "normalize")
+    return get_bool(body, "use_activation", default)
+
+
+def truncation(body: dict, max_model_len: int) -> tuple[int, str]:
+    """truncate_prompt_tokens: 0 (absent), -1 (to the context) or 1..the context length; and
+    truncation_side (default "right")."""
     k = get_int(body, "truncate_prompt_tokens", 0, lo=-1)
     if k == 0 and body.get("truncate_prompt_tokens") is not None:
         raise bad_request("truncate_prompt_tokens must be -1 or at least 1",
@@ -110,7 +141,7 @@ def truncation(body: dict, max_model_len: int) -> int:
         raise bad_request(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
                           f"({max_model_len}). Please, select a smaller truncation size.",
                           "truncate_prompt_tokens")
-    return k
+    return k, truncation_side(body, "right")
 
 
 def parse_input(value: Any, max_text_bytes: int

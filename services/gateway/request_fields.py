@@ -59,10 +59,16 @@ def truncation(body: dict) -> dict:
     if k == 0 and body.get("truncate_prompt_tokens") is not None:
         raise bad_request("truncate_prompt_tokens must be -1 or at least 1",
                           "truncate_prompt_tokens")
-    side = get_str(body, "truncation_side", "left")
+    return {"truncate_prompt_tokens": k, "truncation_side": truncation_side(body, "left")}
+
+
+def truncation_side(body: dict, default: str) -> str:
+    """vLLM's truncation_side: "left" keeps the last k tokens, "right" the first k; unset, the
+    runner's `default` (vLLM's: "left" for generation, "right" for pooling)."""
+    side = get_str(body, "truncation_side", default)
     if side not in ("left", "right"):
         raise bad_request("truncation_side must be 'left' or 'right'", "truncation_side")
-    return {"truncate_prompt_tokens": k, "truncation_side": side}
+    return side
 
 
 def text_options(body: dict) -> dict:

@@ -17,6 +17,7 @@ model (no scoring head) too, /score and /rerank on a classifier of several label
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import time
@@ -30,7 +31,7 @@ from services.gateway.embeddings_request import (
     parse_embeddings,
 )
 from services.gateway.errors import APIError, bad_request
-from services.gateway.score_pairs import pair_scores, pairs_message, sigmoid
+from services.gateway.score_pairs import pair_scores, pairs_message, sigmoid, truncate_pairs
 from services.gateway.score_request import (
     ClassifyRequest,
     PairsRequest,
@@ -80,9 +81,7 @@ class ScoreAPI:
         with self.gw.pending.hold():
             self._check("Classification API", head=True)
             req = parse_classify(await read_json_body(request), **self._limits())
-            result = await self._exchange(self._message(
-                req.texts, None, [int32s(ids) for ids in req.ids or ()],
-                req.truncate_prompt_tokens, req.add_special_tokens), "input")
+            result = await self._exchange(self._classify_message(req), "input")
             return web.json_response(classify_answer(req, result, self.settings.scoring.labels))
 
     async def pooling(self, request: web.Request) -> web.Response:
@@ -106,15 +105,19 @@ class ScoreAPI:
                 "max_text_bytes": gw.svc.prompt_bytes_limit(gw.max_model_len),
                 "ignored": None if gw.svc.strict_request_fields else []}
 
-    def _message(self, texts, texts_2, inputs, truncate: int, special: bool) -> EmbedRequest:
-        return EmbedRequest(f"score-{secrets.token_hex(12)}", self.gw.svc.addr("gateway"),
-                            inputs=inputs, texts=None if texts is None else list(texts),
-                            truncate_prompt_tokens=truncate, add_special_tokens=special,
-                            task="classify", texts_2=texts_2)
+    def _classify_message(self, req: ClassifyRequest) -> EmbedRequest:
+        return EmbedRequest(f"classify-{secrets.token_hex(12)}", self.gw.svc.addr("gateway"),
+                            inputs=[int32s(ids) for ids in req.ids or ()],
+                            texts=None if req.texts is None else list(req.texts),
+                            truncate_prompt_tokens=req.truncate_prompt_tokens,
+                            truncation_side=req.truncation_side,
+                            add_special_tokens=req.add_special_tokens, task="classify")
 
     async def _pairs(self, req: PairsRequest, param: str) -> tuple[list[float], int]:
         """Each pair's score (in order) and the tokens of the inputs scored."""
         scoring = self.settings.scoring
+        if req.max_tokens != (0, 0):  # tokenizes every text: off the event loop
+            req = await asyncio.to_thread(truncate_pairs, req, self.gw.tokenizer)
         result = await self._exchange(pairs_message(
             req, scoring, f"score-{secrets.token_hex(12)}", self.gw.svc.addr("gateway")), param)
         return pair_scores(req, scoring, result), sum(result.num_tokens)
@@ -184,7 +187,7 @@ def rerank_answer(req: PairsRequest, scores: list[float], tokens: int) -> dict:
             item["document"] = {"text": req.pairs[i][1]}
         results.append(item)
     return {"id": f"rerank-{secrets.token_hex(12)}", "model": req.model,
-            "usage": {"total_tokens": tokens}, "results": results}
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}
 
 
 def classify_answer(req: ClassifyRequest, result: EmbedResult, labels: tuple[str, ...]) -> dict:
@@ -192,7 +195,7 @@ def classify_answer(req: ClassifyRequest, result: EmbedResult, labels: tuple[str
     k, data = result.dim, []
     for i in range(len(result.num_tokens)):
         row = list(result.vectors[i * k:(i + 1) * k])
-        probs = [sigmoid(row[0])] if k == 1 else softmax(row)
+        probs = row if not req.use_activation else [sigmoid(row[0])] if k == 1 else softmax(row)
         best = max(range(k), key=probs.__getitem__)
         data.append({"index": i, "label": labels[best] if best < len(labels) else str(best),
                      "probs": probs, "num_classes": k})

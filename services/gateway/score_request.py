@@ -1,14 +1,19 @@
 """The bodies of vLLM's scoring APIs, validated: every failure a 400 naming its field.
 
-- `/score`, `/v1/score`: `text_1` and `text_2`, each a string or a list of strings, paired as
-  vLLM pairs them: one and one; one and N (text_1 with each of text_2); N and N (in order);
-  a list of one text_1 counts as one.
-- `/rerank`, `/v1/rerank`, `/v2/rerank` (Jina's and Cohere's): `query` a string, `documents`
-  strings or `{"text": ...}` objects, `top_n` (0 or absent: all; over the count: all),
-  `return_documents` (default true, as vLLM's answers always hold them).
+- `/score`, `/v1/score`: two sides under any of vLLM's names for them (SCORE_SIDES:
+  `queries` and `documents` or `items`, `data_1` and `data_2`, `text_1` and `text_2`), each a
+  string or a list of strings, paired as vLLM pairs them: one and one; one and N (the first
+  with each of the second); N and N (in order); a list of one first text counts as one.
+- `/rerank`, `/v1/rerank`, `/v2/rerank` (Jina's and Cohere's): `query` a string, `documents` a
+  string or a list of strings or `{"text": ...}` objects, `top_n` (0 or absent: all; over the
+  count: all), `return_documents` (default true, as vLLM's answers always hold them).
+- Both: `max_tokens_per_query` and `max_tokens_per_doc` (0: no limit) cut each first and
+  second text to that many tokens before they are paired (score_pairs.truncate_pairs).
 - `/classify`: `input` as /v1/embeddings takes it (strings or token ids).
 All of them: at most MAX_PAIRS pairs (documents) a request, texts not empty and at most the
-prompt size limit, `truncate_prompt_tokens` as /v1/embeddings; `user` accepted and ignored.
+prompt size limit, `truncate_prompt_tokens` and `truncation_side` as /v1/embeddings,
+`use_activation` (default true: the sigmoid or softmax of the head's logits; false: the
+logits); `user` accepted and ignored.
 """
 
 from __future__ import annotations
@@ -16,17 +21,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.embeddings_request import parse_input, truncation
+from services.gateway.embeddings_request import parse_input, truncation, use_activation
 from services.gateway.errors import bad_request
 from services.gateway.protocol import check_model
 from services.gateway.validation import get_bool, get_int, get_str, json_type
 
 MAX_PAIRS = 1024  # pairs (documents) one score or rerank request may hold
-SCORE_KEYS = frozenset({"model", "text_1", "text_2", "truncate_prompt_tokens", "user"})
-RERANK_KEYS = frozenset({"model", "query", "documents", "top_n", "return_documents",
-                         "truncate_prompt_tokens", "user"})
-CLASSIFY_KEYS = frozenset({"model", "input", "truncate_prompt_tokens", "user",
-                           "add_special_tokens"})
+# vLLM's names for /score's first and second texts, the first pair present is taken
+SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"),
+               ("text_1", "text_2"))
+_COMMON_KEYS = frozenset({"model", "user", "truncate_prompt_tokens", "truncation_side",
+                          "use_activation"})
+_PAIR_KEYS = _COMMON_KEYS | {"max_tokens_per_query", "max_tokens_per_doc"}
+SCORE_KEYS = _PAIR_KEYS | {name for side in SCORE_SIDES for name in side}
+RERANK_KEYS = _PAIR_KEYS | {"query", "documents", "top_n", "return_documents"}
+CLASSIFY_KEYS = _COMMON_KEYS | {"input", "add_special_tokens"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,9 @@ class PairsRequest:
     top_n: int = 0  # rerank: the best top_n results (0: all)
     return_documents: bool = True
     shared_first: bool = False
+    truncation_side: str = "right"
+    max_tokens: tuple[int, int] = (0, 0)  # max_tokens_per_query, max_tokens_per_doc (0: all)
+    use_activation: bool = True
 
 
 @dataclass(frozen=True)
@@ -51,23 +63,43 @@ class ClassifyRequest:
     ids: tuple[tuple[int, ...], ...] | None
     truncate_prompt_tokens: int = 0
     add_special_tokens: bool = True
+    truncation_side: str = "right"
+    use_activation: bool = True
 
 
 def parse_score(body: Any, model_name: str, max_model_len: int, *, max_text_bytes: int,
                 ignored: list[str] | None = None) -> PairsRequest:
     body = check_model(body, model_name, SCORE_KEYS, ignored)
     get_str(body, "user")
-    first = _texts(body.get("text_1"), "text_1", max_text_bytes)
-    second = _texts(body.get("text_2"), "text_2", max_text_bytes)
+    name_1, name_2 = score_sides(body)
+    first = _texts(body.get(name_1), name_1, max_text_bytes)
+    second = _texts(body.get(name_2), name_2, max_text_bytes)
     if len(first) == 1:
         pairs = tuple((first[0], t) for t in second)
     elif len(first) == len(second):
         pairs = tuple(zip(first, second, strict=True))
     else:
-        raise bad_request(f"text_1 and text_2 must hold as many texts (or text_1 one), got "
-                          f"{len(first)} and {len(second)}", "text_2")
+        raise bad_request(f"{name_1} and {name_2} must hold as many texts (or {name_1} one), "
+                          f"got {len(first)} and {len(second)}", name_2)
     return PairsRequest(get_str(body, "model", model_name), pairs,
-                        truncation(body, max_model_len), shared_first=len(first) == 1)
+                        shared_first=len(first) == 1, **_pair_options(body, max_model_len))
+
+
+def score_sides(body: dict) -> tuple[str, str]:
+    """The names a /score body gives its two sides: the first of SCORE_SIDES it holds both
+    of, else the first it holds one of (the other is missing), else text_1 and text_2."""
+    given = [side for side in SCORE_SIDES if any(body.get(n) is not None for n in side)]
+    whole = [side for side in given if all(body.get(n) is not None for n in side)]
+    return (whole or given or [SCORE_SIDES[-1]])[0]
+
+
+def _pair_options(body: dict, max_model_len: int) -> dict:
+    """The options /score and /rerank share, as PairsRequest fields."""
+    k, side = truncation(body, max_model_len)
+    limits = tuple(get_int(body, name, 0, lo=0, hi=max_model_len or None)
+                   for name in ("max_tokens_per_query", "max_tokens_per_doc"))
+    return {"truncate_prompt_tokens": k, "truncation_side": side, "max_tokens": limits,
+            "use_activation": use_activation(body)}
 
 
 def parse_rerank(body: Any, model_name: str, max_model_len: int, *, max_text_bytes: int,
@@ -79,15 +111,18 @@ def parse_rerank(body: Any, model_name: str, max_model_len: int, *, max_text_byt
         raise bad_request(f"query must be a string, got {json_type(query)}", "query")
     query = _text(query, "query", "query", max_text_bytes)
     docs = body.get("documents")
+    if isinstance(docs, str):
+        docs = [docs]
     if not isinstance(docs, list):
-        raise bad_request(f"documents must be a list of strings or of {{\"text\": ...}} "
-                          f"objects, got {json_type(docs)}", "documents")
+        raise bad_request(f"documents must be a string, or a list of strings or of "
+                          f"{{\"text\": ...}} objects, got {json_type(docs)}", "documents")
     docs = _count(docs, "documents")
     texts = tuple(_text(_document(d, i), f"documents[{i}]", "documents", max_text_bytes)
                   for i, d in enumerate(docs))
     return PairsRequest(get_str(body, "model", model_name), tuple((query, t) for t in texts),
-                        truncation(body, max_model_len), get_int(body, "top_n", 0, lo=0),
-                        get_bool(body, "return_documents", True), shared_first=True)
+                        top_n=get_int(body, "top_n", 0, lo=0),
+                        return_documents=get_bool(body, "return_documents", True),
+                        shared_first=True, **_pair_options(body, max_model_len))
 
 
 def parse_classify(body: Any, model_name: str, max_model_len: int, *, max_text_bytes: int,
@@ -95,9 +130,10 @@ def parse_classify(body: Any, model_name: str, max_model_len: int, *, max_text_b
     body = check_model(body, model_name, CLASSIFY_KEYS, ignored)
     get_str(body, "user")
     texts, ids = parse_input(body.get("input"), max_text_bytes)
-    return ClassifyRequest(get_str(body, "model", model_name), texts, ids,
-                           truncation(body, max_model_len),
-                           get_bool(body, "add_special_tokens", True))
+    k, side = truncation(body, max_model_len)
+    return ClassifyRequest(get_str(body, "model", model_name), texts, ids, k,
+                           get_bool(body, "add_special_tokens", True), side,
+                           use_activation(body))
 
 
 def _texts(value: Any, param: str, max_bytes: int) -> tuple[str, ...]:

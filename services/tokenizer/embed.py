@@ -34,7 +34,7 @@ def prepare_embed(tok, req: EmbedRequest, max_model_len: int, vocab_size: int) -
     out = []
     for i, ids in enumerate(inputs):
         if 0 < k < len(ids):
-            ids = ids[-k:]
+            ids = ids[:k] if req.truncation_side == "right" else ids[-k:]
         check_input(i, ids, max_model_len, vocab_size)
         out.append(int32s(ids))
     return replace(req, inputs=out, texts=None, texts_2=None)
