@@ -9,7 +9,9 @@ normalizes (Qwen3-Embedding's and vLLM's default for decoder embedders). `from_g
 GGUF file's `{arch}.pooling_type` as llama.cpp does (mean, cls or last; absent or none: last)
 and normalizes (llama.cpp's default for /v1/embeddings). `resolve` is what a server uses:
 either, then vLLM's `--pooler-config` JSON (`pooling_type`, `normalize` or its newer name
-`use_activation`) over it.
+`use_activation`) over it. `prompts` are the model's named instruction prefixes (Cohere's
+`input_type` picks one): `config.json`'s `task_instructions`, else the `prompts` of
+`config_sentence_transformers.json` (what `SentenceTransformer.encode(prompt_name=...)` prepends).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class PoolingConfig:
     normalize: bool = True
     dimension: int = 0
     matryoshka_dims: tuple[int, ...] = ()
+    prompts: tuple[tuple[str, str], ...] = ()  # (name, prefix), in the config's order
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -50,7 +53,7 @@ class PoolingConfig:
         path = Path(path)
         modules_file = path / "modules.json"
         if not modules_file.is_file():
-            return cls()
+            return cls(prompts=_prompts(path))
         modules = json.loads(modules_file.read_text())
         pooling = [m for m in modules if m.get("type") == _POOLING]
         if len(pooling) != 1:
@@ -63,7 +66,7 @@ class PoolingConfig:
         dims = _matryoshka_dims(path)
         return cls(mode=modes[0], normalize=any(m.get("type") == _NORMALIZE for m in modules),
                    dimension=int(pool_cfg.get("word_embedding_dimension", 0)),
-                   matryoshka_dims=dims)
+                   matryoshka_dims=dims, prompts=_prompts(path))
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> PoolingConfig:
@@ -108,6 +111,17 @@ class PoolingConfig:
             raise ValueError(f"dimensions {dimensions} not supported; the model's Matryoshka "
                              f"widths are {list(self.matryoshka_dims)}")
         return dimensions
+
+
+def _prompts(path: Path) -> tuple[tuple[str, str], ...]:
+    """The named prefixes a model directory declares (see the module docstring)."""
+    for name, key in (("config.json", "task_instructions"),
+                      ("config_sentence_transformers.json", "prompts")):
+        f = path / name
+        found = json.loads(f.read_text()).get(key) if f.is_file() else None
+        if isinstance(found, dict) and found:
+            return tuple((str(k), v) for k, v in found.items() if isinstance(v, str))
+    return ()
 
 
 def _matryoshka_dims(path: Path) -> tuple[int, ...]:

@@ -15,11 +15,12 @@ from tokenizers import Tokenizer
 from services.cli import build_parser
 from services.compute.embed_core import EmbedCore
 from services.compute.pooling import NoKVRoom
-from services.gateway.embeddings_api import answer, encode_base64
+from services.gateway.embeddings_api import answer
 from services.gateway.embeddings_request import (
     MAX_INPUTS,
     EmbeddingSettings,
     EmbeddingsRequest,
+    encode_base64,
     parse_embeddings,
 )
 from services.gateway.errors import APIError

@@ -23,6 +23,7 @@ openai = pytest.importorskip("openai")
 
 MAX_LEN = 512
 WIDTHS = [16, 32, 64]
+PROMPTS = {"query": "Instruct: find the passage that answers\nQuery: ", "document": ""}
 
 
 def embedder(path, arch: str, mode: str, widths: list[int] | None, *flags: str):
@@ -30,9 +31,9 @@ def embedder(path, arch: str, mode: str, widths: list[int] | None, *flags: str):
     `flags`: (openai client, model name, SentenceTransformer, stack)."""
     build_hf_model(path, arch, with_tokenizer=True, initializer_range=0.2, seed=3)
     write_st_config(path, 64, mode)
-    if widths:
-        (path / "config_sentence_transformers.json").write_text(
-            json.dumps({"matryoshka_dimensions": widths}))
+    if widths:  # and the instruction prompts Cohere's input_type picks
+        (path / "config_sentence_transformers.json").write_text(json.dumps(
+            {"matryoshka_dimensions": widths, "prompts": PROMPTS}))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
          "pad_token": "</s>"}))
@@ -237,3 +238,39 @@ def test_score_and_rerank_are_the_cosine_of_embeddings(served, llama_served):
         status, answer = stack.post("/rerank", {"model": model, "query": query,
                                                 "documents": ["blue " * 2 * MAX_LEN]})
         assert status == 400 and answer["error"]["param"] == "documents", answer
+
+
+def test_cohere_embed_with_the_cohere_sdk(served):
+    """Cohere's /v2/embed through the official cohere SDK, unchanged: input_type picks the
+    model's prompt (search_query: its `query` prompt), as SentenceTransformer.encode's
+    prompt_name prepends it; the embedding types from the same floats; output_dimension,
+    truncation and a bad input_type as Cohere's clients meet them."""
+    cohere = pytest.importorskip("cohere")
+    _, model, st, stack = served
+    co = cohere.ClientV2(base_url=stack.url, api_key="any", timeout=120)
+    texts = sentences(6, seed=5)
+    r = co.embed(model=model, input_type="search_query", texts=texts,
+                 embedding_types=["float", "binary", "ubinary", "base64"])
+    got = np.array(r.embeddings.float_, dtype=np.float32)
+    assert cosines(got, st.encode(texts, prompt_name="query")).min() >= 0.999
+    assert cosines(got, st.encode(texts)).max() < 0.999  # the prompt changed every vector
+    bits = np.packbits(got >= 0, axis=1)
+    assert r.embeddings.ubinary == bits.tolist()
+    assert r.embeddings.binary == (bits.astype(np.int16) - 128).tolist()
+    assert np.array_equal(np.stack([np.frombuffer(base64.b64decode(b), "<f4")
+                                    for b in r.embeddings.base64]), got)
+    assert r.texts == texts and r.meta.billed_units.input_tokens > 0
+    docs = co.embed(model=model, input_type="search_document", texts=texts[:2],
+                    output_dimension=16)
+    ref = st.encode(texts[:2], prompt_name="document", truncate_dim=16)
+    assert cosines(np.array(docs.embeddings.float_), ref).min() >= 0.999
+    long = " ".join(["river mountain seven blue"] * 50)
+    head = co.embed(model=model, input_type="search_document", texts=[long], max_tokens=10)
+    assert head.meta.billed_units.input_tokens == 10
+    with pytest.raises(cohere.errors.BadRequestError) as e:
+        co.embed(model=model, input_type="search_document", texts=[long], max_tokens=10,
+                 truncate="NONE")
+    assert "max_tokens=10" in str(e.value.body)
+    with pytest.raises(cohere.errors.BadRequestError) as e:
+        co.embed(model=model, input_type="classification", texts=texts)
+    assert "document, query" in str(e.value.body)

@@ -205,8 +205,14 @@ def test_config_from_dir(tmp_path):
         json.dumps({"matryoshka_dimensions": [32, 8, 16]}))
     cfg = PoolingConfig.from_dir(tmp_path)
     assert cfg.matryoshka_dims == (8, 16, 32) and cfg.output_dim(16) == 16
+    assert cfg.prompts == ()
     with pytest.raises(ValueError):
         cfg.output_dim(12)
+    (tmp_path / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "Q: ", "document": ""}}))
+    assert PoolingConfig.from_dir(tmp_path).prompts == (("query", "Q: "), ("document", ""))
+    (tmp_path / "config.json").write_text(json.dumps({"task_instructions": {"query": "I: "}}))
+    assert PoolingConfig.from_dir(tmp_path).prompts == (("query", "I: "),)  # vLLM's order
     with pytest.raises(ValueError):
         PoolingConfig(mode="max")
 

@@ -14,18 +14,17 @@ Messages and Responses APIs are (`refuse_generation`), as vLLM answers them.
 
 from __future__ import annotations
 
-import base64
 import logging
 import secrets
-import sys
 import time
-from array import array
 
 from aiohttp import web
 
+from services.gateway.cohere_embed import cohere_answer, parse_cohere_embed
 from services.gateway.embeddings_request import (
     EmbeddingSettings,
     EmbeddingsRequest,
+    encode_base64,
     parse_embeddings,
 )
 from services.gateway.errors import APIError, bad_request, unavailable
@@ -47,25 +46,37 @@ class EmbeddingsAPI:
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/v1/embeddings", self.embeddings)
+        router.add_post("/v2/embed", self.cohere_embed)
 
     async def embeddings(self, request: web.Request) -> web.Response:
+        with self.gw.pending.hold():  # 429 past --max-pending
+            req = await self._parse(request, "Embeddings API", parse_embeddings)
+            return web.json_response(answer(await self.run(req), req))
+
+    async def cohere_embed(self, request: web.Request) -> web.Response:
+        """Cohere's /v2/embed (cohere_embed.py)."""
+        with self.gw.pending.hold():
+            embed = await self._parse(request, "Embed API", parse_cohere_embed)
+            return web.json_response(cohere_answer(await self.run(embed.request), embed))
+
+    async def _parse(self, request: web.Request, api: str, parse):
+        """The body of `request` parsed by `parse`, on a server that embeds (else a 400);
+        unknown keys logged (or, with --strict-request-fields, a 400)."""
         gw = self.gw
-        with gw.pending.hold():  # 429 past --max-pending
-            if not self.settings.pooling:
-                raise bad_request("The model does not support Embeddings API: this server "
-                                  "generates (start one with --runner pooling)", "model")
-            if self.settings.reward:
-                raise bad_request("The model does not support Embeddings API: it is a reward "
-                                  "model (--convert reward): use /pooling", "model")
-            ignored = None if gw.svc.strict_request_fields else []
-            req = parse_embeddings(await read_json_body(request), gw.model_name, self.settings,
-                                   max_text_bytes=gw.svc.prompt_bytes_limit(gw.max_model_len),
-                                   ignored=ignored)
-            if ignored:
-                log.warning("embeddings: fields present in the request but ignored: %s",
-                            ", ".join(ignored))
-            result = await self.run(req)
-            return web.json_response(answer(result, req))
+        if not self.settings.pooling:
+            raise bad_request(f"The model does not support {api}: this server generates "
+                              "(start one with --runner pooling)", "model")
+        if self.settings.reward:
+            raise bad_request(f"The model does not support {api}: it is a reward model "
+                              "(--convert reward): use /pooling", "model")
+        ignored = None if gw.svc.strict_request_fields else []
+        parsed = parse(await read_json_body(request), gw.model_name, self.settings,
+                       max_text_bytes=gw.svc.prompt_bytes_limit(gw.max_model_len),
+                       ignored=ignored)
+        if ignored:
+            log.warning("%s: fields present in the request but ignored: %s", request.path,
+                        ", ".join(ignored))
+        return parsed
 
     async def run(self, req: EmbeddingsRequest) -> EmbedResult:
         """Send `req` on and wait for its EmbedResult (a reward model's: per token); an error
@@ -135,14 +146,6 @@ def answer(result: EmbedResult, req: EmbeddingsRequest) -> dict:
     return {"id": result.request_id, "object": "list", "created": int(time.time()),
             "data": data, "model": req.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
-
-
-def encode_base64(row: array) -> str:
-    """A vector as OpenAI's base64: its little-endian float32 bytes."""
-    if sys.byteorder != "little":
-        row = array("f", row)
-        row.byteswap()
-    return base64.b64encode(row.tobytes()).decode("ascii")
 
 
 def refuse_generation():

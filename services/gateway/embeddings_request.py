@@ -17,7 +17,10 @@ Token ids are checked against the vocabulary and the context by the tokenizer se
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import sys
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,7 +153,7 @@ def parse_input(value: Any, max_text_bytes: int
     if value is None:
         raise bad_request("input is required", "input")
     if isinstance(value, str):
-        return (_text(value, "input", max_text_bytes),), None
+        return (text_input(value, "input", max_text_bytes),), None
     if not isinstance(value, list):
         raise bad_request(f"input must be a string, a list of strings, a list of token ids or "
                           f"a list of lists of token ids, got {json_type(value)}", "input")
@@ -161,19 +164,21 @@ def parse_input(value: Any, max_text_bytes: int
     if len(value) > MAX_INPUTS:
         raise bad_request(f"input holds at most {MAX_INPUTS} items, got {len(value)}", "input")
     if isinstance(value[0], str):
-        return tuple(_text(v, f"input[{i}]", max_text_bytes) for i, v in enumerate(value)), None
+        return tuple(text_input(v, f"input[{i}]", max_text_bytes)
+                     for i, v in enumerate(value)), None
     return None, tuple(_ids(v, f"input[{i}]") for i, v in enumerate(value))
 
 
-def _text(value: Any, param: str, max_bytes: int) -> str:
+def text_input(value: Any, where: str, max_bytes: int, param: str = "input") -> str:
+    """`value` where it is a text input (a 400 on `param` otherwise)."""
     if not isinstance(value, str):
-        raise bad_request(f"{param} must be a string like the other inputs, got "
-                          f"{json_type(value)}", "input")
+        raise bad_request(f"{where} must be a string like the other inputs, got "
+                          f"{json_type(value)}", param)
     if not value:
-        raise bad_request(f"{param} must not be an empty string", "input")
+        raise bad_request(f"{where} must not be an empty string", param)
     if len(value) > max_bytes // 4 and len(value.encode("utf-8")) > max_bytes:
-        raise bad_request(f"{param} is longer than {max_bytes} bytes of UTF-8 text, the most "
-                          "this server accepts (its --max-prompt-bytes)", "input")
+        raise bad_request(f"{where} is longer than {max_bytes} bytes of UTF-8 text, the most "
+                          "this server accepts (its --max-prompt-bytes)", param)
     return value
 
 
@@ -188,3 +193,11 @@ def _ids(value: Any, param: str) -> tuple[int, ...]:
     except APIError as e:  # every input's error names the field `input`
         e.param = "input"
         raise
+
+
+def encode_base64(row: array) -> str:
+    """A vector as OpenAI's base64: its little-endian float32 bytes."""
+    if sys.byteorder != "little":
+        row = array("f", row)
+        row.byteswap()
+    return base64.b64encode(row.tobytes()).decode("ascii")

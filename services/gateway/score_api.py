@@ -24,10 +24,10 @@ import time
 
 from aiohttp import web
 
-from services.gateway.embeddings_api import encode_base64
 from services.gateway.embeddings_request import (
     EmbeddingSettings,
     EmbeddingsRequest,
+    encode_base64,
     parse_embeddings,
 )
 from services.gateway.errors import APIError, bad_request
