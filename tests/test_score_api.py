@@ -18,7 +18,11 @@ import torch
 from tokenizers import Tokenizer
 
 from services.compute.embed_core import EmbedCore
-from services.gateway.embeddings_request import EmbeddingSettings, EmbeddingsRequest
+from services.gateway.embeddings_request import (
+    EmbeddingSettings,
+    EmbeddingsRequest,
+    pooling_task,
+)
 from services.gateway.errors import APIError
 from services.gateway.score_api import (
     classify_answer,
@@ -194,6 +198,23 @@ def test_tokenizer_pairs(demo_model_dir):
     assert codec.decode(codec.encode(req)) == req
     msg = EmbedRequest("r", "a", texts=["q"], texts_2=["d"], task="classify")
     assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_pooling_serves_the_models_own_task():
+    """/pooling's task is the model's (vLLM's names); another, or a removed one, is a 400."""
+    embedder = EmbeddingSettings(True)
+    classifier = EmbeddingSettings(True, scoring=ScoringConfig(CLASSIFY, ("a", "b")))
+    reward = EmbeddingSettings(True, reward=True)
+    assert [s.task for s in (embedder, classifier, reward)] == [
+        "embed", "classify", "token_classify"]
+    body = {"input": "x", "task": "classify"}
+    assert pooling_task(body, classifier) == "classify" and body == {"input": "x"}
+    assert pooling_task({"input": "x"}, reward) == "token_classify"
+    for task, match in (("classify", "Supported tasks: ('embed',)"), ("score", "removed"),
+                        (3, "Unsupported")):
+        with pytest.raises(APIError, match=match) as e:
+            pooling_task({"task": task}, embedder)
+        assert e.value.param == "task"
 
 
 def test_pairs_cut_to_their_token_limits(demo_model_dir):

@@ -138,12 +138,21 @@ def test_rerank_cuts_documents_to_max_tokens_per_doc(cross_encoder):
 
 
 def test_pooling_and_embeddings_beside_scores(cross_encoder):
-    stack, _ = cross_encoder
-    pooled = post(stack, "/pooling", {"input": ["a river", "blue mountain"]})
+    """/pooling gives the model's task (vLLM's): a classifier's probabilities, its logits
+    with use_activation false; /v1/embeddings its pooled hidden states."""
+    stack, ce = cross_encoder
+    texts = ["a river", "blue mountain"]
+    pooled = post(stack, "/pooling", {"input": texts, "task": "classify"})
     assert [d["object"] for d in pooled["data"]] == ["pooling"] * 2
-    assert len(pooled["data"][0]["data"]) == 64
-    embedded = post(stack, "/v1/embeddings", {"input": ["a river", "blue mountain"]})
-    assert np.allclose(pooled["data"][1]["data"], embedded["data"][1]["embedding"])
+    ids = [ce.tokenizer(t)["input_ids"] for t in texts]
+    with torch.no_grad():
+        ref = classifier_logits(ce.model, ids)[:, 0].numpy()  # transformers, each text alone
+    assert np.allclose([d["data"] for d in pooled["data"]], 1 / (1 + np.exp(-ref[:, None])),
+                       atol=1e-5)
+    logits = post(stack, "/pooling", {"input": texts, "use_activation": False})
+    assert np.allclose([d["data"] for d in logits["data"]], ref[:, None], atol=1e-4)
+    embedded = post(stack, "/v1/embeddings", {"input": texts})
+    assert len(embedded["data"][0]["embedding"]) == 64
 
 
 BAD = {
@@ -171,6 +180,8 @@ BAD = {
     "classify empty input": ("/classify", {"input": []}, "input"),
     "pooling bad format": ("/pooling", {"input": "a", "encoding_format": "hex"},
                            "encoding_format"),
+    "pooling another task": ("/pooling", {"input": "a", "task": "embed"}, "task"),
+    "pooling a removed task": ("/pooling", {"input": "a", "task": "score"}, "task"),
 }
 
 

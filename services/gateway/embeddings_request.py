@@ -60,6 +60,12 @@ class EmbeddingSettings:
     scoring: ScoringConfig = dataclasses.field(default_factory=ScoringConfig)  # its head
     reward: bool = False
 
+    @property
+    def task(self) -> str:
+        """vLLM's name for what /pooling gives on this model: token_classify (a reward model:
+        every token's rows), classify (a scoring head's probabilities), embed."""
+        return "token_classify" if self.reward else "classify" if self.scoring.scores else "embed"
+
     def check_dimensions(self, dimensions: int | None) -> None:
         """400 on `dimensions` when the model cannot give that width."""
         if dimensions is None:
@@ -201,3 +207,20 @@ def encode_base64(row: array) -> str:
         row = array("f", row)
         row.byteswap()
     return base64.b64encode(row.tobytes()).decode("ascii")
+
+
+_REMOVED_TASKS = {"score": "`score` task was removed; use `classify` instead.",
+                  "encode": "`encode` task was removed; use `token_embed` or `token_classify` "
+                            "instead."}
+
+
+def pooling_task(body: Any, settings: EmbeddingSettings) -> str:
+    """/pooling's `task` (taken out of `body`): absent or the model's own (settings.task), as
+    vLLM serves one task a model; any other a 400."""
+    task = body.pop("task", None) if isinstance(body, dict) else None
+    if task is None or task == settings.task:
+        return settings.task
+    if task in _REMOVED_TASKS:
+        raise bad_request(_REMOVED_TASKS[task], "task")
+    raise bad_request(f"Unsupported task: {str(task)[:50]!r}. Supported tasks: "
+                      f"('{settings.task}',)", "task")

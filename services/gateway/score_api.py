@@ -7,8 +7,8 @@ on a model with a scoring head, cross-encoder pairs scored by the sigmoid of the
 (a one-label classifier, as vLLM and CrossEncoder give it; a yes/no reranker's logit[yes] -
 logit[no]); on an embedding model, each text embedded once and a pair scored by the cosine of
 its embeddings (vLLM's bi-encoder). /classify gives each label's probability (softmax; sigmoid
-for one label), /pooling the pooled vectors /v1/embeddings gives (a reward model's: every
-token's rows).
+for one label), /pooling the pooled vectors /v1/embeddings gives, a classifier's
+probabilities (its task, as vLLM's /pooling gives them) or a reward model's every token's rows.
 
 On a generation server every one is a 400, as /v1/embeddings is; /classify on an embedding
 model (no scoring head) too, /score and /rerank on a classifier of several labels (use
@@ -21,6 +21,8 @@ import asyncio
 import math
 import secrets
 import time
+from array import array
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -29,6 +31,7 @@ from services.gateway.embeddings_request import (
     EmbeddingsRequest,
     encode_base64,
     parse_embeddings,
+    pooling_task,
 )
 from services.gateway.errors import APIError, bad_request
 from services.gateway.score_pairs import pair_scores, pairs_message, sigmoid, truncate_pairs
@@ -88,12 +91,18 @@ class ScoreAPI:
         gw = self.gw
         with gw.pending.hold():
             self._check("Pooling API", reward=True)
-            ignored = None if gw.svc.strict_request_fields else []
-            req = parse_embeddings(await read_json_body(request), gw.model_name, self.settings,
+            body = await read_json_body(request)
+            task = pooling_task(body, self.settings)
+            req = parse_embeddings(body, gw.model_name, self.settings,
                                    max_text_bytes=gw.svc.prompt_bytes_limit(gw.max_model_len),
-                                   ignored=ignored)
-            result = await gw.embeddings_api.run(req)
-            return web.json_response(pooling_answer(result, req, self.settings.reward))
+                                   ignored=None if gw.svc.strict_request_fields else [])
+            if task != "classify":
+                result = await gw.embeddings_api.run(req)
+                return web.json_response(pooling_answer(result, req, self.settings.reward))
+            result = await self._exchange(req.message(
+                f"pool-{secrets.token_hex(12)}", gw.svc.addr("gateway"), "classify"), "input")
+            return web.json_response(pooling_answer(activated(result, req.use_activation),
+                                                    req))
 
     def _check(self, api: str, head: bool = False, one_label: bool = False,
                reward: bool = False) -> None:
@@ -190,12 +199,27 @@ def rerank_answer(req: PairsRequest, scores: list[float], tokens: int) -> dict:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}
 
 
+def activation(row: list[float], use: bool | None = True) -> list[float]:
+    """A scoring head's row as its probabilities (softmax; sigmoid for one label), or as it is
+    where `use` is False."""
+    if use is False:
+        return row
+    return [sigmoid(row[0])] if len(row) == 1 else softmax(row)
+
+
+def activated(result: EmbedResult, use: bool | None) -> EmbedResult:
+    """`result` with each row through `activation`."""
+    k = result.dim
+    rows = [activation(list(result.vectors[i * k:(i + 1) * k]), use)
+            for i in range(len(result.num_tokens))]
+    return replace(result, vectors=array("f", [v for row in rows for v in row]))
+
+
 def classify_answer(req: ClassifyRequest, result: EmbedResult, labels: tuple[str, ...]) -> dict:
     """vLLM's /classify answer: each input's label probabilities and its most likely label."""
     k, data = result.dim, []
     for i in range(len(result.num_tokens)):
-        row = list(result.vectors[i * k:(i + 1) * k])
-        probs = row if not req.use_activation else [sigmoid(row[0])] if k == 1 else softmax(row)
+        probs = activation(list(result.vectors[i * k:(i + 1) * k]), req.use_activation)
         best = max(range(k), key=probs.__getitem__)
         data.append({"index": i, "label": labels[best] if best < len(labels) else str(best),
                      "probs": probs, "num_classes": k})
