@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(batch, EngineConfig)
     add_config_args(batch, ServiceConfig, only=("enable_auto_tool_choice", "tool_call_parser",
                                                 "reasoning_parser",
-                                                "default_chat_template_kwargs"))
+                                                "default_chat_template_kwargs",
+                                                "trust_request_chat_template"))
     service = sub.add_parser("service", help="run one service (what each container runs)")
     service.add_argument("service", choices=SERVICES)
     for p in (serve, service):

@@ -134,11 +134,12 @@ class ChatTemplate:
             chat = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in chat]
         variables = {**self.extra_tokens, "bos_token": self.bos_token,
                      "eos_token": self.eos_token}
-        variables = {**(extra or {}), **{k: v for k, v in variables.items() if v is not None}}
+        variables = {"documents": None, **(extra or {}),  # vLLM's documents come in `extra`
+                     **{k: v for k, v in variables.items() if v is not None}}
         try:
             text = _compile(self.source).render(
-                messages=chat, tools=tools, documents=None,
-                add_generation_prompt=add_generation_prompt, **variables)
+                messages=chat, tools=tools, add_generation_prompt=add_generation_prompt,
+                **variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
@@ -219,6 +220,19 @@ def load_chat_template(model_dir: str | Path, override: str = "") -> ChatTemplat
         source = _pick_template(config.get("chat_template"))
     if source is None:
         return None
+    return _with_tokens(source, config)
+
+
+def request_template(model_dir: str | Path, source: str) -> ChatTemplate:
+    """A chat request's own template (`source` is the template, never a path), filled with
+    the model's special tokens; ChatTemplateError when it does not compile."""
+    root = Path(model_dir)
+    config = tokenizer_config(open_gguf(root)) if is_gguf(root) else _read_config(
+        root / CONFIG_FILE)
+    return _with_tokens(source, config)
+
+
+def _with_tokens(source: str, config: dict) -> ChatTemplate:
     tokens = {k: _token_str(config.get(k)) for k in _SPECIAL}
     extra = {k: v for k, v in tokens.items() if v is not None and k in ("unk_token", "pad_token")}
     return ChatTemplate(source, tokens["bos_token"], tokens["eos_token"], extra)

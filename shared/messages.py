@@ -84,6 +84,9 @@ class TokenizeRequest:
     grammar: GrammarSpec | None = None  # structured output: the constraint (checked here)
     tools: list[ToolSpec] | None = None  # chat: rendered by the chat template (tools=)
     chat_template_kwargs: str = ""  # chat: a JSON object of extra template variables
+    chat_template: str = ""  # chat: the request's own template ("": the model's)
+    add_special_tokens: bool | None = None  # the tokenizer's special tokens (BOS) added to the
+    # prompt text (None: a text prompt's yes, a chat's no: its template writes them)
     continue_final_message: bool = False  # chat: the prompt ends inside the last message
     truncate_prompt_tokens: int = 0  # > 0: keep only this many prompt tokens (the last ones
     # with truncation_side "left", the first with "right")

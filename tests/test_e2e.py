@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 import redis
+import transformers
 
 from services.compute.backend import build_engine
 from shared.config import EngineConfig
@@ -24,7 +25,7 @@ MODEL = "demo-llama"
 
 @pytest.fixture(scope="module")
 def stack(demo_model_dir):
-    s = Stack(demo_model_dir, "--served-model-name", MODEL).start()
+    s = Stack(demo_model_dir, "--served-model-name", MODEL, "--trust-request-chat-template").start()
     yield s
     s.stop()
 
@@ -441,6 +442,33 @@ def test_prompt_fields_evaluation_and_agent_clients_send(client, demo_model_dir)
             "include_usage": True, "continuous_usage_stats": True}, **kw))
     counts = [c.usage.completion_tokens for c in chunks[:-1] if c.choices]
     assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens
+
+
+def test_a_requests_own_template_documents_and_special_tokens(client, demo_model_dir):
+    """vLLM's chat_template (this server trusts them), documents (the template's variable) and
+    add_special_tokens, through the openai SDK: the prompt is what transformers renders and
+    tokenizes; prompt_embeds, which pipellm does not take, is a 400 rather than ignored."""
+    hf = transformers.AutoTokenizer.from_pretrained(demo_model_dir)
+    rag = ("{{ bos_token }}{% for d in documents %}[{{ d.text }}]{% endfor %}"
+           "{% for m in messages %}{{ m.content }}{% endfor %}")
+    docs = [{"text": "rivers run"}, {"text": "to the sea"}]
+    messages = [{"role": "user", "content": "where"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       extra_body={"chat_template": rag, "documents": docs,
+                                                   "return_token_ids": True})
+    want = hf.apply_chat_template(messages, chat_template=rag, documents=docs, tokenize=True,
+                                  return_dict=False)
+    assert r.model_dump()["prompt_token_ids"] == want
+    kw = dict(model=MODEL, prompt="Once upon", max_tokens=1, extra_body={
+        "return_token_ids": True})
+    with_bos = client.completions.create(**kw).model_dump()["choices"][0]["prompt_token_ids"]
+    kw["extra_body"]["add_special_tokens"] = False
+    bare = client.completions.create(**kw).model_dump()["choices"][0]["prompt_token_ids"]
+    assert (with_bos, bare) == (hf("Once upon")["input_ids"],
+                                hf("Once upon", add_special_tokens=False)["input_ids"])
+    with pytest.raises(openai.BadRequestError, match="prompt_embeds"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1,
+                                  extra_body={"prompt_embeds": "AAAA"})
 
 
 def test_oversized_body_is_413(stack):

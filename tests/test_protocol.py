@@ -18,6 +18,7 @@ from services.gateway.errors import APIError
 from services.gateway.protocol import (
     CHAT_KEYS,
     COMPLETION_KEYS,
+    ChatSettings,
     GenerationRequest,
     parse_chat,
     parse_completion,
@@ -544,7 +545,30 @@ def test_prompt_making_fields_reach_the_tokenizer():
     (plain,) = parse_completion({**BASE["completion"], "truncate_prompt_tokens": -1}, M
                                 ).tokenize_requests("c", "gw", 1, 0.0)
     assert (plain.truncate_prompt_tokens, plain.truncation_side) == (-1, "left")
+    # add_special_tokens: a text prompt's default yes, a chat's no (vLLM's defaults)
+    assert plain.add_special_tokens and not one.add_special_tokens and not one.chat_template
+    (bare,) = parse_completion({**BASE["completion"], "add_special_tokens": False}, M
+                               ).tokenize_requests("c", "gw", 1, 0.0)
+    assert bare.add_special_tokens is False
+    # vLLM's documents: the template's `documents` variable (chat_template_kwargs win)
+    docs = [{"title": "a", "text": "b"}]
+    (rag,) = parse_chat({**BASE["chat"], "documents": docs}, M).tokenize_requests(
+        "c", "gw", 1, 0.0)
+    assert json.loads(rag.chat_template_kwargs) == {"documents": docs}
+    # a request's own chat template: only where the server trusts them
+    own = {**BASE["chat"], "chat_template": "{{ messages[0].content }}"}
+    assert "--trust-request-chat-template" in fail("chat", own).message
+    trusting = ChatSettings(trust_request_template=True)
+    (mine,) = parse_chat(own, M, chat=trusting).tokenize_requests("c", "gw", 1, 0.0)
+    assert mine.chat_template == "{{ messages[0].content }}"
     for kind, extra, param in [
+            ("chat", {"documents": "a"}, "documents"),
+            ("chat", {"documents": ["a"]}, "documents"),
+            ("chat", {"add_special_tokens": 1}, "add_special_tokens"),
+            ("completion", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
+            ("completion", {"logprob_token_ids": [1]}, "logprob_token_ids"),
+            ("chat", {"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+            ("chat", {"return_token_offsets": True}, "return_token_offsets"),
             ("chat", {"continue_final_message": True, "add_generation_prompt": True},
              "continue_final_message"),
             ("chat", {"chat_template_kwargs": [1]}, "chat_template_kwargs"),

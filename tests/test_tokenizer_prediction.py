@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
+import pytest
 import redis
 
 from services.tokenizer.service import Tokenizer
@@ -95,3 +99,36 @@ def test_resumed_choices_continue_with_their_outputs(demo_model_dir):
     assert gen.prompt_ids == first[2].prompt_ids and gen.params.seed == first[2].params.seed == 7
     assert gen.params.prompt_logprobs is None  # delivered with the choice's first delta
     assert gen.route.resume.sent_chars == 3 and first[2].route.resume is None
+
+
+def test_request_templates_documents_and_special_tokens_as_transformers(demo_model_dir):
+    """A chat request's own template (the gateway let it through), its `documents` as the
+    template variable, and add_special_tokens, as transformers' apply_chat_template and
+    tokenizer give them; a template that does not compile is a PromptError."""
+    from transformers import AutoTokenizer
+
+    from services.tokenizer.service import PromptError
+    from shared.messages import ChatMessage
+
+    tok = Tokenizer(EngineConfig(model=str(demo_model_dir)))
+    hf = AutoTokenizer.from_pretrained(demo_model_dir)
+    rag = ("{{ bos_token }}{% for d in documents %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+           "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    docs = [{"title": "river", "text": "water flows"}, {"title": "sea", "text": "salt"}]
+    msg = TokenizeRequest("r", "gw", SamplingParams(max_tokens=4),
+                          messages=[ChatMessage("user", "where does it go")],
+                          chat_template=rag, chat_template_kwargs=json.dumps({"documents": docs}))
+    text, ids = tok.prompt(msg)
+    want = hf.apply_chat_template([{"role": "user", "content": "where does it go"}],
+                                  chat_template=rag, documents=docs, tokenize=False)
+    assert text == want and text.startswith("<s>[river: water flows][sea: salt]<user>")
+    assert ids == hf(want, add_special_tokens=False)["input_ids"]
+    model_own, _ = tok.prompt(dataclasses.replace(msg, chat_template=""))
+    assert model_own != text
+    plain = request("hello there", 4)
+    assert tok.prompt(plain)[1] == hf("hello there")["input_ids"]  # BOS added
+    bare = dataclasses.replace(plain, add_special_tokens=False)
+    assert tok.prompt(bare)[1] == hf("hello there", add_special_tokens=False)["input_ids"]
+    assert tok.prompt(bare)[1] != tok.prompt(plain)[1]
+    with pytest.raises(PromptError, match="chat template failed"):
+        tok.prepare(dataclasses.replace(msg, chat_template="{% for %}"))

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway import structured, tools
-from services.gateway.beam import KEYS as BEAM_KEYS
 from services.gateway.beam import check_beam, parse_beam
 from services.gateway.chat_messages import parse_messages
 from services.gateway.errors import bad_request, not_found
@@ -52,6 +51,12 @@ from services.gateway.request_fields import (
     stream_fields,
     text_options,
     truncation,
+)
+from services.gateway.request_keys import (
+    CHAT_KEYS,
+    CHAT_NEUTRAL,
+    COMPLETION_KEYS,
+    COMPLETION_NEUTRAL,
 )
 from services.gateway.validation import (
     check_request_id,
@@ -72,46 +77,6 @@ from shared.tool_prompt import auto_tool_parser
 
 COMPLETION_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's and vLLM's default)
 NO_DEFAULTS = GenerationDefaults()
-
-_COMMON_KEYS = frozenset({
-    "model", "frequency_penalty", "presence_penalty", "logprobs", "max_tokens", "n", "seed",
-    "stop", "stream", "stream_options", "temperature", "top_p", "user",
-    # vLLM extensions we implement
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "logit_bias", *BEAM_KEYS,
-    "request_id", "priority",  # priority: a 400 unless --scheduling-policy reorders (app.py)
-    "truncate_prompt_tokens", "truncation_side", "include_stop_str_in_output",
-    "no_stop_trim", "skip_special_tokens", "return_token_ids", "return_tokens_as_token_ids",
-    "allowed_token_ids", "bad_words", "cache_salt", "prompt_logprobs",
-})
-# SGLang/vLLM extras that the routers in front of replicas (vllm-router, sglang-router) add to
-# every body they forward, with the values they add: none asks for anything here (no hidden
-# states; spaces_between_special_tokens is a slow tokenizer's option, and fast ones, which all of
-# ours are, join special tokens as they are either way, as vLLM's fast detokenizer does).
-_ROUTER_NEUTRAL: dict[str, tuple] = {
-    "return_hidden_states": (False,),
-    "spaces_between_special_tokens": (True, False),
-}
-_CHAT_ROUTER_NEUTRAL: dict[str, tuple] = {**_ROUTER_NEUTRAL, "stream_reasoning": (True, False)}
-# Known OpenAI fields we do not implement, with the values that ask for nothing (null is too).
-_COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",), **_ROUTER_NEUTRAL}
-_CHAT_NEUTRAL: dict[str, tuple] = {
-    "functions": ([],), "function_call": ("none",),
-    "metadata": ({},), "store": (False,), "service_tier": ("auto", "default"),
-    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
-    "web_search_options": (), "verbosity": (), "moderation": (), "prompt_cache_key": (),
-    "prompt_cache_options": (), "prompt_cache_retention": (), "safety_identifier": (),
-    **_CHAT_ROUTER_NEUTRAL,
-}
-COMPLETION_KEYS = frozenset(_COMMON_KEYS | {"prompt", "best_of", "echo"} | structured.KEYS
-                            | _COMPLETION_NEUTRAL.keys())
-CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_logprobs",
-                                      "add_generation_prompt", "continue_final_message",
-                                      "chat_template_kwargs", "echo", "include_reasoning",
-                                      "separate_reasoning", "thinking_token_budget"}
-                      | structured.KEYS
-                      | tools.KEYS | _CHAT_NEUTRAL.keys())
-
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -212,7 +177,7 @@ def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults
     (listed in `ignored`), or with `strict` a 400. `model` names `model_name` or one of the
     LoRA `adapters` (then params.lora_name)."""
     ignored = None if strict else []
-    model = _check_body(body, model_name, COMPLETION_KEYS, _COMPLETION_NEUTRAL, ignored,
+    model = _check_body(body, model_name, COMPLETION_KEYS, COMPLETION_NEUTRAL, ignored,
                         adapters)
     prompts = parse_prompts(body.get("prompt"))
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
@@ -246,19 +211,22 @@ def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults
 @dataclass(frozen=True)
 class ChatSettings:
     """The server's chat flags, resolved once: the tool-call parser of tool_choice "auto"
-    (--tool-call-parser with --enable-auto-tool-choice), --reasoning-parser, and
-    --default-chat-template-kwargs (a request's own chat_template_kwargs win key by key)."""
+    (--tool-call-parser with --enable-auto-tool-choice), --reasoning-parser,
+    --default-chat-template-kwargs (a request's own chat_template_kwargs win key by key), and
+    whether a request may bring its own `chat_template` (--trust-request-chat-template)."""
 
     tool_parser: str = ""
     reasoning_parser: str = ""
     template_kwargs: dict = dataclasses.field(default_factory=dict)
+    trust_request_template: bool = False
 
     @classmethod
     def of(cls, svc, template) -> ChatSettings:
         """From a ServiceConfig (its checks passed) and the model's chat template (None: it
         has none): shared/tool_prompt.auto_tool_parser's rules."""
         return cls(auto_tool_parser(svc, template and template.source), svc.reasoning_parser,
-                   json.loads(svc.default_chat_template_kwargs or "{}"))
+                   json.loads(svc.default_chat_template_kwargs or "{}"),
+                   svc.trust_request_chat_template)
 
 
 NO_CHAT = ChatSettings()
@@ -272,7 +240,7 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
     reasoning in the content; `include_reasoning: false`, vLLM's, drops it). Unknown keys are
     ignored (listed in `ignored`), or with `strict` a 400. `model` as for parse_completion."""
     ignored = None if strict else []
-    model = _check_body(body, model_name, CHAT_KEYS, _CHAT_NEUTRAL, ignored, adapters)
+    model = _check_body(body, model_name, CHAT_KEYS, CHAT_NEUTRAL, ignored, adapters)
     messages = parse_messages(body.get("messages"), ignored)
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     logprobs = get_bool(body, "logprobs", False)
@@ -301,9 +269,10 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
     if budget and not chat.reasoning_parser:
         raise bad_request("thinking_token_budget needs the server started with "
                           "--reasoning-parser", "thinking_token_budget")
-    kwargs = {**chat.template_kwargs, **(kwargs or {})}
+    kwargs = {**chat.template_kwargs, **_documents(body), **(kwargs or {})}
     chat_options = {"continue_final_message": continue_final,
                     "chat_template_kwargs": json.dumps(kwargs) if kwargs else "",
+                    "chat_template": _request_template(body, chat),
                     "reasoning_parser": chat.reasoning_parser if separate else "",
                     "thinking_token_budget": budget}
     ranked = get_int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
@@ -316,6 +285,28 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
                    tools=tools.parse_tools(body, chat.tool_parser), beam=parse_beam(body, n, n),
                    include_reasoning=get_bool(body, "include_reasoning", True),
                    ignored=tuple(ignored or ()), lora_name=_lora_name(model, model_name))
+
+
+def _documents(body: dict) -> dict:
+    """vLLM's `documents` (a RAG template's sources: a list of objects) as a template
+    variable."""
+    docs = body.get("documents")
+    if docs is None:
+        return {}
+    if not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs):
+        raise bad_request("documents must be a list of objects", "documents")
+    return {"documents": docs}
+
+
+def _request_template(body: dict, chat: ChatSettings) -> str:
+    """The request's own chat template ("" for the model's): vLLM's rule, only on a server
+    that trusts them."""
+    source = get_str(body, "chat_template", "")
+    if source and not chat.trust_request_template:
+        raise bad_request("Chat template is passed with request, but "
+                          "--trust-request-chat-template is not set. Refused request with "
+                          "untrusted chat template.", "chat_template")
+    return source
 
 
 def calls_keep_specials(fields: dict) -> bool:
@@ -386,6 +377,7 @@ def _finish(body: dict, kind: str, model: str, *, max_tokens: int | None, max_pa
         options={**(chat_options or {}), **truncation(body), **text_options(body),
                  **({"skip_special_tokens": False} if calls_keep_specials(fields) else {}),
                  "return_token_ids": get_bool(body, "return_token_ids", False),
+                 "add_special_tokens": get_bool(body, "add_special_tokens", kind != "chat"),
                  "bad_words": bad_words(body), "priority": priority},
         tokens_as_ids=get_bool(body, "return_tokens_as_token_ids", False),
         **fields)

@@ -14,6 +14,7 @@ to its gateway with a 400 error; everything else goes to compute as GenerateRequ
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from array import array
@@ -24,7 +25,13 @@ import zmq
 from services.tokenizer.dispatch import Dispatcher
 from services.tokenizer.embed import EmbedInputError, prepare_embed
 from shared import state
-from shared.chat_template import ChatTemplateError, load_chat_template, template_message
+from shared.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    load_chat_template,
+    request_template,
+    template_message,
+)
 from shared.choice import ChoiceId
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
@@ -71,6 +78,7 @@ class Tokenizer:
         self.vocab_size = ModelConfig.from_path(config.model).vocab_size
         self.tok = load_tokenizer(config.model)
         self.template = load_chat_template(config.model, config.chat_template)
+        self.model_path = config.model
         self.model = model_key(config.model)
         self.predictor = predictor
         self.can_check = True  # False where xgrammar cannot be imported (no torch)
@@ -98,22 +106,35 @@ class Tokenizer:
 
     def _prompt(self, req: TokenizeRequest) -> tuple[str, list[int]]:
         if req.messages is not None:
-            if self.template is None:
-                raise PromptError("this model has no chat template; use /v1/completions")
+            template = self._template(req)
             messages = [template_message(m) for m in req.messages]
             extra = json.loads(req.chat_template_kwargs) if req.chat_template_kwargs else None
             tools = self._tools(req)
-            if tools and not self.template.renders_tools:  # the generic fallback
+            if tools and not template.renders_tools:  # the generic fallback
                 messages, tools = with_tools(messages, tools), None
-            text = self.template.render(messages, req.add_generation_prompt, tools, extra,
-                                        req.continue_final_message)
-            return text, encode(self.tok, text, add_special_tokens=False)
+            text = template.render(messages, req.add_generation_prompt, tools, extra,
+                                   req.continue_final_message)
+            return text, encode(self.tok, text, add_special_tokens=bool(req.add_special_tokens))
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
             if any(not 0 <= t < self.vocab_size for t in ids):
                 raise PromptError(f"prompt token ids must be in [0, {self.vocab_size})")
             return "", ids
-        return req.prompt_text or "", encode(self.tok, req.prompt_text or "")
+        return req.prompt_text or "", encode(self.tok, req.prompt_text or "",
+                                             add_special_tokens=req.add_special_tokens is not False)
+
+    def _template(self, req: TokenizeRequest) -> ChatTemplate:
+        """The template a chat request renders with: its own (the gateway let it through:
+        --trust-request-chat-template), else the model's."""
+        if req.chat_template:
+            return self._request_template(req.chat_template)
+        if self.template is None:
+            raise PromptError("this model has no chat template; use /v1/completions")
+        return self.template
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 (one tokenizer a process)
+    def _request_template(self, source: str) -> ChatTemplate:
+        return request_template(self.model_path, source)
 
     def _tools(self, req: TokenizeRequest) -> list[dict] | None:
         """The request's tools as the template's `tools=` takes them (OpenAI's shape)."""

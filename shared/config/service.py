@@ -55,6 +55,10 @@ class ServiceConfig:
         "", "a JSON object of chat template variables for every chat request (a request's "
         "chat_template_kwargs win key by key), e.g. '{\"enable_thinking\": false}'",
         group=SERVER)
+    trust_request_chat_template: bool = setting(
+        False, "let a chat request bring its own `chat_template` (vLLM's flag; without it such "
+        "a request is a 400): templates render in a sandbox, but run as long as they loop",
+        group=SERVER)
     allow_runtime_lora_updating: bool = setting(
         False, "with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
         "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=true works too)", group=LORA)
