@@ -88,7 +88,7 @@ class PoolingLines:
         for i, line in enumerate(lines):
             try:
                 core.submit(prepare_embed(tok.tok, line.message, tok.max_model_len,
-                                          tok.vocab_size))
+                                          tok.vocab_size, tok.template))
                 at[line.message.request_id] = i
             except EmbedInputError as e:
                 out[i] = APIError(400, str(e), param=_param(e.param, line))

@@ -253,9 +253,9 @@ class DeltaBatch:
 @message
 class EmbedRequest:
     """One /v1/embeddings, /pooling, /score, /rerank or /classify request (--runner pooling).
-    From the gateway it holds `texts` (and `texts_2`, pairs) or `inputs`; the tokenizer sends
-    it on to compute with `inputs` only: each input's token ids (special tokens added,
-    truncated, checked against the context and the vocabulary)."""
+    From the gateway it holds `texts` (and `texts_2`, pairs), `conversations` or `inputs`; the
+    tokenizer sends it on to compute with `inputs` only: each input's token ids (special
+    tokens added, truncated, checked against the context and the vocabulary)."""
 
     request_id: str
     reply_to: str  # address of the gateway that owns the request
@@ -272,6 +272,11 @@ class EmbedRequest:
     # "reward": every token's reward head output (--convert reward's /pooling), a row per token
     texts_2: list[str] | None = None  # pairs: texts[i] tokenized with texts_2[i] as its pair
     use_activation: bool | None = None  # task embed: L2-normalize (None: as the model does)
+    conversations: list[list[ChatMessage]] | None = None  # chat inputs, rendered by the
+    # tokenizer with the model's chat template (instead of texts)
+    add_generation_prompt: bool = False  # conversations: how they render (vLLM's defaults)
+    continue_final_message: bool = False
+    chat_template_kwargs: str = ""  # a JSON object of extra template variables
 
 
 @message

@@ -43,6 +43,13 @@ def test_fields_as_cohere_clients_send_them():
     none = parse({"texts": ["a"], "truncate": "NONE", "max_tokens": 7})
     assert (none.request.truncate_prompt_tokens, none.max_tokens) == (0, 7)
     assert prompt_prefix((), "anything") == "" and prompt_prefix(PROMPTS, None) == ""
+    # inputs: rendered as chat, the prompt as a system message (vLLM's rule)
+    chat = parse({"inputs": [{"content": [{"type": "text", "text": "a"}]}],
+                  "input_type": "search_query"})
+    (conv,) = chat.request.chat.conversations
+    assert [(m.role, m.content) for m in conv] == [("system", "Q: "), ("user", "a")]
+    assert chat.texts == ("a",) and chat.request.texts is None
+    assert not chat.request.add_special_tokens and chat.request.count == 1
 
 
 @pytest.mark.parametrize("body,param", [
@@ -54,7 +61,9 @@ def test_fields_as_cohere_clients_send_them():
     ({"texts": ["x" * 1001]}, "texts"),
     ({"texts": ["a"] * 2049}, "texts"),
     ({"images": ["data:image/png;base64,AAAA"]}, "images"),
-    ({"inputs": [{"content": [{"type": "text", "text": "a"}]}]}, "inputs"),
+    ({"inputs": [{"content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "inputs"),
+    ({"inputs": [{"content": []}]}, "inputs"),
+    ({"inputs": []}, "inputs"),
     ({"texts": ["a"], "input_type": "classification"}, "input_type"),
     ({"texts": ["a"], "output_dimension": 12}, "output_dimension"),
     ({"texts": ["a"], "embedding_types": ["int8"]}, "embedding_types"),

@@ -67,6 +67,16 @@ def test_the_four_input_shapes():
     msg = r.message("id", "gw")
     assert (msg.texts, msg.truncation_side, msg.use_activation, msg.task) == (
         ["x"], "left", False, "embed")
+    # vLLM's chat embeddings requests: one conversation or a batch, in messages or input
+    hi = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    for body in ({"messages": hi}, {"input": hi}, {"messages": [hi, hi[1:]]},
+                 {"input": [hi, hi[1:]]}):
+        r = parse({**body, "chat_template_kwargs": {"x": 1}})
+        assert r.texts is None and r.ids is None and not r.add_special_tokens
+        assert r.chat.conversations[0][1].content == "hi" and r.count == len(r.chat.conversations)
+        msg = r.message("id", "gw")
+        assert msg.conversations[0][0].role == "system" and msg.chat_template_kwargs == '{"x": 1}'
+        assert not msg.add_generation_prompt and codec.decode(codec.encode(msg)) == msg
     assert parse({"input": ["a"] * MAX_INPUTS}).count == MAX_INPUTS
 
 
@@ -98,6 +108,13 @@ def test_the_four_input_shapes():
     ({"input": "x", "truncation_side": "middle"}, "truncation_side", "'left' or 'right'"),
     ({"input": "x", "use_activation": "yes"}, "use_activation", "boolean"),
     ({"input": "x", "normalize": False}, "normalize", "use_activation"),
+    ({"messages": [{"role": "user", "content": "a"}], "input": "x"}, "messages", "not both"),
+    ({"messages": "a"}, "messages", "conversation"),
+    ({"messages": [[{"role": "user"}]]}, "messages[0].content", "required"),
+    ({"messages": [{"role": "user", "content": "a"}], "chat_template": "x"}, "chat_template",
+     "not supported"),
+    ({"input": [{"role": "user", "content": "a"}], "add_generation_prompt": True,
+      "continue_final_message": True}, "continue_final_message", "both"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(body, param, match):
     rejects(body, param, match)
@@ -159,6 +176,35 @@ def test_tokenizer_prepares_ids(demo_model_dir):
         prepare_embed(tok, EmbedRequest("r", "a", inputs=[array("i", [1, 1000])]), 5, 1000)
     with pytest.raises(EmbedInputError, match="no tokens"):
         prepare_embed(tok, EmbedRequest("r", "a", inputs=[array("i")]), 5, 1000)
+
+
+def test_tokenizer_renders_conversations(demo_model_dir):
+    """Conversations render with the model's chat template and tokenize as transformers'
+    apply_chat_template does (no special tokens added: the template writes them)."""
+    from transformers import AutoTokenizer
+
+    from shared.chat_template import load_chat_template
+    from shared.messages import ChatMessage
+
+    tok = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
+    hf = AutoTokenizer.from_pretrained(demo_model_dir)
+    template = load_chat_template(demo_model_dir)
+    convs = [[ChatMessage("system", "be brief"), ChatMessage("user", "a river")],
+             [ChatMessage("user", "the sea")]]
+    req = prepare_embed(tok, EmbedRequest("r", "a", conversations=convs, add_special_tokens=False),
+                        100, 1000, template)
+    want = [hf.apply_chat_template([{"role": m.role, "content": m.content} for m in c],
+                                   tokenize=True, return_dict=False) for c in convs]
+    assert [list(i) for i in req.inputs] == want and req.conversations is None
+    prompt = prepare_embed(tok, EmbedRequest("r", "a", conversations=convs[1:],
+                                             add_special_tokens=False,
+                                             add_generation_prompt=True), 100, 1000, template)
+    assert list(prompt.inputs[0]) == hf.apply_chat_template(
+        [{"role": "user", "content": "the sea"}], tokenize=True, add_generation_prompt=True,
+        return_dict=False)
+    with pytest.raises(EmbedInputError, match="no chat template") as e:
+        prepare_embed(tok, EmbedRequest("r", "a", conversations=convs), 100, 1000, None)
+    assert e.value.param == "messages"
 
 
 class FakeEngine:

@@ -23,6 +23,8 @@ openai = pytest.importorskip("openai")
 
 MAX_LEN = 512
 WIDTHS = [16, 32, 64]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPTS = {"query": "Instruct: find the passage that answers\nQuery: ", "document": ""}
 
 
@@ -36,7 +38,7 @@ def embedder(path, arch: str, mode: str, widths: list[int] | None, *flags: str):
             {"matryoshka_dimensions": widths, "prompts": PROMPTS}))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-         "pad_token": "</s>"}))
+         "pad_token": "</s>", "chat_template": CHAT_TEMPLATE}))
     st = sentence_transformers.SentenceTransformer(str(path), device="cpu")
     stack = Stack(path, *flags, "--max-model-len", str(MAX_LEN), "--kv-cache-tokens", "4096",
                   "--dtype", "float32", "--served-model-name", "embedder")
@@ -274,3 +276,31 @@ def test_cohere_embed_with_the_cohere_sdk(served):
     with pytest.raises(cohere.errors.BadRequestError) as e:
         co.embed(model=model, input_type="classification", texts=texts)
     assert "document, query" in str(e.value.body)
+
+
+def test_chat_conversations_embed_as_their_rendered_ids(served):
+    """vLLM's chat embeddings requests through the openai SDK (a conversation as `input`, a
+    batch in `messages`) and Cohere's `inputs`: each vector equals the one of the token ids
+    transformers' apply_chat_template gives the conversation."""
+    from transformers import AutoTokenizer
+
+    client, model, st, stack = served
+    hf = AutoTokenizer.from_pretrained(st.tokenizer.name_or_path)
+    convs = [[{"role": "system", "content": "answer briefly"},
+              {"role": "user", "content": text}] for text in sentences(3, seed=6)]
+    ids = [hf.apply_chat_template(c, tokenize=True, return_dict=False) for c in convs]
+    ref = vectors(client.embeddings.create(model=model, input=ids, encoding_format="float"))
+    one = vectors(client.embeddings.create(model=model, input=convs[0], encoding_format="float"))
+    assert cosines(one, ref[:1])[0] >= 0.9999
+    status, answer = stack.post("/v1/embeddings", {"model": model, "messages": convs})
+    assert status == 200, answer
+    assert answer["usage"]["prompt_tokens"] == sum(map(len, ids))
+    batch = np.array([d["embedding"] for d in answer["data"]], dtype=np.float32)
+    assert cosines(batch, ref).min() >= 0.9999
+    cohere = pytest.importorskip("cohere")
+    co = cohere.ClientV2(base_url=stack.url, api_key="any", timeout=120)
+    r = co.embed(model=model, input_type="search_document", inputs=[
+        {"content": [{"type": "text", "text": c[1]["content"]}]} for c in convs])
+    alone = [hf.apply_chat_template(c[1:], tokenize=True, return_dict=False) for c in convs]
+    want = vectors(client.embeddings.create(model=model, input=alone, encoding_format="float"))
+    assert cosines(np.array(r.embeddings.float_, dtype=np.float32), want).min() >= 0.9999

@@ -1,12 +1,14 @@
 """Cohere's `POST /v2/embed` body and answer (vLLM serves it too), for text inputs.
 
-- `texts`: 1..MAX_INPUTS non-empty strings. `images` and `inputs` (multimodal content) are a 400:
-  pipellm serves text models.
+- `texts`: 1..MAX_INPUTS non-empty strings; or `inputs`, each `{"content": [{"type": "text",
+  "text": ...}, ...]}`, rendered as a user message with the model's chat template (vLLM's rule).
+  `images` and image parts are a 400: pipellm serves text models.
 - `input_type` (Cohere's SDK always sends one): the model's prompt of that name
   (PoolingConfig.prompts) prepended to each text, as sentence-transformers' `prompt_name`
-  does; `search_query` and `search_document` also find a prompt named `query`, `document` or
-  `passage`. A model without prompts embeds the texts as they are; one with prompts but none
-  of that name is a 400 that names the ones it has (vLLM's rule).
+  does (to `inputs`, a system message, as vLLM renders it); `search_query` and
+  `search_document` also find a prompt named `query`, `document` or `passage`. A model
+  without prompts embeds the texts as they are; one with prompts but none of that name is a
+  400 that names the ones it has (vLLM's rule).
 - `output_dimension`: as /v1/embeddings' `dimensions`.
 - `truncate`: END (default: keeps the first tokens), START (the last ones), NONE; to
   `max_tokens` tokens when given, else to the context. NONE with `max_tokens`: an input over
@@ -25,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from services.gateway.chat_messages import parse_messages
+from services.gateway.embeddings_chat import ChatInputs
 from services.gateway.embeddings_request import (
     MAX_INPUTS,
     EmbeddingSettings,
@@ -35,7 +39,7 @@ from services.gateway.embeddings_request import (
 from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import check_model
 from services.gateway.validation import get_int, get_str, json_type
-from shared.messages import EmbedResult
+from shared.messages import ChatMessage, EmbedResult
 
 KEYS = frozenset({"model", "texts", "images", "inputs", "input_type", "output_dimension",
                   "embedding_types", "truncate", "max_tokens", "priority"})
@@ -59,12 +63,16 @@ class CohereEmbed:
 def parse_cohere_embed(body: Any, model_name: str, settings: EmbeddingSettings, *,
                        max_text_bytes: int, ignored: list[str] | None = None) -> CohereEmbed:
     body = check_model(body, model_name, KEYS, ignored)
-    for key in ("images", "inputs"):
-        if body.get(key) is not None:
-            raise bad_request(f"`{key}` is not supported: this server embeds texts (send "
-                              "`texts`)", key)
-    texts = _texts(body.get("texts"), max_text_bytes)
+    if body.get("images") is not None:
+        raise bad_request("`images` is not supported: this server embeds texts", "images")
     prefix = prompt_prefix(settings.config.prompts, get_str(body, "input_type"))
+    chat = None
+    if body.get("inputs") is not None and body.get("texts") is None:
+        chat = ChatInputs(_conversations(body["inputs"], prefix))
+        texts = tuple("".join(m.content for m in c if m.role == "user")
+                      for c in chat.conversations)
+    else:
+        texts = _texts(body.get("texts"), max_text_bytes)
     dims = get_int(body, "output_dimension", lo=1)
     try:
         settings.check_dimensions(dims)
@@ -80,9 +88,11 @@ def parse_cohere_embed(body: Any, model_name: str, settings: EmbeddingSettings, 
     max_tokens = get_int(body, "max_tokens", lo=1, hi=settings.max_model_len or None)
     k = 0 if truncate == "NONE" else max_tokens or -1
     req = EmbeddingsRequest(get_str(body, "model", model_name),
-                            tuple(prefix + t for t in texts), None, dimensions=dims,
-                            truncate_prompt_tokens=k,
-                            truncation_side="left" if truncate == "START" else "right")
+                            None if chat else tuple(prefix + t for t in texts), None,
+                            dimensions=dims, truncate_prompt_tokens=k,
+                            add_special_tokens=chat is None,
+                            truncation_side="left" if truncate == "START" else "right",
+                            chat=chat)
     return CohereEmbed(req, types, texts, max_tokens if truncate == "NONE" else None)
 
 
@@ -133,6 +143,23 @@ def _texts(value: Any, max_text_bytes: int) -> tuple[str, ...]:
                           "texts")
     return tuple(text_input(v, f"texts[{i}]", max_text_bytes, "texts")
                  for i, v in enumerate(value))
+
+
+def _conversations(inputs: Any, prefix: str) -> tuple[tuple[ChatMessage, ...], ...]:
+    """Cohere's `inputs` as conversations: the prefix as a system message (where there is
+    one), then the input's text parts as the user's message."""
+    if not isinstance(inputs, list) or not inputs or len(inputs) > MAX_INPUTS:
+        raise bad_request(f"inputs must hold 1 to {MAX_INPUTS} objects", "inputs")
+    out = []
+    for i, item in enumerate(inputs):
+        parts = item.get("content") if isinstance(item, dict) else None
+        if not isinstance(parts, list) or not parts or any(
+                not isinstance(p, dict) or p.get("type") != "text" for p in parts):
+            raise bad_request(f"inputs[{i}] must be {{\"content\": [{{\"type\": \"text\", "
+                              "\"text\": ...}]} (this server embeds texts)", "inputs")
+        system = [{"role": "system", "content": prefix}] if prefix else []
+        out.append(parse_messages(system + [{"role": "user", "content": parts}]))
+    return tuple(out)
 
 
 def _types(value: Any, width: int) -> tuple[str, ...]:

@@ -2,13 +2,15 @@
 
 - `input`: a string, a list of strings, a list of token ids, or a list of lists of token ids;
   none empty, at most MAX_INPUTS of them (OpenAI's and vLLM's 2048), each text at most the
-  prompt size limit (--max-prompt-bytes).
+  prompt size limit (--max-prompt-bytes). Or chat conversations, in `input` or `messages`
+  (vLLM's): embeddings_chat.py.
 - `encoding_format`: "float" (default) or "base64" (each vector's little-endian float32 bytes).
 - `dimensions`: a Matryoshka width the model gives (EmbeddingSettings.check_dimensions).
 - `truncate_prompt_tokens` (vLLM's): keep k of each input's tokens; -1: the context length;
   `truncation_side` which: "right" (default, as vLLM's pooling runner and sentence-transformers
   truncate) the first k, "left" the last k.
-- `add_special_tokens` (vLLM's, default true): texts get the tokenizer's special tokens.
+- `add_special_tokens` (vLLM's; default true, for conversations false): the tokenizer's special
+  tokens are added.
 - `use_activation` (vLLM's): false, the pooled vectors unnormalized; true, L2-normalized;
   absent, as the model's pooling config says. vLLM's older `normalize` is a 400 naming it.
 - `user` is accepted and ignored; other keys as --strict-request-fields says.
@@ -24,6 +26,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway import embeddings_chat
+from services.gateway.embeddings_chat import ChatInputs, parse_chat_inputs
 from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import check_model
 from services.gateway.request_fields import truncation_side
@@ -43,7 +47,7 @@ from shared.scoring import ScoringConfig
 MAX_INPUTS = 2048
 KEYS = frozenset({"model", "input", "encoding_format", "dimensions", "user",
                   "truncate_prompt_tokens", "truncation_side", "add_special_tokens",
-                  "use_activation", "normalize"})
+                  "use_activation", "normalize"}) | embeddings_chat.KEYS
 FORMATS = ("float", "base64")
 
 
@@ -95,9 +99,12 @@ class EmbeddingsRequest:
     add_special_tokens: bool = True
     truncation_side: str = "right"
     use_activation: bool | None = None  # None: the model's pooling config says
+    chat: ChatInputs | None = None  # conversations instead of texts or ids
 
     @property
     def count(self) -> int:
+        if self.chat is not None:
+            return len(self.chat.conversations)
         return len(self.texts if self.texts is not None else self.ids)
 
     def message(self, request_id: str, reply_to: str, task: str = "embed") -> EmbedRequest:
@@ -108,7 +115,18 @@ class EmbeddingsRequest:
                             truncate_prompt_tokens=self.truncate_prompt_tokens,
                             truncation_side=self.truncation_side,
                             add_special_tokens=self.add_special_tokens,
-                            use_activation=self.use_activation, task=task)
+                            use_activation=self.use_activation, task=task,
+                            **_chat_fields(self.chat))
+
+
+def _chat_fields(chat: ChatInputs | None) -> dict:
+    """The EmbedRequest fields of conversations."""
+    if chat is None:
+        return {}
+    return {"conversations": [list(c) for c in chat.conversations],
+            "add_generation_prompt": chat.add_generation_prompt,
+            "continue_final_message": chat.continue_final_message,
+            "chat_template_kwargs": chat.chat_template_kwargs}
 
 
 def parse_embeddings(body: Any, model_name: str, settings: EmbeddingSettings, *,
@@ -123,11 +141,12 @@ def parse_embeddings(body: Any, model_name: str, settings: EmbeddingSettings, *,
                           "encoding_format")
     dimensions = get_int(body, "dimensions", lo=1)
     settings.check_dimensions(dimensions)
-    texts, ids = parse_input(body.get("input"), max_text_bytes)
+    chat = parse_chat_inputs(body, ignored)
+    texts, ids = parse_input(body.get("input"), max_text_bytes) if chat is None else (None, None)
     k, side = truncation(body, settings.max_model_len)
     return EmbeddingsRequest(get_str(body, "model", model_name), texts, ids, fmt, dimensions,
-                             k, get_bool(body, "add_special_tokens", True), side,
-                             use_activation(body, None))
+                             k, get_bool(body, "add_special_tokens", chat is None), side,
+                             use_activation(body, None), chat)
 
 
 def use_activation(body: dict, default: bool | None = True) -> bool | None:

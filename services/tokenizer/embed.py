@@ -1,13 +1,17 @@
 """The tokenizer's part of an embeddings request (--runner pooling): text inputs to token ids
 as the sentence-transformers model would get them (no chat template; the special tokens the
-tokenizer adds by default, BOS/EOS as its post-processor says), then each input truncated as
-asked and checked against the context and the vocabulary. A failure is a PromptError naming
-`input` (a 400); what passes goes to compute as an EmbedRequest of token ids only."""
+tokenizer adds by default, BOS/EOS as its post-processor says), or chat conversations rendered
+with the model's chat template (as vLLM's chat embeddings requests are), then each input
+truncated as asked and checked against the context and the vocabulary. A failure is an
+EmbedInputError naming its field (a 400); what passes goes to compute as an EmbedRequest of
+token ids only."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
+from shared.chat_template import ChatTemplate, ChatTemplateError, template_message
 from shared.codec import int32s
 from shared.messages import EmbedRequest
 
@@ -20,10 +24,16 @@ class EmbedInputError(ValueError):
         self.param = param
 
 
-def prepare_embed(tok, req: EmbedRequest, max_model_len: int, vocab_size: int) -> EmbedRequest:
+def prepare_embed(tok, req: EmbedRequest, max_model_len: int, vocab_size: int,
+                  template: ChatTemplate | None = None) -> EmbedRequest:
     """`req` with `inputs` the token ids of every input (texts tokenized, a pair as the
-    tokenizer joins a text pair: a cross-encoder's input) and `texts`, `texts_2` None."""
-    if req.texts is not None:
+    tokenizer joins a text pair: a cross-encoder's input; conversations rendered by `template`,
+    the model's, then tokenized) and `texts`, `texts_2`, `conversations` None."""
+    if req.conversations is not None:
+        encodings = tok.encode_batch(render(req, template),
+                                     add_special_tokens=req.add_special_tokens)
+        inputs = [e.ids for e in encodings]
+    elif req.texts is not None:
         texts = req.texts if req.texts_2 is None else list(zip(req.texts, req.texts_2,
                                                                strict=True))
         encodings = tok.encode_batch(texts, add_special_tokens=req.add_special_tokens)
@@ -37,7 +47,20 @@ def prepare_embed(tok, req: EmbedRequest, max_model_len: int, vocab_size: int) -
             ids = ids[:k] if req.truncation_side == "right" else ids[-k:]
         check_input(i, ids, max_model_len, vocab_size)
         out.append(int32s(ids))
-    return replace(req, inputs=out, texts=None, texts_2=None)
+    return replace(req, inputs=out, texts=None, texts_2=None, conversations=None)
+
+
+def render(req: EmbedRequest, template: ChatTemplate | None) -> list[str]:
+    """Each conversation of `req` as its prompt text."""
+    if template is None:
+        raise EmbedInputError("this model has no chat template; send texts", "messages")
+    extra = json.loads(req.chat_template_kwargs) if req.chat_template_kwargs else None
+    try:
+        return [template.render([template_message(m) for m in c], req.add_generation_prompt,
+                                extra=extra, continue_final=req.continue_final_message)
+                for c in req.conversations]
+    except ChatTemplateError as e:
+        raise EmbedInputError(f"chat template failed: {e}", "messages") from None
 
 
 def check_input(i: int, ids: list[int], max_model_len: int, vocab_size: int) -> None:

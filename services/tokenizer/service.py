@@ -267,7 +267,7 @@ def embed(tokenizer: Tokenizer, msg: EmbedRequest, outbox: Dispatcher, replies: 
     """An embeddings request's inputs as token ids to a compute, or its refusal to its gateway."""
     try:
         outbox.send_embed(prepare_embed(tokenizer.tok, msg, tokenizer.max_model_len,
-                                        tokenizer.vocab_size))
+                                        tokenizer.vocab_size, tokenizer.template))
     except EmbedInputError as e:
         replies.send(msg.reply_to, EmbedResult(msg.request_id, error=str(e), error_status=400,
                                                error_param=e.param))
