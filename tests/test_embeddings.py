@@ -15,12 +15,12 @@ from tokenizers import Tokenizer
 from services.cli import build_parser
 from services.compute.embed_core import EmbedCore
 from services.compute.pooling import NoKVRoom
+from services.gateway.embed_encoding import Encoding
 from services.gateway.embeddings_api import answer
 from services.gateway.embeddings_request import (
     MAX_INPUTS,
     EmbeddingSettings,
     EmbeddingsRequest,
-    encode_base64,
     parse_embeddings,
 )
 from services.gateway.errors import APIError
@@ -56,7 +56,7 @@ def test_the_four_input_shapes():
     assert parse({"input": [[1], [2, 3]]}).ids == ((1,), (2, 3))
     r = parse({"input": "x", "encoding_format": "base64", "dimensions": 16,
                "truncate_prompt_tokens": -1, "user": "someone"})
-    assert (r.encoding_format, r.dimensions, r.truncate_prompt_tokens) == ("base64", 16, -1)
+    assert (r.encoding.format, r.dimensions, r.truncate_prompt_tokens) == ("base64", 16, -1)
     assert parse({"input": "x", "truncate_prompt_tokens": 100}).truncate_prompt_tokens == 100
     assert parse({"input": "x"}).add_special_tokens
     assert not parse({"input": "x", "add_special_tokens": False}).add_special_tokens
@@ -97,6 +97,8 @@ def test_the_four_input_shapes():
     ({"input": {"a": 1}}, "input", "must be a string"),
     ({"input": "x" * 1001}, "input", "1000 bytes"),
     ({"input": "x", "encoding_format": "hex"}, "encoding_format", "base64"),
+    ({"input": "x", "embed_dtype": "int8"}, "embed_dtype", "bfloat16"),
+    ({"input": "x", "endianness": "middle"}, "endianness", "native"),
     ({"input": "x", "dimensions": 0}, "dimensions", "at least 1"),
     ({"input": "x", "dimensions": 12}, "dimensions", "Matryoshka"),
     ({"input": "x", "dimensions": "16"}, "dimensions", "integer"),
@@ -145,7 +147,8 @@ def test_answer_float_and_base64():
     b64 = answer(result, parse({"input": ["a", "b"], "encoding_format": "base64"}))
     decoded = [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in b64["data"]]
     assert np.array_equal(np.stack(decoded), rows)
-    assert encode_base64(array("f", [1.0])) == base64.b64encode(b"\x00\x00\x80\x3f").decode()
+    assert Encoding("base64").json_value(np.ones(1, np.float32)) == base64.b64encode(
+        b"\x00\x00\x80\x3f").decode()
 
 
 def test_tokenizer_prepares_ids(demo_model_dir):

@@ -304,3 +304,43 @@ def test_chat_conversations_embed_as_their_rendered_ids(served):
     alone = [hf.apply_chat_template(c[1:], tokenize=True, return_dict=False) for c in convs]
     want = vectors(client.embeddings.create(model=model, input=alone, encoding_format="float"))
     assert cosines(np.array(r.embeddings.float_, dtype=np.float32), want).min() >= 0.9999
+
+
+def test_bytes_and_embed_dtypes_as_torch_casts_them(served):
+    """vLLM's encoding_format bytes / bytes_only, embed_dtype and endianness: the body holds
+    each vector cast as torch casts float32 to that dtype, the metadata header says where;
+    base64 in a dtype is the same bytes."""
+    import urllib.request
+
+    import torch
+
+    client, model, _, stack = served
+    texts = sentences(3, seed=7)
+    floats = vectors(client.embeddings.create(model=model, input=texts, encoding_format="float"))
+    views = {"float16": torch.float16, "bfloat16": torch.bfloat16,
+             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+    def post(body: dict) -> tuple[bytes, dict]:
+        req = urllib.request.Request(stack.url + "/v1/embeddings", data=json.dumps(
+            {"model": model, "input": texts, **body}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.headers["Content-Type"] == "application/octet-stream"
+            return r.read(), json.loads(r.headers.get("metadata") or "null")
+
+    for dtype, torch_dtype in views.items():
+        want = [torch.tensor(v).to(torch_dtype).view(torch.uint8).numpy().tobytes()
+                for v in floats]
+        body, meta = post({"encoding_format": "bytes", "embed_dtype": dtype})
+        assert body == b"".join(want)
+        assert meta["model"] == model and meta["usage"]["prompt_tokens"] > 0
+        assert [(d["index"], d["start"], d["end"], d["shape"], d["embed_dtype"])
+                for d in meta["data"]] == [
+            (i, i * len(want[0]), (i + 1) * len(want[0]), [64], dtype) for i in range(3)]
+        status, answer = stack.post("/v1/embeddings", {"model": model, "input": texts,
+                                                       "encoding_format": "base64",
+                                                       "embed_dtype": dtype})
+        assert status == 200 and [base64.b64decode(d["embedding"]) for d in answer["data"]
+                                  ] == want
+    big, meta = post({"encoding_format": "bytes_only", "endianness": "big"})
+    assert meta is None and np.array_equal(np.frombuffer(big, ">f4").reshape(3, 64), floats)

@@ -15,6 +15,7 @@ import torch
 from services.compute.backend import build_engine
 from services.compute.embed_core import EmbedCore
 from services.compute.pooling import embedder
+from services.gateway.embed_encoding import Encoding
 from services.gateway.embeddings_request import EmbeddingSettings, EmbeddingsRequest
 from services.gateway.score_api import pooling_answer
 from shared.config import EngineConfig
@@ -109,7 +110,7 @@ def test_pooling_answer_per_token():
     answer = pooling_answer(result, req, per_token=True)
     assert [d["data"] for d in answer["data"]] == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9]]]
     assert answer["usage"]["prompt_tokens"] == 5 and answer["object"] == "list"
-    b64 = pooling_answer(result, EmbeddingsRequest("m", ("x", "y"), None, "base64"),
+    b64 = pooling_answer(result, EmbeddingsRequest("m", ("x", "y"), None, Encoding("base64")),
                          per_token=True)
     second = np.frombuffer(base64.b64decode(b64["data"][1]["data"]), dtype="<f4")
     assert second.tolist() == [6, 7, 8, 9]

@@ -18,6 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from services.compute.embed_core import EmbedCore
+from services.gateway.embed_encoding import Encoding
 from services.gateway.embeddings_request import (
     EmbeddingSettings,
     EmbeddingsRequest,
@@ -181,7 +182,7 @@ def test_classify_and_pooling_answers():
     pooled = pooling_answer(rows, EmbeddingsRequest("m", ("a",), None))
     assert pooled["data"] == [{"index": 0, "object": "pooling", "data": [1.0, 2.0]}]
     assert pooled["id"].startswith("pool-") and pooled["object"] == "list"
-    b64 = pooling_answer(rows, EmbeddingsRequest("m", ("a",), None, "base64"))
+    b64 = pooling_answer(rows, EmbeddingsRequest("m", ("a",), None, Encoding("base64")))
     assert np.frombuffer(base64.b64decode(b64["data"][0]["data"]), "<f4").tolist() == [1, 2]
     assert sigmoid(-800) == 0 and sigmoid(800) == 1 and sigmoid(0) == 0.5
     assert softmax([1000, 1000]) == [0.5, 0.5]

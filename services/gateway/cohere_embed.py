@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from services.gateway.chat_messages import parse_messages
+from services.gateway.embed_encoding import Encoding
 from services.gateway.embeddings_chat import ChatInputs
 from services.gateway.embeddings_request import (
     MAX_INPUTS,
     EmbeddingSettings,
     EmbeddingsRequest,
-    encode_base64,
     text_input,
 )
 from services.gateway.errors import APIError, bad_request
@@ -123,8 +123,8 @@ def cohere_answer(result: EmbedResult, embed: CohereEmbed) -> dict:
         if kind == "float":
             embeddings[kind] = rows.tolist()
         elif kind == "base64":
-            embeddings[kind] = [encode_base64(result.vectors[i * result.dim:(i + 1) * result.dim])
-                                for i in range(len(counts))]
+            embeddings[kind] = [Encoding("base64", endianness="little").json_value(row)
+                                for row in rows]
         else:
             packed = np.packbits(rows >= 0, axis=1)
             signed = packed.astype(np.int16) - 128 if kind == "binary" else packed

@@ -21,10 +21,10 @@ import time
 from aiohttp import web
 
 from services.gateway.cohere_embed import cohere_answer, parse_cohere_embed
+from services.gateway.embed_encoding import respond, rows_of
 from services.gateway.embeddings_request import (
     EmbeddingSettings,
     EmbeddingsRequest,
-    encode_base64,
     parse_embeddings,
 )
 from services.gateway.errors import APIError, bad_request, unavailable
@@ -51,7 +51,8 @@ class EmbeddingsAPI:
     async def embeddings(self, request: web.Request) -> web.Response:
         with self.gw.pending.hold():  # 429 past --max-pending
             req = await self._parse(request, "Embeddings API", parse_embeddings)
-            return web.json_response(answer(await self.run(req), req))
+            result = await self.run(req)
+            return respond(req.encoding, rows_of(result), answer(result, req))
 
     async def cohere_embed(self, request: web.Request) -> web.Response:
         """Cohere's /v2/embed (cohere_embed.py)."""
@@ -135,13 +136,8 @@ class EmbeddingsAPI:
 
 def answer(result: EmbedResult, req: EmbeddingsRequest) -> dict:
     """OpenAI's embeddings response: one embedding per input, in input order."""
-    dim, count = result.dim, len(result.num_tokens)
-    data = []
-    for i in range(count):
-        row = result.vectors[i * dim:(i + 1) * dim]
-        data.append({"object": "embedding", "index": i,
-                     "embedding": encode_base64(row) if req.encoding_format == "base64"
-                     else row.tolist()})
+    data = [{"object": "embedding", "index": i, "embedding": req.encoding.json_value(row)}
+            for i, row in enumerate(rows_of(result))]
     tokens = sum(result.num_tokens)
     return {"id": result.request_id, "object": "list", "created": int(time.time()),
             "data": data, "model": req.model,

@@ -4,7 +4,7 @@
   none empty, at most MAX_INPUTS of them (OpenAI's and vLLM's 2048), each text at most the
   prompt size limit (--max-prompt-bytes). Or chat conversations, in `input` or `messages`
   (vLLM's): embeddings_chat.py.
-- `encoding_format`: "float" (default) or "base64" (each vector's little-endian float32 bytes).
+- `encoding_format`, `embed_dtype`, `endianness` (vLLM's): embed_encoding.py.
 - `dimensions`: a Matryoshka width the model gives (EmbeddingSettings.check_dimensions).
 - `truncate_prompt_tokens` (vLLM's): keep k of each input's tokens; -1: the context length;
   `truncation_side` which: "right" (default, as vLLM's pooling runner and sentence-transformers
@@ -19,14 +19,12 @@ Token ids are checked against the vocabulary and the context by the tokenizer se
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import sys
-from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway import embeddings_chat
+from services.gateway import embed_encoding, embeddings_chat
+from services.gateway.embed_encoding import Encoding, parse_encoding
 from services.gateway.embeddings_chat import ChatInputs, parse_chat_inputs
 from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import check_model
@@ -45,10 +43,9 @@ from shared.pooling import PoolingConfig
 from shared.scoring import ScoringConfig
 
 MAX_INPUTS = 2048
-KEYS = frozenset({"model", "input", "encoding_format", "dimensions", "user",
-                  "truncate_prompt_tokens", "truncation_side", "add_special_tokens",
-                  "use_activation", "normalize"}) | embeddings_chat.KEYS
-FORMATS = ("float", "base64")
+KEYS = frozenset({"model", "input", "dimensions", "user", "truncate_prompt_tokens",
+                  "truncation_side", "add_special_tokens", "use_activation",
+                  "normalize"}) | embeddings_chat.KEYS | embed_encoding.KEYS
 
 
 @dataclass(frozen=True)
@@ -93,7 +90,7 @@ class EmbeddingsRequest:
     model: str
     texts: tuple[str, ...] | None
     ids: tuple[tuple[int, ...], ...] | None
-    encoding_format: str = "float"
+    encoding: Encoding = Encoding()
     dimensions: int | None = None
     truncate_prompt_tokens: int = 0
     add_special_tokens: bool = True
@@ -135,18 +132,15 @@ def parse_embeddings(body: Any, model_name: str, settings: EmbeddingSettings, *,
     """The validated request (`ignored`: where unknown keys go; None: they are a 400)."""
     body = check_model(body, model_name, KEYS, ignored)
     get_str(body, "user")
-    fmt = get_str(body, "encoding_format", "float")
-    if fmt not in FORMATS:
-        raise bad_request(f"encoding_format must be 'float' or 'base64', got {fmt!r}"[:200],
-                          "encoding_format")
+    encoding = parse_encoding(body)
     dimensions = get_int(body, "dimensions", lo=1)
     settings.check_dimensions(dimensions)
     chat = parse_chat_inputs(body, ignored)
     texts, ids = parse_input(body.get("input"), max_text_bytes) if chat is None else (None, None)
     k, side = truncation(body, settings.max_model_len)
-    return EmbeddingsRequest(get_str(body, "model", model_name), texts, ids, fmt, dimensions,
-                             k, get_bool(body, "add_special_tokens", chat is None), side,
-                             use_activation(body, None), chat)
+    return EmbeddingsRequest(get_str(body, "model", model_name), texts, ids, encoding,
+                             dimensions, k, get_bool(body, "add_special_tokens", chat is None),
+                             side, use_activation(body, None), chat)
 
 
 def use_activation(body: dict, default: bool | None = True) -> bool | None:
@@ -218,14 +212,6 @@ def _ids(value: Any, param: str) -> tuple[int, ...]:
     except APIError as e:  # every input's error names the field `input`
         e.param = "input"
         raise
-
-
-def encode_base64(row: array) -> str:
-    """A vector as OpenAI's base64: its little-endian float32 bytes."""
-    if sys.byteorder != "little":
-        row = array("f", row)
-        row.byteswap()
-    return base64.b64encode(row.tobytes()).decode("ascii")
 
 
 _REMOVED_TASKS = {"score": "`score` task was removed; use `classify` instead.",

@@ -26,10 +26,10 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from services.gateway.embed_encoding import respond, rows_of
 from services.gateway.embeddings_request import (
     EmbeddingSettings,
     EmbeddingsRequest,
-    encode_base64,
     parse_embeddings,
     pooling_task,
 )
@@ -96,13 +96,15 @@ class ScoreAPI:
             req = parse_embeddings(body, gw.model_name, self.settings,
                                    max_text_bytes=gw.svc.prompt_bytes_limit(gw.max_model_len),
                                    ignored=None if gw.svc.strict_request_fields else [])
-            if task != "classify":
+            if task == "classify":
+                result = activated(await self._exchange(req.message(
+                    f"pool-{secrets.token_hex(12)}", gw.svc.addr("gateway"), "classify"),
+                    "input"), req.use_activation)
+            else:
                 result = await gw.embeddings_api.run(req)
-                return web.json_response(pooling_answer(result, req, self.settings.reward))
-            result = await self._exchange(req.message(
-                f"pool-{secrets.token_hex(12)}", gw.svc.addr("gateway"), "classify"), "input")
-            return web.json_response(pooling_answer(activated(result, req.use_activation),
-                                                    req))
+            per_token = task == "token_classify"
+            return respond(req.encoding, rows_of(result, per_token),
+                           pooling_answer(result, req, per_token))
 
     def _check(self, api: str, head: bool = False, one_label: bool = False,
                reward: bool = False) -> None:
@@ -230,18 +232,8 @@ def classify_answer(req: ClassifyRequest, result: EmbedResult, labels: tuple[str
 def pooling_answer(result: EmbedResult, req: EmbeddingsRequest, per_token: bool = False
                    ) -> dict:
     """vLLM's /pooling answer: each input's pooled vector (as /v1/embeddings pools it); a
-    reward model's (`per_token`) its [tokens, k] rows (base64: their float32 bytes)."""
-    dim, data, at = result.dim, [], 0
-    for i, n in enumerate(result.num_tokens):
-        rows = n if per_token else 1
-        flat = result.vectors[at * dim:(at + rows) * dim]
-        at += rows
-        if req.encoding_format == "base64":
-            value = encode_base64(flat)
-        elif per_token:
-            value = [flat[j * dim:(j + 1) * dim].tolist() for j in range(rows)]
-        else:
-            value = flat.tolist()
-        data.append({"index": i, "object": "pooling", "data": value})
+    reward model's (`per_token`) its [tokens, k] rows (base64: their bytes, row after row)."""
+    data = [{"index": i, "object": "pooling", "data": req.encoding.json_value(values)}
+            for i, values in enumerate(rows_of(result, per_token))]
     return {**_head("pool", req.model), "data": data,
             "usage": _usage(sum(result.num_tokens))}
