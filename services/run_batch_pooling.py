@@ -62,6 +62,9 @@ class PoolingLines:
             check_serves(settings, "Embeddings API")
             req = parse_embeddings(body, self.model_name, settings,
                                    max_text_bytes=self.max_text_bytes)
+            if req.encoding.binary:  # a batch file's answers are JSON lines
+                raise APIError(400, f"encoding_format {req.encoding.format} is not available "
+                               "in a batch file (its answers are JSON)", param="encoding_format")
             return PooledLine(req.message(rid, REPLY_TO),
                               lambda result: embeddings_answer(result, req))
         limits = {"model_name": self.model_name, "max_model_len": settings.max_model_len,

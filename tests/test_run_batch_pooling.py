@@ -58,6 +58,7 @@ def results(embedder, tmp_path_factory):
         line("empty", "/v1/embeddings", {"input": []}),
         line("long-doc", "/v1/rerank", {"query": "q", "documents": ["blue " * 3 * MAX_LEN]}),
         line("bad-id", "/v1/embeddings", {"input": [[5, 10**6]]}),
+        line("bytes", "/v1/embeddings", {"input": "a", "encoding_format": "bytes"}),
         line("classify", "/classify", {"input": "a"}),
         *(line(f"score{p}", p, {"text_1": QUERY, "text_2": DOCS}) for p in ("/score",
                                                                             "/v1/score")),
@@ -86,12 +87,12 @@ def body(out: dict, custom_id: str) -> dict:
 def test_every_line_answered_in_vllms_shape(results):
     proc, out = results
     assert list(out) == ["embed", "embed-ids", "chat", "empty", "long-doc", "bad-id",
-                         "classify", "score/score", "score/v1/score", "score-pairs",
+                         "bytes", "classify", "score/score", "score/v1/score", "score-pairs",
                          "rerank/rerank", "rerank/v1/rerank", "rerank/v2/rerank"]
     for o in out.values():
         assert set(o) == {"id", "custom_id", "response", "error"} and o["error"] is None
         assert set(o["response"]) == {"status_code", "request_id", "body"}
-    assert proc.stdout.startswith("run-batch: 13 requests (5 failed)")
+    assert proc.stdout.startswith("run-batch: 14 requests (6 failed)")
 
 
 def test_embeddings_lines_equal_sentence_transformers(results, embedder):
@@ -133,6 +134,7 @@ def test_bad_lines_get_400s_naming_their_field(results):
                                     ("empty", "input", "must not be empty"),
                                     ("long-doc", "documents", "maximum context length"),
                                     ("bad-id", "input", "outside the vocabulary"),
+                                    ("bytes", "encoding_format", "not available"),
                                     ("classify", "url", "url must be POST")):
         response = out[custom_id]["response"]
         assert response["status_code"] == 400, (custom_id, response)
