@@ -19,6 +19,7 @@ from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, ServiceConfig
 from shared.redis_server import EmbeddedRedis
 from shared.tokenizer import encode, load_tokenizer
+from shared.tool_prompt import with_tools
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +149,9 @@ def test_cors_only_listed_origins(demo_model_dir, redis_url):
 
 
 # -- utility endpoints ----------------------------------------------------------------------
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
 def test_tokenize_detokenize_version_ping(demo_model_dir, redis_url):
     tok = load_tokenizer(demo_model_dir)
     text = "The quick brown fox, 123 times!"
@@ -157,16 +161,27 @@ def test_tokenize_detokenize_version_ping(demo_model_dir, redis_url):
         out = {}
         for name, req in {"prompt": {"prompt": text},
                           "plain": {"prompt": text, "add_special_tokens": False},
-                          "chat": {"messages": messages, "return_token_strs": True}}.items():
+                          "chat": {"messages": messages, "return_token_strs": True},
+                          "chat_options": {"messages": messages, "prompt": None,
+                                           "chat_template_kwargs": {"x": 1},
+                                           "tools": TOOLS, "add_generation_prompt": False},
+                          "continued": {"messages": messages + [
+                              {"role": "assistant", "content": "Hi, I"}],
+                              "continue_final_message": True},
+                          "unknown": {"prompt": "a", "bogus": 1}}.items():
             r = await client.post("/tokenize", json=req)
             out[name] = (r.status, await r.json())
         r = await client.post("/detokenize", json={"tokens": out["plain"][1]["tokens"]})
         out["detok"] = (r.status, await r.json())
+        r = await client.post("/detokenize", json={"tokens": out["prompt"][1]["tokens"]})
+        out["detok_bos"] = (r.status, await r.json())
         out["version"] = await (await client.get("/version")).json()
         out["ping"] = ((await client.get("/ping")).status, (await client.post("/ping")).status)
         for name, req in {"both": {"prompt": "a", "messages": messages}, "neither": {},
                           "bad_id": {"tokens": [10**6]}, "model": {"prompt": "a", "model": "x"},
-                          "unknown": {"prompt": "a", "bogus": 1}}.items():
+                          "null": {"prompt": None},
+                          "bad_tools": {"messages": messages, "tools": [{"type": "x"}]}
+                          }.items():
             path = "/detokenize" if "tokens" in req else "/tokenize"
             r = await client.post(path, json=req)
             out[name] = (r.status, (await r.json())["error"])
@@ -182,10 +197,22 @@ def test_tokenize_detokenize_version_ping(demo_model_dir, redis_url):
     assert chat["tokens"] == encode(tok, rendered, add_special_tokens=False)
     assert chat["token_strs"] == [tok.id_to_token(i) for i in chat["tokens"]]
     assert out["detok"] == (200, {"prompt": text})
+    assert out["detok_bos"] == (200, {"prompt": tok.decode(encode(tok, text),
+                                                           skip_special_tokens=False)})
+    assert out["detok_bos"][1]["prompt"] != text  # special tokens kept, as vLLM's decode
+    template = load_chat_template(demo_model_dir)
+    tools = [{"type": "function", "function": {"name": "f", "description": "",
+                                               "parameters": {"type": "object"}}}]
+    assert out["chat_options"][1]["tokens"] == encode(tok, template.render(
+        with_tools(messages, tools), False, None, {"x": 1}), add_special_tokens=False)
+    continued = messages + [{"role": "assistant", "content": "Hi, I"}]
+    assert out["continued"][1]["tokens"] == encode(tok, template.render(
+        continued, False, continue_final=True), add_special_tokens=False)
+    assert out["unknown"][0] == 200  # ignored, as vLLM does
     assert out["version"]["version"] and out["ping"] == (503, 503)  # no services: /health's
     assert out["both"][0] == out["neither"][0] == out["bad_id"][0] == 400
     assert out["bad_id"][1]["param"] == "tokens"
-    assert out["model"][0] == 404 and out["unknown"][0] == 400
+    assert out["model"][0] == 404 and out["null"][0] == out["bad_tools"][0] == 400
 
 
 def test_chat_template_flag_overrides_the_models(demo_model_dir, redis_url, tmp_path):

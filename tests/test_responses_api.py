@@ -103,6 +103,10 @@ def test_tools_choice_format_reasoning_and_include():
     ({"input": "x", "include": ["file_search_call.results"]}, "include"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": [{"type": "reasoning", "id": "rs", "summary": [{"type": "summary_text",
+                                                               "text": None}]}]}, "input"),
+    ({"input": [{"type": "reasoning", "id": "rs", "summary": [],
+                 "content": [{"type": "reasoning_text", "text": 5}]}]}, "input"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(body, param):
     with pytest.raises(APIError) as err:
@@ -135,6 +139,11 @@ def test_text_only_events_in_order():
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert obj["status"] == "completed" and obj["output"][0]["content"][0]["text"] == "Hello"
     assert events[-1]["response"]["output"] == obj["output"]
+    # each event holds the item as it was when sent (the SDK's stream snapshots add deltas)
+    added = next(e for e in events if e["type"] == "response.output_item.added")["item"]
+    assert added["content"] == [] and added["status"] == "in_progress"
+    part = next(e for e in events if e["type"] == "response.content_part.added")["part"]
+    assert part["text"] == "" and part["logprobs"] == []
 
 
 def test_reasoning_then_text_then_a_call():

@@ -59,9 +59,13 @@ def test_whole_streamed_stored_and_chained(client):
     assert whole.usage.output_tokens > 0 and whole.output[0].type == "message"
     with client.responses.stream(model=MODEL, input=HELLO, max_output_tokens=60,
                                  temperature=0) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         streamed = stream.get_final_response()
+    kinds = [event.type for event in events]
     assert streamed.output_text == whole.output_text
+    # the SDK's snapshot: the items as added plus the deltas since
+    snapshots = [e.snapshot for e in events if e.type == "response.output_text.delta"]
+    assert snapshots[-1] == whole.output_text
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed" and "response.output_text.delta" in kinds
     got = client.responses.retrieve(whole.id)

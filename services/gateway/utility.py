@@ -3,9 +3,12 @@
 
 - `POST /tokenize`: `{"prompt": str, "add_special_tokens": true}` or `{"messages": [...],
   "add_generation_prompt": true, "add_special_tokens": false}` (rendered with the chat
-  template, as a chat request would be) -> `{"count", "max_model_len", "tokens", "token_strs"}`
-  (`token_strs` with `"return_token_strs": true`, else null).
-- `POST /detokenize`: `{"tokens": [int, ...]}` -> `{"prompt": str}`.
+  template as a chat request would be, with its `tools`, `chat_template_kwargs`, `documents`
+  and `continue_final_message`) -> `{"count", "max_model_len", "tokens", "token_strs"}`
+  (`token_strs` with `"return_token_strs": true`, else null). Unknown keys are ignored and
+  logged (or, with --strict-request-fields, a 400), as vLLM does.
+- `POST /detokenize`: `{"tokens": [int, ...]}` -> `{"prompt": str}`, special tokens kept (the
+  tokenizer's plain decode, as vLLM's).
 - `GET /tokenizer_info` -> the tokenizer's special tokens, chat template and context length, as
   vLLM's (`--enable-tokenizer-info-endpoint` there; lm-eval's "remote" tokenizer reads it).
 - `GET /version` -> `{"version": str}`; `GET|POST /ping`: what /health answers.
@@ -14,6 +17,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from importlib import metadata
 
 from aiohttp import web
@@ -21,19 +26,24 @@ from aiohttp import web
 from services.gateway.chat_messages import parse_messages
 from services.gateway.errors import bad_request
 from services.gateway.protocol import check_model
+from services.gateway.tools import parse_tools
 from services.gateway.validation import (
     check_prompt_bytes,
     get_bool,
     get_str,
+    json_type,
     read_json_body,
     token_ids,
 )
-from shared.chat_template import ChatTemplateError, template_message
+from shared.chat_template import ChatTemplate, ChatTemplateError, template_message
 from shared.tokenizer import decode, encode
+from shared.tool_prompt import with_tools
 
 TOKENIZE_KEYS = frozenset({"model", "prompt", "messages", "add_special_tokens",
-                           "add_generation_prompt", "return_token_strs", "continue_final_message"})
+                           "add_generation_prompt", "return_token_strs", "continue_final_message",
+                           "chat_template_kwargs", "documents", "tools", "tool_choice"})
 DETOKENIZE_KEYS = frozenset({"model", "tokens"})
+log = logging.getLogger("pipellm.gateway")
 _INLINE_CHARS = 16 * 1024  # texts up to this size are tokenized on the event loop
 
 
@@ -58,12 +68,14 @@ class Utility:
         router.add_route("*", "/ping", self.gw.health_check)
 
     async def tokenize(self, request: web.Request) -> web.Response:
+        ignored = None if self.gw.svc.strict_request_fields else []
         body = check_model(await read_json_body(request), self.gw.model_name, TOKENIZE_KEYS,
-                           adapters=self.gw.adapter_names)
-        if body.get("continue_final_message"):
-            raise bad_request("continue_final_message is not supported", "continue_final_message")
+                           ignored, adapters=self.gw.adapter_names)
+        if ignored:
+            log.warning("/tokenize: fields present in the request but ignored: %s",
+                        ", ".join(ignored))
         text = self._text(body)
-        chat = "messages" in body
+        chat = body.get("messages") is not None
         special = get_bool(body, "add_special_tokens", not chat)
         ids = await _off_loop(len(text), encode, self.gw.tokenizer, text,
                               add_special_tokens=special)
@@ -75,10 +87,10 @@ class Utility:
 
     def _text(self, body: dict) -> str:
         """The text to tokenize: the prompt, or the messages rendered as chat renders them."""
-        if ("prompt" in body) == ("messages" in body):
+        if (body.get("prompt") is None) == (body.get("messages") is None):
             raise bad_request("give either prompt or messages", "prompt")
         limit = self.gw.svc.prompt_bytes_limit(self.gw.max_model_len)
-        if "prompt" in body:
+        if body.get("prompt") is not None:
             text = get_str(body, "prompt")
             check_prompt_bytes((text,) if text else (), None, limit)
             return text
@@ -87,11 +99,7 @@ class Utility:
         if self.gw.template is None:
             raise bad_request("this model has no chat template (see --chat-template)",
                               "messages")
-        try:
-            return self.gw.template.render([template_message(m) for m in messages],
-                                           get_bool(body, "add_generation_prompt", True))
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc)[:500], "messages") from None
+        return render_chat(self.gw.template, body, [template_message(m) for m in messages])
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = check_model(await read_json_body(request), self.gw.model_name,
@@ -102,7 +110,8 @@ class Utility:
         vocab = self.gw.tokenizer.get_vocab_size(with_added_tokens=True)
         if any(t >= vocab for t in ids):
             raise bad_request(f"token ids must be below the vocabulary size {vocab}", "tokens")
-        text = await _off_loop(len(ids), decode, self.gw.tokenizer, ids)
+        text = await _off_loop(len(ids), decode, self.gw.tokenizer, ids,
+                               skip_special_tokens=False)
         return web.json_response({"prompt": text})
 
     async def tokenizer_info(self, request: web.Request) -> web.Response:
@@ -115,6 +124,33 @@ class Utility:
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": version()})
+
+
+def render_chat(template: ChatTemplate, body: dict, messages: list[dict]) -> str:
+    """`messages` rendered as a chat request with this body's options renders them (the
+    tokenizer service's rules: tools the template does not render go in the system message)."""
+    continue_final = get_bool(body, "continue_final_message", False)
+    add_prompt = get_bool(body, "add_generation_prompt", not continue_final)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
+                          "chat_template_kwargs")
+    docs = body.get("documents")
+    if docs is not None and not (isinstance(docs, list)
+                                 and all(isinstance(d, dict) for d in docs)):
+        raise bad_request("documents must be a list of objects", "documents")
+    extra = {**({"documents": docs} if docs else {}), **(kwargs or {})}
+    specs = parse_tools({"tools": body.get("tools"), "tool_choice": "none"}, "")
+    tools = None if specs is None else [
+        {"type": "function", "function": {"name": t.name, "description": t.description,
+                                          "parameters": json.loads(t.parameters)}}
+        for t in specs.specs]
+    if tools and not template.renders_tools:
+        messages, tools = with_tools(messages, tools), None
+    try:
+        return template.render(messages, add_prompt, tools, extra or None, continue_final)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc)[:500], "messages") from None
 
 
 async def _off_loop(size: int, fn, *args, **kwargs):

@@ -19,6 +19,7 @@ items, so a streamed response reassembles to the stored one.
 
 from __future__ import annotations
 
+import copy
 import time
 
 from services.gateway import responses
@@ -104,7 +105,7 @@ class ResponseOutput:
         self.items.append(item)
         self.open = item
         return [self.event("response.output_item.added", output_index=len(self.items) - 1,
-                           item=dict(item))]
+                           item=copy.deepcopy(item))]
 
     def _text(self, kind: str, text: str, logprobs: list | None) -> list[Event]:
         out: list[Event] = []
@@ -122,7 +123,7 @@ class ResponseOutput:
                 part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out.append(self.event("response.content_part.added", item_id=item["id"],
                                   output_index=len(self.items) - 1, content_index=0,
-                                  part=dict(part)))
+                                  part=copy.deepcopy(part)))
             item["content"].append(part)
         item = self.open
         part = item["content"][0]
@@ -157,9 +158,9 @@ class ResponseOutput:
                 done["logprobs"] = part["logprobs"]
             out.append(self.event(f"response.{kind}.done", **done))
             out.append(self.event("response.content_part.done", item_id=item["id"],
-                                  output_index=index, content_index=0, part=dict(part)))
+                                  output_index=index, content_index=0, part=copy.deepcopy(part)))
         out.append(self.event("response.output_item.done", output_index=index,
-                              item=dict(item)))
+                              item=copy.deepcopy(item)))
         return out
 
 

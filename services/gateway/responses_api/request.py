@@ -197,11 +197,16 @@ def _text(content: Any, where: str) -> str:
 
 
 def _reasoning_text(item: dict) -> str:
-    """A reasoning item's text: its reasoning_text content, else its summary."""
+    """A reasoning item's text: its reasoning_text content, else its summary (a 400 where a
+    part's text is not a string)."""
     parts = item.get("content") or item.get("summary") or []
     if not isinstance(parts, list):
         return ""
-    return "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+    texts = [p.get("text") for p in parts if isinstance(p, dict)]
+    if not all(isinstance(t, str) for t in texts):
+        raise bad_request("a reasoning item's content and summary parts need a string `text`",
+                          "input")
+    return "\n".join(texts)
 
 
 def _tools(raw: Any, notes: list[str]) -> list[dict]:
