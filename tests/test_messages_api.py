@@ -48,6 +48,14 @@ def test_system_and_text_blocks():
                      {"type": "text", "text": "S2"}])
     assert [(x.role, x.content) for x in m] == [("system", "S1\nS2"), ("user", "a\nb")]
     assert msgs({"role": "user", "content": "hi"}, system="S")[0].content == "S"
+    # system messages in `messages` join the system prompt (vLLM's merge); Claude Code's
+    # billing header, a per-request hash, is left out so that the prefix cache hits
+    billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=ab12;"}
+    m = msgs({"role": "system", "content": [billing, {"type": "text", "text": "S3"}]},
+             {"role": "user", "content": "hi"}, system=[billing, {"type": "text", "text": "S1"}])
+    assert [(x.role, x.content) for x in m] == [("system", "S1\nS3"), ("user", "hi")]
+    assert [x.role for x in msgs({"role": "user", "content": "hi"}, system=[billing])] == [
+        "system", "user"]  # a system prompt given stays, even empty
 
 
 def test_tool_use_and_tool_result_blocks():
@@ -108,7 +116,8 @@ def test_unserved_blocks_are_400s(block, says):
     ({"max_tokens": None}, "max_tokens"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
@@ -361,7 +370,8 @@ def test_stop_sequence_and_an_empty_answer():
     events, c = run(req, [delta("", finish="stop")])
     check_order(events)
     assert kinds(events) == ["message_start", "ping", "message_delta", "message_stop"]
-    assert message(None, req, "chatcmpl-abc", [c])["content"] == []
+    # Anthropic's (and vLLM's) empty answer: one empty text block
+    assert message(None, req, "chatcmpl-abc", [c])["content"] == [{"type": "text", "text": ""}]
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -485,6 +495,11 @@ def test_chat_extensions_pass_through_and_output_config():
     req, _ = parse(messages=[{"role": "user", "content": "x"}], output_config={
         "effort": "low", "format": {"type": "json_schema", "schema": WEATHER}})
     assert req.grammar is not None and json.loads(req.grammar.spec) == WEATHER
+    assert json.loads(req.options["chat_template_kwargs"]) == {"reasoning_effort": "low"}
+    req, _ = parse(messages=[{"role": "user", "content": "x"}], output_config={"effort": "max"},
+                   thinking={"type": "disabled"})
+    assert json.loads(req.options["chat_template_kwargs"]) == {"reasoning_effort": "max",
+                                                                "enable_thinking": False}
     with pytest.raises(APIError) as e:
         parse(messages=[{"role": "user", "content": "x"}],
               output_config={"format": {"type": "regex"}})

@@ -101,6 +101,8 @@ def message(tokenizer, req: GenerationRequest, request_id: str,
     if text:
         blocks.append({"type": "text", "text": text})
     blocks += [tool_use_block(call) for call in calls]
+    if not blocks:  # Anthropic's shape of an empty answer (clients read content[0])
+        blocks.append({"type": "text", "text": ""})
     return {"id": message_id(request_id), "type": "message", "role": "assistant",
             "model": req.model, "content": blocks, **stop_fields(c, bool(calls)),
             "usage": usage(c)}

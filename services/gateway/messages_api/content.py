@@ -4,7 +4,10 @@ holds them; chat_messages.py validates them after).
 Invariants: the blocks' order is kept (a user message's text blocks between tool_result
 blocks become user messages between the `tool` messages); block fields the chat path has no
 use for (cache_control, citations, is_error) are dropped; a block kind that would change the
-answer if dropped (image, document) is a 400, never silently ignored.
+answer if dropped (image, document) is a 400, never silently ignored. System text: the
+top-level `system` and every message of role "system" (as vLLM merges them), one system
+message first; Claude Code's `x-anthropic-billing-header` blocks left out (a per-request hash
+in them would defeat the prefix cache; vLLM drops them too).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from services.gateway.errors import bad_request
 from services.gateway.validation import json_type
 
 _UNSERVED = {"image": "images are not supported", "document": "documents are not supported"}
+_BILLING = "x-anthropic-billing-header"
 # assistant blocks of Anthropic's server tools in a history: their calls ran elsewhere
 _SERVER_BLOCKS = frozenset({"server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
                             "code_execution_tool_result", "bash_code_execution_tool_result",
@@ -25,18 +29,23 @@ _SERVER_BLOCKS = frozenset({"server_tool_use", "web_search_tool_result", "web_fe
 
 def chat_messages(system: Any, messages: Any, notes: list[str]) -> tuple[list[dict], bool]:
     """(the chat messages, whether the last one is an assistant prefill to continue)."""
-    out = [] if system is None else [{"role": "system", "content": _system(system)}]
     if not isinstance(messages, list):
         raise bad_request(f"messages must be an array, got {json_type(messages)}", "messages")
     if not messages:
         raise bad_request("messages must not be empty", "messages")
+    systems = [] if system is None else [_system(system, "system")]
+    out: list[dict] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad_request(f"{where} must be an object", where)
         role, content = message.get("role"), message.get("content")
+        if role == "system":
+            systems.append(_system(content, f"{where}.content"))
+            continue
         if role not in ("user", "assistant"):
-            raise bad_request(f'{where}.role must be "user" or "assistant"', f"{where}.role")
+            raise bad_request(f'{where}.role must be "user", "assistant" or "system"',
+                              f"{where}.role")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -45,20 +54,27 @@ def chat_messages(system: Any, messages: Any, notes: list[str]) -> tuple[list[di
                               f"blocks, got {json_type(content)}", f"{where}.content")
         blocks = [_block(b, f"{where}.content[{j}]") for j, b in enumerate(content)]
         out += _user(blocks, where) if role == "user" else [_assistant(blocks, where, notes)]
+    if not out:
+        raise bad_request("messages must hold a user or assistant message", "messages")
+    system_text = "\n".join(t for t in systems if t)
+    if system is not None or system_text:
+        out.insert(0, {"role": "system", "content": system_text})
     last = out[-1]
     prefill = (last["role"] == "assistant" and not last.get("tool_calls")
                and bool(_text_of(last["content"]).strip()))
     return out, prefill
 
 
-def _system(system: Any) -> str:
+def _system(system: Any, where: str) -> str:
+    """System text: a string, or text blocks joined by line breaks, without Claude Code's
+    billing header."""
     if isinstance(system, str):
-        return system
+        return "" if system.startswith(_BILLING) else system
     if not isinstance(system, list):
-        raise bad_request(f"system must be a string or an array of text blocks, got "
-                          f"{json_type(system)}", "system")
-    return "\n".join(_text(_block(b, f"system[{i}]"), f"system[{i}]")
-                     for i, b in enumerate(system))
+        raise bad_request(f"{where} must be a string or an array of text blocks, got "
+                          f"{json_type(system)}", where)
+    texts = (_text(_block(b, f"{where}[{i}]"), f"{where}[{i}]") for i, b in enumerate(system))
+    return "\n".join(t for t in texts if not t.startswith(_BILLING))
 
 
 def _block(block: Any, where: str) -> tuple[str, dict, str]:

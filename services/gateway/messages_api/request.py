@@ -105,7 +105,12 @@ def to_chat_body(body: dict, notes: list[str], *, reasoning: bool,
         thinking["chat_template_kwargs"] = {**out["chat_template_kwargs"],
                                             **thinking["chat_template_kwargs"]}
     out.update(thinking)
-    out.update(_output(body.get("output_config")))
+    output = _output(body.get("output_config"))
+    if "reasoning_effort" in output:  # a template variable, beside the others
+        effort = output.pop("reasoning_effort")
+        out["chat_template_kwargs"] = {"reasoning_effort": effort,
+                                       **(out.get("chat_template_kwargs") or {})}
+    out.update(output)
     return out
 
 
@@ -206,18 +211,23 @@ def _thinking(thinking: Any, reasoning: bool) -> dict:
 
 def _output(config: Any) -> dict:
     """output_config.format (a JSON schema the text must follow) as response_format;
-    `effort` is accepted and has no use here."""
+    `effort` as reasoning_effort (the chat template's variable, as the Responses API's
+    reasoning.effort; vLLM's mapping)."""
     if config is None:
         return {}
     if not isinstance(config, dict):
         raise bad_request(f"output_config must be an object, got {json_type(config)}",
                           "output_config")
+    effort = config.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request("output_config.effort must be a string", "output_config.effort")
+    out = {} if effort is None else {"reasoning_effort": effort}
     fmt = config.get("format")
     if fmt is None:
-        return {}
+        return out
     if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
             and isinstance(fmt.get("schema"), dict)):
         raise bad_request('output_config.format must be {"type": "json_schema", "schema": '
                           '{...}}', "output_config.format")
-    return {"response_format": {"type": "json_schema", "json_schema": {
+    return {**out, "response_format": {"type": "json_schema", "json_schema": {
         "name": "output", "schema": fmt["schema"]}}}
