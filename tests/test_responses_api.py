@@ -89,6 +89,14 @@ def test_tools_choice_format_reasoning_and_include():
                                                "schema": WEATHER}}).req.grammar
     assert json.loads(schema.spec) == WEATHER
     assert parse(input="x", tools=[TOOL], tool_choice="required").req.tools.mode == "required"
+    # the chat path's fields, as vLLM's Responses API takes them
+    p = parse(input="x", presence_penalty=0.5, frequency_penalty=0.25, logit_bias={"5": 3},
+              stop_token_ids=[7], include_stop_str_in_output=True,
+              structured_outputs={"regex": "[a-z]+"}, cache_salt="tenant")
+    params = p.req.params
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, 0.25)
+    assert params.stop_token_ids == (7,) and p.req.grammar is not None
+    assert p.req.options["include_stop_str_in_output"]
 
 
 @pytest.mark.parametrize("body,param", [
@@ -103,6 +111,8 @@ def test_tools_choice_format_reasoning_and_include():
     ({"input": "x", "include": ["file_search_call.results"]}, "include"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "enable_response_messages": True}, "enable_response_messages"),
+    ({"input": "x", "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
     ({"input": [{"type": "reasoning", "id": "rs", "summary": [{"type": "summary_text",
                                                                "text": None}]}]}, "input"),
     ({"input": [{"type": "reasoning", "id": "rs", "summary": [],

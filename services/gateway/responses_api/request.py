@@ -40,11 +40,20 @@ KEYS = frozenset({
     "conversation", "prompt", "prompt_cache_retention",
     # vLLM's extras
     "top_k", "seed", "stop", "min_p", "repetition_penalty", "request_id", "priority",
-    "ignore_eos", "min_tokens", "chat_template_kwargs",
+    "ignore_eos", "min_tokens", "chat_template_kwargs", "presence_penalty",
+    "frequency_penalty", "logit_bias", "stop_token_ids", "skip_special_tokens",
+    "include_stop_str_in_output", "structured_outputs", "include_reasoning", "cache_salt",
+    "vllm_xargs", "kv_transfer_params", "session_id", "watermarking",
+    "enable_response_messages",
 })
+# given to the chat path as they are (it validates them; vLLM's fields for what pipellm does
+# not do are a 400 there unless null or their no-op value)
 _PASSED = ("temperature", "top_p", "top_k", "seed", "stop", "min_p", "repetition_penalty",
            "parallel_tool_calls", "user", "stream", "request_id", "priority", "ignore_eos",
-           "min_tokens")
+           "min_tokens", "presence_penalty", "frequency_penalty", "logit_bias",
+           "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+           "structured_outputs", "include_reasoning", "cache_salt", "vllm_xargs",
+           "kv_transfer_params", "session_id", "watermarking")
 _LOGPROBS = "message.output_text.logprobs"
 _INCLUDES = frozenset({_LOGPROBS, "reasoning.encrypted_content"})
 _NO_THINKING = ("none", "minimal")
@@ -75,6 +84,9 @@ def parse_request(body: Any, model_name: str, history: list[dict] | None = None,
         if body.get(key) is not None:
             raise bad_request(f"`{key}` is not supported; send `input` (and "
                               "previous_response_id)", key)
+    if body.get("enable_response_messages"):
+        raise bad_request("`enable_response_messages` is not supported",
+                          "enable_response_messages")
     items = (history or []) + input_items(body.get("input"))
     notes: list[str] = []
     chat_body = {"messages": _messages(body.get("instructions"), items)}
