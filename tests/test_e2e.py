@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+import urllib.request
 
 import aiohttp
 import openai
@@ -469,6 +470,23 @@ def test_a_requests_own_template_documents_and_special_tokens(client, demo_model
     with pytest.raises(openai.BadRequestError, match="prompt_embeds"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=1,
                                   extra_body={"prompt_embeds": "AAAA"})
+
+
+def test_sagemaker_invocations_and_load(stack):
+    """SageMaker's /invocations (vLLM's): the body's shape picks the API; /load counts the
+    requests in flight."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "temperature": 0}
+    status, via = stack.post("/invocations", chat)
+    assert status == 200 and via["object"] == "chat.completion"
+    assert via["choices"][0]["message"] == stack.post("/v1/chat/completions", chat)[1][
+        "choices"][0]["message"]
+    status, text = stack.post("/invocations", {"model": MODEL, "prompt": "Once", "max_tokens": 2})
+    assert status == 200 and text["object"] == "text_completion"
+    status, err = stack.post("/invocations", {"model": MODEL, "input": "x"})
+    assert status == 400 and "Cannot find suitable handler" in err["error"]["message"]
+    with urllib.request.urlopen(stack.url + "/load", timeout=10) as r:
+        assert json.loads(r.read()) == {"server_load": 0}
 
 
 def test_oversized_body_is_413(stack):

@@ -306,6 +306,20 @@ def test_chat_conversations_embed_as_their_rendered_ids(served):
     assert cosines(np.array(r.embeddings.float_, dtype=np.float32), want).min() >= 0.9999
 
 
+def test_sagemaker_invocations_on_a_pooling_server(served):
+    """/invocations on an embedder: `input` embeds, `query` + `documents` rerank, as the
+    endpoints themselves answer."""
+    _, model, _, stack = served
+    texts = sentences(3, seed=8)
+    body = {"model": model, "input": texts, "encoding_format": "float"}
+    assert stack.post("/invocations", body)[1]["data"] == stack.post("/v1/embeddings",
+                                                                      body)[1]["data"]
+    rerank = {"model": model, "query": texts[0], "documents": texts[1:]}
+    status, via = stack.post("/invocations", rerank)
+    assert status == 200 and via["results"] == stack.post("/rerank", rerank)[1]["results"]
+    assert stack.post("/invocations", {"model": model, "prompt": "x"})[0] == 400
+
+
 def test_bytes_and_embed_dtypes_as_torch_casts_them(served):
     """vLLM's encoding_format bytes / bytes_only, embed_dtype and endianness: the body holds
     each vector cast as torch casts float32 to that dtype, the metadata header says where;

@@ -23,6 +23,7 @@ from services.gateway.embeddings_request import EmbeddingSettings
 from services.gateway.errors import bad_request, errors_as_json, not_found, unavailable
 from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
+from services.gateway.invocations import invocation_path
 from services.gateway.lora_api import LoraAPI
 from services.gateway.messages_api import MessagesAPI, error_body
 from services.gateway.metrics import Metrics
@@ -126,7 +127,20 @@ class Gateway:
         app.router.add_get("/health", self.health_check)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_get("/v1/requests/{request_id}", self.request_state)
+        app.router.add_get("/load", self.load)
+        self.routes = {r.resource.canonical: r.handler for r in app.router.routes()
+                       if r.method == "POST" and r.resource is not None}
+        app.router.add_post("/invocations", self.invocations)
         return app
+
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's /invocations (invocations.py): the body's API answers it."""
+        path = invocation_path(await read_json_body(request), self.embeddings_api.settings)
+        return await self.routes[path](request)  # the body is read once: it is cached
+
+    async def load(self, request: web.Request) -> web.Response:
+        """vLLM's /load: the requests in flight."""
+        return web.json_response({"server_load": len(self.registry.requests)})
 
     def set_adapters(self, adapters: tuple[LoraModule, ...]) -> None:
         """The LoRA adapters requests may name from now on."""
