@@ -64,6 +64,19 @@ def test_items_become_chat_messages():
     assert (m[3].tool_call_id, m[3].content) == ("c1", "sunny") and m[4].content == "done"
 
 
+def test_an_unfinished_assistant_message_is_continued():
+    """vLLM's rule: a last assistant message with status in_progress or incomplete is a
+    prefill: the answer continues it rather than starting a new turn."""
+    said = {"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "One, two,"}]}
+    for status, continued in (("in_progress", True), ("incomplete", True),
+                              ("completed", False), (None, False)):
+        req = parse(input=[{"type": "message", "role": "user", "content": "count"},
+                           {**said, "status": status}]).req
+        assert req.options["continue_final_message"] == continued
+        assert req.add_generation_prompt != continued
+
+
 def test_previous_items_come_first():
     history = [{"type": "message", "role": "user", "content": "first"},
                {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",

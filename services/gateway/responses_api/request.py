@@ -90,6 +90,8 @@ def parse_request(body: Any, model_name: str, history: list[dict] | None = None,
     items = (history or []) + input_items(body.get("input"))
     notes: list[str] = []
     chat_body = {"messages": _messages(body.get("instructions"), items)}
+    if items and _partial(items[-1]):  # the model continues it (vLLM's rule)
+        chat_body.update(continue_final_message=True, add_generation_prompt=False)
     chat_body.update({k: body[k] for k in _PASSED if body.get(k) is not None})
     if body.get("model") is not None:
         chat_body["model"] = body["model"]
@@ -177,6 +179,13 @@ def _messages(instructions: Any, items: list[dict]) -> list[dict]:
                               "supported (message, function_call, function_call_output, "
                               "reasoning)", f"{where}.type")
     return out
+
+
+def _partial(item: dict) -> bool:
+    """Whether `item` is an assistant message left unfinished (status in_progress or
+    incomplete): a prefill the answer continues."""
+    return (item.get("type") == "message" and item.get("role") == "assistant"
+            and item.get("status") in ("in_progress", "incomplete"))
 
 
 def _str(item: dict, key: str, where: str) -> str:
