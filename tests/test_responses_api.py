@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from services.gateway.errors import APIError
 from services.gateway.protocol import ChatSettings
+from services.gateway.responses_api.custom_tools import decode_input, input_prefix
 from services.gateway.responses_api.output import ResponseOutput
 from services.gateway.responses_api.request import parse_request
 from services.gateway.responses_api.run import new_object
@@ -225,3 +226,58 @@ def test_the_store_keeps_caps_expires_and_deletes():
 
     with EmbeddedRedis() as r:
         asyncio.run(main(r.url))
+
+
+# --- custom (freeform) tools: Codex's apply_patch ------------------------------------------
+
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Apply a patch"}
+PATCH = '*** Begin Patch\n*** Update File: a.py\n-x = "1"\n+x = "2" \\ done\n*** End Patch'
+
+
+def test_custom_tools_reach_the_model_as_one_string_argument():
+    p = parse(input="fix it", tools=[PATCH_TOOL, TOOL],
+              tool_choice={"type": "custom", "name": "apply_patch"})
+    spec = next(s for s in p.req.tools.specs if s.name == "apply_patch")
+    assert json.loads(spec.parameters)["properties"] == {"input": {"type": "string"}}
+    assert p.req.tools.mode == "named" and p.req.tools.named == "apply_patch"
+    history = [{"type": "message", "role": "user", "content": "fix it"},
+               {"type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch",
+                "input": PATCH},
+               {"type": "custom_tool_call_output", "call_id": "call_1", "output": "Done!"}]
+    m = parse(input=history, tools=[PATCH_TOOL]).req.messages
+    (call,) = m[1].tool_calls
+    assert (call.id, call.name, json.loads(call.arguments)) == (
+        "call_1", "apply_patch", {"input": PATCH})
+    assert (m[2].role, m[2].tool_call_id, m[2].content) == ("tool", "call_1", "Done!")
+
+
+def test_input_prefixes_only_grow_to_the_input():
+    """Each prefix of a call's arguments gives a prefix of its input (an escape or a
+    surrogate pair cut in two waits for the rest), and the whole gives the input."""
+    for text in (PATCH, "emoji \U0001F600 and \u00e9", "quote \" end"):
+        for args in (json.dumps({"input": text}), json.dumps({"input": text},
+                                                             ensure_ascii=False)):
+            seen = [input_prefix(args[:i]) for i in range(len(args) + 1)]
+            assert all(b.startswith(a) for a, b in zip(seen, seen[1:], strict=False))
+            assert seen[-1] == decode_input(args) == text
+    assert decode_input("not json") == "not json" and input_prefix('{"other": "x"}') == ""
+
+
+def test_a_custom_call_streams_its_input():
+    """The call's arguments arrive as JSON in pieces; the item is a custom_tool_call whose
+    input deltas join to the decoded string."""
+    args = json.dumps({"input": PATCH})
+    text = '<tool_call>\n{"name": "apply_patch", "arguments": ' + args + "}\n</tool_call>"
+    cuts = list(range(0, len(text), 7)) + [len(text)]
+    deltas = [("", text[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    events, obj = run(deltas, tools=[PATCH_TOOL])
+    (item,) = [o for o in obj["output"] if o["type"] != "message"]
+    assert item["type"] == "custom_tool_call" and item["input"] == PATCH
+    assert item["name"] == "apply_patch" and item["status"] == "completed"
+    pieces = [e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+    assert pieces and "".join(pieces) == PATCH  # as the tool parser hands the arguments on
+    done = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
+    assert [d["input"] for d in done] == [PATCH]
+    added = next(e for e in events if e["type"] == "response.output_item.added"
+                 and e["item"]["type"] == "custom_tool_call")
+    assert added["item"]["input"] == ""

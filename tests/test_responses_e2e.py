@@ -91,6 +91,26 @@ def test_a_forced_function_call_and_its_output(client):
     assert answer.output_text and answer.output[0].type == "message"
 
 
+def test_a_custom_tool_call_streamed_and_answered(client):
+    """A custom (freeform) tool, as Codex's apply_patch is sent: the forced call comes back
+    as a custom_tool_call whose streamed input deltas join to its input, and its output
+    chains on."""
+    patch = {"type": "custom", "name": "apply_patch", "description": "Apply a patch to a file"}
+    with client.responses.stream(model=MODEL, input="Rename x to y in a.py", tools=[patch],
+                                 tool_choice={"type": "custom", "name": "apply_patch"},
+                                 max_output_tokens=60, temperature=0) as stream:
+        events = list(stream)
+        r = stream.get_final_response()
+    (call,) = [o for o in r.output if o.type == "custom_tool_call"]
+    assert call.name == "apply_patch" and isinstance(call.input, str)
+    deltas = [e.delta for e in events if e.type == "response.custom_tool_call_input.delta"]
+    assert "".join(deltas) == call.input
+    answer = create(client, [{"type": "custom_tool_call_output", "call_id": call.call_id,
+                              "output": "Done"}], previous_response_id=r.id, tools=[patch],
+                    tool_choice="none")
+    assert answer.output_text and answer.output[0].type == "message"
+
+
 def test_built_in_tools_are_skipped_and_bad_input_is_a_400(client):
     r = create(client, tools=[{"type": "web_search_preview"}, TOOL])
     assert r.status in ("completed", "incomplete")

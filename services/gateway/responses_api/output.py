@@ -24,6 +24,7 @@ import time
 
 from services.gateway import responses
 from services.gateway.protocol import GenerationRequest
+from services.gateway.responses_api import custom_tools
 from services.gateway.tool_parsers import CallArgs, CallStart, Content
 
 Event = dict
@@ -42,6 +43,8 @@ class ResponseOutput:
         self.open: dict | None = None  # the item being generated
         self.seq = 0
         self.calls: dict[int, dict] = {}  # the shaper's call index -> its item
+        self.custom = custom_tools.custom_names(obj.get("tools") or [])
+        self.arguments: dict[str, str] = {}  # a custom call's item id -> its arguments so far
 
     def event(self, kind: str, **fields) -> Event:
         out = {"type": kind, "sequence_number": self.seq, **fields}
@@ -70,18 +73,43 @@ class ResponseOutput:
                 logprobs = None
             elif isinstance(piece, CallStart):
                 out += self._close()
-                item = {"type": "function_call", "id": self._new_id("fc"),
-                        "call_id": self._new_id("call"),
-                        "name": piece.name, "arguments": "", "status": "in_progress"}
-                self.calls[piece.index] = item
+                self.calls[piece.index] = item = self._call_item(piece.name)
                 out += self._add(item)
             elif isinstance(piece, CallArgs):
-                item = self.calls[piece.index]
-                item["arguments"] += piece.fragment
-                out.append(self.event("response.function_call_arguments.delta",
-                                      item_id=item["id"], output_index=self._index(item),
-                                      delta=piece.fragment))
+                out += self._call_args(self.calls[piece.index], piece.fragment)
         return out
+
+    def _call_item(self, name: str) -> dict:
+        """A new call's item: a function_call, or a custom tool's custom_tool_call."""
+        if name in self.custom:
+            item = {"type": "custom_tool_call", "id": self._new_id("ctc"),
+                    "call_id": self._new_id("call"), "name": name, "input": "",
+                    "status": "in_progress"}
+            self.arguments[item["id"]] = ""
+            return item
+        return {"type": "function_call", "id": self._new_id("fc"),
+                "call_id": self._new_id("call"), "name": name, "arguments": "",
+                "status": "in_progress"}
+
+    def _call_args(self, item: dict, fragment: str) -> list[Event]:
+        """A piece of a call's arguments: a function's as it is, a custom tool's as the part
+        of its input string it completes."""
+        index = self._index(item)
+        if item["type"] == "function_call":
+            item["arguments"] += fragment
+            return [self.event("response.function_call_arguments.delta", item_id=item["id"],
+                               output_index=index, delta=fragment)]
+        self.arguments[item["id"]] += fragment
+        return self._input_delta(item, custom_tools.input_prefix(self.arguments[item["id"]]))
+
+    def _input_delta(self, item: dict, text: str) -> list[Event]:
+        """The custom call's input grown to `text` (a delta event), if it grew."""
+        delta = text[len(item["input"]):] if text.startswith(item["input"]) else ""
+        if not delta:
+            return []
+        item["input"] += delta
+        return [self.event("response.custom_tool_call_input.delta", item_id=item["id"],
+                           output_index=self._index(item), delta=delta)]
 
     def finish(self, status: str, usage: dict, error: dict | None = None) -> list[Event]:
         """The closing events: the open item done, then the response's end."""
@@ -149,6 +177,12 @@ class ResponseOutput:
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=index, name=item["name"],
                                   arguments=item["arguments"]))
+        elif item["type"] == "custom_tool_call":
+            final = custom_tools.decode_input(self.arguments.pop(item["id"]))
+            out += self._input_delta(item, final)
+            item["input"] = final
+            out.append(self.event("response.custom_tool_call_input.done", item_id=item["id"],
+                                  output_index=index, input=final))
         else:
             part = item["content"][0]
             kind = "output_text" if item["type"] == "message" else "reasoning_text"

@@ -30,6 +30,7 @@ from typing import Any
 
 from services.gateway import protocol
 from services.gateway.errors import bad_request
+from services.gateway.responses_api import custom_tools
 from services.gateway.validation import json_type, reject_unknown
 
 KEYS = frozenset({
@@ -157,9 +158,13 @@ def _messages(instructions: Any, items: list[dict]) -> list[dict]:
             if role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
             out.append(msg)
-        elif kind == "function_call":
-            call = {"id": _str(item, "call_id", where), "type": "function", "function": {
-                "name": _str(item, "name", where), "arguments": _str(item, "arguments", where)}}
+        elif kind in ("function_call", "custom_tool_call"):
+            call_id, name = _str(item, "call_id", where), _str(item, "name", where)
+            if kind == "function_call":
+                call = {"id": call_id, "type": "function", "function": {
+                    "name": name, "arguments": _str(item, "arguments", where)}}
+            else:
+                call = custom_tools.call_message(item, name, call_id)
             last = out[-1] if out else None
             if last and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)
@@ -167,7 +172,7 @@ def _messages(instructions: Any, items: list[dict]) -> list[dict]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
                 if reasoning is not None:
                     out[-1]["reasoning_content"], reasoning = reasoning, None
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": _str(item, "call_id", where),
                         "content": output if isinstance(output, str)
@@ -177,7 +182,8 @@ def _messages(instructions: Any, items: list[dict]) -> list[dict]:
         else:
             raise bad_request(f"{where}: input items of type {str(kind)[:40]!r} are not "
                               "supported (message, function_call, function_call_output, "
-                              "reasoning)", f"{where}.type")
+                              "custom_tool_call, custom_tool_call_output, reasoning)",
+                              f"{where}.type")
     return out
 
 
@@ -231,7 +237,8 @@ def _reasoning_text(item: dict) -> str:
 
 
 def _tools(raw: Any, notes: list[str]) -> list[dict]:
-    """Function tools as chat tools; the built-in ones this server cannot run are skipped."""
+    """Function and custom tools as chat tools (custom_tools.py); the built-in ones this
+    server cannot run are skipped."""
     if raw is None:
         return []
     if not isinstance(raw, list):
@@ -240,6 +247,9 @@ def _tools(raw: Any, notes: list[str]) -> list[dict]:
     for i, tool in enumerate(raw):
         if not isinstance(tool, dict):
             raise bad_request(f"tools[{i}] must be an object", f"tools[{i}]")
+        if tool.get("type") == "custom":
+            out.append(custom_tools.as_function(tool))
+            continue
         if tool.get("type") != "function":
             notes.append(f"tools[{i}]: the built-in tool {str(tool.get('type'))[:40]!r} is "
                          "not run by this server and was skipped")
@@ -255,11 +265,11 @@ def _tools(raw: Any, notes: list[str]) -> list[dict]:
 def _tool_choice(raw: Any) -> Any:
     if raw is None or raw in ("auto", "none", "required"):
         return raw or "auto"
-    if isinstance(raw, dict) and raw.get("type") == "function" and isinstance(
+    if isinstance(raw, dict) and raw.get("type") in ("function", "custom") and isinstance(
             raw.get("name"), str):
         return {"type": "function", "function": {"name": raw["name"]}}
-    raise bad_request("tool_choice must be auto, none, required or {\"type\": \"function\", "
-                      "\"name\"}", "tool_choice")
+    raise bad_request("tool_choice must be auto, none, required or {\"type\": \"function\" "
+                      "(or \"custom\"), \"name\"}", "tool_choice")
 
 
 def _format(text: Any) -> dict:
