@@ -281,3 +281,20 @@ def test_a_custom_call_streams_its_input():
     added = next(e for e in events if e["type"] == "response.output_item.added"
                  and e["item"]["type"] == "custom_tool_call")
     assert added["item"]["input"] == ""
+
+
+def test_namespace_tools_are_flat_functions_named_back():
+    """A namespace's functions (Codex's MCP tools) reach the model as <namespace>__<name>;
+    its call comes back under its own name with its namespace, and goes back flat."""
+    ns = {"type": "namespace", "name": "github", "description": "GitHub",
+          "tools": [{**TOOL, "name": "search"}, {"type": "custom", "name": "skipped"}]}
+    p = parse(input="find it", tools=[ns, TOOL])
+    assert [s.name for s in p.req.tools.specs] == ["github__search", "get_weather"]
+    call = '<tool_call>\n{"name": "github__search", "arguments": {"city": "x"}}\n</tool_call>'
+    _, obj = run([("", call)], tools=[ns, TOOL])
+    (item,) = [o for o in obj["output"] if o["type"] == "function_call"]
+    assert (item["name"], item["namespace"]) == ("search", "github")
+    back = parse(input=[{"type": "message", "role": "user", "content": "find it"}, item,
+                        {"type": "function_call_output", "call_id": item["call_id"],
+                         "output": "found"}], tools=[ns]).req.messages
+    assert back[1].tool_calls[0].name == "github__search"

@@ -24,7 +24,7 @@ import time
 
 from services.gateway import responses
 from services.gateway.protocol import GenerationRequest
-from services.gateway.responses_api import custom_tools
+from services.gateway.responses_api import custom_tools, namespaces
 from services.gateway.tool_parsers import CallArgs, CallStart, Content
 
 Event = dict
@@ -44,6 +44,7 @@ class ResponseOutput:
         self.seq = 0
         self.calls: dict[int, dict] = {}  # the shaper's call index -> its item
         self.custom = custom_tools.custom_names(obj.get("tools") or [])
+        self.namespaced = namespaces.call_names(obj.get("tools") or [])
         self.arguments: dict[str, str] = {}  # a custom call's item id -> its arguments so far
 
     def event(self, kind: str, **fields) -> Event:
@@ -87,9 +88,12 @@ class ResponseOutput:
                     "status": "in_progress"}
             self.arguments[item["id"]] = ""
             return item
-        return {"type": "function_call", "id": self._new_id("fc"),
+        item = {"type": "function_call", "id": self._new_id("fc"),
                 "call_id": self._new_id("call"), "name": name, "arguments": "",
                 "status": "in_progress"}
+        if name in self.namespaced:  # its own name, and the namespace it is in
+            item["name"], item["namespace"] = self.namespaced[name]
+        return item
 
     def _call_args(self, item: dict, fragment: str) -> list[Event]:
         """A piece of a call's arguments: a function's as it is, a custom tool's as the part

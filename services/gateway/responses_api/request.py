@@ -30,7 +30,7 @@ from typing import Any
 
 from services.gateway import protocol
 from services.gateway.errors import bad_request
-from services.gateway.responses_api import custom_tools
+from services.gateway.responses_api import custom_tools, namespaces
 from services.gateway.validation import json_type, reject_unknown
 
 KEYS = frozenset({
@@ -162,7 +162,8 @@ def _messages(instructions: Any, items: list[dict]) -> list[dict]:
             call_id, name = _str(item, "call_id", where), _str(item, "name", where)
             if kind == "function_call":
                 call = {"id": call_id, "type": "function", "function": {
-                    "name": name, "arguments": _str(item, "arguments", where)}}
+                    "name": namespaces.history_name(item, name),
+                    "arguments": _str(item, "arguments", where)}}
             else:
                 call = custom_tools.call_message(item, name, call_id)
             last = out[-1] if out else None
@@ -249,17 +250,23 @@ def _tools(raw: Any, notes: list[str]) -> list[dict]:
             raise bad_request(f"tools[{i}] must be an object", f"tools[{i}]")
         if tool.get("type") == "custom":
             out.append(custom_tools.as_function(tool))
-            continue
-        if tool.get("type") != "function":
+        elif tool.get("type") == "namespace":
+            out += [_function(t) for t in namespaces.functions(tool)]
+        elif tool.get("type") == "function":
+            out.append(_function(tool))
+        else:
             notes.append(f"tools[{i}]: the built-in tool {str(tool.get('type'))[:40]!r} is "
                          "not run by this server and was skipped")
-            continue
-        fn = {"name": tool.get("name"), "parameters": tool.get("parameters") or
-              {"type": "object", "properties": {}}}
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
     return out
+
+
+def _function(tool: dict) -> dict:
+    """A Responses function tool as the chat path's."""
+    fn = {"name": tool.get("name"), "parameters": tool.get("parameters") or
+          {"type": "object", "properties": {}}}
+    if tool.get("description") is not None:
+        fn["description"] = tool["description"]
+    return {"type": "function", "function": fn}
 
 
 def _tool_choice(raw: Any) -> Any:
