@@ -103,6 +103,11 @@ def test_tools_choice_format_reasoning_and_include():
                                                "schema": WEATHER}}).req.grammar
     assert json.loads(schema.spec) == WEATHER
     assert parse(input="x", tools=[TOOL], tool_choice="required").req.tools.mode == "required"
+    other = {**TOOL, "name": "get_time"}
+    only = parse(input="x", tools=[TOOL, other], tool_choice={
+        "type": "allowed_tools", "mode": "auto",
+        "tools": [{"type": "function", "name": "get_time"}]}).req.tools
+    assert [s.name for s in only.specs] == ["get_time"] and only.mode == "auto"
     # the chat path's fields, as vLLM's Responses API takes them
     p = parse(input="x", presence_penalty=0.5, frequency_penalty=0.25, logit_bias={"5": 3},
               stop_token_ids=[7], include_stop_str_in_output=True,

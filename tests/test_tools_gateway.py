@@ -33,6 +33,12 @@ def test_modes_and_defaults():
     assert json.loads(named.grammar().spec) == ADD and named.grammar().param == "tool_choice"
     assert parse_tools({}, "") is None and parse_tools({"tools": []}, "") is None
     assert tools().specs[1] == ToolSpec("now", "the time", '{"type": "object", "properties": {}}')
+    # OpenAI's allowed_tools: only those tools, in the mode given
+    only = tools(tool_choice={"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "now"}}]}})
+    assert [s.name for s in only.specs] == ["now"] and only.mode == "required"
+    assert json.loads(only.grammar().spec)["items"]["anyOf"][0]["properties"]["name"] == {
+        "const": "now"}
 
 
 @pytest.mark.parametrize("parallel, most", [(True, None), (False, 1)])
@@ -57,6 +63,11 @@ def test_required_is_an_array_of_calls_of_the_given_tools(parallel, most):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "x"}}]}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "sometimes", "tools": []}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
 ])
 def test_bad_tools_are_400s(body, param):

@@ -88,6 +88,9 @@ def parse_tools(body: dict, auto_parser: str) -> Tools | None:
     names = [s.name for s in specs]
     if len(set(names)) < len(names):
         raise bad_request("tool names must be unique", "tools")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        specs, choice = _allowed(choice, specs)
+        names = [s.name for s in specs]
     mode, named = _choice("auto" if choice is None else choice, names)
     if mode == "auto" and not auto_parser:
         raise bad_request('"auto" tool choice is off on this server (started with '
@@ -113,6 +116,28 @@ def _tool(tool: Any, where: str) -> ToolSpec:
                           f"{where}.function.description")
     get_bool(fn, "strict", False)
     return ToolSpec(name, description, json.dumps(params))
+
+
+def _allowed(choice: dict, specs: tuple[ToolSpec, ...]) -> tuple[tuple[ToolSpec, ...], str]:
+    """OpenAI's tool_choice {"type": "allowed_tools", "allowed_tools": {"mode": "auto" or
+    "required", "tools": [{"type": "function", "function": {"name"}}]}}: the model sees and
+    may call only those tools (the others are left out of its prompt), in that mode."""
+    spec = choice.get("allowed_tools")
+    allowed = spec.get("tools") if isinstance(spec, dict) else None
+    mode = spec.get("mode", "auto") if isinstance(spec, dict) else None
+    if mode not in ("auto", "required") or not isinstance(allowed, list) or not allowed:
+        raise bad_request('tool_choice allowed_tools must be {"mode": "auto" or "required", '
+                          '"tools": [{"type": "function", "function": {"name": ...}}, ...]}',
+                          "tool_choice")
+    wanted = set()
+    for tool in allowed:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in {s.name for s in specs}:
+            raise bad_request(f"tool_choice allows {str(name)[:64]!r}, which is not in tools",
+                              "tool_choice")
+        wanted.add(name)
+    return tuple(s for s in specs if s.name in wanted), mode
 
 
 def _choice(choice: Any, names: list[str]) -> tuple[str, str]:

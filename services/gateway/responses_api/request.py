@@ -275,6 +275,11 @@ def _tool_choice(raw: Any) -> Any:
     if isinstance(raw, dict) and raw.get("type") in ("function", "custom") and isinstance(
             raw.get("name"), str):
         return {"type": "function", "function": {"name": raw["name"]}}
+    if isinstance(raw, dict) and raw.get("type") == "allowed_tools":  # the chat path's shape
+        tools = raw.get("tools") if isinstance(raw.get("tools"), list) else []
+        return {"type": "allowed_tools", "allowed_tools": {"mode": raw.get("mode"), "tools": [
+            {"type": "function", "function": {"name": t.get("name")}}
+            for t in tools if isinstance(t, dict)]}}
     raise bad_request("tool_choice must be auto, none, required or {\"type\": \"function\" "
                       "(or \"custom\"), \"name\"}", "tool_choice")
 
