@@ -255,6 +255,23 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
     param = "max_tokens"
     if max_completion is not None:
         max_tokens, param = max_completion, "max_completion_tokens"
+    chat_options = _chat_options(body, chat)
+    add_generation_prompt = chat_options.pop("add_generation_prompt")
+    ranked = get_int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
+    return _finish(body, "chat", model, prompts=(), messages=messages,
+                   prompt_logprobs=ranked, ranked_prompt_logprobs=ranked is not None,
+                   n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
+                   max_param=param, defaults=defaults, fallback_max_tokens=None,
+                   add_generation_prompt=add_generation_prompt, chat_options=chat_options,
+                   echo=get_bool(body, "echo", False),
+                   tools=tools.parse_tools(body, chat.tool_parser), beam=parse_beam(body, n, n),
+                   include_reasoning=get_bool(body, "include_reasoning", True),
+                   ignored=tuple(ignored or ()), lora_name=_lora_name(model, model_name))
+
+
+def _chat_options(body: dict, chat: ChatSettings) -> dict:
+    """How a chat request's prompt renders and its reasoning is parsed: TokenizeRequest
+    fields, and add_generation_prompt."""
     continue_final = get_bool(body, "continue_final_message", False)
     add_generation_prompt = get_bool(body, "add_generation_prompt", not continue_final)
     if continue_final and add_generation_prompt:
@@ -270,21 +287,12 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
         raise bad_request("thinking_token_budget needs the server started with "
                           "--reasoning-parser", "thinking_token_budget")
     kwargs = {**chat.template_kwargs, **_documents(body), **(kwargs or {})}
-    chat_options = {"continue_final_message": continue_final,
-                    "chat_template_kwargs": json.dumps(kwargs) if kwargs else "",
-                    "chat_template": _request_template(body, chat),
-                    "reasoning_parser": chat.reasoning_parser if separate else "",
-                    "thinking_token_budget": budget}
-    ranked = get_int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
-    return _finish(body, "chat", model, prompts=(), messages=messages,
-                   prompt_logprobs=ranked, ranked_prompt_logprobs=ranked is not None,
-                   n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
-                   max_param=param, defaults=defaults, fallback_max_tokens=None,
-                   add_generation_prompt=add_generation_prompt, chat_options=chat_options,
-                   echo=get_bool(body, "echo", False),
-                   tools=tools.parse_tools(body, chat.tool_parser), beam=parse_beam(body, n, n),
-                   include_reasoning=get_bool(body, "include_reasoning", True),
-                   ignored=tuple(ignored or ()), lora_name=_lora_name(model, model_name))
+    return {"continue_final_message": continue_final,
+            "add_generation_prompt": add_generation_prompt,
+            "chat_template_kwargs": json.dumps(kwargs) if kwargs else "",
+            "chat_template": _request_template(body, chat),
+            "reasoning_parser": chat.reasoning_parser if separate else "",
+            "thinking_token_budget": budget}
 
 
 def _documents(body: dict) -> dict:
