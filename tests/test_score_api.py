@@ -120,7 +120,7 @@ BAD = [
     (rerank, {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
     (rerank, {"query": "q", "documents": ["a"], "top_n": 1.5}, "top_n"),
     (rerank, {"query": "q", "documents": ["a"], "return_documents": 1}, "return_documents"),
-    (lambda b: parse_classify(b, "m", 100, **LIMITS), {"input": ""}, "input"),
+    (lambda b: parse_classify(b, "m", 100, **LIMITS), {"input": []}, "input"),
 ]
 
 

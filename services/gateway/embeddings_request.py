@@ -189,12 +189,12 @@ def parse_input(value: Any, max_text_bytes: int
 
 
 def text_input(value: Any, where: str, max_bytes: int, param: str = "input") -> str:
-    """`value` where it is a text input (a 400 on `param` otherwise)."""
+    """`value` where it is a text input (a 400 on `param` otherwise). An empty string is
+    one: it embeds where the tokenizer adds special tokens (BOS, CLS), else the tokenizer
+    answers a 400 (no tokens), as vLLM and sentence-transformers treat it."""
     if not isinstance(value, str):
         raise bad_request(f"{where} must be a string like the other inputs, got "
                           f"{json_type(value)}", param)
-    if not value:
-        raise bad_request(f"{where} must not be an empty string", param)
     if len(value) > max_bytes // 4 and len(value.encode("utf-8")) > max_bytes:
         raise bad_request(f"{where} is longer than {max_bytes} bytes of UTF-8 text, the most "
                           "this server accepts (its --max-prompt-bytes)", param)
