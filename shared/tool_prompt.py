@@ -87,3 +87,21 @@ def with_tools(messages: list[dict], tools: list[dict]) -> list[dict]:
         else:
             out.append({k: v for k, v in m.items() if k != "tool_calls"})
     return [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
+
+
+def tool_dicts(specs) -> list[dict] | None:
+    """ToolSpecs as a chat template's `tools=` takes them (OpenAI's shape); None for none."""
+    if not specs:
+        return None
+    return [{"type": "function", "function": {
+        "name": t.name, "description": t.description,
+        "parameters": json.loads(t.parameters)}} for t in specs]
+
+
+def render_chat(template, messages: list[dict], add_generation_prompt: bool,
+                tools: list[dict] | None, extra: dict | None, continue_final: bool) -> str:
+    """`messages` rendered by `template` (shared/chat_template.ChatTemplate), the tools in the
+    system message where the template renders none (`with_tools`)."""
+    if tools and not template.renders_tools:
+        messages, tools = with_tools(messages, tools), None
+    return template.render(messages, add_generation_prompt, tools, extra, continue_final)

@@ -277,16 +277,12 @@ def _chat_options(body: dict, chat: ChatSettings) -> dict:
     if continue_final and add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be "
                           "true", "continue_final_message")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
-                          "chat_template_kwargs")
     separate = get_bool(body, "separate_reasoning", True)
     budget = get_int(body, "thinking_token_budget", 0, lo=0, hi=MAX_COUNT)
     if budget and not chat.reasoning_parser:
         raise bad_request("thinking_token_budget needs the server started with "
                           "--reasoning-parser", "thinking_token_budget")
-    kwargs = {**chat.template_kwargs, **_documents(body), **(kwargs or {})}
+    kwargs = template_variables(body, chat.template_kwargs)
     return {"continue_final_message": continue_final,
             "add_generation_prompt": add_generation_prompt,
             "chat_template_kwargs": json.dumps(kwargs) if kwargs else "",
@@ -295,15 +291,19 @@ def _chat_options(body: dict, chat: ChatSettings) -> dict:
             "thinking_token_budget": budget}
 
 
-def _documents(body: dict) -> dict:
-    """vLLM's `documents` (a RAG template's sources: a list of objects) as a template
-    variable."""
-    docs = body.get("documents")
-    if docs is None:
-        return {}
-    if not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs):
+def template_variables(body: dict, defaults: dict | None = None) -> dict:
+    """A chat body's extra template variables: `defaults` (the server's), vLLM's `documents`
+    (a RAG template's sources: a list of objects), then its chat_template_kwargs, which win
+    key by key."""
+    kwargs, docs = body.get("chat_template_kwargs"), body.get("documents")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
+                          "chat_template_kwargs")
+    if docs is not None and not (isinstance(docs, list)
+                                 and all(isinstance(d, dict) for d in docs)):
         raise bad_request("documents must be a list of objects", "documents")
-    return {"documents": docs}
+    return {**(defaults or {}), **({"documents": docs} if docs is not None else {}),
+            **(kwargs or {})}
 
 
 def _request_template(body: dict, chat: ChatSettings) -> str:

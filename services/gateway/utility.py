@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from importlib import metadata
 
@@ -25,19 +24,18 @@ from aiohttp import web
 
 from services.gateway.chat_messages import parse_messages
 from services.gateway.errors import bad_request
-from services.gateway.protocol import check_model
+from services.gateway.protocol import check_model, template_variables
 from services.gateway.tools import parse_tools
 from services.gateway.validation import (
     check_prompt_bytes,
     get_bool,
     get_str,
-    json_type,
     read_json_body,
     token_ids,
 )
 from shared.chat_template import ChatTemplate, ChatTemplateError, template_message
 from shared.tokenizer import decode, encode
-from shared.tool_prompt import with_tools
+from shared.tool_prompt import render_chat, tool_dicts
 
 TOKENIZE_KEYS = frozenset({"model", "prompt", "messages", "add_special_tokens",
                            "add_generation_prompt", "return_token_strs", "continue_final_message",
@@ -99,7 +97,7 @@ class Utility:
         if self.gw.template is None:
             raise bad_request("this model has no chat template (see --chat-template)",
                               "messages")
-        return render_chat(self.gw.template, body, [template_message(m) for m in messages])
+        return _render(self.gw.template, body, [template_message(m) for m in messages])
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = check_model(await read_json_body(request), self.gw.model_name,
@@ -126,29 +124,16 @@ class Utility:
         return web.json_response({"version": version()})
 
 
-def render_chat(template: ChatTemplate, body: dict, messages: list[dict]) -> str:
+def _render(template: ChatTemplate, body: dict, messages: list[dict]) -> str:
     """`messages` rendered as a chat request with this body's options renders them (the
     tokenizer service's rules: tools the template does not render go in the system message)."""
     continue_final = get_bool(body, "continue_final_message", False)
     add_prompt = get_bool(body, "add_generation_prompt", not continue_final)
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
-                          "chat_template_kwargs")
-    docs = body.get("documents")
-    if docs is not None and not (isinstance(docs, list)
-                                 and all(isinstance(d, dict) for d in docs)):
-        raise bad_request("documents must be a list of objects", "documents")
-    extra = {**({"documents": docs} if docs else {}), **(kwargs or {})}
-    specs = parse_tools({"tools": body.get("tools"), "tool_choice": "none"}, "")
-    tools = None if specs is None else [
-        {"type": "function", "function": {"name": t.name, "description": t.description,
-                                          "parameters": json.loads(t.parameters)}}
-        for t in specs.specs]
-    if tools and not template.renders_tools:
-        messages, tools = with_tools(messages, tools), None
+    extra = template_variables(body)
+    tools = parse_tools({"tools": body.get("tools"), "tool_choice": "none"}, "")
     try:
-        return template.render(messages, add_prompt, tools, extra or None, continue_final)
+        return render_chat(template, messages, add_prompt, tool_dicts(tools and tools.specs),
+                           extra or None, continue_final)
     except ChatTemplateError as exc:
         raise bad_request(str(exc)[:500], "messages") from None
 

@@ -55,7 +55,7 @@ from shared.reasoning import parser
 from shared.routing import make_policy
 from shared.sampling import InvalidParams, SamplingParams
 from shared.tokenizer import encode, load_tokenizer
-from shared.tool_prompt import with_tools
+from shared.tool_prompt import render_chat, tool_dicts
 from shared.transport import Receiver, Sender, Senders
 
 log = logging.getLogger("pipellm.tokenizer")
@@ -109,11 +109,8 @@ class Tokenizer:
             template = self._template(req)
             messages = [template_message(m) for m in req.messages]
             extra = json.loads(req.chat_template_kwargs) if req.chat_template_kwargs else None
-            tools = self._tools(req)
-            if tools and not template.renders_tools:  # the generic fallback
-                messages, tools = with_tools(messages, tools), None
-            text = template.render(messages, req.add_generation_prompt, tools, extra,
-                                   req.continue_final_message)
+            text = render_chat(template, messages, req.add_generation_prompt,
+                               tool_dicts(req.tools), extra, req.continue_final_message)
             return text, encode(self.tok, text, add_special_tokens=bool(req.add_special_tokens))
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
@@ -135,14 +132,6 @@ class Tokenizer:
     @functools.lru_cache(maxsize=16)  # noqa: B019 (one tokenizer a process)
     def _request_template(self, source: str) -> ChatTemplate:
         return request_template(self.model_path, source)
-
-    def _tools(self, req: TokenizeRequest) -> list[dict] | None:
-        """The request's tools as the template's `tools=` takes them (OpenAI's shape)."""
-        if not req.tools:
-            return None
-        return [{"type": "function", "function": {
-            "name": t.name, "description": t.description,
-            "parameters": json.loads(t.parameters)}} for t in req.tools]
 
     def _word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids, as it starts a text and (where that is another token)
