@@ -74,6 +74,9 @@ def test_score_pairs_as_vllm_forms_them():
     req = score({"text_1": "q", "text_2": "d", "max_tokens_per_query": 3,
                  "max_tokens_per_doc": 5, "truncation_side": "left", "use_activation": False})
     assert (req.max_tokens, req.truncation_side, req.use_activation) == ((3, 5), "left", False)
+    assert score({"text_1": "q", "text_2": "d", "instruction": "find it"}).instruction == "find it"
+    assert score({"text_1": "q", "text_2": "d", "instruction": "a", "chat_template_kwargs": {
+        "instruction": "b"}}).instruction == "b"  # vLLM's merge: the kwargs' own wins
     plain = score({"text_1": "q", "text_2": "d"})
     assert (plain.max_tokens, plain.truncation_side, plain.use_activation) == (
         (0, 0), "right", True)
@@ -108,6 +111,8 @@ BAD = [
     (score, {"text_1": "a", "text_2": "b", "max_tokens_per_query": 101},
      "max_tokens_per_query"),
     (score, {"text_1": "a", "text_2": "b", "use_activation": 1}, "use_activation"),
+    (score, {"text_1": "a", "text_2": "b", "instruction": 3}, "instruction"),
+    (score, {"text_1": "a", "text_2": "b", "chat_template_kwargs": "x"}, "chat_template_kwargs"),
     (rerank, {"documents": ["a"]}, "query"),
     (rerank, {"query": "", "documents": ["a"]}, "query"),
     (rerank, {"query": ["q"], "documents": ["a"]}, "query"),

@@ -237,6 +237,16 @@ def test_yes_no_reranker(tmp_path):
             if i == 0:
                 score = post(stack, "/score", {"text_1": q, "text_2": ds})
                 assert np.allclose([d["score"] for d in score["data"]], ref, atol=1e-3)
+                # the instruction the model card asks users to write for their task
+                task = "Given a question about rivers, find the passage that answers it"
+                ids = [tok(reranker_prompt(q, d, task), add_special_tokens=False)["input_ids"]
+                       for d in ds]
+                told = np.array(yes_no_reference(model, ids))
+                answer = post(stack, "/rerank", {"query": q, "documents": ds,
+                                                 "instruction": task})
+                assert np.allclose([r["relevance_score"] for r in sorted(
+                    answer["results"], key=lambda r: r["index"])], told, atol=1e-3)
+                assert not np.allclose(told, ref, atol=1e-3)
         status, err = stack.post("/v1/chat/completions", {"messages": [
             {"role": "user", "content": "hi"}]})
         assert status == 400 and err["error"]["param"] == "model"

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from services.gateway.score_request import PairsRequest
 from shared.messages import EmbedRequest, EmbedResult
-from shared.scoring import ScoringConfig, reranker_prompt
+from shared.scoring import RERANKER_INSTRUCTION, ScoringConfig, reranker_prompt
 
 EPS = 1e-8  # the norms' floor in the cosine (torch.nn.functional.cosine_similarity's)
 
@@ -37,7 +37,8 @@ def pairs_message(req: PairsRequest, scoring: ScoringConfig, request_id: str,
                             task="embed", **common)
     if scoring.qwen3_template:
         return EmbedRequest(request_id, reply_to, task="classify", add_special_tokens=False,
-                            texts=[reranker_prompt(a, b) for a, b in req.pairs], **common)
+                            texts=[reranker_prompt(a, b, req.instruction or RERANKER_INSTRUCTION)
+                                   for a, b in req.pairs], **common)
     return EmbedRequest(request_id, reply_to, task="classify", texts=[a for a, _ in req.pairs],
                         texts_2=[b for _, b in req.pairs], **common)
 

@@ -8,7 +8,9 @@
   string or a list of strings or `{"text": ...}` objects, `top_n` (0 or absent: all; over the
   count: all), `return_documents` (default true, as vLLM's answers always hold them).
 - Both: `max_tokens_per_query` and `max_tokens_per_doc` (0: no limit) cut each first and
-  second text to that many tokens before they are paired (score_pairs.truncate_pairs).
+  second text to that many tokens before they are paired (score_pairs.truncate_pairs);
+  `instruction` (or `chat_template_kwargs.instruction`, which wins, vLLM's rule) replaces a
+  Qwen3-Reranker's default instruction (other models have no use for it).
 - `/classify`: `input` as /v1/embeddings takes it (strings or token ids).
 All of them: at most MAX_PAIRS pairs (documents) a request, texts not empty and at most the
 prompt size limit, `truncate_prompt_tokens` and `truncation_side` as /v1/embeddings,
@@ -32,7 +34,8 @@ SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_
                ("text_1", "text_2"))
 _COMMON_KEYS = frozenset({"model", "user", "truncate_prompt_tokens", "truncation_side",
                           "use_activation"})
-_PAIR_KEYS = _COMMON_KEYS | {"max_tokens_per_query", "max_tokens_per_doc"}
+_PAIR_KEYS = _COMMON_KEYS | {"max_tokens_per_query", "max_tokens_per_doc", "instruction",
+                             "chat_template_kwargs"}
 SCORE_KEYS = _PAIR_KEYS | {name for side in SCORE_SIDES for name in side}
 RERANK_KEYS = _PAIR_KEYS | {"query", "documents", "top_n", "return_documents"}
 CLASSIFY_KEYS = _COMMON_KEYS | {"input", "add_special_tokens"}
@@ -52,6 +55,7 @@ class PairsRequest:
     truncation_side: str = "right"
     max_tokens: tuple[int, int] = (0, 0)  # max_tokens_per_query, max_tokens_per_doc (0: all)
     use_activation: bool = True
+    instruction: str = ""  # a Qwen3-Reranker's instruction ("": its documented default)
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,19 @@ def _pair_options(body: dict, max_model_len: int) -> dict:
     limits = tuple(get_int(body, name, 0, lo=0, hi=max_model_len or None)
                    for name in ("max_tokens_per_query", "max_tokens_per_doc"))
     return {"truncate_prompt_tokens": k, "truncation_side": side, "max_tokens": limits,
-            "use_activation": use_activation(body)}
+            "use_activation": use_activation(body), "instruction": _instruction(body)}
+
+
+def _instruction(body: dict) -> str:
+    """vLLM's `instruction`, folded into chat_template_kwargs (whose own one wins)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
+                          "chat_template_kwargs")
+    merged = {"instruction": get_str(body, "instruction"), **(kwargs or {})}
+    if merged["instruction"] is not None and not isinstance(merged["instruction"], str):
+        raise bad_request("the instruction must be a string", "chat_template_kwargs")
+    return merged["instruction"] or ""
 
 
 def parse_rerank(body: Any, model_name: str, max_model_len: int, *, max_text_bytes: int,
