@@ -58,6 +58,41 @@ def test_system_and_text_blocks():
         "system", "user"]  # a system prompt given stays, even empty
 
 
+def test_tool_search_blocks():
+    """Anthropic's tool search (as Claude Code sends it with many MCP tools): a tool_result's
+    tool_reference names the tool found; system messages' tool_addition / tool_removal
+    change the tools, as vLLM resolves them; defer_loading is accepted (every tool is shown)."""
+    search = {"name": "tool_search", "input_schema": {"type": "object"}}
+    deferred = {**TOOL, "defer_loading": True}
+    req, _ = parse(tools=[search, deferred], messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                           "name": "tool_search", "input": {"q": "weather"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                {"type": "text", "text": "found:"},
+                {"type": "tool_reference", "tool_name": "get_weather"}]},
+            {"type": "tool_reference", "tool_name": "get_weather"}]}])
+    assert [s.name for s in req.tools.specs] == ["tool_search", "get_weather"]
+    assert req.messages[2].content == "found:\nTool loaded: get_weather"
+    added = {"name": "now", "input_schema": {"type": "object"}}
+    changes = [{"type": "tool_removal", "tool": {"type": "tool_reference",
+                                                 "name": "tool_search"}},
+               {"type": "tool_addition", "tool": {"type": "tool_definition",
+                                                  "definition": added}},
+               {"type": "text", "text": "S"}]
+    req, _ = parse(tools=[search, deferred], messages=[
+        {"role": "system", "content": changes}, {"role": "user", "content": "hi"}])
+    assert [s.name for s in req.tools.specs] == ["get_weather", "now"]
+    assert req.messages[0].content == "S"
+    for change in ({"type": "tool_reference", "name": "nope"},
+                   {"type": "tool_definition", "definition": {"no": "name"}}):
+        with pytest.raises(APIError) as e:
+            parse(tools=[search], messages=[{"role": "system", "content": [
+                {"type": "tool_addition", "tool": change}]}, {"role": "user", "content": "x"}])
+        assert e.value.param == "messages[0].content[0].tool"
+
+
 def test_tool_use_and_tool_result_blocks():
     m = msgs({"role": "user", "content": "weather?"},
              {"role": "assistant", "content": [

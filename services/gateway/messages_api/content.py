@@ -20,6 +20,7 @@ from services.gateway.validation import json_type
 
 _UNSERVED = {"image": "images are not supported", "document": "documents are not supported"}
 _BILLING = "x-anthropic-billing-header"
+TOOL_CHANGES = ("tool_addition", "tool_removal")  # system blocks that change the tools
 # assistant blocks of Anthropic's server tools in a history: their calls ran elsewhere
 _SERVER_BLOCKS = frozenset({"server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
                             "code_execution_tool_result", "bash_code_execution_tool_result",
@@ -73,7 +74,8 @@ def _system(system: Any, where: str) -> str:
     if not isinstance(system, list):
         raise bad_request(f"{where} must be a string or an array of text blocks, got "
                           f"{json_type(system)}", where)
-    texts = (_text(_block(b, f"{where}[{i}]"), f"{where}[{i}]") for i, b in enumerate(system))
+    blocks = [_block(b, f"{where}[{i}]") for i, b in enumerate(system)]
+    texts = (_text(b, b[2]) for b in blocks if b[0] not in TOOL_CHANGES)  # tools.py's
     return "\n".join(t for t in texts if not t.startswith(_BILLING))
 
 
@@ -116,7 +118,7 @@ def _user(blocks: list[tuple[str, dict, str]], where: str) -> list[dict]:
                 texts = []
             out.append({"role": "tool", "tool_call_id": _string(b, "tool_use_id", at),
                         "content": _result(b.get("content"), at)})
-        else:
+        elif kind != "tool_reference":  # outside a tool result it says nothing (as vLLM)
             raise bad_request(f"content blocks of type {kind[:40]!r} are not supported in "
                               "user messages", at)
     if texts or not out:
@@ -131,8 +133,17 @@ def _result(content: Any, where: str) -> str:
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or an array of text blocks",
                           f"{where}.content")
-    return "\n".join(_text(_block(b, f"{where}.content[{i}]"), f"{where}.content[{i}]")
+    return "\n".join(_result_text(_block(b, f"{where}.content[{i}]"))
                      for i, b in enumerate(content))
+
+
+def _result_text(block: tuple[str, dict, str]) -> str:
+    """A tool result's block as text: a text block's; a tool_reference (tool search's answer:
+    the tool it found, whose definition the model has among its tools) as a line naming it."""
+    kind, b, where = block
+    if kind == "tool_reference":
+        return f"Tool loaded: {_string(b, 'tool_name', where)}"
+    return _text(block, where)
 
 
 def _assistant(blocks: list[tuple[str, dict, str]], where: str, notes: list[str]) -> dict:

@@ -32,7 +32,7 @@ from typing import Any
 
 from services.gateway import protocol, structured
 from services.gateway.errors import bad_request
-from services.gateway.messages_api.content import chat_messages
+from services.gateway.messages_api.content import TOOL_CHANGES, chat_messages
 from services.gateway.validation import is_int, json_type, reject_unknown
 
 KEYS = frozenset({"model", "messages", "system", "max_tokens", "metadata", "stop_sequences",
@@ -95,7 +95,7 @@ def to_chat_body(body: dict, notes: list[str], *, reasoning: bool,
         out["user"] = user
     if body.get("mcp_servers"):
         raise bad_request("mcp_servers are not supported", "mcp_servers")
-    tools = _tools(body.get("tools"), notes)
+    tools = _tools(resolved_tools(body.get("tools"), body.get("messages")), notes)
     if tools:
         out["tools"] = tools
     out.update(_tool_choice(body.get("tool_choice"), bool(tools)))
@@ -133,6 +133,37 @@ def _user(metadata: Any) -> str | None:
     if user is not None and not isinstance(user, str):
         raise bad_request("metadata.user_id must be a string", "metadata.user_id")
     return user
+
+
+def resolved_tools(raw: Any, messages: Any) -> Any:
+    """`tools` after the tool_addition / tool_removal blocks of system messages, in order
+    (vLLM's rule: a tool added by value is declared, one added by reference stays, a removed
+    one is dropped; `defer_loading` has no use here: the model sees every tool)."""
+    changes = [(b, f"messages[{i}].content[{j}]") for i, m in enumerate(
+        messages if isinstance(messages, list) else []) if isinstance(m, dict)
+        and m.get("role") == "system" and isinstance(m.get("content"), list)
+        for j, b in enumerate(m["content"]) if isinstance(b, dict)
+        and b.get("type") in TOOL_CHANGES]
+    if not changes:
+        return raw
+    tools = {t.get("name"): t for t in (raw if isinstance(raw, list) else [])
+             if isinstance(t, dict)}
+    removed: set = set()
+    for block, where in changes:
+        change, kind = block.get("tool"), block["type"]
+        by_value = isinstance(change, dict) and change.get("type") == "tool_definition"
+        name = (change.get("definition") or {}).get("name") if by_value else (
+            change.get("name") if isinstance(change, dict) else None)
+        if not isinstance(name, str) or (by_value and kind == "tool_removal"):
+            raise bad_request(f"{where}.tool must be a tool_reference (a name) or, to add, a "
+                              "tool_definition", f"{where}.tool")
+        if by_value:
+            tools[name] = change["definition"]
+        elif name not in tools:
+            raise bad_request(f"{kind} references tool {name[:64]!r}, which is not declared "
+                              "in tools", f"{where}.tool")
+        (removed.add if kind == "tool_removal" else removed.discard)(name)
+    return [t for n, t in tools.items() if n not in removed]
 
 
 def _tools(raw: Any, notes: list[str]) -> list[dict]:
