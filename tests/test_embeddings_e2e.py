@@ -366,3 +366,24 @@ def test_bytes_and_embed_dtypes_as_torch_casts_them(served):
                                   ] == want
     big, meta = post({"encoding_format": "bytes_only", "endianness": "big"})
     assert meta is None and np.array_equal(np.frombuffer(big, ">f4").reshape(3, 64), floats)
+
+
+def test_a_clients_request_id_names_the_answer(served):
+    """vLLM's request_id (and X-Request-Id, which wins) after the API's prefix; a malformed
+    one is a 400."""
+    import urllib.request
+
+    client, model, _, stack = served
+    r = client.embeddings.create(model=model, input="a", extra_body={"request_id": "job-7"})
+    assert r.model_dump()["id"] == "embd-job-7"
+    req = urllib.request.Request(stack.url + "/v1/embeddings", data=json.dumps(
+        {"model": model, "input": "a", "request_id": "job-7"}).encode(), headers={
+        "Content-Type": "application/json", "X-Request-Id": "trace-1"})
+    with urllib.request.urlopen(req, timeout=60) as answer:
+        assert json.loads(answer.read())["id"] == "embd-trace-1"
+    status, ranked = stack.post("/rerank", {"model": model, "query": "a", "documents": ["b"],
+                                            "request_id": "r1"})
+    assert status == 200 and ranked["id"] == "rerank-r1"
+    status, err = stack.post("/v1/embeddings", {"model": model, "input": "a",
+                                                "request_id": "has space"})
+    assert status == 400 and err["error"]["param"] == "request_id"

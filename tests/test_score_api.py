@@ -183,10 +183,10 @@ def test_classify_and_pooling_answers():
                                          **LIMITS),
                           EmbedResult("r", array("f", [-1.0]), 1, array("i", [2])), ("s",))
     assert raw["data"][0]["probs"] == [-1.0]
-    rows = EmbedResult("r", array("f", [1.0, 2.0]), 2, array("i", [3]))
+    rows = EmbedResult("pool-r", array("f", [1.0, 2.0]), 2, array("i", [3]))
     pooled = pooling_answer(rows, EmbeddingsRequest("m", ("a",), None))
     assert pooled["data"] == [{"index": 0, "object": "pooling", "data": [1.0, 2.0]}]
-    assert pooled["id"].startswith("pool-") and pooled["object"] == "list"
+    assert pooled["id"] == "pool-r" and pooled["object"] == "list"  # the request's id
     b64 = pooling_answer(rows, EmbeddingsRequest("m", ("a",), None, Encoding("base64")))
     assert np.frombuffer(base64.b64decode(b64["data"][0]["data"]), "<f4").tolist() == [1, 2]
     assert sigmoid(-800) == 0 and sigmoid(800) == 1 and sigmoid(0) == 0.5

@@ -29,7 +29,7 @@ from services.gateway.embeddings_request import (
 )
 from services.gateway.errors import APIError, bad_request, unavailable
 from services.gateway.inflight import MAX_RESUMES
-from services.gateway.validation import read_json_body
+from services.gateway.validation import check_request_id, read_json_body
 from shared.messages import Delta, EmbedRequest, EmbedResult
 
 log = logging.getLogger("pipellm.gateway")
@@ -51,14 +51,15 @@ class EmbeddingsAPI:
     async def embeddings(self, request: web.Request) -> web.Response:
         with self.gw.pending.hold():  # 429 past --max-pending
             req = await self._parse(request, "Embeddings API", parse_embeddings)
-            result = await self.run(req)
+            result = await self.run(req, message_id("embd", request, req.request_id))
             return respond(req.encoding, rows_of(result), answer(result, req))
 
     async def cohere_embed(self, request: web.Request) -> web.Response:
         """Cohere's /v2/embed (cohere_embed.py)."""
         with self.gw.pending.hold():
             embed = await self._parse(request, "Embed API", parse_cohere_embed)
-            return web.json_response(cohere_answer(await self.run(embed.request), embed))
+            result = await self.run(embed.request, message_id("embd", request, None))
+            return web.json_response(cohere_answer(result, embed))
 
     async def _parse(self, request: web.Request, api: str, parse):
         """The body of `request` parsed by `parse`, on a server that embeds (else a 400);
@@ -79,12 +80,11 @@ class EmbeddingsAPI:
                         ", ".join(ignored))
         return parsed
 
-    async def run(self, req: EmbeddingsRequest) -> EmbedResult:
-        """Send `req` on and wait for its EmbedResult (a reward model's: per token); an error
-        as an APIError."""
+    async def run(self, req: EmbeddingsRequest, rid: str) -> EmbedResult:
+        """Send `req` on as request `rid` and wait for its EmbedResult (a reward model's: per
+        token); an error as an APIError."""
         return await self.exchange(req.message(
-            f"embd-{secrets.token_hex(12)}", self.gw.svc.addr("gateway"),
-            "reward" if self.settings.reward else "embed"))
+            rid, self.gw.svc.addr("gateway"), "reward" if self.settings.reward else "embed"))
 
     async def exchange(self, msg: EmbedRequest) -> EmbedResult:
         """Send `msg` (an embeddings, pooling or scoring request) to a tokenizer and wait for
@@ -92,6 +92,8 @@ class EmbeddingsAPI:
         gw, rid = self.gw, msg.request_id
         if not gw.health.ok:
             raise unavailable(f"Not ready: {gw.health.reason}")
+        if rid in gw.registry.requests:  # a client's id given twice at once
+            raise bad_request(f"request id {rid!r} is already in use"[:300], "request_id")
         inflight = gw.registry.add(rid, 1)
         self.sent[rid] = msg
         outcome = "aborted"  # the client left, unless it gets an answer
@@ -132,6 +134,13 @@ class EmbeddingsAPI:
             inflight.resumes += 1
             if not await self.gw.send_tokenize(msg):
                 inflight.fail("No tokenizer worker is connected to resume the request.")
+
+
+def message_id(prefix: str, request: web.Request, given: str | None) -> str:
+    """A pooling request's id: the API's prefix, then the client's id (its X-Request-Id
+    header, else the body's `request_id`: vLLM's order), else a random one."""
+    client = check_request_id(request.headers.get("X-Request-Id"), "X-Request-Id") or given
+    return f"{prefix}-{client or secrets.token_hex(12)}"
 
 
 def answer(result: EmbedResult, req: EmbeddingsRequest) -> dict:

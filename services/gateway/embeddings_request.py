@@ -13,6 +13,8 @@
   tokens are added.
 - `use_activation` (vLLM's): false, the pooled vectors unnormalized; true, L2-normalized;
   absent, as the model's pooling config says. vLLM's older `normalize` is a 400 naming it.
+- `request_id` (vLLM's): the answer's id after the API's prefix (`embd-`), unless an
+  X-Request-Id header names it (embeddings_api.message_id).
 - `user` is accepted and ignored; other keys as --strict-request-fields says.
 Token ids are checked against the vocabulary and the context by the tokenizer service.
 """
@@ -30,6 +32,7 @@ from services.gateway.errors import APIError, bad_request
 from services.gateway.protocol import check_model
 from services.gateway.request_fields import truncation_side
 from services.gateway.validation import (
+    check_request_id,
     get_bool,
     get_int,
     get_str,
@@ -44,8 +47,8 @@ from shared.scoring import ScoringConfig
 
 MAX_INPUTS = 2048
 KEYS = frozenset({"model", "input", "dimensions", "user", "truncate_prompt_tokens",
-                  "truncation_side", "add_special_tokens", "use_activation",
-                  "normalize"}) | embeddings_chat.KEYS | embed_encoding.KEYS
+                  "truncation_side", "add_special_tokens", "use_activation", "normalize",
+                  "request_id"}) | embeddings_chat.KEYS | embed_encoding.KEYS
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class EmbeddingsRequest:
     truncation_side: str = "right"
     use_activation: bool | None = None  # None: the model's pooling config says
     chat: ChatInputs | None = None  # conversations instead of texts or ids
+    request_id: str | None = None  # the client's (vLLM's field): the answer's id
 
     @property
     def count(self) -> int:
@@ -140,7 +144,12 @@ def parse_embeddings(body: Any, model_name: str, settings: EmbeddingSettings, *,
     k, side = truncation(body, settings.max_model_len)
     return EmbeddingsRequest(get_str(body, "model", model_name), texts, ids, encoding,
                              dimensions, k, get_bool(body, "add_special_tokens", chat is None),
-                             side, use_activation(body, None), chat)
+                             side, use_activation(body, None), chat, client_id(body))
+
+
+def client_id(body: dict) -> str | None:
+    """vLLM's `request_id` of a pooling request (the answer's id after its prefix)."""
+    return check_request_id(get_str(body, "request_id"), "request_id")
 
 
 def use_activation(body: dict, default: bool | None = True) -> bool | None:

@@ -27,6 +27,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from services.gateway.embed_encoding import respond, rows_of
+from services.gateway.embeddings_api import message_id
 from services.gateway.embeddings_request import (
     EmbeddingSettings,
     EmbeddingsRequest,
@@ -70,21 +71,24 @@ class ScoreAPI:
         with self.gw.pending.hold():  # 429 past --max-pending
             self._check("Score API", one_label=True)
             req = parse_score(await read_json_body(request), **self._limits())
-            scores, tokens = await self._pairs(req, "text_2")
-            return web.json_response(score_answer(req.model, scores, tokens))
+            rid = message_id("score", request, req.request_id)
+            scores, tokens = await self._pairs(req, "text_2", rid)
+            return web.json_response(score_answer(req.model, scores, tokens, rid))
 
     async def rerank(self, request: web.Request) -> web.Response:
         with self.gw.pending.hold():
             self._check("Rerank API", one_label=True)
             req = parse_rerank(await read_json_body(request), **self._limits())
-            scores, tokens = await self._pairs(req, "documents")
-            return web.json_response(rerank_answer(req, scores, tokens))
+            rid = message_id("rerank", request, req.request_id)
+            scores, tokens = await self._pairs(req, "documents", rid)
+            return web.json_response(rerank_answer(req, scores, tokens, rid))
 
     async def classify(self, request: web.Request) -> web.Response:
         with self.gw.pending.hold():
             self._check("Classification API", head=True)
             req = parse_classify(await read_json_body(request), **self._limits())
-            result = await self._exchange(self._classify_message(req), "input")
+            rid = message_id("classify", request, req.request_id)
+            result = await self._exchange(self._classify_message(req, rid), "input")
             return web.json_response(classify_answer(req, result, self.settings.scoring.labels))
 
     async def pooling(self, request: web.Request) -> web.Response:
@@ -96,12 +100,12 @@ class ScoreAPI:
             req = parse_embeddings(body, gw.model_name, self.settings,
                                    max_text_bytes=gw.svc.prompt_bytes_limit(gw.max_model_len),
                                    ignored=None if gw.svc.strict_request_fields else [])
+            rid = message_id("pool", request, req.request_id)
             if task == "classify":
                 result = activated(await self._exchange(req.message(
-                    f"pool-{secrets.token_hex(12)}", gw.svc.addr("gateway"), "classify"),
-                    "input"), req.use_activation)
+                    rid, gw.svc.addr("gateway"), "classify"), "input"), req.use_activation)
             else:
-                result = await gw.embeddings_api.run(req)
+                result = await gw.embeddings_api.run(req, rid)
             per_token = task == "token_classify"
             return respond(req.encoding, rows_of(result, per_token),
                            pooling_answer(result, req, per_token))
@@ -116,21 +120,22 @@ class ScoreAPI:
                 "max_text_bytes": gw.svc.prompt_bytes_limit(gw.max_model_len),
                 "ignored": None if gw.svc.strict_request_fields else []}
 
-    def _classify_message(self, req: ClassifyRequest) -> EmbedRequest:
-        return EmbedRequest(f"classify-{secrets.token_hex(12)}", self.gw.svc.addr("gateway"),
+    def _classify_message(self, req: ClassifyRequest, rid: str) -> EmbedRequest:
+        return EmbedRequest(rid, self.gw.svc.addr("gateway"),
                             inputs=[int32s(ids) for ids in req.ids or ()],
                             texts=None if req.texts is None else list(req.texts),
                             truncate_prompt_tokens=req.truncate_prompt_tokens,
                             truncation_side=req.truncation_side,
                             add_special_tokens=req.add_special_tokens, task="classify")
 
-    async def _pairs(self, req: PairsRequest, param: str) -> tuple[list[float], int]:
-        """Each pair's score (in order) and the tokens of the inputs scored."""
+    async def _pairs(self, req: PairsRequest, param: str, rid: str
+                     ) -> tuple[list[float], int]:
+        """Each pair's score (in order) and the tokens of the inputs scored (request `rid`)."""
         scoring = self.settings.scoring
         if req.max_tokens != (0, 0):  # tokenizes every text: off the event loop
             req = await asyncio.to_thread(truncate_pairs, req, self.gw.tokenizer)
         result = await self._exchange(pairs_message(
-            req, scoring, f"score-{secrets.token_hex(12)}", self.gw.svc.addr("gateway")), param)
+            req, scoring, rid, self.gw.svc.addr("gateway")), param)
         return pair_scores(req, scoring, result), sum(result.num_tokens)
 
     async def _exchange(self, msg: EmbedRequest, param: str) -> EmbedResult:
@@ -175,18 +180,18 @@ def _usage(tokens: int) -> dict:
     return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
 
 
-def _head(prefix: str, model: str) -> dict:
-    return {"id": f"{prefix}-{secrets.token_hex(12)}", "object": "list",
-            "created": int(time.time()), "model": model}
+def _head(rid: str, model: str) -> dict:
+    return {"id": rid, "object": "list", "created": int(time.time()), "model": model}
 
 
-def score_answer(model: str, scores: list[float], tokens: int) -> dict:
-    """vLLM's /score answer: one score per pair, in pair order."""
+def score_answer(model: str, scores: list[float], tokens: int, rid: str = "") -> dict:
+    """vLLM's /score answer: one score per pair, in pair order (`rid`: its id)."""
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
-    return {**_head("score", model), "data": data, "usage": _usage(tokens)}
+    return {**_head(rid or f"score-{secrets.token_hex(12)}", model), "data": data,
+            "usage": _usage(tokens)}
 
 
-def rerank_answer(req: PairsRequest, scores: list[float], tokens: int) -> dict:
+def rerank_answer(req: PairsRequest, scores: list[float], tokens: int, rid: str = "") -> dict:
     """vLLM's (Jina's) rerank answer: the documents by score, best first, the top_n of them."""
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if req.top_n:
@@ -197,7 +202,7 @@ def rerank_answer(req: PairsRequest, scores: list[float], tokens: int) -> dict:
         if req.return_documents:
             item["document"] = {"text": req.pairs[i][1]}
         results.append(item)
-    return {"id": f"rerank-{secrets.token_hex(12)}", "model": req.model,
+    return {"id": rid or f"rerank-{secrets.token_hex(12)}", "model": req.model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}, "results": results}
 
 
@@ -225,7 +230,7 @@ def classify_answer(req: ClassifyRequest, result: EmbedResult, labels: tuple[str
         best = max(range(k), key=probs.__getitem__)
         data.append({"index": i, "label": labels[best] if best < len(labels) else str(best),
                      "probs": probs, "num_classes": k})
-    return {**_head("classify", req.model), "data": data,
+    return {**_head(result.request_id, req.model), "data": data,
             "usage": _usage(sum(result.num_tokens))}
 
 
@@ -235,5 +240,5 @@ def pooling_answer(result: EmbedResult, req: EmbeddingsRequest, per_token: bool 
     reward model's (`per_token`) its [tokens, k] rows (base64: their bytes, row after row)."""
     data = [{"index": i, "object": "pooling", "data": req.encoding.json_value(values)}
             for i, values in enumerate(rows_of(result, per_token))]
-    return {**_head("pool", req.model), "data": data,
+    return {**_head(result.request_id, req.model), "data": data,
             "usage": _usage(sum(result.num_tokens))}

@@ -23,7 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.embeddings_request import parse_input, truncation, use_activation
+from services.gateway.embeddings_request import (
+    client_id,
+    parse_input,
+    truncation,
+    use_activation,
+)
 from services.gateway.errors import bad_request
 from services.gateway.protocol import check_model
 from services.gateway.validation import get_bool, get_int, get_str, json_type
@@ -33,7 +38,7 @@ MAX_PAIRS = 1024  # pairs (documents) one score or rerank request may hold
 SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"),
                ("text_1", "text_2"))
 _COMMON_KEYS = frozenset({"model", "user", "truncate_prompt_tokens", "truncation_side",
-                          "use_activation"})
+                          "use_activation", "request_id"})
 _PAIR_KEYS = _COMMON_KEYS | {"max_tokens_per_query", "max_tokens_per_doc", "instruction",
                              "chat_template_kwargs"}
 SCORE_KEYS = _PAIR_KEYS | {name for side in SCORE_SIDES for name in side}
@@ -56,6 +61,7 @@ class PairsRequest:
     max_tokens: tuple[int, int] = (0, 0)  # max_tokens_per_query, max_tokens_per_doc (0: all)
     use_activation: bool = True
     instruction: str = ""  # a Qwen3-Reranker's instruction ("": its documented default)
+    request_id: str | None = None  # the client's (vLLM's field): the answer's id
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class ClassifyRequest:
     add_special_tokens: bool = True
     truncation_side: str = "right"
     use_activation: bool = True
+    request_id: str | None = None
 
 
 def parse_score(body: Any, model_name: str, max_model_len: int, *, max_text_bytes: int,
@@ -103,7 +110,8 @@ def _pair_options(body: dict, max_model_len: int) -> dict:
     limits = tuple(get_int(body, name, 0, lo=0, hi=max_model_len or None)
                    for name in ("max_tokens_per_query", "max_tokens_per_doc"))
     return {"truncate_prompt_tokens": k, "truncation_side": side, "max_tokens": limits,
-            "use_activation": use_activation(body), "instruction": _instruction(body)}
+            "use_activation": use_activation(body), "instruction": _instruction(body),
+            "request_id": client_id(body)}
 
 
 def _instruction(body: dict) -> str:
@@ -149,7 +157,7 @@ def parse_classify(body: Any, model_name: str, max_model_len: int, *, max_text_b
     k, side = truncation(body, max_model_len)
     return ClassifyRequest(get_str(body, "model", model_name), texts, ids, k,
                            get_bool(body, "add_special_tokens", True), side,
-                           use_activation(body))
+                           use_activation(body), client_id(body))
 
 
 def _texts(value: Any, param: str, max_bytes: int) -> tuple[str, ...]:
