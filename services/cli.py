@@ -178,7 +178,7 @@ def _service(args: argparse.Namespace) -> int:
 
 def _run_batch(args: argparse.Namespace) -> int:
     from services.compute.backend import build_engine
-    from services.gateway.protocol import ChatSettings
+    from services.gateway.chat_settings import ChatSettings
     from services.run_batch import run_batch
     from services.tokenizer.service import Tokenizer
     from shared.heap import settle_heap

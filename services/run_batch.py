@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from services.compute.compute_core import ComputeCore, choice_ids
 from services.detokenizer.service import Detokenizer
 from services.gateway import messages_api, protocol, responses
+from services.gateway.chat_settings import NO_CHAT, ChatSettings
 from services.gateway.errors import APIError
 from services.gateway.inflight import ChoiceState
 from services.gateway.messages_api.request import parse_request as parse_message
@@ -94,7 +95,7 @@ class BatchRunner:
 
     def __init__(self, engine, tokenizer: Tokenizer, model_name: str,
                  defaults: GenerationDefaults | None = None,
-                 chat: protocol.ChatSettings = protocol.NO_CHAT, max_text_bytes: int = 0):
+                 chat: ChatSettings = NO_CHAT, max_text_bytes: int = 0):
         """`defaults`: the model's sampling defaults, applied as the gateway applies them;
         `chat`: the chat flags, as the gateway's; `max_text_bytes`: a pooling line's text limit
         (the server's --max-prompt-bytes; 0: its default for the context)."""
@@ -230,7 +231,7 @@ class BatchRunner:
 
 def run_batch(engine, tokenizer: Tokenizer, model_name: str, src, dst, progress=sys.stderr,
               defaults: GenerationDefaults | None = None,
-              chat: protocol.ChatSettings = protocol.NO_CHAT, max_text_bytes: int = 0):
+              chat: ChatSettings = NO_CHAT, max_text_bytes: int = 0):
     """Run the batch file `src` (lines) into `dst`; returns (requests, failed, tokens, s).
     `defaults`: the model's sampling defaults (--generation-config); `chat`: the chat flags,
     as the gateway's; `max_text_bytes`: a pooling line's text limit (0: the default)."""

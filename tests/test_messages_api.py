@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from services.detokenizer.stop import StopMatcher
 from services.gateway.access import api_key_middleware
 from services.gateway.app import ERROR_SHAPES
+from services.gateway.chat_settings import ChatSettings
 from services.gateway.errors import APIError, errors_as_json
 from services.gateway.inflight import ChoiceState, Inflight
 from services.gateway.messages_api import events as event_stream
@@ -23,7 +24,6 @@ from services.gateway.messages_api import message
 from services.gateway.messages_api.events import MessageEvents, sse
 from services.gateway.messages_api.request import parse_request
 from services.gateway.metrics import Metrics
-from services.gateway.protocol import ChatSettings
 from shared.messages import Delta, Tokens
 
 CHAT = ChatSettings(tool_parser="hermes", reasoning_parser="qwen3")

@@ -14,11 +14,11 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 from openai.types.chat import completion_create_params as chat_create_params
 
 from services.gateway import errors
+from services.gateway.chat_settings import ChatSettings
 from services.gateway.errors import APIError
 from services.gateway.protocol import (
     CHAT_KEYS,
     COMPLETION_KEYS,
-    ChatSettings,
     GenerationRequest,
     parse_chat,
     parse_completion,

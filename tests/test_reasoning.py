@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.detokenizer.service import Detokenizer
+from services.gateway.chat_settings import ChatSettings
 from services.gateway.errors import APIError
-from services.gateway.protocol import ChatSettings, parse_chat
+from services.gateway.protocol import parse_chat
 from shared.chat_template import template_message
 from shared.demo_model import build_demo_tokenizer
 from shared.messages import Resume, Route, StepOutput, Tokens

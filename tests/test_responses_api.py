@@ -11,8 +11,8 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
+from services.gateway.chat_settings import ChatSettings
 from services.gateway.errors import APIError
-from services.gateway.protocol import ChatSettings
 from services.gateway.responses_api.custom_tools import decode_input, input_prefix
 from services.gateway.responses_api.output import ResponseOutput
 from services.gateway.responses_api.request import parse_request

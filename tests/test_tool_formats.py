@@ -116,7 +116,8 @@ def test_the_config_names_every_parser_and_templates_pick_theirs():
 def test_mistral_auto_keeps_special_tokens_in_the_text():
     """[TOOL_CALLS] is a special token of Mistral's tokenizers: auto tool choice with the
     mistral parser keeps special tokens in the text (vLLM's rule); other formats do not."""
-    from services.gateway.protocol import ChatSettings, parse_chat
+    from services.gateway.chat_settings import ChatSettings
+    from services.gateway.protocol import parse_chat
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from services.gateway import protocol, responses
 from services.gateway.access import Cors, api_key_middleware
+from services.gateway.chat_settings import ChatSettings
 from services.gateway.embeddings_api import EmbeddingsAPI, refuse_generation
 from services.gateway.embeddings_request import EmbeddingSettings
 from services.gateway.errors import bad_request, errors_as_json, not_found, unavailable
@@ -86,7 +87,7 @@ class Gateway:
                              self._abort_ids, self.metrics, svc.data_parallel_size)
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
-        self.chat_settings = protocol.ChatSettings.of(svc, template)
+        self.chat_settings = ChatSettings.of(svc, template)
         self.responses_api = ResponsesAPI(self)
         self.embeddings_api = EmbeddingsAPI(self, embeddings)
 

@@ -34,13 +34,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway import structured, tools
 from services.gateway.beam import check_beam, parse_beam
 from services.gateway.chat_messages import parse_messages
+from services.gateway.chat_settings import NO_CHAT, ChatSettings, chat_options
 from services.gateway.errors import bad_request, not_found
 from services.gateway.request_fields import (
     MAX_COUNT,
@@ -73,7 +73,6 @@ from shared.generation_config import GenerationDefaults
 from shared.grammar import GrammarSpec
 from shared.messages import ChatMessage, TokenizeRequest
 from shared.sampling import MAX_LOGPROBS, SamplingParams
-from shared.tool_prompt import auto_tool_parser
 
 COMPLETION_MAX_TOKENS = 16  # completions without max_tokens (OpenAI's and vLLM's default)
 NO_DEFAULTS = GenerationDefaults()
@@ -208,30 +207,6 @@ def parse_completion(body: Any, model_name: str, *, defaults: GenerationDefaults
                    ignored=tuple(ignored or ()), lora_name=_lora_name(model, model_name))
 
 
-@dataclass(frozen=True)
-class ChatSettings:
-    """The server's chat flags, resolved once: the tool-call parser of tool_choice "auto"
-    (--tool-call-parser with --enable-auto-tool-choice), --reasoning-parser,
-    --default-chat-template-kwargs (a request's own chat_template_kwargs win key by key), and
-    whether a request may bring its own `chat_template` (--trust-request-chat-template)."""
-
-    tool_parser: str = ""
-    reasoning_parser: str = ""
-    template_kwargs: dict = dataclasses.field(default_factory=dict)
-    trust_request_template: bool = False
-
-    @classmethod
-    def of(cls, svc, template) -> ChatSettings:
-        """From a ServiceConfig (its checks passed) and the model's chat template (None: it
-        has none): shared/tool_prompt.auto_tool_parser's rules."""
-        return cls(auto_tool_parser(svc, template and template.source), svc.reasoning_parser,
-                   json.loads(svc.default_chat_template_kwargs or "{}"),
-                   svc.trust_request_chat_template)
-
-
-NO_CHAT = ChatSettings()
-
-
 def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_DEFAULTS,
                chat: ChatSettings = NO_CHAT, strict: bool = False,
                adapters: frozenset[str] = frozenset()) -> GenerationRequest:
@@ -255,66 +230,18 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
     param = "max_tokens"
     if max_completion is not None:
         max_tokens, param = max_completion, "max_completion_tokens"
-    chat_options = _chat_options(body, chat)
-    add_generation_prompt = chat_options.pop("add_generation_prompt")
+    options = chat_options(body, chat)
+    add_generation_prompt = options.pop("add_generation_prompt")
     ranked = get_int(body, "prompt_logprobs", lo=0, hi=MAX_LOGPROBS)
     return _finish(body, "chat", model, prompts=(), messages=messages,
                    prompt_logprobs=ranked, ranked_prompt_logprobs=ranked is not None,
                    n=n, logprobs=logprobs, top_logprobs=top_logprobs, max_tokens=max_tokens,
                    max_param=param, defaults=defaults, fallback_max_tokens=None,
-                   add_generation_prompt=add_generation_prompt, chat_options=chat_options,
+                   add_generation_prompt=add_generation_prompt, chat_options=options,
                    echo=get_bool(body, "echo", False),
                    tools=tools.parse_tools(body, chat.tool_parser), beam=parse_beam(body, n, n),
                    include_reasoning=get_bool(body, "include_reasoning", True),
                    ignored=tuple(ignored or ()), lora_name=_lora_name(model, model_name))
-
-
-def _chat_options(body: dict, chat: ChatSettings) -> dict:
-    """How a chat request's prompt renders and its reasoning is parsed: TokenizeRequest
-    fields, and add_generation_prompt."""
-    continue_final = get_bool(body, "continue_final_message", False)
-    add_generation_prompt = get_bool(body, "add_generation_prompt", not continue_final)
-    if continue_final and add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
-                          "true", "continue_final_message")
-    separate = get_bool(body, "separate_reasoning", True)
-    budget = get_int(body, "thinking_token_budget", 0, lo=0, hi=MAX_COUNT)
-    if budget and not chat.reasoning_parser:
-        raise bad_request("thinking_token_budget needs the server started with "
-                          "--reasoning-parser", "thinking_token_budget")
-    kwargs = template_variables(body, chat.template_kwargs)
-    return {"continue_final_message": continue_final,
-            "add_generation_prompt": add_generation_prompt,
-            "chat_template_kwargs": json.dumps(kwargs) if kwargs else "",
-            "chat_template": _request_template(body, chat),
-            "reasoning_parser": chat.reasoning_parser if separate else "",
-            "thinking_token_budget": budget}
-
-
-def template_variables(body: dict, defaults: dict | None = None) -> dict:
-    """A chat body's extra template variables: `defaults` (the server's), vLLM's `documents`
-    (a RAG template's sources: a list of objects), then its chat_template_kwargs, which win
-    key by key."""
-    kwargs, docs = body.get("chat_template_kwargs"), body.get("documents")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
-                          "chat_template_kwargs")
-    if docs is not None and not (isinstance(docs, list)
-                                 and all(isinstance(d, dict) for d in docs)):
-        raise bad_request("documents must be a list of objects", "documents")
-    return {**(defaults or {}), **({"documents": docs} if docs is not None else {}),
-            **(kwargs or {})}
-
-
-def _request_template(body: dict, chat: ChatSettings) -> str:
-    """The request's own chat template ("" for the model's): vLLM's rule, only on a server
-    that trusts them."""
-    source = get_str(body, "chat_template", "")
-    if source and not chat.trust_request_template:
-        raise bad_request("Chat template is passed with request, but "
-                          "--trust-request-chat-template is not set. Refused request with "
-                          "untrusted chat template.", "chat_template")
-    return source
 
 
 def calls_keep_specials(fields: dict) -> bool:

@@ -23,8 +23,9 @@ from importlib import metadata
 from aiohttp import web
 
 from services.gateway.chat_messages import parse_messages
+from services.gateway.chat_settings import template_variables
 from services.gateway.errors import bad_request
-from services.gateway.protocol import check_model, template_variables
+from services.gateway.protocol import check_model
 from services.gateway.tools import parse_tools
 from services.gateway.validation import (
     check_prompt_bytes,

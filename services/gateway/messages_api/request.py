@@ -31,6 +31,7 @@ import json
 from typing import Any
 
 from services.gateway import protocol, structured
+from services.gateway.chat_settings import NO_CHAT, ChatSettings
 from services.gateway.errors import bad_request
 from services.gateway.messages_api.content import TOOL_CHANGES, chat_messages
 from services.gateway.validation import is_int, json_type, reject_unknown
@@ -53,7 +54,7 @@ _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
 def parse_request(body: Any, model_name: str, *, defaults=protocol.NO_DEFAULTS,
-                  chat: protocol.ChatSettings = protocol.NO_CHAT, strict: bool = False,
+                  chat: ChatSettings = NO_CHAT, strict: bool = False,
                   count_only: bool = False, adapters: frozenset[str] = frozenset(),
                   ) -> tuple[protocol.GenerationRequest, list[str]]:
     """(the validated request, notes for the log: what was skipped). `count_only`:

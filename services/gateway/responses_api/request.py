@@ -28,6 +28,7 @@ import json
 from typing import Any
 
 from services.gateway import protocol
+from services.gateway.chat_settings import NO_CHAT
 from services.gateway.errors import bad_request
 from services.gateway.responses_api import custom_tools, namespaces
 from services.gateway.responses_api.items import chat_messages, input_items, partial
@@ -73,7 +74,7 @@ class Parsed:
 
 
 def parse_request(body: Any, model_name: str, history: list[dict] | None = None, *,
-                  defaults=protocol.NO_DEFAULTS, chat=protocol.NO_CHAT,
+                  defaults=protocol.NO_DEFAULTS, chat=NO_CHAT,
                   strict: bool = False, adapters: frozenset[str] = frozenset()) -> Parsed:
     """`history`: the stored items of previous_response_id (its input and its output);
     `model` may name one of the LoRA `adapters`."""
