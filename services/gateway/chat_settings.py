@@ -45,11 +45,7 @@ NO_CHAT = ChatSettings()
 def chat_options(body: dict, chat: ChatSettings) -> dict:
     """How a chat request's prompt renders and its reasoning is parsed: TokenizeRequest
     fields, and add_generation_prompt."""
-    continue_final = get_bool(body, "continue_final_message", False)
-    add_generation_prompt = get_bool(body, "add_generation_prompt", not continue_final)
-    if continue_final and add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
-                          "true", "continue_final_message")
+    continue_final, add_generation_prompt = prompt_end(body, True)
     separate = get_bool(body, "separate_reasoning", True)
     budget = get_int(body, "thinking_token_budget", 0, lo=0, hi=MAX_COUNT)
     if budget and not chat.reasoning_parser:
@@ -64,19 +60,37 @@ def chat_options(body: dict, chat: ChatSettings) -> dict:
             "thinking_token_budget": budget}
 
 
+def prompt_end(body: dict, add_by_default: bool) -> tuple[bool, bool]:
+    """(continue_final_message, add_generation_prompt) of a chat body: the generation prompt
+    by default where `add_by_default` and the last message is not continued; never both."""
+    continue_final = get_bool(body, "continue_final_message", False)
+    add_generation_prompt = get_bool(body, "add_generation_prompt",
+                                     add_by_default and not continue_final)
+    if continue_final and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
+                          "true", "continue_final_message")
+    return continue_final, add_generation_prompt
+
+
+def template_kwargs(body: dict) -> dict:
+    """A body's chat_template_kwargs ({} when absent; a 400 unless an object)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
+                          "chat_template_kwargs")
+    return kwargs or {}
+
+
 def template_variables(body: dict, defaults: dict | None = None) -> dict:
     """A chat body's extra template variables: `defaults` (the server's), vLLM's `documents`
     (a RAG template's sources: a list of objects), then its chat_template_kwargs, which win
     key by key."""
-    kwargs, docs = body.get("chat_template_kwargs"), body.get("documents")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
-                          "chat_template_kwargs")
+    kwargs, docs = template_kwargs(body), body.get("documents")
     if docs is not None and not (isinstance(docs, list)
                                  and all(isinstance(d, dict) for d in docs)):
         raise bad_request("documents must be a list of objects", "documents")
     return {**(defaults or {}), **({"documents": docs} if docs is not None else {}),
-            **(kwargs or {})}
+            **kwargs}
 
 
 def request_template(body: dict, chat: ChatSettings) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from services.gateway.chat_messages import parse_messages
-from services.gateway.embed_encoding import Encoding
+from services.gateway.embed_encoding import Encoding, rows_of
 from services.gateway.embeddings_chat import ChatInputs
 from services.gateway.embeddings_request import (
     MAX_INPUTS,
@@ -117,7 +117,7 @@ def cohere_answer(result: EmbedResult, embed: CohereEmbed) -> dict:
         raise bad_request(f"Input of {counts[i]} tokens exceeds max_tokens={embed.max_tokens} "
                           "with truncate=NONE. Set truncate to END or START to allow "
                           "truncation.", "max_tokens")
-    rows = np.frombuffer(result.vectors, dtype=np.float32).reshape(len(counts), result.dim)
+    rows = np.stack(rows_of(result))
     embeddings: dict[str, list] = {}
     for kind in embed.types:
         if kind == "float":

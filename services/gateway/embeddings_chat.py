@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.chat_messages import parse_messages
+from services.gateway.chat_settings import prompt_end, template_kwargs
 from services.gateway.errors import bad_request
-from services.gateway.validation import get_bool, json_type
+from services.gateway.validation import json_type
 from shared.messages import ChatMessage
 
 KEYS = frozenset({"messages", "add_generation_prompt", "continue_final_message",
@@ -63,14 +64,7 @@ def parse_chat_inputs(body: dict, ignored: list[str] | None) -> ChatInputs | Non
         raise bad_request(f"{param} holds at most {MAX_CONVERSATIONS} conversations, got "
                           f"{len(batch)}", param)
     conversations = tuple(parse_messages(c, ignored) for c in batch)
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
-                          "chat_template_kwargs")
-    continue_final = get_bool(body, "continue_final_message", False)
-    add_prompt = get_bool(body, "add_generation_prompt", False)
-    if continue_final and add_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be "
-                          "true", "continue_final_message")
+    kwargs = template_kwargs(body)
+    continue_final, add_prompt = prompt_end(body, False)
     return ChatInputs(conversations, add_prompt, continue_final,
                       json.dumps(kwargs) if kwargs else "")

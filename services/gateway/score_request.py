@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from services.gateway.chat_settings import template_kwargs
 from services.gateway.embeddings_request import (
     client_id,
     parse_input,
@@ -116,11 +117,7 @@ def _pair_options(body: dict, max_model_len: int) -> dict:
 
 def _instruction(body: dict) -> str:
     """vLLM's `instruction`, folded into chat_template_kwargs (whose own one wins)."""
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request(f"chat_template_kwargs must be an object, got {json_type(kwargs)}",
-                          "chat_template_kwargs")
-    merged = {"instruction": get_str(body, "instruction"), **(kwargs or {})}
+    merged = {"instruction": get_str(body, "instruction"), **template_kwargs(body)}
     if merged["instruction"] is not None and not isinstance(merged["instruction"], str):
         raise bad_request("the instruction must be a string", "chat_template_kwargs")
     return merged["instruction"] or ""

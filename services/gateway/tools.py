@@ -129,11 +129,11 @@ def _allowed(choice: dict, specs: tuple[ToolSpec, ...]) -> tuple[tuple[ToolSpec,
         raise bad_request('tool_choice allowed_tools must be {"mode": "auto" or "required", '
                           '"tools": [{"type": "function", "function": {"name": ...}}, ...]}',
                           "tool_choice")
-    wanted = set()
+    wanted, names = set(), {s.name for s in specs}
     for tool in allowed:
         fn = tool.get("function") if isinstance(tool, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
-        if name not in {s.name for s in specs}:
+        if name not in names:
             raise bad_request(f"tool_choice allows {str(name)[:64]!r}, which is not in tools",
                               "tool_choice")
         wanted.add(name)

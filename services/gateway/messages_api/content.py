@@ -75,7 +75,7 @@ def _system(system: Any, where: str) -> str:
         raise bad_request(f"{where} must be a string or an array of text blocks, got "
                           f"{json_type(system)}", where)
     blocks = [_block(b, f"{where}[{i}]") for i, b in enumerate(system)]
-    texts = (_text(b, b[2]) for b in blocks if b[0] not in TOOL_CHANGES)  # tools.py's
+    texts = (_text(b, b[2]) for b in blocks if b[0] not in TOOL_CHANGES)  # request.py's
     return "\n".join(t for t in texts if not t.startswith(_BILLING))
 
 
