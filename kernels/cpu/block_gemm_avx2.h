@@ -10,8 +10,9 @@ namespace {
 
 template <bool Vnni>
 struct Avx2 : Avx2F {
-  static constexpr int kRows = 4, kUnits = 1;
-  static constexpr bool kVnni = Vnni;
+  // without VNNI two units share each broadcast activation (Zen 3 spends a vector port on it)
+  static constexpr int kRows = 4, kUnits = Vnni ? 1 : 2;
+  static constexpr bool kVnni = Vnni, kRolled = !Vnni;
   using I = __m256i;
   static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
   static I bcast(const int8_t* p) {

@@ -10,7 +10,7 @@ namespace {
 template <bool Vnni>
 struct Avx512 : Avx512F {
   static constexpr int kRows = 4, kUnits = 2;
-  static constexpr bool kVnni = Vnni;
+  static constexpr bool kVnni = Vnni, kRolled = false;
   using I = __m512i;
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I bcast(const int8_t* p) {

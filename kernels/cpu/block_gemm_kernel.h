@@ -10,7 +10,8 @@
 //   q8_x(x), q8_step(acc, w, x)  signed weights . signed activations: with VNNI as
 //                       (x + 128) . w, the block's 128 * sum(w) (`corr`) subtracted after;
 //                       without it as |w| . (x with w's sign), exact with no correction.
-// Each work item is up to kUnits units over every activation row, kRows rows at a time.
+// Each work item is up to kUnits units over every activation row, kRows rows at a time. With
+// Isa::kRolled the steps of a block stay a loop (unrolled, GCC spills AVX2's 16 registers).
 #pragma once
 
 namespace {
@@ -35,31 +36,41 @@ struct Kernel {
     return ((u / kPerTile) * nb + b) * kTile + (u % kPerTile) * kLanes;
   }
 
+  // Step v of block b (k = 4v..4v+3, and 16+4v.. for Q4) for rows i0.. x units u0.., into dot.
+  template <int TM, int TN, bool Q8>
+  void block_step(int64_t i0, int64_t u0, int64_t b, int v, I (&dot)[TN][TM]) const {
+    I lo[TN], hi[TN];
+    for (int t = 0; t < TN; ++t) {
+      lo[t] = Isa::load(wq(u0 + t, b, v));
+      if constexpr (!Q8) {
+        hi[t] = Isa::hi4(lo[t]);
+        lo[t] = Isa::lo4(lo[t]);
+      }
+    }
+    for (int r = 0; r < TM; ++r) {
+      const int8_t* xr = a.xq + (i0 + r) * a.K + b * kBlock + 4 * v;
+      if constexpr (Q8) {
+        const I x = Isa::q8_x(Isa::bcast(xr));
+        for (int t = 0; t < TN; ++t) dot[t][r] = Isa::q8_step(dot[t][r], lo[t], x);
+      } else {
+        const I xl = Isa::bcast(xr), xh = Isa::bcast(xr + 16);
+        for (int t = 0; t < TN; ++t)
+          dot[t][r] = Isa::q4_step(Isa::q4_step(dot[t][r], lo[t], xl), hi[t], xh);
+      }
+    }
+  }
+
   // The INT32 dot products of block b for rows i0.. x units u0.., into dot[t][r].
   template <int TM, int TN, bool Q8>
   void block_dots(int64_t i0, int64_t u0, int64_t b, I (&dot)[TN][TM]) const {
     for (int t = 0; t < TN; ++t)
       for (int r = 0; r < TM; ++r) dot[t][r] = Isa::zero();
-    for (int v = 0; v < (Q8 ? 8 : 4); ++v) {
-      I lo[TN], hi[TN];
-      for (int t = 0; t < TN; ++t) {
-        lo[t] = Isa::load(wq(u0 + t, b, v));
-        if constexpr (!Q8) {
-          hi[t] = Isa::hi4(lo[t]);
-          lo[t] = Isa::lo4(lo[t]);
-        }
-      }
-      for (int r = 0; r < TM; ++r) {
-        const int8_t* xr = a.xq + (i0 + r) * a.K + b * kBlock + 4 * v;
-        if constexpr (Q8) {
-          const I x = Isa::q8_x(Isa::bcast(xr));
-          for (int t = 0; t < TN; ++t) dot[t][r] = Isa::q8_step(dot[t][r], lo[t], x);
-        } else {
-          const I xl = Isa::bcast(xr), xh = Isa::bcast(xr + 16);
-          for (int t = 0; t < TN; ++t)
-            dot[t][r] = Isa::q4_step(Isa::q4_step(dot[t][r], lo[t], xl), hi[t], xh);
-        }
-      }
+    constexpr int steps = Q8 ? 8 : 4;
+    if constexpr (Isa::kRolled) {
+#pragma GCC unroll 1
+      for (int v = 0; v < steps; ++v) block_step<TM, TN, Q8>(i0, u0, b, v, dot);
+    } else {
+      for (int v = 0; v < steps; ++v) block_step<TM, TN, Q8>(i0, u0, b, v, dot);
     }
     if constexpr (!Q8)
       for (int t = 0; t < TN; ++t)
