@@ -232,6 +232,26 @@ def test_cpu_kernel_shares_a_varied_batch_among_threads(attention_level, cpu_ext
         check(q, k, v, starts, lens_t, out, 0.125, window)
 
 
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(9, 3), (8, 8), (4, 1)])
+def test_cpu_kernel_splits_a_small_batch_by_kv_heads(attention_level, cpu_ext, n_heads,
+                                                      n_kv_heads):
+    """Fewer sequences than threads (a single decode): each sequence's kv heads in parts, one
+    a thread (decode_attention_schedule.h's for_each_part), with a soft-cap and a window too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for lens in ([300], [77, 5]):
+            q, k, v, starts, lens_t = make_case(lens, n_kv_heads, 64, torch.bfloat16,
+                                                n_heads=n_heads, seed=len(lens) + n_heads)
+            check(q, k, v, starts, lens_t, cpu_ext.decode_attention(q, k, v, starts, lens_t,
+                                                                    0.125), 0.125)
+            out = cpu_ext.decode_attention(q, k, v, starts, lens_t, 0.125, None, None, 40, 3.0)
+            ref = dense_attention(q.float(), k.float(), v.float(), starts, lens_t, 0.125, 40, 3.0)
+            torch.testing.assert_close(out.float(), ref.float(), atol=TOL[q.dtype], rtol=TOL[q.dtype])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_cpu_kernel_reads_strided_queries(cpu_ext):
     """q as the engine passes it: rows of a wider [T, H, D] view (the decode rows of a step)."""
     q, k, v, starts, lens = make_case([5, 80, 2], 2, 64, seed=7)

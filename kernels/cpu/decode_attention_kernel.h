@@ -2,7 +2,8 @@
 // floats: load from float / bf16 / fp16, fmadd, horizontal sum, exp), included by each
 // decode_attention_<isa>.cpp inside its target region. Same contract as decode_attention.cpp.
 //
-// Per sequence (one work item, decode_attention_schedule.h; its rows are contiguous in the cache):
+// Per sequence, or per part of its kv heads where the batch has fewer sequences than threads
+// (one work item, decode_attention_schedule.h; its rows are contiguous in the cache):
 // the scores walk its K rows in order, 8 rows at a time, every query head's 8 dot products
 // summed horizontally together (sum8); the softmax runs on vectors; then for each kv head, up
 // to 4 of its query heads at once sum its V rows with their accumulators in registers, each V
@@ -73,22 +74,25 @@ void weigh_v(const Args& a, const float* p, int64_t n, const float* inv, const T
   }
 }
 
+// The query heads [h0, h1) of one sequence (whole kv heads: its part, decode_attention_schedule.h)
 template <class V, int NC, typename T>
-void attend(const Args& a, const T* q, const T* k, const T* v, int64_t n, T* out,
-            std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& inv) {
+void attend(const Args& a, const T* q, const T* k, const T* v, int64_t n, int64_t h0,
+            int64_t h1, T* out, std::vector<float>& qf, std::vector<float>& scores,
+            std::vector<float>& inv) {
   constexpr int64_t D = NC * V::kLanes;
   const int64_t H = a.H, group = a.H / a.Hkv, rs = a.row_stride;
+  const int64_t kv0 = h0 / group, kv_bytes = (h1 - h0) / group * D * sizeof(T);
   qf.resize(H * D);
   scores.resize(H * n);
   inv.resize(H);
-  for (int64_t h = 0; h < H; ++h)
+  for (int64_t h = h0; h < h1; ++h)
     for (int64_t d = 0; d < D; ++d)
       qf[h * D + d] = static_cast<float>(q[h * a.q_sh + d]) * a.scale;
   int64_t t = 0;
   for (; t + 8 <= n; t += 8) {  // scores, 8 rows at a time: their 8 dots summed together
     for (int64_t i = kAhead; i < kAhead + 8 && t + i < n; ++i)
-      prefetch(k + (t + i) * rs, a.Hkv * D * sizeof(T));
-    for (int64_t h = 0; h < H; ++h) {
+      prefetch(k + (t + i) * rs + kv0 * D, kv_bytes);
+    for (int64_t h = h0; h < h1; ++h) {
       const float* qh = qf.data() + h * D;
       const T* kh = k + t * rs + (h / group) * D;
       typename V::F acc[8];
@@ -101,18 +105,19 @@ void attend(const Args& a, const T* q, const T* k, const T* v, int64_t n, T* out
     }
   }
   for (; t < n; ++t)
-    for (int64_t h = 0; h < H; ++h)
+    for (int64_t h = h0; h < h1; ++h)
       scores[h * n + t] = dot<V, NC>(qf.data() + h * D, k + t * rs + (h / group) * D);
   if (a.softcap > 0.f)
-    for (int64_t i = 0; i < H * n; ++i) scores[i] = a.softcap * std::tanh(scores[i] / a.softcap);
-  for (int64_t h = 0; h < H; ++h) {  // softmax: p = exp(s - max) / sum, the 1 / sum kept
+    for (int64_t i = h0 * n; i < h1 * n; ++i)
+      scores[i] = a.softcap * std::tanh(scores[i] / a.softcap);
+  for (int64_t h = h0; h < h1; ++h) {  // softmax: p = exp(s - max) / sum, the 1 / sum kept
     float* p = scores.data() + h * n;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
     inv[h] = 1.f / exp_sum<V>(p, n, mx);
   }
   constexpr int64_t kHeads = std::max<int64_t>(1, 12 / NC);  // q heads a V row serves at once
-  for (int64_t h = 0; h < H;) {  // p . V: heads of one kv head together, in registers
+  for (int64_t h = h0; h < h1;) {  // p . V: heads of one kv head together, in registers
     const int64_t g = std::min({kHeads, group - h % group, int64_t{4}});
     switch (g) {
       case 4: weigh_v<V, NC, 4>(a, scores.data(), n, inv.data(), v, h, out); break;
@@ -134,12 +139,14 @@ void run_typed(const Args& a) {
   const T* kp = static_cast<const T*>(a.k);
   const T* vp = static_cast<const T*>(a.v);
   T* op = static_cast<T*>(a.out);
-  pipellm::attention::for_each_sequence<Scratch>(a.lens, a.B, a.window, [&](int64_t b, Scratch& s) {
-    const int64_t n = pipellm::attention::rows_read(a.lens, b, a.window);
-    const int64_t first = a.starts[b] + a.lens[b] - n;
-    attend<V, NC, T>(a, qp + b * a.q_sb, kp + first * a.row_stride, vp + first * a.row_stride, n,
-                     op + b * a.H * a.D, s.qf, s.scores, s.inv);
-  });
+  pipellm::attention::for_each_part<Scratch>(
+      a.lens, a.B, a.window, a.Hkv, [&](int64_t b, int64_t kv0, int64_t kv1, Scratch& s) {
+        const int64_t n = pipellm::attention::rows_read(a.lens, b, a.window);
+        const int64_t first = a.starts[b] + a.lens[b] - n, group = a.H / a.Hkv;
+        attend<V, NC, T>(a, qp + b * a.q_sb, kp + first * a.row_stride,
+                         vp + first * a.row_stride, n, kv0 * group, kv1 * group,
+                         op + b * a.H * a.D, s.qf, s.scores, s.inv);
+      });
 }
 
 template <class V, int NC>

@@ -2,7 +2,8 @@
 // every vectorized variant: one sequence is one work item, taken longest first from a shared
 // counter, so each thread stays busy until the last items (a static split of the batch into
 // contiguous halves is off by as much as the longer half's extra rows, and ShareGPT's lengths
-// differ tenfold within a batch).
+// differ tenfold within a batch). The vectorized variants split a sequence further into parts
+// of whole kv heads where the batch has fewer sequences than threads (a single decode).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -34,6 +35,33 @@ void for_each_sequence(const int32_t* lens, int64_t B, int64_t window, const F& 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch;
     for (int64_t i = next.fetch_add(1); i < B; i = next.fetch_add(1)) fn(order[i], scratch);
+  });
+}
+
+// fn(b, kv0, kv1, scratch) for the kv heads [kv0, kv1) of every sequence b, each once, in
+// parallel: each sequence in min(threads / B rounded up, Hkv) parts of about equal heads,
+// the items longest first from a shared counter.
+template <class Scratch, class F>
+void for_each_part(const int32_t* lens, int64_t B, int64_t window, int64_t Hkv, const F& fn) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = B >= threads ? 1 : std::min<int64_t>((threads + B - 1) / B, Hkv);
+  if (parts == 1) {
+    for_each_sequence<Scratch>(lens, B, window, [&](int64_t b, Scratch& s) { fn(b, 0, Hkv, s); });
+    return;
+  }
+  std::vector<int64_t> order(B * parts);  // item i: sequence i / parts, part i % parts
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return rows_read(lens, x / parts, window) > rows_read(lens, y / parts, window);
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t items = B * parts, workers = std::min(items, threads);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+      const int64_t b = order[i] / parts, p = order[i] % parts;
+      fn(b, p * Hkv / parts, (p + 1) * Hkv / parts, scratch);
+    }
   });
 }
 
