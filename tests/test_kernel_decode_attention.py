@@ -247,7 +247,8 @@ def test_cpu_kernel_splits_a_small_batch_by_kv_heads(attention_level, cpu_ext, n
                                                                     0.125), 0.125)
             out = cpu_ext.decode_attention(q, k, v, starts, lens_t, 0.125, None, None, 40, 3.0)
             ref = dense_attention(q.float(), k.float(), v.float(), starts, lens_t, 0.125, 40, 3.0)
-            torch.testing.assert_close(out.float(), ref.float(), atol=TOL[q.dtype], rtol=TOL[q.dtype])
+            tol = TOL[q.dtype]
+            torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     finally:
         torch.set_num_threads(threads)
 
