@@ -274,18 +274,25 @@ def test_messages_count_tokens(claude):
 
 
 def test_messages_stop_sequence_and_max_tokens(claude):
-    """At temperature 0 SmolLM2 answers FRANCE with "L'Étoile, la Marseur, la France, ...".
-    max_tokens is a ceiling, lowered to the context's room (8192 here): Claude Code asks for
-    32000 (streamed: the SDK refuses to wait that long for a whole answer)."""
+    """The stop sequence is two words from the middle of SmolLM2's greedy answer to FRANCE (its
+    text differs between float32 and bfloat16 activations, i.e. between CPUs). max_tokens is a
+    ceiling, lowered to the context's room (8192 here): Claude Code asks for 32000 (streamed:
+    the SDK refuses to wait that long for a whole answer)."""
+    full = claude.messages.create(model=MODEL, max_tokens=40, messages=FRANCE,
+                                  extra_body=COLD).content[0].text
+    words = full.split()
+    assert len(words) >= 8, full
+    stop = " ".join(words[4:6])
     for max_tokens in (40, 20000):
         m = claude.messages.create(model=MODEL, max_tokens=max_tokens, messages=FRANCE,
-                                   stop_sequences=["zzz", "la France"], extra_body=COLD)
-        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", "la France")
-        assert "la France" not in m.content[0].text
+                                   stop_sequences=["zzz", stop], extra_body=COLD)
+        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+        assert stop not in m.content[0].text
+        assert m.content[0].text.rstrip() == full[:full.index(stop)].rstrip()
     with claude.messages.stream(model=MODEL, max_tokens=32000, messages=FRANCE,
-                                stop_sequences=["la France"], extra_body=COLD) as stream:
+                                stop_sequences=[stop], extra_body=COLD) as stream:
         streamed = stream.get_final_message()
-    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", "la France")
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
     assert [b.text for b in streamed.content] == [b.text for b in m.content]
     m = claude.messages.create(model=MODEL, max_tokens=3, messages=FRANCE, extra_body=COLD)
     assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 3
