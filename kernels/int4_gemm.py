@@ -313,12 +313,11 @@ def int4_gemm(x: torch.Tensor, w: Int4Weight | Int4Cpu | Int4Blocks | Int4Cuda,
             return int4_tiles_gemm(x, w.tiles, bias)
         w = w.weight
     if isinstance(w, Int4Blocks):
-        if x.dim() == 2 and x.stride(1) == 1:  # a model's [T, K]: no reshape (a b1 step's cost)
-            return extension().q4_gemm(x, w.qs, w.scales, w.mins, w.out_features, bias)
-        x2 = x.reshape(-1, x.shape[-1])
+        flat = x.dim() == 2  # a model's [T, K]: no reshape or view (a b1 step's cost)
+        x2 = x if flat else x.reshape(-1, x.shape[-1])
         out = extension().q4_gemm(x2 if x2.stride(-1) == 1 else x2.contiguous(), w.qs,
                                   w.scales, w.mins, w.out_features, bias)
-        return out.view(*x.shape[:-1], w.out_features)
+        return out if flat else out.view(*x.shape[:-1], w.out_features)
     if isinstance(w, Int4Cpu):
         return int4_gemm_cpu(x, w, bias)
     if use_triton(x):
