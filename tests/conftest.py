@@ -45,6 +45,18 @@ def tools_stack():
     s.stop()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing test's report ends with the last logs of every stack still up (tests/stack.py):
+    what each service said, and the engine's last stats lines (running, waiting)."""
+    from tests.stack import Stack
+
+    report = (yield).get_result()
+    if report.failed and report.when == "call":
+        for s in Stack.live:
+            report.sections.append((f"pipellm stack {s.url} (up.log)", s.logs(20000)))
+
+
 @pytest.fixture
 def hf_model_factory(tmp_path: Path) -> Callable[..., tuple[Path, object]]:
     """`make(arch="llama", **kw) -> (model_dir, hf_model)`; kw as for `build_hf_model`."""

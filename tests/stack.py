@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import ClassVar
 
 from shared.redis_server import EmbeddedRedis, free_port
 
@@ -21,7 +22,10 @@ class Stack:
     """`embedded_redis`: `pipellm up` runs (and supervises) its own redis-server; `redis_url`:
     it uses that one (several stacks may share it); otherwise the test owns one (`self.redis`)
     and passes --redis-url. `new_session`: `pipellm up` leads its own process group (which a
-    test may kill whole); else it is in the test's."""
+    test may kill whole); else it is in the test's. `live`: the stacks started and not yet
+    stopped (a failing test's report carries their logs: tests/conftest.py)."""
+
+    live: ClassVar[set[Stack]] = set()
 
     def __init__(self, model_dir: Path, *extra: str, embedded_redis: bool = False,
                  redis_url: str = "", new_session: bool = False):
@@ -50,6 +54,7 @@ class Stack:
             self.log = open(os.path.join(self.run_dir, "up.log"), "w")  # noqa: SIM115
             self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
                                          start_new_session=self.new_session)
+            Stack.live.add(self)
             try:
                 self.wait_healthy(timeout_s)
                 return self
@@ -68,8 +73,11 @@ class Stack:
                 raise RuntimeError("stack did not become healthy:\n" + self.logs())
             time.sleep(0.2)
 
-    def logs(self) -> str:
-        return Path(self.run_dir, "up.log").read_text(errors="replace")[-5000:]
+    def logs(self, chars: int = 5000) -> str:
+        try:
+            return Path(self.run_dir, "up.log").read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
 
     def wait_for_log(self, text: str, timeout_s: float = 30) -> str:
         """The logs once they contain `text` (the banner comes a little after /health)."""
@@ -113,6 +121,7 @@ class Stack:
         return out
 
     def stop(self) -> None:
+        Stack.live.discard(self)
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -21,6 +21,7 @@ from tests.stack import Stack
 SCHEMAS = json.loads((Path(__file__).resolve().parents[1] / "data/json_schemas.json").read_text())
 FORMATS = jsonschema.FormatChecker()
 MODEL = "smol"
+TIMEOUT_S = 300  # a request: ~25 s here on 2 slow cores with 55 others
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def _schema_format(item: dict) -> dict:
 
 
 async def _answers(stack, temperature: float) -> list:
-    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0,
+                                timeout=TIMEOUT_S)
     async with client:
         return await asyncio.gather(*[client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": it["prompt"]}], max_tokens=300,
@@ -63,7 +65,8 @@ def test_every_schema_answer_validates(stack, temperature):
 async def _sampled(stack, names: list[str], seeds: int) -> list[tuple[str, str, str]]:
     """(schema name, finish reason, text) of each schema's answer at temperature 0.8 for
     `seeds` seeds, and of a streamed json_object with n=2 per seed."""
-    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-", max_retries=0,
+                                timeout=TIMEOUT_S)
     items = [it for it in SCHEMAS if it["name"] in names]
 
     async def one(item, seed):
