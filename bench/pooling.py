@@ -5,7 +5,8 @@ Model: SmolLM2-135M-Instruct as a decoder embedder (the last token's final hidde
 L2-normalized: what `--convert embed` makes of a causal LM); pipellm and llama.cpp serve its
 GGUF (pipellm: `--runner pooling`, the GGUF names no pooling: the last token; llama.cpp:
 `--embeddings --pooling last`), vLLM the GGUF's HF expansion in bf16 (`--runner pooling
---convert embed --pooler-config` LAST, `use_activation`: normalized) on every core.
+--convert embed --pooler-config` LAST, `use_activation`: normalized) on every core
+(`vllm-fp32`: in float32, vLLM's faster dtype where bf16 is emulated, on AVX2-only CPUs).
 Inputs: the prompts and answers of data/sharegpt_samples_1024.json cut into pieces of 2,000
 characters (a RAG indexer's chunks; 2,290 distinct pieces), no piece sent to a server twice, so that
 no prefix cache (vLLM's) serves one from memory: --num-inputs pieces for each workload,
@@ -35,6 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +58,8 @@ LATENCY = ("query_p50_ms", "query_p99_ms")  # the query workload's figures (lowe
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--servers", default=",".join(SERVERS), help="of " + ", ".join(SERVERS))
+    p.add_argument("--servers", default=",".join(SERVERS),
+                   help="of " + ", ".join((*SERVERS, "vllm-fp32")))
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--num-inputs", type=int, default=1000)
     p.add_argument("--queries", type=int, default=200, help="the query workload's requests")
@@ -103,8 +106,6 @@ def distinct_texts(n: int, questions: int) -> Texts:
 async def query_latencies(url: str, model: str, texts: list[str]) -> list[float]:
     """Seconds of each of `texts` embedded in a request of its own, one request at a time;
     raises on any failed request."""
-    import aiohttp
-
     out = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         for text in texts:
@@ -122,8 +123,6 @@ async def embed_all(url: str, model: str, texts: list[str], per_request: int,
                     in_flight: int) -> tuple[float, list[list[float]]]:
     """(seconds, vectors in input order) of embedding `texts`, `per_request` inputs a request,
     `in_flight` requests at a time; raises on any failed request."""
-    import aiohttp
-
     chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
     out: list = [None] * len(chunks)
     queue: asyncio.Queue = asyncio.Queue()
@@ -194,8 +193,8 @@ def serve(args, name: str, texts: Texts, rep: int) -> tuple[dict[str, float], li
             ms = np.asarray(asyncio.run(query_latencies(url, model, texts.questions))) * 1e3
             rates |= dict(zip(LATENCY, np.percentile(ms, (50, 99)).tolist(), strict=True))
             log(f"{name} query: p50 {rates[LATENCY[0]]:.1f} ms, p99 {rates[LATENCY[1]]:.1f} ms")
-    except (servers.ServerError, RuntimeError) as exc:
-        log(f"{tag}: {exc}")
+    except (servers.ServerError, RuntimeError, aiohttp.ClientError, TimeoutError) as exc:
+        log(f"{tag}: {exc!r}")  # a failed server reports what it measured before
     return rates, first
 
 

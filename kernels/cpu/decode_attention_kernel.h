@@ -6,8 +6,9 @@
 // (one work item, decode_attention_schedule.h; its rows are contiguous in the cache):
 // the scores walk its K rows in order, 8 rows at a time, every query head's 8 dot products
 // summed horizontally together (sum8); the softmax runs on vectors; then for each kv head, up
-// to 4 of its query heads at once sum its V rows with their accumulators in registers, each V
-// row read once per group. Rows are prefetched kAhead rows ahead. Math in float32.
+// to 4 of its query heads at once sum its V rows, a chunk of columns at a time with their
+// accumulators in registers, each V row read once per 4 heads. Rows are prefetched kAhead
+// rows ahead. Math in float32.
 #pragma once
 
 namespace {
@@ -45,32 +46,45 @@ inline float exp_sum(float* s, int64_t n, float mx) {
   return sum;
 }
 
+// The vectors of a V row that G heads sum at once: the most (a power of 2 dividing NC) that
+// keeps their G * chunk accumulators within 12 registers
+template <int NC, int G>
+constexpr int chunk() {
+  int c = NC;
+  while (c > 1 && G * c > 12) c /= 2;
+  return c;
+}
+
 // out[h0 + j] = inv[h0 + j] * sum_t p[h0 + j][t] * V[t] for j < G: heads h0.. of one kv head,
-// their G * NC accumulators in registers, each V row read once
+// a chunk of columns at a time with its G * chunk accumulators in registers, so that each V
+// row is read once for the G heads whatever the head size
 template <class V, int NC, int G, typename T>
 void weigh_v(const Args& a, const float* p, int64_t n, const float* inv, const T* v, int64_t h0,
              T* out) {
   constexpr int64_t D = NC * V::kLanes;
-  typename V::F acc[G][NC];
-  for (int j = 0; j < G; ++j)
-    for (int c = 0; c < NC; ++c) acc[j][c] = V::fzero();
+  constexpr int C = chunk<NC, G>();
   const T* vh = v + (h0 / (a.H / a.Hkv)) * D;
-  for (int64_t t = 0; t < n; ++t) {
-    const T* row = vh + t * a.row_stride;
-    if (t + kAhead < n) prefetch(row + kAhead * a.row_stride, D * sizeof(T));
-    typename V::F pt[G];
-    for (int j = 0; j < G; ++j) pt[j] = V::set1(p[(h0 + j) * n + t]);
-    for (int c = 0; c < NC; ++c) {
-      const typename V::F x = V::load(row + c * V::kLanes);
-      for (int j = 0; j < G; ++j) acc[j][c] = V::fmadd(pt[j], x, acc[j][c]);
+  for (int c0 = 0; c0 < NC; c0 += C) {
+    typename V::F acc[G][C];
+    for (int j = 0; j < G; ++j)
+      for (int c = 0; c < C; ++c) acc[j][c] = V::fzero();
+    for (int64_t t = 0; t < n; ++t) {
+      const T* row = vh + t * a.row_stride + c0 * V::kLanes;
+      if (t + kAhead < n) prefetch(row + kAhead * a.row_stride, C * V::kLanes * sizeof(T));
+      typename V::F pt[G];
+      for (int j = 0; j < G; ++j) pt[j] = V::set1(p[(h0 + j) * n + t]);
+      for (int c = 0; c < C; ++c) {
+        const typename V::F x = V::load(row + c * V::kLanes);
+        for (int j = 0; j < G; ++j) acc[j][c] = V::fmadd(pt[j], x, acc[j][c]);
+      }
     }
-  }
-  for (int j = 0; j < G; ++j) {
-    float o[D];
-    const typename V::F scale = V::set1(inv[h0 + j]);
-    for (int c = 0; c < NC; ++c) V::store(o + c * V::kLanes, V::mul(acc[j][c], scale));
-    T* oh = out + (h0 + j) * D;
-    for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(o[d]);
+    for (int j = 0; j < G; ++j) {
+      float o[C * V::kLanes];
+      const typename V::F scale = V::set1(inv[h0 + j]);
+      for (int c = 0; c < C; ++c) V::store(o + c * V::kLanes, V::mul(acc[j][c], scale));
+      T* oh = out + (h0 + j) * D + c0 * V::kLanes;
+      for (int64_t d = 0; d < C * V::kLanes; ++d) oh[d] = static_cast<T>(o[d]);
+    }
   }
 }
 
@@ -116,9 +130,8 @@ void attend(const Args& a, const T* q, const T* k, const T* v, int64_t n, int64_
     for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
     inv[h] = 1.f / exp_sum<V>(p, n, mx);
   }
-  constexpr int64_t kHeads = std::max<int64_t>(1, 12 / NC);  // q heads a V row serves at once
-  for (int64_t h = h0; h < h1;) {  // p . V: heads of one kv head together, in registers
-    const int64_t g = std::min({kHeads, group - h % group, int64_t{4}});
+  for (int64_t h = h0; h < h1;) {  // p . V: up to 4 heads of one kv head together
+    const int64_t g = std::min(group - h % group, int64_t{4});
     switch (g) {
       case 4: weigh_v<V, NC, 4>(a, scores.data(), n, inv.data(), v, h, out); break;
       case 3: weigh_v<V, NC, 3>(a, scores.data(), n, inv.data(), v, h, out); break;

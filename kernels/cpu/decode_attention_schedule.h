@@ -21,48 +21,41 @@ inline int64_t rows_read(const int32_t* lens, int64_t b, int64_t window) {
   return window > 0 ? std::min<int64_t>(lens[b], window) : lens[b];
 }
 
-// fn(b, scratch) for every sequence b of [0, B), each once, in parallel; `Scratch` is one
-// thread's buffers, made once per thread and reused for every sequence it runs.
-template <class Scratch, class F>
-void for_each_sequence(const int32_t* lens, int64_t B, int64_t window, const F& fn) {
-  std::vector<int64_t> order(B);
+// fn(i, scratch) for every item i of [0, n), each once, in parallel: the items reading the
+// most rows (rows(i)) first, from a shared counter; `Scratch` is one thread's buffers, made
+// once per thread and reused for every item it runs.
+template <class Scratch, class R, class F>
+void for_each_item(int64_t n, const R& rows, const F& fn) {
+  std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return rows_read(lens, x, window) > rows_read(lens, y, window);
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return rows(x) > rows(y); });
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(B, at::get_num_threads());
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch;
-    for (int64_t i = next.fetch_add(1); i < B; i = next.fetch_add(1)) fn(order[i], scratch);
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(order[i], scratch);
   });
 }
 
+// fn(b, scratch) for every sequence b of [0, B), each once, in parallel.
+template <class Scratch, class F>
+void for_each_sequence(const int32_t* lens, int64_t B, int64_t window, const F& fn) {
+  for_each_item<Scratch>(B, [&](int64_t b) { return rows_read(lens, b, window); }, fn);
+}
+
 // fn(b, kv0, kv1, scratch) for the kv heads [kv0, kv1) of every sequence b, each once, in
-// parallel: each sequence in min(threads / B rounded up, Hkv) parts of about equal heads,
-// the items longest first from a shared counter.
+// parallel: each sequence in min(threads / B rounded up, Hkv) parts of about equal heads.
 template <class Scratch, class F>
 void for_each_part(const int32_t* lens, int64_t B, int64_t window, int64_t Hkv, const F& fn) {
   const int64_t threads = at::get_num_threads();
   const int64_t parts = B >= threads ? 1 : std::min<int64_t>((threads + B - 1) / B, Hkv);
-  if (parts == 1) {
-    for_each_sequence<Scratch>(lens, B, window, [&](int64_t b, Scratch& s) { fn(b, 0, Hkv, s); });
-    return;
-  }
-  std::vector<int64_t> order(B * parts);  // item i: sequence i / parts, part i % parts
-  std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return rows_read(lens, x / parts, window) > rows_read(lens, y / parts, window);
-  });
-  std::atomic<int64_t> next{0};
-  const int64_t items = B * parts, workers = std::min(items, threads);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch;
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      const int64_t b = order[i] / parts, p = order[i] % parts;
-      fn(b, p * Hkv / parts, (p + 1) * Hkv / parts, scratch);
-    }
-  });
+  for_each_item<Scratch>(
+      B * parts, [&](int64_t i) { return rows_read(lens, i / parts, window); },
+      [&](int64_t i, Scratch& s) {
+        const int64_t p = i % parts;
+        fn(i / parts, p * Hkv / parts, (p + 1) * Hkv / parts, s);
+      });
 }
 
 }  // namespace pipellm::attention
