@@ -210,6 +210,17 @@ def test_int4_blocks_match_their_reference(backend, block_gemm_level, M, N, K, g
     assert (out - ref).norm() / ref.norm() < 0.01
 
 
+def test_int4_blocks_across_weight_groups_and_row_chunks(backend, block_gemm_level):
+    """K = 4096: a work item's weights are 16-32 KB, so N = 1000 spans several of the kernel's
+    L2-sized groups of items (the last one short, its last tile half padding) and 4 KB of a
+    row's activations makes a chunk of one 4-row tile; 42 rows: ten chunks and a tail."""
+    backend("auto")
+    w = quantize_int4(_weight(1000, 4096, seed=7), 32)
+    x = torch.randn(42, 4096, generator=torch.Generator().manual_seed(8))
+    out = int4_gemm(x, prepare_int4(w))
+    torch.testing.assert_close(out, int4_q8_gemm_ref(x, w), rtol=1e-5, atol=1e-4)
+
+
 def test_int4_blocks_extreme_values(backend, block_gemm_level):
     """Every nibble 15 against activations of 127 (one sign, then alternating): the AVX2 /
     AVX-512BW paths' INT16 block sums at their largest (8 x 2 x 15 x 127), exact."""

@@ -52,6 +52,14 @@ def test_q8_blocks_match_their_reference(block_gemm_level, M, N, K):
     assert (out - float_out).norm() / float_out.norm() < 0.01
 
 
+def test_q8_blocks_across_weight_groups_and_row_chunks(block_gemm_level):
+    """As the Q4 test of the same name: several L2-sized groups of items, one-tile row chunks."""
+    w = quantize_q8(_weight(1000, 4096, seed=7))
+    x = torch.randn(42, 4096, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(q8_gemm(x, prepare_q8(w)), q8_gemm_ref(x, w), rtol=1e-5,
+                               atol=1e-4)
+
+
 def test_q8_blocks_extreme_values(block_gemm_level):
     """Weights of -128 (a GGUF may store them) and activations at +-127 against weights of
     +-127: the AVX2 / AVX-512BW paths' INT16 pair sums at their largest, exact."""

@@ -10,8 +10,9 @@
 //   q8_x(x), q8_step(acc, w, x)  signed weights . signed activations: with VNNI as
 //                       (x + 128) . w, the block's 128 * sum(w) (`corr`) subtracted after;
 //                       without it as |w| . (x with w's sign), exact with no correction.
-// Each work item is up to kUnits units over every activation row, kRows rows at a time. With
-// Isa::kRolled the steps of a block stay a loop (unrolled, GCC spills AVX2's 16 registers).
+// Each work item is up to kUnits units over every activation row, kRows rows at a time (items in
+// L2-sized groups, rows in L1-sized chunks: `run`). With Isa::kRolled the steps of a block stay
+// a loop (unrolled, GCC spills AVX2's 16 registers).
 #pragma once
 
 namespace {
@@ -23,6 +24,7 @@ struct Kernel {
   using I = typename Isa::I;
   using F = typename Isa::F;
   static constexpr int kLanes = Isa::kLanes, kPerTile = kTile / Isa::kLanes;
+  static constexpr int64_t kGroupBytes = 256 << 10, kChunkBytes = 4 << 10;
 
   const Args& a;
   int64_t nb;
@@ -115,12 +117,12 @@ struct Kernel {
     }
   }
 
-  // Every activation row against units u0 .. u0 + TN: kRows rows at a time, then the rest.
+  // Activation rows i0 .. i1 against units u0 .. u0 + TN: kRows rows at a time, then the rest.
   template <int TN, bool Q8, typename scalar_t>
-  void rows(int64_t u0, scalar_t* out) const {
-    int64_t i = 0;
-    for (; i + Isa::kRows <= a.M; i += Isa::kRows) micro<Isa::kRows, TN, Q8>(i, u0, out);
-    tail<Isa::kRows - 1, TN, Q8>(i, a.M - i, u0, out);
+  void rows(int64_t i0, int64_t i1, int64_t u0, scalar_t* out) const {
+    int64_t i = i0;
+    for (; i + Isa::kRows <= i1; i += Isa::kRows) micro<Isa::kRows, TN, Q8>(i, u0, out);
+    tail<Isa::kRows - 1, TN, Q8>(i, i1 - i, u0, out);
   }
   template <int TM, int TN, bool Q8, typename scalar_t>
   void tail(int64_t i, int64_t left, int64_t u0, scalar_t* out) const {
@@ -130,20 +132,27 @@ struct Kernel {
     }
   }
 
+  // A thread's work items in groups whose weights stay in L2 (kGroupBytes); for each group,
+  // the activation rows a chunk at a time (kChunkBytes: the chunk stays in L1 while the
+  // group's weights pass), so that neither side streams from further out once per item.
   template <bool Q8, typename scalar_t>
   void run(scalar_t* out) const {
     const int64_t units = (a.N + kLanes - 1) / kLanes;
     const int64_t items = (units + Isa::kUnits - 1) / Isa::kUnits;
+    const int64_t item_bytes = Isa::kUnits * kLanes * a.K / (Q8 ? 1 : 2);
+    const int64_t group = std::max<int64_t>(1, kGroupBytes / item_bytes);
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / a.K / Isa::kRows) * Isa::kRows;
     at::parallel_for(0, items, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t u0 = p * Isa::kUnits;
-        if constexpr (Isa::kUnits == 2) {
-          if (u0 + 1 < units) {
-            rows<2, Q8>(u0, out);
-            continue;
+      for (int64_t g0 = p0; g0 < p1; g0 += group) {
+        const int64_t g1 = std::min(p1, g0 + group);
+        for (int64_t i0 = 0; i0 < a.M; i0 += chunk) {
+          const int64_t i1 = std::min(a.M, i0 + chunk);
+          for (int64_t p = g0; p < g1; ++p) {
+            const int64_t u0 = p * Isa::kUnits;
+            if (Isa::kUnits == 2 && u0 + 1 < units) rows<Isa::kUnits, Q8>(i0, i1, u0, out);
+            else rows<1, Q8>(i0, i1, u0, out);
           }
         }
-        rows<1, Q8>(u0, out);
       }
     });
   }
