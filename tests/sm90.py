@@ -94,14 +94,21 @@ def spec(launch: Launch) -> dict:
 
 
 def compile_sm90(specs: list[dict]) -> list[dict]:
-    """Each spec compiled for sm_90 in a fresh process (kernels imported as compiled, not
-    interpreted, functions): {"regs", "spill" (stack bytes per thread), "loop" (`loop_ops`)}
-    or {"error"}."""
+    """Each spec compiled for sm_90 in fresh processes, one a core (kernels imported as
+    compiled, not interpreted, functions): {"regs", "spill" (stack bytes per thread), "loop"
+    (`loop_ops`)} or {"error"}, in the order of `specs`."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out = subprocess.run([sys.executable, "-m", "tests.sm90"], input=json.dumps(specs),
-                         capture_output=True, text=True, env=env, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    shares = [specs[i::os.cpu_count() or 1] for i in range(min(len(specs), os.cpu_count() or 1))]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.sm90"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in shares]  # one compiler process a core, each given every n-th spec
+    outs = [p.communicate(json.dumps(share)) for p, share in zip(procs, shares, strict=True)]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        if p.returncode:
+            raise RuntimeError(f"tests.sm90 exited {p.returncode}: {err[-2000:]}")
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    return [results[i % len(shares)][i // len(shares)] for i in range(len(specs))]
 
 
 def loop_ops(sass: str) -> dict[str, int]:

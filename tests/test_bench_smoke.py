@@ -37,7 +37,7 @@ def last_json(out: str) -> dict:
 
 
 def test_ablation_quick(capsys):
-    ablation.main(["--models", "llama-2-7b", "--workloads", "sharegpt", "--requests", "100",
+    ablation.main(["--models", "llama-2-7b", "--workloads", "sharegpt", "--requests", "50",
                    "--bisect", "2", "--pipeline-requests", "0"])  # --quick, smaller
     rows = last_json(capsys.readouterr().out)["rows"]
     assert [r["name"] for r in rows] == [v.name for v in ablation.VARIANTS
