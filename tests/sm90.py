@@ -99,7 +99,8 @@ def compile_sm90(specs: list[dict]) -> list[dict]:
     (`loop_ops`)} or {"error"}, in the order of `specs`."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    shares = [specs[i::os.cpu_count() or 1] for i in range(min(len(specs), os.cpu_count() or 1))]
+    n = min(len(specs), os.cpu_count() or 1)
+    shares = [specs[i::n] for i in range(n)]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.sm90"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in shares]  # one compiler process a core, each given every n-th spec
@@ -108,7 +109,7 @@ def compile_sm90(specs: list[dict]) -> list[dict]:
         if p.returncode:
             raise RuntimeError(f"tests.sm90 exited {p.returncode}: {err[-2000:]}")
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    return [results[i % len(shares)][i // len(shares)] for i in range(len(specs))]
+    return [results[i % n][i // n] for i in range(len(specs))]
 
 
 def loop_ops(sass: str) -> dict[str, int]:
