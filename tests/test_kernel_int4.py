@@ -211,9 +211,10 @@ def test_int4_blocks_match_their_reference(backend, block_gemm_level, M, N, K, g
 
 
 def test_int4_blocks_across_weight_groups_and_row_chunks(backend, block_gemm_level):
-    """K = 4096: a work item's weights are 16-32 KB, so N = 1000 spans several of the kernel's
-    L2-sized groups of items (the last one short, its last tile half padding) and 4 KB of a
-    row's activations makes a chunk of one 4-row tile; 42 rows: ten chunks and a tail."""
+    """K = 4096: a work item's weights are 16-64 KB (8 to 32 rows, by level), so N = 1000 spans
+    several of the kernel's L2-sized groups of items (the last one short, its last tile half
+    padding) and 4 KB of a row's activations makes a chunk of one 4-row tile; 42 rows: ten
+    chunks and a tail."""
     backend("auto")
     w = quantize_int4(_weight(1000, 4096, seed=7), 32)
     x = torch.randn(42, 4096, generator=torch.Generator().manual_seed(8))
