@@ -45,6 +45,23 @@ def tools_stack():
     s.stop()
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """(transformers model, tokenizer), both loaded by transformers from the reference GGUF
+    (SmolLM2, float32): once a session, as the load takes 40 s on a slow CPU
+    (tests/test_smollm2.py, test_lora_smollm2.py)."""
+    import torch
+    import transformers
+
+    from shared import default_model
+
+    path = default_model.fetch()
+    kw = {"gguf_file": path.name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, dtype=torch.float32, **kw).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """A failing test's report ends with the last logs of every stack still up (tests/stack.py):

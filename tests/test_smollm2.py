@@ -4,15 +4,16 @@ the cache), against transformers' own GGUF loading of the same file, in float32
 
 from __future__ import annotations
 
+import copy
 import json
 import random
+import weakref
 from pathlib import Path
 
 import openai
 import pytest
 import regex
 import torch
-import transformers
 from tokenizers import pre_tokenizers
 
 from services.compute.backend import build_engine
@@ -37,12 +38,10 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf(gguf_path):
-    """(transformers model, transformers tokenizer), both loaded by transformers from the GGUF."""
-    kw = {"gguf_file": gguf_path.name}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, dtype=torch.float32, **kw).eval()
-    return model, transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+def hf(smollm2_hf):
+    """(transformers model, transformers tokenizer), both loaded by transformers from the GGUF
+    (tests/conftest.py)."""
+    return smollm2_hf
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +51,18 @@ def prompts(gguf_path) -> list[list[int]]:
     return chats + [tok.encode(p).ids for p in COMPLETIONS]
 
 
+_greedy: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {prompt: ids}
+
+
 def hf_greedy(model, prompt: list[int]) -> list[int]:
-    """transformers' greedy continuation, up to and including EOS."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    """transformers' greedy continuation, up to and including EOS (once per model and prompt)."""
+    memo = _greedy.setdefault(model, {})
+    if tuple(prompt) not in memo:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW,
+                                 do_sample=False)
+        memo[tuple(prompt)] = out[0, len(prompt):].tolist()
+    return list(memo[tuple(prompt)])
 
 
 def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -100,8 +106,7 @@ def test_tokenizer_from_gguf_metadata_encodes_as_transformers(gguf_path, hf):
     tokenizer on every string without numerals."""
     ours = load_tokenizer(gguf_path)
     plain = hf[1]
-    upstream = transformers.AutoTokenizer.from_pretrained(gguf_path.parent,
-                                                          gguf_file=gguf_path.name)
+    upstream = copy.deepcopy(plain)  # transformers' GGUF tokenizer, its pre-tokenizer changed
     upstream.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True),
          pre_tokenizers.ByteLevel(add_prefix_space=False)])
