@@ -1,11 +1,11 @@
 """Compile the Triton launches a CPU test makes for an H100/H200 (sm_90), without a GPU.
 
 `record_launches()` records every kernel launch made under the interpreter (its kernel and the
-arguments it was called with); `compile_sm90(specs)` compiles them for sm_90 through Triton's own
-compiler and ptxas in a process without the interpreter, and returns the register and local-memory
-(spill) use cuobjdump reads from each binary, and the opcodes of its longest loop. What only the
-compiler rejects (globals that are not constexpr, unsupported ops) fails here, where the
-interpreter runs it happily.
+arguments it was called with), without running it; `compile_sm90(specs)` compiles them for
+sm_90 through Triton's own compiler and ptxas in a process without the interpreter, and returns
+the register and local-memory (spill) use cuobjdump reads from each binary, and the opcodes of
+its longest loop. What only the compiler rejects (globals that are not constexpr, unsupported
+ops) fails here, where the interpreter runs it happily.
 """
 
 from __future__ import annotations
@@ -44,7 +44,10 @@ class Launch:
 
 @contextlib.contextmanager
 def record_launches():
-    """Yields a list that fills with the Launch of every interpreted kernel launch."""
+    """Yields a list that fills with the Launch of every interpreted kernel launch. The kernels
+    do not run (interpreted, they would take minutes at a GPU benchmark's shapes): their
+    outputs keep whatever was allocated, and the specs depend only on arguments' types, sizes
+    and alignment."""
     launches: list[Launch] = []
     run = InterpretedFunction.run
 
@@ -53,7 +56,6 @@ def record_launches():
         options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
         positional = dict(zip(names[:len(args)], args, strict=True))
         launches.append(Launch(self.fn, {**positional, **kwargs}, options))
-        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording
     try:

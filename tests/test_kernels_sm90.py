@@ -1,6 +1,6 @@
 """Every Triton kernel bench/kernels.py runs, compiled for sm_90 (H100/H200) on the CPU: the
-launches are recorded under the interpreter at the benchmark's head and block sizes (few rows,
-so it stays quick) and compiled by Triton and ptxas in a process without the interpreter.
+launches are recorded (not run) under the interpreter at the benchmark's head and block sizes
+and compiled by Triton and ptxas in a process without the interpreter.
 
 Catches what only the compiler rejects (a global that is not constexpr broke Gemma's soft-cap
 prefill on the first GPU run that reached it), and register spills in the kernels of a decode
