@@ -295,12 +295,12 @@ def test_predicted_policy_admits_more_than_max_policy():
     assert summarize(pr)["duration_s"] < summarize(mx)["duration_s"] / 2
 
 
-def test_thousands_of_requests_in_seconds():
-    wl = workload(2000, float("inf"), prompt=250, out=300)
+def test_a_thousand_requests_in_seconds():
+    wl = workload(1000, float("inf"), prompt=250, out=300)
     t0 = time.perf_counter()
     s = summarize(simulate(sim_config(), wl))
-    assert time.perf_counter() - t0 < 60  # a guard against a stall, not a speed claim: ~10 s
-    assert s["completed"] == 2000 and s["output_tok_s"] > 5000  # alone, 15.6 s in a full run
+    assert time.perf_counter() - t0 < 60  # a guard against a stall, not a speed claim
+    assert s["completed"] == 1000 and s["output_tok_s"] > 5000
 
 
 # -- roofline command ----------------------------------------------------------------------
