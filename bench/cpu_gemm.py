@@ -4,8 +4,9 @@ kernels/cpu/block_gemm.cpp) in every variant this CPU runs (avx2, avx2_vnni, avx
 avx512_vnni: the same build, the variant switched in process) against PyTorch's own CPU int4
 kernel (bf16 activations, what a CPU without the block GEMMs runs) and the float layers
 (oneDNN-packed bf16 and fp32, `model/linear/dense.py`; on an AMX CPU, bf16 is what the `amx`
-level runs for steps with many rows, `model/linear/amx.py`); the LM head as Q8 blocks (the
-default under int4) in every variant against the fp32 and bf16 heads.
+level runs for steps with many rows, `model/linear/amx.py`) and `--quantization w8a8`'s layer
+(per-channel INT8 weights, activations quantized per token, `torch._int_mm`); the LM head as
+Q8 blocks (the default under int4) in every variant against the fp32 and bf16 heads.
 
 The projections are the model's: q/k/v fused [960, 576], o [576, 576], gate/up fused
 [3072, 576], down [576, 1536], 30 distinct copies of each (random weights, std 0.02) so that
@@ -39,8 +40,9 @@ from kernels.int4_cpu import pack_int4_cpu  # noqa: E402
 from kernels.int4_gemm import int4_gemm, prepare_int4  # noqa: E402
 from kernels.int4_weight import quantize_int4  # noqa: E402
 from services.compute.model.linear import Linear, Q8Linear  # noqa: E402
+from services.compute.model.linear.w8a8 import W8A8Linear  # noqa: E402
 
-BASELINES = ("int4-torch", "bf16", "fp32")
+BASELINES = ("int4-torch", "bf16", "fp32", "w8a8")
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in], one layer
 LAYERS, HEAD = 30, (49152, 576)
@@ -90,9 +92,10 @@ def projection_layers(layers: int, levels: tuple[str, ...]) -> dict[str, list]:
             for lv in levels:
                 out[f"int4-{lv}"].append((lambda x, p=p4: int4_gemm(x, p), k))
             out["int4-torch"].append((lambda x, p=pt: int4_gemm(x, p), k))
-            bf16, fp32 = Linear(w.bfloat16()), Linear(w)
+            bf16, fp32, w8 = Linear(w.bfloat16()), Linear(w), W8A8Linear(w)
             out["bf16"].append((lambda x, f=bf16: f(x.bfloat16()), k))
             out["fp32"].append((lambda x, f=fp32: f(x.float()), k))
+            out["w8a8"].append((lambda x, f=w8: f(x.float()), k))
     return out
 
 

@@ -79,6 +79,21 @@ def test_fp8_is_refused_on_gpus_without_fp8_tensor_cores(monkeypatch):
     assert resolve("fp8", "", gpu, torch.bfloat16).name == "fp8"
 
 
+@pytest.mark.parametrize("flags", [{"avx2"}, {"avx2", "avx_vnni"}, {"avx2", "avx512_vnni"}])
+def test_w8a8_on_a_cpu_without_vnni_warns_that_it_is_slow(monkeypatch, caplog, flags):
+    """PyTorch's INT8 GEMM is 1.5-20x slower than float32 without VNNI (bench/cpu_gemm.py):
+    served all the same (it saves memory), with a warning that names the faster methods."""
+    from kernels.cpu import isa
+
+    monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(flags))
+    with caplog.at_level("WARNING", logger="pipellm.compute"):
+        assert resolve("w8a8", "", CPU, torch.float32).name == "w8a8"
+        resolve("none", "", CPU, torch.float32)
+    warned = [r.getMessage() for r in caplog.records if "w8a8" in r.getMessage()]
+    assert len(warned) == (0 if "vnni" in " ".join(flags) else 1), warned
+    assert all("without VNNI" in w and "auto" in w for w in warned)
+
+
 def test_weight_bytes_of_each_format():
     w = torch.randn(96, 128)
     n = w.numel()

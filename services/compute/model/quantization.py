@@ -7,6 +7,7 @@ experts take a method only on CPU; on a GPU it is refused (auto: none).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from kernels.q8_gemm import dequantize_q8, quantize_q8
 from services.compute.model.linear import Fp8Linear, Int4Linear, Linear, Q8Linear, W8A8Linear, amx
 from shared.gguf.reader import is_gguf, open_gguf
 
+log = logging.getLogger("pipellm.compute")
 METHODS = ("auto", "none", "w8a8", "int4", "fp8")
 GGUF_INT4_TYPES = ("Q4_0", "Q4_1")  # the GGUF block types Int4Weight represents exactly
 
@@ -81,6 +83,10 @@ def resolve(name: str, model: str, device: torch.device, dtype: torch.dtype,
                          "CPU")
     if name == "fp8":
         _check_fp8(device, dtype)
+    if name == "w8a8" and device.type == "cpu" and not _int8_dot_products():
+        log.warning("--quantization w8a8 on a CPU without VNNI: its INT8 GEMM (torch._int_mm) "
+                    "runs 1.5-20x slower than float32 here; auto (a Q4 GGUF's blocks) or none "
+                    "is faster")
     return Quantization(name, int4_group_size, dtype, name == "int4" and amx.available(device))
 
 
@@ -103,6 +109,13 @@ def _is_moe(model: str) -> bool:
         return ModelConfig.from_path(model).num_experts > 0
     except (ModelLoadError, OSError):
         return False
+
+
+def _int8_dot_products() -> bool:
+    """Whether the CPU has VNNI (AVX-512 or AVX), which oneDNN's INT8 GEMMs need to be fast."""
+    from kernels.cpu import isa
+
+    return bool({"avx512_vnni", "avx_vnni"} & isa.cpu_flags())
 
 
 def _check_fp8(device: torch.device, dtype: torch.dtype) -> None:
