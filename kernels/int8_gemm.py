@@ -1,6 +1,7 @@
 """W8A8 GEMM: INT8 activations x INT8 weights accumulated in INT32, both scales applied in the
-epilogue. Triton kernel, launcher, PyTorch reference, and the CPU path (`torch._int_mm`, which
-oneDNN runs with VNNI).
+epilogue. Triton kernel, launcher, PyTorch reference, and the CPU paths: `torch._int_mm`
+(oneDNN, fast with VNNI) and, on a CPU without VNNI, the C++ block GEMMs' 8-bit path (every
+block's scale 1, the per-row scales applied after: `int8_blocks`).
 
     out[m, n] = (sum_k xq[m, k] * wq[n, k]) * x_scale[m] * w_scale[n] (+ bias[n])
 
@@ -16,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import cpu_fast_path, use_triton
+from kernels.cpu import extension, isa
+from kernels.dispatch import block_gemm_extension, cpu_fast_path, use_triton
+from kernels.q8_gemm import BLOCK, Q8Blocks, Q8Weight, pack_q8_blocks
 
 
 @triton.jit
@@ -99,6 +102,28 @@ def int8_gemm_cpu(xq, x_scale, wq, w_scale, bias=None, out_dtype=torch.bfloat16)
     if xq.shape[0] == 0:
         return torch.empty(0, wq.shape[0], dtype=out_dtype)
     return _epilogue(torch._int_mm(xq, wq.t()), x_scale, w_scale, bias, out_dtype)
+
+
+def int8_blocks(wq: torch.Tensor) -> Q8Blocks | None:
+    """wq int8 [N, K] packed for the block GEMMs (each block's fp16 scale 1: the float32
+    per-row scales apply after), where those run, K is whole blocks and the CPU has no VNNI
+    (`torch._int_mm` is slow there); else None."""
+    if wq.shape[1] % BLOCK or block_gemm_extension(wq) is None or isa.int8_dot_products():
+        return None
+    ones = torch.ones(wq.shape[0], wq.shape[1] // BLOCK, dtype=torch.float16)
+    return pack_q8_blocks(Q8Weight(wq, ones))
+
+
+def int8_gemm_blocks(xq: torch.Tensor, x_scale: torch.Tensor, w: Q8Blocks,
+                     w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`int8_gemm` with wq from `int8_blocks` (C++: kernels/cpu/block_gemm.cpp)."""
+    acc = extension().q8_gemm_int8_rows(xq.contiguous(), x_scale, w.qs, w.scales, w.corr,
+                                        w.out_features, None, torch.float32)
+    acc.mul_(w_scale.float()[None, :])  # x_scale[m] * the INT32 sum came from the kernel
+    if bias is not None:
+        acc += bias.float()
+    return acc.to(out_dtype)
 
 
 def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

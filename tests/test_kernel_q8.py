@@ -85,3 +85,28 @@ def test_int4_head_is_q8_only_where_the_kernel_runs():
     assert isinstance(Quantization("int4").head(w), Q8Linear if BLOCKS else Linear)
     assert isinstance(Quantization("none").head(w), Linear)
     assert isinstance(Quantization("int4").head(_weight(64, 100)), Linear)  # K % 32 != 0
+
+
+@pytest.mark.parametrize("M", [1, 5, 42])
+@pytest.mark.parametrize("N, K", [(40, 96), (1000, 4096)])
+def test_w8a8_through_the_block_gemms_matches_its_reference(block_gemm_level, monkeypatch, M,
+                                                            N, K):
+    """W8A8 on a CPU without VNNI: per-channel INT8 weights packed as Q8 blocks of scale 1,
+    per-token INT8 activations: the exact INT32 sums' result, to float rounding, at every level
+    (VNNI levels included: the kernel is the same), with a bias, in float32 and bf16."""
+    from kernels.cpu import isa
+    from kernels.int8_gemm import int8_blocks, int8_gemm_blocks, int8_gemm_ref
+    from kernels.int8_quant import quantize_int8_ref
+
+    monkeypatch.setattr(isa, "int8_dot_products", lambda flags=None: False)
+    w = quantize_int8_ref(_weight(N, K, seed=M))
+    packed = int8_blocks(w.values)
+    x = quantize_int8_ref(torch.randn(M, K, generator=torch.Generator().manual_seed(5)) * 3)
+    bias = torch.randn(N)
+    ref = int8_gemm_ref(x.values, x.scales, w.values, w.scales, bias, torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = int8_gemm_blocks(x.values, x.scales, packed, w.scales, bias, dtype)
+        assert out.dtype == dtype and out.shape == (M, N)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * 10)
+    assert int8_blocks(w.values[:, :K - 16]) is None  # K not whole blocks: torch._int_mm

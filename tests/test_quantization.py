@@ -80,25 +80,31 @@ def test_fp8_is_refused_on_gpus_without_fp8_tensor_cores(monkeypatch):
 
 
 @pytest.mark.parametrize("flags", [{"avx2"}, {"avx2", "avx_vnni"}, {"avx2", "avx512_vnni"}])
-def test_w8a8_on_a_cpu_without_vnni_warns_that_it_is_slow(monkeypatch, caplog, flags):
-    """PyTorch's INT8 GEMM is 1.5-20x slower than float32 without VNNI (bench/cpu_gemm.py):
-    served all the same (it saves memory), with a warning that names the faster methods."""
+@pytest.mark.parametrize("blocks", [False, True], ids=["no block GEMMs", "block GEMMs"])
+def test_w8a8_on_a_cpu_without_fast_int8_gemms_warns(monkeypatch, caplog, flags, blocks):
+    """Without VNNI and without the C++ block GEMMs, PyTorch's INT8 GEMM is 1.5-20x slower than
+    float32 (bench/cpu_gemm.py): served all the same (it saves memory), with a warning."""
     from kernels.cpu import isa
+    from services.compute.model import quantization
 
     monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(quantization, "block_gemm_extension",
+                        lambda t: object() if blocks else None)
     with caplog.at_level("WARNING", logger="pipellm.compute"):
         assert resolve("w8a8", "", CPU, torch.float32).name == "w8a8"
         resolve("none", "", CPU, torch.float32)
     warned = [r.getMessage() for r in caplog.records if "w8a8" in r.getMessage()]
-    assert len(warned) == (0 if "vnni" in " ".join(flags) else 1), warned
-    assert all("without VNNI" in w and "auto" in w for w in warned)
+    assert len(warned) == (0 if blocks or "vnni" in " ".join(flags) else 1), warned
+    assert all("slower than float32" in w for w in warned)
 
 
 def test_weight_bytes_of_each_format():
     w = torch.randn(96, 128)
     n = w.numel()
     assert Linear(w).nbytes() == 4 * n
-    assert W8A8Linear(w).nbytes() == n + 4 * 96  # int8 values, a float32 scale per channel
+    w8 = W8A8Linear(w)  # int8 values, a float32 scale per channel; packed for the block GEMMs,
+    # also an fp16 scale and a float32 sum per block of 32 (kernels/q8_gemm.py)
+    assert w8.nbytes() == n + 4 * 96 + (0 if w8.blocks is None else 6 * n // 32)
     for group in (32, 128):  # 4 bits a value, a 16-bit scale and min per group
         assert Int4Linear(w, group_size=group).nbytes() == n // 2 + 2 * 2 * n // group
 

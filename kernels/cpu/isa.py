@@ -50,6 +50,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(k for k, v in torch.cpu.get_capabilities().items() if v is True)
 
 
+def int8_dot_products(flags: frozenset[str] | None = None) -> bool:
+    """Whether the CPU has VNNI (AVX-512 or AVX), which oneDNN's INT8 GEMMs (`torch._int_mm`)
+    need to be fast."""
+    return bool({"avx512_vnni", "avx_vnni"} & (cpu_flags() if flags is None else flags))
+
+
 def cpu_levels(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The levels this CPU runs, lowest first (empty: not x86, or below AVX2)."""
     flags = cpu_flags() if flags is None else flags

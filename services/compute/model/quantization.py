@@ -83,10 +83,9 @@ def resolve(name: str, model: str, device: torch.device, dtype: torch.dtype,
                          "CPU")
     if name == "fp8":
         _check_fp8(device, dtype)
-    if name == "w8a8" and device.type == "cpu" and not _int8_dot_products():
-        log.warning("--quantization w8a8 on a CPU without VNNI: its INT8 GEMM (torch._int_mm) "
-                    "runs 1.5-20x slower than float32 here; auto (a Q4 GGUF's blocks) or none "
-                    "is faster")
+    if name == "w8a8" and device.type == "cpu" and not _int8_gemms_fast():
+        log.warning("--quantization w8a8 on this CPU (neither VNNI nor the C++ block GEMMs): "
+                    "PyTorch's INT8 GEMM runs 1.5-20x slower than float32 here; none is faster")
     return Quantization(name, int4_group_size, dtype, name == "int4" and amx.available(device))
 
 
@@ -111,11 +110,12 @@ def _is_moe(model: str) -> bool:
         return False
 
 
-def _int8_dot_products() -> bool:
-    """Whether the CPU has VNNI (AVX-512 or AVX), which oneDNN's INT8 GEMMs need to be fast."""
+def _int8_gemms_fast() -> bool:
+    """Whether W8A8's INT8 GEMMs run fast on this CPU: oneDNN's with VNNI, else the C++ block
+    GEMMs' (kernels/int8_gemm.py)."""
     from kernels.cpu import isa
 
-    return bool({"avx512_vnni", "avx_vnni"} & isa.cpu_flags())
+    return isa.int8_dot_products() or block_gemm_extension(torch.empty(0)) is not None
 
 
 def _check_fp8(device: torch.device, dtype: torch.dtype) -> None:
