@@ -5,7 +5,8 @@ avx512_vnni: the same build, the variant switched in process) against PyTorch's 
 kernel (bf16 activations, what a CPU without the block GEMMs runs) and the float layers
 (oneDNN-packed bf16 and fp32, `model/linear/dense.py`; on an AMX CPU, bf16 is what the `amx`
 level runs for steps with many rows, `model/linear/amx.py`) and `--quantization w8a8`'s layer
-(per-channel INT8 weights, activations quantized per token, `torch._int_mm`); the LM head as
+(per-channel INT8 weights, activations per token: `torch._int_mm` with VNNI, else the block
+GEMMs); the LM head as
 Q8 blocks (the default under int4) in every variant against the fp32 and bf16 heads.
 
 The projections are the model's: q/k/v fused [960, 576], o [576, 576], gate/up fused
