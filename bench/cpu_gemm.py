@@ -6,8 +6,8 @@ kernel (bf16 activations, what a CPU without the block GEMMs runs) and the float
 (oneDNN-packed bf16 and fp32, `model/linear/dense.py`; on an AMX CPU, bf16 is what the `amx`
 level runs for steps with many rows, `model/linear/amx.py`) and `--quantization w8a8`'s layer
 (per-channel INT8 weights, activations per token: `torch._int_mm` with VNNI, else the block
-GEMMs); the LM head as
-Q8 blocks (the default under int4) in every variant against the fp32 and bf16 heads.
+GEMMs); the LM head as Q8 blocks (the default under int4) in every variant against the fp32 and
+bf16 heads.
 
 The projections are the model's: q/k/v fused [960, 576], o [576, 576], gate/up fused
 [3072, 576], down [576, 1536], 30 distinct copies of each (random weights, std 0.02) so that
