@@ -119,7 +119,7 @@ def int8_gemm_blocks(xq: torch.Tensor, x_scale: torch.Tensor, w: Q8Blocks,
                      out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """`int8_gemm` with wq from `int8_blocks` (C++: kernels/cpu/block_gemm.cpp)."""
     acc = extension().q8_gemm_int8_rows(xq.contiguous(), x_scale, w.qs, w.scales, w.corr,
-                                        w.out_features, None, torch.float32)
+                                        w.out_features)
     acc.mul_(w_scale.float()[None, :])  # x_scale[m] * the INT32 sum came from the kernel
     if bias is not None:
         acc += bias.float()

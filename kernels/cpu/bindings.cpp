@@ -36,8 +36,7 @@ std::string block_gemm_isa();
 Tensor q4_gemm(Tensor x, Tensor qs, Tensor d, Tensor m, int64_t n, std::optional<Tensor> bias);
 Tensor q8_gemm(Tensor x, Tensor qs, Tensor d, Tensor corr, int64_t n,
                std::optional<Tensor> bias);
-Tensor q8_gemm_int8_rows(Tensor xq, Tensor x_scale, Tensor qs, Tensor d, Tensor corr, int64_t n,
-                         std::optional<Tensor> bias, at::ScalarType out_dtype);
+Tensor q8_gemm_int8_rows(Tensor xq, Tensor x_scale, Tensor qs, Tensor d, Tensor corr, int64_t n);
 // lora.cpp
 void lora_delta(Tensor y, Tensor x, Tensor a, Tensor b, Tensor rows, Tensor starts,
                 Tensor slots, std::vector<int64_t> part_ends, std::optional<Tensor> a_vnni,
@@ -103,9 +102,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qs"), py::arg("d"), py::arg("corr"), py::arg("n"),
         py::arg("bias") = py::none());
   m.def("q8_gemm_int8_rows", &q8_gemm_int8_rows,
-        "INT8 blocks x INT8 activations quantized per row (W8A8): [M, K] -> [M, n]",
+        "INT8 blocks x INT8 activations quantized per row (W8A8): [M, K] -> float32 [M, n]",
         py::arg("xq"), py::arg("x_scale"), py::arg("qs"), py::arg("d"), py::arg("corr"),
-        py::arg("n"), py::arg("bias"), py::arg("out_dtype"));
+        py::arg("n"));
   m.def("sample_rows", &sample_rows,
         "(ids [B] int64, logprobs [B] f32): kernels/sampling.py's sample_reference per row",
         py::arg("logits"), py::arg("raw_logits"), py::arg("temperature"), py::arg("top_p"),

@@ -164,20 +164,17 @@ void check_weight(const torch::Tensor& qs, const torch::Tensor& d, const torch::
               "scales must be [N / 16, K / 32, 16]: fp16 d, and fp16 mins (Q4) or float sums (Q8)");
 }
 
-torch::Tensor float_bias(const std::optional<torch::Tensor>& bias, int64_t N) {
-  if (!bias.has_value()) return {};
-  torch::Tensor b = bias->to(at::kFloat).contiguous();
-  TORCH_CHECK(b.numel() == N, "bias must have N elements");
-  return b;
-}
-
 torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
                    const torch::Tensor& extra, int64_t N, const std::optional<torch::Tensor>& bias,
                    bool q8) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
   check_weight(qs, d, extra, K, N, q8);
-  const torch::Tensor b = float_bias(bias, N);
+  torch::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must have N elements");
+  }
   auto out = torch::empty({M, N}, x.options());
   const OutType type = out_type(x.scalar_type());
   AT_DISPATCH_V2(x.scalar_type(), "block_gemm", AT_WRAP([&] {
@@ -186,7 +183,7 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch:
                     static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
                     q8 ? nullptr : extra.data_ptr<at::Half>(),
                     q8 ? extra.data_ptr<float>() : nullptr, q8,
-                    b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr(), type};
+                    bias.has_value() ? b.data_ptr<float>() : nullptr, out.data_ptr(), type};
     chosen->run(args);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
@@ -236,27 +233,22 @@ torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch:
 
 // Activations quantized already, one scale a row (W8A8's per-token INT8: xq int8 [M, K] with
 // contiguous rows, x_scale float [M]), x 8-bit weight blocks as for q8_gemm: every block of a
-// row takes its row's scale, so per-channel weights (the same fp16 scale in each of a row's
-// blocks) give x_scale[m] * w_scale[n] * the exact INT32 sum, up to float rounding. Returns
-// [M, N] of `out_dtype` (float32, bfloat16 or float16).
+// row takes its row's scale. Returns float32 [M, N]: with blocks of scale 1 (kernels/int8_gemm.py),
+// x_scale[m] times the exact INT32 sum, up to float rounding.
 torch::Tensor q8_gemm_int8_rows(torch::Tensor xq, torch::Tensor x_scale, torch::Tensor qs,
-                                torch::Tensor d, torch::Tensor corr, int64_t N,
-                                std::optional<torch::Tensor> bias, at::ScalarType out_dtype) {
+                                torch::Tensor d, torch::Tensor corr, int64_t N) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(),
               "xq must be int8 [M, K], contiguous");
-  const int64_t M = xq.size(0), K = xq.size(1), nb = K / kBlock;
+  const int64_t M = xq.size(0), K = xq.size(1);
   check_weight(qs, d, corr, K, N, true);
   const torch::Tensor scale = x_scale.to(at::kFloat).contiguous();
   TORCH_CHECK(scale.numel() == M, "x_scale must have M elements");
-  const torch::Tensor b = float_bias(bias, N);
-  // per row and block: the row's scale, and the scale times the block's sum (Args' xd, xs)
-  const torch::Tensor xd = scale.unsqueeze(1).expand({M, nb}).contiguous();
-  const torch::Tensor xs = xq.view({M, nb, kBlock}).sum(-1, false, at::kFloat).mul_(xd);
-  auto out = torch::empty({M, N}, xq.options().dtype(out_dtype));
-  const Args args{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(), M, K, N,
-                  static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(), nullptr,
-                  corr.data_ptr<float>(), true, b.defined() ? b.data_ptr<float>() : nullptr,
-                  out.data_ptr(), out_type(out_dtype)};
+  const torch::Tensor xd = scale.unsqueeze(1).expand({M, K / kBlock}).contiguous();  // Args' xd
+  auto out = torch::empty({M, N}, xq.options().dtype(at::kFloat));
+  const Args args{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), nullptr,  // xs: Q4's mins only
+                  M, K, N, static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
+                  nullptr, corr.data_ptr<float>(), true, nullptr, out.data_ptr(),
+                  OutType::kFloat};
   if (M > 0) chosen->run(args);
   return out;
 }
