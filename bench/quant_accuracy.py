@@ -44,6 +44,8 @@ MODES = {  # name -> EngineConfig fields ("model": "hf" loads the expanded float
     "float": {"quantization": "none"},
     "int8-kv": {"quantization": "none", **_INT8_KV},
     "fp8-kv": {"quantization": "none", "kv_cache_dtype": "fp8"},
+    "fp16-kv": {"quantization": "none", "kv_cache_dtype": "float16"},
+    "int4-gguf+fp16-kv": {"quantization": "int4", "kv_cache_dtype": "float16"},
     "w8a8": {"quantization": "w8a8"},
     "w8a8+int8-kv": {"quantization": "w8a8", **_INT8_KV},
     "int4-gguf": {"quantization": "int4"},

@@ -458,7 +458,8 @@ def decode_attention(
     (kernels/cpu/decode_attention.cpp) where it builds, else the PyTorch reference. With
     k_scale and v_scale the caches are INT8 (kernels/kv_quant.py): every path reads them,
     dequantizing in registers (Triton, C++) or one sequence's rows (the reference). FP8 caches
-    (float8_e4m3fn, scale 1) convert in registers (Triton) or in the reference (off Triton).
+    (float8_e4m3fn, scale 1) convert in registers (Triton) or in the reference (off Triton);
+    fp16 caches under float32 q (off Triton) convert as they are read.
     `window` is a Python int (a Triton constant: CUDA graphs capture it per layer).
     `softcap` > 0 (Gemma 2's attn_logit_softcapping; 0: none, a Triton constant too) caps each
     score s = scale * q.k to softcap * tanh(s / softcap) before the softmax, in every path.

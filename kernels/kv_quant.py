@@ -11,6 +11,10 @@ FP8 KV cache (`--kv-cache-dtype fp8`): e4m3 values, one byte each, with a per-te
 1 (vLLM's default without calibrated scales): written saturated at +-448 (a plain cast would
 turn larger values into NaN), read by converting to the query's dtype.
 
+fp16 KV cache under float32 queries (`--kv-cache-dtype float16`, the CPU's float32 models):
+half the bytes of a float32 cache, written rounded to nearest, read by converting to float32
+(llama.cpp's default cache type).
+
 These are the PyTorch reference functions (they run on any device).
 """
 
@@ -21,6 +25,12 @@ import torch
 KV_GROUP = 8
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+def float_caches(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The unquantized cache elements queries of `dtype` read: their own, and fp16 under
+    float32 queries."""
+    return (dtype, torch.float16) if dtype == torch.float32 else (dtype,)
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from kernels.decode_attention import _tanh
 from kernels.dispatch import cpu_extension, cpu_fast_path, use_triton
-from kernels.kv_quant import FP8, KV_GROUP, kv_rows
+from kernels.kv_quant import FP8, KV_GROUP, float_caches, kv_rows
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a constexpr: jit code may read it
@@ -272,8 +272,8 @@ def prefill_attention_reference(
         if q1 == q0:
             continue
         qs = q[q0:q1].transpose(0, 1)  # [H, q_len, D]
-        ks = k_cache[start : start + n].transpose(0, 1)  # [Hkv, n, D]
-        vs = v_cache[start : start + n].transpose(0, 1)  # [Hkv, n, D]
+        ks = k_cache[start : start + n].transpose(0, 1).to(q.dtype)  # [Hkv, n, D]
+        vs = v_cache[start : start + n].transpose(0, 1).to(q.dtype)  # [Hkv, n, D]
         q_pos = torch.arange(n - (q1 - q0), n, device=q.device)[:, None]  # [q_len, 1]
         k_pos = torch.arange(n, device=q.device)[None, :]  # [1, n]
         mask = k_pos <= q_pos  # [q_len, n]
@@ -349,14 +349,15 @@ def _attend(q, ks, vs, n, window, scale, softcap):
 
 def _kernel_takes(q, k_cache, v_cache, k_scale, window, softcap) -> bool:
     """Whether kernels/cpu/prefill_attention.cpp runs this call: q float32, bf16 or float16 and
-    caches of its dtype, INT8 (with scales) or FP8, unit stride along head_dim, head_dim a
-    multiple of 16, no softcap, the C++ kernels at an x86 level (kernels/cpu/isa.py). It runs
-    bf16 caches without a window on AMX tiles at the amx level, other bf16 caches with
-    coarse_p as bf16 products at the AVX-512 levels on a CPU with AVX512-BF16, else float32
-    vectors of the level (INT8 and FP8 dequantized as it packs each sequence's keys and
-    values)."""
+    caches of its dtype (or fp16 under float32), INT8 (with scales) or FP8, unit stride along
+    head_dim, head_dim a multiple of 16, no softcap, the C++ kernels at an x86 level
+    (kernels/cpu/isa.py). It runs bf16 caches without a window on AMX tiles at the amx level,
+    other bf16 caches with coarse_p as bf16 products at the AVX-512 levels on a CPU with
+    AVX512-BF16, else float32 vectors of the level (INT8, FP8 and fp16 converted as it packs
+    each sequence's keys and values)."""
     caches = k_cache.dtype == v_cache.dtype and (
-        k_cache.dtype == torch.int8 if k_scale is not None else k_cache.dtype in (q.dtype, FP8))
+        k_cache.dtype == torch.int8 if k_scale is not None
+        else k_cache.dtype in (*float_caches(q.dtype), FP8))
     if not (caches and q.dtype in _KERNEL_DTYPES and softcap == 0 and q.shape[-1] % 16 == 0
             and all(t.stride(-1) == 1 for t in (q, k_cache, v_cache))):
         return False

@@ -240,7 +240,7 @@ def rope_kv_write_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots, k_s
             scales.index_copy_(0, slots, row_scales)
         elif cache.dtype == FP8:  # written as bytes: index_copy_ has no fp8 on a CPU
             rows, cache = to_fp8(rows).view(torch.uint8), cache.view(torch.uint8)
-        cache.index_copy_(0, slots, rows)
+        cache.index_copy_(0, slots, rows.to(cache.dtype))  # fp16 caches: rounded to nearest
     return q_rot, k_rot
 
 
@@ -262,8 +262,9 @@ def rope_kv_write(
     q, k, v may be strided views (last dim contiguous); the outputs are new contiguous tensors.
     With scales, the caches are INT8 (kernels/kv_quant.py) and the rows are quantized as they
     are written (in the Triton kernel, fused); FP8 caches (float8_e4m3fn) get them saturated.
-    Triton where `use_triton(q)`, else the C++ CPU kernel (kernels/cpu/rope.cpp; float and INT8
-    caches) where it builds, else the reference (and for FP8 caches off Triton).
+    fp16 caches under float32 q get them rounded to nearest (off Triton). Triton where
+    `use_triton(q)`, else the C++ CPU kernel (kernels/cpu/rope.cpp; float, fp16 and INT8 caches)
+    where it builds, else the reference (and for FP8 caches off Triton).
     """
     if use_triton(q):
         return rope_kv_write_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots,

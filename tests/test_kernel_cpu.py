@@ -251,6 +251,24 @@ def test_rope_kv_write_int8_caches(ext, dtype, T):
     assert torch.equal(got[3], want[3]) and torch.equal(got[5], want[5])  # v: as the reference
 
 
+@pytest.mark.parametrize("T", TS)
+def test_rope_kv_write_fp16_caches_under_float32(ext, T):
+    """--kv-cache-dtype float16: float32 rows written to fp16 caches rounded to nearest, bit
+    for bit as the reference; q_rot and k_rot stay float32 and exact; a bf16 cache under
+    float32 q is refused."""
+    args = _rope_case(T, 9, 3, 64, torch.float32, seed=T)
+    args |= {"k_cache": args["k_cache"].half(), "v_cache": args["v_cache"].half()}
+    got, want = _run(ext.rope_kv_write, args), _run(rope_kv_write_ref, args)
+    for a, b in zip(got[:4], want[:4], strict=True):
+        assert torch.equal(a, b)
+    slots = args["slots"].long()
+    assert got[0].dtype == torch.float32 and torch.equal(got[2][slots], got[1].half())
+    assert torch.equal(got[3][slots], args["v"].half())
+    with pytest.raises(RuntimeError, match="caches must be q's dtype"):
+        ext.rope_kv_write(**(args | {"k_cache": args["k_cache"].bfloat16(),
+                                     "v_cache": args["v_cache"].bfloat16()}))
+
+
 def test_rope_kv_write_refuses_bad_slots(ext):
     args = _rope_case(3, 9, 3, 64, torch.float32)
     args["slots"] = torch.tensor([0, 1, 100])  # capacity 100

@@ -220,6 +220,26 @@ def test_cpu_kernel_matches_reference(attention_level, cpu_ext, n_heads, n_kv_he
     check(q, k, v, starts, lens, cpu_ext.decode_attention(q, k, v, starts, lens, 0.2), 0.2)
 
 
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(9, 3, 64), (4, 1, 128), (4, 2, 96)])
+@pytest.mark.parametrize("window", [0, 37])
+def test_cpu_kernel_reads_fp16_caches_under_float32_queries(attention_level, cpu_ext, n_heads,
+                                                            n_kv_heads, head_dim, window):
+    """--kv-cache-dtype float16: float32 q over fp16 caches, float32 out, on every path (96:
+    the generic code), against the reference on the caches' float32 values; a cache of another
+    dtype than q's (bf16 under float32) is refused."""
+    q, k, v, starts, lens = make_case([1, 7, 64, 300, 33], n_kv_heads, head_dim,
+                                      n_heads=n_heads, seed=head_dim + window)
+    kh, vh = k.half(), v.half()
+    out = cpu_ext.decode_attention(q, kh, vh, starts, lens, 0.2, None, None, window)
+    assert out.dtype == torch.float32
+    check(q, kh.float(), vh.float(), starts, lens, out, 0.2, window=window)
+    assert torch.equal(decode_attention(q, kh, vh, starts, lens, 0.2, window=window), out)
+    ref = decode_attention_reference(q, kh, vh, starts, lens, 0.2, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="caches must be q's dtype"):
+        cpu_ext.decode_attention(q, k.bfloat16(), v.bfloat16(), starts, lens, 0.2)
+
+
 def test_cpu_kernel_shares_a_varied_batch_among_threads(attention_level, cpu_ext):
     """Many sequences of lengths from 1 to 400 in random order, taken longest first from a
     shared counter by every thread (decode_attention_schedule.h): each output row is its own

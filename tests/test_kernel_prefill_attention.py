@@ -501,13 +501,14 @@ def test_cpu_kernel_window_at_each_level_matches_dense(block_gemm_level, dtype, 
 
 
 @VECTOR_LEVELS
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cache", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype,cache", [
+    (torch.float32, "int8"), (torch.float32, "fp8"), (torch.float32, "float16"),
+    (torch.bfloat16, "int8"), (torch.bfloat16, "fp8")])
 @pytest.mark.parametrize("window", [0, 64])
 def test_cpu_kernel_quantized_caches_at_each_level(block_gemm_level, dtype, cache, window):
-    """INT8 caches (fp16 scales per 8 values) and FP8 ones, dequantized as the C++ kernel packs
-    them, at each ISA level: as close to the float64 dense softmax over the dequantized caches
-    as the float32-GEMM path; the public function runs it."""
+    """INT8 caches (fp16 scales per 8 values), FP8 ones and fp16 ones under float32 queries,
+    converted as the C++ kernel packs them, at each ISA level: as close to the float64 dense
+    softmax over the caches' values as the float32-GEMM path; the public function runs it."""
     from kernels.cpu import extension
 
     q, k, v, cu, starts, ctx = make_batch((300, 150, 1, 5, 70), (0, 90, 200, 13, 0), 6, 2, 64,
@@ -517,8 +518,8 @@ def test_cpu_kernel_quantized_caches_at_each_level(block_gemm_level, dtype, cach
         (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
         kd, vd = dequantize_kv(kq, ks), dequantize_kv(vq, vs)
     else:
-        kq, vq, ks, vs = to_fp8(k), to_fp8(v), None, None
-        kd, vd = kq.float(), vq.float()
+        kq, vq = (to_fp8(k), to_fp8(v)) if cache == "fp8" else (k.half(), v.half())
+        kd, vd, ks, vs = kq.float(), vq.float(), None, None
     args = (q, kq, vq, cu, starts, ctx, 0.1)
     out = extension().prefill_attention(*args, window, ks, vs)
     assert out.dtype == dtype
@@ -531,8 +532,8 @@ def test_cpu_kernel_quantized_caches_at_each_level(block_gemm_level, dtype, cach
 
 def test_cpu_kernel_takes_only_its_cases():
     """The public function runs the C++ kernel wherever the C++ kernels run, for float32, bf16
-    and float16 queries over caches of their dtype, INT8 with scales or FP8, without a softcap,
-    head_dim a multiple of 16; the rest goes to the GEMM path."""
+    and float16 queries over caches of their dtype (or fp16 under float32), INT8 with scales or
+    FP8, without a softcap, head_dim a multiple of 16; the rest goes to the GEMM path."""
     from kernels.cpu import extension
     from kernels.prefill_attention import _kernel_takes
 
@@ -550,6 +551,8 @@ def test_cpu_kernel_takes_only_its_cases():
     assert not _kernel_takes(q, k, v, torch.ones(1), 0, 0.0)  # scales for a float cache
     assert not _kernel_takes(q, kq, vq, None, 0, 0.0)  # INT8 without its scales
     assert not _kernel_takes(q.bfloat16(), k, v, None, 0, 0.0)
+    assert _kernel_takes(q, k.half(), v.half(), None, 0, 0.0)  # fp16 under float32 q
+    assert not _kernel_takes(q.bfloat16(), k.half(), v.half(), None, 0, 0.0)
     q24, k24, v24, *_ = make_batch((5,), (3,), 4, 2, 24, torch.float32)
     assert not _kernel_takes(q24, k24, v24, None, 0, 0.0)
 

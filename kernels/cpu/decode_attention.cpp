@@ -8,6 +8,7 @@
 // min(len, window) keys, positions (len - 1 - window, len - 1]; the rows before are not read.
 // softcap > 0 (Gemma 2's attn_logit_softcapping): each score s = scale * q.k becomes
 // softcap * tanh(s / softcap) before the softmax; 0: none.
+// The caches are q's dtype, fp16 under float32 queries (--kv-cache-dtype float16), or INT8.
 // The vectorized variants (decode_attention_kernel.h, one per ISA level: the level the block
 // GEMMs run, set_block_gemm_isa) take float caches with a power-of-2 head_dim in [16, 256]; the
 // generic code below takes the rest (INT8 caches, other head sizes, a CPU below AVX2).
@@ -179,24 +180,29 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   auto starts = seq_starts.contiguous(), lens = seq_lens.contiguous();
   const int32_t* st = starts.data_ptr<int32_t>();
   const int32_t* ln = lens.data_ptr<int32_t>();
+  const bool half = !int8 && k_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat;
+  TORCH_CHECK(int8 || half || k_cache.scalar_type() == q.scalar_type(),
+              "caches must be q's dtype, fp16 under float32 queries, or int8 with scales");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches of one dtype");
   if (const Variant run = variant(D, int8)) {
-    TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "caches must be q's dtype");
     TORCH_CHECK(k_cache.stride(1) == D, "kv heads must be contiguous within a cache row");
     auto out = torch::empty(q.sizes(), q.options());
     run({q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
          k_cache.stride(0), st, ln, q.size(0), H, Hkv, D, static_cast<float>(scale),
-         static_cast<float>(softcap), window, out.data_ptr(), dtype_of(q.scalar_type())});
+         static_cast<float>(softcap), window, out.data_ptr(), dtype_of(q.scalar_type()),
+         dtype_of(k_cache.scalar_type())});
     return out;
   }
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
-    if (int8) {
-      run<scalar_t, int8_t>(q, k_cache, v_cache, sc, st, ln, scale, window, softcap, out);
-    } else {
-      TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "caches must be q's dtype");
-      run<scalar_t, scalar_t>(q, k_cache, v_cache, sc, st, ln, scale, window, softcap, out);
-    }
+    auto go = [&](auto cache_tag) {
+      run<scalar_t, decltype(cache_tag)>(q, k_cache, v_cache, sc, st, ln, scale, window, softcap,
+                                         out);
+    };
+    if (int8) go(int8_t{});
+    else if (half) go(at::Half{});
+    else go(scalar_t{});
   });
   return out;
 }

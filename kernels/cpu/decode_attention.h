@@ -1,8 +1,9 @@
 // The decode attention's interface between decode_attention.cpp (tensor checks, the generic
 // path, the choice of ISA) and its vectorized variants (decode_attention_<isa>.cpp, each the
 // template of decode_attention_kernel.h compiled for one instruction set). Raw pointers only.
-// The variants cover float caches of q's dtype with head_dim a multiple of 16, up to 256; INT8
-// caches and other head sizes take the generic path.
+// The variants cover float caches of q's dtype, or fp16 caches under float32 queries, with
+// head_dim a power of 2 from 16 up to 256; INT8 caches and other head sizes take the generic
+// path.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +24,8 @@ struct Args {
   float scale, softcap;  // softcap 0: none
   int64_t window;        // 0: full attention
   void* out;             // [B, H, D] contiguous
-  DType dtype;           // of q, the caches and out
+  DType dtype;           // of q and out
+  DType cache;           // of the caches: dtype, or kHalf under kFloat
 };
 
 constexpr int64_t kMaxHeadDim = 256;

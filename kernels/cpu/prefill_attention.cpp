@@ -1,12 +1,13 @@
 // Prefill attention on the CPU (the kernels of prefill_attention.h): the contract of
 // kernels/prefill_attention.py's prefill_attention_reference without a softcap. q [T, H, D]
 // (float32, bfloat16 or float16) and the caches [capacity, Hkv, D] (q's dtype; or int8 with fp16
-// scales [capacity, Hkv, D / 8]; or float8_e4m3fn) with unit stride along D, D a multiple of 16,
-// H a multiple of Hkv; cu_q_lens [S + 1], seq_starts [S], ctx_lens [S] int32 (each sequence's
-// queries are the last of its keys). bf16 caches with D a multiple of 64 and no window run on
-// AMX tiles where this process may use them; other bf16 caches of bf16 queries with coarse_p as
-// bf16 products at the AVX-512 levels on a CPU with AVX512-BF16; everything else in float32
-// vectors of the block GEMMs' ISA level (avx2, or avx512 for every AVX-512 level).
+// scales [capacity, Hkv, D / 8]; or float8_e4m3fn; or fp16 under float32 q) with unit stride
+// along D, D a multiple of 16, H a multiple of Hkv; cu_q_lens [S + 1], seq_starts [S], ctx_lens
+// [S] int32 (each sequence's queries are the last of its keys). bf16 caches with D a multiple
+// of 64 and no window run on AMX tiles where this process may use them; other bf16 caches of
+// bf16 queries with coarse_p as bf16 products at the AVX-512 levels on a CPU with AVX512-BF16;
+// everything else in float32 vectors of the block GEMMs' ISA level (avx2, or avx512 for every
+// AVX-512 level).
 // kernels/prefill_attention.py sends it only what it takes; anything else is a TORCH_CHECK
 // error. Built with PIPELLM_AMX_EMULATE (kernels/cpu/emulated.py), it runs the AMX kernel's
 // cases alone, on emulated tiles.
@@ -72,7 +73,9 @@ Cache cache_of(const torch::Tensor& q, const torch::Tensor& k_cache,
   }
   TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "scales belong to INT8 caches");
   if (t == at::kFloat8_e4m3fn) return Cache::kFp8;
-  TORCH_CHECK(t == q.scalar_type(), "the caches must be q's dtype, int8 or float8_e4m3fn");
+  if (t == at::kHalf && q.scalar_type() == at::kFloat) return Cache::kHalf;
+  TORCH_CHECK(t == q.scalar_type(),
+              "the caches must be q's dtype, int8, float8_e4m3fn or fp16 under float32 q");
   return Cache::kSame;
 }
 

@@ -4,7 +4,8 @@
 //   run_amx     bf16 on AMX tiles, head_dim a multiple of 64, no window, caches of q's dtype
 //               (prefill_attention_amx.cpp)
 //   run_avx512  float32 vectors of 16 over float, bf16 or half queries, head_dim a multiple of
-//               16, caches of q's dtype, INT8 with scales or FP8 (kernels/kv_quant.py)
+//               16, caches of q's dtype, INT8 with scales or FP8 (kernels/kv_quant.py), or fp16
+//               under float32 queries
 //   run_avx2    the same, vectors of 8 (prefill_attention_<isa>.cpp: prefill_attention_kernel.h)
 //   run_avx512_bf16  bf16 queries and caches with coarse_p in vectors of 16 at the AVX-512
 //               levels, on a CPU with AVX512-BF16: products of bf16 pairs, float32 sums
@@ -16,7 +17,8 @@
 namespace pipellm::prefill {
 
 enum class DType { kFloat, kBFloat16, kHalf };
-enum class Cache { kSame, kInt8, kFp8 };  // the caches' elements: q's dtype, INT8 or e4m3
+// the caches' elements: q's dtype, INT8, e4m3, or fp16 under float32 queries
+enum class Cache { kSame, kInt8, kFp8, kHalf };
 constexpr int64_t kKvGroup = 8;  // INT8 caches: one fp16 scale per 8 values (kernels/kv_quant.py)
 
 struct Args {

@@ -63,7 +63,7 @@ struct VecAttention {
       for (int64_t d = 0; d < D; ++d) dst[d * L] = j < n ? row[d] : 0.f;
     }
     for (int64_t j = 0; j < n; ++j) {
-      if constexpr (std::is_same_v<C, T>) {
+      if constexpr (std::is_same_v<C, T> || std::is_same_v<C, c10::Half>) {
         for (int64_t d = 0; d < D; d += L) V::store(vp + j * D + d, V::load(v + j * a.v_ts + d));
       } else {
         row_of(v + j * a.v_ts, scales(a.v_scale, a.vs_ts, a.vs_hs, j), D, vp + j * D);
@@ -321,6 +321,7 @@ struct VecAttention {
           case Cache::kSame: pack<T>(it.s, it.h, kt_g, vp_g); break;
           case Cache::kInt8: pack<int8_t>(it.s, it.h, kt_g, vp_g); break;
           case Cache::kFp8: pack<c10::Float8_e4m3fn>(it.s, it.h, kt_g, vp_g); break;
+          case Cache::kHalf: pack<c10::Half>(it.s, it.h, kt_g, vp_g); break;
         }
       }
     });

@@ -3,8 +3,9 @@
 //
 // q [T, H, D], k, v [T, Hkv, D]: strided views (e.g. split from the fused qkv output; only the
 // head dim need be contiguous). positions, slots [T] int32/int64; cos, sin [max_pos, D / 2]
-// float32. k_cache, v_cache [capacity, Hkv, D] in q's dtype, or int8 with fp16 scales
-// k_scale, v_scale [capacity, Hkv, D / 8] (kernels/kv_quant.py's groups of 8).
+// float32. k_cache, v_cache [capacity, Hkv, D] in q's dtype, fp16 under float32 q (rounded to
+// nearest as written), or int8 with fp16 scales k_scale, v_scale [capacity, Hkv, D / 8]
+// (kernels/kv_quant.py's groups of 8).
 // Returns (q_rot [T, H, D], k_rot [T, Hkv, D]), new and contiguous; writes k_rot and v at
 // row `slots[t]` of the caches (quantized for INT8 caches). One work item per token.
 //
@@ -94,7 +95,7 @@ void write_row(const scalar_t* x, int64_t D, cache_t* dst, at::Half* sc, Scratch
     pipellm::ieee_div_groups(row, D, w.scales.data(), kGroup);
     for (int64_t d = 0; d < D; ++d) dst[d] = pipellm::to_int8(row[d]);
   } else {
-    std::copy(x, x + D, dst);
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<cache_t>(x[d]);
   }
 }
 
@@ -177,7 +178,9 @@ std::tuple<torch::Tensor, torch::Tensor> rope_kv_write(
   const bool int8 = k_scale.has_value();
   TORCH_CHECK(int8 == v_scale.has_value(), "pass both k_scale and v_scale, or neither");
   if (int8) check_scales(k_cache, *k_scale, *v_scale);
-  else TORCH_CHECK(k_cache.scalar_type() == q.scalar_type(), "caches must be q's dtype or int8");
+  const bool half = !int8 && k_cache.scalar_type() == at::kHalf && q.scalar_type() == at::kFloat;
+  TORCH_CHECK(int8 || half || k_cache.scalar_type() == q.scalar_type(),
+              "caches must be q's dtype, fp16 under float32 q, or int8");
   const int64_t T = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2);
   const auto pos = indices(positions, T, cos.size(0), "positions");
   const auto slot = indices(slots, T, k_cache.size(0), "slots");
@@ -196,6 +199,7 @@ std::tuple<torch::Tensor, torch::Tensor> rope_kv_write(
       rope_tokens(a, T);
     };
     if (int8) run(int8_t{});
+    else if (half) run(at::Half{});
     else run(scalar_t{});
   });
   return {q_rot, k_rot};

@@ -16,13 +16,13 @@ import torch
 
 from kernels import set_backend, take_rows
 from kernels.cpu import isa, set_isa
-from kernels.kv_quant import KV_GROUP
 from services.compute import sampling
 from services.compute.batch import build_batch
 from services.compute.core.step import ScheduledStep, Work
 from services.compute.cuda_graphs import DecodeGraphs
 from services.compute.drafter import Drafter
 from services.compute.inflight import InFlight
+from services.compute.kv import element
 from services.compute.kv.kv_cache import KVCache
 from services.compute.kv.sizing import gpu_kv_budget
 from services.compute.length.head import is_checkpoint, probe_dim, probe_matrix
@@ -79,7 +79,7 @@ class ModelRunner:
                                        max_model_len) if ranks is None or ranks.leader else \
             (None, None)
         # self.model.cfg: a tensor-parallel rank's has its share of the KV heads
-        kv_shape = _kv_shape(config.kv_cache_dtype, self.model.cfg, self.dtype, self.device)
+        kv_shape = element.kv_shape(config, self.model.cfg, self.dtype, self.device)
         # a slot holds the target's K/V and, with a draft model, the draft's
         self.kv_bytes_per_token = sum(KVCache.bytes_per_token(**s) for s in (kv_shape, draft_kv)
                                       if s is not None)
@@ -274,16 +274,7 @@ def _draft_model(config: EngineConfig, target: ModelConfig, device: torch.device
                          f"target's ({target.vocab_size}): it must share the target's tokenizer")
     _, model = _load_model(replace(config, model=spec.model), draft, device, dtype,
                            max_model_len)
-    return model, _kv_shape(config.kv_cache_dtype, draft, dtype, device)
-
-
-def _kv_shape(kv_dtype: str, model_config: ModelConfig, dtype: torch.dtype,
-              device: torch.device) -> dict:
-    """KVCache's arguments but capacity and device (checked: ValueError where kv_dtype cannot
-    run)."""
-    _check_kv_dtype(kv_dtype, model_config.head_dim, device)
-    return dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                head_dim=model_config.head_dim, dtype=dtype, kv_dtype=kv_dtype)
+    return model, element.kv_shape(config, draft, dtype, device)
 
 
 def _length_probe(config: EngineConfig, hidden: int, device: torch.device
@@ -294,14 +285,3 @@ def _length_probe(config: EngineConfig, hidden: int, device: torch.device
     if not config.hidden_length:
         return dim, None
     return dim, torch.from_numpy(probe_matrix(hidden, dim)).to(device)
-
-
-def _check_kv_dtype(kv_dtype: str, head_dim: int, device: torch.device) -> None:
-    """ValueError (a start-up message) where --kv-cache-dtype cannot run."""
-    if kv_dtype == "int8" and head_dim % KV_GROUP:
-        raise ValueError(f"--kv-cache-dtype int8 needs head_dim a multiple of {KV_GROUP}")
-    if kv_dtype == "fp8" and device.type == "cuda" and \
-            torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"--kv-cache-dtype fp8 needs FP8 conversions (compute capability 8.9+: "
-                         f"Ada, Hopper); {torch.cuda.get_device_name(device)} has "
-                         f"{torch.cuda.get_device_capability(device)}: use int8")

@@ -120,10 +120,12 @@ class EngineConfig:
     overlap_schedule: str = setting("auto", "schedule and launch step N+1 while the device runs "
                                     "step N: on, off, or auto (on where steps run "
                                     "asynchronously: CUDA)", group=SCHEDULING)
-    kv_cache_dtype: str = setting("auto", "KV cache elements: auto (the model's dtype), int8 "
-                                  "(groups of 8 with an fp16 scale: 1.25 bytes a value) or fp8 "
-                                  "(e4m3, scale 1: one byte; GPUs of compute capability 8.9+, "
-                                  "or CPU)", group=QUANTIZATION)
+    kv_cache_dtype: str = setting("auto", "KV cache elements: auto (the model's dtype; float16 "
+                                  "under a float32 model on CPU), float32, float16 (a float32 "
+                                  "model on CPU: half the bytes), int8 (groups of 8 with an "
+                                  "fp16 scale: 1.25 bytes a value) or fp8 (e4m3, scale 1: one "
+                                  "byte; GPUs of compute capability 8.9+, or CPU)",
+                                  group=QUANTIZATION)
     quantization: str = setting("auto", "weights: none, w8a8 (INT8 weights and activations), "
                                 "int4 (INT4 weight-only; a GGUF file's Q4 blocks as they are), "
                                 "fp8 (e4m3; GPUs of compute capability 8.9+, or CPU); auto: int4 "
@@ -165,9 +167,9 @@ class EngineConfig:
             from kernels.cpu.isa import choose, cpu_levels
 
             choose(self.cpu_isa, cpu_levels())
-        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
-            raise ValueError(f"--kv-cache-dtype must be auto, int8 or fp8, not "
-                             f"{self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "int8", "fp8"):
+            raise ValueError(f"--kv-cache-dtype must be auto, float32, float16, int8 or fp8, "
+                             f"not {self.kv_cache_dtype!r}")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise ValueError(f"--overlap-schedule must be auto, on or off, not "
                              f"{self.overlap_schedule!r}")

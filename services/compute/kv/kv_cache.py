@@ -1,6 +1,7 @@
 """The KV cache tensors: per layer K and V of shape [capacity, n_kv_heads, head_dim], in the
-model's dtype, INT8 with fp16 scales per group of KV_GROUP values, or FP8 e4m3 with scale 1
-(kernels/kv_quant.py). `kv_dtype` is --kv-cache-dtype: auto (the model's), int8 or fp8."""
+model's dtype, fp16 (under a float32 model), INT8 with fp16 scales per group of KV_GROUP values,
+or FP8 e4m3 with scale 1 (kernels/kv_quant.py). `kv_dtype` is --kv-cache-dtype as resolved at
+start-up (element.kv_cache_dtype): auto (the model's), float32, float16, int8 or fp8."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from kernels.kv_quant import FP8, KV_GROUP
 
-KV_DTYPES = ("auto", "int8", "fp8")
+STORE = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8,
+         "fp8": FP8}  # auto: the model's dtype
 
 
 class KVCache:
@@ -16,7 +18,7 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device, kv_dtype: str = "auto"):
         shape = (num_layers, capacity, num_kv_heads, head_dim)
         int8 = kv_dtype == "int8"
-        store = {"int8": torch.int8, "fp8": FP8}.get(kv_dtype, dtype)
+        store = STORE.get(kv_dtype, dtype)
         self.k = torch.zeros(shape, dtype=store, device=device)  # [L, capacity, Hkv, D]
         self.v = torch.zeros(shape, dtype=store, device=device)
         self.k_scale = self.v_scale = None  # INT8: [L, capacity, Hkv, D / KV_GROUP] fp16
@@ -29,8 +31,8 @@ class KVCache:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype, kv_dtype: str = "auto") -> int:
         """K and V of one token in every layer (INT8: the values and their scales)."""
-        per_head = {"int8": head_dim + 2 * (head_dim // KV_GROUP),
-                    "fp8": head_dim}.get(kv_dtype, head_dim * dtype.itemsize)
+        element = STORE.get(kv_dtype, dtype).itemsize
+        per_head = head_dim * element + (2 * (head_dim // KV_GROUP) if kv_dtype == "int8" else 0)
         return 2 * num_layers * num_kv_heads * per_head
 
     def nbytes(self) -> int:
