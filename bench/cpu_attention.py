@@ -4,14 +4,18 @@ caches and odd head sizes run, and every cache before the vectorized variants) a
 vectorized variant of each ISA level this CPU runs (avx2, avx512: the same build, the level
 switched in process), for a batch of sequences decoding at one context length.
 
-Each of the 30 layers has its own K and V caches (random, in the activations' dtype) so that
-they stream from memory as a real step's do; a "step" is the 30 calls. Median of --reps steps
+Each of the 30 layers has its own K and V caches (random, in the activations' dtype or
+--cache-dtype: float16 under float32 queries is `--kv-cache-dtype float16`) so that they stream
+from memory as a real step's do; a "step" is the 30 calls. With a --cache-dtype other than
+--dtype, "vs same" times the best path again on caches of the queries' own dtype (the
+baseline): its ms / the other cache's ms. Median of --reps steps
 after one warm-up; "speed" = generic ms / variant ms, and GB/s = KV bytes read / time.
 "spread" times the best path again on the same number of rows spread as ShareGPT's contexts
 are (lognormal, tenfold between sequences, in random order): its ms / the equal lengths' ms,
 1.0 where the threads share a varied batch evenly.
 
     python -m bench.cpu_attention [--batches 1,16,64] [--context 250,1000] [--dtype bfloat16]
+    python -m bench.cpu_attention --dtype float32 --cache-dtype float16
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -41,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,16,64", help="sequences per step, comma-separated")
     p.add_argument("--context", default="250,1000", help="tokens per sequence, comma-separated")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the caches' (default: --dtype's)")
     p.add_argument("--reps", type=int, default=5, help="timed steps per case (median)")
     p.add_argument("--quick", action="store_true", help="batch 4, context 64, 2 layers, 2 reps")
     return p.parse_args(argv)
@@ -53,12 +59,13 @@ def step_ms(ext, layers, q, starts, lens, reps: int) -> float:
     return median_ms(step, reps)
 
 
-def make_layers(lens: list[int], dtype, n_layers: int, seed: int):
-    """Per layer (K, V) caches holding sequences of `lens` back to back; q, starts, lens."""
+def make_layers(lens: list[int], dtype, n_layers: int, seed: int, cache_dtype=None):
+    """Per layer (K, V) caches (of cache_dtype, default dtype) holding sequences of `lens` back
+    to back; q (of dtype), starts, lens."""
     g = torch.Generator().manual_seed(seed)
-    cap = sum(lens)
-    layers = [(torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
-               torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(dtype))
+    cap, cache_dtype = sum(lens), cache_dtype or dtype
+    layers = [(torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(cache_dtype),
+               torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(cache_dtype))
               for _ in range(n_layers)]
     q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=g).to(dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32)
@@ -81,33 +88,41 @@ def main(argv: list[str] | None = None) -> dict:
     contexts = [64] if args.quick else [int(x) for x in args.context.split(",")]
     n_layers, reps = (2, 2) if args.quick else (LAYERS, args.reps)
     ext, dtype = extension(), getattr(torch, args.dtype)
+    cache = getattr(torch, args.cache_dtype or args.dtype)
     assert ext is not None, "the C++ CPU kernels did not build (python -m kernels.cpu says why)"
     here, previous = machine(), ext.block_gemm_isa()
     paths = ["generic"] + [v for v in VARIANTS if v in isa.cpu_levels()]
-    print(f"{here}; {args.dtype} caches, {n_layers} layers, median ms of {reps} steps")
+    print(f"{here}; {args.dtype} queries, {cache} caches, {n_layers} layers, median ms of "
+          f"{reps} steps")
     print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{p:>16}" for p in paths))
     rows, best = [], paths[-1]
     for batch in batches:
         for ctx in contexts:
-            layers, q, starts, lens = make_layers([ctx] * batch, dtype, n_layers, batch * ctx)
+            layers, q, starts, lens = make_layers([ctx] * batch, dtype, n_layers, batch * ctx,
+                                                  cache)
             cap = batch * ctx
-            gbytes = 2 * cap * KV_HEADS * HEAD_DIM * dtype.itemsize * n_layers / 1e9
+            gbytes = 2 * cap * KV_HEADS * HEAD_DIM * cache.itemsize * n_layers / 1e9
             ms = {}
             for path in paths:
                 ext.set_block_gemm_isa("" if path == "generic" else path)
                 ms[path] = step_ms(ext, layers, q, starts, lens, reps)
-            spread = make_layers(spread_lengths(batch, ctx, batch + ctx), dtype, n_layers, 1)
+            spread = make_layers(spread_lengths(batch, ctx, batch + ctx), dtype, n_layers, 1,
+                                 cache)
             ext.set_block_gemm_isa("" if best == "generic" else best)
             spread_ratio = round(step_ms(ext, *spread, reps) / ms[best], 2)
+            same = None if cache == dtype else round(step_ms(ext, *make_layers(
+                [ctx] * batch, dtype, n_layers, batch * ctx), reps) / ms[best], 2)
             ext.set_block_gemm_isa(previous)
             speed = {p: round(ms["generic"] / ms[p], 2) for p in paths}
             print(f"{batch:>5} {ctx:>5} " + " ".join(
-                f"{ms[p]:7.2f} ms {speed[p]:4.2f}x" for p in paths) + f"  spread {spread_ratio}")
+                f"{ms[p]:7.2f} ms {speed[p]:4.2f}x" for p in paths) + f"  spread {spread_ratio}"
+                + ("" if same is None else f"  vs same {same}x"))
             rows.append({"batch": batch, "context": ctx, "ms": {p: round(v, 3) for p, v in
                                                                   ms.items()},
                          "gb_s": {p: round(gbytes / v * 1000, 1) for p, v in ms.items()},
-                         "speed": speed, "spread": spread_ratio})
-    out = {"bench": "cpu_attention", "machine": here, "dtype": args.dtype, "layers": n_layers,
+                         "speed": speed, "spread": spread_ratio, "vs_same": same})
+    out = {"bench": "cpu_attention", "machine": here, "dtype": args.dtype,
+           "cache_dtype": str(cache).removeprefix("torch."), "layers": n_layers,
            "paths": paths, "rows": rows,
            "speed_at_largest": rows[-1]["speed"][best] if rows else None}
     print(json.dumps(out))

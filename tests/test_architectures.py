@@ -47,6 +47,9 @@ GGUF_TYPES = {"qwen3": [Q.F32, Q.F16, Q.Q8_0], "phi3": [Q.F32, Q.F16], "phi3-par
 
 
 def engine(model, **settings):
+    """The engine as transformers runs the model: float32, and a float32 KV cache unless
+    `settings` names another (auto would keep it in fp16 on the CPU kernels)."""
+    settings = {"kv_cache_dtype": "float32", **settings}
     return build_engine(with_settings(EngineConfig(), model=str(model), device="cpu",
                                       dtype="float32", **settings))
 

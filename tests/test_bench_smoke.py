@@ -498,7 +498,7 @@ def test_host_step_times_a_decode_step_with_each_heap_setting():
 
 def test_cpu_attention_quick(capsys):
     """bench/cpu_attention.py: every path this CPU runs, timed, its speed against the generic
-    code's, in the JSON line."""
+    code's, in the JSON line; fp16 caches under float32 queries against float32 ones."""
     from bench import cpu_attention
     from kernels.cpu import isa
 
@@ -508,7 +508,9 @@ def test_cpu_attention_quick(capsys):
     assert out["paths"] == paths and len(out["rows"]) == 1
     row = out["rows"][0]
     assert set(row["ms"]) == set(paths) and all(v > 0 for v in row["ms"].values())
-    assert row["speed"]["generic"] == 1.0
+    assert row["speed"]["generic"] == 1.0 and row["vs_same"] is None
+    out = cpu_attention.main(["--quick", "--dtype", "float32", "--cache-dtype", "float16"])
+    assert out["cache_dtype"] == "float16" and out["rows"][0]["vs_same"] > 0
 
 
 def test_cpu_prefill_attention_bench_small(capsys):

@@ -58,7 +58,7 @@ def engine_greedy(model_dir, prompts, max_new: int = MAX_NEW, **cfg
     """Greedy continuations of `prompts` (max_new tokens each) through an engine built with the
     settings `cfg`, requests arriving staggered (`run_staggered`)."""
     config = with_settings(EngineConfig(), model=str(model_dir), device="cpu", dtype="float32",
-                           **cfg)
+                           **{"kv_cache_dtype": "float32", **cfg})
     engine = build_engine(config)
     outputs: dict[str, list[int]] = {}
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
@@ -134,7 +134,7 @@ def test_architecture_variants_match_hf(name, tmp_path):
     expected = hf_greedy(model, prompts, 12)
     config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32",
                           scheduler=SchedulerConfig(max_batched_tokens=40, max_running=8),
-                          kv_cache_tokens=2048)
+                          kv_cache_tokens=2048, kv_cache_dtype="float32")
     seqs = build_engine(config).generate(prompts, SamplingParams(max_tokens=12, temperature=0,
                                                               ignore_eos=True))
     assert [s.output_ids for s in seqs] == expected

@@ -72,14 +72,16 @@ def test_fp16_kv_survives_moves_and_preemption(engines):
     ("float32", "auto", "float16"), ("float32", "reference", "auto"),
     ("bfloat16", "auto", "auto"), ("float16", "auto", "auto")])
 def test_auto_is_fp16_under_a_float32_model_on_the_cpu_kernels(dtype, kernels, want):
-    """auto: fp16 where a float32 model runs on the CPU's own kernels; the model's dtype where
-    it runs in 16 bits or on the reference kernels (kept exact against transformers)."""
+    """auto: fp16 where a float32 model generates on the CPU's own kernels; the model's dtype
+    where it runs in 16 bits, on the reference kernels, or pools."""
     from services.compute.kv.element import kv_cache_dtype
 
     config = EngineConfig(kernels=kernels)
     assert kv_cache_dtype(config, getattr(torch, dtype), torch.device("cpu")) == want
     assert kv_cache_dtype(EngineConfig(kv_cache_dtype="int8"), torch.float32,
                           torch.device("cpu")) == "int8"
+    assert kv_cache_dtype(EngineConfig(runner="pooling"), torch.float32,
+                          torch.device("cpu")) == "auto"
 
 
 def test_fp16_and_float32_kv_need_a_float32_model(engines):

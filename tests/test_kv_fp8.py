@@ -107,7 +107,7 @@ def engines(demo_model_dir):
 def test_engine_on_fp8_kv_agrees_with_the_float_cache(engines):
     prompts = [[1] + [(13 * i + 7 * j) % 900 + 3 for j in range(20 + 11 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
-    ref = engines("auto", kv_cache_tokens=2048).generate(prompts, params)
+    ref = engines("float32", kv_cache_tokens=2048).generate(prompts, params)
     got = engines("fp8", kv_cache_tokens=2048).generate(prompts, params)
     same = sum(a == b for r, g in zip(ref, got, strict=True)
                for a, b in zip(r.output_ids, g.output_ids, strict=True))
@@ -115,7 +115,7 @@ def test_engine_on_fp8_kv_agrees_with_the_float_cache(engines):
     first = [abs(r.logprobs[0] - g.logprobs[0]) for r, g in zip(ref, got, strict=True)]
     assert max(first) < 0.2  # the first token sees only the e4m3 prompt K/V
     assert engines("fp8", kv_cache_gib=0.01).runner.capacity == pytest.approx(
-        4 * engines("auto", kv_cache_gib=0.01).runner.capacity, rel=0.01)  # fp32 -> 1 byte
+        4 * engines("float32", kv_cache_gib=0.01).runner.capacity, rel=0.01)  # fp32 -> 1 byte
 
 
 def test_fp8_kv_survives_moves_and_preemption(engines):

@@ -104,7 +104,7 @@ def engines(demo_model_dir):
 def test_engine_on_int8_kv_agrees_with_the_float_cache(engines):
     prompts = [[1] + [(13 * i + 7 * j) % 900 + 3 for j in range(20 + 11 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
-    ref = engines("auto", kv_cache_tokens=2048).generate(prompts, params)
+    ref = engines("float32", kv_cache_tokens=2048).generate(prompts, params)
     got = engines("int8", kv_cache_tokens=2048).generate(prompts, params)
     same = sum(a == b for r, g in zip(ref, got, strict=True)
                for a, b in zip(r.output_ids, g.output_ids, strict=True))
@@ -127,7 +127,7 @@ def test_int8_kv_survives_moves_and_preemption(engines):
 
 
 def test_int8_capacity_at_the_same_memory(engines):
-    float_cap = engines("auto", kv_cache_gib=0.01).runner.capacity
+    float_cap = engines("float32", kv_cache_gib=0.01).runner.capacity
     int8_cap = engines("int8", kv_cache_gib=0.01).runner.capacity
     assert int8_cap / float_cap == pytest.approx(4 / 1.25, rel=0.01)  # fp32 -> 1.25 B a value
     with pytest.raises(ValueError, match="kv-cache-dtype"):

@@ -87,8 +87,8 @@ def test_prompt_and_top_logprobs_match_hf(hf, cfg):
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=True,
                             top_logprobs=K, prompt_logprobs=K)
     engine = build_engine(with_settings(EngineConfig(), model=str(path), device="cpu",
-                                        dtype="float32", max_batched_tokens=48, max_running=16,
-                                        **cfg))
+                                        dtype="float32", kv_cache_dtype="float32",
+                                        max_batched_tokens=48, max_running=16, **cfg))
     seqs, pieces, outputs = run(engine, prompts, params)
     if "default_predicted_len" in cfg:
         assert engine.stats().preemptions > 0
@@ -130,7 +130,7 @@ def test_logprob_requests_leave_the_others_unchanged(hf):
                             top_logprobs=2, prompt_logprobs=0)
     config = EngineConfig(model=str(path), device="cpu", dtype="float32",
                           scheduler=SchedulerConfig(max_batched_tokens=48, max_running=16),
-                          kv_cache_tokens=4096)
+                          kv_cache_tokens=4096, kv_cache_dtype="float32")
     alone = build_engine(config).generate(prompts, plain)
     engine = build_engine(config)
     outputs, pieces = record_steps(engine)

@@ -139,6 +139,7 @@ OTHER = [1, 5, 9, 200, 41]
 @pytest.fixture(scope="module")
 def engine(demo_model_dir):
     return build_engine(EngineConfig(model=str(demo_model_dir), device="cpu", dtype="float32",
+                                     kv_cache_dtype="float32",
                                      scheduler=SchedulerConfig(max_batched_tokens=64,
                                                                max_running=8),
                                      kv_cache_tokens=4096))

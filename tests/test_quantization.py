@@ -110,6 +110,9 @@ def test_weight_bytes_of_each_format():
 
 
 def _engine(model, **fields):
+    """The method against the float model with a float32 KV cache in both (unless `fields`
+    names another): only the weights differ."""
+    fields = {"kv_cache_dtype": "float32", **fields}
     return build_engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
                                      kv_cache_tokens=512,
                                      scheduler=SchedulerConfig(max_batched_tokens=64,

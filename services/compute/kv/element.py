@@ -21,11 +21,12 @@ def kv_shape(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype
 
 
 def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> str:
-    """--kv-cache-dtype as the cache is made: `auto` is float16 under a float32 model on the
-    CPU kernels (--kernels auto: the decode attention reads half the bytes; llama.cpp's default
-    cache type), else the model's own dtype (auto)."""
+    """--kv-cache-dtype as the cache is made: `auto` is float16 where a float32 model generates
+    on the CPU kernels (--kernels auto: each decode step's attention reads half the bytes;
+    llama.cpp's default cache type), else the model's own dtype (auto; a pooling forward reads
+    its keys once, in the step that writes them: rounding them would buy it nothing)."""
     if config.kv_cache_dtype == "auto" and dtype == torch.float32 and device.type == "cpu" \
-            and config.kernels == "auto":
+            and config.kernels == "auto" and not config.pooling:
         return "float16"
     return config.kv_cache_dtype
 
