@@ -58,7 +58,8 @@ from loadgen.datasets import SHAREGPT_FILE, default_data_dir  # noqa: E402
 
 BIN = Path(sys.executable).parent  # pipellm and pipellm-bench: those of the venv running this
 
-# name -> (--dtype or None: the GGUF, PIPELLM_CPU_ISA)
+# name -> (--dtype or None: the GGUF, PIPELLM_CPU_ISA); pipellm-fp32 is float32 throughout, its
+# KV cache too, as vllm-fp32's (auto would keep it in fp16)
 PIPELLM = {"pipellm": (None, "auto"), "pipellm-avx2": (None, "avx2"),
            "pipellm-bf16": ("bfloat16", "auto"), "pipellm-fp32": ("float32", "auto")}
 VLLM = {f"vllm-{d}{b}": (dt, b == "") for d, dt in (("bf16", "bfloat16"), ("fp32", "float32"))
@@ -160,7 +161,9 @@ def make_server(args: argparse.Namespace, name: str, port: int, log_path: Path,
         dtype, level = PIPELLM[name]
         model = args.gguf if dtype is None else args.hf_dir
         argv = [args.pipellm_bin, "up", "--model", str(model), "--port", str(port),
-                *(["--dtype", dtype] if dtype else []), *shlex.split(args.pipellm_extra)]
+                *(["--dtype", dtype] if dtype else []),
+                *(["--kv-cache-dtype", "float32"] if dtype == "float32" else []),
+                *shlex.split(args.pipellm_extra)]
         return servers.Server(name, argv, url + "/health", log_path, {"PIPELLM_CPU_ISA": level})
     if name in VLLM:
         dtype, every_core = VLLM[name]

@@ -222,7 +222,7 @@ def banner(engine: EngineConfig, svc: ServiceConfig) -> str:
              f"context {stats.get('max_model_len', engine.max_model_len)} tokens"
              + _weights(stats),
              f"  KV cache: {stats.get('capacity', '?')} tokens, {stats.get('kv_gib', '?')} GiB"
-             + (" (int8)" if stats.get("kv_dtype") == "int8" else "")]
+             + (f" ({kv})" if (kv := stats.get("kv_dtype", "auto")) != "auto" else "")]
     if stats.get("startup"):  # what compute compiled and warmed before it reported ready
         lines.append(f"  compute: {stats['startup']}")
     if engine.pooling:  # no sampling, no tools

@@ -74,7 +74,8 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 def test_greedy_is_token_exact_with_transformers_and_logprobs_agree(gguf_path, hf, prompts):
     engine = build_engine(EngineConfig(model=str(gguf_path), kv_cache_tokens=4096,
-                                       quantization="none", dtype="float32"))
+                                       quantization="none", dtype="float32",
+                                       kv_cache_dtype="float32"))
     params = SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=True)
     for prompt, seq in zip(prompts, engine.generate(prompts, params), strict=True):
         assert seq.output_ids == hf_greedy(hf[0], prompt)
@@ -139,7 +140,7 @@ def test_chat_template_renders_as_transformers(gguf_path, hf):
 @pytest.fixture(scope="module")
 def stack(gguf_path):
     s = Stack(gguf_path, "--kv-cache-tokens", "4096", "--quantization", "none",
-              "--dtype", "float32").start(timeout_s=180)
+              "--dtype", "float32", "--kv-cache-dtype", "float32").start(timeout_s=180)
     yield s
     s.stop()
 

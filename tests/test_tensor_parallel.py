@@ -78,11 +78,11 @@ def _keep_torch_threads():
 
 
 def engine(path, tp: int, **kw):
-    """LLMEngine on `tp` ranks, float32, one thread a rank, steps of 16 tokens (prompts over
-    16 are prefilled in chunks)."""
+    """LLMEngine on `tp` ranks, float32 (its KV cache too), one thread a rank, steps of 16
+    tokens (prompts over 16 are prefilled in chunks)."""
     base = dict(model=str(path), device="cpu", dtype="float32", threads=1, quantization="none",
-                kv_cache_tokens=2048, max_batched_tokens=16, max_running=8,
-                tensor_parallel_size=tp)
+                kv_cache_tokens=2048, kv_cache_dtype="float32", max_batched_tokens=16,
+                max_running=8, tensor_parallel_size=tp)
     return build_engine(with_settings(EngineConfig(), **base | kw))
 
 
@@ -157,7 +157,7 @@ def test_bfloat16_runs_close_to_one_rank(model_dir):
     this model."""
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=True)
     one, two = on_both(model_dir("llama"), lambda e: generate(e, PROMPTS, params),
-                       dtype="bfloat16")
+                       dtype="bfloat16", kv_cache_dtype="auto")
     assert [ids for ids, _, _ in two] == [ids for ids, _, _ in one]
     diffs = [abs(a - b) for (_, x, _), (_, y, _) in zip(one, two, strict=True)
              for a, b in zip(x, y, strict=True)]
