@@ -398,6 +398,14 @@ def _decode_attention_triton(
     return out
 
 
+def cpu_vectorized(head_dim: int) -> bool:
+    """Whether a head of `head_dim` takes a vectorized variant of the C++ decode attention (a
+    power of 2 in [16, 256]: kernels/cpu/decode_attention.cpp's `variant`) on a CPU with AVX2
+    or better, fp16 caches included; the generic code converts fp16 one value at a time
+    (~15x slower than its float32 at SmolLM2's heads)."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
 def decode_attention_reference(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [capacity, Hkv, D]
