@@ -50,7 +50,7 @@ MODES = {  # name -> EngineConfig fields ("model": "hf" loads the expanded float
     "w8a8+int8-kv": {"quantization": "w8a8", **_INT8_KV},
     "int4-gguf": {"quantization": "int4"},
     "int4-gguf+int8-kv": {"quantization": "int4", **_INT8_KV},
-    "int4-gguf-bf16": {"quantization": "int4", "dtype": "bfloat16"},
+    "int4-gguf-bf16": {"quantization": "int4", "dtype": "bfloat16", "kv_cache_dtype": "auto"},
     "int4-g32": {**_OURS, "int4_group_size": 32},
     "int4-g64": {**_OURS, "int4_group_size": 64},  # 576 = 9 x 64 (SmolLM2: not 128)
     "fp8": {"quantization": "fp8"},
@@ -92,7 +92,9 @@ def workload(args, model: str) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def measure(args, models: dict[str, str], mode: dict, texts, prompts) -> dict:
-    mode = {"dtype": "float32", **mode, "model": models[mode.get("model", "gguf")]}
+    # a float32 KV cache unless the mode names one (auto would keep it in fp16 on CPU)
+    mode = {"dtype": "float32", "kv_cache_dtype": "float32", **mode,
+            "model": models[mode.get("model", "gguf")]}
     engine = build_engine(EngineConfig(device="cpu", kv_cache_gib=args.kv_gib,
                                        threads=args.threads,
                                        scheduler=SchedulerConfig(max_batched_tokens=2048),
