@@ -8,7 +8,7 @@
 // summed horizontally together (sum8); the softmax runs on vectors; then for each kv head, up
 // to 4 of its query heads at once sum its V rows, a chunk of columns at a time with their
 // accumulators in registers, each V row read once per 4 heads. Rows are prefetched kAhead
-// rows ahead. Math in float32. T is q's and out's element, C the caches' (T, or fp16 under
+// rows ahead. Math in float32. T is q's and out's element, KV the caches' (T, or fp16 under
 // float32 queries).
 #pragma once
 
@@ -25,8 +25,8 @@ inline void prefetch(const void* p, int64_t bytes) {
 }
 
 // sum_c x[c] * y[c] over NC vectors
-template <class V, int NC, typename C>
-inline float dot(const float* q, const C* k) {
+template <class V, int NC, typename KV>
+inline float dot(const float* q, const KV* k) {
   typename V::F acc = V::mul(V::loadf(q), V::load(k));
   for (int c = 1; c < NC; ++c) acc = V::fmadd(V::loadf(q + c * V::kLanes), V::load(k + c * V::kLanes), acc);
   return V::sum(acc);
@@ -59,19 +59,19 @@ constexpr int chunk() {
 // out[h0 + j] = inv[h0 + j] * sum_t p[h0 + j][t] * V[t] for j < G: heads h0.. of one kv head,
 // a chunk of columns at a time with its G * chunk accumulators in registers, so that each V
 // row is read once for the G heads whatever the head size
-template <class V, int NC, int G, typename T, typename Cc>
-void weigh_v(const Args& a, const float* p, int64_t n, const float* inv, const Cc* v, int64_t h0,
+template <class V, int NC, int G, typename T, typename KV>
+void weigh_v(const Args& a, const float* p, int64_t n, const float* inv, const KV* v, int64_t h0,
              T* out) {
   constexpr int64_t D = NC * V::kLanes;
   constexpr int C = chunk<NC, G>();
-  const Cc* vh = v + (h0 / (a.H / a.Hkv)) * D;
+  const KV* vh = v + (h0 / (a.H / a.Hkv)) * D;
   for (int c0 = 0; c0 < NC; c0 += C) {
     typename V::F acc[G][C];
     for (int j = 0; j < G; ++j)
       for (int c = 0; c < C; ++c) acc[j][c] = V::fzero();
     for (int64_t t = 0; t < n; ++t) {
-      const Cc* row = vh + t * a.row_stride + c0 * V::kLanes;
-      if (t + kAhead < n) prefetch(row + kAhead * a.row_stride, C * V::kLanes * sizeof(Cc));
+      const KV* row = vh + t * a.row_stride + c0 * V::kLanes;
+      if (t + kAhead < n) prefetch(row + kAhead * a.row_stride, C * V::kLanes * sizeof(KV));
       typename V::F pt[G];
       for (int j = 0; j < G; ++j) pt[j] = V::set1(p[(h0 + j) * n + t]);
       for (int c = 0; c < C; ++c) {
@@ -90,13 +90,13 @@ void weigh_v(const Args& a, const float* p, int64_t n, const float* inv, const C
 }
 
 // The query heads [h0, h1) of one sequence (whole kv heads: its part, decode_attention_schedule.h)
-template <class V, int NC, typename T, typename C>
-void attend(const Args& a, const T* q, const C* k, const C* v, int64_t n, int64_t h0,
+template <class V, int NC, typename T, typename KV>
+void attend(const Args& a, const T* q, const KV* k, const KV* v, int64_t n, int64_t h0,
             int64_t h1, T* out, std::vector<float>& qf, std::vector<float>& scores,
             std::vector<float>& inv) {
   constexpr int64_t D = NC * V::kLanes;
   const int64_t H = a.H, group = a.H / a.Hkv, rs = a.row_stride;
-  const int64_t kv0 = h0 / group, kv_bytes = (h1 - h0) / group * D * sizeof(C);
+  const int64_t kv0 = h0 / group, kv_bytes = (h1 - h0) / group * D * sizeof(KV);
   qf.resize(H * D);
   scores.resize(H * n);
   inv.resize(H);
@@ -109,7 +109,7 @@ void attend(const Args& a, const T* q, const C* k, const C* v, int64_t n, int64_
       prefetch(k + (t + i) * rs + kv0 * D, kv_bytes);
     for (int64_t h = h0; h < h1; ++h) {
       const float* qh = qf.data() + h * D;
-      const C* kh = k + t * rs + (h / group) * D;
+      const KV* kh = k + t * rs + (h / group) * D;
       typename V::F acc[8];
       for (int i = 0; i < 8; ++i) acc[i] = V::mul(V::loadf(qh), V::load(kh + i * rs));
       for (int c = 1; c < NC; ++c) {
@@ -147,17 +147,17 @@ struct Scratch {  // one thread's buffers
   std::vector<float> qf, scores, inv;
 };
 
-template <class V, int NC, typename T, typename C = T>
+template <class V, int NC, typename T, typename KV = T>
 void run_typed(const Args& a) {
   const T* qp = static_cast<const T*>(a.q);
-  const C* kp = static_cast<const C*>(a.k);
-  const C* vp = static_cast<const C*>(a.v);
+  const KV* kp = static_cast<const KV*>(a.k);
+  const KV* vp = static_cast<const KV*>(a.v);
   T* op = static_cast<T*>(a.out);
   pipellm::attention::for_each_part<Scratch>(
       a.lens, a.B, a.window, a.Hkv, [&](int64_t b, int64_t kv0, int64_t kv1, Scratch& s) {
         const int64_t n = pipellm::attention::rows_read(a.lens, b, a.window);
         const int64_t first = a.starts[b] + a.lens[b] - n, group = a.H / a.Hkv;
-        attend<V, NC, T, C>(a, qp + b * a.q_sb, kp + first * a.row_stride,
+        attend<V, NC, T, KV>(a, qp + b * a.q_sb, kp + first * a.row_stride,
                          vp + first * a.row_stride, n, kv0 * group, kv1 * group,
                          op + b * a.H * a.D, s.qf, s.scores, s.inv);
       });
