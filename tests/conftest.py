@@ -45,6 +45,22 @@ def tools_stack():
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def kv_engines(demo_model_dir):
+    """`make(kv_cache_dtype, **settings)`: an engine on the demo checkpoint, float32 unless
+    `settings` names a dtype (tests/test_kv_int8.py, test_kv_fp8.py, test_kv_fp16.py)."""
+    from services.compute.backend import build_engine
+    from shared.config import EngineConfig
+    from shared.settings import with_settings
+
+    def make(kv_cache_dtype, **settings):
+        settings = {"dtype": "float32", **settings}
+        return build_engine(with_settings(EngineConfig(), model=str(demo_model_dir),
+                                          device="cpu", kv_cache_dtype=kv_cache_dtype,
+                                          **settings))
+    return make
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf():
     """(transformers model, tokenizer), both loaded by transformers from the reference GGUF

@@ -9,11 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.compute.backend import build_engine
 from services.compute.kv.kv_cache import KVCache
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
-from shared.settings import with_settings
 
 
 def test_fp16_cache_moves_and_bytes():
@@ -28,19 +26,11 @@ def test_fp16_cache_moves_and_bytes():
     assert ratio == 2.0
 
 
-@pytest.fixture(scope="module")
-def engines(demo_model_dir):
-    def make(kv_cache_dtype, **kw):
-        return build_engine(with_settings(EngineConfig(), model=str(demo_model_dir),
-                                          device="cpu", kv_cache_dtype=kv_cache_dtype, **kw))
-    return make
-
-
-def test_engine_on_fp16_kv_agrees_with_the_float32_cache(engines):
+def test_engine_on_fp16_kv_agrees_with_the_float32_cache(kv_engines):
     prompts = [[1] + [(13 * i + 7 * j) % 900 + 3 for j in range(20 + 11 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
-    ref_engine = engines("float32", dtype="float32", kv_cache_tokens=2048)
-    engine = engines("float16", dtype="float32", kv_cache_tokens=2048)
+    ref_engine = kv_engines("float32", kv_cache_tokens=2048)
+    engine = kv_engines("float16", kv_cache_tokens=2048)
     assert ref_engine.runner.kv.k.dtype == torch.float32
     assert engine.runner.kv.k.dtype == torch.float16
     ref, got = ref_engine.generate(prompts, params), engine.generate(prompts, params)
@@ -50,17 +40,17 @@ def test_engine_on_fp16_kv_agrees_with_the_float32_cache(engines):
     gaps = [abs(a - b) for r, g in zip(ref, got, strict=True)
             for a, b in zip(r.logprobs[:1], g.logprobs[:1], strict=True)]
     assert max(gaps) < 0.01  # the first token sees only the rounded prompt K/V
-    assert engines("float16", dtype="float32", kv_cache_gib=0.01).runner.capacity == \
-        pytest.approx(2 * engines("float32", dtype="float32", kv_cache_gib=0.01).runner.capacity,
+    assert kv_engines("float16", kv_cache_gib=0.01).runner.capacity == \
+        pytest.approx(2 * kv_engines("float32", kv_cache_gib=0.01).runner.capacity,
                       rel=0.01)
 
 
-def test_fp16_kv_survives_moves_and_preemption(engines):
+def test_fp16_kv_survives_moves_and_preemption(kv_engines):
     prompts = [[1] + [(7 * i + j) % 900 + 3 for j in range(5 + 9 * i)] for i in range(8)]
     sp = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=i, ignore_eos=True)
           for i in range(8)]
-    roomy = engines("float16", dtype="float32", kv_cache_tokens=4096).generate(prompts, sp)
-    tight = engines("float16", dtype="float32", kv_cache_tokens=160, max_batched_tokens=32,
+    roomy = kv_engines("float16", kv_cache_tokens=4096).generate(prompts, sp)
+    tight = kv_engines("float16", kv_cache_tokens=160, max_batched_tokens=32,
                     max_running=8, default_predicted_len=2, kv_min_grow=2)
     out = tight.generate(prompts, sp)
     assert [s.output_ids for s in out] == [s.output_ids for s in roomy]
@@ -85,15 +75,15 @@ def test_auto_is_fp16_under_a_float32_model_on_the_cpu_kernels(dtype, kernels, h
     assert kv_cache_dtype(EngineConfig(runner="pooling"), 64, torch.float32, cpu) == "auto"
 
 
-def test_fp16_and_float32_kv_need_a_float32_model(engines):
+def test_fp16_and_float32_kv_need_a_float32_model(kv_engines):
     with pytest.raises(ValueError, match="float16 is for a model run in float32 on a CPU by its "
                                          "C.. or reference kernels; this one runs in bfloat16 on "
                                          "cpu with --kernels auto: use auto"):
-        engines("float16", dtype="bfloat16")
+        kv_engines("float16", dtype="bfloat16")
     with pytest.raises(ValueError, match="--kernels triton"):
-        engines("float16", dtype="float32", kernels="triton")
+        kv_engines("float16", kernels="triton")
     with pytest.raises(ValueError, match="float32 is for a float32 model; this one runs in "
                                          "bfloat16 on cpu"):
-        engines("float32", dtype="bfloat16")
+        kv_engines("float32", dtype="bfloat16")
     with pytest.raises(ValueError, match="auto, float32, float16, int8 or fp8"):
         EngineConfig(kv_cache_dtype="float64")

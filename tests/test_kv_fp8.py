@@ -15,11 +15,8 @@ from kernels.prefill_attention import (
     prefill_attention_reference,
 )
 from kernels.rope import rope_kv_write_ref, rope_kv_write_triton
-from services.compute.backend import build_engine
 from services.compute.kv.kv_cache import KVCache
-from shared.config import EngineConfig
 from shared.sampling import SamplingParams
-from shared.settings import with_settings
 
 
 def test_to_fp8_saturates_and_rounds_to_three_mantissa_bits():
@@ -95,35 +92,26 @@ def test_fp8_moves_and_capacity():
     assert ratio == 2.0
 
 
-@pytest.fixture(scope="module")
-def engines(demo_model_dir):
-    def make(kv_cache_dtype, **kw):
-        return build_engine(with_settings(EngineConfig(), model=str(demo_model_dir),
-                                          device="cpu", dtype="float32",
-                                          kv_cache_dtype=kv_cache_dtype, **kw))
-    return make
-
-
-def test_engine_on_fp8_kv_agrees_with_the_float_cache(engines):
+def test_engine_on_fp8_kv_agrees_with_the_float_cache(kv_engines):
     prompts = [[1] + [(13 * i + 7 * j) % 900 + 3 for j in range(20 + 11 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
-    ref = engines("float32", kv_cache_tokens=2048).generate(prompts, params)
-    got = engines("fp8", kv_cache_tokens=2048).generate(prompts, params)
+    ref = kv_engines("float32", kv_cache_tokens=2048).generate(prompts, params)
+    got = kv_engines("fp8", kv_cache_tokens=2048).generate(prompts, params)
     same = sum(a == b for r, g in zip(ref, got, strict=True)
                for a, b in zip(r.output_ids, g.output_ids, strict=True))
     assert same / (24 * len(prompts)) > 0.6
     first = [abs(r.logprobs[0] - g.logprobs[0]) for r, g in zip(ref, got, strict=True)]
     assert max(first) < 0.2  # the first token sees only the e4m3 prompt K/V
-    assert engines("fp8", kv_cache_gib=0.01).runner.capacity == pytest.approx(
-        4 * engines("float32", kv_cache_gib=0.01).runner.capacity, rel=0.01)  # fp32 -> 1 byte
+    assert kv_engines("fp8", kv_cache_gib=0.01).runner.capacity == pytest.approx(
+        4 * kv_engines("float32", kv_cache_gib=0.01).runner.capacity, rel=0.01)  # fp32 -> 1 byte
 
 
-def test_fp8_kv_survives_moves_and_preemption(engines):
+def test_fp8_kv_survives_moves_and_preemption(kv_engines):
     prompts = [[1] + [(7 * i + j) % 900 + 3 for j in range(5 + 9 * i)] for i in range(8)]
     sp = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=i, ignore_eos=True)
           for i in range(8)]
-    roomy = engines("fp8", kv_cache_tokens=4096).generate(prompts, sp)
-    tight = engines("fp8", kv_cache_tokens=160, max_batched_tokens=32, max_running=8,
+    roomy = kv_engines("fp8", kv_cache_tokens=4096).generate(prompts, sp)
+    tight = kv_engines("fp8", kv_cache_tokens=160, max_batched_tokens=32, max_running=8,
                     default_predicted_len=2, kv_min_grow=2)
     out = tight.generate(prompts, sp)
     assert [s.output_ids for s in out] == [s.output_ids for s in roomy]

@@ -10,11 +10,9 @@ from kernels.decode_attention import decode_attention, decode_attention_referenc
 from kernels.kv_quant import KV_GROUP, dequantize_kv, quantize_kv
 from kernels.prefill_attention import prefill_attention, prefill_attention_reference
 from kernels.rope import rope_kv_write
-from services.compute.backend import build_engine
 from services.compute.kv.kv_cache import KVCache
 from shared.config import EngineConfig
 from shared.sampling import SamplingParams
-from shared.settings import with_settings
 
 
 def test_quantize_round_trip_error_is_half_a_step():
@@ -92,20 +90,11 @@ def test_moves_carry_the_scales_and_capacity_counts_them():
     assert ratio == pytest.approx(1.6)  # against a 16-bit cache
 
 
-@pytest.fixture(scope="module")
-def engines(demo_model_dir):
-    def make(kv_cache_dtype, **kw):
-        return build_engine(with_settings(EngineConfig(), model=str(demo_model_dir),
-                                          device="cpu", dtype="float32",
-                                          kv_cache_dtype=kv_cache_dtype, **kw))
-    return make
-
-
-def test_engine_on_int8_kv_agrees_with_the_float_cache(engines):
+def test_engine_on_int8_kv_agrees_with_the_float_cache(kv_engines):
     prompts = [[1] + [(13 * i + 7 * j) % 900 + 3 for j in range(20 + 11 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
-    ref = engines("float32", kv_cache_tokens=2048).generate(prompts, params)
-    got = engines("int8", kv_cache_tokens=2048).generate(prompts, params)
+    ref = kv_engines("float32", kv_cache_tokens=2048).generate(prompts, params)
+    got = kv_engines("int8", kv_cache_tokens=2048).generate(prompts, params)
     same = sum(a == b for r, g in zip(ref, got, strict=True)
                for a, b in zip(r.output_ids, g.output_ids, strict=True))
     assert same / (24 * len(prompts)) > 0.8
@@ -113,12 +102,12 @@ def test_engine_on_int8_kv_agrees_with_the_float_cache(engines):
     assert max(first) < 0.05  # the first token sees only quantized prompt K/V
 
 
-def test_int8_kv_survives_moves_and_preemption(engines):
+def test_int8_kv_survives_moves_and_preemption(kv_engines):
     prompts = [[1] + [(7 * i + j) % 900 + 3 for j in range(5 + 9 * i)] for i in range(8)]
     sp = [SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=i, ignore_eos=True)
           for i in range(8)]
-    roomy = engines("int8", kv_cache_tokens=4096).generate(prompts, sp)
-    tight = engines("int8", kv_cache_tokens=160, max_batched_tokens=32, max_running=8,
+    roomy = kv_engines("int8", kv_cache_tokens=4096).generate(prompts, sp)
+    tight = kv_engines("int8", kv_cache_tokens=160, max_batched_tokens=32, max_running=8,
                     default_predicted_len=2, kv_min_grow=2)
     out = tight.generate(prompts, sp)
     assert [s.output_ids for s in out] == [s.output_ids for s in roomy]
@@ -126,9 +115,9 @@ def test_int8_kv_survives_moves_and_preemption(engines):
     assert stats.moves + stats.grows_in_place > 0 and stats.preemptions > 0
 
 
-def test_int8_capacity_at_the_same_memory(engines):
-    float_cap = engines("float32", kv_cache_gib=0.01).runner.capacity
-    int8_cap = engines("int8", kv_cache_gib=0.01).runner.capacity
+def test_int8_capacity_at_the_same_memory(kv_engines):
+    float_cap = kv_engines("float32", kv_cache_gib=0.01).runner.capacity
+    int8_cap = kv_engines("int8", kv_cache_gib=0.01).runner.capacity
     assert int8_cap / float_cap == pytest.approx(4 / 1.25, rel=0.01)  # fp32 -> 1.25 B a value
     with pytest.raises(ValueError, match="kv-cache-dtype"):
         EngineConfig(kv_cache_dtype="int4")
