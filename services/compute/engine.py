@@ -110,25 +110,7 @@ class LLMEngine:
         LoadedGrammar its output must match (shared.grammar), or None. `priority`: lower is served
         first (--scheduling-policy priority or predicted). Raises InvalidParams if this engine
         cannot serve it."""
-        if not prompt_ids:
-            raise InvalidParams("prompt", "prompt must contain at least one token")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidParams("prompt", f"token ids must be in [0, {vocab})")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise InvalidParams("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.allowed_token_ids):
-            raise InvalidParams("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab})")
-        if params.lora_name and params.lora_name not in self.lora_names:
-            raise InvalidParams("model", f"The model `{params.lora_name}` does not exist.")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidParams("prompt", f"prompt has {len(prompt_ids)} tokens; the context "
-                                f"length is {self.max_model_len}")
-        if params.max_tokens is None:  # up to the context
-            params = params.fit_context(len(prompt_ids), self.max_model_len)
-        if any(not 0 <= t < vocab for t in output_ids) or len(output_ids) >= params.max_tokens:
-            raise InvalidParams("output_ids", "resumed output must be token ids, fewer than "
-                                "max_tokens")
+        params = self._checked(prompt_ids, params, output_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise InvalidParams("request_id", f"request id {rid!r} is already in use")
@@ -159,6 +141,31 @@ class LLMEngine:
         self.requests[rid] = seq
         self._added += 1
         return rid
+
+    def _checked(self, prompt_ids: list[int], params: SamplingParams,
+                 output_ids: list[int]) -> SamplingParams:
+        """`params` with max_tokens fitted to the context where unset; InvalidParams where the
+        request's ids, adapter or lengths are not this engine's to serve."""
+        if not prompt_ids:
+            raise InvalidParams("prompt", "prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidParams("prompt", f"token ids must be in [0, {vocab})")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidParams("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.allowed_token_ids):
+            raise InvalidParams("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab})")
+        if params.lora_name and params.lora_name not in self.lora_names:
+            raise InvalidParams("model", f"The model `{params.lora_name}` does not exist.")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidParams("prompt", f"prompt has {len(prompt_ids)} tokens; the context "
+                                f"length is {self.max_model_len}")
+        if params.max_tokens is None:  # up to the context
+            params = params.fit_context(len(prompt_ids), self.max_model_len)
+        if any(not 0 <= t < vocab for t in output_ids) or len(output_ids) >= params.max_tokens:
+            raise InvalidParams("output_ids", "resumed output must be token ids, fewer than "
+                                "max_tokens")
+        return params
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
