@@ -1,5 +1,5 @@
 """The CPU decode attention of one SmolLM2-135M step (9 query heads, 3 KV heads, head_dim 64,
-30 layers), per code path of kernels/cpu/decode_attention.cpp: the generic code (what INT8
+30 layers; --heads for another model's), per code path of kernels/cpu/decode_attention.cpp: the generic code (what INT8
 caches and odd head sizes run, and every cache before the vectorized variants) against the
 vectorized variant of each ISA level this CPU runs (avx2, avx512: the same build, the level
 switched in process), for a batch of sequences decoding at one context length.
@@ -16,6 +16,7 @@ are (lognormal, tenfold between sequences, in random order): its ms / the equal 
 
     python -m bench.cpu_attention [--batches 1,16,64] [--context 250,1000] [--dtype bfloat16]
     python -m bench.cpu_attention --dtype float32 --cache-dtype float16
+    python -m bench.cpu_attention --heads 32,32,96 --dtype float32   # Phi-3-mini's heads
 
 The last line printed is one JSON object with the headline figures.
 """
@@ -36,7 +37,7 @@ import torch  # noqa: E402
 from bench.common import machine, median_ms  # noqa: E402
 from kernels.cpu import extension, isa  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+LAYERS = 30
 VARIANTS = ("avx2", "avx512")  # the ISA levels with a vectorized variant
 
 
@@ -47,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--cache-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="the caches' (default: --dtype's)")
+    p.add_argument("--heads", default="9,3,64",
+                   help="query heads, kv heads, head_dim (default SmolLM2-135M's)")
     p.add_argument("--reps", type=int, default=5, help="timed steps per case (median)")
     p.add_argument("--quick", action="store_true", help="batch 4, context 64, 2 layers, 2 reps")
     return p.parse_args(argv)
@@ -55,19 +58,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def step_ms(ext, layers, q, starts, lens, reps: int) -> float:
     def step():
         for k, v in layers:
-            ext.decode_attention(q, k, v, starts, lens, HEAD_DIM ** -0.5)
+            ext.decode_attention(q, k, v, starts, lens, q.shape[-1] ** -0.5)
     return median_ms(step, reps)
 
 
-def make_layers(lens: list[int], dtype, n_layers: int, seed: int, cache_dtype=None):
+def make_layers(lens: list[int], heads: tuple[int, int, int], dtype, n_layers: int, seed: int,
+                cache_dtype=None):
     """Per layer (K, V) caches (of cache_dtype, default dtype) holding sequences of `lens` back
-    to back; q (of dtype), starts, lens."""
+    to back; q (of dtype), starts, lens. heads: query heads, kv heads, head_dim."""
     g = torch.Generator().manual_seed(seed)
-    cap, cache_dtype = sum(lens), cache_dtype or dtype
-    layers = [(torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(cache_dtype),
-               torch.randn(cap, KV_HEADS, HEAD_DIM, generator=g).to(cache_dtype))
+    (n_heads, n_kv, dim), cap, cache_dtype = heads, sum(lens), cache_dtype or dtype
+    layers = [(torch.randn(cap, n_kv, dim, generator=g).to(cache_dtype),
+               torch.randn(cap, n_kv, dim, generator=g).to(cache_dtype))
               for _ in range(n_layers)]
-    q = torch.randn(len(lens), HEADS, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(len(lens), n_heads, dim, generator=g).to(dtype)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     starts = (torch.cumsum(lens_t, 0) - lens_t).to(torch.int32)
     return layers, q, starts, lens_t
@@ -89,29 +93,30 @@ def main(argv: list[str] | None = None) -> dict:
     n_layers, reps = (2, 2) if args.quick else (LAYERS, args.reps)
     ext, dtype = extension(), getattr(torch, args.dtype)
     cache = getattr(torch, args.cache_dtype or args.dtype)
+    heads = tuple(int(x) for x in args.heads.split(","))
     assert ext is not None, "the C++ CPU kernels did not build (python -m kernels.cpu says why)"
     here, previous = machine(), ext.block_gemm_isa()
     paths = ["generic"] + [v for v in VARIANTS if v in isa.cpu_levels()]
-    print(f"{here}; {args.dtype} queries, {cache} caches, {n_layers} layers, median ms of "
-          f"{reps} steps")
+    print(f"{here}; heads {heads}; {args.dtype} queries, {cache} caches, {n_layers} layers, "
+          f"median ms of {reps} steps")
     print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{p:>16}" for p in paths))
     rows, best = [], paths[-1]
     for batch in batches:
         for ctx in contexts:
-            layers, q, starts, lens = make_layers([ctx] * batch, dtype, n_layers, batch * ctx,
-                                                  cache)
+            layers, q, starts, lens = make_layers([ctx] * batch, heads, dtype, n_layers,
+                                                  batch * ctx, cache)
             cap = batch * ctx
-            gbytes = 2 * cap * KV_HEADS * HEAD_DIM * cache.itemsize * n_layers / 1e9
+            gbytes = 2 * cap * heads[1] * heads[2] * cache.itemsize * n_layers / 1e9
             ms = {}
             for path in paths:
                 ext.set_block_gemm_isa("" if path == "generic" else path)
                 ms[path] = step_ms(ext, layers, q, starts, lens, reps)
-            spread = make_layers(spread_lengths(batch, ctx, batch + ctx), dtype, n_layers, 1,
-                                 cache)
+            spread = make_layers(spread_lengths(batch, ctx, batch + ctx), heads, dtype,
+                                 n_layers, 1, cache)
             ext.set_block_gemm_isa("" if best == "generic" else best)
             spread_ratio = round(step_ms(ext, *spread, reps) / ms[best], 2)
             same = None if cache == dtype else round(step_ms(ext, *make_layers(
-                [ctx] * batch, dtype, n_layers, batch * ctx), reps) / ms[best], 2)
+                [ctx] * batch, heads, dtype, n_layers, batch * ctx), reps) / ms[best], 2)
             ext.set_block_gemm_isa(previous)
             speed = {p: round(ms["generic"] / ms[p], 2) for p in paths}
             print(f"{batch:>5} {ctx:>5} " + " ".join(
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                   ms.items()},
                          "gb_s": {p: round(gbytes / v * 1000, 1) for p, v in ms.items()},
                          "speed": speed, "spread": spread_ratio, "vs_same": same})
-    out = {"bench": "cpu_attention", "machine": here, "dtype": args.dtype,
+    out = {"bench": "cpu_attention", "machine": here, "heads": heads, "dtype": args.dtype,
            "cache_dtype": str(cache).removeprefix("torch."), "layers": n_layers,
            "paths": paths, "rows": rows,
            "speed_at_largest": rows[-1]["speed"][best] if rows else None}

@@ -399,11 +399,14 @@ def _decode_attention_triton(
 
 
 def cpu_vectorized(head_dim: int) -> bool:
-    """Whether a head of `head_dim` takes a vectorized variant of the C++ decode attention (a
-    power of 2 in [16, 256]: kernels/cpu/decode_attention.cpp's `variant`) on a CPU with AVX2
-    or better, fp16 caches included; the generic code converts fp16 one value at a time
-    (~15x slower than its float32 at SmolLM2's heads)."""
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+    """Whether a float cache's head of `head_dim` takes a vectorized variant of the C++ decode
+    attention at the chosen ISA level (the extension's `decode_attention_variant`: head_dim a
+    multiple of 8 up to 256 on AVX2 or better), fp16 caches included; False where the kernels
+    do not load. The generic code converts fp16 one value at a time (~15x slower)."""
+    from kernels.cpu import extension
+
+    ext = extension()
+    return ext is not None and bool(ext.decode_attention_variant(head_dim))
 
 
 def decode_attention_reference(

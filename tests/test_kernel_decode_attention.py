@@ -211,7 +211,8 @@ def attention_level(cpu_ext, request):
 
 @pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [
     (8, 8, 64), (9, 3, 64), (8, 2, 32), (4, 1, 128), (16, 2, 64), (6, 3, 16), (4, 2, 256),
-    (4, 2, 96)])  # 96: not a power of 2, the generic code at every level
+    (4, 2, 96), (5, 1, 80), (4, 4, 72), (4, 2, 36)])
+# 96, 80, 72: vectors counted at run time (72 on AVX2's at the avx512 level); 36: generic code
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_kernel_matches_reference(attention_level, cpu_ext, n_heads, n_kv_heads, head_dim,
                                       dtype):
@@ -220,11 +221,12 @@ def test_cpu_kernel_matches_reference(attention_level, cpu_ext, n_heads, n_kv_he
     check(q, k, v, starts, lens, cpu_ext.decode_attention(q, k, v, starts, lens, 0.2), 0.2)
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(9, 3, 64), (4, 1, 128), (4, 2, 96)])
+@pytest.mark.parametrize("n_heads,n_kv_heads,head_dim", [(9, 3, 64), (4, 1, 128), (4, 2, 96),
+                                                          (4, 2, 36)])
 @pytest.mark.parametrize("window", [0, 37])
 def test_cpu_kernel_reads_fp16_caches_under_float32_queries(attention_level, cpu_ext, n_heads,
                                                             n_kv_heads, head_dim, window):
-    """--kv-cache-dtype float16: float32 q over fp16 caches, float32 out, on every path (96:
+    """--kv-cache-dtype float16: float32 q over fp16 caches, float32 out, on every path (36:
     the generic code), against the reference on the caches' float32 values; a cache of another
     dtype than q's (bf16 under float32) is refused."""
     q, k, v, starts, lens = make_case([1, 7, 64, 300, 33], n_kv_heads, head_dim,
@@ -238,6 +240,17 @@ def test_cpu_kernel_reads_fp16_caches_under_float32_queries(attention_level, cpu
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="caches must be q's dtype"):
         cpu_ext.decode_attention(q, k.bfloat16(), v.bfloat16(), starts, lens, 0.2)
+
+
+@pytest.mark.parametrize("head_dim,at_avx2,at_avx512", [
+    (64, "avx2", "avx512"), (96, "avx2", "avx512"), (80, "avx2", "avx512"), (8, "avx2", "avx2"),
+    (72, "avx2", "avx2"), (256, "avx2", "avx512"), (36, "", ""), (264, "", ""), (0, "", "")])
+def test_cpu_kernel_variant_by_head_dim(attention_level, cpu_ext, head_dim, at_avx2, at_avx512):
+    """The code a float cache's head takes (what --kv-cache-dtype auto asks): the level's own
+    vectors where head_dim is a multiple of them up to 256, AVX2's where it is a multiple of 8
+    only (an AVX-512 CPU runs both), else the generic code ("")."""
+    want = {"generic": "", "avx2": at_avx2, "avx512": at_avx512}[attention_level]
+    assert cpu_ext.decode_attention_variant(head_dim) == want
 
 
 def test_cpu_kernel_shares_a_varied_batch_among_threads(attention_level, cpu_ext):

@@ -60,11 +60,12 @@ def test_fp16_kv_survives_moves_and_preemption(kv_engines):
 
 @pytest.mark.parametrize("dtype,kernels,head_dim,want", [
     ("float32", "auto", 64, "float16"), ("float32", "auto", 256, "float16"),
-    ("float32", "auto", 96, "auto"), ("float32", "reference", 64, "auto"),
+    ("float32", "auto", 96, "float16"), ("float32", "auto", 36, "auto"),
+    ("float32", "reference", 64, "auto"),
     ("bfloat16", "auto", 64, "auto"), ("float16", "auto", 64, "auto")])
 def test_auto_is_fp16_under_a_float32_model_on_the_cpu_kernels(dtype, kernels, head_dim, want):
     """auto: fp16 where a float32 model generates on the CPU's own kernels with heads their
-    vectorized decode attention takes (96: the generic code, whose fp16 reads are slow); the
+    vectorized decode attention takes (36: the generic code, whose fp16 reads are slow); the
     model's dtype where it runs in 16 bits, on the reference kernels, or pools."""
     from services.compute.kv.element import kv_cache_dtype
 

@@ -13,6 +13,7 @@ using torch::Tensor;
 Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_starts,
                         Tensor seq_lens, double scale, std::optional<Tensor> k_scale,
                         std::optional<Tensor> v_scale, int64_t window, double softcap);
+std::string decode_attention_variant(int64_t head_dim);
 // norm.cpp
 Tensor rms_norm(Tensor x, Tensor w, double eps);
 std::tuple<Tensor, Tensor> add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps);
@@ -58,6 +59,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("seq_starts"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("k_scale") = py::none(),
         py::arg("v_scale") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0);
+  m.def("decode_attention_variant", &decode_attention_variant,
+        "the vectorized variant (avx512, avx2) a float cache's head of head_dim takes, or ''",
+        py::arg("head_dim"));
   m.def("rms_norm", &rms_norm, "w * rmsnorm(x) -> [..., N]", py::arg("x"), py::arg("w"),
         py::arg("eps"));
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x)", py::arg("x"),

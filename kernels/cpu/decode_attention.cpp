@@ -10,8 +10,9 @@
 // softcap * tanh(s / softcap) before the softmax; 0: none.
 // The caches are q's dtype, fp16 under float32 queries (--kv-cache-dtype float16), or INT8.
 // The vectorized variants (decode_attention_kernel.h, one per ISA level: the level the block
-// GEMMs run, set_block_gemm_isa) take float caches with a power-of-2 head_dim in [16, 256]; the
-// generic code below takes the rest (INT8 caches, other head sizes, a CPU below AVX2).
+// GEMMs run, set_block_gemm_isa) take float caches with head_dim a multiple of 8 up to 256
+// (`variant`); the generic code below takes the rest (INT8 caches, other head sizes, a CPU
+// below AVX2).
 // Generic path: one work item per sequence: it walks the sequence's K rows (all kv heads: contiguous memory)
 // once, scoring every query head h against kv head h / (H / Hkv) in fp32, then its V rows once.
 // Walking whole rows rather than one head's slice per item runs at ~90% of memory bandwidth,
@@ -21,8 +22,9 @@
 #include <torch/extension.h>
 
 #include <cmath>
-#include <type_traits>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "decode_attention.h"
@@ -131,14 +133,17 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   });
 }
 
-// The vectorized variant for this call, or nullptr (decode_attention.h's limits).
+// The vectorized variant for head_dim D at the chosen ISA level, with its name, or nullptr
+// ("") for the generic code: D a multiple of the level's vector (or AVX2's: an AVX-512 CPU
+// runs both) up to kMaxHeadDim; INT8 caches always take the generic code.
 using Variant = void (*)(const pipellm::attention::Args&);
-Variant variant(int64_t D, bool int8) {
-  if (int8 || D < 16 || D > pipellm::attention::kMaxHeadDim || (D & (D - 1)) != 0) return nullptr;
+std::pair<Variant, const char*> variant(int64_t D, bool int8) {
+  if (int8 || D <= 0 || D > pipellm::attention::kMaxHeadDim) return {nullptr, ""};
   const std::string level = vector_isa();
-  if (level == "avx512") return pipellm::attention::run_avx512;
-  if (level == "avx2") return pipellm::attention::run_avx2;
-  return nullptr;
+  if (level == "avx512" && D % 16 == 0) return {pipellm::attention::run_avx512, "avx512"};
+  if ((level == "avx512" || level == "avx2") && D % 8 == 0)
+    return {pipellm::attention::run_avx2, "avx2"};
+  return {nullptr, ""};
 }
 
 pipellm::attention::DType dtype_of(at::ScalarType t) {
@@ -147,6 +152,10 @@ pipellm::attention::DType dtype_of(at::ScalarType t) {
 }
 
 }  // namespace
+
+// The vectorized variant a float cache's head of head_dim takes at the chosen ISA level
+// ("avx512", "avx2"), or "" where the generic code runs it.
+std::string decode_attention_variant(int64_t head_dim) { return variant(head_dim, false).second; }
 
 // k_scale, v_scale (INT8 caches): fp16 [capacity, Hkv, D / 8], the caches int8. window: 0 for
 // full attention, else the sliding window; softcap: 0 for none, else the logit soft-cap (see the
@@ -184,7 +193,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(int8 || half || k_cache.scalar_type() == q.scalar_type(),
               "caches must be q's dtype, fp16 under float32 queries, or int8 with scales");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches of one dtype");
-  if (const Variant run = variant(D, int8)) {
+  if (const Variant run = variant(D, int8).first) {
     TORCH_CHECK(k_cache.stride(1) == D, "kv heads must be contiguous within a cache row");
     auto out = torch::empty(q.sizes(), q.options());
     run({q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),

@@ -2,8 +2,8 @@
 // path, the choice of ISA) and its vectorized variants (decode_attention_<isa>.cpp, each the
 // template of decode_attention_kernel.h compiled for one instruction set). Raw pointers only.
 // The variants cover float caches of q's dtype, or fp16 caches under float32 queries, with
-// head_dim a power of 2 from 16 up to 256; INT8 caches and other head sizes take the generic
-// path.
+// head_dim a multiple of their vector's floats up to kMaxHeadDim; INT8 caches and other head
+// sizes take the generic path.
 #pragma once
 
 #include <cstdint>

@@ -9,7 +9,8 @@
 // to 4 of its query heads at once sum its V rows, a chunk of columns at a time with their
 // accumulators in registers, each V row read once per 4 heads. Rows are prefetched kAhead
 // rows ahead. Math in float32. T is q's and out's element, KV the caches' (T, or fp16 under
-// float32 queries).
+// float32 queries). A head is NC vectors: a template constant for the powers of 2 (every loop
+// unrolled), or 0 for any other multiple of kLanes, read from Args at run time.
 #pragma once
 
 namespace {
@@ -24,11 +25,17 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i);
 }
 
-// sum_c x[c] * y[c] over NC vectors
-template <class V, int NC, typename KV>
-inline float dot(const float* q, const KV* k) {
+// The vectors of a head: NC, or (NC = 0) head_dim / kLanes
+template <class V, int NC>
+inline int vectors(const Args& a) {
+  return NC ? NC : static_cast<int>(a.D / V::kLanes);
+}
+
+// sum_c x[c] * y[c] over nc vectors
+template <class V, typename KV>
+inline float dot(const float* q, const KV* k, int nc) {
   typename V::F acc = V::mul(V::loadf(q), V::load(k));
-  for (int c = 1; c < NC; ++c) acc = V::fmadd(V::loadf(q + c * V::kLanes), V::load(k + c * V::kLanes), acc);
+  for (int c = 1; c < nc; ++c) acc = V::fmadd(V::loadf(q + c * V::kLanes), V::load(k + c * V::kLanes), acc);
   return V::sum(acc);
 }
 
@@ -47,46 +54,57 @@ inline float exp_sum(float* s, int64_t n, float mx) {
   return sum;
 }
 
-// The vectors of a V row that G heads sum at once: the most (a power of 2 dividing NC) that
-// keeps their G * chunk accumulators within 12 registers
+// The vectors of a V row that G heads sum at once: the most (a power of 2, at most NC; 8 where
+// NC is 0) that keeps their G * chunk accumulators within 12 registers
 template <int NC, int G>
 constexpr int chunk() {
-  int c = NC;
+  int c = NC ? NC : 8;
   while (c > 1 && G * c > 12) c /= 2;
   return c;
 }
 
-// out[h0 + j] = inv[h0 + j] * sum_t p[h0 + j][t] * V[t] for j < G: heads h0.. of one kv head,
-// a chunk of columns at a time with its G * chunk accumulators in registers, so that each V
-// row is read once for the G heads whatever the head size
+// out[h0 + j] = inv[h0 + j] * sum_t p[h0 + j][t] * V[t] for j < G, in the C vectors of columns
+// from vector c0 on: heads h0.. of one kv head (vh: its V rows), the G * C accumulators in
+// registers, so that each V row is read once for the G heads whatever the head size
+template <class V, int C, int G, typename T, typename KV>
+void weigh_cols(const Args& a, const float* p, int64_t n, const float* inv, const KV* vh,
+                int64_t h0, int c0, T* out) {
+  typename V::F acc[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) acc[j][c] = V::fzero();
+  for (int64_t t = 0; t < n; ++t) {
+    const KV* row = vh + t * a.row_stride + c0 * V::kLanes;
+    if (t + kAhead < n) prefetch(row + kAhead * a.row_stride, C * V::kLanes * sizeof(KV));
+    typename V::F pt[G];
+    for (int j = 0; j < G; ++j) pt[j] = V::set1(p[(h0 + j) * n + t]);
+    for (int c = 0; c < C; ++c) {
+      const typename V::F x = V::load(row + c * V::kLanes);
+      for (int j = 0; j < G; ++j) acc[j][c] = V::fmadd(pt[j], x, acc[j][c]);
+    }
+  }
+  for (int j = 0; j < G; ++j) {
+    float o[C * V::kLanes];
+    const typename V::F scale = V::set1(inv[h0 + j]);
+    for (int c = 0; c < C; ++c) V::store(o + c * V::kLanes, V::mul(acc[j][c], scale));
+    T* oh = out + (h0 + j) * a.D + c0 * V::kLanes;
+    for (int64_t d = 0; d < C * V::kLanes; ++d) oh[d] = static_cast<T>(o[d]);
+  }
+}
+
+// weigh_cols over the columns from vector c0 to nc: chunks of C, the rest in halves of it
+template <class V, int C, int G, typename T, typename KV>
+void weigh_from(const Args& a, const float* p, int64_t n, const float* inv, const KV* vh,
+                int64_t h0, int c0, int nc, T* out) {
+  for (; c0 + C <= nc; c0 += C) weigh_cols<V, C, G>(a, p, n, inv, vh, h0, c0, out);
+  if constexpr (C > 1) weigh_from<V, C / 2, G>(a, p, n, inv, vh, h0, c0, nc, out);
+}
+
+// weigh_cols over every column of heads h0.. (G of them, one kv head)
 template <class V, int NC, int G, typename T, typename KV>
 void weigh_v(const Args& a, const float* p, int64_t n, const float* inv, const KV* v, int64_t h0,
              T* out) {
-  constexpr int64_t D = NC * V::kLanes;
-  constexpr int C = chunk<NC, G>();
-  const KV* vh = v + (h0 / (a.H / a.Hkv)) * D;
-  for (int c0 = 0; c0 < NC; c0 += C) {
-    typename V::F acc[G][C];
-    for (int j = 0; j < G; ++j)
-      for (int c = 0; c < C; ++c) acc[j][c] = V::fzero();
-    for (int64_t t = 0; t < n; ++t) {
-      const KV* row = vh + t * a.row_stride + c0 * V::kLanes;
-      if (t + kAhead < n) prefetch(row + kAhead * a.row_stride, C * V::kLanes * sizeof(KV));
-      typename V::F pt[G];
-      for (int j = 0; j < G; ++j) pt[j] = V::set1(p[(h0 + j) * n + t]);
-      for (int c = 0; c < C; ++c) {
-        const typename V::F x = V::load(row + c * V::kLanes);
-        for (int j = 0; j < G; ++j) acc[j][c] = V::fmadd(pt[j], x, acc[j][c]);
-      }
-    }
-    for (int j = 0; j < G; ++j) {
-      float o[C * V::kLanes];
-      const typename V::F scale = V::set1(inv[h0 + j]);
-      for (int c = 0; c < C; ++c) V::store(o + c * V::kLanes, V::mul(acc[j][c], scale));
-      T* oh = out + (h0 + j) * D + c0 * V::kLanes;
-      for (int64_t d = 0; d < C * V::kLanes; ++d) oh[d] = static_cast<T>(o[d]);
-    }
-  }
+  const KV* vh = v + (h0 / (a.H / a.Hkv)) * a.D;
+  weigh_from<V, chunk<NC, G>(), G>(a, p, n, inv, vh, h0, 0, vectors<V, NC>(a), out);
 }
 
 // The query heads [h0, h1) of one sequence (whole kv heads: its part, decode_attention_schedule.h)
@@ -94,7 +112,8 @@ template <class V, int NC, typename T, typename KV>
 void attend(const Args& a, const T* q, const KV* k, const KV* v, int64_t n, int64_t h0,
             int64_t h1, T* out, std::vector<float>& qf, std::vector<float>& scores,
             std::vector<float>& inv) {
-  constexpr int64_t D = NC * V::kLanes;
+  const int nc = vectors<V, NC>(a);
+  const int64_t D = nc * V::kLanes;
   const int64_t H = a.H, group = a.H / a.Hkv, rs = a.row_stride;
   const int64_t kv0 = h0 / group, kv_bytes = (h1 - h0) / group * D * sizeof(KV);
   qf.resize(H * D);
@@ -112,7 +131,7 @@ void attend(const Args& a, const T* q, const KV* k, const KV* v, int64_t n, int6
       const KV* kh = k + t * rs + (h / group) * D;
       typename V::F acc[8];
       for (int i = 0; i < 8; ++i) acc[i] = V::mul(V::loadf(qh), V::load(kh + i * rs));
-      for (int c = 1; c < NC; ++c) {
+      for (int c = 1; c < nc; ++c) {
         const typename V::F qc = V::loadf(qh + c * V::kLanes);
         for (int i = 0; i < 8; ++i) acc[i] = V::fmadd(qc, V::load(kh + i * rs + c * V::kLanes), acc[i]);
       }
@@ -121,7 +140,7 @@ void attend(const Args& a, const T* q, const KV* k, const KV* v, int64_t n, int6
   }
   for (; t < n; ++t)
     for (int64_t h = h0; h < h1; ++h)
-      scores[h * n + t] = dot<V, NC>(qf.data() + h * D, k + t * rs + (h / group) * D);
+      scores[h * n + t] = dot<V>(qf.data() + h * D, k + t * rs + (h / group) * D, nc);
   if (a.softcap > 0.f)
     for (int64_t i = h0 * n; i < h1 * n; ++i)
       scores[i] = a.softcap * std::tanh(scores[i] / a.softcap);
@@ -174,9 +193,11 @@ void run_nc(const Args& a) {
   }
 }
 
-// head_dim = NC * kLanes, NC a power of 2 from 1 up to kMaxHeadDim / kLanes
+// head_dim a multiple of kLanes up to kMaxHeadDim (decode_attention.h)
 template <class V>
 void run_isa(const Args& a) {
+  if (a.D % V::kLanes || a.D > pipellm::attention::kMaxHeadDim)
+    throw std::invalid_argument("decode attention: head_dim not a supported multiple");
   switch (a.D / V::kLanes) {
     case 1: return run_nc<V, 1>(a);
     case 2: return run_nc<V, 2>(a);
@@ -184,7 +205,7 @@ void run_isa(const Args& a) {
     case 8: return run_nc<V, 8>(a);
     case 16: return run_nc<V, 16>(a);
     case 32: return run_nc<V, 32>(a);
-    default: throw std::invalid_argument("decode attention: head_dim not a supported multiple");
+    default: return run_nc<V, 0>(a);
   }
 }
 
