@@ -1,8 +1,9 @@
 """The CPU decode attention of one SmolLM2-135M step (9 query heads, 3 KV heads, head_dim 64,
-30 layers; --heads for another model's), per code path of kernels/cpu/decode_attention.cpp: the generic code (what INT8
-caches and odd head sizes run, and every cache before the vectorized variants) against the
-vectorized variant of each ISA level this CPU runs (avx2, avx512: the same build, the level
-switched in process), for a batch of sequences decoding at one context length.
+30 layers; --heads for another model's), per code path of kernels/cpu/decode_attention.cpp:
+the generic code (what INT8 caches and odd head sizes run, and every cache before the
+vectorized variants) against the vectorized variant of each ISA level this CPU runs (avx2,
+avx512: the same build, the level switched in process), for a batch of sequences decoding at
+one context length.
 
 Each of the 30 layers has its own K and V caches (random, in the activations' dtype or
 --cache-dtype: float16 under float32 queries is `--kv-cache-dtype float16`) so that they stream
@@ -62,7 +63,7 @@ def step_ms(ext, layers, q, starts, lens, reps: int) -> float:
     return median_ms(step, reps)
 
 
-def make_layers(lens: list[int], heads: tuple[int, int, int], dtype, n_layers: int, seed: int,
+def make_layers(lens: list[int], heads: list[int], dtype, n_layers: int, seed: int,
                 cache_dtype=None):
     """Per layer (K, V) caches (of cache_dtype, default dtype) holding sequences of `lens` back
     to back; q (of dtype), starts, lens. heads: query heads, kv heads, head_dim."""
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_layers, reps = (2, 2) if args.quick else (LAYERS, args.reps)
     ext, dtype = extension(), getattr(torch, args.dtype)
     cache = getattr(torch, args.cache_dtype or args.dtype)
-    heads = tuple(int(x) for x in args.heads.split(","))
+    heads = [int(x) for x in args.heads.split(",")]
     assert ext is not None, "the C++ CPU kernels did not build (python -m kernels.cpu says why)"
     here, previous = machine(), ext.block_gemm_isa()
     paths = ["generic"] + [v for v in VARIANTS if v in isa.cpu_levels()]

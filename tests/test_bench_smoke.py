@@ -498,7 +498,8 @@ def test_host_step_times_a_decode_step_with_each_heap_setting():
 
 def test_cpu_attention_quick(capsys):
     """bench/cpu_attention.py: every path this CPU runs, timed, its speed against the generic
-    code's, in the JSON line; fp16 caches under float32 queries against float32 ones."""
+    code's, in the JSON line; fp16 caches under float32 queries against float32 ones; another
+    model's heads."""
     from bench import cpu_attention
     from kernels.cpu import isa
 
@@ -511,6 +512,8 @@ def test_cpu_attention_quick(capsys):
     assert row["speed"]["generic"] == 1.0 and row["vs_same"] is None
     out = cpu_attention.main(["--quick", "--dtype", "float32", "--cache-dtype", "float16"])
     assert out["cache_dtype"] == "float16" and out["rows"][0]["vs_same"] > 0
+    out = cpu_attention.main(["--quick", "--heads", "4,2,96"])
+    assert last_json(capsys.readouterr().out) == out and out["heads"] == [4, 2, 96]
 
 
 def test_cpu_prefill_attention_bench_small(capsys):
