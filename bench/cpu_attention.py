@@ -101,6 +101,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{here}; heads {heads}; {args.dtype} queries, {cache} caches, {n_layers} layers, "
           f"median ms of {reps} steps")
     print(f"{'batch':>5} {'ctx':>5} " + " ".join(f"{p:>16}" for p in paths))
+    code = {}  # what each path runs at this head size (a variant may hand it to AVX2's)
+    for path in paths:
+        ext.set_block_gemm_isa("" if path == "generic" else path)
+        code[path] = ext.decode_attention_variant(heads[2]) or "generic"
+    ext.set_block_gemm_isa(previous)
+    print(f"code each path runs at head_dim {heads[2]}: {code}")
     rows, best = [], paths[-1]
     for batch in batches:
         for ctx in contexts:
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "speed": speed, "spread": spread_ratio, "vs_same": same})
     out = {"bench": "cpu_attention", "machine": here, "heads": heads, "dtype": args.dtype,
            "cache_dtype": str(cache).removeprefix("torch."), "layers": n_layers,
-           "paths": paths, "rows": rows,
+           "paths": paths, "code": code, "rows": rows,
            "speed_at_largest": rows[-1]["speed"][best] if rows else None}
     print(json.dumps(out))
     return out

@@ -398,17 +398,6 @@ def _decode_attention_triton(
     return out
 
 
-def cpu_vectorized(head_dim: int) -> bool:
-    """Whether a float cache's head of `head_dim` takes a vectorized variant of the C++ decode
-    attention at the chosen ISA level (the extension's `decode_attention_variant`: head_dim a
-    multiple of 8 up to 256 on AVX2 or better), fp16 caches included; False where the kernels
-    do not load. The generic code converts fp16 one value at a time (~15x slower)."""
-    from kernels.cpu import extension
-
-    ext = extension()
-    return ext is not None and bool(ext.decode_attention_variant(head_dim))
-
-
 def decode_attention_reference(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [capacity, Hkv, D]

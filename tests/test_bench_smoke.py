@@ -514,6 +514,7 @@ def test_cpu_attention_quick(capsys):
     assert out["cache_dtype"] == "float16" and out["rows"][0]["vs_same"] > 0
     out = cpu_attention.main(["--quick", "--heads", "4,2,96"])
     assert last_json(capsys.readouterr().out) == out and out["heads"] == [4, 2, 96]
+    assert out["code"] == {p: p for p in paths}  # 96: a multiple of 8 and of 16
 
 
 def test_cpu_prefill_attention_bench_small(capsys):

@@ -58,22 +58,19 @@ def test_fp16_kv_survives_moves_and_preemption(kv_engines):
     assert stats.moves + stats.grows_in_place > 0 and stats.preemptions > 0
 
 
-@pytest.mark.parametrize("dtype,kernels,head_dim,want", [
-    ("float32", "auto", 64, "float16"), ("float32", "auto", 256, "float16"),
-    ("float32", "auto", 96, "float16"), ("float32", "auto", 36, "auto"),
-    ("float32", "reference", 64, "auto"),
-    ("bfloat16", "auto", 64, "auto"), ("float16", "auto", 64, "auto")])
-def test_auto_is_fp16_under_a_float32_model_on_the_cpu_kernels(dtype, kernels, head_dim, want):
-    """auto: fp16 where a float32 model generates on the CPU's own kernels with heads their
-    vectorized decode attention takes (36: the generic code, whose fp16 reads are slow); the
-    model's dtype where it runs in 16 bits, on the reference kernels, or pools."""
+@pytest.mark.parametrize("dtype,kernels,want", [
+    ("float32", "auto", "float16"), ("float32", "reference", "auto"), ("bfloat16", "auto", "auto"),
+    ("float16", "auto", "auto")])
+def test_auto_is_fp16_under_a_float32_model_on_the_cpu_kernels(dtype, kernels, want):
+    """auto: fp16 where a float32 model generates on the CPU's own kernels (every head size:
+    the generic decode attention widens fp16 rows with F16C too); the model's dtype where it
+    runs in 16 bits, on the reference kernels, or pools."""
     from services.compute.kv.element import kv_cache_dtype
 
     cpu = torch.device("cpu")
-    config = EngineConfig(kernels=kernels)
-    assert kv_cache_dtype(config, head_dim, getattr(torch, dtype), cpu) == want
-    assert kv_cache_dtype(EngineConfig(kv_cache_dtype="int8"), 64, torch.float32, cpu) == "int8"
-    assert kv_cache_dtype(EngineConfig(runner="pooling"), 64, torch.float32, cpu) == "auto"
+    assert kv_cache_dtype(EngineConfig(kernels=kernels), getattr(torch, dtype), cpu) == want
+    assert kv_cache_dtype(EngineConfig(kv_cache_dtype="int8"), torch.float32, cpu) == "int8"
+    assert kv_cache_dtype(EngineConfig(runner="pooling"), torch.float32, cpu) == "auto"
 
 
 def test_fp16_and_float32_kv_need_a_float32_model(kv_engines):

@@ -16,12 +16,16 @@
 // Generic path: one work item per sequence: it walks the sequence's K rows (all kv heads: contiguous memory)
 // once, scoring every query head h against kv head h / (H / Hkv) in fp32, then its V rows once.
 // Walking whole rows rather than one head's slice per item runs at ~90% of memory bandwidth,
-// 2x the per-(sequence, head) split. Items run in parallel on ATen's thread pool.
+// 2x the per-(sequence, head) split. fp16 rows are widened to float once per row (F16C) before
+// the loops read them. Items run in parallel on ATen's thread pool.
 // Returns [B, H, D] in q's dtype.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <cmath>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -56,53 +60,85 @@ struct Scales {
   }
 };
 
+// f[i] = r[i] for i < n: fp16 widened to float, 8 at a time with F16C where the build has it
+// (the loops below would convert one value at a time).
+inline void widen(const at::Half* r, int64_t n, float* f) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
+#endif
+  for (; i < n; ++i) f[i] = static_cast<float>(r[i]);
+}
+
+// body(row, head stride) on row's kv heads as the loops read them: an fp16 row widened into
+// `wide` (kv heads D apart), any other as it is.
+template <typename cache_t, class Body>
+inline void read_row(const cache_t* row, int64_t Hkv, int64_t D, int64_t head_stride,
+                     std::vector<float>& wide, const Body& body) {
+  if constexpr (std::is_same_v<cache_t, at::Half>) {
+    for (int64_t h = 0; h < Hkv; ++h) widen(row + h * head_stride, D, wide.data() + h * D);
+    body(static_cast<const float*>(wide.data()), D);
+  } else {
+    body(row, head_stride);
+  }
+}
+
+struct Scratch {  // one thread's buffers
+  std::vector<float> qf, scores, acc, wide;
+};
+
 template <typename scalar_t, typename cache_t>
 // One sequence: q [H, D] (head stride q_sh), K/V rows at k, v (row_stride apart, kv heads
 // head_stride apart), n rows; query head h reads kv head h / group. out [H, D] (head stride o_sh).
 void attend_one(const scalar_t* q, int64_t q_sh, const cache_t* k, const cache_t* v,
                 int64_t row_stride, int64_t head_stride, const Scales& sc, int64_t group,
                 int64_t n, int64_t H, int64_t D, float scale, float softcap, scalar_t* out,
-                int64_t o_sh,
-                std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc) {
-  qf.assign(H * D, 0.f);
-  acc.assign(H * D, 0.f);
-  scores.resize(H * n);
+                int64_t o_sh, Scratch& s) {
+  const int64_t Hkv = H / group;
+  s.qf.assign(H * D, 0.f);
+  s.acc.assign(H * D, 0.f);
+  s.scores.resize(H * n);
+  s.wide.resize(Hkv * D);
+  float* scores = s.scores.data();
   for (int64_t g = 0; g < H; ++g)
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[g * q_sh + d]) * scale;
+    for (int64_t d = 0; d < D; ++d) s.qf[g * D + d] = static_cast<float>(q[g * q_sh + d]) * scale;
   std::vector<float> mx(H, -std::numeric_limits<float>::infinity()), inv(H);
   for (int64_t t = 0; t < n; ++t) {  // pass 1: q . k for every token, each K row read once
-    const cache_t* row = k + t * row_stride;
-    for (int64_t g = 0; g < H; ++g) {
-      const float* qg = qf.data() + g * D;
-      const cache_t* kr = row + (g / group) * head_stride;
-      const at::Half* ks = sc.at(sc.k, t, g / group);
-      float dot = 0.f;
+    read_row(k + t * row_stride, Hkv, D, head_stride, s.wide, [&](const auto* row, int64_t hs) {
+      for (int64_t g = 0; g < H; ++g) {
+        const float* qg = s.qf.data() + g * D;
+        const auto* kr = row + (g / group) * hs;
+        const at::Half* ks = sc.at(sc.k, t, g / group);
+        float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(kr, ks, d);
-      if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);  // s = cap * tanh(s / cap)
-      scores[g * n + t] = dot;
-      mx[g] = std::max(mx[g], dot);
-    }
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(kr, ks, d);
+        if (softcap > 0.f) dot = softcap * std::tanh(dot / softcap);  // s = cap * tanh(s / cap)
+        scores[g * n + t] = dot;
+        mx[g] = std::max(mx[g], dot);
+      }
+    });
   }
   for (int64_t g = 0; g < H; ++g) {  // softmax numerators and 1 / denominator
     float sum = 0.f;
-    float* s = scores.data() + g * n;
-    for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - mx[g]));
+    float* sg = scores + g * n;
+    for (int64_t t = 0; t < n; ++t) sum += (sg[t] = std::exp(sg[t] - mx[g]));
     inv[g] = 1.f / sum;
   }
   for (int64_t t = 0; t < n; ++t) {  // pass 2: p . v, each V row read once
-    const cache_t* row = v + t * row_stride;
-    for (int64_t g = 0; g < H; ++g) {
-      const cache_t* vr = row + (g / group) * head_stride;
-      const at::Half* vs = sc.at(sc.v, t, g / group);
-      const float p = scores[g * n + t];
-      float* a = acc.data() + g * D;
+    read_row(v + t * row_stride, Hkv, D, head_stride, s.wide, [&](const auto* row, int64_t hs) {
+      for (int64_t g = 0; g < H; ++g) {
+        const auto* vr = row + (g / group) * hs;
+        const at::Half* vs = sc.at(sc.v, t, g / group);
+        const float p = scores[g * n + t];
+        float* a = s.acc.data() + g * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) a[d] += p * load(vr, vs, d);
-    }
+        for (int64_t d = 0; d < D; ++d) a[d] += p * load(vr, vs, d);
+      }
+    });
   }
   for (int64_t g = 0; g < H; ++g)
-    for (int64_t d = 0; d < D; ++d) out[g * o_sh + d] = static_cast<scalar_t>(acc[g * D + d] * inv[g]);
+    for (int64_t d = 0; d < D; ++d) out[g * o_sh + d] = static_cast<scalar_t>(s.acc[g * D + d] * inv[g]);
 }
 
 template <typename scalar_t, typename cache_t>
@@ -114,9 +150,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const cache_t* kp = k_cache.data_ptr<cache_t>();
   const cache_t* vp = v_cache.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  struct Scratch {  // one thread's buffers
-    std::vector<float> qf, scores, acc;
-  };
   pipellm::attention::for_each_sequence<Scratch>(ln, B, window, [&](int64_t b, Scratch& s) {
     const int64_t n = pipellm::attention::rows_read(ln, b, window);
     const int64_t first = st[b] + ln[b] - n;  // rows out of the window skipped
@@ -129,7 +162,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
                                   kp + first * k_cache.stride(0), vp + first * k_cache.stride(0),
                                   k_cache.stride(0), k_cache.stride(1), seq, group, n, H, D,
                                   static_cast<float>(scale), static_cast<float>(softcap),
-                                  op + b * out.stride(0), out.stride(1), s.qf, s.scores, s.acc);
+                                  op + b * out.stride(0), out.stride(1), s);
   });
 }
 

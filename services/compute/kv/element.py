@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.decode_attention import cpu_vectorized
 from kernels.kv_quant import KV_GROUP
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
@@ -15,21 +14,19 @@ def kv_shape(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype
              device: torch.device) -> dict:
     """KVCache's arguments but capacity and device (checked: ValueError where the cache's
     dtype cannot run)."""
-    kv_dtype = kv_cache_dtype(config, model_config.head_dim, dtype, device)
+    kv_dtype = kv_cache_dtype(config, dtype, device)
     _check_kv_dtype(kv_dtype, config.kernels, model_config.head_dim, dtype, device)
     return dict(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                 head_dim=model_config.head_dim, dtype=dtype, kv_dtype=kv_dtype)
 
 
-def kv_cache_dtype(config: EngineConfig, head_dim: int, dtype: torch.dtype,
-                   device: torch.device) -> str:
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> str:
     """--kv-cache-dtype as the cache is made: `auto` is float16 where a float32 model generates
-    on the CPU kernels (--kernels auto) with heads their vectorized decode attention takes
-    (each step then reads half the bytes; llama.cpp's default cache type), else the model's
-    own dtype (auto; a pooling forward reads its keys once, in the step that writes them:
-    rounding them would buy it nothing)."""
+    on the CPU kernels (--kernels auto: each step's decode attention then reads half the bytes;
+    llama.cpp's default cache type), else the model's own dtype (auto; a pooling forward reads
+    its keys once, in the step that writes them: rounding them would buy it nothing)."""
     if config.kv_cache_dtype == "auto" and dtype == torch.float32 and device.type == "cpu" \
-            and config.kernels == "auto" and not config.pooling and cpu_vectorized(head_dim):
+            and config.kernels == "auto" and not config.pooling:
         return "float16"
     return config.kv_cache_dtype
 
