@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         return _sweep(args, cfg, items, meta, sweep_cfg, percentiles, metrics, slos)
     result = {**meta, **runner.benchmark(cfg, items, offsets, percentiles, metrics, slos)}
     print(report.table(result, metrics, percentiles))
+    if why := report.failures(result["errors"]):
+        print(why, file=sys.stderr)
     path = report.result_path(label, meta["request_rate"], args.max_concurrency,
                               server.endpoint.model, meta["date"], args.result_filename,
                               args.result_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
@@ -63,6 +64,18 @@ def table(result: dict, metrics: list[str], percentiles: list[float]) -> str:
                         and k.startswith("p")]:
                 row(f"{key.upper()} {short} (ms):", c[f"{key}_{m}_ms"], ".2f")
     lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def failures(errors: list[str], most: int = 3) -> str:
+    """Why requests failed: the `most` commonest errors with their counts ("" if none did)."""
+    counts = Counter(e for e in errors if e)
+    if not counts:
+        return ""
+    lines = [f"{counts.total()} of {len(errors)} requests failed:"]
+    lines += [f"  {n} x {error}" for error, n in counts.most_common(most)]
+    if len(counts) > most:
+        lines.append(f"  ... and {len(counts) - most} other errors")
     return "\n".join(lines)
 
 

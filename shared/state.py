@@ -4,6 +4,7 @@
                                  timestamps (*_at, unix seconds), token counts, finish reasons;
                                  expires request_ttl_s after the request ends
     pipellm:svc:<server>:<service>:<instance>   heartbeat, expires after a few missed beats
+                                 and never under HEARTBEAT_MIN_TTL_S
     pipellm:svcs:<server>        set: the names of that server's heartbeat keys (each beat adds
                                  its own; readers drop those that expired; the set expires a
                                  while after the last beat), so liveness is read without
@@ -41,6 +42,9 @@ log = logging.getLogger("pipellm.state")
 
 PREFIX = "pipellm:"
 SERVICES = ("tokenizer", "compute", "detokenizer")  # besides the gateway itself
+HEARTBEAT_MIN_TTL_S = 3.0  # a live process on a loaded machine may miss beats that long (an
+# AOF fsync stalling Redis, the OS sharing two busy cores): short periods keep stats and
+# restarts quick without such a stall reading as a dead service
 
 
 def fast_client(url: str, timeout_s: float = 0.2) -> redis.Redis:
@@ -87,6 +91,7 @@ def resp_running_key(server: str) -> str:
 
 def heartbeat(pipe, server: str, service: str, instance: str, ttl_s: float) -> None:
     key = f"{PREFIX}svc:{server}:{service}:{instance}"
+    ttl_s = max(ttl_s, HEARTBEAT_MIN_TTL_S)
     pipe.set(key, str(time.time()), px=int(ttl_s * 1000))
     pipe.sadd(heartbeats_key(server), key)
     pipe.expire(heartbeats_key(server), max(int(ttl_s * 10), 60))  # gone with the server
@@ -198,7 +203,8 @@ class Heartbeat:
     """Tells Redis (and so the gateway's /health) that a service instance is alive.
 
     A daemon thread writes the key every period, so a long engine step does not look like a
-    dead process. A Redis outage is logged, not raised; beats resume when Redis is back.
+    dead process (torch's ops and the C++ kernels release the GIL while they compute). A Redis
+    outage is logged, not raised; beats resume when Redis is back.
     """
 
     def __init__(self, client: redis.Redis, server: str, service: str, period_s: float,

@@ -5,6 +5,7 @@ resumed) and a long outage (it fails)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
 
 import pytest
@@ -119,7 +120,7 @@ def test_health_reads_heartbeats_and_stats_without_scanning_the_keyspace():
             beat(r.url, service, "0.a", server="s1")
         beat(r.url, "compute", "1.b", server="s1")
         beat(r.url, "compute", "0.z", server="other")  # another server sharing this Redis
-        state.heartbeat(client, "s1", "compute", "0.old", 0.001)  # has expired by the check
+        client.sadd(state.heartbeats_key("s1"), f"{state.PREFIX}svc:s1:compute:0.old")  # expired
         for rank in (0, 1):
             state.set_stats(client, "s1", rank, {"running": rank + 2}, 30)
         client.hset(f"{state.PREFIX}req:x", "status", "finished")
@@ -143,6 +144,41 @@ def test_health_reads_heartbeats_and_stats_without_scanning_the_keyspace():
                 ("tokenizer", "0.a"), ("compute", "0.a"), ("detokenizer", "0.a"),
                 ("compute", "1.b"))}  # the expired one dropped
         assert [e["running"] for e in health.metrics.engines] == ["2", "3"]
+
+
+def test_a_lapsed_heartbeat_refuses_requests_until_it_beats_again(caplog):
+    """A beat lives at least HEARTBEAT_MIN_TTL_S whatever the period (a stalled but live
+    process is not a dead one); one that lapses makes the gateway refuse, with a warning that
+    names the service, until it beats again."""
+    from services.gateway.health import Health
+    from services.gateway.metrics import Metrics
+
+    with EmbeddedRedis() as r:
+        client = redis.Redis.from_url(r.url)
+        for service in state.SERVICES:
+            state.heartbeat(client, "s1", service, "0.a", 0.2)
+        compute = f"{state.PREFIX}svc:s1:compute:0.a"
+        assert client.pttl(compute) > (state.HEARTBEAT_MIN_TTL_S - 0.5) * 1000
+
+        async def main():
+            health = Health(aioredis.Redis.from_url(r.url), "s1", None, None, None,
+                            Metrics("m"))
+            seen = []
+            for step in ("beating", "lapsed", "beating again"):
+                if step == "lapsed":
+                    client.delete(compute)
+                elif step == "beating again":
+                    state.heartbeat(client, "s1", "compute", "0.a", 0.2)
+                await health.refresh()
+                seen.append((health.ok, health.reason))
+            return seen
+
+        with caplog.at_level(logging.INFO, logger="pipellm.gateway"):
+            seen = asyncio.run(main())
+    assert seen == [(True, "ok"), (False, "waiting for compute"), (True, "ok")]
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert any("no heartbeat from compute" in m for m in messages), messages
+    assert any("ready again" in m for m in messages), messages
 
 
 def test_redis_client_survives_a_redis_restart():

@@ -10,6 +10,10 @@ tested in test_kernel_decode_attention.py.)
 
 from __future__ import annotations
 
+import re
+import threading
+import time
+
 import pytest
 import torch
 
@@ -316,3 +320,46 @@ def test_public_functions_take_the_extension_on_cpu(ext, backend, monkeypatch):
     assert out.dtype == torch.float32 and len(calls) == 7
     backend("reference")
     assert torch.equal(activation.silu_mul(x), silu_mul_ref(x)) and len(calls) == 7
+
+
+def _runs_beside_python(call, margin_s: float = 0.03) -> tuple[bool, float]:
+    """(whether another Python thread ran while `call()` did, the call's seconds): a sampler
+    thread records times; one well inside the call (`margin_s` from either end, beyond the
+    5 ms switch interval) could only have been taken if the call let go of the GIL."""
+    times, stop = [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            times.append(time.perf_counter())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    time.sleep(0.02)
+    t0 = time.perf_counter()
+    call()
+    t1 = time.perf_counter()
+    stop.set()
+    sampler.join()
+    return any(t0 + margin_s < t < t1 - margin_s for t in times), t1 - t0
+
+
+def test_the_sampler_sees_a_call_that_holds_the_gil():
+    """The check below can fail: a regex backtracking in C holds the GIL, and the sampler
+    records nothing inside it."""
+    beside, seconds = _runs_beside_python(lambda: re.match(r"(a+)+$", "a" * 23 + "b"))
+    assert seconds > 0.15 and not beside
+
+
+def test_a_kernel_lets_other_threads_run(ext):
+    """The kernels release the GIL while they compute (bindings.cpp), as torch's ops do: a
+    service's heartbeat thread keeps beating through a long prefill."""
+    for t in (1024, 2048, 4096, 8192):
+        q, k, v = _rand(t, 4, 64, seed=1), _rand(t, 2, 64, seed=2), _rand(t, 2, 64, seed=3)
+        cu, starts, ctx = (torch.tensor(x, dtype=torch.int32) for x in ([0, t], [0], [t]))
+        beside, seconds = _runs_beside_python(
+            lambda q=q, k=k, v=v, cu=cu, s=starts, c=ctx: ext.prefill_attention(
+                q, k, v, cu, s, c, 0.125))
+        if seconds > 0.15:
+            break
+    assert seconds > 0.15 and beside

@@ -94,6 +94,14 @@ def _result() -> dict:
             **summarize(recs, 2.0, [50, 99], slos={"ttft": 1000}), **per_request(recs)}
 
 
+def test_failures_name_the_commonest_errors():
+    errors = ["", "HTTP 503: not ready", "HTTP 400: bad", "HTTP 503: not ready", "a", "b", ""]
+    assert report.failures(errors, most=2).splitlines() == [
+        "5 of 7 requests failed:", "  2 x HTTP 503: not ready", "  1 x HTTP 400: bad",
+        "  ... and 2 other errors"]
+    assert report.failures(["", ""]) == ""
+
+
 def test_table_has_vllm_lines():
     text = report.table(_result(), ["ttft", "tpot", "itl", "e2el"], [50, 99])
     for line in ("Successful requests:                     1",

@@ -199,11 +199,11 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
                       for r in range(svc.data_parallel_size)])
     gateways = Senders(ctx)
     client = redis.Redis.from_url(svc.redis_url)
-    state.Heartbeat(client, svc.server, "detokenizer", svc.heartbeat_s)
     detok = Detokenizer(load_tokenizer(engine_cfg.model), svc.request_ttl_s)
     predictor = LengthPredictor(state.fast_client(svc.redis_url), model_key(engine_cfg.model)) \
         if svc.length_predictor else None
     settle_heap(svc.gc_young_threshold)
+    state.Heartbeat(client, svc.server, "detokenizer", svc.heartbeat_s)  # ready: live from here
     while True:
         msg = inbox.recv()
         if isinstance(msg, StepOutput):

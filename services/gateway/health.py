@@ -57,6 +57,11 @@ class Health:
             return
         live = state.live_services(keys)
         missing = [s for s in state.SERVICES if not live.get(s)]
+        if self.ok and missing:
+            log.warning("not ready: no heartbeat from %s; refusing requests (503) until it "
+                        "beats again", ", ".join(missing))
+        elif not self.ok and not missing and any(self.seen.values()):
+            log.info("ready again: every service beats")
         self.ok = not missing
         self.reason = "ok" if self.ok else f"waiting for {', '.join(missing)}"
         await self._restarts(live)

@@ -233,8 +233,8 @@ def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
                         make_policy(svc.routing_policy(engine_cfg.scheduler.enable_prefix_caching)),
                         client, svc.server, engine_cfg.default_predicted_len)
     replies = Senders(ctx)
-    state.Heartbeat(client, svc.server, "tokenizer", svc.heartbeat_s)
     settle_heap(svc.gc_young_threshold)
+    state.Heartbeat(client, svc.server, "tokenizer", svc.heartbeat_s)  # ready: live from here
     while True:
         msg = inbox.recv()
         if isinstance(msg, TokenizeRequest):
