@@ -354,7 +354,7 @@ def test_the_sampler_sees_a_call_that_holds_the_gil():
 def test_a_kernel_lets_other_threads_run(ext):
     """The kernels release the GIL while they compute (bindings.cpp), as torch's ops do: a
     service's heartbeat thread keeps beating through a long prefill."""
-    for t in (1024, 2048, 4096, 8192):
+    for t in (1024, 2048, 4096, 8192, 16384, 32768):
         q, k, v = _rand(t, 4, 64, seed=1), _rand(t, 2, 64, seed=2), _rand(t, 2, 64, seed=3)
         cu, starts, ctx = (torch.tensor(x, dtype=torch.int32) for x in ([0, t], [0], [t]))
         beside, seconds = _runs_beside_python(
