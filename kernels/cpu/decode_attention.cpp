@@ -23,9 +23,6 @@
 #include <torch/extension.h>
 
 #include <cmath>
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -33,6 +30,11 @@
 
 #include "decode_attention.h"
 #include "decode_attention_schedule.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+#include "simd_avx2.h"  // Avx2F: the whole file is compiled for AVX2 (the extension's floor)
+#endif
 
 std::string vector_isa();  // block_gemm.cpp: avx512, avx2 or "" at the chosen level
 
@@ -60,13 +62,12 @@ struct Scales {
   }
 };
 
-// f[i] = r[i] for i < n: fp16 widened to float, 8 at a time with F16C where the build has it
-// (the loops below would convert one value at a time).
+// f[i] = r[i] for i < n: fp16 widened to float, a vector at a time with F16C where the build
+// has AVX2 (the loops below would convert one value at a time).
 inline void widen(const at::Half* r, int64_t n, float* f) {
   int64_t i = 0;
-#ifdef __F16C__
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
+#if defined(__AVX2__)
+  for (; i + Avx2F::kLanes <= n; i += Avx2F::kLanes) Avx2F::store(f + i, Avx2F::load(r + i));
 #endif
   for (; i < n; ++i) f[i] = static_cast<float>(r[i]);
 }
