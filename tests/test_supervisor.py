@@ -143,8 +143,9 @@ def test_crash_loop_backs_off_and_reports_the_last_error(demo_model_dir):
         blocker = socket.socket()
         os.kill(int(Path(run_dir, "compute.pid").read_text()), signal.SIGKILL)
         wait_for(lambda: _try_bind(blocker, addr_port), 10, "compute's port never freed")
-        wait_for(lambda: "restart 3 in 4 s" in log.read_text(), 30, log.read_text()[-3000:])
+        wait_for(lambda: "restart 2 in 2 s" in log.read_text(), 30, log.read_text()[-3000:])
         crashes = [line for line in log.read_text().splitlines() if "compute exited" in line]
+        assert "restart 1 in 1 s" in crashes[0], crashes  # the kill; then the doubled delay
         assert "Address already in use" in crashes[-1], crashes
         blocker.close()
         wait_for(lambda: stack.get("/health")[0] == 200, 30, "compute did not come back")

@@ -20,7 +20,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 from aiohttp import web
 
@@ -29,8 +28,7 @@ from services.gateway.validation import get_str
 from shared.messages import EmbedResult
 
 FORMATS = ("float", "base64", "bytes", "bytes_only")
-DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
-          "fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
+DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 ENDIANNESS = ("native", "little", "big")
 KEYS = frozenset({"encoding_format", "embed_dtype", "endianness"})
 
@@ -50,7 +48,7 @@ class Encoding:
 
     def to_bytes(self, values: np.ndarray) -> bytes:
         """`values` (float32) cast to the dtype, in the byte order asked for."""
-        out = values.astype(DTYPES[self.dtype])
+        out = values.astype(numpy_dtype(self.dtype))
         if self.endianness not in ("native", sys.byteorder):
             out = out.byteswap()
         return out.tobytes()
@@ -63,6 +61,17 @@ class Encoding:
         if self.format == "base64":
             return base64.b64encode(self.to_bytes(values)).decode("ascii")
         return values.tolist()
+
+
+def numpy_dtype(name: str) -> type:
+    """The numpy type of an `embed_dtype` (ml_dtypes', imported on first use: it takes most of
+    a second, which the gateway's start-up need not pay)."""
+    if name in ("float32", "float16"):
+        return getattr(np, name)
+    import ml_dtypes
+
+    return {"bfloat16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+            "fp8_e5m2": ml_dtypes.float8_e5m2}[name]
 
 
 def rows_of(result: EmbedResult, per_token: bool = False) -> list[np.ndarray]:
@@ -83,7 +92,7 @@ def parse_encoding(body: dict) -> Encoding:
               (("encoding_format", "float"), ("embed_dtype", "float32"),
                ("endianness", "native"))]
     for key, value, choices in zip(("encoding_format", "embed_dtype", "endianness"), fields,
-                                   (FORMATS, tuple(DTYPES), ENDIANNESS), strict=True):
+                                   (FORMATS, DTYPES, ENDIANNESS), strict=True):
         if value not in choices:
             raise bad_request(f"{key} must be one of {', '.join(choices)}, got {value!r}"[:200],
                               key)

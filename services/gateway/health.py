@@ -32,7 +32,7 @@ class Health:
         self.client, self.server, self.registry, self.metrics = client, server, registry, metrics
         self.computes = computes
         self.resume, self.abort_ids = resume, abort_ids
-        self.ok = False
+        self.ok = self.was_ok = False  # was_ok: ready at some point (a later lapse is an outage)
         self.reason = "starting"
         self.seen: dict[str, set[str]] = {}
         self.down_since: dict[str, float] = {}  # services seen once, not live now
@@ -60,9 +60,10 @@ class Health:
         if self.ok and missing:
             log.warning("not ready: no heartbeat from %s; refusing requests (503) until it "
                         "beats again", ", ".join(missing))
-        elif not self.ok and not missing and any(self.seen.values()):
-            log.info("ready again: every service beats")
+        elif not self.ok and not missing:
+            log.info("ready%s: every service beats", " again" if self.was_ok else "")
         self.ok = not missing
+        self.was_ok |= self.ok
         self.reason = "ok" if self.ok else f"waiting for {', '.join(missing)}"
         await self._restarts(live)
         await self._outages(missing)
