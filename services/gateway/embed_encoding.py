@@ -64,8 +64,8 @@ class Encoding:
 
 
 def numpy_dtype(name: str) -> type:
-    """The numpy type of an `embed_dtype` (ml_dtypes', imported on first use: it takes most of
-    a second, which the gateway's start-up need not pay)."""
+    """The numpy type of an `embed_dtype` (ml_dtypes' for bfloat16 and fp8, imported on first
+    use: a slow import that the gateway's start-up need not pay)."""
     if name in ("float32", "float16"):
         return getattr(np, name)
     import ml_dtypes
