@@ -28,7 +28,8 @@ from services.gateway.validation import get_str
 from shared.messages import EmbedResult
 
 FORMATS = ("float", "base64", "bytes", "bytes_only")
-DTYPES = ("float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2")
+DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",  # its type's
+          "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}  # name in numpy or ml_dtypes
 ENDIANNESS = ("native", "little", "big")
 KEYS = frozenset({"encoding_format", "embed_dtype", "endianness"})
 
@@ -64,14 +65,13 @@ class Encoding:
 
 
 def numpy_dtype(name: str) -> type:
-    """The numpy type of an `embed_dtype` (ml_dtypes' for bfloat16 and fp8, imported on first
-    use: a slow import that the gateway's start-up need not pay)."""
-    if name in ("float32", "float16"):
-        return getattr(np, name)
+    """The numpy type of an `embed_dtype`: numpy's own, else ml_dtypes' (bfloat16 and fp8),
+    imported on first use: a slow import that the gateway's start-up need not pay."""
+    if hasattr(np, DTYPES[name]):
+        return getattr(np, DTYPES[name])
     import ml_dtypes
 
-    return {"bfloat16": ml_dtypes.bfloat16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
-            "fp8_e5m2": ml_dtypes.float8_e5m2}[name]
+    return getattr(ml_dtypes, DTYPES[name])
 
 
 def rows_of(result: EmbedResult, per_token: bool = False) -> list[np.ndarray]:
@@ -92,7 +92,7 @@ def parse_encoding(body: dict) -> Encoding:
               (("encoding_format", "float"), ("embed_dtype", "float32"),
                ("endianness", "native"))]
     for key, value, choices in zip(("encoding_format", "embed_dtype", "endianness"), fields,
-                                   (FORMATS, DTYPES, ENDIANNESS), strict=True):
+                                   (FORMATS, tuple(DTYPES), ENDIANNESS), strict=True):
         if value not in choices:
             raise bad_request(f"{key} must be one of {', '.join(choices)}, got {value!r}"[:200],
                               key)
