@@ -182,6 +182,48 @@ def test_a_lapsed_heartbeat_refuses_requests_until_it_beats_again(caplog):
     assert ready == ["ready: every service beats", "ready again: every service beats"], messages
 
 
+def test_ready_once_every_compute_rank_beats_and_a_ranks_first_beat_is_no_restart(caplog):
+    """With two data-parallel ranks the server is first ready when both beat (a rank that
+    comes up later is not taken for a restart, and requests sent before it would all have gone
+    to the other); a new instance of a rank seen before is a restart, whose requests are
+    resumed; after that, one live rank keeps the server ready while the other restarts."""
+    from services.gateway.health import Health
+    from services.gateway.metrics import Metrics
+
+    with EmbeddedRedis() as r:
+        client = redis.Redis.from_url(r.url)
+        for service in ("tokenizer", "detokenizer"):
+            beat(r.url, service, "0.a", server="s1")
+        beat(r.url, "compute", "1.b", server="s1")
+        resumed = []
+
+        async def resume(only_without_output, ranks):
+            resumed.append(ranks)
+
+        async def main():
+            health = Health(aioredis.Redis.from_url(r.url), "s1", None, resume, None,
+                            Metrics("m"), computes=2)
+            seen = []
+            for step in ("rank 1 only", "rank 0 too", "rank 0 restarted", "rank 1 gone"):
+                if step == "rank 0 too":
+                    beat(r.url, "compute", "0.a", server="s1")
+                elif step == "rank 0 restarted":
+                    client.delete(f"{state.PREFIX}svc:s1:compute:0.a")
+                    beat(r.url, "compute", "0.c", server="s1")
+                elif step == "rank 1 gone":
+                    client.delete(f"{state.PREFIX}svc:s1:compute:1.b")
+                await health.refresh()
+                seen.append((health.ok, health.reason, list(resumed)))
+            return seen
+
+        with caplog.at_level(logging.INFO, logger="pipellm.gateway"):
+            seen = asyncio.run(main())
+    assert seen == [(False, "waiting for compute", []), (True, "ok", []),
+                    (True, "ok", [{0}]), (True, "ok", [{0}])]
+    restarts = [rec.getMessage() for rec in caplog.records if "restarted" in rec.getMessage()]
+    assert restarts == ["compute 0.c restarted; resuming the requests it may have lost"]
+
+
 def test_redis_client_survives_a_redis_restart():
     """A pooled connection that died with Redis is retried on a fresh one, so the first request
     after a restart is not a false 503 (it was, now and then, under load)."""

@@ -56,7 +56,7 @@ class Health:
             self.ok, self.reason = False, f"redis unavailable: {e}"
             return
         live = state.live_services(keys)
-        missing = [s for s in state.SERVICES if not live.get(s)]
+        missing = self._missing(live)
         if self.ok and missing:
             log.warning("not ready: no heartbeat from %s; refusing requests (503) until it "
                         "beats again", ", ".join(missing))
@@ -69,6 +69,17 @@ class Health:
         await self._outages(missing)
         self.seen = {s: self.seen.get(s, set()) | live.get(s, set()) for s in state.SERVICES}
 
+    def _missing(self, live: dict[str, set[str]]) -> list[str]:
+        """The services that keep the server from being ready: those with no live instance,
+        and until it is first ready, compute while some rank has not beaten yet (vLLM's API
+        server also waits for every data-parallel engine; requests sent earlier would all go
+        to the ranks already up). Later, one live rank serves while another restarts."""
+        missing = [s for s in state.SERVICES if not live.get(s)]
+        ranks = {state.rank_of(i) for i in live.get("compute", ())}
+        if not self.was_ok and "compute" not in missing and len(ranks) < self.computes:
+            missing.append("compute")
+        return missing
+
     async def _heartbeats(self) -> list[str]:
         """The live heartbeat keys (state.read_heartbeats, on this asyncio client)."""
         keys = list(await self.client.smembers(state.heartbeats_key(self.server)))
@@ -80,8 +91,11 @@ class Health:
     async def _restarts(self, live: dict[str, set[str]]) -> None:
         for service, only_without_output in (("compute", False), ("detokenizer", False),
                                              ("tokenizer", True)):
-            new = live.get(service, set()) - self.seen.get(service, set())
-            if new and self.seen.get(service):
+            seen = {state.rank_of(i) for i in self.seen.get(service, ())}
+            # a new instance of a rank seen before (a rank's first beat is its start)
+            new = {i for i in live.get(service, set()) - self.seen.get(service, set())
+                   if state.rank_of(i) in seen}
+            if new:
                 log.warning("%s %s restarted; resuming the requests it may have lost",
                             service, ", ".join(sorted(new)))
                 ranks = {state.rank_of(i) for i in new} if service == "compute" else None
