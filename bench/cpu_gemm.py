@@ -11,7 +11,9 @@ bf16 heads.
 
 The projections are the model's: q/k/v fused [960, 576], o [576, 576], gate/up fused
 [3072, 576], down [576, 1536], 30 distinct copies of each (random weights, std 0.02) so that
-they stream from memory as a real step's do; the head is [49152, 576]. Median of --reps calls
+they stream from memory as a real step's do; the head is [49152, 576], HEAD_COPIES copies taken in
+turn for the same reason (one Q8 head, 30 MB, stays in a 32 MB L3 between two calls; in a step
+the layers pass between two heads). Median of --reps calls
 of the whole set, after two warm-up calls; "speed" = baseline ms / block-GEMM ms, per variant.
 
     python -m bench.cpu_gemm [--rows 1,4,16,64,200] [--reps 7] [--activations bfloat16] [--quick]
@@ -22,6 +24,7 @@ The last line printed is one JSON object with the headline figures.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -46,7 +49,7 @@ from services.compute.model.linear.w8a8 import W8A8Linear  # noqa: E402
 BASELINES = ("int4-torch", "bf16", "fp32", "w8a8")
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [out, in], one layer
-LAYERS, HEAD = 30, (49152, 576)
+LAYERS, HEAD, HEAD_COPIES = 30, (49152, 576), 3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,10 +104,19 @@ def projection_layers(layers: int, levels: tuple[str, ...]) -> dict[str, list]:
 
 
 def heads(levels: tuple[str, ...]) -> dict[str, object]:
-    w = torch.randn(*HEAD, generator=torch.Generator().manual_seed(1)) * 0.02
-    bf16, fp32, q8 = Linear(w.bfloat16()), Linear(w), Q8Linear(w)
+    """Per format, a callable that runs the next of HEAD_COPIES distinct heads."""
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(*HEAD, generator=g) * 0.02 for _ in range(HEAD_COPIES)]
+    q8 = in_turn([Q8Linear(w) for w in ws])
+    bf16, fp32 = in_turn([Linear(w.bfloat16()) for w in ws]), in_turn([Linear(w) for w in ws])
     return {**{f"q8-{lv}": at_level(lv, q8) for lv in levels},
             "bf16": lambda x: bf16(x.bfloat16()), "fp32": lambda x: fp32(x.float())}
+
+
+def in_turn(layers: list):
+    """A callable that runs `layers` one per call, in turn."""
+    turn = itertools.cycle(layers)
+    return lambda x: next(turn)(x)
 
 
 def ratios(times: dict[str, float], levels: tuple[str, ...], prefix: str) -> dict[str, float]:
