@@ -265,25 +265,45 @@ def test_cpu_kernel_shares_a_varied_batch_among_threads(attention_level, cpu_ext
         check(q, k, v, starts, lens_t, out, 0.125, window)
 
 
-@pytest.mark.parametrize("n_heads,n_kv_heads", [(9, 3), (8, 8), (4, 1)])
-def test_cpu_kernel_splits_a_small_batch_by_kv_heads(attention_level, cpu_ext, n_heads,
-                                                      n_kv_heads):
-    """Fewer sequences than threads (a single decode): each sequence's kv heads in parts, one
-    a thread (decode_attention_schedule.h's for_each_part), with a soft-cap and a window too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)
+@pytest.mark.parametrize("threads", [2, 5])
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(9, 3), (8, 8), (4, 1), (8, 2)])
+def test_cpu_kernel_splits_a_small_batch_by_kv_heads_and_context(attention_level, cpu_ext,
+                                                                 n_heads, n_kv_heads, threads):
+    """Fewer sequences than threads (a single decode): each sequence cut into one-kv-head parts
+    and, where long enough, context parts whose partial sums are merged (decode_attention_
+    schedule.h's for_each_part), with a soft-cap and a window too: long, short (one part),
+    one-row and mixed batches."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        for lens in ([300], [77, 5]):
+        for lens in ([300], [77, 5], [1000], [700, 1, 64, 129]):
             q, k, v, starts, lens_t = make_case(lens, n_kv_heads, 64, torch.bfloat16,
                                                 n_heads=n_heads, seed=len(lens) + n_heads)
             check(q, k, v, starts, lens_t, cpu_ext.decode_attention(q, k, v, starts, lens_t,
                                                                     0.125), 0.125)
-            out = cpu_ext.decode_attention(q, k, v, starts, lens_t, 0.125, None, None, 40, 3.0)
-            ref = dense_attention(q.float(), k.float(), v.float(), starts, lens_t, 0.125, 40, 3.0)
-            tol = TOL[q.dtype]
-            torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+            for window in (40, 333):
+                out = cpu_ext.decode_attention(q, k, v, starts, lens_t, 0.125, None, None,
+                                               window, 3.0)
+                ref = dense_attention(q.float(), k.float(), v.float(), starts, lens_t, 0.125,
+                                      window, 3.0)
+                tol = TOL[q.dtype]
+                torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
+
+
+def test_cpu_kernel_context_parts_of_float32_queries_over_fp16_caches(attention_level, cpu_ext):
+    """--kv-cache-dtype float16 under float32 queries, one long sequence cut into context
+    parts on two threads: the reference on the caches' float32 values."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, k, v, starts, lens = make_case([1000], 3, 64, n_heads=9, seed=5)
+        kh, vh = k.half(), v.half()
+        out = cpu_ext.decode_attention(q, kh, vh, starts, lens, 0.2)
+        check(q, kh.float(), vh.float(), starts, lens, out, 0.2)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_cpu_kernel_reads_strided_queries(cpu_ext):

@@ -2,15 +2,18 @@
 // floats: load from float / bf16 / fp16, fmadd, horizontal sum, exp), included by each
 // decode_attention_<isa>.cpp inside its target region. Same contract as decode_attention.cpp.
 //
-// Per sequence, or per part of its kv heads where the batch has fewer sequences than threads
-// (one work item, decode_attention_schedule.h; its rows are contiguous in the cache):
+// Per sequence, or per part of it (a run of its rows, or some of its kv heads) where the batch
+// has fewer sequences than threads (one work item, decode_attention_schedule.h; its rows are
+// contiguous in the cache):
 // the scores walk its K rows in order, 8 rows at a time, every query head's 8 dot products
 // summed horizontally together (sum8); the softmax runs on vectors; then for each kv head, up
 // to 4 of its query heads at once sum its V rows, a chunk of columns at a time with their
-// accumulators in registers, each V row read once per 4 heads. Rows are prefetched kAhead
-// rows ahead. Math in float32. T is q's and out's element, KV the caches' (T, or fp16 under
-// float32 queries). A head is NC vectors: a template constant for the powers of 2 (every loop
-// unrolled), or 0 for any other multiple of kLanes, read from Args at run time.
+// accumulators in registers, each V row read once per 4 heads. A context part leaves its
+// unnormalized sums with its max score and sum of exponentials, which `merge` weighs
+// together. Rows are prefetched kAhead rows ahead. Math in float32. T is q's and out's
+// element, KV the caches' (T, or fp16 under float32 queries). A head is NC vectors: a
+// template constant for the powers of 2 (every loop unrolled), or 0 for any other multiple of
+// kLanes, read from Args at run time.
 #pragma once
 
 namespace {
@@ -109,11 +112,17 @@ void weigh_v(const Args& a, const float* p, int64_t n, const float* inv, const K
   weigh_from<V, chunk<NC, G>(), G>(a, p, n, inv, vh, h0, 0, vectors<V, NC>(a), out);
 }
 
-// The query heads [h0, h1) of one sequence (whole kv heads: its part, decode_attention_schedule.h)
-template <class V, int NC, typename T, typename KV>
+struct Scratch {  // one thread's buffers
+  std::vector<float> qf, scores, inv;
+};
+
+// The query heads [h0, h1) (whole kv heads) of one sequence over its n rows from k, v: into
+// out, normalized (O = T); or for a context part (m, l not null; O = float), per query head
+// sum_t exp(s_t - m) V[t] into out [H, D], the max score into m and sum_t exp(s_t - m) into l.
+template <class V, int NC, typename T, typename KV, typename O>
 void attend(const Args& a, const T* q, const KV* k, const KV* v, int64_t n, int64_t h0,
-            int64_t h1, T* out, std::vector<float>& qf, std::vector<float>& scores,
-            std::vector<float>& inv) {
+            int64_t h1, O* out, Scratch& s, float* m = nullptr, float* l = nullptr) {
+  std::vector<float>&qf = s.qf, &scores = s.scores, &inv = s.inv;
   const int nc = vectors<V, NC>(a);
   const int64_t D = nc * V::kLanes;
   const int64_t H = a.H, group = a.H / a.Hkv, rs = a.row_stride;
@@ -150,7 +159,9 @@ void attend(const Args& a, const T* q, const KV* k, const KV* v, int64_t n, int6
     float* p = scores.data() + h * n;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[i]);
-    inv[h] = 1.f / exp_sum<V>(p, n, mx);
+    const float sum = exp_sum<V>(p, n, mx);
+    inv[h] = m ? 1.f : 1.f / sum;
+    if (m) m[h] = mx, l[h] = sum;
   }
   for (int64_t h = h0; h < h1;) {  // p . V: up to 4 heads of one kv head together
     const int64_t g = std::min(group - h % group, int64_t{4});
@@ -164,9 +175,33 @@ void attend(const Args& a, const T* q, const KV* k, const KV* v, int64_t n, int6
   }
 }
 
-struct Scratch {  // one thread's buffers
-  std::vector<float> qf, scores, inv;
-};
+// out[b] of every sequence b cut into context parts: its parts' sums weighed by exp(m_p - M)
+// (M: their largest max), over the same weighing of their sums of exponentials.
+template <typename T>
+void merge(const Args& a, int64_t split, const std::vector<float>& part_out,
+           const std::vector<float>& part_m, const std::vector<float>& part_l, T* out) {
+  const int64_t H = a.H, D = a.D;
+  std::vector<float> w(split), acc(D);
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t cp = pipellm::attention::context_parts(
+        pipellm::attention::rows_read(a.lens, b, a.window), split);
+    if (cp == 1) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      const auto at = [&](int64_t p) { return (b * split + p) * H + h; };
+      float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t p = 0; p < cp; ++p) mx = std::max(mx, part_m[at(p)]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < cp; ++p) {
+        w[p] = std::exp(part_m[at(p)] - mx);
+        total += w[p] * part_l[at(p)];
+        const float* po = part_out.data() + at(p) * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += w[p] * po[d];
+      }
+      T* oh = out + (b * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) oh[d] = static_cast<T>(acc[d] / total);
+    }
+  }
+}
 
 template <class V, int NC, typename T, typename KV = T>
 void run_typed(const Args& a) {
@@ -174,14 +209,31 @@ void run_typed(const Args& a) {
   const KV* kp = static_cast<const KV*>(a.k);
   const KV* vp = static_cast<const KV*>(a.v);
   T* op = static_cast<T*>(a.out);
+  const int64_t H = a.H, D = a.D, group = a.H / a.Hkv;
+  const int64_t split = pipellm::attention::context_split(a.B);
+  // the context parts' results, [B, split, H, D] and [B, split, H] (where a sequence is cut)
+  std::vector<float> part_out, part_m, part_l;
+  if (split > 1) {
+    part_out.resize(a.B * split * H * D);
+    part_m.resize(a.B * split * H);
+    part_l.resize(a.B * split * H);
+  }
   pipellm::attention::for_each_part<Scratch>(
-      a.lens, a.B, a.window, a.Hkv, [&](int64_t b, int64_t kv0, int64_t kv1, Scratch& s) {
-        const int64_t n = pipellm::attention::rows_read(a.lens, b, a.window);
-        const int64_t first = a.starts[b] + a.lens[b] - n, group = a.H / a.Hkv;
-        attend<V, NC, T, KV>(a, qp + b * a.q_sb, kp + first * a.row_stride,
-                         vp + first * a.row_stride, n, kv0 * group, kv1 * group,
-                         op + b * a.H * a.D, s.qf, s.scores, s.inv);
+      a.lens, a.B, a.window, a.Hkv, split, [&](const pipellm::attention::Part& p, Scratch& s) {
+        const int64_t n = pipellm::attention::rows_read(a.lens, p.b, a.window);
+        const int64_t first = a.starts[p.b] + a.lens[p.b] - n + p.r0;
+        const T* q = qp + p.b * a.q_sb;
+        const KV *k = kp + first * a.row_stride, *v = vp + first * a.row_stride;
+        const int64_t h0 = p.kv0 * group, h1 = p.kv1 * group, rows = p.r1 - p.r0;
+        if (pipellm::attention::context_parts(n, split) == 1) {
+          attend<V, NC>(a, q, k, v, rows, h0, h1, op + p.b * H * D, s);
+        } else {
+          const int64_t at = (p.b * split + p.part) * H;
+          attend<V, NC>(a, q, k, v, rows, h0, h1, part_out.data() + at * D, s,
+                        part_m.data() + at, part_l.data() + at);
+        }
       });
+  if (split > 1) merge(a, split, part_out, part_m, part_l, op);
 }
 
 template <class V, int NC>
