@@ -40,5 +40,5 @@ def module():
     here = Path(__file__).parent
     with _build_lock(Path(_get_build_directory(NAME, False))):
         return load(NAME, [str(here / s) for s in _SOURCES],
-                    extra_cflags=[*_FLAGS, "-O1", "-DPIPELLM_AMX_EMULATE"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+                    extra_cflags=[*_FLAGS, "-O1", "-DPIPELLM_AMX_EMULATE"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
