@@ -269,10 +269,10 @@ def test_cpu_kernel_shares_a_varied_batch_among_threads(attention_level, cpu_ext
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(9, 3), (8, 8), (4, 1), (8, 2)])
 def test_cpu_kernel_splits_a_small_batch_by_kv_heads_and_context(attention_level, cpu_ext,
                                                                  n_heads, n_kv_heads, threads):
-    """Fewer sequences than threads (a single decode): each sequence cut into one-kv-head parts
-    and, where long enough, context parts whose partial sums are merged (decode_attention_
-    schedule.h's for_each_part), with a soft-cap and a window too: long, short (one part),
-    one-row and mixed batches."""
+    """Fewer sequences than threads (a single decode): a long sequence cut along its rows into
+    context parts whose partial sums are merged, a short one into parts of its kv heads
+    (decode_attention_schedule.h's for_each_part), with a soft-cap and windows too: long,
+    short, one-row and mixed batches."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
