@@ -122,7 +122,9 @@ struct Scratch {  // one thread's buffers
 template <class V, int NC, typename T, typename KV, typename O>
 void attend(const Args& a, const T* q, const KV* k, const KV* v, int64_t n, int64_t h0,
             int64_t h1, O* out, Scratch& s, float* m = nullptr, float* l = nullptr) {
-  std::vector<float>&qf = s.qf, &scores = s.scores, &inv = s.inv;
+  std::vector<float>& qf = s.qf;
+  std::vector<float>& scores = s.scores;
+  std::vector<float>& inv = s.inv;
   const int nc = vectors<V, NC>(a);
   const int64_t D = nc * V::kLanes;
   const int64_t H = a.H, group = a.H / a.Hkv, rs = a.row_stride;

@@ -85,7 +85,8 @@ void for_each_part(const int32_t* lens, int64_t B, int64_t window, int64_t Hkv, 
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = rows_read(lens, b, window), cp = context_parts(n, split);
     if (cp > 1) {
-      for (int64_t p = 0; p < cp; ++p) parts.push_back({b, 0, Hkv, p * n / cp, (p + 1) * n / cp, p});
+      for (int64_t p = 0; p < cp; ++p)
+        parts.push_back({b, 0, Hkv, p * n / cp, (p + 1) * n / cp, p});
     } else {
       for (int64_t h = 0; h < heads; ++h)
         parts.push_back({b, h * Hkv / heads, (h + 1) * Hkv / heads, 0, n, 0});
