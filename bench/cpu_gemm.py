@@ -15,6 +15,8 @@ they stream from memory as a real step's do; the head is [49152, 576], HEAD_COPI
 turn for the same reason (one Q8 head, 30 MB, stays in a 32 MB L3 between two calls; in a step
 the layers pass between two heads). Median of --reps calls
 of the whole set, after two warm-up calls; "speed" = baseline ms / block-GEMM ms, per variant.
+"prefetch" = each variant's ms with no prefetch / with --prefetch bytes (default: what its level
+takes, kernels/cpu/block_gemm.cpp) for the pass that streams the weights, the two timed in turn.
 
     python -m bench.cpu_gemm [--rows 1,4,16,64,200] [--reps 7] [--activations bfloat16] [--quick]
 
@@ -58,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=7, help="timed calls per case (median)")
     p.add_argument("--activations", default="float32", choices=["float32", "bfloat16"],
                    help="dtype of the activations every column is given (casts are timed)")
+    p.add_argument("--prefetch", type=int, default=-1,
+                   help="bytes ahead the prefetch column runs (-1: each level's own)")
     p.add_argument("--quick", action="store_true", help="2 layers, M = 1 and 4, 2 reps")
     return p.parse_args(argv)
 
@@ -113,6 +117,33 @@ def heads(levels: tuple[str, ...]) -> dict[str, object]:
             "bf16": lambda x: bf16(x.bfloat16()), "fp32": lambda x: fp32(x.float())}
 
 
+def with_prefetch(nbytes: int, fn):
+    """`fn` run with the block GEMMs prefetching `nbytes` ahead (-1: the level's own)."""
+    ext = block_gemm_extension(torch.empty(0))
+
+    def call(*args):
+        ext.set_block_gemm_prefetch(nbytes)
+        try:
+            return fn(*args)
+        finally:
+            ext.set_block_gemm_prefetch(-1)
+
+    return call
+
+
+def prefetch_gain(fn, nbytes: int, reps: int) -> float:
+    """`fn`'s ms without prefetch / with `nbytes`', medians of the two timed in turn."""
+    off, on = with_prefetch(0, fn), with_prefetch(nbytes, fn)
+    off(), on()
+    times: dict = {off: [], on: []}
+    for _ in range(reps):
+        for f in (off, on):
+            t = time.perf_counter()
+            f()
+            times[f].append(time.perf_counter() - t)
+    return round(statistics.median(times[off]) / statistics.median(times[on]), 2)
+
+
 def in_turn(layers: list):
     """A callable that runs `layers` one per call, in turn."""
     turn = itertools.cycle(layers)
@@ -148,15 +179,22 @@ def main(argv: list[str] | None = None) -> None:
         xh = torch.randn(m, HEAD[1]).to(dtype)
         hd = {f: median_ms(lambda fn=fn, xh=xh: fn(xh), reps) for f, fn in head.items()}
         speed, hspeed = ratios(proj, levels, "int4"), ratios(hd, levels, "q8")
+        pf = {f"int4-{lv}": prefetch_gain(lambda fs=layers[f"int4-{lv}"], xs=xs:
+                                          [fn(xs[k]) for fn, k in fs], args.prefetch, reps)
+              for lv in levels}
+        pf |= {f"q8-{lv}": prefetch_gain(lambda fn=head[f"q8-{lv}"], xh=xh: fn(xh),
+                                         args.prefetch, reps) for lv in levels}
         print(f"{m:>4} {'projections':<12} " + " ".join(f"{v:>13.2f} ms" for v in proj.values()))
         print(f"{'':>4} {'  speed':<12} " + ", ".join(f"{f} {s}x" for f, s in speed.items()))
         print(f"{m:>4} {'LM head':<12} " + ", ".join(f"{f} {v:.2f} ms" for f, v in hd.items()))
         print(f"{'':>4} {'  speed':<12} " + ", ".join(f"{f} {s}x" for f, s in hspeed.items()))
+        print(f"{'':>4} {'prefetch':<12} " + ", ".join(f"{f} {g}x" for f, g in pf.items()))
         result[m] = {"projections_ms": {f: round(v, 2) for f, v in proj.items()},
                      "head_ms": {f: round(v, 2) for f, v in hd.items()},
-                     "speed": speed, "head_speed": hspeed}
+                     "speed": speed, "head_speed": hspeed, "prefetch_gain": pf}
     print(json.dumps({"machine": machine(), "isa": isa.describe(),
-                      "activations": args.activations, "rows": result}))
+                      "activations": args.activations, "prefetch": args.prefetch,
+                      "rows": result}))
 
 
 if __name__ == "__main__":

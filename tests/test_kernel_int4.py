@@ -29,6 +29,7 @@ from kernels.int4_weight import (
     quantize_int4,
     unpack_nibbles,
 )
+from kernels.q8_gemm import prepare_q8, q8_gemm, quantize_q8
 
 BLOCKS = extension() is not None and bool(extension().block_gemm_isa())
 
@@ -220,6 +221,28 @@ def test_int4_blocks_across_weight_groups_and_row_chunks(backend, block_gemm_lev
     x = torch.randn(42, 4096, generator=torch.Generator().manual_seed(8))
     out = int4_gemm(x, prepare_int4(w))
     torch.testing.assert_close(out, int4_q8_gemm_ref(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("nbytes", [0, 64, 2048, 1 << 20])
+def test_prefetch_changes_no_block_gemm_result(backend, block_gemm_level, nbytes):
+    """The pass that streams the weights prefetches `nbytes` ahead (0: none; 1 MB: past the
+    end of the weight): Q4 and Q8, one row and a chunk and a tail of rows, give the same bits as
+    with the level's own distance; a distance below -1 is refused."""
+    backend("auto")
+    ext = extension()
+    w4 = prepare_int4(quantize_int4(_weight(1000, 576, seed=5), 32))
+    w8 = prepare_q8(quantize_q8(_weight(1000, 576, seed=6)))
+    xs = [torch.randn(m, 576, generator=torch.Generator().manual_seed(m)) for m in (1, 9)]
+    outs = [(int4_gemm(x, w4), q8_gemm(x, w8)) for x in xs]
+    try:
+        ext.set_block_gemm_prefetch(nbytes)
+        again = [(int4_gemm(x, w4), q8_gemm(x, w8)) for x in xs]
+    finally:
+        ext.set_block_gemm_prefetch(-1)
+    for (q4, q8), (q4b, q8b) in zip(outs, again, strict=True):
+        assert torch.equal(q4, q4b) and torch.equal(q8, q8b)
+    with pytest.raises(RuntimeError, match="prefetch"):
+        ext.set_block_gemm_prefetch(-2)
 
 
 def test_int4_blocks_extreme_values(backend, block_gemm_level):

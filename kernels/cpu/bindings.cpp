@@ -34,6 +34,7 @@ void apply_token_bitmask(Tensor logits, Tensor bitmask, Tensor rows);
 // block_gemm.cpp
 void set_block_gemm_isa(const std::string& level);
 std::string block_gemm_isa();
+void set_block_gemm_prefetch(int64_t bytes);
 Tensor q4_gemm(Tensor x, Tensor qs, Tensor d, Tensor m, int64_t n, std::optional<Tensor> bias);
 Tensor q8_gemm(Tensor x, Tensor qs, Tensor d, Tensor corr, int64_t n,
                std::optional<Tensor> bias);
@@ -104,6 +105,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the ISA level whose block GEMM kernels run (kernels/cpu/isa.py; \"\": none)", nogil,
         py::arg("level"));
   m.def("block_gemm_isa", &block_gemm_isa, "the level the block GEMMs run (\"\": none)", nogil);
+  m.def("set_block_gemm_prefetch", &set_block_gemm_prefetch,
+        "bytes ahead the weights' streaming pass prefetches (-1: the level's own; 0: none)",
+        nogil, py::arg("bytes"));
   m.def("q4_gemm", &q4_gemm, "INT4 blocks x INT8 activations: [M, K] -> [M, n]", nogil,
         py::arg("x"), py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("n"),
         py::arg("bias") = py::none());

@@ -130,18 +130,24 @@ bool has_avx512() { return false; }
 bool has_avx512_vnni() { return false; }
 #endif
 
+// `prefetch`: bytes ahead the pass that streams the weights prefetches them (Args::prefetch).
+// The AVX2 levels' distance is measured (bench/cpu_gemm.py's prefetch column); the AVX-512
+// levels take none until a run on such a CPU says otherwise.
 struct Level {
   const char* name;
   void (*run)(const Args&);
   bool (*supported)();
+  int64_t prefetch;
 };
 constexpr Level kLevels[] = {
-    {"avx2", run_avx2, has_avx2},
-    {"avx2_vnni", run_avx2_vnni, has_avx2_vnni},
-    {"avx512", run_avx512, has_avx512},
-    {"avx512_vnni", run_avx512_vnni, has_avx512_vnni},
+    {"avx2", run_avx2, has_avx2, 2048},
+    {"avx2_vnni", run_avx2_vnni, has_avx2_vnni, 2048},
+    {"avx512", run_avx512, has_avx512, 0},
+    {"avx512_vnni", run_avx512_vnni, has_avx512_vnni, 0},
 };
 const Level* chosen = nullptr;  // set once at load, before any call
+int64_t prefetch = -1;  // set_block_gemm_prefetch's bytes; -1: the chosen level's
+int64_t prefetch_bytes() { return prefetch < 0 ? chosen->prefetch : prefetch; }
 
 OutType out_type(at::ScalarType t) {
   switch (t) {
@@ -183,7 +189,8 @@ torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch:
                     static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
                     q8 ? nullptr : extra.data_ptr<at::Half>(),
                     q8 ? extra.data_ptr<float>() : nullptr, q8,
-                    bias.has_value() ? b.data_ptr<float>() : nullptr, out.data_ptr(), type};
+                    bias.has_value() ? b.data_ptr<float>() : nullptr, out.data_ptr(), type,
+                    prefetch_bytes()};
     chosen->run(args);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
@@ -204,6 +211,13 @@ void set_block_gemm_isa(const std::string& level) {
   TORCH_CHECK(found != nullptr, "unknown ISA level '", level, "'");
   TORCH_CHECK(found->supported(), "this CPU does not run the ", level, " kernels");
   chosen = found;
+}
+
+// Bytes ahead the pass that streams the weights prefetches them, at every level (0: none; -1:
+// each level's own, the default): for benchmarks (bench/cpu_gemm.py).
+void set_block_gemm_prefetch(int64_t bytes) {
+  TORCH_CHECK(bytes >= -1, "prefetch bytes must be -1 (the level's), 0 (none) or more");
+  prefetch = bytes;
 }
 
 // The level the block GEMMs run ("" when none was chosen: the callers fall back to PyTorch).
@@ -248,7 +262,7 @@ torch::Tensor q8_gemm_int8_rows(torch::Tensor xq, torch::Tensor x_scale, torch::
   const Args args{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), nullptr,  // xs: Q4's mins only
                   M, K, N, static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
                   nullptr, corr.data_ptr<float>(), true, nullptr, out.data_ptr(),
-                  OutType::kFloat};
+                  OutType::kFloat, prefetch_bytes()};
   if (M > 0) chosen->run(args);
   return out;
 }

@@ -31,6 +31,7 @@ struct Args {
   const float* bias;  // [N] or null
   void* out;          // [M, N] of out_type
   OutType out_type;
+  int64_t prefetch = 0;  // bytes of weights the streaming pass prefetches ahead (0: none)
 };
 
 // One per ISA level (kernels/cpu/isa.py's names); each may run only on a CPU that has it.

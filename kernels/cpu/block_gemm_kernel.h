@@ -12,7 +12,9 @@
 //                       without it as |w| . (x with w's sign), exact with no correction.
 // Each work item is up to kUnits units over every activation row, kRows rows at a time (items in
 // L2-sized groups, rows in L1-sized chunks: `run`). With Isa::kRolled the steps of a block stay
-// a loop (unrolled, GCC spills AVX2's 16 registers).
+// a loop where a micro-kernel has several rows (unrolled, GCC spills AVX2's 16 registers). With
+// Args::prefetch > 0, the first row chunk, which streams the weights from memory, prefetches them
+// that many bytes ahead (a thread's tiles lie in a row, so it runs on across tiles).
 #pragma once
 
 namespace {
@@ -27,7 +29,11 @@ struct Kernel {
   static constexpr int64_t kGroupBytes = 256 << 10, kChunkBytes = 4 << 10;
 
   const Args& a;
-  int64_t nb;
+  int64_t nb, chunk;  // blocks a row; activation rows an L1-sized chunk (kChunkBytes)
+
+  static int64_t chunk_rows(int64_t K) {
+    return std::max<int64_t>(1, kChunkBytes / K / Isa::kRows) * Isa::kRows;
+  }
 
   // the weight bytes of unit u, block b, vector v; the index of its first scale
   const uint8_t* wq(int64_t u, int64_t b, int v) const {
@@ -68,7 +74,7 @@ struct Kernel {
     for (int t = 0; t < TN; ++t)
       for (int r = 0; r < TM; ++r) dot[t][r] = Isa::zero();
     constexpr int steps = Q8 ? 8 : 4;
-    if constexpr (Isa::kRolled) {
+    if constexpr (Isa::kRolled && TM > 1) {
 #pragma GCC unroll 1
       for (int v = 0; v < steps; ++v) block_step<TM, TN, Q8>(i0, u0, b, v, dot);
     } else {
@@ -79,6 +85,20 @@ struct Kernel {
         for (int r = 0; r < TM; ++r) dot[t][r] = Isa::q4_finish(dot[t][r]);
   }
 
+  // Touches the weight bytes and the scales a.prefetch bytes of weights ahead of unit u0's
+  // block b (tile-blocks lie in a row: [tiles, nb, ...]). Always inlined: GCC takes a function
+  // of prefetches alone for one without effects and drops the calls to it.
+  template <bool Q8>
+  [[gnu::always_inline]] void prefetch(int64_t u0, int64_t b) const {
+    constexpr int64_t bytes = Q8 ? 512 : 256;
+    const uint8_t* w = wq(u0, b, 0) + a.prefetch;
+    for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(w + l);
+    const int64_t s = scale_at(u0, b) + a.prefetch / bytes * kTile;
+    __builtin_prefetch(a.d + s);
+    if constexpr (!Q8) __builtin_prefetch(a.m + s);
+    else if constexpr (Isa::kVnni) __builtin_prefetch(a.corr + s);
+  }
+
   // Rows i0 .. i0 + TM of the output for units u0 .. u0 + TN.
   template <int TM, int TN, bool Q8, typename scalar_t>
   void micro(int64_t i0, int64_t u0, scalar_t* out) const {
@@ -86,6 +106,7 @@ struct Kernel {
     for (int t = 0; t < TN; ++t)
       for (int r = 0; r < TM; ++r) acc[t][r] = Isa::fzero();
     for (int64_t b = 0; b < nb; ++b) {
+      if (a.prefetch > 0 && i0 < chunk) prefetch<Q8>(u0, b);
       I dot[TN][TM];
       block_dots<TM, TN, Q8>(i0, u0, b, dot);
       for (int t = 0; t < TN; ++t) {
@@ -141,7 +162,6 @@ struct Kernel {
     const int64_t items = (units + Isa::kUnits - 1) / Isa::kUnits;
     const int64_t item_bytes = Isa::kUnits * kLanes * a.K / (Q8 ? 1 : 2);
     const int64_t group = std::max<int64_t>(1, kGroupBytes / item_bytes);
-    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / a.K / Isa::kRows) * Isa::kRows;
     at::parallel_for(0, items, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t g0 = p0; g0 < p1; g0 += group) {
         const int64_t g1 = std::min(p1, g0 + group);
@@ -160,7 +180,7 @@ struct Kernel {
 
 template <class Isa>
 void run_isa(const Args& a) {
-  const Kernel<Isa> k{a, a.K / kBlock};
+  const Kernel<Isa> k{a, a.K / kBlock, Kernel<Isa>::chunk_rows(a.K)};
   auto go = [&](auto* out) { a.q8 ? k.template run<true>(out) : k.template run<false>(out); };
   switch (a.out_type) {
     case OutType::kFloat: go(static_cast<float*>(a.out)); break;
