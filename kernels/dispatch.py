@@ -14,6 +14,8 @@ import os
 
 import torch
 
+from kernels.cpu import extension
+
 BACKENDS = ("auto", "triton", "reference")
 _backend = os.environ.get("PIPELLM_KERNELS", "auto")
 
@@ -42,11 +44,7 @@ def cpu_fast_path(t: torch.Tensor) -> bool:
 
 def cpu_extension(t: torch.Tensor):
     """The C++ CPU kernels module when a call on tensor `t` should use it, else None."""
-    if not cpu_fast_path(t):
-        return None
-    from kernels.cpu import extension
-
-    return extension()
+    return extension() if cpu_fast_path(t) else None
 
 
 def block_gemm_extension(t: torch.Tensor):

@@ -127,6 +127,9 @@ def set_isa(requested: str) -> None:
 def extension():
     """The compiled module (bindings.cpp lists its functions), its block GEMMs set to the chosen
     ISA level, or None when it cannot be built or loaded on this CPU."""
+    module = _state.get("module")  # once loaded, final: no lock on a kernel call's path
+    if module is not None:
+        return module
     with _lock:
         if "module" not in _state and "error" not in _state:
             started, wall = time.monotonic(), time.time()
