@@ -13,8 +13,9 @@
 // Each work item is up to kUnits units over every activation row, kRows rows at a time (items in
 // L2-sized groups, rows in L1-sized chunks: `run`). With Isa::kRolled the steps of a block stay
 // a loop where a micro-kernel has several rows (unrolled, GCC spills AVX2's 16 registers). With
-// Args::prefetch > 0, the first row chunk, which streams the weights from memory, prefetches them
-// that many bytes ahead (a thread's tiles lie in a row, so it runs on across tiles).
+// Args::prefetch > 0, an item's first micro-kernel (rows from 0), which streams its weights from
+// memory, prefetches them that many bytes ahead (a thread's tiles lie in a row, so it runs on
+// across tiles); the later ones find them in cache.
 #pragma once
 
 namespace {
@@ -29,11 +30,7 @@ struct Kernel {
   static constexpr int64_t kGroupBytes = 256 << 10, kChunkBytes = 4 << 10;
 
   const Args& a;
-  int64_t nb, chunk;  // blocks a row; activation rows an L1-sized chunk (kChunkBytes)
-
-  static int64_t chunk_rows(int64_t K) {
-    return std::max<int64_t>(1, kChunkBytes / K / Isa::kRows) * Isa::kRows;
-  }
+  int64_t nb;
 
   // the weight bytes of unit u, block b, vector v; the index of its first scale
   const uint8_t* wq(int64_t u, int64_t b, int v) const {
@@ -106,7 +103,7 @@ struct Kernel {
     for (int t = 0; t < TN; ++t)
       for (int r = 0; r < TM; ++r) acc[t][r] = Isa::fzero();
     for (int64_t b = 0; b < nb; ++b) {
-      if (a.prefetch > 0 && i0 < chunk) prefetch<Q8>(u0, b);
+      if (a.prefetch > 0 && i0 == 0) prefetch<Q8>(u0, b);
       I dot[TN][TM];
       block_dots<TM, TN, Q8>(i0, u0, b, dot);
       for (int t = 0; t < TN; ++t) {
@@ -162,6 +159,7 @@ struct Kernel {
     const int64_t items = (units + Isa::kUnits - 1) / Isa::kUnits;
     const int64_t item_bytes = Isa::kUnits * kLanes * a.K / (Q8 ? 1 : 2);
     const int64_t group = std::max<int64_t>(1, kGroupBytes / item_bytes);
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / a.K / Isa::kRows) * Isa::kRows;
     at::parallel_for(0, items, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t g0 = p0; g0 < p1; g0 += group) {
         const int64_t g1 = std::min(p1, g0 + group);
@@ -180,7 +178,7 @@ struct Kernel {
 
 template <class Isa>
 void run_isa(const Args& a) {
-  const Kernel<Isa> k{a, a.K / kBlock, Kernel<Isa>::chunk_rows(a.K)};
+  const Kernel<Isa> k{a, a.K / kBlock};
   auto go = [&](auto* out) { a.q8 ? k.template run<true>(out) : k.template run<false>(out); };
   switch (a.out_type) {
     case OutType::kFloat: go(static_cast<float*>(a.out)); break;
