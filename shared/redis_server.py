@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -51,13 +52,15 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    """`with EmbeddedRedis() as r: r.url` - a private redis-server on a free loopback port."""
+    """`with EmbeddedRedis() as r: r.url` - a private redis-server on a free loopback port.
+    Without `data_dir` it keeps its files in a temporary directory of its own, removed by stop()."""
 
     def __init__(self, port: int | None = None, data_dir: str | None = None,
                  persist: bool = False):
         """`persist`: keep the data in `data_dir` (an append-only file synced every second,
         plus dump.rdb snapshots) and load it at start, so a restarted server has it again."""
         self.port = port or free_port()
+        self.own_dir = not data_dir
         self.dir = data_dir or tempfile.mkdtemp(prefix="pipellm-redis-")
         self.persist = persist
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -72,6 +75,7 @@ class EmbeddedRedis:
                 "--logfile", "redis.log", "--daemonize", "no"]
 
     def start(self, timeout_s: float = 10.0, preexec_fn=None) -> EmbeddedRedis:
+        os.makedirs(self.dir, exist_ok=True)
         self.proc = subprocess.Popen(self.argv(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, preexec_fn=preexec_fn)
         try:
@@ -103,6 +107,8 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

@@ -35,7 +35,6 @@ class Stack:
         self.new_session = new_session
         if not embedded_redis and not redis_url:
             self.redis = EmbeddedRedis(data_dir=os.path.join(self.run_dir, "redis"))
-            os.makedirs(self.redis.dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model_dir = model_dir

@@ -30,12 +30,13 @@ def redis_url():
 
 def with_gateway(demo_model_dir, url, body, engine=None, **svc):
     async def main():
-        cfg = ServiceConfig(redis_url=url, run_dir=tempfile.mkdtemp(prefix="pl-"), **svc)
+        cfg = ServiceConfig(redis_url=url, run_dir=run_dir, **svc)
         gw, _inbox = build(engine or EngineConfig(model=str(demo_model_dir)), cfg)
         async with TestClient(TestServer(gw.app())) as client:
             return await body(gw, client)
 
-    return asyncio.run(main())
+    with tempfile.TemporaryDirectory(prefix="pl-") as run_dir:
+        return asyncio.run(main())
 
 
 # -- the command line -----------------------------------------------------------------------

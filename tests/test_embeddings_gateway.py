@@ -37,7 +37,7 @@ def run_gateway(model_dir, url: str, body, runner: str = "pooling"):
         state.heartbeat(client_redis, "default", s, "a", 30)
 
     async def main():
-        cfg = ServiceConfig(redis_url=url, run_dir=tempfile.mkdtemp(prefix="pl-"))
+        cfg = ServiceConfig(redis_url=url, run_dir=run_dir)
         gw, inbox = build(EngineConfig(model=str(model_dir), runner=runner), cfg)
         from services.gateway.service import read_deltas
 
@@ -52,7 +52,8 @@ def run_gateway(model_dir, url: str, body, runner: str = "pooling"):
             reader.cancel()
             tokenizer.close(0)
 
-    return asyncio.run(main())
+    with tempfile.TemporaryDirectory(prefix="pl-") as run_dir:
+        return asyncio.run(main())
 
 
 def reply(to: str, result: EmbedResult) -> None:

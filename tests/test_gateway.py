@@ -34,12 +34,13 @@ def beat(url: str, service: str, instance: str, server: str = "default") -> None
 
 def run_with_gateway(demo_model_dir, url, body, **svc):
     async def main():
-        cfg = ServiceConfig(redis_url=url, run_dir=tempfile.mkdtemp(prefix="pl-"), **svc)
+        cfg = ServiceConfig(redis_url=url, run_dir=run_dir, **svc)
         gw, _inbox = build(EngineConfig(model=str(demo_model_dir)), cfg)
         async with TestClient(TestServer(gw.app())) as client:
             return await body(gw, client)
 
-    return asyncio.run(main())
+    with tempfile.TemporaryDirectory(prefix="pl-") as run_dir:
+        return asyncio.run(main())
 
 
 def test_health_is_503_until_every_service_beats(demo_model_dir, redis_url):

@@ -32,13 +32,14 @@ def run_gateway(model_dir, url, body, healthy=True, **svc):
             state.heartbeat(redis.Redis.from_url(url), "default", s, "a", 30)
 
     async def main():
-        cfg = ServiceConfig(redis_url=url, run_dir=tempfile.mkdtemp(prefix="pl-"), **svc)
+        cfg = ServiceConfig(redis_url=url, run_dir=run_dir, **svc)
         gw, _inbox = build(EngineConfig(model=str(model_dir)), cfg)
         await gw.health.refresh()
         async with TestClient(TestServer(gw.app())) as client:
             return await body(gw, client)
 
-    return asyncio.run(main())
+    with tempfile.TemporaryDirectory(prefix="pl-") as run_dir:
+        return asyncio.run(main())
 
 
 async def post(client, path: str, ctype: str | None, raw: bytes) -> tuple[int, dict | None]:

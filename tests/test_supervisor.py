@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,8 +25,8 @@ def alive(pid: int) -> bool:
 
 
 def test_up_with_embedded_redis_and_ctrl_c_leaves_no_orphans(demo_model_dir):
-    run_dir = tempfile.mkdtemp(prefix="pl-")
-    stack = Stack(demo_model_dir)
+    stack = Stack(demo_model_dir, embedded_redis=True)
+    run_dir = stack.run_dir
     argv = [sys.executable, "-m", "services.cli", "serve", str(demo_model_dir),
             "--port", str(stack.port), "--run-dir", run_dir, "--tokenizer-workers", "2",
             "--kv-cache-tokens", "1000", "--dtype", "float32", "--device", "cpu"]
@@ -60,8 +59,7 @@ def test_up_with_embedded_redis_and_ctrl_c_leaves_no_orphans(demo_model_dir):
             time.sleep(0.1)
         assert [n for n, p in pids.items() if alive(p)] == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stack.stop()
 
 
 def start_up(model_dir, run_dir: str, port: int, *extra: str) -> tuple[subprocess.Popen, Path]:
@@ -105,8 +103,8 @@ def test_port_taken_refuses_to_start_in_one_line(demo_model_dir):
 def test_killed_embedded_redis_comes_back_with_its_data(demo_model_dir):
     import redis
 
-    run_dir = tempfile.mkdtemp(prefix="pl-")
-    stack = Stack(demo_model_dir)
+    stack = Stack(demo_model_dir, embedded_redis=True)
+    run_dir = stack.run_dir
     proc, log = start_up(demo_model_dir, run_dir, stack.port)
     stack.proc = proc
     try:
@@ -126,6 +124,7 @@ def test_killed_embedded_redis_comes_back_with_its_data(demo_model_dir):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
+        stack.stop()
 
 
 def test_crash_loop_backs_off_and_reports_the_last_error(demo_model_dir):
@@ -133,8 +132,8 @@ def test_crash_loop_backs_off_and_reports_the_last_error(demo_model_dir):
     and the delays double; once the address is free, compute comes back."""
     from shared.redis_server import free_port
 
-    run_dir = tempfile.mkdtemp(prefix="pl-")
-    stack = Stack(demo_model_dir)
+    stack = Stack(demo_model_dir, embedded_redis=True)
+    run_dir = stack.run_dir
     addr_port = free_port()
     proc, log = start_up(demo_model_dir, run_dir, stack.port, "--compute-addr",
                          f"tcp://127.0.0.1:{addr_port}")
@@ -154,6 +153,7 @@ def test_crash_loop_backs_off_and_reports_the_last_error(demo_model_dir):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
+        stack.stop()
 
 
 def _try_bind(sock, port: int) -> bool:
