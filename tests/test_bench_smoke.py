@@ -407,6 +407,20 @@ def test_length_step_cost_runs_both_engines(demo_model_dir, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == out
 
 
+def test_decode_host_times_the_kernels_calls_of_decode_steps(demo_model_dir, capsys):
+    """bench/decode_host.py on the tiny model: the C++ module's calls of the decode steps are
+    timed (attention, RoPE, norms), less than the whole step; the module is given back."""
+    from bench import decode_host
+    from kernels import cpu
+
+    out = decode_host.main(["--model", str(demo_model_dir), "--prompt", "16", "--tokens", "6",
+                            "--requests", "1", "--rounds", "1"])
+    assert last_json(capsys.readouterr().out) | {"machine": None} == out | {"machine": None}
+    assert 0 < out["kernel_ms"] < out["step_ms"] and out["calls"] > 0
+    assert {"decode_attention", "rope_kv_write"} <= set(out["kernels_ms"])
+    assert not isinstance(cpu.extension(), decode_host.TimedModule)
+
+
 def test_speculative_bench_parts(tmp_path, capsys):
     """bench/speculative.py without servers: its server commands, prompt sets, /metrics
     parsing, and the summary's ratios, output equality and targets on made-up runs."""

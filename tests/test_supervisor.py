@@ -71,7 +71,10 @@ def start_up(model_dir, run_dir: str, port: int, *extra: str) -> tuple[subproces
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while "pipellm is up" not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()  # the test's `finally` has not begun: nothing else stops it
+            proc.wait()
+            raise AssertionError(log.read_text())
         time.sleep(0.2)
     return proc, log
 
