@@ -10,7 +10,7 @@ sum). host = step - kernels; "calls" are the module's calls per step.
     python -m bench.decode_host [--model PATH] [--rounds 3] [--requests 4] [--sampled]
 
 The last line printed is JSON: {"step_ms", "kernel_ms", "host_ms", "host_share", "calls", ...}
-(medians over rounds).
+(medians over rounds; "kernels_ms", each function's ms a step, from the last round).
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def measure(args) -> dict:
     rng = random.Random(0)
     decode(engine, params, args.prompt, 1, rng)  # warm-up
     plain = cpu.extension()
+    if plain is None:
+        raise SystemExit("the C++ CPU kernels are not loaded here: nothing to time")
     steps, kernels, calls, per = [], [], 0.0, Counter()
     for r in range(args.rounds):
         seconds, n = decode(engine, params, args.prompt, args.requests, rng)
