@@ -130,15 +130,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    print(f"machine: {machine()}; model {Path(args.model).name}; {args.prompt} in, "
+    where = machine()
+    print(f"machine: {where}; model {Path(args.model).name}; {args.prompt} in, "
           f"{args.tokens} out, one request at a time")
-    out = measure(args)
+    out = {"machine": where, **measure(args)}
     print(f"decode step {out['step_ms']:.2f} ms: kernels {out['kernel_ms']:.2f} ms "
           f"({out['calls']:.0f} calls), host {out['host_ms']:.2f} ms "
           f"({100 * out['host_share']:.0f}%)")
     for name, ms in out["kernels_ms"].items():
         print(f"  {name:24s} {ms:7.3f} ms")
-    print(json.dumps({"machine": machine(), **out}))
+    print(json.dumps(out))
     return out
 
 
