@@ -2,15 +2,12 @@
 
 A request's constraint travels as a `GrammarSpec` (what the client asked for: a JSON schema,
 any JSON object, a regex, a choice of strings, an EBNF or Lark grammar) from the gateway through
-a tokenizer, which checks it (`validate`: parsing it, ~0.1 ms, so that a bad one is a 400 before
-any compute), to compute, which compiles it against the model's vocabulary in a thread off its
-loop (`GrammarCompiler.compile`, ~20 ms for a small schema, cached by the spec; xgrammar
-releases the GIL). Compiling in the tokenizer and sending the result was measured and dropped:
-a small schema's compiled form serializes to 1.6 MB, and serializing plus deserializing it
-(42 ms) costs twice the compile.
+a tokenizer to compute, which compiles it against the model's vocabulary in a thread off its
+loop (`GrammarCompiler.compile`, cached by the spec; xgrammar releases the GIL). A spec that
+does not compile is a GrammarError naming the request's field: the client's 400.
 
-xgrammar is the grammar engine vLLM, SGLang and TensorRT-LLM use by default; it is imported only
-where a grammar is checked or matched (tokenizer and compute), never by the gateway.
+xgrammar is the grammar engine vLLM, SGLang and TensorRT-LLM use by default; only compute
+imports it (with torch and transformers, ~5 s), and before it reports ready.
 """
 
 from __future__ import annotations
@@ -105,17 +102,6 @@ def _grammar(spec: GrammarSpec):
     raise ValueError(f"unknown grammar kind {spec.kind!r}")
 
 
-def validate(spec: GrammarSpec) -> None:
-    """GrammarError (naming spec.param) unless the spec parses; ImportError without xgrammar
-    (the slim image: no torch, which xgrammar needs), where compute's compile finds errors."""
-    try:
-        _grammar(spec)
-    except ImportError:
-        raise
-    except Exception as e:  # xgrammar raises RuntimeError/ValueError with its reason
-        raise _error(spec, e) from None
-
-
 def _allowed_row(info, ok) -> Any:
     """int32 bitmask row [ceil(vocab / 32)]: bit t set where ok(token t's bytes)."""
     import torch
@@ -165,7 +151,8 @@ class _Lru:
 class BackgroundCompiler:
     """The model's GrammarCompiler, built in a thread from start-up on (loading the tokenizer,
     transformers and xgrammar takes ~2 s: no request should wait for that in a service's loop).
-    `get()` waits for it; raises ImportError where xgrammar cannot be imported (no torch)."""
+    `get()` waits for it; raises ImportError where xgrammar cannot be imported (no torch), or
+    why it could not be built."""
 
     def __init__(self, model: str):
         from concurrent.futures import ThreadPoolExecutor
@@ -176,6 +163,10 @@ class BackgroundCompiler:
 
     def get(self) -> GrammarCompiler:
         return self._future.result()
+
+    def wait(self) -> None:
+        """Until it is built or failed (get() then raises why)."""
+        self._future.exception()
 
 
 def model_compiler(model: str) -> GrammarCompiler:

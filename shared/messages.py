@@ -201,13 +201,23 @@ class Tokens:
 
 
 @message
+class RequestError:
+    """A request compute refused (its parameters, its grammar): the client's 400."""
+
+    request_id: str
+    reply_to: str
+    message: str
+    param: str | None = None  # the request field it is about
+
+
+@message
 class StepOutput:
     """Everything one engine step produced."""
 
     routes: list[Route]  # requests admitted this step (their first output follows)
     outputs: list[Tokens] = field(default_factory=list)  # one per request that got a token
     prompt: list[Tokens] = field(default_factory=list)  # scored prompt pieces, by chunk
-    errors: list[list[str]] = field(default_factory=list)  # [request_id, reply_to, message]
+    errors: list[RequestError] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # requests ended by an Abort
     step_time: float = 0.0  # wall clock when the step finished
 

@@ -15,7 +15,7 @@ import torch
 from services.compute.backend import build_engine
 from services.compute.structured import GrammarState, mask_logits
 from shared.config import EngineConfig, SchedulerConfig
-from shared.grammar import GrammarError, GrammarSpec, model_compiler, validate
+from shared.grammar import GrammarError, GrammarSpec, model_compiler
 from shared.sampling import SamplingParams
 from shared.tokenizer import decode, encode, load_tokenizer
 
@@ -111,7 +111,7 @@ def test_json_whitespace_is_bounded_by_default():
     ("[ ]?", ['{"a": [1, 2], "b": "x y"}', '{"a":[1,2],"b":"x y"}']),
     ("(\n *)?", ['{\n  "a":[1],\n  "b":"x"}', '{"a":[],"b":""}']),
 ])
-def test_a_whitespace_pattern_is_the_json_grammars_whitespace(pattern, accepted):
+def test_a_whitespace_pattern_is_the_json_grammars_whitespace(compiler, pattern, accepted):
     """shared/grammar_whitespace: exactly the pattern between tokens, strings untouched."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
@@ -124,7 +124,7 @@ def test_a_whitespace_pattern_is_the_json_grammars_whitespace(pattern, accepted)
     for text in ('{"a":  [1], "b": ""}', '{"a":[1],\t"b":""}', '{ "a":[1]\n\n,"b":""}'):
         assert not accepts(grammar, text), text
     with pytest.raises(GrammarError) as e:
-        validate(GrammarSpec("json_object", whitespace_pattern="(?<=a)", param="p"))
+        compiler.compile(GrammarSpec("json_object", whitespace_pattern="(?<=a)", param="p"))
     assert e.value.param == "p" and "whitespace_pattern: Regex parsing error" in str(e.value)
 
 
@@ -218,12 +218,10 @@ def test_compiler_caches_and_reports_errors(compiler):
     assert compiler.compile(spec) is compiler.compile(spec) is compiler.cached(spec)
     assert GrammarSpec("json_schema", json.dumps(SCHEMA), param="other").key == spec.key
     for bad in BAD:
-        for check in (validate, compiler.compile):  # the tokenizer's check, compute's compile
-            with pytest.raises(GrammarError) as e:
-                check(bad)
-            assert e.value.param == bad.param and str(e.value).startswith(bad.param)
-            assert "/project/" not in str(e.value) and ".cc:" not in str(e.value)
-    validate(spec)
+        with pytest.raises(GrammarError) as e:
+            compiler.compile(bad)
+        assert e.value.param == bad.param and str(e.value).startswith(bad.param)
+        assert "/project/" not in str(e.value) and ".cc:" not in str(e.value)
 
 
 def test_the_queue_compiles_off_the_loop(demo_model_dir):

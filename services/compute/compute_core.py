@@ -16,7 +16,7 @@ from services.compute.engine import LLMEngine
 from services.compute.structured import GrammarQueue
 from shared.choice import ChoiceId, api_id
 from shared.length_dist import LengthDist
-from shared.messages import GenerateRequest, Route, StepOutput, Tokens
+from shared.messages import GenerateRequest, RequestError, Route, StepOutput, Tokens
 from shared.sampling import InvalidParams
 
 EARLY_ABORT_TTL_S = 60.0
@@ -40,7 +40,7 @@ class ComputeCore:
         self.routes: dict[str, Route] = {}  # live requests
         self.beam_choices: dict[str, list[str]] = {}  # beam search: its choices' ids
         self.early_aborts: dict[str, float] = {}  # aborts that overtook their request
-        self._errors: list[list[str]] = []  # [request_id, reply_to, message] not yet sent
+        self._errors: list[RequestError] = []  # not yet sent
         self._aborted: list[str] = []  # choice ids aborted, not yet sent
 
     def has_work(self) -> bool:
@@ -112,7 +112,8 @@ class ComputeCore:
             self.engine.add_request(list(req.prompt_ids), req.params, rid, predicted,
                                     list(req.output_ids), grammar, req.priority)
         except (InvalidParams, ValueError, RuntimeError, ImportError) as e:  # GrammarError: 400
-            self._errors.append([rid, req.route.reply_to, str(e)])
+            self._errors.append(RequestError(rid, req.route.reply_to, str(e),
+                                             getattr(e, "param", None)))
             return
         self.routes[rid] = req.route
         if req.params.beam_width:

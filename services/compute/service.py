@@ -40,10 +40,10 @@ class ComputeService:
     engine's stats and heartbeat in Redis."""
 
     def __init__(self, engine: LLMEngine, svc: ServiceConfig, redis_client: redis.Redis,
-                 startup: str = ""):
-        """`startup`: what start-up compiled and warmed (warmup.warm_up), for the banner."""
-        # the grammar compiler loads from start-up on, not at the first request that needs it
-        self.core = ComputeCore(engine, GrammarQueue(engine.config.model))
+                 startup: str = "", grammars: GrammarQueue | None = None):
+        """`startup`: what start-up compiled and warmed (warmup.warm_up), for the banner;
+        `grammars`: the compile queue, whose compiler is loaded (else made here)."""
+        self.core = ComputeCore(engine, grammars or GrammarQueue(engine.config.model))
         self.embeds = EmbedCore(engine)
         self.engine = engine
         self.svc, self.redis, self.startup = svc, redis_client, startup
@@ -151,13 +151,15 @@ class ComputeService:
 def serve(engine_cfg: EngineConfig, svc: ServiceConfig) -> None:
     stores = partial(redis_stores, state.fast_client(svc.redis_url), engine_cfg.model) \
         if svc.length_predictor else None  # else each compute process learns alone
+    grammars = GrammarQueue(engine_cfg.model)  # its compiler loads beside the engine's build
     engine = build_engine(engine_cfg, length_stores=stores)
     client = redis.Redis.from_url(svc.redis_url)
     if engine_cfg.enable_lora:
         load_runtime_adapters(engine, client, svc.server)
     startup = warm_up(engine)  # before the heartbeat starts: /health is green only after it
+    grammars.compiler.wait()  # and the first requests do not share the GIL with its imports
     settle_heap(svc.gc_young_threshold)
-    ComputeService(engine, svc, client, startup).run()
+    ComputeService(engine, svc, client, startup, grammars).run()
 
 
 def load_runtime_adapters(engine: LLMEngine, client: redis.Redis, server: str) -> None:

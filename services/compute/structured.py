@@ -22,7 +22,8 @@ log = logging.getLogger("pipellm.compute")
 class GrammarQueue:
     """Requests waiting for their grammar. One thread compiles (xgrammar releases the GIL, so
     the loop steps meanwhile; a cached grammar comes back at once); the compiler itself is
-    built in the background from start-up (BackgroundCompiler)."""
+    built in the background from start-up (BackgroundCompiler), which compute waits for before
+    it reports ready: its imports would hold the GIL through the first requests."""
 
     def __init__(self, model: str):
         self.compiler = BackgroundCompiler(model)

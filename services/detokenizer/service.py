@@ -90,9 +90,10 @@ class Detokenizer:
             stream = self.streams.get(tokens.request_id)
             if stream is not None:
                 self._tokens(stream, tokens, res, now)
-        for rid, reply_to, message in out.errors:
-            res.send(reply_to, Delta(rid, error=message, error_status=400))
-            res.updates.append((api_id(rid), {"status": "failed", "error": message},
+        for e in out.errors:
+            res.send(e.reply_to, Delta(e.request_id, error=e.message, error_status=400,
+                                       error_param=e.param))
+            res.updates.append((api_id(e.request_id), {"status": "failed", "error": e.message},
                                 self.ttl_s))
         for rid in out.aborted:
             self.streams.pop(rid, None)

@@ -35,7 +35,7 @@ from shared.chat_template import (
 from shared.choice import ChoiceId
 from shared.codec import int32s
 from shared.config import EngineConfig, ServiceConfig
-from shared.grammar import GrammarError, GrammarSpec, validate
+from shared.grammar import GrammarSpec
 from shared.heap import settle_heap
 from shared.length_dist import LengthDist
 from shared.length_predictor import LengthPredictor, length_features, model_key
@@ -81,20 +81,6 @@ class Tokenizer:
         self.model_path = config.model
         self.model = model_key(config.model)
         self.predictor = predictor
-        self.can_check = True  # False where xgrammar cannot be imported (no torch)
-
-    def check_grammar(self, spec: GrammarSpec | None) -> None:
-        """PromptError (a 400 naming the field) when the request's constraint does not parse.
-        Without xgrammar here, compute's compile is the check."""
-        if spec is None or not self.can_check:
-            return
-        try:
-            validate(spec)
-        except ImportError as e:
-            log.warning("cannot check grammars here (%s): compute will", e)
-            self.can_check = False
-        except GrammarError as e:
-            raise PromptError(str(e), e.param) from None
 
     def prompt(self, req: TokenizeRequest) -> tuple[str, list[int]]:
         """(prompt text, or "" when given as ids; prompt token ids), truncated as asked."""
@@ -184,7 +170,6 @@ class Tokenizer:
             params = dataclasses.replace(params, bad_words_ids=self._word_ids(req.bad_words))
         if req.reasoning_parser and (req.thinking_token_budget or req.grammar is not None):
             params = self._thinking(params, req.reasoning_parser, req.thinking_token_budget)
-        self.check_grammar(req.grammar)
         feats, quantiles = self.predict(text, ids, params, req)
         packed = int32s(ids)
         route = Route(request_id="", reply_to=req.reply_to, num_prompt=len(ids),
