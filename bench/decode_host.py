@@ -2,15 +2,19 @@
 (Python, torch's dispatch and allocations, OpenMP's fork and join), one sequence at a time.
 
 An engine on --model (default: SmolLM2's GGUF, its INT4 blocks) runs --requests requests of
---prompt random tokens and --tokens decode steps each, one at a time. Rounds alternate between
-plain steps (their wall time is the step) and steps whose calls into the C++ module are timed
-one by one (their sum is the kernels' time; a timing wrapper costs ~1 us a call, outside the
-sum). host = step - kernels; "calls" are the module's calls per step.
+--prompt random tokens and --tokens decode steps each, one at a time, in two variants: the
+layers as LlamaModel's Python loop ("loop") and as one C++ call ("fused",
+services/compute/model/fused_decode.py; where the model takes it), taken in turn each round.
+Each variant's rounds alternate between plain steps (their wall time is the step) and steps
+whose calls into the C++ module are timed one by one (their sum is the kernels' time; a timing
+wrapper costs ~1 us a call, outside the sum). host = step - kernels; "calls" are the module's
+calls per step.
 
     python -m bench.decode_host [--model PATH] [--rounds 3] [--requests 4] [--sampled]
 
-The last line printed is JSON: {"step_ms", "kernel_ms", "host_ms", "host_share", "calls", ...}
-(medians over rounds; "kernels_ms", each function's ms a step, from the last round).
+The last line printed is JSON: {"loop": {"step_ms", "kernel_ms", "host_ms", "host_share",
+"calls", "kernels_ms"}, "fused": {...}, "speedup": loop step / fused step, ...} (medians over
+rounds; "kernels_ms", each function's ms a step, from the last round).
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ def decode(engine, params, prompt: int, requests: int, rng: random.Random,
 
 
 def measure(args) -> dict:
+    """Rounds of each variant in turn: the layer loop (LlamaModel._layers, its kernels timed
+    in a second pass) and, where the model takes it, the fused call (model/fused_decode.py)."""
     from kernels import cpu
     from services.compute.backend import build_engine
     from shared.config import EngineConfig
@@ -92,24 +98,38 @@ def measure(args) -> dict:
     plain = cpu.extension()
     if plain is None:
         raise SystemExit("the C++ CPU kernels are not loaded here: nothing to time")
-    steps, kernels, calls, per = [], [], 0.0, Counter()
+    model = engine.runner.model
+    fused = getattr(model, "fused", None)
+    variants = {"loop": None, **({"fused": fused} if fused is not None else {})}
+    rounds = {name: {"step": [], "kernel": []} for name in variants}
+    calls, per = {}, {}
     for r in range(args.rounds):
-        seconds, n = decode(engine, params, args.prompt, args.requests, rng)
-        steps.append(seconds / n * 1e3)
-        timed = cpu._state["module"] = TimedModule(plain)
-        try:
-            _, n = decode(engine, params, args.prompt, args.requests, rng, timed)
-        finally:
-            cpu._state["module"] = plain
-        kernels.append(sum(timed.seconds.values()) / n * 1e3)
-        calls = sum(timed.calls.values()) / n
-        per = Counter({k: v / n * 1e3 for k, v in timed.seconds.items()})
-        log(f"round {r + 1}: step {steps[-1]:.2f} ms, kernels {kernels[-1]:.2f} ms")
-    step, kernel = statistics.median(steps), statistics.median(kernels)
+        for name, variant in variants.items():
+            model.fused = variant
+            seconds, n = decode(engine, params, args.prompt, args.requests, rng)
+            rounds[name]["step"].append(seconds / n * 1e3)
+            timed = cpu._state["module"] = TimedModule(plain)
+            try:
+                _, n = decode(engine, params, args.prompt, args.requests, rng, timed)
+            finally:
+                cpu._state["module"] = plain
+            rounds[name]["kernel"].append(sum(timed.seconds.values()) / n * 1e3)
+            calls[name] = sum(timed.calls.values()) / n
+            per[name] = Counter({k: v / n * 1e3 for k, v in timed.seconds.items()})
+            log(f"round {r + 1}, {name}: step {rounds[name]['step'][-1]:.2f} ms, "
+                f"kernels {rounds[name]['kernel'][-1]:.2f} ms")
+    model.fused = fused
+    out = {name: _summary(rounds[name], calls[name], per[name]) for name in variants}
+    if "fused" in out:
+        out["speedup"] = round(out["loop"]["step_ms"] / out["fused"]["step_ms"], 3)
+    return {**out, "sampled": args.sampled}
+
+
+def _summary(rounds: dict, calls: float, per: Counter) -> dict:
+    step, kernel = statistics.median(rounds["step"]), statistics.median(rounds["kernel"])
     return {"step_ms": round(step, 3), "kernel_ms": round(kernel, 3),
             "host_ms": round(step - kernel, 3), "host_share": round(1 - kernel / step, 3),
-            "calls": round(calls, 1), "sampled": args.sampled,
-            "kernels_ms": {k: round(v, 3) for k, v in per.most_common()}}
+            "calls": round(calls, 1), "kernels_ms": {k: round(v, 3) for k, v in per.most_common()}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,11 +154,16 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"machine: {where}; model {Path(args.model).name}; {args.prompt} in, "
           f"{args.tokens} out, one request at a time")
     out = {"machine": where, **measure(args)}
-    print(f"decode step {out['step_ms']:.2f} ms: kernels {out['kernel_ms']:.2f} ms "
-          f"({out['calls']:.0f} calls), host {out['host_ms']:.2f} ms "
-          f"({100 * out['host_share']:.0f}%)")
-    for name, ms in out["kernels_ms"].items():
-        print(f"  {name:24s} {ms:7.3f} ms")
+    for name in ("loop", "fused"):
+        if name in out:
+            v = out[name]
+            print(f"{name}: decode step {v['step_ms']:.2f} ms: kernels {v['kernel_ms']:.2f} ms "
+                  f"({v['calls']:.0f} calls), host {v['host_ms']:.2f} ms "
+                  f"({100 * v['host_share']:.0f}%)")
+            for kernel, ms in v["kernels_ms"].items():
+                print(f"  {kernel:24s} {ms:7.3f} ms")
+    if "speedup" in out:
+        print(f"fused / loop: {out['speedup']:.3f}x")
     print(json.dumps(out))
     return out
 

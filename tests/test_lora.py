@@ -145,11 +145,17 @@ def test_mixed_batch_chunked_prefill(lora_setup):
 def test_mixed_batch_int4_base_int8_kv_preemption(lora_setup):
     """An INT4 base (kept in its blocks, the deltas beside it), an INT8 KV cache too small for
     the batch (requests preempted and recomputed): every request of a mixed batch still gets
-    the tokens it gets alone, and each adapter changes the output."""
+    the tokens it gets alone, and each adapter changes the output. Where the C++ block GEMMs
+    run, a decode step without adapter rows takes the fused layers (model/fused_decode.py),
+    one with them the layer loop."""
+    from kernels import dispatch
+
     base_dir, dirs, _, prompts = lora_setup
     engine = lora_engine(base_dir, dirs, quantization="int4", kv_cache_dtype="int8",
                          kv_cache_tokens=160, max_batched_tokens=32, max_running=16,
                          default_predicted_len=2, kv_min_grow=4)
+    fused = engine.runner.model.fused
+    assert (fused is not None) == (dispatch.block_gemm_extension(torch.zeros(1)) is not None)
     names = ["", "A", "B"]
     requests = [(p, names[(i + k) % 3]) for k in range(3) for i, p in enumerate(prompts)]
     alone = {(tuple(p), n): run(engine, [(p, n)])[0] for p, n in requests}

@@ -10,7 +10,7 @@ dozens of tiny ops (per-op dispatch overhead is most of a decode step on a CPU).
 PyTorch reference as its Triton twin. Where the build fails (no compiler), `extension()` says so
 once in the log and returns None, and callers fall back to the reference.
 
-One module, one source per concept (bindings.cpp declares and binds them all):
+One module, one source per concept (ops.h declares them, bindings.cpp binds them all):
 
     decode_attention.cpp  decode_attention(q, k_cache, v_cache, starts, lens, scale[, k_scale,
                           v_scale, window])                  kernels/decode_attention.py
@@ -31,6 +31,8 @@ One module, one source per concept (bindings.cpp declares and binds them all):
                           (prefill_attention_<isa>.cpp; bf16 on AMX tiles: _amx.cpp; a
                           pooling forward's bf16 products on AVX512-BF16: _avx512_bf16.cpp)
                                                              kernels/prefill_attention.py
+    decode_layers.cpp     DecodeStack, decode_layers: a decode step's layers in one call, the
+                          kernels above chained     services/compute/model/fused_decode.py
     common.h              the row kernels' shared helpers
     amx_emulate.h         AMX tiles in plain C++: emulated.py builds the AMX kernels on them
                           as a test-only module, so any CPU with AVX512-BF16 tests them
@@ -67,7 +69,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in (
     "lora_avx512.cpp", "lora_amx.cpp", "prefill_attention.cpp", "prefill_attention_amx.cpp",
     "prefill_attention_avx2.cpp", "prefill_attention_avx512.cpp",
     "prefill_attention_avx512_bf16.cpp",
-    "activation_avx512.cpp", "norm_avx512.cpp")]
+    "activation_avx512.cpp", "norm_avx512.cpp", "decode_layers.cpp")]
 _FLAGS = ["-O3", *(["-march=x86-64-v3"] if isa.is_x86() else []), "-ffast-math", "-fopenmp"]
 _lock = threading.Lock()
 

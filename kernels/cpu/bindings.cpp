@@ -1,59 +1,7 @@
 // The one Python module of the C++ CPU kernels (kernels/cpu/__init__.py builds it from all the
-// sources): each function is defined in the .cpp of its concept, declared and bound here.
-#include <torch/extension.h>
-
-#include <optional>
-#include <string>
-#include <tuple>
-#include <vector>
-
-using torch::Tensor;
-
-// decode_attention.cpp
-Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_starts,
-                        Tensor seq_lens, double scale, std::optional<Tensor> k_scale,
-                        std::optional<Tensor> v_scale, int64_t window, double softcap);
-std::string decode_attention_variant(int64_t head_dim);
-// norm.cpp
-Tensor rms_norm(Tensor x, Tensor w, double eps);
-std::tuple<Tensor, Tensor> add_rms_norm(Tensor x, Tensor residual, Tensor w, double eps);
-std::tuple<Tensor, Tensor, std::optional<Tensor>> rms_norm_int8(
-    Tensor x, std::optional<Tensor> residual, Tensor w, double eps);
-// activation.cpp
-Tensor silu_mul(Tensor gate_up);
-// int8_quant.cpp
-std::tuple<Tensor, Tensor> quantize_int8(Tensor x);
-std::tuple<Tensor, Tensor> silu_mul_int8(Tensor gate_up);
-// rope.cpp
-std::tuple<Tensor, Tensor> rope_kv_write(Tensor q, Tensor k, Tensor v, Tensor positions,
-                                         Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache,
-                                         Tensor slots, std::optional<Tensor> k_scale,
-                                         std::optional<Tensor> v_scale);
-// token_bitmask.cpp
-void apply_token_bitmask(Tensor logits, Tensor bitmask, Tensor rows);
-// block_gemm.cpp
-void set_block_gemm_isa(const std::string& level);
-std::string block_gemm_isa();
-void set_block_gemm_prefetch(int64_t bytes);
-Tensor q4_gemm(Tensor x, Tensor qs, Tensor d, Tensor m, int64_t n, std::optional<Tensor> bias);
-Tensor q8_gemm(Tensor x, Tensor qs, Tensor d, Tensor corr, int64_t n,
-               std::optional<Tensor> bias);
-Tensor q8_gemm_int8_rows(Tensor xq, Tensor x_scale, Tensor qs, Tensor d, Tensor corr, int64_t n);
-// lora.cpp
-void lora_delta(Tensor y, Tensor x, Tensor a, Tensor b, Tensor rows, Tensor starts,
-                Tensor slots, std::vector<int64_t> part_ends, std::optional<Tensor> a_vnni,
-                std::optional<Tensor> b_vnni);
-// prefill_attention.cpp
-bool prefill_attention_amx_ready();
-Tensor prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cu_q_lens,
-                         Tensor seq_starts, Tensor ctx_lens, double scale, int64_t window,
-                         std::optional<Tensor> k_scale, std::optional<Tensor> v_scale,
-                         bool coarse_p);
-// sampling.cpp
-std::tuple<Tensor, Tensor> sample_rows(Tensor logits, std::optional<Tensor> raw_logits,
-                                       Tensor temperature, Tensor top_p, Tensor min_p,
-                                       Tensor top_k, Tensor seeds, Tensor steps,
-                                       bool need_logprobs);
+// sources): each function is defined in the .cpp of its concept, declared in ops.h, bound here.
+#include "decode_layers.h"
+#include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // a kernel runs without the GIL, as torch's own ops do: the process's other threads (its
@@ -123,4 +71,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("raw_logits"), py::arg("temperature"), py::arg("top_p"),
         py::arg("min_p"), py::arg("top_k"), py::arg("seeds"), py::arg("steps"),
         py::arg("need_logprobs"));
+  py::class_<Int4Projection>(m, "Int4Projection", "an INT4 projection (decode_layers.h)")
+      .def(py::init([](Tensor qs, Tensor d, Tensor m, int64_t n, std::optional<Tensor> bias) {
+             return Int4Projection{qs, d, m, n, bias};
+           }),
+           py::arg("qs"), py::arg("d"), py::arg("m"), py::arg("n"), py::arg("bias") = py::none());
+  py::class_<DecodeStack>(m, "DecodeStack", "a decode step's layers in one call")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, double>(), py::arg("heads"),
+           py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
+           py::arg("softcap"))
+      .def("add_layer",
+           [](DecodeStack& s, Tensor ln_attn, Tensor ln_mlp, Tensor cos, Tensor sin,
+              Int4Projection qkv, Int4Projection o, Int4Projection gate_up, Int4Projection down,
+              int64_t window) {
+             s.add_layer(DecodeLayer{ln_attn, ln_mlp, cos, sin, qkv, o, gate_up, down, window});
+           });
+  m.def("decode_layers", &decode_layers,
+        "(h, residual) after a decode step's last layer (DecodeStack.run)", nogil,
+        py::arg("stack"), py::arg("h"), py::arg("positions"), py::arg("slots"),
+        py::arg("starts"), py::arg("lens"), py::arg("k"), py::arg("v"),
+        py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
 }

@@ -34,6 +34,7 @@ from kernels.int8_quant import quantize_int8
 from services.compute.core.batch import ForwardBatch
 from services.compute.kv.kv_cache import KVCache
 from services.compute.model.arch import full_qk_norm, fuse, layer_norms, qk_norms, qkv_rows
+from services.compute.model.fused_decode import fused_decode
 from services.compute.model.linear.lora import LoraLinear
 from services.compute.model.moe import mlp_layers
 from services.compute.model.quantization import Quantization
@@ -97,6 +98,8 @@ class LlamaModel:
         # W8A8: each layer's SmoothQuant scales per site (smoothing.smooth), which adapters'
         # factors follow; None when the weights were not smoothed
         self.smoothing: list[dict[str, torch.Tensor]] | None = None
+        # the layers of a decode step in one C++ call where they are plain (None: the loop)
+        self.fused = fused_decode(self)
 
     @property
     def lora_names(self) -> frozenset[str]:
@@ -143,6 +146,17 @@ class LlamaModel:
         h = self._embed_tokens(batch.input_ids)  # [T, hidden]
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if self.fused is not None and self.fused.takes(batch, kv):
+            h, residual = self.fused(h, batch, kv)
+        else:
+            h, residual, rows = self._layers(h, batch, kv, rows, trim)
+        if rows is not None:
+            h, residual = h[rows], residual[rows]
+        return self._norm(h, residual, self.norm)[0]
+
+    def _layers(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+                rows: torch.Tensor | None, trim: bool):
+        """(h, residual, rows) after the last layer's MLP (rows: None once trimmed to them)."""
         residual = None  # the residual stream; h is what gets added to it next
         for i, layer in enumerate(self.layers):
             x, residual = self._norm(h, residual, layer.ln_attn, self.int8_act)
@@ -154,9 +168,7 @@ class LlamaModel:
                                      self.int8_act and layer.moe is None)
             h = layer.moe(x) if layer.moe is not None else self._mlp(layer, x, batch)
             h = self._post_norm(h, layer.post_mlp)
-        if rows is not None:
-            h, residual = h[rows], residual[rows]
-        return self._norm(h, residual, self.norm)[0]
+        return h, residual, rows
 
     def own_factors(self, factors: dict) -> dict:
         """A LoRA adapter's factors (lora/weights.read_factors) as this model's projections
