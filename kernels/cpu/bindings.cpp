@@ -83,9 +83,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer",
            [](DecodeStack& s, Tensor ln_attn, Tensor ln_mlp, Tensor cos, Tensor sin,
               Int4Projection qkv, Int4Projection o, Int4Projection gate_up, Int4Projection down,
-              int64_t window) {
-             s.add_layer(DecodeLayer{ln_attn, ln_mlp, cos, sin, qkv, o, gate_up, down, window});
-           });
+              int64_t window, std::optional<Tensor> q_norm, std::optional<Tensor> k_norm) {
+             s.add_layer(DecodeLayer{ln_attn, ln_mlp, cos, sin, qkv, o, gate_up, down, window,
+                                     q_norm, k_norm});
+           },
+           py::arg("ln_attn"), py::arg("ln_mlp"), py::arg("cos"), py::arg("sin"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("window"),
+           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
   m.def("decode_layers", &decode_layers,
         "(h, residual) after a decode step's last layer (DecodeStack.run)", nogil,
         py::arg("stack"), py::arg("h"), py::arg("positions"), py::arg("slots"),

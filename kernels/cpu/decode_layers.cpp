@@ -1,7 +1,8 @@
 // DecodeStack (decode_layers.h): each layer as llama.py runs it,
 //
 //   x, residual = add_rms_norm(h, residual, ln_attn)     (rms_norm on the first layer)
-//   q, k, v     = qkv(x) split;  q = rope_kv_write(q, k, v -> the caches)
+//   q, k, v     = qkv(x) split;  q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)  (Qwen3)
+//   q           = rope_kv_write(q, k, v -> the caches)
 //   h           = o(decode_attention(q, caches))
 //   x, residual = add_rms_norm(h, residual, ln_mlp);  h = down(silu_mul(gate_up(x)))
 //
@@ -44,8 +45,12 @@ std::tuple<Tensor, Tensor> DecodeStack::run(Tensor h, Tensor positions, Tensor s
       residual = h;
     }
     const Tensor qkv = L.qkv(x);
-    const Tensor q = qkv.narrow(1, 0, qw).view({T, heads_, head_dim_});
-    const Tensor kk = qkv.narrow(1, qw, kvw).view({T, kv_heads_, head_dim_});
+    Tensor q = qkv.narrow(1, 0, qw).view({T, heads_, head_dim_});
+    Tensor kk = qkv.narrow(1, qw, kvw).view({T, kv_heads_, head_dim_});
+    if (L.q_norm.has_value()) {
+      q = rms_norm(q, *L.q_norm, eps_);
+      kk = rms_norm(kk, *L.k_norm, eps_);
+    }
     const Tensor vv = qkv.narrow(1, qw + kvw, kvw).view({T, kv_heads_, head_dim_});
     const Tensor k_cache = k.select(0, i), v_cache = v.select(0, i);
     const auto ks = layer_of(k_scale, i), vs = layer_of(v_scale, i);

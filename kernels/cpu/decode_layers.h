@@ -1,6 +1,6 @@
 // A decode step's decoder layers in one call: services/compute/model/llama.py's layer loop for
-// a plain Llama-family model (RMSNorms, fused qkv with RoPE, SiLU-gated MLP; INT4 block
-// projections), the same kernels in the same order, without a return to Python between them.
+// a plain Llama-family model (RMSNorms, fused qkv with RoPE and optional q/k norms, SiLU-gated
+// MLP; INT4 block projections), the same kernels in the same order, without a return to Python between them.
 #pragma once
 
 #include "ops.h"
@@ -17,7 +17,8 @@ struct DecodeLayer {
   Tensor ln_attn, ln_mlp;  // [hidden], the input norms of the attention and the MLP
   Tensor cos, sin;         // the layer's RoPE tables [max_pos, D / 2]
   Int4Projection qkv, o, gate_up, down;
-  int64_t window;  // 0: full attention
+  int64_t window;                        // 0: full attention
+  std::optional<Tensor> q_norm, k_norm;  // [D]: each q and k head normed before RoPE (Qwen3)
 };
 
 class DecodeStack {

@@ -1,6 +1,6 @@
 """A decode step's decoder layers in one C++ call (kernels/cpu/decode_layers.cpp): LlamaModel's
-layer loop for a plain Llama-family model on the C++ CPU kernels (RMSNorms, fused qkv, RoPE,
-SiLU-gated MLP, INT4 block projections; no MoE, q/k or sandwich norms, W8A8, tensor
+layer loop for a plain Llama-family model on the C++ CPU kernels (RMSNorms, fused qkv, Qwen3's
+q/k norms, RoPE, SiLU-gated MLP, INT4 block projections; no MoE, sandwich norms, W8A8, tensor
 parallelism), the same kernels in the same order, so bit-identical to it
 (tests/test_fused_decode.py). It takes steps of decode rows only, without LoRA rows, over a
 cache the C++ kernels read (not FP8). What it saves is the host's share of a small step: the
@@ -55,7 +55,7 @@ def fused_decode(model) -> FusedDecode | None:
                    for layer in model.layers]
     layers = [(layer, [_blocks(ext, p) for p in ps])
               for layer, ps in zip(model.layers, projections, strict=True)]
-    if any(layer.moe is not None or layer.q_norm is not None or layer.post_attn is not None
+    if any(layer.moe is not None or layer.post_attn is not None
            or layer.post_mlp is not None or any(p is None for p in linears)
            or {layer.ln_attn.dtype, layer.ln_mlp.dtype} != {model.embed.dtype}
            for layer, linears in layers):
@@ -65,7 +65,7 @@ def fused_decode(model) -> FusedDecode | None:
     for i, (layer, linears) in enumerate(layers):
         rope = model.ropes[i]
         stack.add_layer(layer.ln_attn, layer.ln_mlp, rope.cos, rope.sin, *linears,
-                        model.windows[i])
+                        model.windows[i], layer.q_norm, layer.k_norm)
     max_rows = min([p.min_rows for ps in projections for p in ps if isinstance(p, AmxRows)],
                    default=float("inf"))
     return FusedDecode(stack, len(model.layers), max_rows)
