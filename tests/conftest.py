@@ -22,6 +22,15 @@ from tests.hf_models import build_hf_model
 TOOLS_MODEL = "smol"  # the served name of `tools_stack`'s model
 
 
+@pytest.fixture(scope="module")
+def redis_url():
+    """A real Redis (redis-server in a temporary directory) for one test module."""
+    from shared.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as r:
+        yield r.url
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo Llama checkpoint, built once per test session in a temporary directory."""

@@ -6,37 +6,20 @@ where it applies."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import tempfile
 
 import openai
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from services import cli
-from services.gateway.service import build
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, ServiceConfig
-from shared.redis_server import EmbeddedRedis
 from shared.tokenizer import encode, load_tokenizer
 from shared.tool_prompt import with_tools
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with EmbeddedRedis() as r:
-        yield r.url
+from tests.gateway_harness import run_gateway
 
 
 def with_gateway(demo_model_dir, url, body, engine=None, **svc):
-    async def main():
-        cfg = ServiceConfig(redis_url=url, run_dir=run_dir, **svc)
-        gw, _inbox = build(engine or EngineConfig(model=str(demo_model_dir)), cfg)
-        async with TestClient(TestServer(gw.app())) as client:
-            return await body(gw, client)
-
-    with tempfile.TemporaryDirectory(prefix="pl-") as run_dir:
-        return asyncio.run(main())
+    return run_gateway(engine or EngineConfig(model=str(demo_model_dir)), url, body, **svc)
 
 
 # -- the command line -----------------------------------------------------------------------

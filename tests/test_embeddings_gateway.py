@@ -8,7 +8,6 @@ import asyncio
 import tempfile
 from array import array
 
-import pytest
 import redis
 import zmq
 import zmq.asyncio
@@ -19,13 +18,6 @@ from services.gateway.service import build
 from shared import codec, state
 from shared.config import EngineConfig, ServiceConfig
 from shared.messages import EmbedRequest, EmbedResult
-from shared.redis_server import EmbeddedRedis
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with EmbeddedRedis() as r:
-        yield r.url
 
 
 def run_gateway(model_dir, url: str, body, runner: str = "pooling"):

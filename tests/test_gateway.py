@@ -6,26 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
 
-import pytest
 import redis
 import redis.asyncio as aioredis
 import zmq
 import zmq.asyncio
-from aiohttp.test_utils import TestClient, TestServer
 
 from services.gateway import health
-from services.gateway.service import build
 from shared import codec, state
 from shared.config import EngineConfig, ServiceConfig
 from shared.redis_server import EmbeddedRedis
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with EmbeddedRedis() as r:
-        yield r.url
+from tests.gateway_harness import run_gateway
 
 
 def beat(url: str, service: str, instance: str, server: str = "default") -> None:
@@ -33,14 +24,7 @@ def beat(url: str, service: str, instance: str, server: str = "default") -> None
 
 
 def run_with_gateway(demo_model_dir, url, body, **svc):
-    async def main():
-        cfg = ServiceConfig(redis_url=url, run_dir=run_dir, **svc)
-        gw, _inbox = build(EngineConfig(model=str(demo_model_dir)), cfg)
-        async with TestClient(TestServer(gw.app())) as client:
-            return await body(gw, client)
-
-    with tempfile.TemporaryDirectory(prefix="pl-") as run_dir:
-        return asyncio.run(main())
+    return run_gateway(EngineConfig(model=str(demo_model_dir)), url, body, **svc)
 
 
 def test_health_is_503_until_every_service_beats(demo_model_dir, redis_url):

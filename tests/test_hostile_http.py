@@ -5,23 +5,13 @@ counting a request before its body has arrived."""
 from __future__ import annotations
 
 import asyncio
-import tempfile
 
-import pytest
 import redis
-from aiohttp.test_utils import TestClient, TestServer
 
-from services.gateway.service import build
 from shared import state
-from shared.config import EngineConfig, ServiceConfig
-from shared.redis_server import EmbeddedRedis
+from shared.config import EngineConfig
+from tests import gateway_harness
 from tests.hostile_cases import HOSTILE, generate
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with EmbeddedRedis() as r:
-        yield r.url
 
 
 def run_gateway(model_dir, url, body, healthy=True, **svc):
@@ -31,15 +21,8 @@ def run_gateway(model_dir, url, body, healthy=True, **svc):
         for s in state.SERVICES:
             state.heartbeat(redis.Redis.from_url(url), "default", s, "a", 30)
 
-    async def main():
-        cfg = ServiceConfig(redis_url=url, run_dir=run_dir, **svc)
-        gw, _inbox = build(EngineConfig(model=str(model_dir)), cfg)
-        await gw.health.refresh()
-        async with TestClient(TestServer(gw.app())) as client:
-            return await body(gw, client)
-
-    with tempfile.TemporaryDirectory(prefix="pl-") as run_dir:
-        return asyncio.run(main())
+    return gateway_harness.run_gateway(EngineConfig(model=str(model_dir)), url, body,
+                                       refresh=True, **svc)
 
 
 async def post(client, path: str, ctype: str | None, raw: bytes) -> tuple[int, dict | None]:

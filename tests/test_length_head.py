@@ -11,7 +11,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 import redis
 
 from services.compute.backend import build_engine
@@ -120,12 +119,6 @@ def test_planted_relation_is_learned_and_stats_are_order_free():
     ba += a
     np.testing.assert_allclose(ab.gram, ba.gram)
     assert ab.requests == ba.requests == 400 and ab.rows == 400
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with EmbeddedRedis() as r:
-        yield r.url
 
 
 def _writer(url: str, key: str, seed: int, n: int) -> None:

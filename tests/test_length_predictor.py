@@ -20,17 +20,11 @@ from redis.retry import Retry
 from shared.length_dist import LengthDist
 from shared.length_features import MAX_FEATURES
 from shared.length_predictor import EDGES, NB, LengthPredictor, bucket_of, length_features
-from shared.redis_server import EmbeddedRedis, free_port
+from shared.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = [f"word{i}" for i in range(300)]
 MARKER = "briefly"
-
-
-@pytest.fixture(scope="module")
-def redis_url():
-    with EmbeddedRedis() as r:
-        yield r.url
 
 
 @pytest.fixture
