@@ -128,8 +128,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 def _check_model(config: EngineConfig) -> None:
     """Raise (ModelLoadError, TokenizerLoadError, ValueError) if the model cannot be served,
     before any service starts: its config, tokenizer, chat template and tensor table."""
-    from services.compute.model.gguf_weights import check_gguf
     from shared.chat_template import load_chat_template
+    from shared.gguf.names import check_gguf
     from shared.gguf.reader import is_gguf
     from shared.tokenizer import load_tokenizer
 

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.gguf_writer import GGUFValue
 from gguf.quants import quantize
 
-from services.compute.model.gguf_weights import hf_name
 from shared.demo_model import CHAT_TEMPLATE
+from shared.gguf.names import hf_name
 from tests.hf_models import demo_tokenizer
 
 Q = GGMLQuantizationType

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from services.compute.backend import build_engine
-from services.compute.model.gguf_weights import NOT_WEIGHTS, hf_name
 from shared.config import EngineConfig
+from shared.gguf.names import NOT_WEIGHTS, hf_name
 from shared.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 from shared.sampling import SamplingParams
 from shared.settings import with_settings

@@ -13,9 +13,10 @@ import torch
 from gguf import GGML_QUANT_SIZES
 
 from services.compute.backend import build_engine
-from services.compute.model.gguf_weights import hf_name, load_gguf_weights
+from services.compute.model.gguf_weights import load_gguf_weights
 from shared.chat_template import load_chat_template
 from shared.config import EngineConfig, SchedulerConfig
+from shared.gguf.names import hf_name
 from shared.gguf.reader import GGUFError, GGUFFile
 from shared.model_config import ModelConfig, ModelLoadError
 from shared.sampling import SamplingParams

@@ -91,7 +91,7 @@ def resolve(name: str, model: str, device: torch.device, dtype: torch.dtype,
 
 def gguf_int4(model: str) -> bool:
     """Whether `model` is a GGUF file whose projection weights are all Q4_0/Q4_1 blocks."""
-    from services.compute.model.gguf_weights import kept_int4
+    from shared.gguf.names import kept_int4
     if not model or not is_gguf(model):
         return False
     types = {info.qtype.name for name, info in open_gguf(model).tensors.items()
