@@ -1,16 +1,17 @@
-"""Where a single decode step's time goes, in process: the C++ kernels' calls against the rest
-(Python, torch's dispatch and allocations, OpenMP's fork and join), one sequence at a time.
+"""Where a decode step's time goes, in process: the C++ kernels' calls against the rest (Python,
+torch's dispatch and allocations, OpenMP's fork and join), one sequence (or --batch) at a time.
 
-An engine on --model (default: SmolLM2's GGUF, its INT4 blocks) runs --requests requests of
---prompt random tokens and --tokens decode steps each, one at a time, in two variants: the
-layers as LlamaModel's Python loop ("loop") and as one C++ call ("fused",
-services/compute/model/fused_decode.py; where the model takes it), taken in turn each round.
+An engine on --model (default: SmolLM2's GGUF, its INT4 blocks) runs --requests groups of
+--batch requests (default 1) of --prompt random tokens and --tokens decode steps each, a group
+at a time, in two variants: the layers as LlamaModel's Python loop ("loop") and as one C++ call
+("fused", services/compute/model/fused_decode.py; where the model takes it), in turn each round.
 Each variant's rounds alternate between plain steps (their wall time is the step) and steps
 whose calls into the C++ module are timed one by one (their sum is the kernels' time; a timing
 wrapper costs ~1 us a call, outside the sum). host = step - kernels; "calls" are the module's
 calls per step.
 
-    python -m bench.decode_host [--model PATH] [--rounds 3] [--requests 4] [--sampled]
+    python -m bench.decode_host [--model PATH] [--rounds 3] [--requests 4] [--batch 1]
+                                [--sampled]
 
 The last line printed is JSON: {"loop": {"step_ms", "kernel_ms", "host_ms", "host_share",
 "calls", "kernels_ms"}, "fused": {...}, "speedup": loop step / fused step, ...} (medians over
@@ -59,13 +60,17 @@ class TimedModule:
 
 
 def decode(engine, params, prompt: int, requests: int, rng: random.Random,
-           timed: TimedModule | None = None) -> tuple[float, int]:
-    """(seconds, steps) of the decode steps of `requests` requests served one at a time;
-    `timed` times the kernels' calls of those steps (not of the prefills)."""
+           timed: TimedModule | None = None, batch: int = 1) -> tuple[float, int]:
+    """(seconds, steps) of the decode steps of `requests` groups of `batch` requests, a group
+    at a time (its prefills first, then its decode steps together); `timed` times the kernels'
+    calls of those steps (not of the prefills)."""
     total, steps, vocab = 0.0, 0, min(20000, engine.model_config.vocab_size)
     for _ in range(requests):
-        engine.add_request([rng.randrange(vocab // 10, vocab) for _ in range(prompt)], params)
-        engine.step()  # the prefill
+        for _ in range(batch):
+            engine.add_request([rng.randrange(vocab // 10, vocab) for _ in range(prompt)],
+                               params)
+        while any(s.num_output == 0 for s in engine.requests.values()):
+            engine.step()  # the prefills
         if timed is not None:
             timed.on = True
         start = time.perf_counter()
@@ -88,13 +93,13 @@ def measure(args) -> dict:
     from shared.settings import with_settings
 
     engine = build_engine(with_settings(EngineConfig(), model=args.model,
-                                        kv_cache_tokens=args.prompt + args.tokens + 64,
-                                        max_running=1))
+                                        kv_cache_tokens=(args.prompt + args.tokens + 64)
+                                        * args.batch, max_running=args.batch))
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True,
                             **({"temperature": 0.7, "top_p": 0.9} if args.sampled else
                                {"temperature": 0.0}))
     rng = random.Random(0)
-    decode(engine, params, args.prompt, 1, rng)  # warm-up
+    decode(engine, params, args.prompt, 1, rng, batch=args.batch)  # warm-up
     plain = cpu.extension()
     if plain is None:
         raise SystemExit("the C++ CPU kernels are not loaded here: nothing to time")
@@ -106,11 +111,13 @@ def measure(args) -> dict:
     for r in range(args.rounds):
         for name, variant in variants.items():
             model.fused = variant
-            seconds, n = decode(engine, params, args.prompt, args.requests, rng)
+            seconds, n = decode(engine, params, args.prompt, args.requests, rng,
+                                batch=args.batch)
             rounds[name]["step"].append(seconds / n * 1e3)
             timed = cpu._state["module"] = TimedModule(plain)
             try:
-                _, n = decode(engine, params, args.prompt, args.requests, rng, timed)
+                _, n = decode(engine, params, args.prompt, args.requests, rng, timed,
+                              args.batch)
             finally:
                 cpu._state["module"] = plain
             rounds[name]["kernel"].append(sum(timed.seconds.values()) / n * 1e3)
@@ -122,7 +129,7 @@ def measure(args) -> dict:
     out = {name: _summary(rounds[name], calls[name], per[name]) for name in variants}
     if "fused" in out:
         out["speedup"] = round(out["loop"]["step_ms"] / out["fused"]["step_ms"], 3)
-    return {**out, "sampled": args.sampled}
+    return {**out, "sampled": args.sampled, "batch": args.batch}
 
 
 def _summary(rounds: dict, calls: float, per: Counter) -> dict:
@@ -137,7 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: the default model's GGUF")
     p.add_argument("--prompt", type=int, default=200)
     p.add_argument("--tokens", type=int, default=100)
-    p.add_argument("--requests", type=int, default=4, help="per round and variant")
+    p.add_argument("--requests", type=int, default=4, help="groups per round and variant")
+    p.add_argument("--batch", type=int, default=1, help="requests decoding together")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--sampled", action="store_true", help="temperature 0.7, top_p 0.9")
     args = p.parse_args(argv)
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     where = machine()
     print(f"machine: {where}; model {Path(args.model).name}; {args.prompt} in, "
-          f"{args.tokens} out, one request at a time")
+          f"{args.tokens} out, {args.batch} request(s) at a time")
     out = {"machine": where, **measure(args)}
     for name in ("loop", "fused"):
         if name in out:
