@@ -45,7 +45,7 @@ from services.tokenizer.embed import prepare_embed
 from shared import codec
 from shared.messages import EmbedRequest, EmbedResult
 from shared.scoring import CLASSIFY, YES_NO, ScoringConfig, reranker_prompt
-from tests.test_embeddings_gateway import redis_url, reply, run_gateway  # noqa: F401
+from tests.test_embeddings_gateway import reply, run_gateway
 
 LIMITS = {"max_text_bytes": 1000}
 

@@ -30,9 +30,11 @@ std::tuple<Tensor, Tensor> DecodeStack::run(Tensor h, Tensor positions, Tensor s
                                             Tensor starts, Tensor lens, Tensor k, Tensor v,
                                             std::optional<Tensor> k_scale,
                                             std::optional<Tensor> v_scale) const {
-  TORCH_CHECK(h.dim() == 2 && k.size(0) == static_cast<int64_t>(layers_.size()),
-              "h must be [T, hidden] and the caches hold every layer");
   const int64_t T = h.size(0), qw = heads_ * head_dim_, kvw = kv_heads_ * head_dim_;
+  TORCH_CHECK(h.dim() == 2 && starts.size(0) == T && lens.size(0) == T,
+              "h must be [T, hidden], a decode row per sequence");
+  TORCH_CHECK(k.size(0) == static_cast<int64_t>(layers_.size()),
+              "the caches must hold every layer");
   Tensor residual;
   for (size_t li = 0; li < layers_.size(); ++li) {
     const DecodeLayer& L = layers_[li];

@@ -1,6 +1,7 @@
 // A decode step's decoder layers in one call: services/compute/model/llama.py's layer loop for
 // a plain Llama-family model (RMSNorms, fused qkv with RoPE and optional q/k norms, SiLU-gated
-// MLP; INT4 block projections), the same kernels in the same order, without a return to Python between them.
+// MLP; INT4 block projections), the same kernels in the same order, without a return to Python
+// between them.
 #pragma once
 
 #include "ops.h"
