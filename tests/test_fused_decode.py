@@ -80,16 +80,24 @@ def test_fused_steps_are_the_loops_bit_for_bit(tmp_path, arch, overrides, settin
 
 
 def test_smollm2_gguf_steps_are_the_loops():
+    """The default model as served (its INT4 blocks): the warm-up's line in the banner says
+    its decode steps run fused."""
+    from services.compute.warmup import warm_up
     from shared import default_model
 
-    assert_same_as_the_loop(make_engine(default_model.fetch(), quantization="auto"))
+    engine = make_engine(default_model.fetch(), quantization="auto")
+    assert "decode steps' layers in one C++ call" in warm_up(engine)
+    assert_same_as_the_loop(engine)
 
 
 def test_what_it_leaves_to_the_loop(tmp_path, demo_model_dir):
+    from services.compute.warmup import warm_up
+
     build_hf_model(tmp_path / "llama", "llama", **TINY)
     engine = make_engine(tmp_path / "llama", kv_cache_dtype="fp8")
     fused = engine.runner.model.fused
     assert fused is not None and not any(took for took, _ in steps(engine, fused))
     build_hf_model(tmp_path / "gemma2", "gemma2", **TINY)  # sandwich norms, GELU, soft-caps
     assert make_engine(tmp_path / "gemma2").runner.model.fused is None
-    assert make_engine(demo_model_dir, quantization="none").runner.model.fused is None
+    engine = make_engine(demo_model_dir, quantization="none")
+    assert engine.runner.model.fused is None and "C++ call" not in warm_up(engine)

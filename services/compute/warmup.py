@@ -21,7 +21,8 @@ def warm_up(engine: LLMEngine) -> str:
     runner: the normal path, while `engine` itself (its requests, scheduler, KV allocator,
     prefix cache, length heads, stats) never sees them. Their KV slots belong to no one, and a
     later prefill overwrites them before anything reads them. Returns what it did, one line
-    for the banner: 'C++ CPU kernels built in 48.2 s; warm-up 0.3 s'."""
+    for the banner: 'C++ CPU kernels built in 48.2 s; warm-up 0.3 s' (and where the model's
+    decode layers run fused, that they do)."""
     if engine.runner.simulated:
         return ""
     done = []
@@ -48,4 +49,6 @@ def warm_up(engine: LLMEngine) -> str:
         return "; ".join([*done, "warm-up skipped"])
     seconds = time.monotonic() - start
     log.info("warm-up: 2 requests, a %d-token prefill and a decode step, in %.2f s", n, seconds)
-    return "; ".join([*done, f"warm-up {seconds:.1f} s"])
+    fused = getattr(engine.runner.model, "fused", None) is not None  # model/fused_decode.py
+    return "; ".join([*done, f"warm-up {seconds:.1f} s",
+                      *(["decode steps' layers in one C++ call"] if fused else [])])
