@@ -40,10 +40,10 @@ class ComputeService:
     engine's stats and heartbeat in Redis."""
 
     def __init__(self, engine: LLMEngine, svc: ServiceConfig, redis_client: redis.Redis,
-                 startup: str = "", grammars: GrammarQueue | None = None):
+                 startup: str, grammars: GrammarQueue):
         """`startup`: what start-up compiled and warmed (warmup.warm_up), for the banner;
-        `grammars`: the compile queue, whose compiler is loaded (else made here)."""
-        self.core = ComputeCore(engine, grammars or GrammarQueue(engine.config.model))
+        `grammars`: the compile queue, its compiler loaded."""
+        self.core = ComputeCore(engine, grammars)
         self.embeds = EmbedCore(engine)
         self.engine = engine
         self.svc, self.redis, self.startup = svc, redis_client, startup

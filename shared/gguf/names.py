@@ -82,10 +82,10 @@ def check_tensors(path) -> tuple[GGUFFile, dict[str, str], dict[str, int] | None
     gguf.check_types()
     q_heads = gguf.require(f"{arch}.attention.head_count")
     heads = {"q_proj": q_heads, "k_proj": gguf.get(f"{arch}.attention.head_count_kv", q_heads)}
-    return gguf, tensor_names(gguf, arch), heads if permuted else None
+    return gguf, _tensor_names(gguf, arch), heads if permuted else None
 
 
-def tensor_names(gguf: GGUFFile, arch: str) -> dict[str, str | list[str]]:
+def _tensor_names(gguf: GGUFFile, arch: str) -> dict[str, str | list[str]]:
     """GGUF -> HF name, or the HF names of its experts for a stacked expert tensor."""
     names = {}
     for src, info in gguf.tensors.items():
