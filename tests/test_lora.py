@@ -230,7 +230,7 @@ def test_load_and_unload_at_run_time(lora_setup):
     drops them."""
     base_dir, dirs, expected, prompts = lora_setup
     engine = lora_engine(base_dir, {"A": dirs["A"]}, max_loras=2)
-    engine.load_lora(LoraModule("B", str(dirs["B"])))
+    engine.adapters.load(LoraModule("B", str(dirs["B"])))
     assert run(engine, [(prompts[3], "B")]) == [expected["B"][3]]
     outputs = {}
     rid = engine.add_request(prompts[3], SamplingParams(max_tokens=MAX_NEW, temperature=0.0,
@@ -248,7 +248,7 @@ def test_load_and_unload_at_run_time(lora_setup):
             outputs.setdefault(ev.request_id, []).extend(ev.token_ids)
     engine.tick()
     assert outputs[rid] == expected["A"][3]
-    assert model.lora_slots == {"B": 0} and engine.lora_names == {"B"}
+    assert model.lora_slots == {"B": 0} and engine.adapters.names == {"B"}
     assert model.layers[0].qkv.a.shape[0] == 1  # A's slot dropped from the stacks
 
 
@@ -265,8 +265,8 @@ def test_adapter_of_another_model_is_refused(lora_setup, tmp_path, other):
         lora_engine(base_dir, {"X": tmp_path / "X"})
     engine = lora_engine(base_dir, {"A": dirs["A"]}, max_loras=2)
     with pytest.raises(LoraError):
-        engine.load_lora(LoraModule("X", str(tmp_path / "X")))
-    assert engine.lora_names == {"A"}
+        engine.adapters.load(LoraModule("X", str(tmp_path / "X")))
+    assert engine.adapters.names == {"A"}
     assert engine.runner.model.lora_slots == {"A": 0}
     assert engine.runner.model.layers[1].gate_up.a.shape[0] == 1
     assert run(engine, [(prompts[3], "A")]) == [expected["A"][3]]

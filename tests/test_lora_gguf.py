@@ -179,7 +179,7 @@ def test_gguf_adapters_match_peft_merged(setup, tmp_path, base_kind):
                                 alpha=8 * math.sqrt(16))
     model = gguf_base if base_kind == "gguf" else base_dir
     engine = lora_engine(model, {"A": files["A"]}, max_loras=2)
-    engine.load_lora(LoraModule("B", str(b_file)))
+    engine.adapters.load(LoraModule("B", str(b_file)))
     names = ["", "A", "B"]
     requests = [(p, names[(i + k) % 3]) for k in range(3) for i, p in enumerate(prompts)]
     got = run(engine, requests, arrive_every=2)
@@ -228,8 +228,8 @@ def test_gguf_file_that_is_no_adapter_is_refused(setup, tmp_path):
                       lora_modules=f"X={gguf_base}")
     engine = lora_engine(base_dir, {"A": files["A"]}, max_loras=2)
     with pytest.raises(LoraError, match="not a LoRA adapter"):
-        engine.load_lora(LoraModule("X", str(gguf_base)))
-    assert engine.lora_names == {"A"}
+        engine.adapters.load(LoraModule("X", str(gguf_base)))
+    assert engine.adapters.names == {"A"}
     text = tmp_path / "notes.txt"
     text.write_text("not an adapter")
     with pytest.raises(LoraError, match="neither a PEFT directory nor a GGUF file"):
@@ -273,5 +273,5 @@ def test_rank_over_max_is_refused(setup):
                            max_lora_rank=8)
     engine = build_engine(config)
     with pytest.raises(LoraError, match="rank 16, over --max-lora-rank 8"):
-        engine.load_lora(LoraModule("B", str(files["B"])))
-    assert engine.lora_names == {"A"}
+        engine.adapters.load(LoraModule("B", str(files["B"])))
+    assert engine.adapters.names == {"A"}

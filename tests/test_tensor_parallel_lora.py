@@ -60,10 +60,10 @@ def test_adapters_on_two_ranks_match_one(lora_model, quantization, tol):
     def run(eng):
         """The mixed batch; then adapter C (A's files) loaded, B unloaded, and C's requests."""
         out = generate(eng, prompts, params)
-        eng.load_lora(LoraModule("C", str(dirs["A"])))
+        eng.adapters.load(LoraModule("C", str(dirs["A"])))
         eng.unload_lora("B")
         with pytest.raises(LoraError):  # refused alike on every rank
-            eng.load_lora(LoraModule("D", str(dirs["A"].parent / "missing")))
+            eng.adapters.load(LoraModule("D", str(dirs["A"].parent / "missing")))
         later = [replace(params[1], lora_name="C"), params[0]]
         return out + generate(eng, [prompts[1], prompts[0]], later)
     one, two = on_both(base, run, enable_lora=True, lora_modules=modules, max_loras=2,

@@ -11,31 +11,26 @@ This class runs in-process for `pipellm generate`; the compute service wraps the
 
 from __future__ import annotations
 
-import functools
 import itertools
 import secrets
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from services.compute.beam.search import BeamSearch
 from services.compute.core.sequence import SeqStatus, Sequence
 from services.compute.core.step import ScheduledStep
 from services.compute.length.refiner import LengthRefiner
 from services.compute.length.store import memory_stores
-from services.compute.pooling import embed
-from services.compute.pooling.reward import RewardHead, reward
-from services.compute.pooling.scoring import ScoringHead, classify
+from services.compute.lora.adapters import Adapters
+from services.compute.pooling.tasks import PoolingTasks
 from services.compute.scheduling.kv_space import KVSpace
 from services.compute.scheduling.scheduler import Scheduler
 from services.compute.step_stats import StepCounts
 from services.compute.structured import GrammarState, ReasoningGate
 from shared.config import EngineConfig
 from shared.length_dist import LengthDist
-from shared.lora import LoraModule
 from shared.messages import Tokens
-from shared.pooling import PoolingConfig
 from shared.sampling import InvalidParams, SamplingParams
-from shared.scoring import ScoringConfig
 
 
 @dataclass(frozen=True)
@@ -69,7 +64,7 @@ class EngineStats:
     tokens: int = 0  # output tokens committed since start
 
 
-class LLMEngine:
+class LLMEngine(PoolingTasks):
     def __init__(self, config: EngineConfig, runner, length_stores=None):
         """`runner`: a ModelRunner or SimRunner (services/compute/backend.py makes the one
         --backend names), holding the model's config, the context length and the KV slots.
@@ -79,9 +74,7 @@ class LLMEngine:
         self.config = config
         self.runner = runner
         self.model_config, self.max_model_len = runner.model_config, runner.max_model_len
-        # the LoRA adapters requests may name (SamplingParams.lora_name)
-        self.lora_names = getattr(getattr(runner, "model", None), "lora_names", frozenset())
-        self._unloading: set[str] = set()  # unloaded adapters some request still uses
+        self.adapters = Adapters(runner, config.max_lora_rank)  # SamplingParams.lora_name's
         self.kv = KVSpace(config.scheduler, self.runner.capacity)
         clock = getattr(runner, "clock", None)  # the simulator's virtual clock, if any
         self.scheduler = Scheduler(config.scheduler, self.kv,
@@ -155,7 +148,7 @@ class LLMEngine:
             raise InvalidParams("logit_bias", f"logit_bias token ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.allowed_token_ids):
             raise InvalidParams("allowed_token_ids", f"allowed_token_ids must be in [0, {vocab})")
-        if params.lora_name and params.lora_name not in self.lora_names:
+        if params.lora_name and params.lora_name not in self.adapters.names:
             raise InvalidParams("model", f"The model `{params.lora_name}` does not exist.")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidParams("prompt", f"prompt has {len(prompt_ids)} tokens; the context "
@@ -184,8 +177,8 @@ class LLMEngine:
         step does it, and an idle server between polls."""
         if self.lengths is not None:
             self.lengths.tick()
-        if self._unloading:
-            self._drop_unloaded()
+        if self.adapters.unloading:
+            self.adapters.release(self._adapters_used())
 
     def step(self) -> StepResult:
         """Schedule and launch one merged step; return the tokens committed meanwhile: this
@@ -256,46 +249,23 @@ class LLMEngine:
             requests=self._added, tokens=self.counts.generated, **prefix,
             **_speculation(s.speculation))
 
-    def load_lora(self, module: LoraModule) -> None:
-        """Serve adapter `module` from now on (loaded at run time; LoraError if it cannot be
-        served). A name still being unloaded is replaced at once."""
-        model = self.runner.model
-        if module.name in model.lora_names:
-            self._unloading.discard(module.name)
-            self.runner.detach_adapter(module.name)
-        self.runner.attach_adapter(module, self.config.max_lora_rank)
-        self.lora_names = model.lora_names - self._unloading
-
     def unload_lora(self, name: str) -> None:
-        """Stop serving adapter `name`: requests naming it are refused from now on; its weights
-        go once no request of it is left (the ones running finish with them)."""
-        self.lora_names = self.lora_names - {name}
-        self._unloading.add(name)
-        self._drop_unloaded()
+        """Stop serving adapter `name` (lora/adapters.py: its running requests finish with it)."""
+        self.adapters.unload(name, self._adapters_used())
 
-    def _drop_unloaded(self) -> None:
-        """Detach the adapters being unloaded that no request (held, or in the step in
-        flight) uses any more."""
+    def _adapters_used(self) -> set[str]:
+        """The adapters of the requests held and of the step in flight."""
         used = {s.params.lora_name for s in self.requests.values()}
         if self._inflight is not None:
             used |= {item.seq.params.lora_name for item in self._inflight[0].items}
-        for name in self._unloading - used:
-            self.runner.detach_adapter(name)
-            self._unloading.discard(name)
+        return used
 
     def lora_info(self) -> dict[str, str]:
-        """vLLM's lora_requests_info labels: the LoRA adapters of the running and of the
-        waiting requests (comma-separated, sorted) and --max-loras; {} without --enable-lora."""
+        """vLLM's lora_requests_info labels (lora/adapters.py); {} without --enable-lora."""
         if not self.config.enable_lora:
             return {}
         s = self.scheduler
-
-        def names(seqs) -> str:
-            return ",".join(sorted({q.params.lora_name for q in seqs} - {""}))
-
-        return {"lora_running": names(s.running), "lora_waiting": names(s.waiting),
-                "max_lora": str(self.config.max_loras),
-                "lora_loaded": ",".join(sorted(self.lora_names))}
+        return self.adapters.info(s.running, s.waiting, self.config.max_loras)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  ) -> list[Sequence]:
@@ -306,40 +276,6 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return seqs
-
-    @functools.cached_property
-    def pooling(self) -> PoolingConfig:
-        """How `embed` pools: the model's (shared/pooling.py), read once."""
-        return PoolingConfig.resolve(self.config.model, self.config.pooler_config)
-
-    def embed(self, prompts: list[list[int]], dimensions: int | None = None,
-              normalize: bool | None = None):
-        """[N, dim] float32 pooled embeddings of whole prompts (services/compute/pooling),
-        L2-normalized as `normalize` says (None: as the model's pooling config does)."""
-        pooling = self.pooling if normalize is None else replace(self.pooling,
-                                                                  normalize=normalize)
-        return embed(self, prompts, pooling, dimensions)
-
-    @functools.cached_property
-    def scoring(self) -> ScoringHead:
-        """The model's scoring head (shared/scoring.py says which), built once."""
-        config = ScoringConfig.from_dir(self.config.model, self.config.hf_overrides,
-                                        self.config.convert)
-        return ScoringHead(self.runner.model, config, self.model_config.final_softcap)
-
-    def classify(self, prompts: list[list[int]]):
-        """[N, k] float32 logits of the scoring head over whole prompts' last tokens (k: the
-        labels; 1 for a yes/no reranker: logit[yes] - logit[no])."""
-        return classify(self, prompts, self.scoring)
-
-    @functools.cached_property
-    def reward_head(self) -> RewardHead:
-        """A reward model's per-token head (pooling/reward.py), built once."""
-        return RewardHead(self.runner.model)
-
-    def reward(self, prompts: list[list[int]]):
-        """[total tokens, k] float32: every token's reward head output (pooling/reward.py)."""
-        return reward(self, prompts, self.reward_head)
 
 
 def prefill_backlog(scheduler: Scheduler) -> int:

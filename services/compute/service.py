@@ -105,7 +105,7 @@ class ComputeService:
         for them), and why the last one that failed to load did not (it stays out)."""
         try:
             if msg.path:
-                self.engine.load_lora(LoraModule(msg.name, msg.path))
+                self.engine.adapters.load(LoraModule(msg.name, msg.path))
                 self.lora_failed.pop(msg.name, None)
             else:
                 self.engine.unload_lora(msg.name)
@@ -166,8 +166,8 @@ def load_runtime_adapters(engine: LLMEngine, client: redis.Redis, server: str) -
     """The adapters loaded at run time before this compute (re)started (lora_api.py), those
     --lora-modules does not name; one that fails is logged and left out."""
     for module in runtime_adapters(client, server):
-        if module.name not in engine.lora_names:
+        if module.name not in engine.adapters.names:
             try:
-                engine.load_lora(module)
+                engine.adapters.load(module)
             except (ValueError, OSError, RuntimeError) as e:
                 log.error("LoRA adapter %r (%s) not loaded: %s", module.name, module.path, e)
