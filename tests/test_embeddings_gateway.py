@@ -5,19 +5,17 @@ refuses, the resend after a service restarts and the failure after a long outage
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from array import array
 
 import redis
 import zmq
 import zmq.asyncio
-from aiohttp.test_utils import TestClient, TestServer
 
 from services.gateway import embeddings_api, health
-from services.gateway.service import build
 from shared import codec, state
-from shared.config import EngineConfig, ServiceConfig
+from shared.config import EngineConfig
 from shared.messages import EmbedRequest, EmbedResult
+from tests import gateway_harness
 
 
 def run_gateway(model_dir, url: str, body, runner: str = "pooling"):
@@ -28,24 +26,16 @@ def run_gateway(model_dir, url: str, body, runner: str = "pooling"):
     for s in state.SERVICES:
         state.heartbeat(client_redis, "default", s, "a", 30)
 
-    async def main():
-        cfg = ServiceConfig(redis_url=url, run_dir=run_dir)
-        gw, inbox = build(EngineConfig(model=str(model_dir), runner=runner), cfg)
-        from services.gateway.service import read_deltas
-
-        reader = asyncio.create_task(read_deltas(gw, inbox))
+    async def with_tokenizer(gw, client):
         tokenizer = zmq.asyncio.Context.instance().socket(zmq.PULL)
-        tokenizer.connect(cfg.addr("tokenizer"))
-        await gw.health.refresh()
+        tokenizer.connect(gw.svc.addr("tokenizer"))
         try:
-            async with TestClient(TestServer(gw.app())) as client:
-                return await body(gw, client, tokenizer)
+            return await body(gw, client, tokenizer)
         finally:
-            reader.cancel()
             tokenizer.close(0)
 
-    with tempfile.TemporaryDirectory(prefix="pl-") as run_dir:
-        return asyncio.run(main())
+    return gateway_harness.run_gateway(EngineConfig(model=str(model_dir), runner=runner), url,
+                                       with_tokenizer, refresh=True, deltas=True)
 
 
 def reply(to: str, result: EmbedResult) -> None:

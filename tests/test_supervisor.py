@@ -72,7 +72,7 @@ def start_up(model_dir, run_dir: str, port: int, *extra: str) -> tuple[subproces
     deadline = time.monotonic() + 120
     while "pipellm is up" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()  # the test's `finally` has not begun: nothing else stops it
+            proc.kill()  # the caller gets no process to stop
             proc.wait()
             raise AssertionError(log.read_text())
         time.sleep(0.2)
@@ -108,9 +108,8 @@ def test_killed_embedded_redis_comes_back_with_its_data(demo_model_dir):
 
     stack = Stack(demo_model_dir, embedded_redis=True)
     run_dir = stack.run_dir
-    proc, log = start_up(demo_model_dir, run_dir, stack.port)
-    stack.proc = proc
     try:
+        stack.proc, log = start_up(demo_model_dir, run_dir, stack.port)
         url = next(line.split()[-4] for line in log.read_text().splitlines()
                    if "embedded redis at" in line)
         client = redis.Redis.from_url(url)
@@ -125,8 +124,6 @@ def test_killed_embedded_redis_comes_back_with_its_data(demo_model_dir):
         assert "redis exited with code -9" in log.read_text() and recovery < 30
         assert "tools: described in the system message" in log.read_text()  # the banner
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
         stack.stop()
 
 
@@ -138,10 +135,9 @@ def test_crash_loop_backs_off_and_reports_the_last_error(demo_model_dir):
     stack = Stack(demo_model_dir, embedded_redis=True)
     run_dir = stack.run_dir
     addr_port = free_port()
-    proc, log = start_up(demo_model_dir, run_dir, stack.port, "--compute-addr",
-                         f"tcp://127.0.0.1:{addr_port}")
-    stack.proc = proc
     try:
+        stack.proc, log = start_up(demo_model_dir, run_dir, stack.port, "--compute-addr",
+                                   f"tcp://127.0.0.1:{addr_port}")
         blocker = socket.socket()
         os.kill(int(Path(run_dir, "compute.pid").read_text()), signal.SIGKILL)
         wait_for(lambda: _try_bind(blocker, addr_port), 10, "compute's port never freed")
@@ -154,8 +150,6 @@ def test_crash_loop_backs_off_and_reports_the_last_error(demo_model_dir):
         code, body = stack.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
         assert code == 200, body
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=30)
         stack.stop()
 
 
