@@ -44,12 +44,20 @@ if COMPOSE is None:
     pytest.skip("no Docker daemon and compose here", allow_module_level=True)
 
 
-def compose(*args: str, timeout: float = 1800, check: bool = True):
-    argv = [*COMPOSE, "-p", PROJECT, "-f", str(ROOT / "compose.yaml"), *args]
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} failed:\n{out.stdout}\n{out.stderr}")
-    return out
+def composer(project: str, file: str):
+    """`compose(*args, timeout=, check=)`: a compose command on `file` as project `project`,
+    its output; an AssertionError with it where the command fails and `check`."""
+    def compose(*args: str, timeout: float = 1800, check: bool = True):
+        argv = [*COMPOSE, "-p", project, "-f", str(ROOT / file), *args]
+        out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)} failed:\n{out.stdout}\n{out.stderr}")
+        return out
+
+    return compose
+
+
+compose = composer(PROJECT, "compose.yaml")
 
 
 def healthy() -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.test_docker import COMPOSE, ROOT, built_and_up, wait_until
+from tests.test_docker import built_and_up, composer, wait_until
 
 PROJECT = "pipellm-rag-test"
 ROUTER, EMBED_PORT = "http://127.0.0.1:8000/v1", 8002
@@ -29,12 +29,7 @@ CHAT, EMBED = "smollm2", "smollm2-embed"
 pytestmark = pytest.mark.docker
 
 
-def compose(*args: str, timeout: float = 1800, check: bool = True):
-    argv = [*COMPOSE, "-p", PROJECT, "-f", str(ROOT / "compose.rag.yaml"), *args]
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} failed:\n{out.stdout}\n{out.stderr}")
-    return out
+compose = composer(PROJECT, "compose.rag.yaml")
 
 
 def client(base: str = ROUTER) -> openai.OpenAI:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.test_docker import COMPOSE, ROOT, built_and_up, wait_until
+from tests.test_docker import built_and_up, composer, wait_until
 
 PROJECT = "pipellm-scale-test"
 PORT = 8000
@@ -26,12 +26,7 @@ PORT = 8000
 pytestmark = pytest.mark.docker
 
 
-def compose(*args: str, timeout: float = 1800, check: bool = True):
-    argv = [*COMPOSE, "-p", PROJECT, "-f", str(ROOT / "compose.scale.yaml"), *args]
-    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} failed:\n{out.stdout}\n{out.stderr}")
-    return out
+compose = composer(PROJECT, "compose.scale.yaml")
 
 
 def answers() -> bool:
