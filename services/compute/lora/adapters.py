@@ -17,9 +17,13 @@ class Adapters:
         """`runner`: the engine's ModelRunner (its model holds the adapters' weights; a
         runner without a model, the simulator's, serves none)."""
         self.runner, self.max_rank = runner, max_rank
-        self.names: frozenset[str] = getattr(getattr(runner, "model", None), "lora_names",
-                                             frozenset())
         self.unloading: set[str] = set()  # unloaded adapters some request still uses
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The adapters a new request may name: the model's, less those being unloaded."""
+        model = getattr(self.runner, "model", None)
+        return frozenset() if model is None else model.lora_names - self.unloading
 
     def load(self, module: LoraModule) -> None:
         """Serve adapter `module` from now on (LoraError if it cannot be served). A name still
@@ -29,12 +33,10 @@ class Adapters:
             self.unloading.discard(module.name)
             self.runner.detach_adapter(module.name)
         self.runner.attach_adapter(module, self.max_rank)
-        self.names = model.lora_names - self.unloading
 
     def unload(self, name: str, used: Iterable[str]) -> None:
         """Stop serving adapter `name`: requests naming it are refused from now on. `used`: the
         adapters the requests held use."""
-        self.names = self.names - {name}
         self.unloading.add(name)
         self.release(used)
 
