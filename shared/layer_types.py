@@ -16,19 +16,15 @@ A window w means: the query at position p attends the keys at positions (p - w, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from shared.config_fields import ConfigFields
 from shared.model_config_gemma import SLIDING_PATTERN
-
-if TYPE_CHECKING:
-    from shared.model_config import _Fields
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _QWEN_MAX_WINDOW_LAYERS = 28  # Qwen2Config / Qwen3Config's default
 
 
-def sliding_window(f: _Fields, arch: str, num_layers: int
+def sliding_window(f: ConfigFields, arch: str, num_layers: int
                    ) -> tuple[int | None, tuple[str, ...] | None]:
     """(window, layer_types): the window of the sliding layers (None: no layer slides) and, when
     only some layers slide, each layer's type (FULL or SLIDING); None when all layers agree."""
@@ -50,7 +46,7 @@ def sliding_window(f: _Fields, arch: str, num_layers: int
     return window, None if FULL not in types else types
 
 
-def _qwen_layer_types(f: _Fields, num_layers: int) -> tuple[str, ...]:
+def _qwen_layer_types(f: ConfigFields, num_layers: int) -> tuple[str, ...]:
     """SLIDING from layer `max_window_layers` on."""
     first = f.cfg.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS)
     if first is None:
@@ -60,13 +56,13 @@ def _qwen_layer_types(f: _Fields, num_layers: int) -> tuple[str, ...]:
     return tuple(SLIDING if i >= first else FULL for i in range(num_layers))
 
 
-def _gemma_layer_types(f: _Fields, arch: str, num_layers: int) -> tuple[str, ...]:
+def _gemma_layer_types(f: ConfigFields, arch: str, num_layers: int) -> tuple[str, ...]:
     """FULL on every n-th layer (n: `sliding_window_pattern`), SLIDING on the others."""
     n = f.get_int("sliding_window_pattern", SLIDING_PATTERN[arch])
     return tuple(FULL if (i + 1) % n == 0 else SLIDING for i in range(num_layers))
 
 
-def _layer_types(f: _Fields, num_layers: int) -> tuple[str, ...] | None:
+def _layer_types(f: ConfigFields, num_layers: int) -> tuple[str, ...] | None:
     """`layer_types` (validated: one of FULL, SLIDING per layer), None when absent."""
     types = f.cfg.get("layer_types")
     if types is None:

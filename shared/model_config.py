@@ -8,11 +8,11 @@ cannot serve correctly (unknown architecture, activation, RoPE variant...) fails
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.config_fields import ConfigFields, ModelLoadError, read_json
 from shared.gguf.hf import hf_config
 from shared.gguf.reader import GGUFError, is_gguf, open_gguf
 from shared.layer_types import FULL, SLIDING, sliding_window
@@ -50,10 +50,6 @@ _ARCH_BY_MODEL_TYPE = {
 }
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _DEFAULT_RMS_NORM_EPS = 1e-6
-
-
-class ModelLoadError(Exception):
-    """A model directory cannot be served; the message names the file, field or architecture."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +129,7 @@ class ModelConfig:
         """A model directory's config, or a GGUF file's (from its metadata)."""
         if is_gguf(path):
             try:
-                return _build(_Fields(hf_config(open_gguf(path)), Path(path)), {})
+                return _build(ConfigFields(hf_config(open_gguf(path)), Path(path)), {})
             except GGUFError as exc:
                 raise ModelLoadError(str(exc)) from None
         return cls.from_dir(path)
@@ -147,62 +143,13 @@ class ModelConfig:
         cfg_path = root / "config.json"
         if not cfg_path.is_file():
             raise ModelLoadError(f"{cfg_path} not found: a model directory needs a config.json")
-        cfg = text_config(_read_json(cfg_path))  # a multimodal model's language model
+        cfg = text_config(read_json(cfg_path))  # a multimodal model's language model
         gen_path = root / "generation_config.json"
-        gen = _read_json(gen_path) if gen_path.is_file() else {}
-        return _build(_Fields(cfg, cfg_path), gen)
+        gen = read_json(gen_path) if gen_path.is_file() else {}
+        return _build(ConfigFields(cfg, cfg_path), gen)
 
 
-class _Fields:
-    """Typed access to config.json fields with errors naming the file and the field."""
-
-    def __init__(self, cfg: dict[str, Any], path: Path):
-        self.cfg = cfg
-        self.path = path
-
-    def error(self, message: str) -> ModelLoadError:
-        return ModelLoadError(f"{self.path}: {message}")
-
-    def get_int(
-        self, key: str, default: int | None = None, *, required: bool = False
-    ) -> int | None:
-        value = self.cfg.get(key)
-        if value is None:
-            if required:
-                raise self.error(f"required field '{key}' is missing")
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise self.error(f"field '{key}' must be a positive integer, got {value!r}")
-        return value
-
-    def get_float(self, key: str, default: float, source: dict | None = None) -> float:
-        value = (self.cfg if source is None else source).get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise self.error(f"field '{key}' must be a positive number, got {value!r}")
-        return float(value)
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        value = self.cfg.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self.error(f"field '{key}' must be true or false, got {value!r}")
-        return value
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _build(f: _Fields, gen: dict[str, Any]) -> ModelConfig:
+def _build(f: ConfigFields, gen: dict[str, Any]) -> ModelConfig:
     arch = _architecture(f)
     if arch in GEMMA_ARCHITECTURES:
         gemma_activation(f)
@@ -259,14 +206,14 @@ def _build(f: _Fields, gen: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _attention_bias(f: _Fields, arch: str) -> bool:
+def _attention_bias(f: ConfigFields, arch: str) -> bool:
     """Whether q, k, v have biases: always for Qwen2, never for Phi-3, else `attention_bias`."""
     if arch == PHI3:
         return False
     return arch == "Qwen2ForCausalLM" or f.get_bool("attention_bias", False)
 
 
-def _architecture(f: _Fields) -> str:
+def _architecture(f: ConfigFields) -> str:
     archs = f.cfg.get("architectures")
     if archs:
         arch = archs[0] if isinstance(archs, list) else archs
@@ -288,7 +235,7 @@ def _architecture(f: _Fields) -> str:
     return arch
 
 
-def _dtype(f: _Fields) -> str:
+def _dtype(f: ConfigFields) -> str:
     raw = f.cfg.get("dtype") or f.cfg.get("torch_dtype") or "float32"
     name = str(raw).removeprefix("torch.")
     if name not in SUPPORTED_DTYPES:

@@ -14,10 +14,9 @@ Gemma2Config / Gemma3TextConfig read them. What a Gemma decoder does beyond Llam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from shared.model_config import _Fields
+from shared.config_fields import ConfigFields
 
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
 GEMMA3_MULTIMODAL = "Gemma3ForConditionalGeneration"  # 4B and up: served as text only
@@ -37,7 +36,7 @@ _SOFTCAPS = {GEMMA2: (50.0, 30.0), GEMMA3: (None, None)}  # (attention, final lo
 SLIDING_PATTERN = {GEMMA2: 2, GEMMA3: 6}  # every n-th layer is full, the others slide
 
 
-def gemma_fields(f: _Fields, arch: str, hidden: int) -> dict[str, Any]:
+def gemma_fields(f: ConfigFields, arch: str, hidden: int) -> dict[str, Any]:
     """The ModelConfig fields of a Gemma architecture ({} for the others)."""
     if arch not in GEMMA_ARCHITECTURES:
         return {}
@@ -64,13 +63,13 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         return cfg
     text = cfg.get("text_config") or {}
     if not isinstance(text, dict):
-        return cfg  # _Fields reports the missing fields
+        return cfg  # ConfigFields reports the missing fields
     top = {k: cfg[k] for k in ("eos_token_id", "bos_token_id", "dtype", "torch_dtype")
            if k in cfg}
     return {**_GEMMA3_TEXT_DEFAULTS, **top, **text, "architectures": [GEMMA3]}
 
 
-def gemma_activation(f: _Fields) -> None:
+def gemma_activation(f: ConfigFields) -> None:
     """Gemma configs name their activation `hidden_activation` (older ones `hidden_act` too):
     only GELU's tanh approximation is served."""
     for key in ("hidden_activation", "hidden_act"):
@@ -80,7 +79,7 @@ def gemma_activation(f: _Fields) -> None:
                           f"{GEMMA_ACTIVATION!r})")
 
 
-def full_rope_params(f: _Fields, params: dict) -> dict:
+def full_rope_params(f: ConfigFields, params: dict) -> dict:
     """Gemma 3's v5 `rope_parameters` ({layer type: parameters}): the full layers' parameters,
     which the model's main RoPE takes (the sliding layers' base is `local_rope_theta`)."""
     full = params.get("full_attention") or {}
@@ -89,7 +88,7 @@ def full_rope_params(f: _Fields, params: dict) -> dict:
     return dict(full)
 
 
-def _local_rope_theta(f: _Fields) -> float:
+def _local_rope_theta(f: ConfigFields) -> float:
     """The sliding layers' RoPE base: v5 rope_parameters['sliding_attention'], else v4
     `rope_local_base_freq`, else 10000; only unscaled RoPE is served there (as transformers
     builds it by default)."""
@@ -105,7 +104,7 @@ def _local_rope_theta(f: _Fields) -> float:
     return f.get_float("rope_local_base_freq", _LOCAL_ROPE_THETA)
 
 
-def _softcap(f: _Fields, key: str, default: float | None) -> float:
+def _softcap(f: ConfigFields, key: str, default: float | None) -> float:
     """The field's cap, 0 for none: the architecture's default when the field is absent, none
     when it is null (as transformers reads both)."""
     if key not in f.cfg:

@@ -1,5 +1,5 @@
 """Mixture-of-experts fields of a model config (shared/model_config.py calls `moe_fields`), read
-as transformers reads them. Errors name the file and field (`_Fields.error`).
+as transformers reads them. Errors name the file and field (`ConfigFields.error`).
 
     Qwen3MoeForCausalLM  num_experts (v5 writes num_local_experts), num_experts_per_tok,
                          moe_intermediate_size, norm_topk_prob; layer i is sparse unless
@@ -18,16 +18,15 @@ for Mixtral) the k weights divided by their sum.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from shared.model_config import _Fields
+from shared.config_fields import ConfigFields
 
 QWEN3_MOE, MIXTRAL, OLMOE = "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM"
 MOE_ARCHITECTURES = (QWEN3_MOE, MIXTRAL, OLMOE)
 
 
-def moe_fields(f: _Fields, arch: str, num_layers: int) -> dict[str, Any]:
+def moe_fields(f: ConfigFields, arch: str, num_layers: int) -> dict[str, Any]:
     """ModelConfig's MoE fields ({} for a dense architecture): num_experts,
     num_experts_per_tok, moe_intermediate_size, norm_topk_prob, moe_layers (the sparse layers'
     indices), plus OLMoE's qk_norm_full and clip_qkv."""
@@ -56,7 +55,7 @@ def moe_fields(f: _Fields, arch: str, num_layers: int) -> dict[str, Any]:
     return out
 
 
-def moe_window(f: _Fields, arch: str, window: int | None) -> int | None:
+def moe_window(f: ConfigFields, arch: str, window: int | None) -> int | None:
     """Qwen3-MoE's attention window: transformers' Qwen3MoeConfig drops `sliding_window`
     unless `use_sliding_window`, then every layer slides (one mask for all)."""
     if arch == QWEN3_MOE and not f.get_bool("use_sliding_window", False):
@@ -66,7 +65,7 @@ def moe_window(f: _Fields, arch: str, window: int | None) -> int | None:
     return window
 
 
-def _qwen_sparse_layers(f: _Fields, num_layers: int) -> tuple[int, ...]:
+def _qwen_sparse_layers(f: ConfigFields, num_layers: int) -> tuple[int, ...]:
     step = f.get_int("decoder_sparse_step", 1)
     dense = f.cfg.get("mlp_only_layers") or []
     if not isinstance(dense, list) or any(
@@ -77,7 +76,7 @@ def _qwen_sparse_layers(f: _Fields, num_layers: int) -> tuple[int, ...]:
     return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
-def _clip_qkv(f: _Fields) -> float | None:
+def _clip_qkv(f: ConfigFields) -> float | None:
     value = f.cfg.get("clip_qkv")
     if value is None:
         return None

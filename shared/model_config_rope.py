@@ -1,20 +1,18 @@
 """RoPE fields of a model config (shared/model_config.py): theta, the scaling type and its
 parameters (linear, llama3, Phi-3's LongRoPE), and the partial rotary factor, from the v5
 `rope_parameters` or the v4 `rope_scaling` layout. Errors name the file and field
-(`ModelLoadError` through `_Fields.error`).
+(`ModelLoadError` through `ConfigFields.error`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from shared.config_fields import ConfigFields
 from shared.model_config_gemma import GEMMA3, GEMMA3_ROPE_THETA, full_rope_params
-
-if TYPE_CHECKING:
-    from shared.model_config import _Fields
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _ROPE_ALIASES = {"su": "longrope"}  # early Phi-3 configs
@@ -33,7 +31,8 @@ _ROPE_FIELDS = {
 _DEFAULT_ROPE_THETA = 10_000.0
 
 
-def rope(f: _Fields, arch: str, max_pos: int, head_dim: int) -> tuple[float, dict | None, float]:
+def rope(f: ConfigFields, arch: str, max_pos: int, head_dim: int
+         ) -> tuple[float, dict | None, float]:
     """(rope_theta, rope_scaling, partial_rotary_factor) from v5 `rope_parameters` or v4
     `rope_scaling` (and top-level fields)."""
     params = f.cfg.get("rope_parameters")
@@ -76,7 +75,7 @@ def rope(f: _Fields, arch: str, max_pos: int, head_dim: int) -> tuple[float, dic
     return theta, scaling, partial
 
 
-def _partial_rotary(f: _Fields, arch: str, value: Any, head_dim: int) -> float:
+def _partial_rotary(f: ConfigFields, arch: str, value: Any, head_dim: int) -> float:
     """The fraction of each head RoPE turns: the rope dict's, else the top-level field's."""
     if value is None:
         value = f.cfg.get("partial_rotary_factor", 1.0)
@@ -96,7 +95,7 @@ def _partial_rotary(f: _Fields, arch: str, value: Any, head_dim: int) -> float:
 
 
 def _longrope(
-    f: _Fields, arch: str, params: dict[str, Any], max_pos: int, rotary_dim: int
+    f: ConfigFields, arch: str, params: dict[str, Any], max_pos: int, rotary_dim: int
 ) -> dict[str, Any]:
     """Phi-3's LongRoPE: per-frequency short and long factors (which one the model applies is
     decided in services/compute/model/rope.py), and the attention factor that scales cos/sin,

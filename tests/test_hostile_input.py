@@ -14,15 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.gateway.errors import APIError
-from services.gateway.pending import PendingLimit
-from services.gateway.protocol import parse_chat, parse_completion
-from services.gateway.request_fields import MAX_SEED
-from services.gateway.validation import (
+from services.gateway.json_body import (
     MAX_JSON_DEPTH,
     check_json_value,
     check_prompt_bytes,
     parse_json_body,
 )
+from services.gateway.pending import PendingLimit
+from services.gateway.protocol import parse_chat, parse_completion
+from services.gateway.request_fields import MAX_SEED
 from shared.config import ServiceConfig, auto_tokenizer_workers
 from shared.messages import ChatMessage
 from shared.settings import add_config_args

@@ -25,6 +25,7 @@ from services.gateway.errors import bad_request, errors_as_json, not_found, unav
 from services.gateway.health import Health
 from services.gateway.inflight import Inflight, Registry
 from services.gateway.invocations import invocation_path
+from services.gateway.json_body import check_prompt_bytes, read_json_body
 from services.gateway.lora_api import LoraAPI
 from services.gateway.messages_api import MessagesAPI, error_body
 from services.gateway.metrics import Metrics
@@ -33,7 +34,7 @@ from services.gateway.responses_api import ResponsesAPI
 from services.gateway.score_api import ScoreAPI
 from services.gateway.stream import OPENAI, Answer
 from services.gateway.utility import Utility
-from services.gateway.validation import check_prompt_bytes, check_request_id, read_json_body
+from services.gateway.validation import check_request_id
 from shared import state
 from shared.chat_template import ChatTemplate
 from shared.config import ServiceConfig

@@ -29,7 +29,8 @@ from services.gateway.embeddings_request import (
 )
 from services.gateway.errors import APIError, bad_request, unavailable
 from services.gateway.inflight import MAX_RESUMES
-from services.gateway.validation import check_request_id, read_json_body
+from services.gateway.json_body import read_json_body
+from services.gateway.validation import check_request_id
 from shared.messages import Delta, EmbedRequest, EmbedResult
 
 log = logging.getLogger("pipellm.gateway")

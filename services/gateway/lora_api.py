@@ -24,7 +24,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from services.gateway.errors import bad_request, not_found, unavailable
-from services.gateway.validation import get_str, read_json_body
+from services.gateway.json_body import read_json_body
+from services.gateway.validation import get_str
 from shared import state
 from shared.lora import AdapterConfig, LoraError, LoraModule
 from shared.messages import LoraUpdate

@@ -26,7 +26,7 @@
   400. Completions accept max_tokens 0 (with echo: the prompt's logprobs only, what lm-eval's
   loglikelihood requests send).
 * The fields both endpoints parse alike (prompts, truncation, stream options, sampling):
-  request_fields.py. (The body as a whole was checked by `validation.check_json_value`.)
+  request_fields.py. (The body as a whole was checked by `json_body.check_json_value`.)
 * Logprobs: completions `logprobs` k in [0, 20] (the chosen tokens' logprobs and the k most
   likely alternatives; with `echo`, also the prompt's); chat `logprobs` true and `top_logprobs`.
 """

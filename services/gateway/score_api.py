@@ -35,6 +35,7 @@ from services.gateway.embeddings_request import (
     pooling_task,
 )
 from services.gateway.errors import APIError, bad_request
+from services.gateway.json_body import read_json_body
 from services.gateway.score_pairs import pair_scores, pairs_message, sigmoid, truncate_pairs
 from services.gateway.score_request import (
     ClassifyRequest,
@@ -43,7 +44,6 @@ from services.gateway.score_request import (
     parse_rerank,
     parse_score,
 )
-from services.gateway.validation import read_json_body
 from shared.codec import int32s
 from shared.messages import EmbedRequest, EmbedResult
 

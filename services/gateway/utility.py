@@ -25,15 +25,10 @@ from aiohttp import web
 from services.gateway.chat_messages import parse_messages
 from services.gateway.chat_settings import template_variables
 from services.gateway.errors import bad_request
+from services.gateway.json_body import check_prompt_bytes, read_json_body
 from services.gateway.protocol import check_model
 from services.gateway.tools import parse_tools
-from services.gateway.validation import (
-    check_prompt_bytes,
-    get_bool,
-    get_str,
-    read_json_body,
-    token_ids,
-)
+from services.gateway.validation import get_bool, get_str, token_ids
 from shared.chat_template import ChatTemplate, ChatTemplateError, template_message
 from shared.tokenizer import decode, encode
 from shared.tool_prompt import render_chat, tool_dicts

@@ -16,10 +16,10 @@ import logging
 from aiohttp import web
 
 from services.gateway.errors import bad_request
+from services.gateway.json_body import check_prompt_bytes, read_json_body
 from services.gateway.messages_api.answer import error_body, message
 from services.gateway.messages_api.events import ANTHROPIC
 from services.gateway.messages_api.request import parse_request
-from services.gateway.validation import check_prompt_bytes, read_json_body
 from shared.chat_template import ChatTemplate, ChatTemplateError, template_message
 from shared.messages import TokenizeRequest
 from shared.tokenizer import encode

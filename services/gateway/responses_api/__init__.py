@@ -20,12 +20,13 @@ from aiohttp import web
 
 from services.gateway import responses
 from services.gateway.errors import bad_request, not_found
+from services.gateway.json_body import read_json_body
 from services.gateway.responses_api.jobs import Jobs, follow
 from services.gateway.responses_api.request import Parsed, parse_request
 from services.gateway.responses_api.run import Run, new_object
 from services.gateway.responses_api.store import TERMINAL, ResponseStore
 from services.gateway.stream import Answer
-from services.gateway.validation import check_request_id, read_json_body
+from services.gateway.validation import check_request_id
 
 log = logging.getLogger("pipellm.gateway")
 
