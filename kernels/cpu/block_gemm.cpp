@@ -130,9 +130,8 @@ bool has_avx512() { return false; }
 bool has_avx512_vnni() { return false; }
 #endif
 
-// `prefetch`: bytes ahead the pass that streams the weights prefetches them (Args::prefetch).
-// The AVX2 levels' distance is measured (bench/cpu_gemm.py's prefetch column); the AVX-512
-// levels take none until a run on such a CPU says otherwise.
+// `prefetch`: bytes ahead the pass that streams the weights prefetches them (Args::prefetch), as
+// measured on each level (bench/cpu_gemm.py's prefetch column, docs/benchmarks.md).
 struct Level {
   const char* name;
   void (*run)(const Args&);
@@ -142,8 +141,8 @@ struct Level {
 constexpr Level kLevels[] = {
     {"avx2", run_avx2, has_avx2, 2048},
     {"avx2_vnni", run_avx2_vnni, has_avx2_vnni, 2048},
-    {"avx512", run_avx512, has_avx512, 0},
-    {"avx512_vnni", run_avx512_vnni, has_avx512_vnni, 0},
+    {"avx512", run_avx512, has_avx512, 2048},
+    {"avx512_vnni", run_avx512_vnni, has_avx512_vnni, 2048},
 };
 const Level* chosen = nullptr;  // set once at load, before any call
 int64_t prefetch = -1;  // set_block_gemm_prefetch's bytes; -1: the chosen level's

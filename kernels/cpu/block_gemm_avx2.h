@@ -11,7 +11,7 @@ namespace {
 template <bool Vnni>
 struct Avx2 : Avx2F {
   // without VNNI two units share each broadcast activation (Zen 3 spends a vector port on it)
-  static constexpr int kRows = 4, kUnits = Vnni ? 1 : 2;
+  static constexpr int kRows = 4, kUnits = Vnni ? 1 : 2, kFewUnits = kUnits, kFewRows = 0;
   static constexpr bool kVnni = Vnni, kRolled = !Vnni;
   using I = __m256i;
   static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }

@@ -9,7 +9,9 @@ namespace {
 
 template <bool Vnni>
 struct Avx512 : Avx512F {
-  static constexpr int kRows = 4, kUnits = 2;
+  // two units (tiles) share each broadcast activation; a step of up to kFewRows rows takes one
+  // tile an item, so that each thread streams its weights in one run (block_gemm_kernel.h)
+  static constexpr int kRows = 4, kUnits = 2, kFewUnits = 1, kFewRows = 8;
   static constexpr bool kVnni = Vnni, kRolled = false;
   using I = __m512i;
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }

@@ -10,12 +10,13 @@
 //   q8_x(x), q8_step(acc, w, x)  signed weights . signed activations: with VNNI as
 //                       (x + 128) . w, the block's 128 * sum(w) (`corr`) subtracted after;
 //                       without it as |w| . (x with w's sign), exact with no correction.
-// Each work item is up to kUnits units over every activation row, kRows rows at a time (items in
-// L2-sized groups, rows in L1-sized chunks: `run`). With Isa::kRolled the steps of a block stay
-// a loop where a micro-kernel has several rows (unrolled, GCC spills AVX2's 16 registers). With
-// Args::prefetch > 0, an item's first micro-kernel (rows from 0), which streams its weights from
-// memory, prefetches them that many bytes ahead (a thread's tiles lie in a row, so it runs on
-// across tiles); the later ones find them in cache.
+// Each work item is up to kUnits units (kFewUnits in a step of up to kFewRows rows) over every
+// activation row, kRows rows at a time (items in L2-sized groups, rows in L1-sized chunks:
+// `run`). With Isa::kRolled the steps of a block stay a loop where a micro-kernel has several
+// rows (unrolled, GCC spills AVX2's 16 registers). With Args::prefetch > 0, an item's first
+// micro-kernel (rows from 0), which streams its weights from memory, prefetches them that many
+// bytes ahead (a thread's tiles lie in a row, so it runs on across tiles); the later ones find
+// them in cache.
 #pragma once
 
 namespace {
@@ -103,7 +104,8 @@ struct Kernel {
     for (int t = 0; t < TN; ++t)
       for (int r = 0; r < TM; ++r) acc[t][r] = Isa::fzero();
     for (int64_t b = 0; b < nb; ++b) {
-      if (a.prefetch > 0 && i0 == 0) prefetch<Q8>(u0, b);
+      if (a.prefetch > 0 && i0 == 0)  // each tile's stream (AVX2's two units share one)
+        for (int t = 0; t < (kPerTile == 1 ? TN : 1); ++t) prefetch<Q8>(u0 + t, b);
       I dot[TN][TM];
       block_dots<TM, TN, Q8>(i0, u0, b, dot);
       for (int t = 0; t < TN; ++t) {
@@ -156,8 +158,9 @@ struct Kernel {
   template <bool Q8, typename scalar_t>
   void run(scalar_t* out) const {
     const int64_t units = (a.N + kLanes - 1) / kLanes;
-    const int64_t items = (units + Isa::kUnits - 1) / Isa::kUnits;
-    const int64_t item_bytes = Isa::kUnits * kLanes * a.K / (Q8 ? 1 : 2);
+    const int per_item = a.M <= Isa::kFewRows ? Isa::kFewUnits : Isa::kUnits;
+    const int64_t items = (units + per_item - 1) / per_item;
+    const int64_t item_bytes = per_item * kLanes * a.K / (Q8 ? 1 : 2);
     const int64_t group = std::max<int64_t>(1, kGroupBytes / item_bytes);
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / a.K / Isa::kRows) * Isa::kRows;
     at::parallel_for(0, items, 1, [&](int64_t p0, int64_t p1) {
@@ -166,9 +169,14 @@ struct Kernel {
         for (int64_t i0 = 0; i0 < a.M; i0 += chunk) {
           const int64_t i1 = std::min(a.M, i0 + chunk);
           for (int64_t p = g0; p < g1; ++p) {
-            const int64_t u0 = p * Isa::kUnits;
-            if (Isa::kUnits == 2 && u0 + 1 < units) rows<Isa::kUnits, Q8>(i0, i1, u0, out);
-            else rows<1, Q8>(i0, i1, u0, out);
+            const int64_t u0 = p * per_item;
+            if constexpr (Isa::kUnits == 2) {
+              if (per_item == 2 && u0 + 1 < units) {
+                rows<2, Q8>(i0, i1, u0, out);
+                continue;
+              }
+            }
+            rows<1, Q8>(i0, i1, u0, out);
           }
         }
       }
