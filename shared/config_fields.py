@@ -52,11 +52,14 @@ class ConfigFields:
         return value
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path, error: type[Exception] = ModelLoadError,
+              whose: str = "") -> dict[str, Any]:
+    """A JSON file holding an object; `error` (naming `whose` file, then its path) otherwise."""
+    name = f"{whose} {path}" if whose else str(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+        raise error(f"{name} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object, got {type(data).__name__}")
+        raise error(f"{name} must hold a JSON object, got {type(data).__name__}")
     return data

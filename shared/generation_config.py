@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shared.config_fields import read_json
 from shared.sampling import InvalidParams, SamplingParams
 
 FILE_NAME = "generation_config.json"
@@ -88,7 +89,7 @@ class GenerationDefaults:
             if not file.is_file():
                 raise ValueError(f"--generation-config {mode}: no {FILE_NAME} there (give auto, "
                                  "vllm, or a directory holding a generation_config.json)")
-            layers = [(str(file), _read_json(file, f"--generation-config {mode}:"))]
+            layers = [(str(file), read_json(file, ValueError, f"--generation-config {mode}:"))]
         else:
             raise ValueError("--generation-config must be auto, vllm or a directory")
         if override:
@@ -194,14 +195,14 @@ def _from_model(path: Path) -> list[tuple[str, dict[str, Any]]]:
 
     if path.is_dir():
         file = path / FILE_NAME
-        return [(str(file), _read_json(file, "the model's"))] if file.is_file() else []
+        return [(str(file), read_json(file, ValueError, "the model's"))] if file.is_file() else []
     if not is_gguf(path):
         return []
     layers = []
     if is_default_model(path):
         layers.append((f"the SmolLM2-135M-Instruct model card, shipped as shared/"
                        f"{DEFAULT_MODEL_FILE.name}",
-                       _read_json(DEFAULT_MODEL_FILE, "pipellm's")))
+                       read_json(DEFAULT_MODEL_FILE, ValueError, "pipellm's")))
     try:
         meta = open_gguf(path).metadata
     except GGUFError as exc:
@@ -213,16 +214,6 @@ def _from_model(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if gguf or ignored:
         layers.append((f"{path.name}'s general.sampling.* metadata", {**ignored, **gguf}))
     return layers
-
-
-def _read_json(path: Path, whose: str) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{whose} {path} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{whose} {path} must hold a JSON object")
-    return value
 
 
 def _number(key: str, value: Any, integer: bool, source: str) -> int | float:

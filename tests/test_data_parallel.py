@@ -152,23 +152,27 @@ def resumes(stack: Stack) -> int:
 
 
 def test_a_restarted_compute_resumes_only_its_own_streams(stack):
-    """A long stream on one compute while the other is killed and restarts: it is not resumed
-    (routed once), and completes. (16 choices of 2,000 tokens, near the demo model's 2,048
-    positions: ~8 s on the CI machine, where a compute's restart takes ~3 s; 1,400 tokens left
-    too thin a margin once decode got faster.)"""
+    """A stream on one compute while the other is killed and restarts: it is not resumed
+    (routed once), and completes. Its compute is paused (SIGSTOP) until the gateway has seen
+    the restart, so the stream is in flight then on a machine of any speed."""
     client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
     chunks = iter(client.completions.create(
-        model=MODEL, prompt="A long one", max_tokens=2000, n=16, temperature=0, stream=True,
+        model=MODEL, prompt="A long one", max_tokens=1000, n=16, temperature=0, stream=True,
         extra_body={"ignore_eos": True}))
     first = next(chunks)
     rank = routes(stack, first.id).index(1)
     restarts = resumes(stack)
-    os.kill(stack.pid(f"compute-{1 - rank}"), signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while resumes(stack) == restarts:  # until the gateway saw the restart
-        assert time.monotonic() < deadline, stack.logs()
-        time.sleep(0.05)
-    assert stack.get(f"/v1/requests/{first.id}")[1]["status"] != "finished"
+    survivor = stack.pid(f"compute-{rank}")
+    os.kill(survivor, signal.SIGSTOP)
+    try:
+        os.kill(stack.pid(f"compute-{1 - rank}"), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while resumes(stack) == restarts:  # until the gateway saw the restart
+            assert time.monotonic() < deadline, stack.logs()
+            time.sleep(0.05)
+        assert stack.get(f"/v1/requests/{first.id}")[1]["status"] != "finished"
+    finally:
+        os.kill(survivor, signal.SIGCONT)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
     assert finish == ["length"] * 16
     assert routes(stack, first.id) == ((1, 0) if rank == 0 else (0, 1))  # never resumed
