@@ -7,7 +7,9 @@ serve the gateway's asyncio loop. Addresses are zmq URLs: ipc://path or tcp://ho
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -101,11 +103,34 @@ class AsyncSender:
 
 
 class AsyncReceiver:
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, bind: bool = True):
-        self.sock = _socket(ctx, zmq.PULL, addr, bind)
+    """A PULL socket read on the asyncio loop: each time its FD signals, every message queued is
+    handed to `handle` in order, with no Future per message (zmq.asyncio's recv makes one). The
+    FD is edge-triggered, so a wake-up drains until ZMQ_EVENTS shows nothing left."""
 
-    async def recv(self) -> Any | None:
-        return _decode((await self.sock.recv(copy=False)).bytes)
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = True):
+        self.sock = _socket(zmq.Context.shadow(ctx.underlying), zmq.PULL, addr, bind)
+
+    async def serve(self, handle: Callable[[Any], None]) -> None:
+        """Deliver every message to `handle` until cancelled; a handler's error is logged and
+        the next message delivered."""
+        loop = asyncio.get_running_loop()
+        fd = self.sock.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._drain, handle)
+        try:
+            self._drain(handle)  # what came before the reader was added
+            await loop.create_future()  # never done: the reader delivers
+        finally:
+            loop.remove_reader(fd)
+
+    def _drain(self, handle: Callable[[Any], None]) -> None:
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            msg = _decode(self.sock.recv(zmq.NOBLOCK))
+            if msg is None:
+                continue
+            try:
+                handle(msg)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the rest
+                log.exception("handling %s failed", type(msg).__name__)
 
 
 class Fanout:

@@ -90,12 +90,13 @@ def redis_client(svc: ServiceConfig) -> aioredis.Redis:
 
 
 async def read_deltas(gw: Gateway, inbox: AsyncReceiver) -> None:
-    while True:
-        msg = await inbox.recv()
+    """Hand each answer the services send to its waiter until cancelled."""
+    def deliver(msg) -> None:
         if isinstance(msg, DeltaBatch):
             gw.registry.dispatch(msg)
         elif isinstance(msg, EmbedResult):
             gw.embeddings_api.deliver(msg)
+    await inbox.serve(deliver)
 
 
 async def resume_background(gw: Gateway) -> None:
