@@ -333,7 +333,7 @@ BAD = [
     ({"prompt": "x", "top_p": 2}, 400, "top_p"),
     ({"prompt": "x", "max_tokens": 5000}, 400, None),  # over the 2048 context
     ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": [999999]}, 400, None),  # token id outside the vocabulary
+    ({"prompt": [999999]}, 400, "prompt"),  # token id outside the vocabulary
     ({"prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
     ({"prompt": "x", "request_id": "a b"}, 400, "request_id"),
 ]

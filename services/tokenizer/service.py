@@ -100,8 +100,10 @@ class Tokenizer:
             return text, encode(self.tok, text, add_special_tokens=bool(req.add_special_tokens))
         if req.prompt_ids is not None:
             ids = list(req.prompt_ids)
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise PromptError(f"prompt token ids must be in [0, {self.vocab_size})")
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise PromptError(f"prompt token id {bad} is outside the vocabulary "
+                                  f"[0, {self.vocab_size})", param="prompt")
             return "", ids
         return req.prompt_text or "", encode(self.tok, req.prompt_text or "",
                                              add_special_tokens=req.add_special_tokens is not False)
