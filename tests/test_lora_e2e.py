@@ -1,7 +1,8 @@
 """LoRA through a real server (issue 49), with the official openai client: a request names the
 adapter as its `model` and gets PEFT's merged model's greedy tokens; the base model still
-answers as itself; /v1/models lists the adapter under the base; an unknown model is a 404
-model_not_found; an adapter loaded and unloaded at run time while a stream runs."""
+answers as itself; /v1/models lists the adapter under the base (and /v1/models/{id}
+retrieves each card); an unknown model is a 404 model_not_found; an adapter loaded and
+unloaded at run time while a stream runs."""
 
 from __future__ import annotations
 
@@ -57,6 +58,11 @@ def test_models_lists_the_adapter(lora_stack):
     cards = {m.id: m.model_dump() for m in client.models.list().data}
     assert list(cards) == [MODEL, "A"]
     assert cards["A"]["parent"] == MODEL and cards["A"]["root"] == str(adapter)
+    for name in cards:  # OpenAI's retrieve: one card
+        assert client.models.retrieve(name).model_dump() == cards[name]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("B")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
 
 
 def test_metrics_lora_requests_info(lora_stack):

@@ -123,7 +123,6 @@ class Gateway:
         ScoreAPI(self).add_routes(app.router)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/v1/models", self.models)
         if self.lora_api is not None:
             self.lora_api.add_routes(app.router)
         app.router.add_get("/health", self.health_check)
@@ -274,15 +273,6 @@ class Gateway:
             await pipe.execute()
         except aioredis.RedisError:
             pass
-
-    async def models(self, request: web.Request) -> web.Response:
-        """The served model, then its LoRA adapters (vLLM's cards: `parent` the base model,
-        `root` the adapter's path)."""
-        base = {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "pipellm", "max_model_len": self.max_model_len}
-        return web.json_response({"object": "list", "data": [base] + [{
-            **base, "id": a.name, "root": a.path, "parent": a.base_model_name or self.model_name}
-            for a in self.adapters]})
 
     async def health_check(self, request: web.Request) -> web.Response:
         if self.health.ok:

@@ -1,5 +1,5 @@
 """The endpoints vLLM users script against besides generation: /tokenize, /detokenize,
-/version and /ping, with vLLM's request and response shapes.
+/v1/models, /version and /ping, with vLLM's request and response shapes.
 
 - `POST /tokenize`: `{"prompt": str, "add_special_tokens": true}` or `{"messages": [...],
   "add_generation_prompt": true, "add_special_tokens": false}` (rendered with the chat
@@ -11,6 +11,9 @@
   tokenizer's plain decode, as vLLM's).
 - `GET /tokenizer_info` -> the tokenizer's special tokens, chat template and context length, as
   vLLM's (`--enable-tokenizer-info-endpoint` there; lm-eval's "remote" tokenizer reads it).
+- `GET /v1/models`: the served model's card, then its LoRA adapters' (vLLM's: `parent` the
+  base model, `root` the adapter's path); `GET /v1/models/{id}`: one card (OpenAI's retrieve;
+  an unknown id is a 404 `model_not_found`).
 - `GET /version` -> `{"version": str}`; `GET|POST /ping`: what /health answers.
 """
 
@@ -24,7 +27,7 @@ from aiohttp import web
 
 from services.gateway.chat_messages import parse_messages
 from services.gateway.chat_settings import template_variables
-from services.gateway.errors import bad_request
+from services.gateway.errors import bad_request, not_found
 from services.gateway.json_body import check_prompt_bytes, read_json_body
 from services.gateway.protocol import check_model
 from services.gateway.tools import parse_tools
@@ -57,6 +60,8 @@ class Utility:
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post("/tokenize", self.tokenize)
         router.add_post("/detokenize", self.detokenize)
+        router.add_get("/v1/models", self.models)
+        router.add_get("/v1/models/{model:.+}", self.model)
         router.add_get("/version", self.version)
         router.add_get("/tokenizer_info", self.tokenizer_info)
         router.add_route("*", "/ping", self.gw.health_check)
@@ -115,6 +120,24 @@ class Utility:
         return web.json_response({"tokenizer_class": "PreTrainedTokenizerFast", **tokens,
                                   "chat_template": t and t.source,
                                   "model_max_length": self.gw.max_model_len})
+
+    def _cards(self) -> list[dict]:
+        gw = self.gw
+        base = {"id": gw.model_name, "object": "model", "created": gw.created,
+                "owned_by": "pipellm", "max_model_len": gw.max_model_len}
+        return [base] + [{**base, "id": a.name, "root": a.path,
+                          "parent": a.base_model_name or gw.model_name} for a in gw.adapters]
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self._cards()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        card = next((c for c in self._cards() if c["id"] == name), None)
+        if card is None:
+            raise not_found(f"The model `{name}` does not exist."[:300], "model",
+                            "model_not_found")
+        return web.json_response(card)
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": version()})
