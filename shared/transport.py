@@ -18,6 +18,8 @@ import zmq.asyncio
 from shared.codec import DecodeError, decode, encode
 
 log = logging.getLogger(__name__)
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: `&` on pyzmq's enums builds
+# a Python enum object a call
 
 
 def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
@@ -123,7 +125,7 @@ class AsyncReceiver:
             loop.remove_reader(fd)
 
     def _drain(self, handle: Callable[[Any], None]) -> None:
-        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while self.sock.getsockopt(_EVENTS) & _POLLIN:
             msg = _decode(self.sock.recv(zmq.NOBLOCK))
             if msg is None:
                 continue
