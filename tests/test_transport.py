@@ -4,6 +4,7 @@ after; an undecodable message is dropped and a handler's error is logged, and ne
 messages behind it."""
 
 import asyncio
+import contextlib
 import logging
 
 import zmq
@@ -48,6 +49,8 @@ def test_serve_delivers_every_message_in_order_and_survives_bad_ones(tmp_path, c
                 break
             await asyncio.sleep(0.01)
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # its reader removed before the socket closes
         push.close(0)
         inbox.sock.close(0)
         return got
