@@ -189,7 +189,9 @@ CHAT_ERRORS = [
     ({"response_format": {"type": "json"}}, "response_format.type", "must be 'text'"),
     ({"parallel_tool_calls": 1}, "parallel_tool_calls", "boolean"),
     ({"service_tier": "flex"}, "service_tier", "not supported"),
-    ({"metadata": {"a": "b"}}, "metadata", "not supported"),
+    ({"metadata": {"a": "b"}}, "metadata", "not supported"),  # OpenAI's: only with store
+    ({"prompt_cache_key": 5}, "prompt_cache_key", "string"),
+    ({"safety_identifier": ["u"]}, "safety_identifier", "string"),
     ({"store": True}, "store", "not supported"),
     ({"modalities": ["text", "audio"]}, "modalities", "not supported"),
     ({"prompt": "x"}, "prompt", "Unrecognized"),
@@ -291,7 +293,8 @@ def test_chat_all_fields():
                       "add_generation_prompt": False, "tools": [], "tool_choice": "none",
                       "response_format": {"type": "text"}, "store": False, "metadata": {},
                       "service_tier": "auto", "modalities": ["text"],
-                      "parallel_tool_calls": None}, M)
+                      "parallel_tool_calls": None, "prompt_cache_key": "conv-1",
+                      "safety_identifier": "user-hash"}, M)
     check_common(req, "chat")
     assert req.messages == (ChatMessage("system", "be brief", name="sys"),
                             ChatMessage("user", "a\nb"), ChatMessage("assistant", "ok"),

@@ -57,6 +57,7 @@ from services.gateway.request_keys import (
     CHAT_NEUTRAL,
     COMPLETION_KEYS,
     COMPLETION_NEUTRAL,
+    LABELS,
 )
 from services.gateway.validation import (
     check_request_id,
@@ -216,6 +217,8 @@ def parse_chat(body: Any, model_name: str, *, defaults: GenerationDefaults = NO_
     ignored (listed in `ignored`), or with `strict` a 400. `model` as for parse_completion."""
     ignored = None if strict else []
     model = _check_body(body, model_name, CHAT_KEYS, CHAT_NEUTRAL, ignored, adapters)
+    for label in LABELS:
+        get_str(body, label)
     messages = parse_messages(body.get("messages"), ignored)
     n = get_int(body, "n", 1, lo=1, hi=MAX_N)
     logprobs = get_bool(body, "logprobs", False)

@@ -41,6 +41,9 @@ _VLLM_NEUTRAL: dict[str, tuple] = {
     "return_token_offsets": (False,), "routed_experts_prompt_start": (), "mm_payload": (),
     "return_mm_kwargs": (False,), "session_id": (),
 }
+# OpenAI's strings that label a chat request and ask for nothing beyond it (as `user`): a cache
+# routing hint (the prefix cache needs none) and an abuse-monitoring id; checked to be strings
+LABELS = ("prompt_cache_key", "safety_identifier")
 COMPLETION_NEUTRAL: dict[str, tuple] = {"suffix": ("",), "prompt_embeds": (),
                                         **_ROUTER_NEUTRAL, **_VLLM_NEUTRAL}
 CHAT_NEUTRAL: dict[str, tuple] = {
@@ -48,8 +51,8 @@ CHAT_NEUTRAL: dict[str, tuple] = {
     "functions": ([],), "function_call": ("none",),
     "metadata": ({},), "store": (False,), "service_tier": ("auto", "default"),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
-    "web_search_options": (), "verbosity": (), "moderation": (), "prompt_cache_key": (),
-    "prompt_cache_options": (), "prompt_cache_retention": (), "safety_identifier": (),
+    "web_search_options": (), "verbosity": (), "moderation": (),
+    "prompt_cache_options": (), "prompt_cache_retention": (),
     # vLLM's and SGLang's
     "return_prompt_text": (False,), "mm_processor_kwargs": ({},), "media_io_kwargs": ({},),
     "stream_reasoning": (True, False), **_ROUTER_NEUTRAL, **_VLLM_NEUTRAL,
@@ -60,5 +63,5 @@ CHAT_KEYS = frozenset(_COMMON_KEYS | {"messages", "max_completion_tokens", "top_
                                       "add_generation_prompt", "continue_final_message",
                                       "chat_template_kwargs", "chat_template", "documents",
                                       "echo", "include_reasoning", "separate_reasoning",
-                                      "thinking_token_budget"}
+                                      "thinking_token_budget", *LABELS}
                       | structured.KEYS | tools.KEYS | CHAT_NEUTRAL.keys())
