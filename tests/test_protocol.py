@@ -189,7 +189,7 @@ CHAT_ERRORS = [
     ({"response_format": {"type": "json"}}, "response_format.type", "must be 'text'"),
     ({"parallel_tool_calls": 1}, "parallel_tool_calls", "boolean"),
     ({"service_tier": "flex"}, "service_tier", "not supported"),
-    ({"metadata": {"a": "b"}}, "metadata", "not supported"),  # OpenAI's: only with store
+    ({"metadata": {"a": "b"}}, "metadata", "not supported"),  # labels a stored completion
     ({"prompt_cache_key": 5}, "prompt_cache_key", "string"),
     ({"safety_identifier": ["u"]}, "safety_identifier", "string"),
     ({"store": True}, "store", "not supported"),
