@@ -15,6 +15,7 @@ import pytest
 from bench import (
     ablation,
     codec,
+    gateway_receive,
     health_check,
     length_predictor,
     llamacpp,
@@ -607,6 +608,14 @@ def test_serve_host_counts_each_process_cpu_per_token(capsys):
         per = out["variants"][variant]["us_per_token"]
         assert set(per) == {"gateway", "tokenizer", "compute", "detokenizer", "client"}
         assert min(per["gateway"], per["compute"], per["detokenizer"], per["client"]) > 0
+
+
+def test_gateway_receive_times_both_loops(capsys):
+    """Both receive loops take every message from a sender process, paced and in a burst."""
+    out = gateway_receive.main(["--messages", "200", "--gap-ms", "0.5", "--rounds", "1"])
+    assert last_json(capsys.readouterr().out) == out
+    for mode in ("paced", "burst"):
+        assert out[mode]["now_us"] > 0 and out[mode]["baseline_us"] > 0
 
 
 def test_pooling_benches_send_no_text_twice():
