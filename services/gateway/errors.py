@@ -55,6 +55,11 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
     return APIError(404, message, param=param, code=code)
 
 
+def unknown_model(name: str) -> APIError:
+    """404 model_not_found: a request named a model this server does not serve."""
+    return not_found(f"The model `{name}` does not exist."[:300], "model", "model_not_found")
+
+
 def payload_too_large(message: str = "Request body is too large.", param: str | None = None,
                       code: str | None = None) -> APIError:
     """413: the request body exceeds the gateway's size limit."""

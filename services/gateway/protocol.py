@@ -41,7 +41,7 @@ from services.gateway import structured, tools
 from services.gateway.beam import check_beam, parse_beam
 from services.gateway.chat_messages import parse_messages
 from services.gateway.chat_settings import NO_CHAT, ChatSettings, chat_options
-from services.gateway.errors import bad_request, not_found
+from services.gateway.errors import bad_request, unknown_model
 from services.gateway.request_fields import (
     MAX_COUNT,
     MAX_N,
@@ -273,7 +273,7 @@ def check_model(body: Any, model_name: str, allowed: frozenset[str],
     reject_unknown(body, allowed, ignored)
     model = get_str(body, "model", model_name)
     if model != model_name and model not in adapters:
-        raise not_found(f"The model `{model}` does not exist."[:300], "model", "model_not_found")
+        raise unknown_model(model)
     return body
 
 

@@ -27,7 +27,7 @@ from aiohttp import web
 
 from services.gateway.chat_messages import parse_messages
 from services.gateway.chat_settings import template_variables
-from services.gateway.errors import bad_request, not_found
+from services.gateway.errors import bad_request, unknown_model
 from services.gateway.json_body import check_prompt_bytes, read_json_body
 from services.gateway.protocol import check_model
 from services.gateway.tools import parse_tools
@@ -135,8 +135,7 @@ class Utility:
         name = request.match_info["model"]
         card = next((c for c in self._cards() if c["id"] == name), None)
         if card is None:
-            raise not_found(f"The model `{name}` does not exist."[:300], "model",
-                            "model_not_found")
+            raise unknown_model(name)
         return web.json_response(card)
 
     async def version(self, request: web.Request) -> web.Response:
