@@ -46,10 +46,12 @@ EXPOSE 8000
 FROM slim AS compute
 
 USER root
-# gcc and the libc headers: Triton compiles its small CUDA launcher with the C compiler at run
-# time, and the CPU kernels (kernels/cpu) are built with it on first use.
+# gcc, g++ and the libc headers: the C++ CPU kernels (kernels/cpu) are built with them below, and
+# Triton compiles its small CUDA launcher with gcc at run time. torch's extension headers include
+# Python.h: Debian's libpython3-dev brings it where the base image's Python has no headers.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
+    && apt-get install -y --no-install-recommends gcc g++ libc6-dev $(python -c \
+        "import os, sysconfig; print('' if os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')) else 'libpython3-dev')") \
     && rm -rf /var/lib/apt/lists/*
 ARG TORCH_SPEC
 ARG TORCH_INDEX_URL
@@ -62,6 +64,12 @@ RUN pip install --find-links /tmp/build \
     && pip install --find-links /tmp/build -r /tmp/requirements.txt \
     && rm -rf /tmp/requirements.txt /tmp/build
 USER pipellm
+# The C++ CPU kernels built once, into the image: one build for every x86 CPU from AVX2 up (the
+# level is chosen at start-up), so a container loads them in a second instead of compiling for
+# minutes. Built from the installed package (run from /tmp, away from /app's copy): the sources'
+# paths are those compute loads at run time, or ninja would compile them all again.
+ENV TORCH_EXTENSIONS_DIR=/home/pipellm/.cache/torch_extensions
+RUN cd /tmp && python -m kernels.cpu
 CMD ["pipellm", "serve", "--host", "0.0.0.0"]
 
 

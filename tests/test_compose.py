@@ -410,3 +410,17 @@ def test_slim_services_run_without_torch(demo_model_dir):
     out = subprocess.run([sys.executable, "-c", script, str(demo_model_dir)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
+
+
+def test_compute_image_carries_the_built_kernels():
+    """The compute target compiles the C++ CPU kernels as the user it runs as, from the
+    installed package (the paths compute loads them from), so a container loads them rather
+    than compiling for minutes (tests/test_docker.py checks compute's log for real)."""
+    dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    stage = dockerfile.split("AS compute", 1)[1].split("\nFROM ", 1)[0]
+    build = re.search(r"^RUN cd /tmp && python -m kernels\.cpu$", stage, re.M)
+    assert build, "the compute target does not build the C++ CPU kernels"
+    users = re.findall(r"^USER (\S+)", stage[:build.start()], re.M)
+    assert users and users[-1] == "pipellm", "the kernels are not built as the runtime user"
+    assert "USER" not in stage[build.end():], "the runtime user changes after the build"
+    assert "libpython3-dev" in stage, "no Python headers where the base image lacks them"

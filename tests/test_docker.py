@@ -1,6 +1,7 @@
 """`docker compose up` for real, where a Docker daemon is available (marked `docker`; skipped
-without one): build, health, a streamed chat completion with the official client, compute
-killed and back, a fast stop, and `down` leaves nothing. Timings go to stdout (-s to see them).
+without one): build, health, a streamed chat completion with the official client, the C++
+kernels built into compute's image, compute killed and back, a fast stop, and `down` leaves
+nothing. Timings go to stdout (-s to see them).
 
 Building needs the base images compose.yaml and Dockerfile name (`python:3.11-slim`, `redis:7`;
 ../shared/recipes/docker-local.md makes them where no registry is reachable) and, for a
@@ -126,6 +127,13 @@ def test_health_and_a_streamed_chat_completion(stack):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason in ("stop", "length") and text.strip()
     print(json.dumps({"answer": text}))
+
+
+def test_compute_loads_the_kernels_built_into_its_image(stack):
+    """The C++ CPU kernels were compiled when the image was built: compute loads them at
+    start-up (neither compiles them for minutes nor falls back to the PyTorch reference)."""
+    log = compose("logs", "--no-color", "compute").stdout
+    assert "C++ CPU kernels loaded (cached)" in log, log[-3000:]
 
 
 def test_killed_compute_comes_back(stack):

@@ -106,6 +106,20 @@ def test_a_failed_kernel_build_does_not_fail_setup(tmp_path):
     assert "PyTorch reference" in out.stdout
 
 
+def test_a_long_build_says_it_is_still_building(caplog):
+    """Nothing waits without saying why: a build that runs on is reported while it runs, and
+    the reports stop when it ends."""
+    from kernels import cpu
+
+    with caplog.at_level("INFO", logger="kernels.cpu"):
+        with cpu._still_building(period_s=0.05):
+            time.sleep(0.3)
+        reports = len(caplog.records)
+        time.sleep(0.2)
+    assert reports >= 3 and len(caplog.records) == reports
+    assert "still building the C++ CPU kernels" in caplog.records[0].getMessage()
+
+
 def test_warm_up_leaves_the_engine_as_it_was(demo_model_dir):
     config = EngineConfig(model=str(demo_model_dir), device="cpu", kv_cache_tokens=512,
                           scheduler=SchedulerConfig(enable_prefix_caching=True),

@@ -102,6 +102,25 @@ def _build_lock(build_dir: Path):
         yield
 
 
+@contextmanager
+def _still_building(period_s: float = 30.0):
+    """While the body runs, say every `period_s` that the kernels are still being built (a first
+    build compiles for minutes on few cores, and compute is not ready until it ends)."""
+    done, started = threading.Event(), time.monotonic()
+
+    def report():
+        while not done.wait(period_s):
+            log.info("still building the C++ CPU kernels (%d s so far; a first build compiles "
+                     "%d sources, minutes on a few cores)", time.monotonic() - started,
+                     len(_SOURCES))
+
+    threading.Thread(target=report, name="kernel-build-progress", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def _build():
     import ninja
     from torch.utils.cpp_extension import _get_build_directory, load
@@ -136,7 +155,8 @@ def extension():
         if "module" not in _state and "error" not in _state:
             started, wall = time.monotonic(), time.time()
             try:
-                module = _build()
+                with _still_building():
+                    module = _build()
             except Exception as exc:  # no compiler, or it failed: the reference still works
                 _state["error"] = _why(exc)
                 log.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference",
