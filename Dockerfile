@@ -36,7 +36,10 @@ COPY services ./services
 COPY shared ./shared
 COPY kernels ./kernels
 COPY loadgen ./loadgen
-RUN pip install --no-deps . && python -m shared.default_model
+# /app's copy goes once installed: every process imports the installed package, whose
+# kernel sources are the paths compute's image built its kernels from
+RUN pip install --no-deps . && python -m shared.default_model \
+    && rm -rf services shared kernels loadgen
 
 RUN useradd --create-home --uid 1000 pipellm
 USER pipellm
@@ -66,8 +69,9 @@ RUN pip install --find-links /tmp/build \
 USER pipellm
 # The C++ CPU kernels built once, into the image: one build for every x86 CPU from AVX2 up (the
 # level is chosen at start-up), so a container loads them in a second instead of compiling for
-# minutes. Built from the installed package (run from /tmp, away from /app's copy): the sources'
-# paths are those compute loads at run time, or ninja would compile them all again.
+# minutes. Built from the installed package: the sources' paths are those compute loads at run
+# time (`pipellm service compute` and `pipellm serve`'s children alike), or ninja would compile
+# them all again.
 ENV TORCH_EXTENSIONS_DIR=/home/pipellm/.cache/torch_extensions
 RUN cd /tmp && python -m kernels.cpu
 CMD ["pipellm", "serve", "--host", "0.0.0.0"]

@@ -77,6 +77,13 @@ def test_a_streamed_chat_through_the_router_and_both_replicas_serve(stack):
     stack["served"] = served
 
 
+def test_replicas_load_the_kernels_built_into_the_image(stack):
+    """`pipellm serve`'s compute child loads the image's C++ kernels; it does not compile them."""
+    for replica in ("replica-1", "replica-2"):
+        log = compose("logs", "--no-color", replica).stdout
+        assert "C++ CPU kernels loaded (cached)" in log, log[-3000:]
+
+
 def test_one_replica_killed_and_the_service_still_answers(stack):
     compose("kill", "replica-1")
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="x", max_retries=2)
