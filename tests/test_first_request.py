@@ -120,6 +120,19 @@ def test_a_long_build_says_it_is_still_building(caplog):
     assert "still building the C++ CPU kernels" in caplog.records[0].getMessage()
 
 
+def test_only_the_module_bindings_include_torch_extension():
+    """A first build compiles each source once: the kernel sources include the ATen they use
+    (kernels/cpu/tensor.h), not <torch/extension.h>, whose parse is most of a source's compile
+    (bench/kernel_build.py). Only the Python modules' bindings need it."""
+    from kernels import cpu
+
+    folder = Path(cpu.__file__).parent
+    including = sorted(p.name for p in folder.iterdir() if p.suffix in (".cpp", ".h")
+                       and "#include <torch/extension.h>" in p.read_text())
+    assert including == ["amx_emulated.cpp", "bindings.cpp"]
+    assert all(p.name == "bindings.cpp" or "PYBIND11_MODULE" not in p.read_text()
+               for p in cpu._SOURCES)
+
 def test_warm_up_leaves_the_engine_as_it_was(demo_model_dir):
     config = EngineConfig(model=str(demo_model_dir), device="cpu", kv_cache_tokens=512,
                           scheduler=SchedulerConfig(enable_prefix_caching=True),

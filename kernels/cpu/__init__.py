@@ -1,6 +1,6 @@
 """C++ kernels for the CPU path, built with torch's extension loader (ninja + the machine's C++
-compiler, cached under $TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions; ~1.5 min
-the first time on two cores, then a load of ~0.1 s).
+compiler, cached under $TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions; ~3 min
+the first time on two cores (bench/kernel_build.py), then a load of ~0.1 s).
 
 `services/setup.sh` builds them once (`python -m kernels.cpu`), and the compute service builds or
 loads them at start-up, before it reports ready (`build()`), so no request waits for a compiler.
@@ -34,6 +34,8 @@ One module, one source per concept (ops.h declares them, bindings.cpp binds them
     decode_layers.cpp     DecodeStack, decode_layers: a decode step's layers in one call, the
                           kernels above chained     services/compute/model/fused_decode.py
     common.h              the row kernels' shared helpers
+    tensor.h              the ATen the sources include; only bindings.cpp includes
+                          <torch/extension.h> (torch's whole C++ API: minutes per source)
     amx_emulate.h         AMX tiles in plain C++: emulated.py builds the AMX kernels on them
                           as a test-only module, so any CPU with AVX512-BF16 tests them
     simd_<isa>.h          the float vector traits the vectorized kernels are templates over

@@ -42,14 +42,14 @@ void silu_mul_rows(const scalar_t* x, int64_t sx, int64_t rows, int64_t inter, s
 
 }  // namespace
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   const int64_t two_i = gate_up.size(-1);
   TORCH_CHECK(two_i % 2 == 0, "last dim of gate_up is odd");
   const int64_t inter = two_i / 2;
   const auto x = pipellm::as_rows(gate_up, two_i);  // [T, 2I]
   auto sizes = gate_up.sizes().vec();
   sizes.back() = inter;
-  auto out = torch::empty(sizes, gate_up.options());  // [..., I]
+  auto out = at::empty(sizes, gate_up.options());  // [..., I]
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_mul", [&] {
     silu_mul_rows(x.data_ptr<scalar_t>(), x.stride(0), x.size(0), inter,
                   out.data_ptr<scalar_t>());

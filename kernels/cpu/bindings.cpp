@@ -1,5 +1,7 @@
 // The one Python module of the C++ CPU kernels (kernels/cpu/__init__.py builds it from all the
 // sources): each function is defined in the .cpp of its concept, declared in ops.h, bound here.
+#include <torch/extension.h>
+
 #include "decode_layers.h"
 #include "ops.h"
 

@@ -21,9 +21,8 @@
 //   xq = round(x / dx), dx = max|x| / 127;  sx = dx * sum(xq) (what Q4's min multiplies)
 // out[i, n] = sum_b d[n,b] dx[i,b] (q[n,b] . xq[i,b]) (+ m[n,b] sx[i,b])  (+ bias[n]),
 // accumulated in float32, returned [M, N] in x's dtype.
-#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <cmath>
 #include <optional>
@@ -157,7 +156,7 @@ OutType out_type(at::ScalarType t) {
   }
 }
 
-void check_weight(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& extra,
+void check_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& extra,
                   int64_t K, int64_t N, bool q8) {
   TORCH_CHECK(chosen != nullptr, "no block GEMM kernel for this CPU (set_block_gemm_isa)");
   const int64_t tiles = (N + kTile - 1) / kTile, nb = K / kBlock;
@@ -169,18 +168,18 @@ void check_weight(const torch::Tensor& qs, const torch::Tensor& d, const torch::
               "scales must be [N / 16, K / 32, 16]: fp16 d, and fp16 mins (Q4) or float sums (Q8)");
 }
 
-torch::Tensor gemm(const torch::Tensor& x, const torch::Tensor& qs, const torch::Tensor& d,
-                   const torch::Tensor& extra, int64_t N, const std::optional<torch::Tensor>& bias,
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                   const at::Tensor& extra, int64_t N, const std::optional<at::Tensor>& bias,
                    bool q8) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
   check_weight(qs, d, extra, K, N, q8);
-  torch::Tensor b;
+  at::Tensor b;
   if (bias.has_value()) {
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == N, "bias must have N elements");
   }
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const OutType type = out_type(x.scalar_type());
   AT_DISPATCH_V2(x.scalar_type(), "block_gemm", AT_WRAP([&] {
     const Quantized xq = quantize_rows(x.data_ptr<scalar_t>(), M, K, x.stride(0));
@@ -232,15 +231,15 @@ std::string vector_isa() {
 
 // x [M, K] (rows contiguous); qs, d, m from pack_int4_blocks for N output rows; bias float [N]
 // or None. Returns [M, N] in x's dtype.
-torch::Tensor q4_gemm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                      int64_t N, std::optional<torch::Tensor> bias) {
+at::Tensor q4_gemm(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m,
+                      int64_t N, std::optional<at::Tensor> bias) {
   return gemm(x, qs, d, m, N, bias, false);
 }
 
 // The same for 8-bit weight blocks (a GGUF's Q8_0; pack_q8_blocks): qs int8 [N / 16, K / 32, 8,
 // 16, 4] (vector v: k = 4v..4v+3), d fp16 scales, corr float 128 * the blocks' weight sums.
-torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor corr,
-                      int64_t N, std::optional<torch::Tensor> bias) {
+at::Tensor q8_gemm(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor corr,
+                      int64_t N, std::optional<at::Tensor> bias) {
   return gemm(x, qs, d, corr, N, bias, true);
 }
 
@@ -248,16 +247,16 @@ torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch:
 // contiguous rows, x_scale float [M]), x 8-bit weight blocks as for q8_gemm: every block of a
 // row takes its row's scale. Returns float32 [M, N]: with blocks of scale 1 (kernels/int8_gemm.py),
 // x_scale[m] times the exact INT32 sum, up to float rounding.
-torch::Tensor q8_gemm_int8_rows(torch::Tensor xq, torch::Tensor x_scale, torch::Tensor qs,
-                                torch::Tensor d, torch::Tensor corr, int64_t N) {
+at::Tensor q8_gemm_int8_rows(at::Tensor xq, at::Tensor x_scale, at::Tensor qs,
+                                at::Tensor d, at::Tensor corr, int64_t N) {
   TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(),
               "xq must be int8 [M, K], contiguous");
   const int64_t M = xq.size(0), K = xq.size(1);
   check_weight(qs, d, corr, K, N, true);
-  const torch::Tensor scale = x_scale.to(at::kFloat).contiguous();
+  const at::Tensor scale = x_scale.to(at::kFloat).contiguous();
   TORCH_CHECK(scale.numel() == M, "x_scale must have M elements");
-  const torch::Tensor xd = scale.unsqueeze(1).expand({M, K / kBlock}).contiguous();  // Args' xd
-  auto out = torch::empty({M, N}, xq.options().dtype(at::kFloat));
+  const at::Tensor xd = scale.unsqueeze(1).expand({M, K / kBlock}).contiguous();  // Args' xd
+  auto out = at::empty({M, N}, xq.options().dtype(at::kFloat));
   const Args args{xq.data_ptr<int8_t>(), xd.data_ptr<float>(), nullptr,  // xs: Q4's mins only
                   M, K, N, static_cast<const uint8_t*>(qs.data_ptr()), d.data_ptr<at::Half>(),
                   nullptr, corr.data_ptr<float>(), true, nullptr, out.data_ptr(),

@@ -8,7 +8,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,7 +26,7 @@ inline void for_row_chunks(int64_t rows, int64_t row_elems, const F& f) {
 }
 
 // t [..., n] as [T, n] rows with a contiguous last dim (a view when possible).
-inline torch::Tensor as_rows(const torch::Tensor& t, int64_t n) {
+inline at::Tensor as_rows(const at::Tensor& t, int64_t n) {
   auto rows = t.reshape({-1, n});
   return rows.stride(1) == 1 ? rows : rows.contiguous();
 }

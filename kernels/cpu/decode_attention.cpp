@@ -20,7 +20,7 @@
 // the loops read them. Items run in parallel on ATen's thread pool.
 // Returns [B, H, D] in q's dtype.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <cmath>
 #include <limits>
@@ -143,9 +143,9 @@ void attend_one(const scalar_t* q, int64_t q_sh, const cache_t* k, const cache_t
 }
 
 template <typename scalar_t, typename cache_t>
-void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const Scales& sc, const int32_t* st, const int32_t* ln, double scale, int64_t window,
-         double softcap, torch::Tensor& out) {
+         double softcap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), group = H / k_cache.size(1);
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const cache_t* kp = k_cache.data_ptr<cache_t>();
@@ -194,10 +194,10 @@ std::string decode_attention_variant(int64_t head_dim) { return variant(head_dim
 // k_scale, v_scale (INT8 caches): fp16 [capacity, Hkv, D / 8], the caches int8. window: 0 for
 // full attention, else the sliding window; softcap: 0 for none, else the logit soft-cap (see the
 // top of this file).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor seq_starts, torch::Tensor seq_lens, double scale,
-                               c10::optional<torch::Tensor> k_scale,
-                               c10::optional<torch::Tensor> v_scale, int64_t window,
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor seq_starts, at::Tensor seq_lens, double scale,
+                               c10::optional<at::Tensor> k_scale,
+                               c10::optional<at::Tensor> v_scale, int64_t window,
                                double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
@@ -229,14 +229,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "K and V caches of one dtype");
   if (const Variant run = variant(D, int8).first) {
     TORCH_CHECK(k_cache.stride(1) == D, "kv heads must be contiguous within a cache row");
-    auto out = torch::empty(q.sizes(), q.options());
+    auto out = at::empty(q.sizes(), q.options());
     run({q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
          k_cache.stride(0), st, ln, q.size(0), H, Hkv, D, static_cast<float>(scale),
          static_cast<float>(softcap), window, out.data_ptr(), dtype_of(q.scalar_type()),
          dtype_of(k_cache.scalar_type())});
     return out;
   }
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
     auto go = [&](auto cache_tag) {

@@ -13,6 +13,8 @@
 // compiler's vector expf, vs torch's) moves values at rounding ties by a step, and W8A8's greedy
 // output is sensitive to that (tests/test_quantization.py's answers). The product, the row
 // maxima and the quantization are ours, fused in one pass over each row.
+#include <ATen/ops/silu.h>
+
 #include "common.h"
 
 #include <tuple>
@@ -41,17 +43,17 @@ void quant_rows(const scalar_t* x, int64_t sx, int64_t rows, int64_t k, const fl
   });
 }
 
-std::tuple<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x, bool silu_mul) {
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, bool silu_mul) {
   const int64_t width = x.size(-1);
   TORCH_CHECK(!silu_mul || width % 2 == 0, "last dim of gate_up is odd");
   const int64_t k = silu_mul ? width / 2 : width;
   const auto rows = pipellm::as_rows(x, width);  // [T, width]
   const int64_t T = rows.size(0);
   // silu(gate) [T, k] float32, as the reference computes it (gate_up.float(), then F.silu)
-  const auto act = silu_mul ? at::silu(rows.narrow(1, 0, k).to(torch::kFloat)) : torch::Tensor();
+  const auto act = silu_mul ? at::silu(rows.narrow(1, 0, k).to(at::kFloat)) : at::Tensor();
   TORCH_CHECK(!act.defined() || act.size(1) <= 1 || act.stride(1) == 1, "silu rows not dense");
-  auto q = torch::empty({T, k}, x.options().dtype(torch::kChar));
-  auto scales = torch::empty({T}, x.options().dtype(torch::kFloat));
+  auto q = at::empty({T, k}, x.options().dtype(at::kChar));
+  auto scales = at::empty({T}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_int8",
                                   [&] {
     quant_rows(rows.data_ptr<scalar_t>(), rows.stride(0), T, k,
@@ -63,10 +65,10 @@ std::tuple<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x, bool s
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> quantize_int8(torch::Tensor x) {
+std::tuple<at::Tensor, at::Tensor> quantize_int8(at::Tensor x) {
   return quantize(x, false);
 }
 
-std::tuple<torch::Tensor, torch::Tensor> silu_mul_int8(torch::Tensor gate_up) {
+std::tuple<at::Tensor, at::Tensor> silu_mul_int8(at::Tensor gate_up) {
   return quantize(gate_up, true);
 }

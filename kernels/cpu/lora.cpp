@@ -9,7 +9,7 @@
 // the amx level), bf16 x and a CPU whose AMX tiles this process may use, AMX (lora_amx.cpp).
 // kernels/lora.py sends other calls to the reference. Built with PIPELLM_AMX_EMULATE
 // (kernels/cpu/emulated.py), it runs the AMX variant's cases alone, on emulated tiles.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <optional>
 #include <string>
@@ -30,10 +30,10 @@ pipellm::lora::DType dtype_of(at::ScalarType t) {
 
 }  // namespace
 
-void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor b,
-                torch::Tensor rows, torch::Tensor starts, torch::Tensor slots,
-                std::vector<int64_t> part_ends, std::optional<torch::Tensor> a_vnni,
-                std::optional<torch::Tensor> b_vnni) {
+void lora_delta(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor b,
+                at::Tensor rows, at::Tensor starts, at::Tensor slots,
+                std::vector<int64_t> part_ends, std::optional<at::Tensor> a_vnni,
+                std::optional<at::Tensor> b_vnni) {
   TORCH_CHECK(y.dim() == 2 && x.dim() == 2 && a.dim() == 3 && b.dim() == 3, "bad ranks");
   TORCH_CHECK(y.stride(1) == 1 && x.stride(1) == 1 && a.is_contiguous() && b.is_contiguous(),
               "rows of y and x, and a and b, must be contiguous");
@@ -64,7 +64,7 @@ void lora_delta(torch::Tensor y, torch::Tensor x, torch::Tensor a, torch::Tensor
   TORCH_CHECK(avx512 || level == "avx2", "lora_delta: no vectorized level on this CPU");
   const bool amx = avx512 && a_vnni && b_vnni && x.scalar_type() == at::kBFloat16 &&
                    in % 32 == 0 && pipellm::lora::amx_ready();
-  auto h = torch::empty({amx ? 0 : rows.size(0), R}, x.options().dtype(at::kFloat));
+  auto h = at::empty({amx ? 0 : rows.size(0), R}, x.options().dtype(at::kFloat));
   const pipellm::lora::Args args{
       y.data_ptr(), x.data_ptr(), a.data_ptr(), b.data_ptr(), rp, sp, gp, part_ends.data(), P,
       y.stride(0), x.stride(0), in, R,

@@ -103,11 +103,11 @@ void norm_rows(const NormArgs<scalar_t>& a, int64_t rows) {
 
 // Outputs of one call: normed (or q + scales) [T, N], res_out [T, N] or undefined.
 struct NormOut {
-  torch::Tensor out, res_out, q, scales;
+  at::Tensor out, res_out, q, scales;
 };
 
-NormOut norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residual,
-             const torch::Tensor& w, double eps, bool quant) {
+NormOut norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+             const at::Tensor& w, double eps, bool quant) {
   const int64_t n = x.size(-1);
   TORCH_CHECK(w.dim() == 1 && w.size(0) == n && w.scalar_type() == x.scalar_type(),
               "weight must be [N] in x's dtype");
@@ -120,12 +120,12 @@ NormOut norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residua
   const int64_t T = xr.size(0);
   NormOut o;
   if (quant) {
-    o.q = torch::empty({T, n}, x.options().dtype(torch::kChar));
-    o.scales = torch::empty({T}, x.options().dtype(torch::kFloat));
+    o.q = at::empty({T, n}, x.options().dtype(at::kChar));
+    o.scales = at::empty({T}, x.options().dtype(at::kFloat));
   } else {
-    o.out = torch::empty(x.sizes(), x.options());
+    o.out = at::empty(x.sizes(), x.options());
   }
-  if (residual) o.res_out = torch::empty(x.sizes(), x.options());
+  if (residual) o.res_out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     NormArgs<scalar_t> a{xr.data_ptr<scalar_t>(), xr.stride(0),
                          residual ? rr.data_ptr<scalar_t>() : nullptr, rr.stride(0),
@@ -143,22 +143,22 @@ NormOut norm(const torch::Tensor& x, const std::optional<torch::Tensor>& residua
 }  // namespace
 
 // x [..., N], w [N] -> w * rmsnorm(x) [..., N] in x's dtype.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   return norm(x, std::nullopt, w, eps, false).out;
 }
 
 // x, residual [..., N] -> (rms_norm(residual + x), residual + x); the inputs are not modified.
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
-                                                      torch::Tensor w, double eps) {
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual,
+                                                      at::Tensor w, double eps) {
   auto o = norm(x, residual, w, eps, false);
   return {o.out, o.res_out};
 }
 
 // -> (int8 values [T, N], float32 scales [T], residual + x [..., N] or None).
-std::tuple<torch::Tensor, torch::Tensor, std::optional<torch::Tensor>> rms_norm_int8(
-    torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor w, double eps) {
+std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> rms_norm_int8(
+    at::Tensor x, std::optional<at::Tensor> residual, at::Tensor w, double eps) {
   auto o = norm(x, residual, w, eps, true);
-  std::optional<torch::Tensor> res;
+  std::optional<at::Tensor> res;
   if (residual) res = o.res_out;
   return {o.q, o.scales, res};
 }

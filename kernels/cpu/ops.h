@@ -2,14 +2,12 @@
 // and decode_layers.cpp chains.
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
-
-using torch::Tensor;
 
 // decode_attention.cpp
 Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_starts,

@@ -11,7 +11,7 @@
 // kernels/prefill_attention.py sends it only what it takes; anything else is a TORCH_CHECK
 // error. Built with PIPELLM_AMX_EMULATE (kernels/cpu/emulated.py), it runs the AMX kernel's
 // cases alone, on emulated tiles.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "lora.h"
 #include "prefill_attention.h"
@@ -58,9 +58,9 @@ void (*kernel_for(DType dtype, Cache cache, int64_t D, int64_t window, bool coar
 }
 
 // the caches' kind; INT8's scales checked ([capacity, Hkv, D / 8] fp16, unit stride along D)
-Cache cache_of(const torch::Tensor& q, const torch::Tensor& k_cache,
-               const std::optional<torch::Tensor>& k_scale,
-               const std::optional<torch::Tensor>& v_scale) {
+Cache cache_of(const at::Tensor& q, const at::Tensor& k_cache,
+               const std::optional<at::Tensor>& k_scale,
+               const std::optional<at::Tensor>& v_scale) {
   const auto t = k_cache.scalar_type();
   if (t == at::kChar) {
     TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "INT8 caches need their scales");
@@ -81,11 +81,11 @@ Cache cache_of(const torch::Tensor& q, const torch::Tensor& k_cache,
 
 }  // namespace
 
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                torch::Tensor cu_q_lens, torch::Tensor seq_starts,
-                                torch::Tensor ctx_lens, double scale, int64_t window,
-                                std::optional<torch::Tensor> k_scale,
-                                std::optional<torch::Tensor> v_scale, bool coarse_p) {
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                at::Tensor cu_q_lens, at::Tensor seq_starts,
+                                at::Tensor ctx_lens, double scale, int64_t window,
+                                std::optional<at::Tensor> k_scale,
+                                std::optional<at::Tensor> v_scale, bool coarse_p) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
               v_cache.scalar_type() == k_cache.scalar_type(),
               "q [T, H, D] and caches [capacity, Hkv, D] of one dtype");
@@ -108,7 +108,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
   const DType dtype = dtype_of(q.scalar_type());
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   const auto run = kernel_for(dtype, cache, D, window, coarse_p);
-  auto out = torch::empty({q.size(0), H, D}, q.options());
+  auto out = at::empty({q.size(0), H, D}, q.options());
   const pipellm::prefill::Args args{
       q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), cu, st, n, S, H, Hkv,
       D, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),

@@ -34,7 +34,7 @@ struct Heads {
 };
 
 template <typename T>
-Heads<T> heads_of(const torch::Tensor& t) {
+Heads<T> heads_of(const at::Tensor& t) {
   return {t.data_ptr<std::remove_const_t<T>>(), t.stride(0), t.stride(1)};
 }
 
@@ -127,7 +127,7 @@ void rope_tokens(const RopeArgs<scalar_t, cache_t>& a, int64_t T) {
 }
 
 // An index tensor [T] (int32/int64) as int64, each checked to lie in [0, bound).
-std::vector<int64_t> indices(const torch::Tensor& t, int64_t T, int64_t bound, const char* what) {
+std::vector<int64_t> indices(const at::Tensor& t, int64_t T, int64_t bound, const char* what) {
   TORCH_CHECK(t.dim() == 1 && t.size(0) == T, what, " must be [T]");
   std::vector<int64_t> out(T);
   AT_DISPATCH_INDEX_TYPES(t.scalar_type(), "rope_indices", [&] {
@@ -138,9 +138,9 @@ std::vector<int64_t> indices(const torch::Tensor& t, int64_t T, int64_t bound, c
   return out;
 }
 
-void check(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-           const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& k_cache,
-           const torch::Tensor& v_cache) {
+void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+           const at::Tensor& v_cache) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k_cache.dim() == 3, "q, k, v, caches: 3-D");
   const int64_t D = q.size(2);
   TORCH_CHECK(D % 2 == 0 && k.size(0) == q.size(0) && k.size(2) == D && v.sizes() == k.sizes(),
@@ -151,29 +151,29 @@ void check(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& 
               v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "caches must be [capacity, Hkv, D], one dtype");
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D / 2 && sin.sizes() == cos.sizes() &&
-              cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat,
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "cos/sin must be float32 [max_pos, D / 2]");
   for (const auto* t : {&q, &k, &v, &cos, &sin, &k_cache, &v_cache})
     TORCH_CHECK(t->stride(-1) == 1, "last dims must be contiguous");
 }
 
-void check_scales(const torch::Tensor& k_cache, const torch::Tensor& ks, const torch::Tensor& vs) {
+void check_scales(const at::Tensor& k_cache, const at::Tensor& ks, const at::Tensor& vs) {
   const int64_t D = k_cache.size(2);
-  TORCH_CHECK(k_cache.scalar_type() == torch::kChar && D % kGroup == 0,
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && D % kGroup == 0,
               "INT8 caches: int8 values, head_dim a multiple of 8");
   for (const auto* s : {&ks, &vs})
-    TORCH_CHECK(s->scalar_type() == torch::kHalf && s->dim() == 3 && s->stride(2) == 1 &&
+    TORCH_CHECK(s->scalar_type() == at::kHalf && s->dim() == 3 && s->stride(2) == 1 &&
                 s->size(0) == k_cache.size(0) && s->size(1) == k_cache.size(1) &&
                 s->size(2) == D / kGroup, "scales must be fp16 [capacity, Hkv, D / 8]");
 }
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> rope_kv_write(
-    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor positions,
-    torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-    torch::Tensor slots, std::optional<torch::Tensor> k_scale,
-    std::optional<torch::Tensor> v_scale) {
+std::tuple<at::Tensor, at::Tensor> rope_kv_write(
+    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positions,
+    at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
+    at::Tensor slots, std::optional<at::Tensor> k_scale,
+    std::optional<at::Tensor> v_scale) {
   check(q, k, v, cos, sin, k_cache, v_cache);
   const bool int8 = k_scale.has_value();
   TORCH_CHECK(int8 == v_scale.has_value(), "pass both k_scale and v_scale, or neither");
@@ -184,8 +184,8 @@ std::tuple<torch::Tensor, torch::Tensor> rope_kv_write(
   const int64_t T = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2);
   const auto pos = indices(positions, T, cos.size(0), "positions");
   const auto slot = indices(slots, T, k_cache.size(0), "slots");
-  auto q_rot = torch::empty({T, H, D}, q.options());
-  auto k_rot = torch::empty({T, Hkv, D}, k.options());
+  auto q_rot = at::empty({T, H, D}, q.options());
+  auto k_rot = at::empty({T, Hkv, D}, k.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_kv_write", [&] {
     auto run = [&](auto cache_tag) {
       using cache_t = decltype(cache_tag);

@@ -11,7 +11,7 @@
 // exp/log are glibc's, not torch's, so a token can differ from the reference only where two race
 // values, or a cumulative mass and top_p, are within float32 rounding.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -38,7 +38,6 @@ void divide(const float* c, int64_t n, float t, float* x) {  // no reciprocal: I
 
 namespace {
 
-using torch::Tensor;
 using namespace pipellm::sampling;
 
 constexpr float kLn2 = 0.6931472f;
@@ -218,8 +217,8 @@ std::tuple<Tensor, Tensor> sample_rows(Tensor logits, std::optional<Tensor> raw_
   const Tensor temp = f32(temperature), tp = f32(top_p), mp = f32(min_p), tk = i64(top_k),
                sd = i64(seeds), st = i64(steps);
   for (const Tensor& t : {temp, tp, mp, tk, sd, st}) TORCH_CHECK(t.numel() == B, "[B] params");
-  auto ids = torch::empty({B}, torch::kLong);
-  auto lps = torch::empty({B}, torch::kFloat);
+  auto ids = at::empty({B}, at::kLong);
+  auto lps = at::empty({B}, at::kFloat);
   int64_t* out_ids = ids.data_ptr<int64_t>();
   float* out_lps = lps.data_ptr<float>();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {

@@ -6,12 +6,12 @@
 // is set to -inf, in place. Whole words of 0 (most of a grammar's vocabulary) and of ~0 take
 // the fast paths. Rows go in parallel.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <limits>
 
-void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+void apply_token_bitmask(at::Tensor logits, at::Tensor bitmask, at::Tensor rows) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
               "logits must be float32 [S, V] with contiguous rows");
   const int64_t V = logits.size(1), words = (V + 31) / 32;
