@@ -31,15 +31,12 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
-# The project itself (pyproject.toml packages services, shared, kernels, loadgen), then the model.
-COPY services ./services
-COPY shared ./shared
-COPY kernels ./kernels
-COPY loadgen ./loadgen
+# The project itself (the pipellm package), then the model.
+COPY pipellm ./pipellm
 # /app's copy goes once installed: every process imports the installed package, whose
 # kernel sources are the paths compute's image built its kernels from
-RUN pip install --no-deps . && python -m shared.default_model \
-    && rm -rf services shared kernels loadgen
+RUN pip install --no-deps . && python -m pipellm.shared.default_model \
+    && rm -rf pipellm
 
 RUN useradd --create-home --uid 1000 pipellm
 USER pipellm
@@ -49,7 +46,7 @@ EXPOSE 8000
 FROM slim AS compute
 
 USER root
-# gcc, g++ and the libc headers: the C++ CPU kernels (kernels/cpu) are built with them below, and
+# gcc, g++ and the libc headers: the C++ CPU kernels (pipellm/kernels/cpu) are built with them below, and
 # Triton compiles its small CUDA launcher with gcc at run time. torch's extension headers include
 # Python.h: Debian's libpython3-dev brings it where the base image's Python has no headers.
 RUN apt-get update \
@@ -73,13 +70,13 @@ USER pipellm
 # time (`pipellm service compute` and `pipellm serve`'s children alike), or ninja would compile
 # them all again.
 ENV TORCH_EXTENSIONS_DIR=/home/pipellm/.cache/torch_extensions
-RUN cd /tmp && python -m kernels.cpu
+RUN cd /tmp && python -m pipellm.kernels.cpu
 CMD ["pipellm", "serve", "--host", "0.0.0.0"]
 
 
 FROM python:3.11-slim AS router
 
-# the version tests/test_router.py checks (services/setup.sh installs it for the tests)
+# the version tests/test_router.py checks (scripts/setup.sh installs it for the tests)
 RUN pip install --no-cache-dir --disable-pip-version-check vllm-router==0.1.17 \
     && useradd --create-home --uid 1000 router
 USER router

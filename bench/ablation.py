@@ -2,17 +2,18 @@
 
 Every number here except the last row is SIMULATED: the real scheduler and KV allocator run on
 the virtual clock (bench/virtual.py) with the KV capacity of the GPU and model
-and roofline step times (services/compute/sim/cost.py, efficiency factors not yet calibrated on
-a GPU). For each model and workload, each variant gets:
+and roofline step times (pipellm/services/compute/sim/cost.py, efficiency factors not yet calibrated
+on a GPU). For each model and workload, each variant gets:
 - qps_at_slo: the highest Poisson arrival rate (ShareGPT) or time-scaled trace rate (Azure) at
   which p99 TTFT <= 3 s and p99 TPOT <= 50 ms (the talk's SLO), found by doubling then
   bisection on the same requests; output_throughput, p99s and preemptions are at that rate;
 - max_output_throughput: every request at once (the offline maximum).
 Requests send no max_tokens (as chat clients commonly do): they may run to the context, so the
 max-length policy reserves prompt + (context - prompt); each really ends with EOS at its true
-length. The oracle knows each true length; the learned predictor (shared/length_predictor.py,
-a real Redis) starts cold in every run, predicts at arrival and learns at finish, in virtual-time
-order; `predicted` reserves its median but at most 64 tokens ahead (the default
+length. The oracle knows each true length; the learned predictor
+(pipellm/shared/length_predictor.py, a real Redis) starts cold in every run, predicts at arrival and
+learns at finish, in virtual-time order; `predicted` reserves its median but at most 64 tokens ahead
+(the default
 --kv-reserve-horizon; "whole-length segments" reserves the whole median) and regrows outgrown
 segments to the conditional p90, again at most 64 ahead.
 
@@ -61,19 +62,19 @@ from bench.virtual import (  # noqa: E402
     summarize,
     with_arrivals,
 )
-from loadgen.datasets import (  # noqa: E402
+from pipellm.loadgen.datasets import (  # noqa: E402
     SHAREGPT_FILE,
     default_data_dir,
     load_sharegpt,
     sharegpt_pairs,
     synthetic,
 )
-from services.compute.sim.hardware import model as model_spec  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.length_dist import LengthDist  # noqa: E402
-from shared.length_predictor import LengthPredictor, length_features  # noqa: E402
-from shared.redis_server import EmbeddedRedis  # noqa: E402
-from shared.settings import with_settings  # noqa: E402
+from pipellm.services.compute.sim.hardware import model as model_spec  # noqa: E402
+from pipellm.shared.config import EngineConfig  # noqa: E402
+from pipellm.shared.length_dist import LengthDist  # noqa: E402
+from pipellm.shared.length_predictor import LengthPredictor, length_features  # noqa: E402
+from pipellm.shared.redis_server import EmbeddedRedis  # noqa: E402
+from pipellm.shared.settings import with_settings  # noqa: E402
 
 SLO_TTFT_MS, SLO_TPOT_MS = 3000.0, 50.0
 MAX_QPS = 4096  # the search's top; passing there means the KV cache took the whole burst
@@ -208,7 +209,8 @@ class Workload:
 
 
 class OnlineLengths:
-    """The Redis length predictor (shared/length_predictor.py) driven by the simulation: each
+    """The Redis length predictor (pipellm/shared/length_predictor.py) driven by the simulation:
+    each
     run starts cold under a fresh key prefix, predicts at arrival and learns at finish."""
 
     _redis = None  # one embedded redis-server for the whole benchmark

@@ -1,6 +1,6 @@
 """The wire codec's cost per streamed token: encoding and decoding the DeltaBatch a step sends
 the gateway (what the detokenizer and the gateway pay for every token they stream), with
-shared/codec.py as it is against a baseline measured in the same run: the same codec sending
+pipellm/shared/codec.py as it is against a baseline measured in the same run: the same codec sending
 every field, as it did before fields at their defaults stayed off the wire.
 
 Messages: --deltas one-token deltas in a batch (a decode step's worth of streams), no logprobs.
@@ -27,8 +27,8 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/codec.py`
     sys.path.insert(0, str(ROOT))
 
 from bench.common import log  # noqa: E402
-from shared import codec  # noqa: E402
-from shared.messages import Delta, DeltaBatch, Tokens  # noqa: E402
+from pipellm.shared import codec  # noqa: E402
+from pipellm.shared.messages import Delta, DeltaBatch, Tokens  # noqa: E402
 
 _NAMES: dict[type, tuple[str, ...]] = {}
 

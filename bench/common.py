@@ -24,9 +24,9 @@ def run_step(argv: list[str]) -> None:
 
 
 def isa() -> str:
-    """The x86 level pipellm's CPU kernels run here and the CPU's levels (kernels/cpu/isa.py):
-    'avx512_vnni (CPU: avx2 avx512 avx512_vnni amx)'."""
-    from kernels.cpu.isa import describe  # here: imports torch, which the installers lack
+    """The x86 level pipellm's CPU kernels run here and the CPU's levels
+    (pipellm/kernels/cpu/isa.py): 'avx512_vnni (CPU: avx2 avx512 avx512_vnni amx)'."""
+    from pipellm.kernels.cpu.isa import describe  # here: imports torch, which the installers lack
 
     return describe()
 

@@ -1,5 +1,5 @@
 """The CPU decode attention of one SmolLM2-135M step (9 query heads, 3 KV heads, head_dim 64,
-30 layers; --heads for another model's), per code path of kernels/cpu/decode_attention.cpp:
+30 layers; --heads for another model's), per code path of pipellm/kernels/cpu/decode_attention.cpp:
 the generic code (what INT8 caches and odd head sizes run, and every cache before the
 vectorized variants) against the vectorized variant of each ISA level this CPU runs (avx2,
 avx512: the same build, the level switched in process), for a batch of sequences decoding at
@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/cpu_attention.py
 import torch  # noqa: E402
 
 from bench.common import machine, median_ms  # noqa: E402
-from kernels.cpu import extension, isa  # noqa: E402
+from pipellm.kernels.cpu import extension, isa  # noqa: E402
 
 LAYERS = 30
 VARIANTS = ("avx2", "avx512")  # the ISA levels with a vectorized variant
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
     ext, dtype = extension(), getattr(torch, args.dtype)
     cache = getattr(torch, args.cache_dtype or args.dtype)
     heads = [int(x) for x in args.heads.split(",")]
-    assert ext is not None, "the C++ CPU kernels did not build (python -m kernels.cpu says why)"
+    assert ext is not None, \
+        "the C++ CPU kernels did not build (python -m pipellm.kernels.cpu says why)"
     here, previous = machine(), ext.block_gemm_isa()
     paths = ["generic"] + [v for v in VARIANTS if v in isa.cpu_levels()]
     print(f"{here}; heads {heads}; {args.dtype} queries, {cache} caches, {n_layers} layers, "

@@ -34,10 +34,10 @@ import torch  # noqa: E402
 
 from bench.common import log, machine  # noqa: E402
 from bench.length_step_cost import Stream, kv_tokens  # noqa: E402
-from services.compute.backend import build_engine  # noqa: E402
-from shared import default_model  # noqa: E402
-from shared.config import EngineConfig, SchedulerConfig  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from pipellm.services.compute.backend import build_engine  # noqa: E402
+from pipellm.shared import default_model  # noqa: E402
+from pipellm.shared.config import EngineConfig, SchedulerConfig  # noqa: E402
+from pipellm.shared.sampling import SamplingParams  # noqa: E402
 
 
 def engine(model: str, batch: int, compiled: bool):

@@ -1,6 +1,6 @@
 """The CPU GEMMs of one SmolLM2-135M step, per weight format, at the row counts a step has
 (M = 1 is a single decode, 200 a prompt): the default INT4 path (W4A8 blocks,
-kernels/cpu/block_gemm.cpp) in every variant this CPU runs (avx2, avx2_vnni, avx512,
+pipellm/kernels/cpu/block_gemm.cpp) in every variant this CPU runs (avx2, avx2_vnni, avx512,
 avx512_vnni: the same build, the variant switched in process) against PyTorch's own CPU int4
 kernel (bf16 activations, what a CPU without the block GEMMs runs) and the float layers
 (oneDNN-packed bf16 and fp32, `model/linear/dense.py`; on an AMX CPU, bf16 is what the `amx`
@@ -16,7 +16,8 @@ turn for the same reason (one Q8 head, 30 MB, stays in a 32 MB L3 between two ca
 the layers pass between two heads). Median of --reps calls
 of the whole set, after two warm-up calls; "speed" = baseline ms / block-GEMM ms, per variant.
 "prefetch" = each variant's ms with no prefetch / with --prefetch bytes (default: what its level
-takes, kernels/cpu/block_gemm.cpp) for the pass that streams the weights, the two timed in turn.
+takes, pipellm/kernels/cpu/block_gemm.cpp) for the pass that streams the weights, the two timed in
+turn.
 
     python -m bench.cpu_gemm [--rows 1,4,16,64,200] [--reps 7] [--activations bfloat16] [--quick]
 
@@ -40,13 +41,13 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/cpu_gemm.py`
 import torch  # noqa: E402
 
 from bench.common import machine  # noqa: E402
-from kernels.cpu import isa  # noqa: E402
-from kernels.dispatch import block_gemm_extension  # noqa: E402
-from kernels.int4_cpu import pack_int4_cpu  # noqa: E402
-from kernels.int4_gemm import int4_gemm, prepare_int4  # noqa: E402
-from kernels.int4_weight import quantize_int4  # noqa: E402
-from services.compute.model.linear import Linear, Q8Linear  # noqa: E402
-from services.compute.model.linear.w8a8 import W8A8Linear  # noqa: E402
+from pipellm.kernels.cpu import isa  # noqa: E402
+from pipellm.kernels.dispatch import block_gemm_extension  # noqa: E402
+from pipellm.kernels.int4_cpu import pack_int4_cpu  # noqa: E402
+from pipellm.kernels.int4_gemm import int4_gemm, prepare_int4  # noqa: E402
+from pipellm.kernels.int4_weight import quantize_int4  # noqa: E402
+from pipellm.services.compute.model.linear import Linear, Q8Linear  # noqa: E402
+from pipellm.services.compute.model.linear.w8a8 import W8A8Linear  # noqa: E402
 
 BASELINES = ("int4-torch", "bf16", "fp32", "w8a8")
 
@@ -159,7 +160,7 @@ def ratios(times: dict[str, float], levels: tuple[str, ...], prefix: str) -> dic
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if block_gemm_extension(torch.empty(0)) is None:
-        sys.exit("the C++ block GEMMs do not run here (python -m kernels.cpu says why)")
+        sys.exit("the C++ block GEMMs do not run here (python -m pipellm.kernels.cpu says why)")
     levels = isa.variants()  # the block GEMMs' variants this CPU runs (isa.py)
     rows = [1, 4] if args.quick else [int(r) for r in args.rows.split(",")]
     reps = 2 if args.quick else args.reps

@@ -34,8 +34,8 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/cpu_levels.py`
     sys.path.insert(0, str(ROOT))
 
 from bench.common import log, machine  # noqa: E402
-from kernels.cpu import isa  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from pipellm.kernels.cpu import isa  # noqa: E402
+from pipellm.shared.sampling import SamplingParams  # noqa: E402
 
 CONFIGS = {"avx2-fp32": ("avx2", "float32"), "vnni-fp32": ("avx512_vnni", "float32"),
            "vnni-bf16": ("avx512_vnni", "bfloat16"), "amx-bf16": ("amx", "bfloat16")}
@@ -58,8 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def engine_for(model: str, level: str, dtype: str, args):
-    from services.compute.backend import build_engine
-    from shared.config import EngineConfig, SchedulerConfig
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared.config import EngineConfig, SchedulerConfig
 
     return build_engine(EngineConfig(
         model=model, cpu_isa=level, dtype=dtype, kv_cache_tokens=args.requests * (
@@ -81,7 +81,7 @@ def tok_s(engine, args, sampling: dict, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from shared import default_model
+    from pipellm.shared import default_model
 
     args = parse_args(argv)
     model = args.model or default_model.resolve()

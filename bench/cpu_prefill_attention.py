@@ -1,9 +1,9 @@
 """The CPU prefill attention of one SmolLM2-135M layer (9 query heads, 3 KV heads, head_dim 64)
-over a batch of whole prompts, per code path of kernels/prefill_attention.py: the float32-GEMM
-path (`_prefill_attention_cpu`, what runs without the C++ kernels or with a window, softcap or
-INT8) against the C++ kernel (kernels/cpu/prefill_attention.cpp) at every ISA level this CPU
-runs (switched in process: avx2 and avx512 in float32 vectors; bf16 on an AMX CPU at the
-avx512 levels: AMX tiles; and bf16 as a pooling forward runs it, P rounded to bf16 alone
+over a batch of whole prompts, per code path of pipellm/kernels/prefill_attention.py: the
+float32-GEMM path (`_prefill_attention_cpu`, what runs without the C++ kernels or with a window,
+softcap or INT8) against the C++ kernel (pipellm/kernels/cpu/prefill_attention.cpp) at every ISA
+level this CPU runs (switched in process: avx2 and avx512 in float32 vectors; bf16 on an AMX CPU at
+the avx512 levels: AMX tiles; and bf16 as a pooling forward runs it, P rounded to bf16 alone
 (coarse_p): `amx_coarse_p` on the tiles, `avx512_bf16` as bf16 products on a CPU with
 AVX512-BF16 and no AMX), and torch's SDPA per sequence (the reference) as a third opinion.
 Prompts: ShareGPT texts' token lengths (data/sharegpt_samples_1024.json, cut to 2,000
@@ -31,8 +31,8 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/cpu_prefill_atte
 import torch  # noqa: E402
 
 from bench.common import machine, median_ms  # noqa: E402
-from kernels.cpu import extension, isa  # noqa: E402
-from kernels.prefill_attention import _prefill_attention_cpu, prefill_attention_reference  # noqa: E402
+from pipellm.kernels.cpu import extension, isa  # noqa: E402
+from pipellm.kernels.prefill_attention import _prefill_attention_cpu, prefill_attention_reference  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -51,8 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def prompt_batches(tokens: int, count: int) -> list[list[int]]:
     """Consecutive ShareGPT prompt lengths (SmolLM2's tokenizer), `tokens` at most a batch."""
     from bench.pooling import inputs
-    from shared.default_model import cached_path
-    from shared.tokenizer import encode, load_tokenizer
+    from pipellm.shared.default_model import cached_path
+    from pipellm.shared.tokenizer import encode, load_tokenizer
 
     tok = load_tokenizer(str(cached_path()))
     out, batch = [], []

@@ -4,8 +4,8 @@ torch's dispatch and allocations, OpenMP's fork and join), one sequence (or --ba
 An engine on --model (default: SmolLM2's GGUF, its INT4 blocks) runs --requests groups of
 --batch requests (default 1) of --prompt random tokens and --tokens decode steps each, a group
 at a time, in two variants: the layers as LlamaModel's Python loop ("loop") and as one C++ call
-("fused", services/compute/model/fused_decode.py; where the model takes it), in turn each round.
-Each variant's rounds alternate between plain steps (their wall time is the step) and steps
+("fused", pipellm/services/compute/model/fused_decode.py; where the model takes it), in turn each
+round. Each variant's rounds alternate between plain steps (their wall time is the step) and steps
 whose calls into the C++ module are timed one by one (their sum is the kernels' time; a timing
 wrapper costs ~1 us a call, outside the sum). host = step - kernels; "calls" are the module's
 calls per step.
@@ -86,11 +86,11 @@ def decode(engine, params, prompt: int, requests: int, rng: random.Random,
 def measure(args) -> dict:
     """Rounds of each variant in turn: the layer loop (LlamaModel._layers, its kernels timed
     in a second pass) and, where the model takes it, the fused call (model/fused_decode.py)."""
-    from kernels import cpu
-    from services.compute.backend import build_engine
-    from shared.config import EngineConfig
-    from shared.sampling import SamplingParams
-    from shared.settings import with_settings
+    from pipellm.kernels import cpu
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared.config import EngineConfig
+    from pipellm.shared.sampling import SamplingParams
+    from pipellm.shared.settings import with_settings
 
     engine = build_engine(with_settings(EngineConfig(), model=args.model,
                                         kv_cache_tokens=(args.prompt + args.tokens + 64)
@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampled", action="store_true", help="temperature 0.7, top_p 0.9")
     args = p.parse_args(argv)
     if args.model is None:
-        from shared import default_model
+        from pipellm.shared import default_model
 
         args.model = str(default_model.fetch())
     return args

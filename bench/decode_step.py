@@ -42,17 +42,17 @@ if "--quick" in sys.argv[1:] and not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from kernels import dispatch  # noqa: E402
-from services.compute.batch import build_batch  # noqa: E402
-from services.compute.core.batch import ForwardBatch  # noqa: E402
-from services.compute.core.sequence import SeqStatus, Sequence  # noqa: E402
-from services.compute.core.step import ScheduledStep, WorkItem  # noqa: E402
-from services.compute.kv.kv_cache import KVCache  # noqa: E402
-from services.compute.model.llama import LlamaModel  # noqa: E402
-from services.compute.model.quantization import Quantization  # noqa: E402
-from shared.length_dist import LengthDist  # noqa: E402
-from shared.model_config import ModelConfig  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from pipellm.kernels import dispatch  # noqa: E402
+from pipellm.services.compute.batch import build_batch  # noqa: E402
+from pipellm.services.compute.core.batch import ForwardBatch  # noqa: E402
+from pipellm.services.compute.core.sequence import SeqStatus, Sequence  # noqa: E402
+from pipellm.services.compute.core.step import ScheduledStep, WorkItem  # noqa: E402
+from pipellm.services.compute.kv.kv_cache import KVCache  # noqa: E402
+from pipellm.services.compute.model.llama import LlamaModel  # noqa: E402
+from pipellm.services.compute.model.quantization import Quantization  # noqa: E402
+from pipellm.shared.length_dist import LengthDist  # noqa: E402
+from pipellm.shared.model_config import ModelConfig  # noqa: E402
+from pipellm.shared.sampling import SamplingParams  # noqa: E402
 
 FULL = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
             num_heads=32, num_kv_heads=8, head_dim=128)

@@ -1,4 +1,4 @@
-"""The gateway's receive loop: CPU per message of shared/transport.AsyncReceiver (now: the
+"""The gateway's receive loop: CPU per message of pipellm/shared/transport.AsyncReceiver (now: the
 socket's FD on the asyncio loop, each wake-up draining every queued message) against a baseline
 measured in the same run, the loop the gateway ran before (zmq.asyncio's `await recv()`, one
 Future per message).
@@ -35,9 +35,9 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/gateway_receive.
     sys.path.insert(0, str(ROOT))
 
 from bench.common import log  # noqa: E402
-from shared.codec import decode, encode  # noqa: E402
-from shared.messages import Delta, DeltaBatch, Tokens  # noqa: E402
-from shared.transport import AsyncReceiver  # noqa: E402
+from pipellm.shared.codec import decode, encode  # noqa: E402
+from pipellm.shared.messages import Delta, DeltaBatch, Tokens  # noqa: E402
+from pipellm.shared.transport import AsyncReceiver  # noqa: E402
 
 
 def send(addr: str, messages: int, gap_s: float) -> None:

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from services.compute.sim.cost import CostModel, fit_decode
+from pipellm.services.compute.sim.cost import CostModel, fit_decode
 
 PAIRS = {"": ("serve_sg", "vllm_serve"), "fp8": ("serve_sg_fp8", "vllm_serve_fp8")}
 STEPS = ("tests", "kernels", "decode1k", "decode4k", "decode_int4", "offline", "serve", "lengths",
@@ -160,7 +160,7 @@ def markdown(r: dict, figs: dict, fitted: dict | None) -> str:
 
 
 def _generated(line: str) -> float:
-    """A stats line's generation throughput (services/compute/step_stats.py)."""
+    """A stats line's generation throughput (pipellm/services/compute/step_stats.py)."""
     m = re.search(r"generation throughput: ([\d.]+)", line)
     return float(m.group(1)) if m else 0.0
 

@@ -36,7 +36,7 @@ import transformers
 from bench.common import log, machine
 from bench.servers import Server, ServerError, free_port, run_bench, running
 from bench.vllm_gpu import SITE as VLLM_SITE
-from shared.demo_model import build_demo_tokenizer, ensure_demo_model
+from pipellm.shared.demo_model import build_demo_tokenizer, ensure_demo_model
 
 SHAPE = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
              num_key_value_heads=8, intermediate_size=14336, rope_theta=500000.0)
@@ -113,7 +113,7 @@ def describe(model: Path) -> str:
 
 def make_server(args, model: Path, port: int, log_path: Path) -> Server:
     if args.server == "pipellm":
-        argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port",
+        argv = [sys.executable, "-m", "pipellm.services.cli", "up", "--model", str(model), "--port",
                 str(port), "--device", args.device, "--dtype", "bfloat16", "--max-model-len",
                 str(args.context), "--quantization", args.quantization,
                 "--log-stats-interval", str(STATS_INTERVAL_S)]
@@ -131,7 +131,7 @@ def bench_argv(args, workload: str, sampling: str, port: int, model: Path, out: 
                prompts: int | None = None) -> list[str]:
     flags, count = WORKLOADS[workload]
     n = prompts or getattr(args, count)
-    return [sys.executable, "-m", "loadgen.cli", "--base-url", f"http://127.0.0.1:{port}",
+    return [sys.executable, "-m", "pipellm.loadgen.cli", "--base-url", f"http://127.0.0.1:{port}",
             *flags, "--tokenizer", str(model), "--max-model-len", str(args.context),
             "--num-prompts", str(n), "--ignore-eos", *SAMPLING[sampling][1],
             "--seed", str(args.seed), "--disable-tqdm", "--save-result",
@@ -151,7 +151,7 @@ def gpu_processes() -> dict[str, int]:
 
 
 def engine_lines(log_path: Path, start: int) -> list[str]:
-    """pipellm compute's stats lines (services/compute/step_stats.py) in its log past byte
+    """pipellm compute's stats lines (pipellm/services/compute/step_stats.py) in its log past byte
     `start`: what a run's steps did, read beside its figures."""
     with open(log_path, "rb") as f:
         f.seek(start)

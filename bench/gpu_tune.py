@@ -3,7 +3,7 @@ FP8-KV decode attention (batch 64, context 4096), one long sequence's decode att
 context 4096; also with the splits merged in the split kernel, Tiling.fused), the W4A16 GEMM at
 one row (4096x4096, 14336x4096, groups of 128; split along K, the splits added by a second
 launch or by each tile's last split), and at 2 to 256 rows the fused kernel,
-dequantize + cuBLAS and tinygemm (kernels/int4_gemm.py's choices by rows: TINYGEMM_ROWS,
+dequantize + cuBLAS and tinygemm (pipellm/kernels/int4_gemm.py's choices by rows: TINYGEMM_ROWS,
 SMALL_M).
 
 Each candidate is timed replayed from a CUDA graph over cold copies of its inputs
@@ -42,13 +42,13 @@ if "--quick" in sys.argv[1:] and not torch.cuda.is_available():
 import torch.nn.functional as F  # noqa: E402
 
 from bench.cuda_timing import copies_for, graph_ms  # noqa: E402
-from kernels import dispatch  # noqa: E402
-from kernels.decode_attention import TILINGS, Tiling, decode_attention_reference  # noqa: E402
-from kernels.decode_attention import _decode_attention_triton as decode  # noqa: E402
-from kernels.int4_gemm import GemmTiling, gemm_tiling, int4_gemm_triton  # noqa: E402
-from kernels.int4_tiles import int4_tiles_gemm, pack_tiles  # noqa: E402
-from kernels.int4_weight import dequantize_int4, quantize_int4, unpack_nibbles  # noqa: E402
-from kernels.kv_quant import KV_GROUP, quantize_kv, to_fp8  # noqa: E402
+from pipellm.kernels import dispatch  # noqa: E402
+from pipellm.kernels.decode_attention import TILINGS, Tiling, decode_attention_reference  # noqa: E402
+from pipellm.kernels.decode_attention import _decode_attention_triton as decode  # noqa: E402
+from pipellm.kernels.int4_gemm import GemmTiling, gemm_tiling, int4_gemm_triton  # noqa: E402
+from pipellm.kernels.int4_tiles import int4_tiles_gemm, pack_tiles  # noqa: E402
+from pipellm.kernels.int4_weight import dequantize_int4, quantize_int4, unpack_nibbles  # noqa: E402
+from pipellm.kernels.kv_quant import KV_GROUP, quantize_kv, to_fp8  # noqa: E402
 
 
 def timer(cuda: bool):
@@ -134,8 +134,8 @@ def gemlite_layer(w):
 
 def sweep_w4a16(m, n, k, group, candidates, dt, dev, run) -> dict:
     """Candidates of the W4A16 GEMM's tiling (None: int4_gemm_triton's own choice; "tiles":
-    tinygemm's layout, kernels/int4_tiles.py; "gemlite": `gemlite_layer`) against cuBLAS bf16
-    on the dequantized weight."""
+    tinygemm's layout, pipellm/kernels/int4_tiles.py; "gemlite": `gemlite_layer`) against cuBLAS
+    bf16 on the dequantized weight."""
     w = torch.randn(n, k, dtype=dt, device=dev) * 0.02
     x = torch.randn(m, k, dtype=dt, device=dev)
     w4 = quantize_int4(w, group).to(dev, dt)

@@ -1,6 +1,6 @@
 """The gateway's health check against the number of requests Redis keeps: reading a server's
-heartbeats from its set of heartbeat keys (shared/state.py, now) against a baseline measured in
-the same run, the SCAN over the keyspace the check did before (every request's state stays in
+heartbeats from its set of heartbeat keys (pipellm/shared/state.py, now) against a baseline measured
+in the same run, the SCAN over the keyspace the check did before (every request's state stays in
 Redis for --request-ttl-s, an hour by default, so the keyspace grows with the traffic).
 
 A real Redis (embedded), four services' heartbeats and one engine's stats, and --keys request
@@ -29,10 +29,10 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/health_check.py`
     sys.path.insert(0, str(ROOT))
 
 from bench.common import log  # noqa: E402
-from services.gateway.health import Health  # noqa: E402
-from services.gateway.metrics import Metrics  # noqa: E402
-from shared import state  # noqa: E402
-from shared.redis_server import EmbeddedRedis  # noqa: E402
+from pipellm.services.gateway.health import Health  # noqa: E402
+from pipellm.services.gateway.metrics import Metrics  # noqa: E402
+from pipellm.shared import state  # noqa: E402
+from pipellm.shared.redis_server import EmbeddedRedis  # noqa: E402
 
 SERVER = "bench"
 

@@ -1,6 +1,6 @@
 """Host time per decode step: Scheduler.schedule + build_batch + update with N requests running
-and fake tokens (no model), with the garbage collector as compute sets it once started (shared/
-heap.py: the heap frozen, young collections every --gc-young-threshold allocations:
+and fake tokens (no model), with the garbage collector as compute sets it once started
+(pipellm/shared/ heap.py: the heap frozen, young collections every --gc-young-threshold allocations:
 "settled"), as it set it before (the heap frozen alone: "frozen") and as CPython leaves it
 ("default"). Each variant runs in a fresh process, rounds alternating; prompts are random
 (20-200 tokens), context 1024.

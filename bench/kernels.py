@@ -63,25 +63,25 @@ from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 from bench.cuda_timing import copies_for, graph_ms  # noqa: E402
 from bench.paged_attention import decode_attention_paged  # noqa: E402
-from kernels import dispatch  # noqa: E402
-from kernels.activation import (  # noqa: E402
+from pipellm.kernels import dispatch  # noqa: E402
+from pipellm.kernels.activation import (  # noqa: E402
     gelu_tanh_mul,
     gelu_tanh_mul_ref,
     silu_mul,
     silu_mul_ref,
 )
-from kernels.decode_attention import Tiling, decode_attention  # noqa: E402
-from kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
-from kernels.int4_gemm import GemmTiling, int4_gemm, prepare_int4  # noqa: E402
-from kernels.int4_weight import dequantize_int4, quantize_int4  # noqa: E402
-from kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
-from kernels.lora import lora_delta_, lora_delta_reference  # noqa: E402
-from kernels.prefill_attention import prefill_attention  # noqa: E402
-from kernels.rmsnorm import add_rms_norm, add_rms_norm_ref  # noqa: E402
-from kernels.rope import rope_kv_write, rope_kv_write_ref  # noqa: E402
-from kernels.sampling import SamplingBatch, sample, sample_reference  # noqa: E402
-from services.compute.model.moe import route  # noqa: E402
-from services.compute.model.rope import RotaryEmbedding  # noqa: E402
+from pipellm.kernels.decode_attention import Tiling, decode_attention  # noqa: E402
+from pipellm.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
+from pipellm.kernels.int4_gemm import GemmTiling, int4_gemm, prepare_int4  # noqa: E402
+from pipellm.kernels.int4_weight import dequantize_int4, quantize_int4  # noqa: E402
+from pipellm.kernels.kv_quant import quantize_kv, to_fp8  # noqa: E402
+from pipellm.kernels.lora import lora_delta_, lora_delta_reference  # noqa: E402
+from pipellm.kernels.prefill_attention import prefill_attention  # noqa: E402
+from pipellm.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref  # noqa: E402
+from pipellm.kernels.rope import rope_kv_write, rope_kv_write_ref  # noqa: E402
+from pipellm.kernels.sampling import SamplingBatch, sample, sample_reference  # noqa: E402
+from pipellm.services.compute.model.moe import route  # noqa: E402
+from pipellm.services.compute.model.rope import RotaryEmbedding  # noqa: E402
 
 FULL = dict(heads=(32, 8, 128), hidden=4096, inter=14336, vocab=128256, copy_mib=1024,
             decode=[(64, 4096), (1, 4096), (256, 4096)], prefill=[(1, 2048, 0), (4, 512, 1536)],
@@ -434,8 +434,8 @@ def targets(s: dict, res: dict) -> dict:
 
 def apply_tilings(tuned: dict) -> None:
     """The kernels' launch shapes set to bench/gpu_tune.py's best candidates (this process)."""
-    decode_attention_module = importlib.import_module("kernels.decode_attention")
-    int4_gemm_module = importlib.import_module("kernels.int4_gemm")
+    decode_attention_module = importlib.import_module("pipellm.kernels.decode_attention")
+    int4_gemm_module = importlib.import_module("pipellm.kernels.int4_gemm")
     best = lambda key: (tuned.get(key) or {}).get("best")  # noqa: E731
     if r := best("int8_decode_b64"):
         decode_attention_module.TILINGS["int8"] = Tiling(**r["tiling"])

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
-from services.compute.backend import build_engine
-from shared import default_model
-from shared.chat_template import load_chat_template
-from shared.config import EngineConfig, SchedulerConfig
-from shared.model_config import ModelConfig
-from shared.sampling import SamplingParams
-from shared.tokenizer import encode, load_tokenizer
+from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared import default_model
+from pipellm.shared.chat_template import load_chat_template
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.model_config import ModelConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.tokenizer import encode, load_tokenizer
 
 DATA = Path(__file__).resolve().parent / "data" / "smollm2_lengths.jsonl"
 CACHE = Path("~/.cache/pipellm/length_data").expanduser()

@@ -7,7 +7,7 @@ while generating: the last prompt token, then every 32 generated tokens) and the
 ChatGPT answers (the prompt's hidden state only, computed here once and cached).
 
 Online, in arrival order (or shuffled): each request is predicted, then learned, by the
-engine's own refiner (services/compute/length/refiner.py) on in-memory stores.
+engine's own refiner (pipellm/services/compute/length/refiner.py) on in-memory stores.
 - `hidden`: the prediction after prefill; reserve its quantile, point = its median.
 - `refined`: the newest prediction at each checkpoint: the reservation grows (never shrinks)
   to generated + the remaining length's quantile; outgrown if the true length passes the last
@@ -26,14 +26,14 @@ import numpy as np
 import torch
 
 from bench import length_data
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
-from services.compute.core.sequence import Sequence
-from services.compute.length.head import probe_dim, probe_matrix
-from services.compute.length.refiner import LengthRefiner, RefinerConfig
-from services.compute.length.store import memory_stores
-from shared.length_dist import LengthDist
-from shared.sampling import SamplingParams
-from shared.tokenizer import encode, load_tokenizer
+from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
+from pipellm.services.compute.core.sequence import Sequence
+from pipellm.services.compute.length.head import probe_dim, probe_matrix
+from pipellm.services.compute.length.refiner import LengthRefiner, RefinerConfig
+from pipellm.services.compute.length.store import memory_stores
+from pipellm.shared.length_dist import LengthDist
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.tokenizer import encode, load_tokenizer
 
 MIN_REQUESTS = 16
 
@@ -49,7 +49,7 @@ class Item:
 
 def prompt_hidden(runner, prompt: list[int]) -> np.ndarray:
     """[1, hidden] the final-normed hidden state of the last prompt token (one prefill)."""
-    from services.compute.kv.sizing import profile_batch
+    from pipellm.services.compute.kv.sizing import profile_batch
 
     batch = profile_batch(len(prompt), 1, runner.device)
     batch.input_ids.copy_(torch.tensor(prompt))
@@ -74,9 +74,9 @@ def smollm2_items(setting: str, limit: int | None, cache: Path = length_data.CAC
 def chatgpt_items(indices: list[int], cache: Path = length_data.CACHE) -> list[Item]:
     """The same samples' ChatGPT answers (SmolLM2 tokens, capped at max_tokens), with the
     prompt's hidden state only: no refinement (that would need the answers teacher-forced)."""
-    from services.compute.backend import build_engine
-    from shared import default_model
-    from shared.config import EngineConfig
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared import default_model
+    from pipellm.shared.config import EngineConfig
 
     path = cache / "chatgpt_prompt_hidden.npz"
     model = default_model.resolve()

@@ -45,13 +45,13 @@ import redis  # noqa: E402
 
 from bench import length_data, length_hidden  # noqa: E402
 from bench.common import log, machine  # noqa: E402
-from loadgen import datasets as ds  # noqa: E402
-from services.compute.length.refiner import RefinerConfig  # noqa: E402
-from shared.demo_model import ensure_demo_model  # noqa: E402
-from shared.length_dist import LengthDist  # noqa: E402
-from shared.length_predictor import LengthPredictor, length_features  # noqa: E402
-from shared.redis_server import EmbeddedRedis  # noqa: E402
-from shared.tokenizer import encode, load_tokenizer  # noqa: E402
+from pipellm.loadgen import datasets as ds  # noqa: E402
+from pipellm.services.compute.length.refiner import RefinerConfig  # noqa: E402
+from pipellm.shared.demo_model import ensure_demo_model  # noqa: E402
+from pipellm.shared.length_dist import LengthDist  # noqa: E402
+from pipellm.shared.length_predictor import LengthPredictor, length_features  # noqa: E402
+from pipellm.shared.redis_server import EmbeddedRedis  # noqa: E402
+from pipellm.shared.tokenizer import encode, load_tokenizer  # noqa: E402
 
 MODEL = "demo"
 SWEEP = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict:
 def smollm2_sets(args: argparse.Namespace) -> dict[str, list[dict]]:
     """Length set -> requests (file order): SmolLM2's own lengths per setting, and the same
     samples' ChatGPT answers, in SmolLM2 tokens."""
-    from shared import default_model
+    from pipellm.shared import default_model
 
     model = default_model.resolve()
     pairs = ds.sharegpt_pairs(args.data)

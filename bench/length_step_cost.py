@@ -30,12 +30,12 @@ from dataclasses import replace
 import torch
 
 from bench.common import machine
-from services.compute.backend import build_engine
-from services.compute.kv.kv_cache import KVCache
-from shared import default_model
-from shared.config import EngineConfig, SchedulerConfig
-from shared.model_config import ModelConfig
-from shared.sampling import SamplingParams
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.kv.kv_cache import KVCache
+from pipellm.shared import default_model
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.model_config import ModelConfig
+from pipellm.shared.sampling import SamplingParams
 
 
 def timed(fn, sink: list[float]):

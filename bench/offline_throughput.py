@@ -36,19 +36,19 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from bench.common import log, machine  # noqa: E402
-from loadgen import datasets as ds  # noqa: E402
-from services.compute.backend import build_engine  # noqa: E402
-from services.compute.batch import build_batch  # noqa: E402
-from services.compute.core.sequence import Sequence  # noqa: E402
-from services.compute.core.step import StepSample  # noqa: E402
-from services.compute.inflight import InFlight  # noqa: E402
-from services.compute.scheduling.kv_space import KVSpace  # noqa: E402
-from services.compute.scheduling.scheduler import Scheduler  # noqa: E402
-from shared.config import EngineConfig, SchedulerConfig, ServiceConfig  # noqa: E402
-from shared.demo_model import build_demo_tokenizer  # noqa: E402
-from shared.heap import settle_heap  # noqa: E402
-from shared.length_dist import LengthDist  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from pipellm.loadgen import datasets as ds  # noqa: E402
+from pipellm.services.compute.backend import build_engine  # noqa: E402
+from pipellm.services.compute.batch import build_batch  # noqa: E402
+from pipellm.services.compute.core.sequence import Sequence  # noqa: E402
+from pipellm.services.compute.core.step import StepSample  # noqa: E402
+from pipellm.services.compute.inflight import InFlight  # noqa: E402
+from pipellm.services.compute.scheduling.kv_space import KVSpace  # noqa: E402
+from pipellm.services.compute.scheduling.scheduler import Scheduler  # noqa: E402
+from pipellm.shared.config import EngineConfig, SchedulerConfig, ServiceConfig  # noqa: E402
+from pipellm.shared.demo_model import build_demo_tokenizer  # noqa: E402
+from pipellm.shared.heap import settle_heap  # noqa: E402
+from pipellm.shared.length_dist import LengthDist  # noqa: E402
+from pipellm.shared.sampling import SamplingParams  # noqa: E402
 
 MODEL = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, intermediate_size=1408)
@@ -232,7 +232,7 @@ def _hf_batch(model, prompts: list[list[int]], new_tokens: int, cache: str = "dy
 def measure_overhead(prompts: list[list[int]], context: int, capacity: int,
                      args: argparse.Namespace, heap: str = "settled") -> dict:
     """schedule + build_batch + update per decode step, all requests running, fake tokens;
-    once the requests run, `heap` "settled" (shared/heap.py, as compute's is once started),
+    once the requests run, `heap` "settled" (pipellm/shared/heap.py, as compute's is once started),
     "frozen" (gc.freeze alone, compute's setting before) or "default" (CPython's)."""
     cfg = EngineConfig(scheduler=SchedulerConfig(max_batched_tokens=args.max_batched_tokens,
                                                  max_running=args.max_running))

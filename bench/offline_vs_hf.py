@@ -32,9 +32,9 @@ import torch  # noqa: E402
 from bench.common import log, machine  # noqa: E402
 from bench.offline_throughput import HF_BATCH, run_hf  # noqa: E402
 from bench.smol_model import default_gguf, expand_gguf  # noqa: E402
-from services.compute.backend import build_engine  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
+from pipellm.services.compute.backend import build_engine  # noqa: E402
+from pipellm.shared.config import EngineConfig  # noqa: E402
+from pipellm.shared.sampling import SamplingParams  # noqa: E402
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -4,8 +4,8 @@ segments are measured against (bench/kernels.py), not a serving path, hence here
 
 Sequence b's token t sits in slot block_table[b, t // page_size] * page_size + t % page_size
 of the [capacity, n_kv_heads, head_dim] cache. `_paged_split_kernel` is a copy of the
-production flash-decoding split kernel (`kernels.decode_attention._decode_split_kernel`) whose
-only change is that row lookup, one block-table read per token's page; the rest is the
+production flash-decoding split kernel (`pipellm.kernels.decode_attention._decode_split_kernel`)
+whose only change is that row lookup, one block-table read per token's page; the rest is the
 production module's own: the `_qk`/`_pv`/`_split_len` helpers, the tiling (`TILINGS['16bit']`), the
 split count (`_num_splits`) and the combine kernel. So the comparison measures the block table
 alone. 16-bit (or fp32) K/V only: the baseline has no INT8/FP8 branches.
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import (
+from pipellm.kernels.decode_attention import (
     TILINGS,
     _check_inputs,
     _decode_combine_kernel,
@@ -116,7 +116,7 @@ def decode_attention_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None) -> torch.Tensor:
     """q [B, H, D]; caches [capacity, Hkv, D] in q's dtype; block_table [B, max pages] int32;
     seq_lens [B] int32 >= 1 -> [B, H, D]. The Triton kernel (a CUDA device, or the
-    interpreter), launched exactly as `kernels.decode_attention._decode_attention_triton`
+    interpreter), launched exactly as `pipellm.kernels.decode_attention._decode_attention_triton`
     launches the contiguous one (num_splits None: the same `_num_splits` heuristic)."""
     _check_inputs(q, k_cache, v_cache, seq_lens, seq_lens)
     batch, n_heads, head_dim = q.shape

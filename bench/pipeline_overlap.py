@@ -39,20 +39,21 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import log, machine  # noqa: E402
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt, synthetic  # noqa: E402
-from services.compute.backend import build_engine  # noqa: E402
-from services.detokenizer.incremental import IncrementalDetokenizer  # noqa: E402
-from services.detokenizer.stop import StopMatcher  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.demo_model import ensure_demo_model  # noqa: E402
-from shared.model_config import ModelConfig, context_length  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from shared.settings import with_settings  # noqa: E402
-from shared.tokenizer import encode, load_tokenizer  # noqa: E402
+from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt, synthetic  # noqa: E402
+from pipellm.services.compute.backend import build_engine  # noqa: E402
+from pipellm.services.detokenizer.incremental import IncrementalDetokenizer  # noqa: E402
+from pipellm.services.detokenizer.stop import StopMatcher  # noqa: E402
+from pipellm.shared.config import EngineConfig  # noqa: E402
+from pipellm.shared.demo_model import ensure_demo_model  # noqa: E402
+from pipellm.shared.model_config import ModelConfig, context_length  # noqa: E402
+from pipellm.shared.sampling import SamplingParams  # noqa: E402
+from pipellm.shared.settings import with_settings  # noqa: E402
+from pipellm.shared.tokenizer import encode, load_tokenizer  # noqa: E402
 from tests.stack import Stack  # noqa: E402
 
 TALK_CLAIM = (1.10, 1.20)  # the talk: +10-20% QPS for the pipelined services
-PROMPT_TAIL = 6  # prompt ids the detokenizer gets as context (services/tokenizer/service.py)
+PROMPT_TAIL = 6  # prompt ids the detokenizer gets as context
+                 # (pipellm/services/tokenizer/service.py)
 PROCS = ("gateway", "tokenizer-0", "compute", "detokenizer")
 
 

@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/pooling.py`
 
 from bench import llamacpp, servers, vs_peers  # noqa: E402
 from bench.common import log, machine  # noqa: E402
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # noqa: E402
+from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # noqa: E402
 
 WORKLOADS = {"single": (1, 32), "batch32": (32, 4)}  # name -> (inputs a request, in flight)
 SERVERS = ("pipellm", "vllm-bf16", "llamacpp")

@@ -46,12 +46,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from services.compute.backend import build_engine
-    from services.compute.pooling import embedder
-    from shared.config import EngineConfig
-    from shared.default_model import cached_path, fetch
-    from shared.settings import with_settings
-    from shared.tokenizer import encode, load_tokenizer
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.services.compute.pooling import embedder
+    from pipellm.shared.config import EngineConfig
+    from pipellm.shared.default_model import cached_path, fetch
+    from pipellm.shared.settings import with_settings
+    from pipellm.shared.tokenizer import encode, load_tokenizer
 
     gguf = cached_path() or fetch()
     engine = build_engine(with_settings(EngineConfig(), model=str(gguf), runner="pooling"))

@@ -5,8 +5,8 @@ bench/vs_peers.py runs them (pipellm: its default, the GGUF; vLLM: vllm-bf16, bf
 float32 HF expansion, model on every core). Each round starts each of the four servers in
 turn (a fresh server, so no round serves another's prompts from its cache), warms it, and
 drives it with the two prefix-heavy workloads of the load generator
-(loadgen/prefix_datasets.py), greedy, EOS ignored (every request generates its sample's answer
-length), lengths counted with the model's tokenizer:
+(pipellm/loadgen/prefix_datasets.py), greedy, EOS ignored (every request generates its sample's
+answer length), lengths counted with the model's tokenizer:
 
     shared-prefix       a ~1k-token system text before every ShareGPT question
     sharegpt-multiturn  4-turn conversations, each prompt the last one + its answer + a question

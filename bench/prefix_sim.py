@@ -1,13 +1,14 @@
 """Prefix caching in the simulator: QPS at the SLO with and without `--enable-prefix-caching`.
 
 The engine itself (scheduler, allocator, prefix cache) runs against a modelled GPU
-(services/compute/sim, the virtual clock of bench/virtual.py), as in bench/ablation.py, whose
-SLO (p99 TTFT <= 3 s, p99 TPOT <= 50 ms) and rate search it uses. Workloads, with prompt token
+(pipellm/services/compute/sim, the virtual clock of bench/virtual.py), as in bench/ablation.py,
+whose SLO (p99 TTFT <= 3 s, p99 TPOT <= 50 ms) and rate search it uses. Workloads, with prompt token
 ids so that prefixes can match (each distinct text piece a run of seeded random ids):
 
     multiturn      ShareGPT lengths as 4-turn conversations: turn k's prompt is turn k-1's
-                   prompt, that turn's answer and a new question (loadgen/prefix_datasets.py's
-                   shape), turn by turn across the conversations
+                   prompt, that turn's answer and a new question
+                   (pipellm/loadgen/prefix_datasets.py's shape), turn by turn across the
+                   conversations
     shared-prefix  a 1,024-token system prompt before every ShareGPT question
     azure          the Azure 2023 conversation trace, its own arrival times scaled. It has no
                    text and no session ids, so what its requests share is unknown: each prompt
@@ -36,10 +37,10 @@ if str(ROOT) not in sys.path:
 from bench.ablation import Variant, qps_at_slo  # noqa: E402
 from bench.common import log, machine  # noqa: E402
 from bench.virtual import azure_trace, sharegpt_lengths, simulate, with_arrivals  # noqa: E402
-from loadgen.datasets import AZURE_FILE, default_data_dir  # noqa: E402
-from services.compute.sim.hardware import model as model_spec  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.settings import with_settings  # noqa: E402
+from pipellm.loadgen.datasets import AZURE_FILE, default_data_dir  # noqa: E402
+from pipellm.services.compute.sim.hardware import model as model_spec  # noqa: E402
+from pipellm.shared.config import EngineConfig  # noqa: E402
+from pipellm.shared.settings import with_settings  # noqa: E402
 
 WORKLOADS = ("multiturn", "shared-prefix", "azure")
 TURNS, SYSTEM_TOKENS, VOCAB = 4, 1024, 32000

@@ -13,8 +13,8 @@ queue holds most requests back).
   priority 1; fcfs vs priority, oracle lengths. Wanted: the interactive p99 TTFT >= 5x lower,
   total throughput within 10%.
 - predicted: all priority 0; fcfs vs predicted, with oracle lengths and with the learned
-  predictor (shared/length_predictor.py on a private Redis, predicting at arrival and learning
-  at finish): `learned` warmed first on training requests of the same data set that the run
+  predictor (pipellm/shared/length_predictor.py on a private Redis, predicting at arrival and
+  learning at finish): `learned` warmed first on training requests of the same data set that the run
   never sends (Workload), `learned_cold` starting empty as bench/ablation.py's. Wanted: mean
   and p50 end-to-end latency >= 30% lower with learned lengths; `kept_*` is the share of the
   oracle's cut the learned predictor keeps; the longest first-admission wait against
@@ -43,11 +43,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.virtual import azure_trace, percentile, simulate, summarize  # noqa: E402
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt  # noqa: E402
-from shared.config import EngineConfig  # noqa: E402
-from shared.length_dist import LengthDist  # noqa: E402
-from shared.length_features import length_features  # noqa: E402
-from shared.settings import add_config_args, config_from_args, with_settings  # noqa: E402
+from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt  # noqa: E402
+from pipellm.shared.config import EngineConfig  # noqa: E402
+from pipellm.shared.length_dist import LengthDist  # noqa: E402
+from pipellm.shared.length_features import length_features  # noqa: E402
+from pipellm.shared.settings import add_config_args, config_from_args, with_settings  # noqa: E402
 
 INTERACTIVE_SHARE = 0.10
 SATURATED_TTFT_S = 1.0
@@ -112,8 +112,8 @@ class Learned:
     def __init__(self, wl: Workload, model: str, warm: bool = True):
         import redis
 
-        from shared.length_predictor import LengthPredictor
-        from shared.redis_server import EmbeddedRedis
+        from pipellm.shared.length_predictor import LengthPredictor
+        from pipellm.shared.redis_server import EmbeddedRedis
 
         if Learned._redis is None:
             Learned._redis = EmbeddedRedis().start()
@@ -220,7 +220,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
 
 def main(argv: list[str] | None = None) -> dict:
     args, config = parse_args(argv)
-    from services.compute.sim.hardware import model
+    from pipellm.services.compute.sim.hardware import model
 
     context = model(config.sim.model).context
     result = {"config": {"gpu": config.sim.gpu, "model": config.sim.model,

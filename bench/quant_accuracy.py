@@ -29,14 +29,14 @@ import time
 from pathlib import Path
 
 from bench.smol_model import expand_gguf
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
-from services.compute.backend import build_engine
-from shared import default_model
-from shared.chat_template import load_chat_template
-from shared.config import EngineConfig, SchedulerConfig
-from shared.gguf.reader import is_gguf
-from shared.sampling import SamplingParams
-from shared.tokenizer import encode, load_tokenizer
+from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared import default_model
+from pipellm.shared.chat_template import load_chat_template
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.gguf.reader import is_gguf
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.tokenizer import encode, load_tokenizer
 
 _INT8_KV = {"kv_cache_dtype": "int8"}
 _OURS = {"quantization": "int4", "model": "hf"}  # quantized by pipellm from the float copy

@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/rerank.py`
 
 from bench import servers, vs_peers  # noqa: E402
 from bench.common import log, machine  # noqa: E402
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # noqa: E402
+from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # noqa: E402
 
 SERVERS = ("pipellm", "vllm-bf16")
 SYSTEM = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the '

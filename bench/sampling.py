@@ -1,4 +1,4 @@
-"""Per-step sampling cost on the CPU: the C++ sampler (kernels/cpu/sampling.cpp) against the
+"""Per-step sampling cost on the CPU: the C++ sampler (pipellm/kernels/cpu/sampling.cpp) against the
 PyTorch reference (`sample_reference`, the baseline, measured in the same run) and against the
 default model's own decode step (issue 45: sampling <= 5% of the step).
 
@@ -40,8 +40,8 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/sampling.py`
 import torch  # noqa: E402
 
 from bench.common import log, machine  # noqa: E402
-from kernels import dispatch  # noqa: E402
-from kernels.sampling import SamplingBatch, sample  # noqa: E402
+from pipellm.kernels import dispatch  # noqa: E402
+from pipellm.kernels.sampling import SamplingBatch, sample  # noqa: E402
 
 VOCAB = 49152
 TARGET_PCT = 5.0  # sampling <= 5% of the decode step
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def sampling_batch(rows: list[tuple], step: int) -> SamplingBatch:
-    """What services/compute/sampling.py builds for these rows (seed = row, step = step)."""
+    """What pipellm/services/compute/sampling.py builds for these rows (seed = row, step = step)."""
     t, k, p, mp = (list(c) for c in zip(*rows, strict=True))
     n = len(rows)
     return SamplingBatch(
@@ -92,8 +92,8 @@ def random_logits(rows: int) -> torch.Tensor:
 
 def engine_for(model: str, batch: int):
     from bench.length_step_cost import kv_tokens
-    from services.compute.backend import build_engine
-    from shared.config import EngineConfig, SchedulerConfig
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared.config import EngineConfig, SchedulerConfig
 
     return build_engine(EngineConfig(model=model, scheduler=SchedulerConfig(max_running=batch),
                                      kv_cache_tokens=kv_tokens(model, 0.5)))
@@ -101,9 +101,9 @@ def engine_for(model: str, batch: int):
 
 def model_logits(engine, model: str, rows: int) -> torch.Tensor:
     """[rows, V] float32 logits the engine sampled from, on 64 chat prompts (<= 256 tokens)."""
-    import services.compute.sampling as caller
+    import pipellm.services.compute.sampling as caller
     from bench.length_data import chat_prompts
-    from shared.sampling import SamplingParams
+    from pipellm.shared.sampling import SamplingParams
 
     prompts = [p for p in chat_prompts(model, 256) if len(p) <= 256][:64]
     seen: list[torch.Tensor] = []
@@ -138,7 +138,7 @@ def time_ms(fn, reps: int) -> tuple[float, float]:
 def decode_step_ms(engine, batch: int, steps: int) -> tuple[float, float]:
     """(median, min) ms of engine.step() with `batch` requests all decoding: 4-token prompts,
     greedy, long enough that none finishes or joins while timed."""
-    from shared.sampling import SamplingParams
+    from pipellm.shared.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 16, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -193,9 +193,9 @@ def report(res: dict) -> dict:
 
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> dict:
-    from kernels.cpu import build
-    from kernels.cpu.isa import describe
-    from shared import default_model
+    from pipellm.kernels.cpu import build
+    from pipellm.kernels.cpu.isa import describe
+    from pipellm.shared import default_model
 
     args = parse_args(argv)
     if args.threads:

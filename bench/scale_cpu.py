@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 from bench import servers  # noqa: E402
 from bench.common import log, machine  # noqa: E402
 from bench.smol_model import default_gguf, expand_gguf  # noqa: E402
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir  # noqa: E402
+from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir  # noqa: E402
 
 CONFIGS = ("one", "router2", "dp2")
 RANDOM = ["--dataset-name", "random", "--random-input-len", "200", "--random-output-len", "100"]

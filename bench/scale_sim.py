@@ -1,11 +1,11 @@
 """Scaling out in the simulator: QPS at the SLO of 1, 2, 4 and 8 replicas behind a router.
 
 Every number here is SIMULATED. Each replica is the real engine (scheduler, KV allocator, prefix
-cache) on its own modelled GPU (services/compute/sim, an H100 serving Llama-3-8B by default),
-all on one virtual timeline (services/compute/sim_cluster.py), fed by one router running a
-policy of shared/routing.py: round robin, SGLang's cache-aware policy, predicted-load (where
-the request's predicted KV fits, the least prefill backlog, then the least predicted KV demand)
-and predicted-load with prefix affinity. The engine settings are
+cache) on its own modelled GPU (pipellm/services/compute/sim, an H100 serving Llama-3-8B by
+default), all on one virtual timeline (pipellm/services/compute/sim_cluster.py), fed by one router
+running a policy of pipellm/shared/routing.py: round robin, SGLang's cache-aware policy,
+predicted-load (where the request's predicted KV fits, the least prefill backlog, then the least
+predicted KV demand) and predicted-load with prefix affinity. The engine settings are
 bench/prefix_sim.py's (the engine's defaults, prefix caching on, oracle predicted lengths: the
 true output length, so predicted-load sees each request's true KV demand), and so are the
 workloads (prompts as token ids, each distinct text piece a run of seeded random ids):
@@ -71,13 +71,13 @@ from bench.ablation import MAX_QPS, SLO_TPOT_MS, SLO_TTFT_MS, meets_slo  # noqa:
 from bench.common import log, machine  # noqa: E402
 from bench.prefix_sim import TURNS, PrefixWorkload  # noqa: E402
 from bench.virtual import RequestRecord, percentile, summarize  # noqa: E402
-from services.compute.engine import StepResult  # noqa: E402
-from services.compute.sim.hardware import model as model_spec  # noqa: E402
-from services.compute.sim_cluster import SimCluster  # noqa: E402
-from shared.config import EngineConfig, SchedulingPolicyName  # noqa: E402
-from shared.routing import POLICIES, make_policy  # noqa: E402
-from shared.sampling import InvalidParams, SamplingParams  # noqa: E402
-from shared.settings import with_settings  # noqa: E402
+from pipellm.services.compute.engine import StepResult  # noqa: E402
+from pipellm.services.compute.sim.hardware import model as model_spec  # noqa: E402
+from pipellm.services.compute.sim_cluster import SimCluster  # noqa: E402
+from pipellm.shared.config import EngineConfig, SchedulingPolicyName  # noqa: E402
+from pipellm.shared.routing import POLICIES, make_policy  # noqa: E402
+from pipellm.shared.sampling import InvalidParams, SamplingParams  # noqa: E402
+from pipellm.shared.settings import with_settings  # noqa: E402
 
 WORKLOADS = ("azure", "multiturn")
 TARGET_LINEAR = 0.95  # N replicas: at least 0.95 N x one replica's QPS at the SLO

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:  # also runnable as `python bench/serve_host.py`
 
 from bench.common import log, machine  # noqa: E402
 from bench.servers import Server, free_port, run_bench, running  # noqa: E402
-from shared.demo_model import ensure_demo_model  # noqa: E402
+from pipellm.shared.demo_model import ensure_demo_model  # noqa: E402
 
 VARIANTS = {"now": [], "baseline": ["--gc-young-threshold", "700"]}
 SIM = ["--backend", "sim", "--sim-gpu", "h200", "--sim-model", "llama-3-8b",
@@ -58,11 +58,12 @@ def cpu_seconds(pgid: int) -> dict[str, float]:
 
 def one_run(args, variant: str, model: Path, work: Path) -> dict:
     port = free_port()
-    server = Server(variant, [sys.executable, "-m", "services.cli", "up", "--model", str(model),
+    server = Server(variant, [sys.executable, "-m", "pipellm.services.cli", "up", "--model",
+                              str(model),
                               "--port", str(port), *SIM, *VARIANTS[variant]],
                     f"http://127.0.0.1:{port}/health", work / f"{variant}.log")
     out = work / f"{variant}.json"
-    argv = [sys.executable, "-m", "loadgen.cli", "--base-url", f"http://127.0.0.1:{port}",
+    argv = [sys.executable, "-m", "pipellm.loadgen.cli", "--base-url", f"http://127.0.0.1:{port}",
             "--dataset-name", "sharegpt", "--tokenizer", str(model), "--request-rate", "inf",
             "--num-prompts", str(args.prompts), "--ignore-eos", "--disable-tqdm",
             "--seed", "0", "--save-result", "--result-dir", str(work),

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import log
-from shared.redis_server import free_port  # noqa: F401  (the benches' servers take it here)
+from pipellm.shared.redis_server import free_port  # noqa: F401  (the benches' servers take it here)
 
 
 class ServerError(RuntimeError):

@@ -13,8 +13,8 @@ DONE_FILE = "expanded_from.json"  # written last: its presence means the directo
 
 
 def default_gguf() -> Path:
-    """The project's default model (shared/default_model.py), fetched once if not cached."""
-    from shared.default_model import cached_path, fetch
+    """The project's default model (pipellm/shared/default_model.py), fetched once if not cached."""
+    from pipellm.shared.default_model import cached_path, fetch
 
     return cached_path() or fetch()
 

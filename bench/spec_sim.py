@@ -1,12 +1,12 @@
 """Speculative decoding on a modelled GPU: what the simulator's roofline cost model
-(services/compute/sim/cost.py) says a draft model buys, Llama-3-8B with a Llama-3.2-1B draft
+(pipellm/services/compute/sim/cost.py) says a draft model buys, Llama-3-8B with a Llama-3.2-1B draft
 on an H100 in bf16 (and n-gram drafts, which cost no draft steps), against plain decoding.
 
 One speculative step of a batch of B sequences at context `ctx`, k drafts each:
     draft:  k decode steps of the draft model (its first one also takes in the tokens the
             last verify accepted: E rows a sequence instead of 1)
     verify: one target step of B (k + 1) decode rows, row j of a sequence attending ctx + j
-            keys (pipellm's verify: services/compute/batch.py)
+            keys (pipellm's verify: pipellm/services/compute/batch.py)
 and it yields E = (1 - a^(k+1)) / (1 - a) tokens a sequence when each draft is accepted with
 probability a, independently (Leviathan et al.'s expectation). Speed-up = E x plain step time
 / (verify + draft time). The cost model's efficiency factors and per-step overhead are its
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # also runnable as `python bench/spec_sim.py`
     sys.path.insert(0, str(ROOT))
 
-from services.compute.sim.cost import CostModel  # noqa: E402
+from pipellm.services.compute.sim.cost import CostModel  # noqa: E402
 
 BATCHES, RATES, KS = (1, 8, 32, 128), (0.5, 0.7, 0.9), range(1, 9)
 

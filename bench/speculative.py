@@ -71,7 +71,7 @@ from bench import llamacpp, servers  # noqa: E402
 from bench.common import log, machine  # noqa: E402
 from bench.smol_model import default_gguf, expand_gguf  # noqa: E402
 from bench.vs_peers import _names, _server_flags, make_server  # noqa: E402
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # noqa: E402
+from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir, sharegpt_pairs  # noqa: E402
 
 SERVERS = ("pipellm", "pipellm-ngram", "llamacpp", "llamacpp-ngram")
 WORKLOADS = ("grounded", "sharegpt")

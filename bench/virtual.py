@@ -35,10 +35,10 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Protocol
 
-from shared.config import EngineConfig
-from shared.length_dist import LengthDist
-from shared.sampling import InvalidParams, SamplingParams
-from shared.settings import add_config_args, config_from_args, with_settings
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.length_dist import LengthDist
+from pipellm.shared.sampling import InvalidParams, SamplingParams
+from pipellm.shared.settings import add_config_args, config_from_args, with_settings
 
 # (arrival_s, prompt_len, output_len[, predicted_len[, max_tokens[, prompt token ids[,
 # priority]]]]); without ids a prompt is prompt_len copies of token 1 (no two prompts differ:
@@ -100,7 +100,7 @@ def simulate(config: EngineConfig, workload: Sequence[WorkItem], seed: int = 0,
     `max_tokens`: what every request asks for unless its item says (None: its output_len).
     `engine_stats`, if given, is filled with the engine's counters and the modelled busy time.
     `predictor`, if given, replaces the items' predicted lengths."""
-    from services.compute.backend import build_engine
+    from pipellm.services.compute.backend import build_engine
 
     config = with_settings(config, backend="sim", sim_clock="virtual")
     engine = build_engine(config)
@@ -247,7 +247,7 @@ def sharegpt_lengths(n: int, seed: int = 0, path: str | Path | None = None,
     lengths estimated at 4 characters per token; synthetic lognormal lengths (means 256) when
     the file is missing. Pairs with prompt + output over `max_len` are skipped, as
     benchmark_serving does."""
-    from loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt, synthetic
+    from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir, load_sharegpt, synthetic
 
     path = Path(path) if path else default_data_dir() / SHAREGPT_FILE
     if path.is_file():
@@ -295,14 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="only the JSON line")
     args = p.parse_args(argv)
     config = config_from_args(EngineConfig, args, backend="sim", sim_clock="virtual")
-    from services.compute.sim.hardware import model
+    from pipellm.services.compute.sim.hardware import model
 
     ctx = model(config.sim.model).context
     rows = []
     for qps_text in args.qps.split(","):
         qps = float(qps_text)
         if args.workload == "azure":
-            from loadgen.datasets import default_data_dir
+            from pipellm.loadgen.datasets import default_data_dir
 
             wl = azure_trace(default_data_dir() / "azure_llm_trace_conv_2023.csv", args.requests,
                              args.azure_scale)
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.workload == "sharegpt":
                 lengths = sharegpt_lengths(args.requests, args.seed, max_len=ctx)
             else:
-                from loadgen.datasets import synthetic
+                from pipellm.loadgen.datasets import synthetic
 
                 lengths = [(w.prompt_len, w.output_len)
                            for w in synthetic(args.requests, args.seed)]

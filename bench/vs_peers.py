@@ -5,7 +5,7 @@ float32 Hugging Face directory, bench/smol_model.py), same machine, same load. `
 
     pipellm          `pipellm up` on the GGUF with no flags: its default configuration
     pipellm-avx2     the same with PIPELLM_CPU_ISA=avx2: its AVX2 kernels on an AVX-512 CPU
-                     (with AVX-VNNI where the CPU has it: kernels/cpu/isa.py)
+                     (with AVX-VNNI where the CPU has it: pipellm/kernels/cpu/isa.py)
     pipellm-bf16     `pipellm up` on the HF directory, --dtype bfloat16 (-fp32: float32)
     vllm-bf16        `vllm serve` on the HF directory, --dtype bfloat16, its model on every core
                      (VLLM_CPU_OMP_THREADS_BIND=0-1 on two); -fp32: float32; -bf16-auto and
@@ -54,7 +54,7 @@ from bench import llamacpp, peers_report, servers, vllm_cpu  # noqa: E402
 from bench.common import isa, log, machine  # noqa: E402
 from bench.peers_report import METRICS, SAMPLED, summarize  # noqa: E402
 from bench.smol_model import default_gguf, expand_gguf  # noqa: E402
-from loadgen.datasets import SHAREGPT_FILE, default_data_dir  # noqa: E402
+from pipellm.loadgen.datasets import SHAREGPT_FILE, default_data_dir  # noqa: E402
 
 BIN = Path(sys.executable).parent  # pipellm and pipellm-bench: those of the venv running this
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.demo_model import ensure_demo_model
+from pipellm.shared.demo_model import ensure_demo_model
 from tests.hf_models import build_hf_model
 
 TOOLS_MODEL = "smol"  # the served name of `tools_stack`'s model
@@ -25,7 +25,7 @@ TOOLS_MODEL = "smol"  # the served name of `tools_stack`'s model
 @pytest.fixture(scope="module")
 def redis_url():
     """A real Redis (redis-server in a temporary directory) for one test module."""
-    from shared.redis_server import EmbeddedRedis
+    from pipellm.shared.redis_server import EmbeddedRedis
 
     with EmbeddedRedis() as r:
         yield r.url
@@ -43,7 +43,7 @@ def tools_stack():
     auto tool choice (hermes) and qwen3's reasoning parser, shared by the end-to-end tests of
     the chat, Messages and Responses APIs (tests/test_tools_e2e.py, test_responses_e2e.py).
     A test that kills its services waits until it is healthy again."""
-    from shared import default_model
+    from pipellm.shared import default_model
     from tests.stack import Stack
 
     s = Stack(default_model.fetch(), "--kv-cache-tokens", "8192", "--served-model-name",
@@ -58,9 +58,9 @@ def tools_stack():
 def kv_engines(demo_model_dir):
     """`make(kv_cache_dtype, **settings)`: an engine on the demo checkpoint, float32 unless
     `settings` names a dtype (tests/test_kv_int8.py, test_kv_fp8.py, test_kv_fp16.py)."""
-    from services.compute.backend import build_engine
-    from shared.config import EngineConfig
-    from shared.settings import with_settings
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared.config import EngineConfig
+    from pipellm.shared.settings import with_settings
 
     def make(kv_cache_dtype, **settings):
         settings = {"dtype": "float32", **settings}
@@ -78,7 +78,7 @@ def smollm2_hf():
     import torch
     import transformers
 
-    from shared import default_model
+    from pipellm.shared import default_model
 
     path = default_model.fetch()
     kw = {"gguf_file": path.name}
@@ -148,15 +148,15 @@ def interpreter_bf16_dot(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(params=["avx2", "avx2_vnni", "avx512", "avx512_vnni"])
 def block_gemm_level(request: pytest.FixtureRequest) -> str:
-    """Each variant of the C++ block GEMMs (kernels/cpu/isa.py's VARIANTS) this CPU runs,
+    """Each variant of the C++ block GEMMs (pipellm/kernels/cpu/isa.py's VARIANTS) this CPU runs,
     switched on in process for the test (so the AVX2 kernel is tested on any x86 machine); the
     CPU's choice restored afterwards. Skipped, naming why, where the CPU lacks the variant or the
     extension has no block GEMMs."""
-    from kernels.cpu import extension, isa
+    from pipellm.kernels.cpu import extension, isa
 
     ext = extension()
     if ext is None or not ext.block_gemm_isa():
-        pytest.skip("the C++ block GEMMs do not run here (python -m kernels.cpu says why)")
+        pytest.skip("the C++ block GEMMs do not run here (python -m pipellm.kernels.cpu says why)")
     if request.param not in isa.variants():
         pytest.skip(f"this CPU does not run {request.param} ({isa.describe()})")
     previous = ext.block_gemm_isa()

@@ -8,8 +8,8 @@ import tempfile
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.gateway.service import build, read_deltas
-from shared.config import EngineConfig, ServiceConfig
+from pipellm.services.gateway.service import build, read_deltas
+from pipellm.shared.config import EngineConfig, ServiceConfig
 
 
 def run_gateway(engine: EngineConfig, redis_url: str, body, *, refresh: bool = False,

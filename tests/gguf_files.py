@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.gguf_writer import GGUFValue
 from gguf.quants import quantize
 
-from shared.demo_model import CHAT_TEMPLATE
-from shared.gguf.names import hf_name
+from pipellm.shared.demo_model import CHAT_TEMPLATE
+from pipellm.shared.gguf.names import hf_name
 from tests.hf_models import demo_tokenizer
 
 Q = GGMLQuantizationType

@@ -14,7 +14,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from shared.demo_model import build_demo_tokenizer
+from pipellm.shared.demo_model import build_demo_tokenizer
 
 ARCHES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),

@@ -2,6 +2,6 @@
 # The test command: installs everything it needs into .venv, then lints and runs the suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash services/setup.sh test
+bash scripts/setup.sh test
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q --durations=25 "$@"

@@ -1,6 +1,6 @@
 """A scheduled step's items as tests read them."""
 
-from services.compute.core.step import ScheduledStep, Work
+from pipellm.services.compute.core.step import ScheduledStep, Work
 
 
 def decodes(step: ScheduledStep) -> list:

@@ -8,14 +8,14 @@ import random
 
 import pytest
 
-from services.compute.core.sequence import Sequence
-from services.compute.scheduling.admission import AggregatePeak, FuturePeak, peak_check
-from services.compute.scheduling.kv_policy import make_policy
-from services.compute.scheduling.kv_space import KVSpace
-from services.compute.scheduling.scheduler import Scheduler
-from shared.config import Admission, SchedulerConfig
-from shared.length_dist import LengthDist
-from shared.sampling import SamplingParams
+from pipellm.services.compute.core.sequence import Sequence
+from pipellm.services.compute.scheduling.admission import AggregatePeak, FuturePeak, peak_check
+from pipellm.services.compute.scheduling.kv_policy import make_policy
+from pipellm.services.compute.scheduling.kv_space import KVSpace
+from pipellm.services.compute.scheduling.scheduler import Scheduler
+from pipellm.shared.config import Admission, SchedulerConfig
+from pipellm.shared.length_dist import LengthDist
+from pipellm.shared.sampling import SamplingParams
 
 
 def running(rng: random.Random, n: int, dist) -> list[Sequence]:

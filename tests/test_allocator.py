@@ -1,4 +1,5 @@
-"""Tests for services.compute.kv.allocator.KVAllocator (unit tests + hypothesis state machine)."""
+"""Tests for pipellm.services.compute.kv.allocator.KVAllocator (unit tests + hypothesis state
+machine)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from services.compute.kv.allocator import KVAllocator
+from pipellm.services.compute.kv.allocator import KVAllocator
 
 
 def layout(a: KVAllocator, *sizes: int) -> list[int]:

@@ -2,7 +2,7 @@
 heads over 2 KV heads, float32): greedy tokens through the engine (chunked prefill, mixed
 batches, preemption, prefix caching, an INT8 KV cache), logprobs, the same models as GGUF
 files, Phi-3's LongRoPE in the regimes where pipellm's rule and transformers' agree
-(services/compute/model/rope.py), and the configs we refuse.
+(pipellm/services/compute/model/rope.py), and the configs we refuse.
 
 Variants: qwen3 (q/k RMSNorm before RoPE, head_dim 32 != hidden / heads), phi3 (fused qkv and
 gate_up, a window of 24 on every layer), phi3-partial (partial_rotary_factor 0.5, as
@@ -22,12 +22,12 @@ import sys
 import pytest
 import torch
 
-from services.compute.backend import build_engine
-from shared.config import EngineConfig
-from shared.gguf.names import NOT_WEIGHTS, hf_name
-from shared.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.gguf.names import NOT_WEIGHTS, hf_name
+from pipellm.shared.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.gguf_files import GEMMA, Q, dequantized, write_gguf
 from tests.hf_models import build_hf_model
 from tests.test_engine_vs_hf import MAX_NEW, engine_greedy, hf_greedy, make_prompts
@@ -187,7 +187,7 @@ def test_gguf_files_generate_what_transformers_does(reference, tmp_path):
 def test_hidden_state_length_head_reads_every_architecture(reference):
     """--hidden-length probes the final-normed hidden state [hidden] of every architecture
     (Gemma's sandwich norms included) at each request's checkpoints, changing no token."""
-    from services.compute.length.refiner import RefinerConfig
+    from pipellm.services.compute.length.refiner import RefinerConfig
 
     _, path, _, prompts, expected = reference
     eng = engine(path, max_batched_tokens=48, max_running=16, kv_cache_tokens=8192,
@@ -208,8 +208,8 @@ def test_hidden_state_length_head_reads_every_architecture(reference):
 def test_phi3_fused_q4_blocks_split_exactly(tmp_path):
     """A Phi-3 GGUF's fused attn_qkv / ffn_up kept as Q4 blocks (--quantization int4) split into
     q/k/v and gate/up blocks holding exactly the values the float load dequantizes."""
-    from kernels.int4_weight import Int4Weight, dequantize_int4
-    from services.compute.model.weights import load_weights
+    from pipellm.kernels.int4_weight import Int4Weight, dequantize_int4
+    from pipellm.services.compute.model.weights import load_weights
 
     model = build_hf_model(tmp_path / "hf", "phi3", **TINY)
     gguf = write_gguf(tmp_path / "q4.gguf", model, Q.Q4_0, arch="phi3")
@@ -305,7 +305,7 @@ def test_triton_kernels_give_the_reference_tokens(name, tmp_path):
     """The GPU path (Triton, here under its CPU interpreter) against the reference kernels:
     Gemma 3 (q/k RMSNorm on [T, H, D] heads, GELU-tanh, windows, and here a soft-cap on the
     scores) and Phi-3 (RoPE tables padded for partial rotary), with an INT8 cache."""
-    from kernels.dispatch import set_backend
+    from pipellm.kernels.dispatch import set_backend
 
     half = {"short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 3.0, 4.0, 5.0]}
     gemma = dict(attn_logit_softcapping=1.0, layer_types=["sliding_attention", "full_attention"])
@@ -333,7 +333,8 @@ def test_an_unsupported_architecture_fails_at_start_up_in_one_line(tmp_path):
     build_hf_model(tmp_path, "qwen3", num_hidden_layers=1)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
-    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "up", "--model",
+                          str(tmp_path),
                           "--port", "1"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()

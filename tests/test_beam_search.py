@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.compute.beam.search import BeamSearch
-from shared.sampling import InvalidParams, SamplingParams
+from pipellm.services.compute.beam.search import BeamSearch
+from pipellm.shared.sampling import InvalidParams, SamplingParams
 from tests.hf_models import build_hf_model
 from tests.test_architectures import engine, greedy
 
@@ -207,9 +207,9 @@ def test_served_with_the_official_client(demo_model_dir):
     a grammar, is a 400 that says why, and the server carries on."""
     import openai
 
-    from services.compute.backend import build_engine
-    from shared.config import EngineConfig
-    from shared.tokenizer import decode, encode, load_tokenizer
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared.config import EngineConfig
+    from pipellm.shared.tokenizer import decode, encode, load_tokenizer
     from tests.stack import Stack
 
     prompt = "The capital of France is"

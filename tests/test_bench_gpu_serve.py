@@ -12,7 +12,7 @@ import tarfile
 import pytest
 
 from bench import gpu_report, gpu_serve, vllm_gpu
-from loadgen import cli
+from pipellm.loadgen import cli
 
 
 def last_json(out: str) -> dict:
@@ -83,7 +83,7 @@ def test_both_servers_get_the_same_requests(tmp_path):
     args = gpu_serve.parse_args(["--workloads", "sg,sg4,sg16", "--sampling", "greedy,sampled"])
     model, out = tmp_path / "m", tmp_path / "r.json"
     ours = gpu_serve.make_server(args, model, 8001, tmp_path / "p.log")
-    assert ours.argv[1:4] == ["-m", "services.cli", "up"] and "cuda" in ours.argv
+    assert ours.argv[1:4] == ["-m", "pipellm.services.cli", "up"] and "cuda" in ours.argv
     args.server = "vllm"
     theirs = gpu_serve.make_server(args, model, 8002, tmp_path / "v.log")
     assert theirs.argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", str(model)]
@@ -103,7 +103,7 @@ def test_both_servers_get_the_same_requests(tmp_path):
     sg4s = gpu_serve.bench_argv(args, "sg4", "sampled", 8002, model, out)
     assert sg4s[sg4s.index("--request-rate") + 1] == "4"
     assert sg4s[sg4s.index("--num-prompts") + 1] == "120"
-    ep = cli.endpoint(cli.parser().parse_args(sg4s[3:]))  # after python -m loadgen.cli
+    ep = cli.endpoint(cli.parser().parse_args(sg4s[3:]))  # after python -m pipellm.loadgen.cli
     assert (ep.extra_body, ep.ignore_eos) == ({"temperature": 0.7, "top_p": 0.9}, True)
     with pytest.raises(SystemExit):
         gpu_serve.parse_args(["--workloads", "sg,sg8"])

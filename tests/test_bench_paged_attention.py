@@ -12,7 +12,7 @@ from bench.paged_attention import (
     decode_attention_paged_reference,
     paged_slots,
 )
-from kernels.decode_attention import decode_attention_reference
+from pipellm.kernels.decode_attention import decode_attention_reference
 
 
 def make_paged(lens, page, n_kv_heads=2, n_heads=8, head_dim=32, seed=0):

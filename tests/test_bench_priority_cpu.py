@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import priority_cpu
-from loadgen import cli
+from pipellm.loadgen import cli
 
 
 def _result(inter_p99: float, tok_s: float, mean_e2e: float, p50_e2e: float) -> dict:

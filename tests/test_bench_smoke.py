@@ -27,7 +27,7 @@ from bench import (
     vllm_cpu,
     vs_peers,
 )
-from loadgen import cli
+from pipellm.loadgen import cli
 
 ROW_KEYS = {"name", "model", "workload", "qps_at_slo", "output_throughput", "p99_ttft_ms",
             "p99_tpot_ms", "preemptions"}
@@ -358,7 +358,7 @@ def test_gpu_report_fits_the_simulator_to_decode_timings(tmp_path, capsys):
     known cost model: the fit recovers it (the INT4 step listed but not fitted); missing steps
     read as not measured."""
     from bench import gpu_report
-    from services.compute.sim.cost import CostModel
+    from pipellm.services.compute.sim.cost import CostModel
 
     truth = CostModel("h100", "llama-3-8b", eff_bw=0.8, overhead_s=0.5e-3)
     for name, ctx in (("decode1k", 1024), ("decode4k", 4096)):
@@ -413,7 +413,7 @@ def test_decode_host_times_the_kernels_calls_of_decode_steps(demo_model_dir, cap
     timed (attention, RoPE, norms), less than the whole step; the module is given back. The
     demo model's float projections are not block GEMMs: no fused variant."""
     from bench import decode_host
-    from kernels import cpu
+    from pipellm.kernels import cpu
 
     out = decode_host.main(["--model", str(demo_model_dir), "--prompt", "16", "--tokens", "6",
                             "--requests", "1", "--rounds", "1"])
@@ -500,7 +500,7 @@ def test_host_step_times_a_decode_step_with_each_heap_setting():
     import gc
 
     from bench.host_step import one_run
-    from shared.config import ServiceConfig
+    from pipellm.shared.config import ServiceConfig
 
     out = one_run("default", 8, 5)
     assert out["running"] == 8 and out["steps"] == 5 and out["mean"] > 0
@@ -519,7 +519,7 @@ def test_cpu_attention_quick(capsys):
     code's, in the JSON line; fp16 caches under float32 queries against float32 ones; another
     model's heads."""
     from bench import cpu_attention
-    from kernels.cpu import isa
+    from pipellm.kernels.cpu import isa
 
     out = cpu_attention.main(["--quick"])
     assert last_json(capsys.readouterr().out) == out
@@ -539,7 +539,7 @@ def test_cpu_prefill_attention_bench_small(capsys):
     """bench/cpu_prefill_attention.py on one small batch: every path this CPU runs timed (AMX
     tiles, and a pooling forward's coarse P on the tiles or as bf16 products, where the CPU
     has them), the ratios and one JSON line."""
-    from kernels.cpu import extension, isa
+    from pipellm.kernels.cpu import extension, isa
 
     ext = extension()
     if ext is None or not ext.block_gemm_isa():
@@ -565,7 +565,7 @@ def test_decode_step_quick_builds_the_served_projections(capsys):
     --quantization int4: finite logits at both batch sizes; with int4 the projections are the
     server's Int4Linear, and the bytes the bound counts are the packed layout's."""
     from bench import decode_step
-    from services.compute.model.linear.int4 import Int4Linear
+    from pipellm.services.compute.model.linear.int4 import Int4Linear
 
     built, real = [], decode_step.build_model
     decode_step.build_model = lambda *a, **kw: built.append(real(*a, **kw)) or built[-1]

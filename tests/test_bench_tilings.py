@@ -7,12 +7,12 @@ import importlib
 from dataclasses import asdict
 
 from bench.kernels import apply_tilings
-from kernels.decode_attention import Tiling
-from kernels.int4_gemm import GemmTiling
+from pipellm.kernels.decode_attention import Tiling
+from pipellm.kernels.int4_gemm import GemmTiling
 
 # the modules (the package's names of the same spelling are its functions)
-decode_attention = importlib.import_module("kernels.decode_attention")
-int4_gemm = importlib.import_module("kernels.int4_gemm")
+decode_attention = importlib.import_module("pipellm.kernels.decode_attention")
+int4_gemm = importlib.import_module("pipellm.kernels.int4_gemm")
 
 
 def test_tune_results_set_the_kernels_tilings(monkeypatch):

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import transformers
 
-from shared.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from shared.demo_model import CHAT_TEMPLATE
-from shared.tokenizer import load_tokenizer
+from pipellm.shared.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from pipellm.shared.demo_model import CHAT_TEMPLATE
+from pipellm.shared.tokenizer import load_tokenizer
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "

@@ -11,7 +11,8 @@ def pipellm(*args: str, env_dir) -> subprocess.CompletedProcess:
     import os
 
     env = {**os.environ, "PIPELLM_DEMO_DIR": str(env_dir)}
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipellm.services.cli", *args],
+                          capture_output=True,
                           text=True, timeout=300, env=env)
 
 
@@ -46,7 +47,8 @@ def test_default_model_falls_back_to_demo_in_one_line(tmp_path, demo_model_dir):
     env = {**os.environ, "PIPELLM_DEMO_DIR": str(demo_model_dir),
            "PIPELLM_DEFAULT_MODEL_DIR": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
            "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull}
-    out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--prompt", "Hi",
+    out = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "generate", "--prompt",
+                          "Hi",
                           "--max-tokens", "3", "--ignore-eos", "--json"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr

@@ -1,14 +1,14 @@
-"""The wire codec (shared/codec.py): registered dataclasses round-trip, nested and with token
-arrays; fields equal to their defaults stay off the wire; anything else is refused."""
+"""The wire codec (pipellm/shared/codec.py): registered dataclasses round-trip, nested and with
+token arrays; fields equal to their defaults stay off the wire; anything else is refused."""
 
 from array import array
 
 import msgpack
 import pytest
 
-from shared import codec
-from shared.messages import Delta, DeltaBatch, GenerateRequest, Route, Tokens
-from shared.sampling import SamplingParams
+from pipellm.shared import codec
+from pipellm.shared.messages import Delta, DeltaBatch, GenerateRequest, Route, Tokens
+from pipellm.shared.sampling import SamplingParams
 
 
 def tokens(n: int, k: int = 0) -> Tokens:

@@ -1,4 +1,4 @@
-"""Cohere's /v2/embed body and answer (services/gateway/cohere_embed.py), no sockets: each
+"""Cohere's /v2/embed body and answer (pipellm/services/gateway/cohere_embed.py), no sockets: each
 field as Cohere's clients send it, each bad one a 400 on its field; the embedding types made
 from the float vectors (numpy's packbits as the reference). End to end with the cohere SDK:
 tests/test_embeddings_e2e.py."""
@@ -11,11 +11,11 @@ from array import array
 import numpy as np
 import pytest
 
-from services.gateway.cohere_embed import cohere_answer, parse_cohere_embed, prompt_prefix
-from services.gateway.embeddings_request import EmbeddingSettings
-from services.gateway.errors import APIError
-from shared.messages import EmbedResult
-from shared.pooling import PoolingConfig
+from pipellm.services.gateway.cohere_embed import cohere_answer, parse_cohere_embed, prompt_prefix
+from pipellm.services.gateway.embeddings_request import EmbeddingSettings
+from pipellm.services.gateway.errors import APIError
+from pipellm.shared.messages import EmbedResult
+from pipellm.shared.pooling import PoolingConfig
 
 PROMPTS = (("query", "Q: "), ("document", "D: "))
 SETTINGS = EmbeddingSettings(True, PoolingConfig(dimension=16, matryoshka_dims=(8, 16),

@@ -4,8 +4,8 @@ raises AssertionError; the last tests feed them broken copies of compose.yaml to
 can fail.
 
 Checked: the five services; each `pipellm service <name>` command line, with its container's
-environment, parses with the real CLI parser (services.cli.main, with the serve step stubbed out);
-every zmq address a service connects to is one another service binds, on the same channel and
+environment, parses with the real CLI parser (pipellm.services.cli.main, with the serve step stubbed
+out); every zmq address a service connects to is one another service binds, on the same channel and
 port, with who binds and who connects read from the services' code; the env var names are config
 fields; gateway, tokenizer and detokenizer run the slim image (and import no torch), compute the
 compute image; all four use the same engine settings and the model baked into the images;
@@ -28,10 +28,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from services import cli
-from shared import default_model, demo_model, transport
-from shared.config import EngineConfig, ServiceConfig
-from shared.settings import config_from_args
+from pipellm.services import cli
+from pipellm.shared import default_model, demo_model, transport
+from pipellm.shared.config import EngineConfig, ServiceConfig
+from pipellm.shared.settings import config_from_args
 
 # PyYAML comes with transformers (the `test` extra); without it these checks cannot run at all.
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to parse compose.yaml")
@@ -97,7 +97,7 @@ def _advertises_gateway_addr() -> bool:
         return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                 and node.func.attr == "addr" and ast.literal_eval(node.args[0]) == "gateway")
 
-    for path in (ROOT / "services" / "gateway").glob("*.py"):
+    for path in (ROOT / "pipellm" / "services" / "gateway").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.keyword) and node.arg == "reply_to" and is_gateway_addr(
                     node.value):
@@ -114,7 +114,7 @@ def socket_roles() -> dict[str, dict[str, str]]:
     address) connect to the reply address the gateway advertises: its gateway channel."""
     roles: dict[str, dict[str, str]] = {}
     for name in PIPELLM:
-        source = (ROOT / "services" / name / "service.py").read_text(encoding="utf-8")
+        source = (ROOT / "pipellm" / "services" / name / "service.py").read_text(encoding="utf-8")
         tree = ast.parse(source)
         roles[name] = {ch: "bind" if bind else "connect" for ch, bind in _transport_calls(tree)}
         if re.search(r"\bSenders\(", source):
@@ -138,8 +138,8 @@ def test_socket_roles_match_the_design():
 
 
 def parse_serve(name: str, service: dict) -> tuple[EngineConfig, ServiceConfig]:
-    """Run `pipellm <command[1:]>` through services.cli.main, in the container's environment,
-    with the serve step replaced by a stub: the real parser, nothing started."""
+    """Run `pipellm <command[1:]>` through pipellm.services.cli.main, in the container's
+    environment, with the serve step replaced by a stub: the real parser, nothing started."""
     command = service.get("command")
     assert isinstance(command, list) and all(isinstance(a, str) for a in command), \
         f"{name}: command must be a list of strings: {command!r}"
@@ -262,7 +262,7 @@ def check_same_model(compose: dict, parsed: Parsed) -> None:
     assert m, f"Dockerfile sets no {default_model.ENV_VAR}"
     assert model == f"{m[1]}/{default_model.FILE_NAME}", \
         f"--model {model!r} is not the default model the images carry"
-    assert re.search(r"^RUN .*python -m shared.default_model", dockerfile, re.M), \
+    assert re.search(r"^RUN .*python -m pipellm.shared.default_model", dockerfile, re.M), \
         "Dockerfile does not fetch the default model"
 
 
@@ -400,9 +400,9 @@ def test_slim_services_run_without_torch(demo_model_dir):
     script = (
         "import sys\n"
         "for m in ('torch', 'triton', 'safetensors', 'ninja'): sys.modules[m] = None\n"
-        "from services import cli\n"
-        "from services.tokenizer.service import Tokenizer\n"
-        "import services.gateway.service, services.detokenizer.service\n"
+        "from pipellm.services import cli\n"
+        "from pipellm.services.tokenizer.service import Tokenizer\n"
+        "import pipellm.services.gateway.service, pipellm.services.detokenizer.service\n"
         "for name in ('gateway', 'tokenizer', 'detokenizer'):\n"
         "    args = cli.build_parser().parse_args(['service', name, '--model', sys.argv[1]])\n"
         "    engine, svc = cli._configs(args)\n"
@@ -418,7 +418,7 @@ def test_compute_image_carries_the_built_kernels():
     than compiling for minutes (tests/test_docker.py checks compute's log for real)."""
     dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
     stage = dockerfile.split("AS compute", 1)[1].split("\nFROM ", 1)[0]
-    build = re.search(r"^RUN cd /tmp && python -m kernels\.cpu$", stage, re.M)
+    build = re.search(r"^RUN cd /tmp && python -m pipellm\.kernels\.cpu$", stage, re.M)
     assert build, "the compute target does not build the C++ CPU kernels"
     users = re.findall(r"^USER (\S+)", stage[:build.start()], re.M)
     assert users and users[-1] == "pipellm", "the kernels are not built as the runtime user"

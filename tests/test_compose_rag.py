@@ -4,7 +4,7 @@ with the real CLI parser in their containers' environment; one runs the generati
 other really selects the pooling runner; both use the shared Redis and the model baked into
 the image, listen on all interfaces, and have server ids and host names of their own and
 served names of their own; the router runs in its multi-model mode (`--enable-igw`, where it
-routes by the `model` field) and the registrar (services/router_workers.py, parsed with its
+routes by the `model` field) and the registrar (pipellm/services/router_workers.py, parsed with its
 own parser) names exactly the two servers' URLs, each with the name that server serves. A
 broken copy shows the checks can fail."""
 
@@ -14,7 +14,7 @@ import copy
 
 import pytest
 
-from services import router_workers
+from pipellm.services import router_workers
 from tests.test_compose import ROOT
 from tests.test_compose_scale import parse_serve
 
@@ -31,7 +31,7 @@ def load() -> dict:
 def registrar_workers(service: dict) -> tuple[str, list[router_workers.Worker]]:
     """The registrar's router URL and workers, through its own argument parser."""
     command = service["command"]
-    assert command[:3] == ["python", "-m", "services.router_workers"], command[:3]
+    assert command[:3] == ["python", "-m", "pipellm.services.router_workers"], command[:3]
     captured = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(router_workers, "run", lambda router, workers, *a: captured.append(

@@ -13,9 +13,9 @@ import re
 
 import pytest
 
-from services import cli
-from shared.config import EngineConfig, ServiceConfig
-from shared.settings import config_from_args
+from pipellm.services import cli
+from pipellm.shared.config import EngineConfig, ServiceConfig
+from pipellm.shared.settings import config_from_args
 from tests.test_compose import ROOT, environment
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to parse compose files")
@@ -26,7 +26,7 @@ def load() -> dict:
 
 
 def parse_serve(name: str, service: dict) -> tuple[EngineConfig, ServiceConfig]:
-    """`pipellm serve ...` through services.cli.main in the container's environment, the
+    """`pipellm serve ...` through pipellm.services.cli.main in the container's environment, the
     supervisor stubbed out: the real parser, nothing started."""
     command = service["command"]
     assert command[:2] == ["pipellm", "serve"], f"{name}: runs {command[:2]}"
@@ -36,7 +36,8 @@ def parse_serve(name: str, service: dict) -> tuple[EngineConfig, ServiceConfig]:
             mp.delenv(key)
         for key, value in environment(service).items():
             mp.setenv(key, value)
-        mp.setattr("services.supervisor.up", lambda engine, svc: captured.append((engine, svc))
+        mp.setattr("pipellm.services.supervisor.up", lambda engine, svc: captured.append((engine,
+                                                                                          svc))
                    or 0)
         mp.setattr(cli, "_check_model", lambda engine: None)  # the model is in the image
         mp.setattr(cli, "_configs", lambda args: (
@@ -78,7 +79,7 @@ def test_compose_scale_is_wired():
 
 def test_the_router_image_pins_the_tested_version():
     dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
-    setup = (ROOT / "services/setup.sh").read_text(encoding="utf-8")
+    setup = (ROOT / "scripts/setup.sh").read_text(encoding="utf-8")
     pinned = re.findall(r"vllm-router==([\d.]+)", dockerfile)
     assert pinned and pinned == re.findall(r"vllm-router==([\d.]+)", setup)
 

@@ -5,10 +5,16 @@ import argparse
 
 import pytest
 
-from services.compute.backend import resolve
-from shared.config import EngineConfig, ServiceConfig, SimConfig, step_budget
-from shared.model_config import served_context
-from shared.settings import add_config_args, config_from_args, env_for, settings, with_settings
+from pipellm.services.compute.backend import resolve
+from pipellm.shared.config import EngineConfig, ServiceConfig, SimConfig, step_budget
+from pipellm.shared.model_config import served_context
+from pipellm.shared.settings import (
+    add_config_args,
+    config_from_args,
+    env_for,
+    settings,
+    with_settings,
+)
 
 
 def parse(argv: list[str], cls=EngineConfig):
@@ -73,8 +79,8 @@ def test_a_command_line_leaves_the_step_budget_to_the_device(monkeypatch):
     """--max-batched-tokens and --max-running unset: the device's (a GPU's budget here, as on
     an H200); set by a flag or an env var: as set, the running batch never above the step's
     tokens; code that builds a config, and the help, say what applies."""
-    from services import cli
-    from services.compute import backend
+    from pipellm.services import cli
+    from pipellm.services.compute import backend
 
     gpu = step_budget("cuda", 139.8, "NVIDIA H200")
     monkeypatch.setattr(backend, "device_step_budget", lambda device, kind: dict(gpu))
@@ -103,8 +109,8 @@ def test_max_pending_left_unset_follows_the_running_batch(monkeypatch, demo_mode
     """--max-pending unset: 8 per slot of the running batch the engine got, times the
     data-parallel ranks (an H200's 1024 running: 8192, so a 1,000-request burst is queued);
     set by a flag or an env var: as set; built in code: the field's default."""
-    from services import cli
-    from services.compute import backend
+    from pipellm.services import cli
+    from pipellm.services.compute import backend
 
     gpu = step_budget("cuda", 139.8, "NVIDIA H200")
     monkeypatch.setattr(backend, "device_step_budget", lambda device, kind: dict(gpu))
@@ -130,7 +136,7 @@ def test_gc_young_threshold_must_be_positive():
 def test_the_open_files_limit_is_raised_to_the_target_or_the_hard_limit(monkeypatch, caplog):
     import resource
 
-    from shared import open_files
+    from pipellm.shared import open_files
 
     calls = []
     monkeypatch.setattr(resource, "setrlimit", lambda kind, pair: calls.append(pair))
@@ -160,8 +166,9 @@ def test_a_cpu_build_of_torch_answers_the_step_budget_without_importing_it():
 
     if not importlib.metadata.version("torch").endswith("+cpu"):
         pytest.skip("not a CPU build of torch")
-    code = ("import sys; from services import cli; a = cli.build_parser().parse_args(['serve'])"
-            "; print(cli._by_device(a), 'torch' in sys.modules)")
+    code = ("import sys; from pipellm.services import cli; "
+            "a = cli.build_parser().parse_args(['serve']); "
+            "print(cli._by_device(a), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "{'max_batched_tokens': 512, 'max_running': 256} False"

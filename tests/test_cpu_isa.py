@@ -1,4 +1,4 @@
-"""The ISA levels of the C++ CPU kernels (kernels/cpu/isa.py): which levels a CPU runs, the
+"""The ISA levels of the C++ CPU kernels (pipellm/kernels/cpu/isa.py): which levels a CPU runs, the
 choice (auto, forced lower, refused above the CPU), and the block GEMMs' variants this CPU runs
 giving the same bits (so `--cpu-isa avx2` serves the same tokens as the CPU's best)."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import extension, isa
-from kernels.int4_cpu import pack_int4_blocks
-from kernels.int4_gemm import int4_gemm
-from kernels.int4_weight import quantize_int4
-from kernels.q8_gemm import pack_q8_blocks, q8_gemm, quantize_q8
-from shared.config import EngineConfig
+from pipellm.kernels.cpu import extension, isa
+from pipellm.kernels.int4_cpu import pack_int4_blocks
+from pipellm.kernels.int4_gemm import int4_gemm
+from pipellm.kernels.int4_weight import quantize_int4
+from pipellm.kernels.q8_gemm import pack_q8_blocks, q8_gemm, quantize_q8
+from pipellm.shared.config import EngineConfig
 
 AVX2 = frozenset({"avx", "avx2", "fma3", "f16c", "bmi2"})
 AVX512 = AVX2 | {"avx512_f", "avx512_bw", "avx512_vl", "avx512_dq"}
@@ -100,8 +100,8 @@ def test_native_bf16_needs_the_flag_and_a_level_above_avx2(monkeypatch):
 
 
 def test_auto_dtype_of_a_gguf_is_bfloat16_where_the_cpu_computes_in_it(monkeypatch, tmp_path):
-    from services.compute.runner import resolve_dtype
-    from shared.model_config import ModelConfig
+    from pipellm.services.compute.runner import resolve_dtype
+    from pipellm.shared.model_config import ModelConfig
     from tests.gguf_files import Q, write_gguf
     from tests.hf_models import build_hf_model
 
@@ -123,9 +123,9 @@ def test_the_engine_runs_at_every_variant(tmp_path):
     kernel the step dispatches by the chosen level (GEMMs, prefill and decode attention, norms,
     activations) takes each variant, and variants of one vector width give the same tokens and
     logprobs."""
-    from services.compute.backend import build_engine
-    from shared.sampling import SamplingParams
-    from shared.settings import with_settings
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared.sampling import SamplingParams
+    from pipellm.shared.settings import with_settings
     from tests.gguf_files import Q, write_gguf
     from tests.hf_models import build_hf_model
 

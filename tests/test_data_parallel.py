@@ -73,10 +73,10 @@ def settled(stack: Stack, name: str) -> dict[str, float]:
 
 
 def test_two_compute_processes_give_one_computes_texts(stack, demo_model_dir):
-    from services.compute.backend import build_engine
-    from shared.config import EngineConfig
-    from shared.sampling import SamplingParams
-    from shared.tokenizer import decode, encode, load_tokenizer
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared.config import EngineConfig
+    from pipellm.shared.sampling import SamplingParams
+    from pipellm.shared.tokenizer import decode, encode, load_tokenizer
 
     tok = load_tokenizer(demo_model_dir)
     one = build_engine(EngineConfig(model=str(demo_model_dir), device="cpu",

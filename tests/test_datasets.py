@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loadgen.datasets import (
+from pipellm.loadgen.datasets import (
     CHARS_PER_TOKEN,
     SHAREGPT_FILE,
     WorkItem,
@@ -13,7 +13,7 @@ from loadgen.datasets import (
     load_sharegpt,
     synthetic,
 )
-from loadgen.prefix_datasets import multiturn_items, shared_prefix_items
+from pipellm.loadgen.prefix_datasets import multiturn_items, shared_prefix_items
 from tests.hf_models import demo_tokenizer
 
 

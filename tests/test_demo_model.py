@@ -14,10 +14,10 @@ import pytest
 import torch
 import transformers
 
-from services.compute.model.weights import load_weights
-from shared.demo_model import FILES, ensure_demo_model
-from shared.model_config import ModelConfig
-from shared.tokenizer import TokenizerLoadError, decode, encode, load_tokenizer
+from pipellm.services.compute.model.weights import load_weights
+from pipellm.shared.demo_model import FILES, ensure_demo_model
+from pipellm.shared.model_config import ModelConfig
+from pipellm.shared.tokenizer import TokenizerLoadError, decode, encode, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [
@@ -33,7 +33,8 @@ def file_hashes(path: Path) -> dict[str, str]:
 
 
 def test_builds_are_byte_identical_across_processes(tmp_path, demo_model_dir):
-    code = "import sys; from pathlib import Path; from shared.demo_model import ensure_demo_model;"
+    code = "import sys; from pathlib import Path; "
+    code += "from pipellm.shared.demo_model import ensure_demo_model;"
     code += " ensure_demo_model(Path(sys.argv[1]))"
     other = tmp_path / "other"
     subprocess.run([sys.executable, "-c", code, str(other)], cwd=REPO, check=True)

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from services.detokenizer.incremental import IncrementalDetokenizer
-from services.detokenizer.stop import StopMatcher
-from shared.demo_model import _CORPUS, build_demo_tokenizer
+from pipellm.services.detokenizer.incremental import IncrementalDetokenizer
+from pipellm.services.detokenizer.stop import StopMatcher
+from pipellm.shared.demo_model import _CORPUS, build_demo_tokenizer
 
 FFFD = "\ufffd"
 TEXTS = [
@@ -248,8 +248,8 @@ def test_prompt_logprob_pieces_join_onto_the_first_delta() -> None:
     joined, with the prompt's ids, on the request's first delta; top-k rows ride each token."""
     from array import array
 
-    from services.detokenizer.service import Detokenizer
-    from shared.messages import Route, StepOutput, Tokens
+    from pipellm.services.detokenizer.service import Detokenizer
+    from pipellm.shared.messages import Route, StepOutput, Tokens
 
     def piece(start, ids):
         n = len(ids)
@@ -279,8 +279,8 @@ def test_a_stop_string_in_a_finished_record_ends_it_with_stop() -> None:
     in it cuts the text there and the choice ends with "stop" (no abort: it is over)."""
     from array import array
 
-    from services.detokenizer.service import Detokenizer
-    from shared.messages import Route, StepOutput, Tokens
+    from pipellm.services.detokenizer.service import Detokenizer
+    from pipellm.shared.messages import Route, StepOutput, Tokens
 
     tok = TOKENIZERS["byte_bpe"]
     ids = tok.encode("one two. three").ids

@@ -1,4 +1,4 @@
-"""The tokenizers' data-parallel routing (services/tokenizer/dispatch.py) over a real Redis:
+"""The tokenizers' data-parallel routing (pipellm/services/tokenizer/dispatch.py) over a real Redis:
 two tokenizers routing one burst see each other's requests (the shared `pending` demand), a
 compute's publication settles what it received in the same transaction, a restart's reset
 clamps late settlements at 0, and a compute without a heartbeat gets nothing. The computes'
@@ -12,12 +12,12 @@ from array import array
 import pytest
 import redis
 
-from services.tokenizer.dispatch import Dispatcher
-from shared import state
-from shared.messages import GenerateRequest, Route
-from shared.redis_server import EmbeddedRedis
-from shared.routing import make_policy
-from shared.sampling import SamplingParams
+from pipellm.services.tokenizer.dispatch import Dispatcher
+from pipellm.shared import state
+from pipellm.shared.messages import GenerateRequest, Route
+from pipellm.shared.redis_server import EmbeddedRedis
+from pipellm.shared.routing import make_policy
+from pipellm.shared.sampling import SamplingParams
 
 SERVER = "test-dp"
 
@@ -130,7 +130,7 @@ def test_a_requests_priority_travels_to_the_rank_that_serves_it(client, inboxes)
     priority, through the codec the inbox's socket would carry it with."""
     from dataclasses import replace
 
-    from shared.codec import decode, encode
+    from pipellm.shared.codec import decode, encode
 
     a = tokenizer(client, inboxes)
     for i, p in enumerate((7, -3, 0, 2)):

@@ -10,11 +10,11 @@ import argparse
 import openai
 import pytest
 
-from services import cli
-from shared.chat_template import load_chat_template
-from shared.config import EngineConfig, ServiceConfig
-from shared.tokenizer import encode, load_tokenizer
-from shared.tool_prompt import with_tools
+from pipellm.services import cli
+from pipellm.shared.chat_template import load_chat_template
+from pipellm.shared.config import EngineConfig, ServiceConfig
+from pipellm.shared.tokenizer import encode, load_tokenizer
+from pipellm.shared.tool_prompt import with_tools
 from tests.gateway_harness import run_gateway
 
 
@@ -218,7 +218,7 @@ def test_chat_template_flag_overrides_the_models(demo_model_dir, redis_url, tmp_
 
 
 def test_server_seed_makes_unseeded_requests_reproducible(demo_model_dir, redis_url):
-    from services.gateway import protocol
+    from pipellm.services.gateway import protocol
 
     async def body(gw, client):
         req = protocol.parse_completion({"prompt": "x", "temperature": 1.0}, gw.model_name)

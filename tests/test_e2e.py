@@ -15,10 +15,10 @@ import pytest
 import redis
 import transformers
 
-from services.compute.backend import build_engine
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
-from shared.tokenizer import decode, encode, load_tokenizer
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.tokenizer import decode, encode, load_tokenizer
 from tests.stack import Stack
 
 MODEL = "demo-llama"
@@ -253,7 +253,7 @@ def test_allowed_token_ids_and_bad_words(client, demo_model_dir):
 
 def test_length_predictor_learns_from_finished_requests(stack, demo_model_dir):
     """Tokenizer features -> route -> detokenizer learns at finish -> Redis -> predictions."""
-    from shared.length_predictor import LengthPredictor, length_features, model_key
+    from pipellm.shared.length_predictor import LengthPredictor, length_features, model_key
 
     key = model_key(str(demo_model_dir))
     predictor = LengthPredictor(redis.Redis.from_url(stack.redis.url), key, strict=True)

@@ -12,25 +12,25 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from services.cli import build_parser
-from services.compute.embed_core import EmbedCore
-from services.compute.pooling import NoKVRoom
-from services.gateway.embed_encoding import Encoding
-from services.gateway.embeddings_api import answer
-from services.gateway.embeddings_request import (
+from pipellm.services.cli import build_parser
+from pipellm.services.compute.embed_core import EmbedCore
+from pipellm.services.compute.pooling import NoKVRoom
+from pipellm.services.gateway.embed_encoding import Encoding
+from pipellm.services.gateway.embeddings_api import answer
+from pipellm.services.gateway.embeddings_request import (
     MAX_INPUTS,
     EmbeddingSettings,
     EmbeddingsRequest,
     parse_embeddings,
 )
-from services.gateway.errors import APIError
-from services.tokenizer.embed import EmbedInputError, prepare_embed
-from shared import codec
-from shared.config import EngineConfig
-from shared.messages import EmbedRequest, EmbedResult
-from shared.pooling import PoolingConfig
-from shared.sampling import InvalidParams
-from shared.settings import config_from_args, with_settings
+from pipellm.services.gateway.errors import APIError
+from pipellm.services.tokenizer.embed import EmbedInputError, prepare_embed
+from pipellm.shared import codec
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.messages import EmbedRequest, EmbedResult
+from pipellm.shared.pooling import PoolingConfig
+from pipellm.shared.sampling import InvalidParams
+from pipellm.shared.settings import config_from_args, with_settings
 
 SETTINGS = EmbeddingSettings(True, PoolingConfig(matryoshka_dims=(16, 32, 64)), 64, 100)
 
@@ -185,8 +185,8 @@ def test_tokenizer_renders_conversations(demo_model_dir):
     apply_chat_template does (no special tokens added: the template writes them)."""
     from transformers import AutoTokenizer
 
-    from shared.chat_template import load_chat_template
-    from shared.messages import ChatMessage
+    from pipellm.shared.chat_template import load_chat_template
+    from pipellm.shared.messages import ChatMessage
 
     tok = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
     hf = AutoTokenizer.from_pretrained(demo_model_dir)

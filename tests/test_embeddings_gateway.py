@@ -11,10 +11,10 @@ import redis
 import zmq
 import zmq.asyncio
 
-from services.gateway import embeddings_api, health
-from shared import codec, state
-from shared.config import EngineConfig
-from shared.messages import EmbedRequest, EmbedResult
+from pipellm.services.gateway import embeddings_api, health
+from pipellm.shared import codec, state
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.messages import EmbedRequest, EmbedResult
 from tests import gateway_harness
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.compute.backend import build_engine
-from shared.config import EngineConfig, SchedulerConfig
-from shared.sampling import InvalidParams, SamplingParams
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.sampling import InvalidParams, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +130,8 @@ def test_max_tokens_none_runs_to_the_context(engine):
 def test_only_pooling_forwards_round_p_coarsely(engine, monkeypatch):
     """Generation steps keep the prefill attention's P fine (greedy answers and logprobs
     depend on it); a pooling forward on the same engine asks for coarse P
-    (kernels/prefill_attention.py)."""
-    from services.compute.model import llama
+    (pipellm/kernels/prefill_attention.py)."""
+    from pipellm.services.compute.model import llama
 
     asked, attend = [], llama.prefill_attention
 

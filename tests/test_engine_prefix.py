@@ -9,10 +9,10 @@ import time
 import openai
 import pytest
 
-from services.compute.backend import build_engine
-from shared.config import EngineConfig, SchedulerConfig
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.stack import Stack
 
 SYSTEM = [1] + [(13 * j) % 700 + 5 for j in range(40)]  # a shared system prompt

@@ -12,11 +12,11 @@ import random
 import pytest
 import torch
 
-from services.compute.backend import build_engine
-from services.compute.engine import LLMEngine
-from shared.config import EngineConfig, SchedulerConfig
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.engine import LLMEngine
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 
 NUM_PROMPTS = 16
 MAX_NEW = 24
@@ -142,7 +142,7 @@ def test_architecture_variants_match_hf(name, tmp_path):
 
 def test_triton_kernels_give_the_reference_tokens(tmp_path):
     """The whole model on the Triton kernels (CPU interpreter) vs the PyTorch reference path."""
-    from kernels.dispatch import set_backend
+    from pipellm.kernels.dispatch import set_backend
     from tests.hf_models import build_hf_model
 
     build_hf_model(tmp_path, "llama", initializer_range=0.1, num_key_value_heads=1)

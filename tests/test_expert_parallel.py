@@ -1,8 +1,8 @@
-"""Expert parallelism (`--tensor-parallel-size 2 --enable-expert-parallel`, services/compute/tp/):
-rank r holds experts [4r, 4r + 4) of 8 whole and none of the others', attention still split
-across the ranks. Through `LLMEngine` against one rank: greedy tokens identical, generated and
-prompt logprobs within 1e-4 (float32), for Qwen3-MoE (a dense layer among the sparse ones),
-Mixtral (an INT8 KV cache) and OLMoE (q/k norms over every rank's heads); a rank
+"""Expert parallelism (`--tensor-parallel-size 2 --enable-expert-parallel`,
+pipellm/services/compute/tp/): rank r holds experts [4r, 4r + 4) of 8 whole and none of the others',
+attention still split across the ranks. Through `LLMEngine` against one rank: greedy tokens
+identical, generated and prompt logprobs within 1e-4 (float32), for Qwen3-MoE (a dense layer among
+the sparse ones), Mixtral (an INT8 KV cache) and OLMoE (q/k norms over every rank's heads); a rank
 reads only its experts from safetensors, and keeps only its experts of whole loaded weights (a
 GGUF file's way: one of Q4 blocks runs too); what it refuses, each with one line, and what it
 does not."""
@@ -16,14 +16,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from services import cli
-from services.compute.backend import resolve
-from services.compute.model.weights import load_weights
-from services.compute.tp.shard import Shard, ShardReader, shard_weights
-from shared.config import EngineConfig
-from shared.model_config import ModelConfig
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.services import cli
+from pipellm.services.compute.backend import resolve
+from pipellm.services.compute.model.weights import load_weights
+from pipellm.services.compute.tp.shard import Shard, ShardReader, shard_weights
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.model_config import ModelConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.gguf_files import write_gguf
 from tests.hf_models import build_hf_model
 from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)
@@ -132,6 +132,6 @@ def test_a_dense_model_ignores_the_flag(model_dir, caplog):  # noqa: F811
     """As vLLM does: its layers split as without it (resolve passes), one line logged."""
     config = with_settings(EngineConfig(), model=str(model_dir("llama")), tensor_parallel_size=2,
                            **EP)
-    with caplog.at_level(logging.INFO, logger="services.compute.tp.group"):
+    with caplog.at_level(logging.INFO, logger="pipellm.services.compute.tp.group"):
         resolve(config)
     assert "LlamaForCausalLM has no experts, its layers are split as without it" in caplog.text

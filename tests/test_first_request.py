@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from services.compute.backend import build_engine
-from services.compute.warmup import warm_up
-from shared.config import EngineConfig, SchedulerConfig
-from shared.sampling import SamplingParams
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.warmup import warm_up
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.sampling import SamplingParams
 from tests.stack import Stack
 
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
         "temperature": 0, "ignore_eos": True}
 JSON = {**CHAT, "response_format": {"type": "json_object"}}
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
-                                    reason="needs a C++ compiler (services/setup.sh's build)")
+                                    reason="needs a C++ compiler (scripts/setup.sh's build)")
 
 
 def _timed(stack: Stack, body: dict = CHAT) -> float:
@@ -73,9 +73,10 @@ def test_first_request_after_health_is_fast_without_built_kernels(demo_model_dir
         assert "; warm-up " in banner
     finally:
         stack.stop()
-    # what services/setup.sh runs: on the cache the server filled, a load
+    # what scripts/setup.sh runs: on the cache the server filled, a load
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}
-    out = subprocess.run([sys.executable, "-m", "kernels.cpu"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pipellm.kernels.cpu"], env=env,
+                         capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "C++ CPU kernels loaded (cached)" in out.stdout, out
     assert str(built[0]) in out.stdout
@@ -90,7 +91,8 @@ def test_a_stale_build_lock_is_taken_over(tmp_path):
     (ext / "pipellm_cpu_kernels").mkdir(parents=True, exist_ok=True)
     (ext / "pipellm_cpu_kernels" / "lock").touch()
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}
-    out = subprocess.run([sys.executable, "-m", "kernels.cpu"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pipellm.kernels.cpu"], env=env,
+                         capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and "C++ CPU kernels built" in out.stdout, out
     assert "removed a stale build lock" in out.stderr, out.stderr
@@ -99,7 +101,8 @@ def test_a_stale_build_lock_is_taken_over(tmp_path):
 
 def test_a_failed_kernel_build_does_not_fail_setup(tmp_path):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/nonexistent/c++"}
-    out = subprocess.run([sys.executable, "-m", "kernels.cpu"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pipellm.kernels.cpu"], env=env,
+                         capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out
     assert "C++ CPU kernels unavailable" in out.stdout and "not found" in out.stdout
@@ -109,9 +112,9 @@ def test_a_failed_kernel_build_does_not_fail_setup(tmp_path):
 def test_a_long_build_says_it_is_still_building(caplog):
     """Nothing waits without saying why: a build that runs on is reported while it runs, and
     the reports stop when it ends."""
-    from kernels import cpu
+    from pipellm.kernels import cpu
 
-    with caplog.at_level("INFO", logger="kernels.cpu"):
+    with caplog.at_level("INFO", logger="pipellm.kernels.cpu"):
         with cpu._still_building(period_s=0.05):
             time.sleep(0.3)
         reports = len(caplog.records)
@@ -122,9 +125,9 @@ def test_a_long_build_says_it_is_still_building(caplog):
 
 def test_only_the_module_bindings_include_torch_extension():
     """A first build compiles each source once: the kernel sources include the ATen they use
-    (kernels/cpu/tensor.h), not <torch/extension.h>, whose parse is most of a source's compile
-    (bench/kernel_build.py). Only the Python modules' bindings need it."""
-    from kernels import cpu
+    (pipellm/kernels/cpu/tensor.h), not <torch/extension.h>, whose parse is most of a source's
+    compile (bench/kernel_build.py). Only the Python modules' bindings need it."""
+    from pipellm.kernels import cpu
 
     folder = Path(cpu.__file__).parent
     including = sorted(p.name for p in folder.iterdir() if p.suffix in (".cpp", ".h")
@@ -152,7 +155,7 @@ def test_warm_up_leaves_the_engine_as_it_was(demo_model_dir):
 
 
 def test_sim_backend_has_nothing_to_warm():
-    from services.compute.backend import build_engine
+    from pipellm.services.compute.backend import build_engine
 
     engine = build_engine(EngineConfig(backend="sim"))
     assert engine.runner.simulated and warm_up(engine) == ""

@@ -1,5 +1,5 @@
-"""A decode step's layers in one C++ call (services/compute/model/fused_decode.py,
-kernels/cpu/decode_layers.cpp) against LlamaModel's layer loop, its reference: the logits of
+"""A decode step's layers in one C++ call (pipellm/services/compute/model/fused_decode.py,
+pipellm/kernels/cpu/decode_layers.cpp) against LlamaModel's layer loop, its reference: the logits of
 every step bit-identical, greedy and sampled, over tiny random models of each kind it takes
 (Llama, Qwen2's qkv bias, Mistral's window, Phi-3's partial rotary, Qwen3's q/k norms; fp16,
 float32 and INT8 caches) and SmolLM2's Q4_1 GGUF; the steps it leaves to the loop (prefills,
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
-from services.compute.backend import build_engine
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.kernels import dispatch
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.hf_models import build_hf_model
 
 pytestmark = pytest.mark.skipif(dispatch.block_gemm_extension(torch.zeros(1)) is None,
@@ -82,8 +82,8 @@ def test_fused_steps_are_the_loops_bit_for_bit(tmp_path, arch, overrides, settin
 def test_smollm2_gguf_steps_are_the_loops():
     """The default model as served (its INT4 blocks): the warm-up's line in the banner says
     its decode steps run fused."""
-    from services.compute.warmup import warm_up
-    from shared import default_model
+    from pipellm.services.compute.warmup import warm_up
+    from pipellm.shared import default_model
 
     engine = make_engine(default_model.fetch(), quantization="auto")
     assert "decode steps' layers in one C++ call" in warm_up(engine)
@@ -91,7 +91,7 @@ def test_smollm2_gguf_steps_are_the_loops():
 
 
 def test_what_it_leaves_to_the_loop(tmp_path, demo_model_dir):
-    from services.compute.warmup import warm_up
+    from pipellm.services.compute.warmup import warm_up
 
     build_hf_model(tmp_path / "llama", "llama", **TINY)
     engine = make_engine(tmp_path / "llama", kv_cache_dtype="fp8")

@@ -12,10 +12,10 @@ import redis.asyncio as aioredis
 import zmq
 import zmq.asyncio
 
-from services.gateway import health
-from shared import codec, state
-from shared.config import EngineConfig, ServiceConfig
-from shared.redis_server import EmbeddedRedis
+from pipellm.services.gateway import health
+from pipellm.shared import codec, state
+from pipellm.shared.config import EngineConfig, ServiceConfig
+from pipellm.shared.redis_server import EmbeddedRedis
 from tests.gateway_harness import run_gateway
 
 
@@ -96,8 +96,8 @@ def test_health_reads_heartbeats_and_stats_without_scanning_the_keyspace():
     """Liveness comes from the server's set of heartbeat keys (an expired one is dropped from
     it) and engine stats from each rank's key: no SCAN, whose cost grew with every request
     Redis keeps (0.35 s a check, twice a second, at 10,000 of them)."""
-    from services.gateway.health import Health
-    from services.gateway.metrics import Metrics
+    from pipellm.services.gateway.health import Health
+    from pipellm.services.gateway.metrics import Metrics
 
     with EmbeddedRedis() as r:
         client = redis.Redis.from_url(r.url)
@@ -135,8 +135,8 @@ def test_a_lapsed_heartbeat_refuses_requests_until_it_beats_again(caplog):
     """A beat lives at least HEARTBEAT_MIN_TTL_S whatever the period (a stalled but live
     process is not a dead one); one that lapses makes the gateway refuse, with a warning that
     names the service, until it beats again."""
-    from services.gateway.health import Health
-    from services.gateway.metrics import Metrics
+    from pipellm.services.gateway.health import Health
+    from pipellm.services.gateway.metrics import Metrics
 
     with EmbeddedRedis() as r:
         client = redis.Redis.from_url(r.url)
@@ -172,8 +172,8 @@ def test_ready_once_every_compute_rank_beats_and_a_ranks_first_beat_is_no_restar
     comes up later is not taken for a restart, and requests sent before it would all have gone
     to the other); a new instance of a rank seen before is a restart, whose requests are
     resumed; after that, one live rank keeps the server ready while the other restarts."""
-    from services.gateway.health import Health
-    from services.gateway.metrics import Metrics
+    from pipellm.services.gateway.health import Health
+    from pipellm.services.gateway.metrics import Metrics
 
     with EmbeddedRedis() as r:
         client = redis.Redis.from_url(r.url)
@@ -212,7 +212,7 @@ def test_ready_once_every_compute_rank_beats_and_a_ranks_first_beat_is_no_restar
 def test_redis_client_survives_a_redis_restart():
     """A pooled connection that died with Redis is retried on a fresh one, so the first request
     after a restart is not a false 503 (it was, now and then, under load)."""
-    from services.gateway.service import redis_client
+    from pipellm.services.gateway.service import redis_client
 
     async def roundtrips(client, n=8):  # several at once: several pooled connections
         await asyncio.gather(*(client.set(f"k{i}", i) for i in range(n)))

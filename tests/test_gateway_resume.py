@@ -11,16 +11,24 @@ import openai
 import pytest
 from aiohttp import web
 
-from services.detokenizer.service import Detokenizer
-from services.gateway.inflight import MAX_RESUMES, Registry
-from services.gateway.metrics import Metrics
-from services.gateway.protocol import parse_completion
-from services.gateway.stream import stream
-from shared.choice import ChoiceId, api_id
-from shared.demo_model import build_demo_tokenizer
-from shared.messages import Delta, DeltaBatch, Resume, Route, StepOutput, TokenizeRequest, Tokens
-from shared.redis_server import free_port
-from shared.sampling import SamplingParams
+from pipellm.services.detokenizer.service import Detokenizer
+from pipellm.services.gateway.inflight import MAX_RESUMES, Registry
+from pipellm.services.gateway.metrics import Metrics
+from pipellm.services.gateway.protocol import parse_completion
+from pipellm.services.gateway.stream import stream
+from pipellm.shared.choice import ChoiceId, api_id
+from pipellm.shared.demo_model import build_demo_tokenizer
+from pipellm.shared.messages import (
+    Delta,
+    DeltaBatch,
+    Resume,
+    Route,
+    StepOutput,
+    TokenizeRequest,
+    Tokens,
+)
+from pipellm.shared.redis_server import free_port
+from pipellm.shared.sampling import SamplingParams
 
 
 def _tokens(rid: str, ids: list[int]) -> Tokens:
@@ -160,9 +168,9 @@ def test_a_resumed_request_keeps_its_priority(demo_model_dir):
     """A request at priority 4, its first choice lost after two tokens: the resume the gateway
     sends (through the codec, as the socket carries it) and the GenerateRequest the tokenizer
     builds from it carry priority 4, under the choice's next attempt."""
-    from services.tokenizer.service import Tokenizer
-    from shared.codec import decode, encode
-    from shared.config import EngineConfig
+    from pipellm.services.tokenizer.service import Tokenizer
+    from pipellm.shared.codec import decode, encode
+    from pipellm.shared.config import EngineConfig
 
     body = {"model": "m", "prompt": "The quick brown fox", "max_tokens": 8, "n": 2,
             "priority": 4}

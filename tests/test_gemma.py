@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from shared.model_config import ModelConfig, ModelLoadError
+from pipellm.shared.model_config import ModelConfig, ModelLoadError
 from tests.gguf_files import Q, write_gguf
 from tests.hf_models import build_hf_model
 from tests.test_architectures import TINY, engine, greedy, random_prompts
@@ -81,7 +81,7 @@ def test_gemma3_gguf_through_the_services_with_the_official_client(tmp_path):
     streamed chat equals the unstreamed one."""
     import openai
 
-    from shared.tokenizer import decode, encode, load_tokenizer
+    from pipellm.shared.tokenizer import decode, encode, load_tokenizer
     from tests.stack import Stack
 
     model = build_hf_model(tmp_path / "hf", "gemma3", **TINY)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from gguf import GGUFWriter
 
-from services.gateway.protocol import parse_chat, parse_completion
-from shared.config import EngineConfig
-from shared.generation_config import GenerationDefaults
-from shared.sampling import SamplingParams
+from pipellm.services.gateway.protocol import parse_chat, parse_completion
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.generation_config import GenerationDefaults
+from pipellm.shared.sampling import SamplingParams
 
 MSG = [{"role": "user", "content": "hi"}]
 PARSE = {"completion": (parse_completion, {"prompt": "hi"}),
@@ -170,7 +170,7 @@ def test_gguf_general_sampling_metadata(tmp_path):
 
 
 def test_the_default_model_gets_its_model_cards_sampling(tmp_path):
-    from shared.default_model import FILE_NAME
+    from pipellm.shared.default_model import FILE_NAME
 
     d = GenerationDefaults.load(gguf_file(tmp_path / FILE_NAME))
     assert d.values == {"temperature": 0.2, "top_p": 0.9}
@@ -231,8 +231,8 @@ def test_a_cap_lowers_requested_max_tokens(kind):
 
 def test_chat_default_max_tokens_is_lowered_to_the_context(demo_model_dir):
     """Chat without max_tokens: the model's default, but no more than the context leaves."""
-    from services.gateway.app import Gateway
-    from services.tokenizer.service import Tokenizer
+    from pipellm.services.gateway.app import Gateway
+    from pipellm.services.tokenizer.service import Tokenizer
 
     tok = Tokenizer(EngineConfig(model=str(demo_model_dir), max_model_len=64))
     gw = type("G", (), {"seeds": None, "svc": type("S", (), {"addr": lambda self, n: "x"})()})
@@ -253,10 +253,10 @@ def test_chat_default_max_tokens_is_lowered_to_the_context(demo_model_dir):
 
 
 def test_run_batch_applies_the_defaults(demo_model_dir):
-    from services.compute.backend import build_engine
-    from services.run_batch import run_batch
-    from services.tokenizer.service import Tokenizer
-    from shared.tokenizer import decode, encode
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.services.run_batch import run_batch
+    from pipellm.services.tokenizer.service import Tokenizer
+    from pipellm.shared.tokenizer import decode, encode
 
     cfg = EngineConfig(model=str(demo_model_dir), kv_cache_tokens=4096)
     engine, tok = build_engine(cfg), Tokenizer(cfg)
@@ -279,7 +279,7 @@ def test_run_batch_applies_the_defaults(demo_model_dir):
 
 
 def test_serve_fails_at_start_up_on_a_bad_setting(tmp_path, demo_model_dir, capsys):
-    from services.cli import main
+    from pipellm.services.cli import main
 
     for flags in (["--override-generation-config", "{bad"],
                   ["--generation-config", str(tmp_path / "nowhere")],
@@ -340,7 +340,7 @@ def test_server_applies_the_models_generation_config(greedy_model):
 def test_max_tokens_is_fitted_to_the_context_once_the_prompt_is_known():
     """None: the room; a default is lowered to it; the client's own value beyond it is an
     error, as is a min_tokens beyond it."""
-    from shared.sampling import InvalidParams
+    from pipellm.shared.sampling import InvalidParams
 
     assert SamplingParams(max_tokens=None).fit_context(10, 64).max_tokens == 54
     assert SamplingParams(max_tokens=100).fit_context(10, 64, lower=True).max_tokens == 54

@@ -12,15 +12,15 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 
-from services.compute.backend import build_engine
-from services.compute.model.gguf_weights import load_gguf_weights
-from shared.chat_template import load_chat_template
-from shared.config import EngineConfig, SchedulerConfig
-from shared.gguf.names import hf_name
-from shared.gguf.reader import GGUFError, GGUFFile
-from shared.model_config import ModelConfig, ModelLoadError
-from shared.sampling import SamplingParams
-from shared.tokenizer import TokenizerLoadError, load_tokenizer
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.model.gguf_weights import load_gguf_weights
+from pipellm.shared.chat_template import load_chat_template
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.gguf.names import hf_name
+from pipellm.shared.gguf.reader import GGUFError, GGUFFile
+from pipellm.shared.model_config import ModelConfig, ModelLoadError
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.tokenizer import TokenizerLoadError, load_tokenizer
 from tests.gguf_files import Q, RawTensor, dequantized, gguf_tensors, permute, write_gguf
 from tests.hf_models import build_hf_model, demo_tokenizer
 
@@ -130,7 +130,7 @@ def test_unservable_files_fail_with_one_clear_error(tmp_path, tiny, case):
     expected = {"architecture": "architecture 'gpt2'", "tokenizer": "tokenizer model 'bert'",
                 "pre": "pre-tokenizer 'made-up'", "qtype": "IQ2_XXS", "truncated": "truncated",
                 "garbage": "not a valid GGUF", "tensor": "blk.0.attn_qkv.weight"}[case]
-    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", str(path),
+    out = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "up", "--model", str(path),
                           "--port", "1"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert expected in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -23,18 +23,18 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.decode_attention import (
+from pipellm.kernels import dispatch
+from pipellm.kernels.decode_attention import (
     _decode_attention_triton,
     decode_attention,
     decode_attention_reference,
 )
-from kernels.fused_moe import fused_moe, fused_moe_ref
-from kernels.prefill_attention import prefill_attention, prefill_attention_reference
-from services.compute.backend import build_engine
-from services.compute.kv.kv_cache import KVCache
-from shared.model_config import ModelConfig
-from shared.sampling import SamplingParams
+from pipellm.kernels.fused_moe import fused_moe, fused_moe_ref
+from pipellm.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.kv.kv_cache import KVCache
+from pipellm.shared.model_config import ModelConfig
+from pipellm.shared.sampling import SamplingParams
 from tests.hf_models import build_hf_model
 from tests.test_architectures import TINY
 from tests.test_architectures import VARIANTS as ARCH_VARIANTS
@@ -201,14 +201,14 @@ DP_KV_TOKENS = 1 << 20  # 2 GiB of the demo model's float32 K/V a rank: more tha
 def serve_two_ranks_on_one_device(model_dir, device: str = "cuda",
                                   kv_tokens: int = DP_KV_TOKENS) -> None:
     """`pipellm up --data-parallel-size 2` with one visible device, which compute_env
-    (services/supervisor.py) gives both ranks; each sizes its own cache (--kv-cache-tokens:
+    (pipellm/services/supervisor.py) gives both ranks; each sizes its own cache (--kv-cache-tokens:
     with --gpu-memory-utilization each rank would count the other's memory as taken). Every
     wait has a deadline and fails with the stack's logs."""
     import openai
     import redis
 
-    from shared import state
-    from shared.tokenizer import decode, encode, load_tokenizer
+    from pipellm.shared import state
+    from pipellm.shared.tokenizer import decode, encode, load_tokenizer
     from tests.stack import Stack
 
     def used() -> int:
@@ -273,13 +273,14 @@ def test_two_data_parallel_ranks_share_one_gpu(demo_model_dir):
     serve_two_ranks_on_one_device(demo_model_dir)
 
 
-# --- 4. INT4 weights on CUDA: tinygemm's tiles for few-row steps (kernels/int4_tiles.py) ------
+# --- 4. INT4 weights on CUDA: tinygemm's tiles for few-row steps (pipellm/kernels/int4_tiles.py)
+# ------
 
 @pytest.mark.gpu
 def test_int4_bf16_model_runs_tinygemm_at_few_rows_in_graphs(demo_model_dir, monkeypatch):
     """--quantization int4 --dtype bfloat16 on CUDA: steps of up to 8 rows run tinygemm, the
     others the Triton GEMV / dequantize + cuBLAS; CUDA-graph replay gives the eager tokens."""
-    import kernels.int4_gemm as int4_module
+    import pipellm.kernels.int4_gemm as int4_module
 
     calls = {"tinygemm": 0, "triton": 0}
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.compute.backend import build_engine
-from services.compute.batch import build_batch
-from services.compute.kv.kv_cache import KVCache
-from services.compute.kv.sizing import profile_batch
-from shared.config import EngineConfig
-from shared.model_config import ModelConfig
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.batch import build_batch
+from pipellm.services.compute.kv.kv_cache import KVCache
+from pipellm.services.compute.kv.sizing import profile_batch
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.model_config import ModelConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.steps import chunks, decodes
 from tests.test_overlap import PROMPTS, _params, _run
 

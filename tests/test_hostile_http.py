@@ -8,8 +8,8 @@ import asyncio
 
 import redis
 
-from shared import state
-from shared.config import EngineConfig
+from pipellm.shared import state
+from pipellm.shared.config import EngineConfig
 from tests import gateway_harness
 from tests.hostile_cases import HOSTILE, generate
 

@@ -13,19 +13,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.errors import APIError
-from services.gateway.json_body import (
+from pipellm.services.gateway.errors import APIError
+from pipellm.services.gateway.json_body import (
     MAX_JSON_DEPTH,
     check_json_value,
     check_prompt_bytes,
     parse_json_body,
 )
-from services.gateway.pending import PendingLimit
-from services.gateway.protocol import parse_chat, parse_completion
-from services.gateway.request_fields import MAX_SEED
-from shared.config import ServiceConfig, auto_tokenizer_workers
-from shared.messages import ChatMessage
-from shared.settings import add_config_args
+from pipellm.services.gateway.pending import PendingLimit
+from pipellm.services.gateway.protocol import parse_chat, parse_completion
+from pipellm.services.gateway.request_fields import MAX_SEED
+from pipellm.shared.config import ServiceConfig, auto_tokenizer_workers
+from pipellm.shared.messages import ChatMessage
+from pipellm.shared.settings import add_config_args
 
 
 def rejected(raw: bytes | str) -> APIError:
@@ -245,7 +245,7 @@ def test_new_flags_parse_and_have_help():
 
 def test_completions_keep_16_chat_goes_to_the_context():
     """max_tokens_auto (fill the context) is asked for chat without max_tokens only."""
-    from services.gateway.app import Gateway
+    from pipellm.services.gateway.app import Gateway
 
     gw = SimpleNamespace(svc=SimpleNamespace(addr=lambda name: "ipc://x"), seeds=None)
     inflight = SimpleNamespace(arrival=0.0)
@@ -264,7 +264,7 @@ def test_completions_keep_16_chat_goes_to_the_context():
 def test_gateway_redis_pool_has_a_connection_per_pending_request_and_blocks():
     import redis.asyncio as aioredis
 
-    from services.gateway.service import redis_client
+    from pipellm.services.gateway.service import redis_client
 
     pool = redis_client(ServiceConfig(redis_url="redis://127.0.0.1:1/0", max_pending=8))
     pool = pool.connection_pool

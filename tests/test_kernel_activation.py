@@ -1,5 +1,5 @@
-"""Gated activation kernels (kernels/activation.py), SiLU and GELU-tanh x mul: the Triton path
-against the PyTorch reference.
+"""Gated activation kernels (pipellm/kernels/activation.py), SiLU and GELU-tanh x mul: the Triton
+path against the PyTorch reference.
 
 On a machine without a GPU the Triton kernel runs under TRITON_INTERPRET=1 (tests/conftest.py).
 Known interpreter limitation: its float32 -> bfloat16 casts truncate (round toward zero) where
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import dispatch
-from kernels.activation import (
+from pipellm.kernels import dispatch
+from pipellm.kernels.activation import (
     gelu_tanh_mul,
     gelu_tanh_mul_ref,
     gelu_tanh_mul_triton,
@@ -27,7 +27,8 @@ SHAPES = [(1, 96), (37, 96), (1, 1000), (37, 1000), (3, 2900)]  # (T, I); 2900 >
 
 @pytest.fixture
 def backend():
-    """Lets a test switch kernels.dispatch's backend; restores the previous one afterwards."""
+    """Lets a test switch pipellm.kernels.dispatch's backend; restores the previous one
+    afterwards."""
     previous = dispatch.backend()
     yield dispatch.set_backend
     dispatch.set_backend(previous)

@@ -1,6 +1,6 @@
-"""The C++ CPU row kernels (kernels/cpu: norm.cpp, activation.cpp, int8_quant.cpp, rope.cpp), each
-against its PyTorch reference on random inputs: float32 and bfloat16, T in {1, 3, 37}, odd
-widths, strided rows as the model passes them (q/k/v split from the fused qkv output).
+"""The C++ CPU row kernels (pipellm/kernels/cpu: norm.cpp, activation.cpp, int8_quant.cpp,
+rope.cpp), each against its PyTorch reference on random inputs: float32 and bfloat16, T in {1, 3,
+37}, odd widths, strided rows as the model passes them (q/k/v split from the fused qkv output).
 
 Where the kernel makes the reference's roundings (everything but the order of RMSNorm's sum of
 squares, exp's implementation in silu_mul, and RoPE / silu_mul in bf16, which round once where
@@ -17,14 +17,14 @@ import time
 import pytest
 import torch
 
-from kernels import activation, dispatch, int8_quant, rmsnorm, rope
-from kernels.activation import silu_mul_ref
-from kernels.cpu import extension
-from kernels.int8_quant import quantize_int8_ref, silu_mul_int8_ref
-from kernels.kv_quant import quantize_kv
-from kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref
-from kernels.rope import rope_kv_write_ref
-from services.compute.model.rope import RotaryEmbedding
+from pipellm.kernels import activation, dispatch, int8_quant, rmsnorm, rope
+from pipellm.kernels.activation import silu_mul_ref
+from pipellm.kernels.cpu import extension
+from pipellm.kernels.int8_quant import quantize_int8_ref, silu_mul_int8_ref
+from pipellm.kernels.kv_quant import quantize_kv
+from pipellm.kernels.rmsnorm import add_rms_norm_ref, rms_norm_ref
+from pipellm.kernels.rope import rope_kv_write_ref
+from pipellm.services.compute.model.rope import RotaryEmbedding
 
 EPS = 1e-5
 DTYPES = [torch.float32, torch.bfloat16]

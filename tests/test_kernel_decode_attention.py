@@ -8,19 +8,19 @@ import importlib
 import pytest
 import torch
 
-from kernels import arrivals, dispatch
-from kernels.cpu import extension as cpu_extension
-from kernels.decode_attention import (
+from pipellm.kernels import arrivals, dispatch
+from pipellm.kernels.cpu import extension as cpu_extension
+from pipellm.kernels.decode_attention import (
     TILINGS,
     _decode_attention_triton,
     _num_splits,
     decode_attention,
     decode_attention_reference,
 )
-from kernels.kv_quant import dequantize_kv, quantize_kv, to_fp8
+from pipellm.kernels.kv_quant import dequantize_kv, quantize_kv, to_fp8
 
 # the module (the package exports its public function under the same name)
-da = importlib.import_module("kernels.decode_attention")
+da = importlib.import_module("pipellm.kernels.decode_attention")
 
 N_HEADS = 8
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -105,8 +105,8 @@ def test_triton_matches_reference(group, head_dim, splits):
                                          (1, torch.bfloat16), (4, torch.bfloat16),
                                          (4, torch.float16)])
 def test_triton_reads_int8_kv_like_the_reference(group, dtype, splits):
-    """INT8 caches (kernels/kv_quant.py), dequantized in registers (in fp16 by their bits for
-    16-bit queries): the kernel against the reference on the dequantized cache."""
+    """INT8 caches (pipellm/kernels/kv_quant.py), dequantized in registers (in fp16 by their bits
+    for 16-bit queries): the kernel against the reference on the dequantized cache."""
     q, k, v, starts, lens = make_case([1, 37, 300], N_HEADS // group, 64, seed=7 + group)
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     out = _decode_attention_triton(q.to(dtype), kq, vq, starts, lens, 0.125, 300,
@@ -199,7 +199,7 @@ def attention_level(cpu_ext, request):
     """Each path of the C++ decode attention this CPU runs: its vectorized variants (chosen by
     the kernels' ISA level, so the AVX2 one is tested on any x86 machine) and the generic code
     (what INT8 caches and other head sizes take, selected here by choosing no level)."""
-    from kernels.cpu import isa
+    from pipellm.kernels.cpu import isa
 
     if request.param != "generic" and request.param not in isa.cpu_levels():
         pytest.skip(f"this CPU does not run {request.param} ({isa.describe()})")

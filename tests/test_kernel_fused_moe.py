@@ -1,5 +1,5 @@
-"""Fused MoE kernel (kernels/fused_moe.py): the block alignment, and the Triton path against the
-PyTorch per-expert reference on random inputs (under TRITON_INTERPRET=1 without a GPU,
+"""Fused MoE kernel (pipellm/kernels/fused_moe.py): the block alignment, and the Triton path against
+the PyTorch per-expert reference on random inputs (under TRITON_INTERPRET=1 without a GPU,
 tests/conftest.py)."""
 
 from __future__ import annotations
@@ -7,9 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.fused_moe import fused_moe, fused_moe_ref, fused_moe_triton, moe_align_block_size
-from services.compute.model.moe import route
+from pipellm.kernels import dispatch
+from pipellm.kernels.fused_moe import (
+    fused_moe,
+    fused_moe_ref,
+    fused_moe_triton,
+    moe_align_block_size,
+)
+from pipellm.services.compute.model.moe import route
 
 
 def _inputs(T: int, E: int, k: int, H: int, inter: int, dtype=torch.float32, seed: int = 0):

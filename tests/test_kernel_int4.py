@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import arrivals, dispatch
-from kernels import int4_gemm as int4_module
-from kernels.cpu import extension
-from kernels.int4_cpu import Int4Blocks, Int4Cpu, int4_q8_gemm_ref, pack_int4_cpu
-from kernels.int4_gemm import (
+from pipellm.kernels import arrivals, dispatch
+from pipellm.kernels import int4_gemm as int4_module
+from pipellm.kernels.cpu import extension
+from pipellm.kernels.int4_cpu import Int4Blocks, Int4Cpu, int4_q8_gemm_ref, pack_int4_cpu
+from pipellm.kernels.int4_gemm import (
     SMALL_M,
     GemmTiling,
     dequantize_int4_triton,
@@ -22,14 +22,14 @@ from kernels.int4_gemm import (
     int4_gemm_triton,
     prepare_int4,
 )
-from kernels.int4_weight import (
+from pipellm.kernels.int4_weight import (
     Int4Weight,
     dequantize_int4,
     pack_nibbles,
     quantize_int4,
     unpack_nibbles,
 )
-from kernels.q8_gemm import prepare_q8, q8_gemm, quantize_q8
+from pipellm.kernels.q8_gemm import prepare_q8, q8_gemm, quantize_q8
 
 BLOCKS = extension() is not None and bool(extension().block_gemm_isa())
 

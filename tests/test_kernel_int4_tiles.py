@@ -1,4 +1,4 @@
-"""INT4 weights in tinygemm's tile layout (kernels/int4_tiles.py): the permutation and its
+"""INT4 weights in tinygemm's tile layout (pipellm/kernels/int4_tiles.py): the permutation and its
 inverse, and on a GPU torch's packing, tinygemm, and the few-row dispatch against the
 references."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.int4_gemm import Int4Cuda, int4_gemm, int4_gemm_ref, prepare_int4
-from kernels.int4_tiles import (
+from pipellm.kernels import dispatch
+from pipellm.kernels.int4_gemm import Int4Cuda, int4_gemm, int4_gemm_ref, prepare_int4
+from pipellm.kernels.int4_tiles import (
     Int4Tiles,
     dequantize_tiles_ref,
     inner_k_tiles,
@@ -18,7 +18,7 @@ from kernels.int4_tiles import (
     pack_tiles_ref,
     tiles_fit,
 )
-from kernels.int4_weight import Int4Weight, quantize_int4, scales_zeros
+from pipellm.kernels.int4_weight import Int4Weight, quantize_int4, scales_zeros
 
 
 def _int4(n, k, group, seed=0, device="cpu") -> Int4Weight:
@@ -47,7 +47,7 @@ def test_tiles_round_trip_to_the_weight(n, k, group):
     assert t.inner_k_tiles == i and t.shape == (n, k)
     torch.testing.assert_close(dequantize_tiles_ref(t), _tinygemm_weight(w), rtol=0, atol=0)
     # and close to the Int4Weight's own values (bf16 rounding of zero = min + 8 scale only)
-    from kernels.int4_weight import dequantize_int4
+    from pipellm.kernels.int4_weight import dequantize_int4
     assert (dequantize_tiles_ref(t) - dequantize_int4(w)).abs().max() < 2e-3
 
 

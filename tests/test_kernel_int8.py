@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.int8_gemm import int8_gemm, int8_gemm_cpu, int8_gemm_ref, int8_gemm_triton
-from kernels.int8_quant import (
+from pipellm.kernels import dispatch
+from pipellm.kernels.int8_gemm import int8_gemm, int8_gemm_cpu, int8_gemm_ref, int8_gemm_triton
+from pipellm.kernels.int8_quant import (
     _launch,
     quantize_fp8_rows,
     quantize_int8,
     quantize_int8_ref,
     silu_mul_int8_ref,
 )
-from kernels.rmsnorm import rms_norm_int8
-from services.compute.model.linear.fp8 import quantize_fp8
+from pipellm.kernels.rmsnorm import rms_norm_int8
+from pipellm.services.compute.model.linear.fp8 import quantize_fp8
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_quantize_int8_triton_is_the_reference(T, n, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_fp8_rows_triton_is_the_fp8_linears_reference(T, n, dtype):
     """The FP8 linear's activations in one launch: the same e4m3 bits and scales as its
-    PyTorch chain (services/compute/model/linear/fp8.py), a zero row included."""
+    PyTorch chain (pipellm/services/compute/model/linear/fp8.py), a zero row included."""
     x = _acts(T, n, dtype, seed=4)
     x[-1] = 0.0
     values, scales = quantize_fp8_rows(x)

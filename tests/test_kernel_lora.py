@@ -1,5 +1,5 @@
-"""Segmented LoRA (kernels/lora.py): the reference against a per-row float64 loop, the Triton
-kernels (under TRITON_INTERPRET=1 without a GPU, tests/conftest.py) against the reference on
+"""Segmented LoRA (pipellm/kernels/lora.py): the reference against a per-row float64 loop, the
+Triton kernels (under TRITON_INTERPRET=1 without a GPU, tests/conftest.py) against the reference on
 random inputs, the contract's checks. The interpreter's float32 -> bf16 casts truncate where
 the GPU rounds to nearest, so a bf16 y is compared within one bf16 ulp (rtol 2^-7)."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.lora import (
+from pipellm.kernels import dispatch
+from pipellm.kernels.lora import (
     MAX_RANK,
     Tiling,
     cpu_packed,
@@ -204,9 +204,9 @@ def test_triton_large_gpu(d_out, rank, sizes):
 
 @pytest.fixture(params=["avx2", "avx512"])
 def cpu_level(request):
-    """The C++ kernel (kernels/cpu/lora.cpp) at each ISA level this CPU runs: its variant is
+    """The C++ kernel (pipellm/kernels/cpu/lora.cpp) at each ISA level this CPU runs: its variant is
     chosen by the block GEMMs' level, so the AVX2 one is tested on any x86 machine."""
-    from kernels.cpu import extension, isa
+    from pipellm.kernels.cpu import extension, isa
 
     ext = extension()
     assert ext is not None, "the C++ CPU kernels did not build (see the log)"
@@ -221,9 +221,9 @@ def cpu_level(request):
 @pytest.fixture(params=["tiles", "emulated"])
 def amx_lora(request):
     """A module whose lora_delta runs the AMX variant given packed bf16 stacks: the main one on
-    this CPU's tiles (at the avx512 level the AMX variant needs), or kernels/cpu/emulated.py's
-    on emulated tiles (any CPU with AVX512-BF16), else a skip."""
-    from kernels.cpu import emulated, extension, isa
+    this CPU's tiles (at the avx512 level the AMX variant needs), or
+    pipellm/kernels/cpu/emulated.py's on emulated tiles (any CPU with AVX512-BF16), else a skip."""
+    from pipellm.kernels.cpu import emulated, extension, isa
 
     if request.param == "emulated":
         if not emulated.runnable():
@@ -309,12 +309,12 @@ def test_cpu_kernel_reads_only_the_part_blocks_of_b(cpu_level, ends):
     (9, 32, 16, 80, [9], [16]),  # R past 4 C tiles
 ])
 def test_cpu_amx_tiles_match_reference(amx_lora, T, d_in, d_out, rank, sizes, ends, y_dtype):
-    """The kernel's AMX variant (kernels/cpu/lora_amx.cpp: bf16 x, a and b given packed too),
-    on this CPU's tiles or on emulated ones: the reference within h's rounding to bf16 (b
+    """The kernel's AMX variant (pipellm/kernels/cpu/lora_amx.cpp: bf16 x, a and b given packed
+    too), on this CPU's tiles or on emulated ones: the reference within h's rounding to bf16 (b
     block-diagonal over the parts; where they are whole blocks of 64 columns, its off-part
     values are not read), rows outside the groups untouched; it is what ran (its float32 y
     differs from the AVX-512 variant's, which keeps h in float32)."""
-    from kernels.cpu import extension
+    from pipellm.kernels.cpu import extension
 
     ext = extension()
     y, x, a, b, rows, starts, slots, max_rows = make_case(T, d_in, d_out, rank, sizes,
@@ -343,7 +343,7 @@ def test_cpu_amx_tiles_match_reference(amx_lora, T, d_in, d_out, rank, sizes, en
 def test_vnni_pack_and_when_the_cpu_gets_packed_stacks():
     """vnni_pack interleaves pairs of rows; cpu_packed gives packed bf16 stacks at the amx level
     only, never float32 ones."""
-    from kernels.cpu import isa
+    from pipellm.kernels.cpu import isa
 
     t = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)
     p = vnni_pack(t)

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import dispatch
-from kernels.kv_quant import FP8, dequantize_kv, quantize_kv, to_fp8
-from kernels.prefill_attention import (
+from pipellm.kernels import dispatch
+from pipellm.kernels.kv_quant import FP8, dequantize_kv, quantize_kv, to_fp8
+from pipellm.kernels.prefill_attention import (
     _prefill_attention_cpu,
     _prefill_attention_triton,
     prefill_attention,
@@ -129,7 +129,7 @@ def test_cpu_path_blocks_of_queries_match_dense_softmax(window, softcap):
     """Chunks longer than QUERY_BLOCK (each block scores only the keys it sees): a fresh
     300-token prompt, a 150-token chunk over a 90-token prefix, a decode-like token; with and
     without a window and a softcap."""
-    from kernels.prefill_attention import QUERY_BLOCK
+    from pipellm.kernels.prefill_attention import QUERY_BLOCK
 
     batch = make_batch((300, 150, 1), (0, 90, 200), 6, 2, 64, torch.float32, seed=3)
     assert dispatch.cpu_fast_path(batch[0]) and 300 > 2 * QUERY_BLOCK
@@ -207,8 +207,8 @@ def test_public_function_dispatch(triton_backend):
 @pytest.mark.parametrize("n_heads,n_kv_heads", [(2, 2), (4, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_reads_int8_kv_like_the_reference(n_heads, n_kv_heads, dtype):
-    """INT8 caches (kernels/kv_quant.py) dequantized in registers, masked and unmasked blocks:
-    the kernel against the reference on the dequantized cache."""
+    """INT8 caches (pipellm/kernels/kv_quant.py) dequantized in registers, masked and unmasked
+    blocks: the kernel against the reference on the dequantized cache."""
     q, k, v, cu, starts, ctx = make_batch(Q_LENS, PREFIXES, n_heads, n_kv_heads, 64, dtype)
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     out = _prefill_attention_triton(q, kq, vq, cu, starts, ctx, 0.1, 70, 16, 16,
@@ -347,8 +347,8 @@ def test_softcap_every_path_matches_dense(window, int8):
 
 def _amx_extension():
     """The C++ module when its AMX prefill kernel runs on this CPU (the `amx` level), else a
-    skip: kernels/cpu/prefill_attention_amx.cpp needs the tiles."""
-    from kernels.cpu import extension, isa
+    skip: pipellm/kernels/cpu/prefill_attention_amx.cpp needs the tiles."""
+    from pipellm.kernels.cpu import extension, isa
 
     ext = extension()
     if ext is None or isa.selected() != "amx" or not ext.prefill_attention_amx_ready():
@@ -359,11 +359,11 @@ def _amx_extension():
 @pytest.fixture(params=["tiles", "emulated"])
 def amx_kernel(request):
     """A module whose prefill_attention runs the AMX kernel on bf16: the main one on this
-    CPU's tiles, or kernels/cpu/emulated.py's on emulated tiles (any CPU with AVX512-BF16),
+    CPU's tiles, or pipellm/kernels/cpu/emulated.py's on emulated tiles (any CPU with AVX512-BF16),
     else a skip."""
     if request.param == "tiles":
         return _amx_extension()
-    from kernels.cpu import emulated, isa
+    from pipellm.kernels.cpu import emulated, isa
 
     if not emulated.runnable():
         pytest.skip(f"the emulated AMX kernel needs AVX512-BF16 ({isa.describe()})")
@@ -412,7 +412,7 @@ def test_amx_kernel_coarse_p(amx_kernel, n_heads, n_kv_heads, head_dim):
 
 def test_public_function_runs_the_amx_kernel():
     """At the amx level, the public function sends bf16 to the AMX kernel, coarse_p with it."""
-    from kernels.prefill_attention import _kernel_takes
+    from pipellm.kernels.prefill_attention import _kernel_takes
 
     ext = _amx_extension()
     batch = _amx_batch(9, 3, 64)
@@ -426,7 +426,7 @@ def test_public_function_runs_the_amx_kernel():
 def test_vector_kernel_ignores_coarse_p(block_gemm_level):
     """The float32 kernels keep P in float32 whatever coarse_p says (float16: never a bf16
     kernel's)."""
-    from kernels.cpu import extension
+    from pipellm.kernels.cpu import extension
 
     batch = make_batch((300, 5, 70), (0, 13, 0), 9, 3, 64, torch.float16, seed=6)
     ext = extension()
@@ -443,7 +443,7 @@ def test_bf16_products_match_dense_softmax(block_gemm_level, n_heads, n_kv_heads
     AVX512-BF16 (without AMX tiles, or where they do not apply): bf16 pair products and P in
     bf16, within twice the float32 GEMMs' distance of a float64 softmax; not the float32
     products that run without coarse_p."""
-    from kernels.cpu import extension, isa
+    from pipellm.kernels.cpu import extension, isa
 
     if "avx512_bf16" not in isa.cpu_flags():
         pytest.skip(f"this CPU has no AVX512-BF16 ({isa.describe()})")
@@ -465,11 +465,11 @@ def test_bf16_products_match_dense_softmax(block_gemm_level, n_heads, n_kv_heads
                          [(9, 3, 64), (4, 4, 128), (6, 2, 96), (4, 2, 16)])
 def test_cpu_kernel_at_each_level_matches_dense_softmax(block_gemm_level, dtype, n_heads,
                                                         n_kv_heads, head_dim):
-    """kernels/cpu/prefill_attention.cpp at each ISA level this CPU runs (float32 vectors of 8
-    or 16; bf16 with head_dim 64 or 128 on an AMX CPU: its tiles), the batch of the AMX test
+    """pipellm/kernels/cpu/prefill_attention.cpp at each ISA level this CPU runs (float32 vectors of
+    8 or 16; bf16 with head_dim 64 or 128 on an AMX CPU: its tiles), the batch of the AMX test
     (NaN outside the segments); head_dim 96 and 16 leave vectors past the micro-kernel's width.
     As close to the float64 dense softmax as the float32-GEMM path is."""
-    from kernels.cpu import extension
+    from pipellm.kernels.cpu import extension
 
     batch = make_batch((300, 150, 1, 5, 0, 70), (0, 90, 200, 13, 7, 0), n_heads, n_kv_heads,
                        head_dim, dtype, garbage="nan", seed=5)
@@ -488,7 +488,7 @@ def test_cpu_kernel_window_at_each_level_matches_dense(block_gemm_level, dtype, 
     """A sliding window in the C++ kernel's float32 vectors (bf16 too: AMX tiles take no
     window): windows shorter than a block of queries, than a score pass, across the cached
     prefix, and past every sequence's length; the public function runs it."""
-    from kernels.cpu import extension
+    from pipellm.kernels.cpu import extension
 
     batch = make_batch((300, 150, 1, 5, 70), (0, 90, 200, 13, 0), 6, 2, 64, dtype,
                        garbage="nan", seed=6)
@@ -509,7 +509,7 @@ def test_cpu_kernel_quantized_caches_at_each_level(block_gemm_level, dtype, cach
     """INT8 caches (fp16 scales per 8 values), FP8 ones and fp16 ones under float32 queries,
     converted as the C++ kernel packs them, at each ISA level: as close to the float64 dense
     softmax over the caches' values as the float32-GEMM path; the public function runs it."""
-    from kernels.cpu import extension
+    from pipellm.kernels.cpu import extension
 
     q, k, v, cu, starts, ctx = make_batch((300, 150, 1, 5, 70), (0, 90, 200, 13, 0), 6, 2, 64,
                                           torch.float32, seed=7)
@@ -534,12 +534,12 @@ def test_cpu_kernel_takes_only_its_cases():
     """The public function runs the C++ kernel wherever the C++ kernels run, for float32, bf16
     and float16 queries over caches of their dtype (or fp16 under float32), INT8 with scales or
     FP8, without a softcap, head_dim a multiple of 16; the rest goes to the GEMM path."""
-    from kernels.cpu import extension
-    from kernels.prefill_attention import _kernel_takes
+    from pipellm.kernels.cpu import extension
+    from pipellm.kernels.prefill_attention import _kernel_takes
 
     ext = extension()
     if ext is None or not ext.block_gemm_isa():
-        pytest.skip("the C++ kernels do not run here (python -m kernels.cpu says why)")
+        pytest.skip("the C++ kernels do not run here (python -m pipellm.kernels.cpu says why)")
     batch = make_batch((40, 3), (0, 9), 4, 2, 64, torch.float32, seed=3)
     q, k, v, *_ = batch
     assert _kernel_takes(q, k, v, None, 0, 0.0)

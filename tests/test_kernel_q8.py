@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.q8_gemm import (
+from pipellm.kernels import dispatch
+from pipellm.kernels.q8_gemm import (
     Q8Blocks,
     dequantize_q8,
     prepare_q8,
@@ -16,8 +16,8 @@ from kernels.q8_gemm import (
     q8_gemm_ref,
     quantize_q8,
 )
-from services.compute.model.linear import Linear, Q8Linear
-from services.compute.model.quantization import Quantization
+from pipellm.services.compute.model.linear import Linear, Q8Linear
+from pipellm.services.compute.model.quantization import Quantization
 
 BLOCKS = dispatch.block_gemm_extension(torch.empty(0)) is not None
 
@@ -94,9 +94,9 @@ def test_w8a8_through_the_block_gemms_matches_its_reference(block_gemm_level, mo
     """W8A8 on a CPU without VNNI: per-channel INT8 weights packed as Q8 blocks of scale 1,
     per-token INT8 activations: the exact INT32 sums' result, to float rounding, at every level
     (VNNI levels included: the kernel is the same), with a bias, in float32 and bf16."""
-    from kernels.cpu import isa
-    from kernels.int8_gemm import int8_blocks, int8_gemm_blocks, int8_gemm_ref
-    from kernels.int8_quant import quantize_int8_ref
+    from pipellm.kernels.cpu import isa
+    from pipellm.kernels.int8_gemm import int8_blocks, int8_gemm_blocks, int8_gemm_ref
+    from pipellm.kernels.int8_quant import quantize_int8_ref
 
     monkeypatch.setattr(isa, "int8_dot_products", lambda flags=None: False)
     w = quantize_int8_ref(_weight(N, K, seed=M))

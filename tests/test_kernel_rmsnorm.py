@@ -1,4 +1,5 @@
-"""RMSNorm kernels (kernels/rmsnorm.py): the Triton path against the HF-exact PyTorch reference.
+"""RMSNorm kernels (pipellm/kernels/rmsnorm.py): the Triton path against the HF-exact PyTorch
+reference.
 
 On a machine without a GPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py).
 Known interpreter limitation: its float32 -> bfloat16 casts truncate (round toward zero) where
@@ -10,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.rmsnorm import (
+from pipellm.kernels import dispatch
+from pipellm.kernels.rmsnorm import (
     add_rms_norm,
     add_rms_norm_ref,
     add_rms_norm_triton,
@@ -19,7 +20,7 @@ from kernels.rmsnorm import (
     rms_norm_ref,
     rms_norm_triton,
 )
-from services.compute.model.llama import rms_norm as llama_rms_norm
+from pipellm.services.compute.model.llama import rms_norm as llama_rms_norm
 
 EPS = 1e-5
 SHAPES = [(1, 96), (37, 96), (1, 1000), (37, 1000)]  # (T, hidden): hidden not a power of 2
@@ -31,7 +32,8 @@ HALF_TOL = {  # bf16: 3 ulp for the interpreter's truncating casts (see module d
 
 @pytest.fixture
 def backend():
-    """Lets a test switch kernels.dispatch's backend; restores the previous one afterwards."""
+    """Lets a test switch pipellm.kernels.dispatch's backend; restores the previous one
+    afterwards."""
     previous = dispatch.backend()
     yield dispatch.set_backend
     dispatch.set_backend(previous)

@@ -1,4 +1,5 @@
-"""Fused RoPE + KV-cache write (kernels/rope.py): the Triton path against the PyTorch reference.
+"""Fused RoPE + KV-cache write (pipellm/kernels/rope.py): the Triton path against the PyTorch
+reference.
 
 On a machine without a GPU the Triton kernel runs under TRITON_INTERPRET=1 (tests/conftest.py).
 Known interpreter limitation: its float32 -> bfloat16 casts truncate (round toward zero) where
@@ -10,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels.kv_quant import KV_GROUP
-from kernels.rope import rope_kv_write, rope_kv_write_ref, rope_kv_write_triton
-from services.compute.model.rope import RotaryEmbedding, inv_frequencies
+from pipellm.kernels import dispatch
+from pipellm.kernels.kv_quant import KV_GROUP
+from pipellm.kernels.rope import rope_kv_write, rope_kv_write_ref, rope_kv_write_triton
+from pipellm.services.compute.model.rope import RotaryEmbedding, inv_frequencies
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -23,7 +24,8 @@ CAPACITY = 120
 
 @pytest.fixture
 def backend():
-    """Lets a test switch kernels.dispatch's backend; restores the previous one afterwards."""
+    """Lets a test switch pipellm.kernels.dispatch's backend; restores the previous one
+    afterwards."""
     previous = dispatch.backend()
     yield dispatch.set_backend
     dispatch.set_backend(previous)

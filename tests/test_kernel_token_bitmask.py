@@ -1,5 +1,5 @@
-"""The token-bitmask kernel (kernels/token_bitmask.py): the C++ CPU kernel against the PyTorch
-reference and xgrammar's own CPU implementation, on random logits and masks (whole words of
+"""The token-bitmask kernel (pipellm/kernels/token_bitmask.py): the C++ CPU kernel against the
+PyTorch reference and xgrammar's own CPU implementation, on random logits and masks (whole words of
 0 and ~0 among them, a vocabulary that is not a multiple of 32, strided rows, a row subset)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from kernels.cpu import extension
-from kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
+from pipellm.kernels.cpu import extension
+from pipellm.kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_ref
 
 
 def _case(S: int, V: int, seed: int):

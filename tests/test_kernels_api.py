@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from kernels.rmsnorm import rms_norm_ref
+from pipellm import kernels
+from pipellm.kernels.rmsnorm import rms_norm_ref
 
 
 def test_public_kernel_functions_are_exported_and_dispatch():

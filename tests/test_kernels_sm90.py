@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from bench import kernels as bench_kernels
-from kernels.decode_attention import TILINGS, _decode_attention_triton
-from kernels.int4_gemm import gemm_tiling, int4_gemm_triton
-from kernels.int8_quant import quantize_fp8_rows
+from pipellm.kernels.decode_attention import TILINGS, _decode_attention_triton
+from pipellm.kernels.int4_gemm import gemm_tiling, int4_gemm_triton
+from pipellm.kernels.int8_quant import quantize_fp8_rows
 from tests.sm90 import compile_sm90, record_launches, spec
 
 # The benchmark's constexpr-determining sizes (heads, head_dim, hidden, groups) with few rows.
@@ -61,7 +61,7 @@ def fused_decode_attention() -> None:
 
 @functools.cache
 def compiled() -> list[tuple[dict, dict]]:
-    from kernels import dispatch
+    from pipellm.kernels import dispatch
 
     dispatch.set_backend("triton")
     try:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.compute.kv.kv_cache import KVCache
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from pipellm.services.compute.kv.kv_cache import KVCache
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.sampling import SamplingParams
 
 
 def test_fp16_cache_moves_and_bytes():
@@ -65,7 +65,7 @@ def test_auto_is_fp16_under_a_float32_model_on_the_cpu_kernels(dtype, kernels, w
     """auto: fp16 where a float32 model generates on the CPU's own kernels (every head size:
     the generic decode attention widens fp16 rows with F16C too); the model's dtype where it
     runs in 16 bits, on the reference kernels, or pools."""
-    from services.compute.kv.element import kv_cache_dtype
+    from pipellm.services.compute.kv.element import kv_cache_dtype
 
     cpu = torch.device("cpu")
     assert kv_cache_dtype(EngineConfig(kernels=kernels), getattr(torch, dtype), cpu) == want

@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import _decode_attention_triton, decode_attention
-from kernels.kv_quant import FP8, FP8_MAX, to_fp8
-from kernels.prefill_attention import (
+from pipellm.kernels.decode_attention import _decode_attention_triton, decode_attention
+from pipellm.kernels.kv_quant import FP8, FP8_MAX, to_fp8
+from pipellm.kernels.prefill_attention import (
     _prefill_attention_triton,
     prefill_attention,
     prefill_attention_reference,
 )
-from kernels.rope import rope_kv_write_ref, rope_kv_write_triton
-from services.compute.kv.kv_cache import KVCache
-from shared.sampling import SamplingParams
+from pipellm.kernels.rope import rope_kv_write_ref, rope_kv_write_triton
+from pipellm.services.compute.kv.kv_cache import KVCache
+from pipellm.shared.sampling import SamplingParams
 
 
 def test_to_fp8_saturates_and_rounds_to_three_mantissa_bits():

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention, decode_attention_reference
-from kernels.kv_quant import KV_GROUP, dequantize_kv, quantize_kv
-from kernels.prefill_attention import prefill_attention, prefill_attention_reference
-from kernels.rope import rope_kv_write
-from services.compute.kv.kv_cache import KVCache
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
+from pipellm.kernels.decode_attention import decode_attention, decode_attention_reference
+from pipellm.kernels.kv_quant import KV_GROUP, dequantize_kv, quantize_kv
+from pipellm.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+from pipellm.kernels.rope import rope_kv_write
+from pipellm.services.compute.kv.kv_cache import KVCache
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.sampling import SamplingParams
 
 
 def test_quantize_round_trip_error_is_half_a_step():
@@ -125,8 +125,8 @@ def test_int8_capacity_at_the_same_memory(kv_engines):
 
 def test_cpu_kernel_reads_int8_like_the_reference():
     """The C++ decode kernel (--kernels auto on a CPU) on INT8 caches, fp32 and bf16 queries."""
-    from kernels import dispatch
-    from kernels.cpu import extension
+    from pipellm.kernels import dispatch
+    from pipellm.kernels.cpu import extension
 
     if extension() is None:
         pytest.skip("the C++ CPU kernels do not build here")

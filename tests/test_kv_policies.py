@@ -7,17 +7,17 @@ import random
 
 import pytest
 
-from services.compute.core.sequence import SeqStatus, Sequence
-from services.compute.core.step import StepSample
-from services.compute.kv import compaction
-from services.compute.kv.allocator import KVAllocator
-from services.compute.kv.paged_allocator import PagedAllocator
-from services.compute.scheduling.kv_space import KVSpace
-from services.compute.scheduling.scheduler import Scheduler
-from shared.config import Admission, EngineConfig, SchedulerConfig
-from shared.length_dist import LEVELS, LengthDist
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.services.compute.core.sequence import SeqStatus, Sequence
+from pipellm.services.compute.core.step import StepSample
+from pipellm.services.compute.kv import compaction
+from pipellm.services.compute.kv.allocator import KVAllocator
+from pipellm.services.compute.kv.paged_allocator import PagedAllocator
+from pipellm.services.compute.scheduling.kv_space import KVSpace
+from pipellm.services.compute.scheduling.scheduler import Scheduler
+from pipellm.shared.config import Admission, EngineConfig, SchedulerConfig
+from pipellm.shared.length_dist import LEVELS, LengthDist
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.steps import chunks, decodes
 
 WIDE = LengthDist((4, 6, 10, 20, 40, 50, 60))  # median 10, p90 40

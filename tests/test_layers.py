@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "services" / "compute"
+ROOT = Path(__file__).resolve().parents[1] / "pipellm" / "services" / "compute"
 FLOORS = {
     "core": 0,
     "kv": 1,
@@ -30,18 +30,18 @@ FLOORS = {
 
 
 def _room(module: str) -> str:
-    """services.compute.<room>[.rest] -> room."""
-    return module.split(".")[2]
+    """pipellm.services.compute.<room>[.rest] -> room."""
+    return module.split(".")[3]
 
 
 def _imports(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and \
-                node.module.startswith("services.compute."):
+                node.module.startswith("pipellm.services.compute."):
             out.add(node.module)
         elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.startswith("services.compute."))
+            out.update(a.name for a in node.names if a.name.startswith("pipellm.services.compute."))
     return out
 
 

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import redis
 
-from services.compute.backend import build_engine
-from services.compute.length.head import (
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.length.head import (
     STAGES,
     THRESHOLDS,
     HeadStats,
@@ -25,21 +25,21 @@ from services.compute.length.head import (
     remaining_quantiles,
     targets,
 )
-from services.compute.length.refiner import LengthRefiner, RefinerConfig, learned_stats
-from services.compute.length.store import (
+from pipellm.services.compute.length.refiner import LengthRefiner, RefinerConfig, learned_stats
+from pipellm.services.compute.length.store import (
     MemoryStore,
     RedisStore,
     length_head_key,
     memory_stores,
     redis_stores,
 )
-from services.compute.scheduling.admission import AggregatePeak, FuturePeak
-from shared import state
-from shared.config import EngineConfig, SchedulerConfig
-from shared.length_dist import LEVELS, LengthDist
-from shared.length_predictor import EDGES
-from shared.redis_server import EmbeddedRedis
-from shared.sampling import SamplingParams
+from pipellm.services.compute.scheduling.admission import AggregatePeak, FuturePeak
+from pipellm.shared import state
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.length_dist import LEVELS, LengthDist
+from pipellm.shared.length_predictor import EDGES
+from pipellm.shared.redis_server import EmbeddedRedis
+from pipellm.shared.sampling import SamplingParams
 
 
 def planted_stats(rng: np.random.Generator, n: int, d: int = 8) -> tuple[HeadStats, list]:
@@ -309,7 +309,7 @@ def test_memory_store_accumulates():
 
 
 def _request(rid: str, prompt_len: int, max_tokens: int):
-    from services.compute.core.sequence import Sequence
+    from pipellm.services.compute.core.sequence import Sequence
 
     return Sequence(rid, [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                     seed=0, max_len=prompt_len + max_tokens, predicted_length=None,
@@ -423,8 +423,8 @@ def test_served_stack_learns_both_heads_into_redis(demo_model_dir):
     heads' statistics to Redis, under keys named by each stage's probe width."""
     import time
 
-    from services.compute.length.store import length_head_key
-    from shared.model_config import ModelConfig
+    from pipellm.services.compute.length.store import length_head_key
+    from pipellm.shared.model_config import ModelConfig
     from tests.stack import Stack
 
     stack = Stack(demo_model_dir, "--served-model-name", "demo", "--hidden-length",

@@ -17,10 +17,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from shared.length_dist import LengthDist
-from shared.length_features import MAX_FEATURES
-from shared.length_predictor import EDGES, NB, LengthPredictor, bucket_of, length_features
-from shared.redis_server import free_port
+from pipellm.shared.length_dist import LengthDist
+from pipellm.shared.length_features import MAX_FEATURES
+from pipellm.shared.length_predictor import EDGES, NB, LengthPredictor, bucket_of, length_features
+from pipellm.shared.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = [f"word{i}" for i in range(300)]
@@ -150,7 +150,7 @@ def test_features_stable_across_processes_and_bounded():
              (" ".join(rng.choice(VOCAB) for _ in range(5000)), list(range(3000)), 4096),
              ("", [], 1)]
     local = [length_features(t, ids, mt, "llama") for t, ids, mt in cases]
-    code = ("import json, sys; from shared.length_features import length_features; "
+    code = ("import json, sys; from pipellm.shared.length_features import length_features; "
             "cases = json.load(sys.stdin); "
             "print(json.dumps([length_features(t, ids, mt, 'llama') for t, ids, mt in cases]))")
     env = dict(os.environ, PYTHONHASHSEED="12345")  # ids must not depend on Python's hash()
@@ -204,7 +204,7 @@ def test_redis_down_falls_back():
 
 
 def test_support_ranking_stays_bounded(client, monkeypatch):
-    import shared.length_predictor as lp
+    import pipellm.shared.length_predictor as lp
 
     monkeypatch.setattr(lp, "TOP_CAP", 64)
     monkeypatch.setattr(lp, "TOP_KEEP", 32)

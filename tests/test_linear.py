@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import dispatch
-from services.compute.model.linear import Linear
+from pipellm.kernels import dispatch
+from pipellm.services.compute.model.linear import Linear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])
@@ -43,7 +43,7 @@ def test_reference_backend_and_float16_use_f_linear():
 
 
 def _int4(out_f: int, in_f: int, seed: int):
-    from kernels.int4_weight import quantize_int4
+    from pipellm.kernels.int4_weight import quantize_int4
 
     return quantize_int4(torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(seed))
                          * 0.05)
@@ -51,9 +51,9 @@ def _int4(out_f: int, in_f: int, seed: int):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_amx_rows_runs_the_block_gemm_below_min_rows_and_bf16_from_it(bias):
-    from kernels.int4_weight import dequantize_int4
-    from services.compute.model.linear import Int4Linear
-    from services.compute.model.linear.amx import AmxRows
+    from pipellm.kernels.int4_weight import dequantize_int4
+    from pipellm.services.compute.model.linear import Int4Linear
+    from pipellm.services.compute.model.linear.amx import AmxRows
 
     w = _int4(200, 96, 1)
     b = torch.randn(200) if bias else None
@@ -71,9 +71,9 @@ def test_amx_rows_runs_the_block_gemm_below_min_rows_and_bf16_from_it(bias):
 
 
 def test_amx_rows_only_at_the_amx_level_with_the_cpu_kernels(monkeypatch):
-    from kernels.cpu import isa
-    from services.compute.model.linear import Int4Linear, amx
-    from services.compute.model.quantization import resolve
+    from pipellm.kernels.cpu import isa
+    from pipellm.services.compute.model.linear import Int4Linear, amx
+    from pipellm.services.compute.model.quantization import resolve
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(isa, "selected", lambda: "avx512_vnni")

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from shared import default_model
+from pipellm.shared import default_model
 from tests.stack import Stack
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON only: never ask the hub

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from loadgen import cli, client, runner
-from loadgen.client import Endpoint
-from loadgen.datasets import WorkItem
-from loadgen.runner import RunConfig
-from shared.redis_server import free_port
+from pipellm.loadgen import cli, client, runner
+from pipellm.loadgen.client import Endpoint
+from pipellm.loadgen.datasets import WorkItem
+from pipellm.loadgen.runner import RunConfig
+from pipellm.shared.redis_server import free_port
 
 ANCHOR_TOKENS = 3  # the fake tokenizer: 3 tokens of overhead, a word costs len // 4 + 1
 

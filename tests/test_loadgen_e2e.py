@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen import cli
+from pipellm.loadgen import cli
 from tests.stack import Stack
 
 MODEL = "demo-llama"

@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen import arrivals
-from loadgen.datasets import (
+from pipellm.loadgen import arrivals
+from pipellm.loadgen.datasets import (
     WorkItem,
     clip_to_context,
     load_azure_trace,
     random_items,
     sample_sharegpt,
 )
-from loadgen.metrics import (
+from pipellm.loadgen.metrics import (
     RequestRecord,
     parse_slos,
     peak_concurrency,

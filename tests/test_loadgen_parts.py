@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from loadgen import plots, report, sweep
-from loadgen.datasets import WorkItem
-from loadgen.metrics import RequestRecord, class_summary, per_request, summarize
-from loadgen.progress import Progress
-from loadgen.prompts import ANCHOR, PromptModel, fill_prompts, local_model
-from loadgen.workload import priority_mix
+from pipellm.loadgen import plots, report, sweep
+from pipellm.loadgen.datasets import WorkItem
+from pipellm.loadgen.metrics import RequestRecord, class_summary, per_request, summarize
+from pipellm.loadgen.progress import Progress
+from pipellm.loadgen.prompts import ANCHOR, PromptModel, fill_prompts, local_model
+from pipellm.loadgen.workload import priority_mix
 from tests.hf_models import demo_tokenizer
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.compute.backend import build_engine
-from services.compute.engine import LLMEngine
-from shared.config import EngineConfig, SchedulerConfig
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.engine import LLMEngine
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.test_engine_vs_hf import make_prompts, run_staggered
 
 K = 5

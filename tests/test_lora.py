@@ -17,15 +17,21 @@ import json
 import pytest
 import torch
 
-from services.compute.backend import build_engine
-from services.compute.core.lora_groups import DENSE_ROWS, LoraGroups
-from services.compute.model.linear import Int4Linear
-from services.compute.model.linear.lora import LoraLinear
-from shared.config import EngineConfig
-from shared.length_predictor import length_features
-from shared.lora import AdapterConfig, LoraError, LoraModule, adapter_scope, parse_lora_modules
-from shared.sampling import InvalidParams, SamplingParams
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.core.lora_groups import DENSE_ROWS, LoraGroups
+from pipellm.services.compute.model.linear import Int4Linear
+from pipellm.services.compute.model.linear.lora import LoraLinear
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.length_predictor import length_features
+from pipellm.shared.lora import (
+    AdapterConfig,
+    LoraError,
+    LoraModule,
+    adapter_scope,
+    parse_lora_modules,
+)
+from pipellm.shared.sampling import InvalidParams, SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.test_engine_vs_hf import hf_greedy, make_prompts
 
 MAX_NEW = 12
@@ -148,7 +154,7 @@ def test_mixed_batch_int4_base_int8_kv_preemption(lora_setup):
     the tokens it gets alone, and each adapter changes the output. Where the C++ block GEMMs
     run, a decode step without adapter rows takes the fused layers (model/fused_decode.py),
     one with them the layer loop."""
-    from kernels import dispatch
+    from pipellm.kernels import dispatch
 
     base_dir, dirs, _, prompts = lora_setup
     engine = lora_engine(base_dir, dirs, quantization="int4", kv_cache_dtype="int8",
@@ -207,7 +213,7 @@ def test_prefix_cache_not_shared_across_adapters(lora_setup):
 def test_lora_requests_info(lora_setup):
     """vLLM's lora_requests_info: the adapters of the running and the waiting requests, summed
     over engines by the gateway's metrics."""
-    from services.gateway.metrics import _lora_info
+    from pipellm.services.gateway.metrics import _lora_info
 
     base_dir, dirs, _, prompts = lora_setup
     engine = lora_engine(base_dir, dirs, max_running=1)
@@ -314,7 +320,7 @@ def test_lora_modules_flag_takes_several_values(lora_setup):
     """vLLM's `--lora-modules A=path '{"name": "B", ...}'`: one flag, several values."""
     import argparse
 
-    from shared.settings import add_config_args, config_from_args
+    from pipellm.shared.settings import add_config_args, config_from_args
 
     base_dir, dirs, _, _ = lora_setup
     parser = argparse.ArgumentParser()
@@ -395,7 +401,7 @@ def test_w8a8_base_factors_follow_smoothquant(lora_setup, monkeypatch):
     prompts' log-probabilities is what it changes on the float base (measured: cosine 0.9993;
     factors not following the smoothing: 0.54 and 0.68), and a mixed batch gives every request
     its tokens alone."""
-    from services.compute.lora import attach
+    from pipellm.services.compute.lora import attach
 
     base_dir, dirs, _, prompts = lora_setup
     want = _prompt_logprob_deltas(lora_engine(base_dir, dirs), prompts)
@@ -415,7 +421,7 @@ def test_bf16_base_on_amx_tiles(lora_setup):
     """A bfloat16 model on a CPU at the `amx` level: its projections' stacks are packed for the
     kernel's AMX variant, and what each adapter changes in the prompts' log-probabilities is
     what it changes in float32; a mixed batch gives every request its tokens alone."""
-    from kernels.cpu import isa
+    from pipellm.kernels.cpu import isa
 
     if isa.selected() != "amx":
         pytest.skip(f"the kernels do not run the amx level here ({isa.describe()})")

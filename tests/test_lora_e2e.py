@@ -88,7 +88,7 @@ def test_load_generator_spreads_requests_over_adapters(lora_stack, tmp_path):
     adapters as its model; an unknown one in the list fails its requests with the 404."""
     import json
 
-    from loadgen import cli
+    from pipellm.loadgen import cli
 
     stack = lora_stack[0]
     base = ["--base-url", stack.url, "--dataset-name", "random", "--random-input-len", "8",

@@ -21,12 +21,12 @@ from gguf import GGUFValueType as V
 from gguf import GGUFWriter, QuantError
 from gguf.quants import dequantize
 
-from services.compute.backend import build_engine
-from services.compute.lora.weights import fuse, read_factors
-from shared.config import EngineConfig
-from shared.lora import GGUF_TARGETS, AdapterConfig, LoraError, LoraModule
-from shared.model_config import ModelConfig
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.lora.weights import fuse, read_factors
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.lora import GGUF_TARGETS, AdapterConfig, LoraError, LoraModule
+from pipellm.shared.model_config import ModelConfig
+from pipellm.shared.settings import with_settings
 from tests.gguf_files import Q, permute, quantized, write_gguf
 from tests.test_engine_vs_hf import hf_greedy, make_prompts
 from tests.test_lora import ALL, MAX_NEW, build_adapter, lora_engine, run

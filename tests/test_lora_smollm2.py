@@ -12,10 +12,10 @@ import openai
 import pytest
 import torch
 
-from services.compute.backend import build_engine
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.stack import Stack
 from tests.test_lora import ALL
 from tests.test_smollm2 import MAX_NEW, gguf_path, hf, hf_greedy, prompts  # noqa: F401

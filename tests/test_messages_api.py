@@ -13,18 +13,18 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.detokenizer.stop import StopMatcher
-from services.gateway.access import api_key_middleware
-from services.gateway.app import ERROR_SHAPES
-from services.gateway.chat_settings import ChatSettings
-from services.gateway.errors import APIError, errors_as_json
-from services.gateway.inflight import ChoiceState, Inflight
-from services.gateway.messages_api import events as event_stream
-from services.gateway.messages_api import message
-from services.gateway.messages_api.events import MessageEvents, sse
-from services.gateway.messages_api.request import parse_request
-from services.gateway.metrics import Metrics
-from shared.messages import Delta, Tokens
+from pipellm.services.detokenizer.stop import StopMatcher
+from pipellm.services.gateway.access import api_key_middleware
+from pipellm.services.gateway.app import ERROR_SHAPES
+from pipellm.services.gateway.chat_settings import ChatSettings
+from pipellm.services.gateway.errors import APIError, errors_as_json
+from pipellm.services.gateway.inflight import ChoiceState, Inflight
+from pipellm.services.gateway.messages_api import events as event_stream
+from pipellm.services.gateway.messages_api import message
+from pipellm.services.gateway.messages_api.events import MessageEvents, sse
+from pipellm.services.gateway.messages_api.request import parse_request
+from pipellm.services.gateway.metrics import Metrics
+from pipellm.shared.messages import Delta, Tokens
 
 CHAT = ChatSettings(tool_parser="hermes", reasoning_parser="qwen3")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

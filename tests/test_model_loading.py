@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.compute.model.weights import load_weights, require
-from shared.model_config import ModelConfig, ModelLoadError
+from pipellm.services.compute.model.weights import load_weights, require
+from pipellm.shared.model_config import ModelConfig, ModelLoadError
 from tests.hf_models import build_hf_model
 
 LLAMA3_SCALING = {
@@ -320,7 +320,7 @@ def test_require_names_missing_tensor():
 
 
 def test_weight_loading_reports_progress_only_when_slow(caplog):
-    from services.compute.model.progress import progress
+    from pipellm.services.compute.model.progress import progress
 
     with caplog.at_level(logging.INFO, logger="pipellm.compute"):
         assert list(progress(range(4), 4, "weights", after_s=60)) == [0, 1, 2, 3]

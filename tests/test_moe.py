@@ -16,12 +16,12 @@ import json
 import pytest
 import torch
 
-from kernels.dispatch import set_backend
-from kernels.fused_moe import fused_moe_ref
-from services.compute.model.moe import MoE, experts_grouped, experts_loop, route
-from services.compute.model.quantization import Quantization, resolve
-from services.compute.model.weights import load_weights
-from shared.model_config import ModelConfig, ModelLoadError
+from pipellm.kernels.dispatch import set_backend
+from pipellm.kernels.fused_moe import fused_moe_ref
+from pipellm.services.compute.model.moe import MoE, experts_grouped, experts_loop, route
+from pipellm.services.compute.model.quantization import Quantization, resolve
+from pipellm.services.compute.model.weights import load_weights
+from pipellm.shared.model_config import ModelConfig, ModelLoadError
 from tests.gguf_files import Q, write_gguf
 from tests.hf_models import build_hf_model
 from tests.test_architectures import (  # noqa: F401  (the engine tests run here on MoE models)
@@ -203,7 +203,7 @@ def test_qwen3_moe_gguf_generates_what_its_directory_does(qwen3_moe_gguf):
 def test_q4_expert_stacks_split_into_the_files_blocks(qwen3_moe_gguf):
     """With --quantization int4 a Q4_0 stack [E, rows, cols] becomes E Int4Weights holding
     exactly the values the float load dequantizes."""
-    from kernels.int4_weight import Int4Weight, dequantize_int4
+    from pipellm.kernels.int4_weight import Int4Weight, dequantize_int4
 
     q4 = qwen3_moe_gguf[2]
     blocks = load_weights(q4, torch.float32, "cpu", keep_int4=True)

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.compute.backend import build_engine
-from services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
-from services.compute.core.step import StepSample
-from services.compute.scheduling.kv_space import KVSpace
-from services.compute.scheduling.scheduler import Scheduler
-from shared.config import EngineConfig, SchedulerConfig
-from shared.length_dist import LengthDist
-from shared.sampling import SamplingParams
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.core.sequence import UNSAMPLED, SeqStatus, Sequence
+from pipellm.services.compute.core.step import StepSample
+from pipellm.services.compute.scheduling.kv_space import KVSpace
+from pipellm.services.compute.scheduling.scheduler import Scheduler
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.length_dist import LengthDist
+from pipellm.shared.sampling import SamplingParams
 from tests.steps import chunks, decodes
 
 PROMPTS = [[1, 5, 9, 200], [1, 77], [1] + [3] * 30 + [400], [1, 8, 8], [1, 2, 3, 4, 5, 6, 7],

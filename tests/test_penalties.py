@@ -8,10 +8,10 @@ import pytest
 import torch
 import transformers
 
-from kernels.sampling import SamplingBatch, apply_penalties, sample, token_stats
-from services.compute.backend import build_engine
-from shared.config import EngineConfig, SchedulerConfig
-from shared.sampling import InvalidParams, SamplingParams
+from pipellm.kernels.sampling import SamplingBatch, apply_penalties, sample, token_stats
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.sampling import InvalidParams, SamplingParams
 
 F32, I64 = torch.float32, torch.int64
 
@@ -237,9 +237,9 @@ def test_logit_bias_is_validated(engine):
 def test_banned_tokens_against_a_python_reference():
     """allowed_token_ids leaves only those; a bad word's last token is banned where the output
     ends with the rest of the word; other rows are left as they are; logits are not modified."""
-    from services.compute.core.sequence import Sequence
-    from services.compute.sampling import _ban_tokens
-    from shared.length_dist import LengthDist
+    from pipellm.services.compute.core.sequence import Sequence
+    from pipellm.services.compute.sampling import _ban_tokens
+    from pipellm.shared.length_dist import LengthDist
 
     def seq(output, **params):
         return Sequence("r", [1, 2] + output, SamplingParams(**params), seed=0, max_len=64,

@@ -1,4 +1,5 @@
-"""The pooling path (services/compute/pooling, LLMEngine.embed) against sentence-transformers.
+"""The pooling path (pipellm/services/compute/pooling, LLMEngine.embed) against
+sentence-transformers.
 
 Tiny random Qwen3 (last token + normalize, as Qwen3-Embedding) and Llama (mean + normalize)
 models get sentence-transformers configs; the engine's embeddings of 50 sentences of varied
@@ -17,14 +18,14 @@ import numpy as np
 import pytest
 import torch
 
-from services.compute.backend import build_engine
-from services.compute.pooling import finish, forward_budget, pool
-from services.compute.pooling.embedder import MIN_SHARED, shared_prefix
-from services.compute.pooling.forward import hidden_states, prefill_batch
-from shared.config import EngineConfig
-from shared.pooling import PoolingConfig
-from shared.sampling import InvalidParams
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.pooling import finish, forward_budget, pool
+from pipellm.services.compute.pooling.embedder import MIN_SHARED, shared_prefix
+from pipellm.services.compute.pooling.forward import hidden_states, prefill_batch
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.pooling import PoolingConfig
+from pipellm.shared.sampling import InvalidParams
+from pipellm.shared.settings import with_settings
 from tests.hf_models import build_hf_model
 
 sentence_transformers = pytest.importorskip("sentence_transformers")

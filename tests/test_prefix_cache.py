@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from services.compute.core.sequence import SeqStatus, Sequence
-from services.compute.core.step import StepSample
-from services.compute.kv.allocator import KVAllocator
-from services.compute.scheduling.kv_space import KVSpace
-from services.compute.scheduling.scheduler import Scheduler
-from shared.config import SchedulerConfig
-from shared.length_dist import LengthDist
-from shared.sampling import SamplingParams
+from pipellm.services.compute.core.sequence import SeqStatus, Sequence
+from pipellm.services.compute.core.step import StepSample
+from pipellm.services.compute.kv.allocator import KVAllocator
+from pipellm.services.compute.scheduling.kv_space import KVSpace
+from pipellm.services.compute.scheduling.scheduler import Scheduler
+from pipellm.shared.config import SchedulerConfig
+from pipellm.shared.length_dist import LengthDist
+from pipellm.shared.sampling import SamplingParams
 from tests.steps import chunks, decodes
 
 
@@ -211,7 +211,7 @@ def test_a_running_request_shares_its_prompt_once_prefilled():
 
 
 def test_split_free_space_is_joined_by_evicting_an_older_entry_beside_it_not_by_moves():
-    from services.compute.kv.prefix_cache import PrefixCache
+    from pipellm.services.compute.kv.prefix_cache import PrefixCache
 
     a = KVAllocator(100)
     cache = PrefixCache(a)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from services.compute.kv.prefix_index import PrefixIndex
+from pipellm.services.compute.kv.prefix_index import PrefixIndex
 
 
 def brute(entries: dict[int, tuple[int, ...]], tokens: list[int]) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.metrics import PRIORITY_SERIES, ByPriority
+from pipellm.services.gateway.metrics import PRIORITY_SERIES, ByPriority
 from tests.stack import Stack
 
 NAMES = ("pipellm_time_to_first_token_by_priority_seconds_count",

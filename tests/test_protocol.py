@@ -1,4 +1,5 @@
-"""Tests for services.gateway: request validation, OpenAI-shaped responses/chunks, errors."""
+"""Tests for pipellm.services.gateway: request validation, OpenAI-shaped responses/chunks,
+errors."""
 
 from __future__ import annotations
 
@@ -13,17 +14,17 @@ from openai.types import Completion, completion_create_params
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat import completion_create_params as chat_create_params
 
-from services.gateway import errors
-from services.gateway.chat_settings import ChatSettings
-from services.gateway.errors import APIError
-from services.gateway.protocol import (
+from pipellm.services.gateway import errors
+from pipellm.services.gateway.chat_settings import ChatSettings
+from pipellm.services.gateway.errors import APIError
+from pipellm.services.gateway.protocol import (
     CHAT_KEYS,
     COMPLETION_KEYS,
     GenerationRequest,
     parse_chat,
     parse_completion,
 )
-from services.gateway.responses import (
+from pipellm.services.gateway.responses import (
     SSE_DONE,
     Choice,
     TokenLogprob,
@@ -38,9 +39,9 @@ from services.gateway.responses import (
     sse,
     usage_chunk,
 )
-from shared.generation_config import GenerationDefaults
-from shared.messages import ChatMessage
-from shared.sampling import SamplingParams
+from pipellm.shared.generation_config import GenerationDefaults
+from pipellm.shared.messages import ChatMessage
+from pipellm.shared.sampling import SamplingParams
 
 M = "demo"
 MSG = [{"role": "user", "content": "hi"}]

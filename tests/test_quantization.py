@@ -8,17 +8,17 @@ import math
 import pytest
 import torch
 
-from kernels.dispatch import set_backend
-from kernels.int4_weight import Int4Weight, dequantize_int4
-from services.compute.backend import build_engine
-from services.compute.model.gguf_weights import load_gguf_weights
-from services.compute.model.linear import Int4Linear, Linear, W8A8Linear
-from services.compute.model.quantization import resolve
-from shared import default_model
-from shared.chat_template import load_chat_template
-from shared.config import EngineConfig, SchedulerConfig
-from shared.sampling import SamplingParams
-from shared.tokenizer import load_tokenizer
+from pipellm.kernels.dispatch import set_backend
+from pipellm.kernels.int4_weight import Int4Weight, dequantize_int4
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.model.gguf_weights import load_gguf_weights
+from pipellm.services.compute.model.linear import Int4Linear, Linear, W8A8Linear
+from pipellm.services.compute.model.quantization import resolve
+from pipellm.shared import default_model
+from pipellm.shared.chat_template import load_chat_template
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.tokenizer import load_tokenizer
 from tests.gguf_files import Q, write_gguf
 from tests.hf_models import build_hf_model
 
@@ -84,8 +84,8 @@ def test_fp8_is_refused_on_gpus_without_fp8_tensor_cores(monkeypatch):
 def test_w8a8_on_a_cpu_without_fast_int8_gemms_warns(monkeypatch, caplog, flags, blocks):
     """Without VNNI and without the C++ block GEMMs, PyTorch's INT8 GEMM is 1.5-20x slower than
     float32 (bench/cpu_gemm.py): served all the same (it saves memory), with a warning."""
-    from kernels.cpu import isa
-    from services.compute.model import quantization
+    from pipellm.kernels.cpu import isa
+    from pipellm.services.compute.model import quantization
 
     monkeypatch.setattr(isa, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(quantization, "block_gemm_extension",
@@ -103,7 +103,7 @@ def test_weight_bytes_of_each_format():
     n = w.numel()
     assert Linear(w).nbytes() == 4 * n
     w8 = W8A8Linear(w)  # int8 values, a float32 scale per channel; packed for the block GEMMs,
-    # also an fp16 scale and a float32 sum per block of 32 (kernels/q8_gemm.py)
+    # also an fp16 scale and a float32 sum per block of 32 (pipellm/kernels/q8_gemm.py)
     assert w8.nbytes() == n + 4 * 96 + (0 if w8.blocks is None else 6 * n // 32)
     for group in (32, 128):  # 4 bits a value, a 16-bit scale and min per group
         assert Int4Linear(w, group_size=group).nbytes() == n // 2 + 2 * 2 * n // group
@@ -145,7 +145,7 @@ def test_each_method_scores_text_like_the_float_model(tiny, method):
 def test_amx_rows_serve_the_int4_model_as_the_block_gemms_do(tiny, monkeypatch):
     """The `amx` level's bf16 copies (model/linear/amx.py), on any CPU: thresholds lowered so
     that prefill steps (up to 64 rows) take them and decode steps do not."""
-    from services.compute.model.linear import amx
+    from pipellm.services.compute.model.linear import amx
 
     path = tiny[1][Q.Q4_1]
     ref = _perplexity(_engine(path, quantization="int4"))

@@ -20,7 +20,7 @@ def test_readme_is_short_with_the_two_setup_commands():
     text = README.read_text()
     assert len(text.splitlines()) <= 72
     blocks = re.findall(r"```\n(.*?)```", text, re.S)
-    assert "bash services/setup.sh && .venv/bin/pipellm serve\nbash tests/run.sh\n" in blocks
+    assert "bash scripts/setup.sh && .venv/bin/pipellm serve\nbash tests/run.sh\n" in blocks
 
 
 def test_readme_links_lead_somewhere():

@@ -1,4 +1,4 @@
-"""Reasoning parsers (shared/reasoning.py): the split of whole outputs as vLLM's qwen3 and
+"""Reasoning parsers (pipellm/shared/reasoning.py): the split of whole outputs as vLLM's qwen3 and
 deepseek_r1 parsers make it, the streaming split equal to it for every chunking, the
 detokenizer's deltas (token by token, and a resumed choice that continues exactly where its
 client is), and the gateway's fields: include_reasoning, separate_reasoning, reasoning in the
@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.detokenizer.service import Detokenizer
-from services.gateway.chat_settings import ChatSettings
-from services.gateway.errors import APIError
-from services.gateway.protocol import parse_chat
-from shared.chat_template import template_message
-from shared.demo_model import build_demo_tokenizer
-from shared.messages import Resume, Route, StepOutput, Tokens
-from shared.reasoning import PARSERS, Splitter, parser, split
+from pipellm.services.detokenizer.service import Detokenizer
+from pipellm.services.gateway.chat_settings import ChatSettings
+from pipellm.services.gateway.errors import APIError
+from pipellm.services.gateway.protocol import parse_chat
+from pipellm.shared.chat_template import template_message
+from pipellm.shared.demo_model import build_demo_tokenizer
+from pipellm.shared.messages import Resume, Route, StepOutput, Tokens
+from pipellm.shared.reasoning import PARSERS, Splitter, parser, split
 
 QWEN3, R1 = parser("qwen3"), parser("deepseek_r1")
 
@@ -135,7 +135,7 @@ def test_reasoning_in_the_history_reaches_the_template():
 
 
 def test_bad_server_flags_fail_at_start_up():
-    from shared.config import ServiceConfig
+    from pipellm.shared.config import ServiceConfig
 
     with pytest.raises(ValueError, match="deepseek_r1"):
         ServiceConfig(reasoning_parser="o1")
@@ -148,8 +148,8 @@ def test_bad_server_flags_fail_at_start_up():
 
 
 def test_a_thinking_budget_forces_the_end_marker_token_by_token():
-    from services.compute.sampling import thinking_end_token
-    from shared.sampling import SamplingParams
+    from pipellm.services.compute.sampling import thinking_end_token
+    from pipellm.shared.sampling import SamplingParams
 
     end = (7, 8, 9)
     p = SamplingParams(thinking_budget=4, thinking_end_ids=end)
@@ -168,10 +168,10 @@ def test_a_thinking_budget_forces_the_end_marker_token_by_token():
 def test_a_thinking_budget_ends_the_reasoning_through_the_engine(demo_model_dir):
     """The demo model (random weights) never writes </think> by itself: with a budget of 6
     the tokens right after the sixth are </think>'s, and the text splits there."""
-    from services.compute.backend import build_engine
-    from shared.config import EngineConfig
-    from shared.sampling import SamplingParams
-    from shared.settings import with_settings
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared.config import EngineConfig
+    from pipellm.shared.sampling import SamplingParams
+    from pipellm.shared.settings import with_settings
 
     tok = build_demo_tokenizer()
     end = tuple(tok.encode("</think>", add_special_tokens=False).ids)

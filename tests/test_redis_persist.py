@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from shared.length_predictor import LengthPredictor, length_features
-from shared.redis_server import EmbeddedRedis
+from pipellm.shared.length_predictor import LengthPredictor, length_features
+from pipellm.shared.redis_server import EmbeddedRedis
 
 
 def test_learned_lengths_survive_a_redis_restart(tmp_path):
@@ -30,7 +30,7 @@ def test_free_ports_lie_below_the_ephemeral_range_and_bind():
     import random
     import socket
 
-    from shared.redis_server import _EPHEMERAL, free_port
+    from pipellm.shared.redis_server import _EPHEMERAL, free_port
 
     low = int(_EPHEMERAL.read_text().split()[0]) if _EPHEMERAL.is_file() else 32768
     random.seed(0)

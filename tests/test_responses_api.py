@@ -11,15 +11,15 @@ import json
 import pytest
 import redis.asyncio as aioredis
 
-from services.gateway.chat_settings import ChatSettings
-from services.gateway.errors import APIError
-from services.gateway.responses_api.custom_tools import decode_input, input_prefix
-from services.gateway.responses_api.output import ResponseOutput
-from services.gateway.responses_api.request import parse_request
-from services.gateway.responses_api.run import new_object
-from services.gateway.responses_api.store import ResponseStore
-from shared import state
-from shared.redis_server import EmbeddedRedis
+from pipellm.services.gateway.chat_settings import ChatSettings
+from pipellm.services.gateway.errors import APIError
+from pipellm.services.gateway.responses_api.custom_tools import decode_input, input_prefix
+from pipellm.services.gateway.responses_api.output import ResponseOutput
+from pipellm.services.gateway.responses_api.request import parse_request
+from pipellm.services.gateway.responses_api.run import new_object
+from pipellm.services.gateway.responses_api.store import ResponseStore
+from pipellm.shared import state
+from pipellm.shared.redis_server import EmbeddedRedis
 
 CHAT = ChatSettings(tool_parser="hermes", reasoning_parser="qwen3")
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

@@ -1,6 +1,6 @@
-"""--convert reward (services/compute/pooling/reward.py, LLMEngine.reward) against transformers,
-in process: a Qwen3ForSequenceClassification checkpoint's every token's `score` logits (no
-activation), a causal LM's every token's final-normed hidden state (no normalization); the
+"""--convert reward (pipellm/services/compute/pooling/reward.py, LLMEngine.reward) against
+transformers, in process: a Qwen3ForSequenceClassification checkpoint's every token's `score` logits
+(no activation), a causal LM's every token's final-normed hidden state (no normalization); the
 EmbedCore rows per token; the config and the gateway's answer and refusals."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from services.compute.backend import build_engine
-from services.compute.embed_core import EmbedCore
-from services.compute.pooling import embedder
-from services.gateway.embed_encoding import Encoding
-from services.gateway.embeddings_request import EmbeddingSettings, EmbeddingsRequest
-from services.gateway.score_api import pooling_answer
-from shared.config import EngineConfig
-from shared.messages import EmbedRequest, EmbedResult
-from shared.sampling import InvalidParams
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.embed_core import EmbedCore
+from pipellm.services.compute.pooling import embedder
+from pipellm.services.gateway.embed_encoding import Encoding
+from pipellm.services.gateway.embeddings_request import EmbeddingSettings, EmbeddingsRequest
+from pipellm.services.gateway.score_api import pooling_answer
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.messages import EmbedRequest, EmbedResult
+from pipellm.shared.sampling import InvalidParams
+from pipellm.shared.settings import with_settings
 from tests.hf_models import build_hf_model
 from tests.scoring_models import build_classifier
 from tests.test_pooling import sentences

@@ -1,7 +1,7 @@
 """Scale-out: two `pipellm up` servers sharing one real Redis behind the real vllm-router.
 
 Real processes on the demo model (CPU): a redis-server, two full servers (`--redis-url` to it),
-and `vllm-router` (the package services/setup.sh installs for the tests) with cache-aware
+and `vllm-router` (the package scripts/setup.sh installs for the tests) with cache-aware
 routing in front; requests go through the router with the official client. Shown, in order:
 
 * a conversation's turns return to the replica that holds its prefix, even while that replica
@@ -33,9 +33,9 @@ import openai
 import pytest
 import redis
 
-from services.compute.length.store import RedisStore
-from shared.length_predictor import LengthPredictor, model_key
-from shared.redis_server import EmbeddedRedis, free_port
+from pipellm.services.compute.length.store import RedisStore
+from pipellm.shared.length_predictor import LengthPredictor, model_key
+from pipellm.shared.redis_server import EmbeddedRedis, free_port
 from tests.stack import Stack
 
 # the console script of vllm-router==0.1.17, next to this interpreter (the venv's) or on PATH
@@ -147,7 +147,7 @@ def head_learned(url: str) -> int:
 
 def test_two_servers_behind_vllm_router(demo_model_dir, tmp_path):
     if ROUTER is None:
-        pytest.fail("no vllm-router: `bash services/setup.sh test` installs it")
+        pytest.fail("no vllm-router: `bash scripts/setup.sh test` installs it")
     store = EmbeddedRedis(data_dir=str(tmp_path)).start()
     servers = [Stack(demo_model_dir, "--hidden-length", redis_url=store.url, new_session=True)
                for _ in range(2)]

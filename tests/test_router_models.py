@@ -3,7 +3,7 @@
 Real processes on the demo model (CPU): one redis-server; a generation server and a pooling
 server (`--convert embed`) on it, each with its own --server-id and served name; `vllm-router`
 with `--enable-igw` (its multi-model mode: a request goes to the servers of its `model`), and
-services/router_workers.py registering both with it (started before the servers are up: it
+pipellm/services/router_workers.py registering both with it (started before the servers are up: it
 waits for them). The official client, unchanged, calls `chat.completions.create` and
 `embeddings.create` on the router's one URL. Shown:
 
@@ -31,8 +31,8 @@ import openai
 import pytest
 import redis
 
-from services.router_workers import registered
-from shared.redis_server import EmbeddedRedis
+from pipellm.services.router_workers import registered
+from pipellm.shared.redis_server import EmbeddedRedis
 from tests.stack import Stack
 from tests.test_router import FINISHED, ROUTER, ROUTER_FLAGS, Router, _get
 
@@ -61,7 +61,7 @@ def wait_registered(router: Router, want: dict[str, str], timeout_s: float = 60)
 
 def test_chat_and_embeddings_through_one_router(demo_model_dir, tmp_path):
     if ROUTER is None:
-        pytest.fail("no vllm-router: `bash services/setup.sh test` installs it")
+        pytest.fail("no vllm-router: `bash scripts/setup.sh test` installs it")
     store = EmbeddedRedis(data_dir=str(tmp_path)).start()
     gen = Stack(demo_model_dir, "--served-model-name", CHAT, "--server-id", "generate",
                 redis_url=store.url)
@@ -73,7 +73,7 @@ def test_chat_and_embeddings_through_one_router(demo_model_dir, tmp_path):
         router = Router([], tmp_path / "router.log", ("--enable-igw", *ROUTER_FLAGS))
         assert registered(router.url) == {}  # --worker-urls means nothing in this mode
         registrar = subprocess.Popen(
-            [sys.executable, "-m", "services.router_workers", "--router", router.url,
+            [sys.executable, "-m", "pipellm.services.router_workers", "--router", router.url,
              "--worker", f"{gen.url}={CHAT}", "--worker", f"{emb.url}={EMBED}",
              "--interval-s", "0.2"],
             stdout=open(tmp_path / "registrar.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
@@ -138,7 +138,7 @@ def test_chat_and_embeddings_through_one_router(demo_model_dir, tmp_path):
             max_tokens=4, temperature=0).choices[0].message.content
         # -- a name the server does not serve is refused, not registered ----------------------
         wrong = subprocess.run(
-            [sys.executable, "-m", "services.router_workers", "--router", router.url,
+            [sys.executable, "-m", "pipellm.services.router_workers", "--router", router.url,
              "--worker", f"{emb.url}=no-such-model", "--once", "--interval-s", "0.2",
              "--timeout-s", "1"], capture_output=True, text=True, timeout=30)
         assert wrong.returncode == 1, wrong.stderr

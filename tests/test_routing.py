@@ -1,10 +1,10 @@
-"""Routing policies (shared/routing.py): pure unit tests, no engine."""
+"""Routing policies (pipellm/shared/routing.py): pure unit tests, no engine."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.routing import (
+from pipellm.shared.routing import (
     POLICIES,
     CacheAware,
     NoHealthyReplica,

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from services.compute.backend import build_engine
-from shared.chat_template import load_chat_template
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
-from shared.tokenizer import decode, encode, load_tokenizer
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared.chat_template import load_chat_template
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.tokenizer import decode, encode, load_tokenizer
 
 MODEL = "demo"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -79,7 +79,8 @@ def results(demo_model_dir, tmp_path_factory, stop):
     ]
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "run-batch", "-i", str(src),
+    proc = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "run-batch", "-i",
+                           str(src),
                            "-o", str(dst), "--model", str(demo_model_dir), "--served-model-name",
                            MODEL, "--kv-cache-tokens", "4096"], capture_output=True, text=True,
                           timeout=300)
@@ -183,8 +184,8 @@ def test_text_held_back_at_the_end_of_an_output_is_flushed(engine, demo_model_di
     of its per-token loop that forgets flush() loses them."""
     import io
 
-    from services.run_batch import run_batch
-    from services.tokenizer.service import Tokenizer
+    from pipellm.services.run_batch import run_batch
+    from pipellm.services.tokenizer.service import Tokenizer
 
     tokenizer = Tokenizer(EngineConfig(model=str(demo_model_dir)))
     half = tokenizer.tok.token_to_id("\u00e2")  # byte-level BPE: the byte 0xE2 alone
@@ -214,7 +215,8 @@ def test_auto_tool_choice_parses_calls_with_its_flags(demo_model_dir, tmp_path):
     answers = []
     for flags in ([], ["--tool-call-parser", "hermes"]):
         dst = tmp_path / "out.jsonl"
-        proc = subprocess.run([sys.executable, "-m", "services.cli", "run-batch", "-i", str(src),
+        proc = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "run-batch", "-i",
+                               str(src),
                                "-o", str(dst), "--model", str(demo_model_dir),
                                "--served-model-name", MODEL, "--kv-cache-tokens", "4096",
                                "--chat-template", "chatml_tools", *flags],
@@ -257,7 +259,8 @@ def test_run_batch_answers_every_choice_as_the_server_does(demo_model_dir, tmp_p
     }
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(line(k, b) + "\n" for k, b in bodies.items()))
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "run-batch", "-i", str(src),
+    proc = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "run-batch", "-i",
+                           str(src),
                            "-o", str(dst), "--model", str(demo_model_dir), "--served-model-name",
                            MODEL, "--kv-cache-tokens", "4096", "--speculative-config", spec],
                           capture_output=True, text=True, timeout=300)

@@ -13,11 +13,11 @@ import sys
 import numpy as np
 import pytest
 
-from services.compute.backend import build_engine
-from services.run_batch import run_batch
-from services.tokenizer.service import Tokenizer
-from shared.config import EngineConfig
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.run_batch import run_batch
+from pipellm.services.tokenizer.service import Tokenizer
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.settings import with_settings
 from tests.hf_models import build_hf_model
 from tests.scoring_models import build_classifier
 from tests.test_pooling import cosines, sentences, write_st_config
@@ -69,7 +69,8 @@ def results(embedder, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("batch")
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "run-batch", "-i", str(src),
+    proc = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "run-batch", "-i",
+                           str(src),
                            "-o", str(dst), "--model", str(path), "--runner", "pooling",
                            "--served-model-name", MODEL, "--max-model-len", str(MAX_LEN),
                            "--kv-cache-tokens", "4096", "--dtype", "float32"],

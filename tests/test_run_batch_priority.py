@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from services.compute.backend import build_engine
-from services.run_batch import BatchRunner, run_batch
-from services.tokenizer.service import Tokenizer
-from shared.config import EngineConfig, SchedulerConfig, SchedulingPolicyName
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.run_batch import BatchRunner, run_batch
+from pipellm.services.tokenizer.service import Tokenizer
+from pipellm.shared.config import EngineConfig, SchedulerConfig, SchedulingPolicyName
 
 MODEL = "demo"
 

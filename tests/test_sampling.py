@@ -1,4 +1,5 @@
-"""Tests for kernels.sampling: filters, reproducibility, distribution, and the hash RNG (CPU)."""
+"""Tests for pipellm.kernels.sampling: filters, reproducibility, distribution, and the hash RNG
+(CPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling import SamplingBatch, _bits_to_uniform, sample, uniform_noise
+from pipellm.kernels.sampling import SamplingBatch, _bits_to_uniform, sample, uniform_noise
 
 F32, I64 = torch.float32, torch.int64
 M32 = 0xFFFFFFFF

@@ -1,4 +1,4 @@
-"""The C++ CPU sampler (kernels/cpu/sampling.cpp) against the PyTorch reference
+"""The C++ CPU sampler (pipellm/kernels/cpu/sampling.cpp) against the PyTorch reference
 (`sample_reference`): the same token ids, row for row, for every kind of row (greedy,
 temperature only, top-k, top-p, min-p and their mixes, degenerate settings, ties at the
 cut-offs, -inf logits), on the default model's vocabulary size (49,152) and a small one, in
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import dispatch
-from kernels import sampling as sampling_mod
-from kernels.cpu import extension
-from kernels.sampling import SamplingBatch, sample, sample_reference
+from pipellm.kernels import dispatch
+from pipellm.kernels import sampling as sampling_mod
+from pipellm.kernels.cpu import extension
+from pipellm.kernels.sampling import SamplingBatch, sample, sample_reference
 from tests.test_sampling import params, rand_logits, ref_allowed, ref_probs
 
 VOCAB = 49152  # SmolLM2-135M-Instruct's

@@ -1,4 +1,4 @@
-"""Tests for kernels.sampling_triton: the Triton sampler against the PyTorch reference.
+"""Tests for pipellm.kernels.sampling_triton: the Triton sampler against the PyTorch reference.
 
 On CPU the kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 Token-for-token equality is asserted. Greedy ids, top-k sets and the noise are bit-exact; top-p
@@ -18,9 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import dispatch, sampling_triton
-from kernels.sampling import SamplingBatch, sample, sample_reference, uniform_noise
-from kernels.sampling_triton import sample_triton, uniform_noise_triton
+from pipellm.kernels import dispatch, sampling_triton
+from pipellm.kernels.sampling import SamplingBatch, sample, sample_reference, uniform_noise
+from pipellm.kernels.sampling_triton import sample_triton, uniform_noise_triton
 
 F32, I64 = torch.float32, torch.int64
 # (temperature, top_k, top_p, min_p) per row: greedy (filters ignored), temperature only, top-k

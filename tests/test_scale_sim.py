@@ -1,4 +1,4 @@
-"""The cluster simulation (services/compute/sim_cluster.py) and bench/scale_sim.py: replicas
+"""The cluster simulation (pipellm/services/compute/sim_cluster.py) and bench/scale_sim.py: replicas
 on one virtual timeline serve every request, one replica replays bench/virtual.py exactly,
 predicted-load beats round robin on a skewed load, the rate search and a small run of the
 bench end with its JSON line."""
@@ -12,11 +12,11 @@ import pytest
 
 from bench import scale_sim
 from bench.virtual import simulate, summarize
-from services.compute.sim_cluster import SimCluster, engine_demand
-from shared.config import EngineConfig
-from shared.routing import RoundRobin
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.services.compute.sim_cluster import SimCluster, engine_demand
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.routing import RoundRobin
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 
 CONFIG = with_settings(EngineConfig(), backend="sim", sim_clock="virtual", sim_gpu="h100",
                        sim_model="llama-3-8b", enable_prefix_caching=True)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.compute.core.sequence import SeqStatus, Sequence
-from services.compute.core.step import StepSample
-from services.compute.scheduling.kv_space import KVSpace
-from services.compute.scheduling.scheduler import Scheduler
-from shared.config import SchedulerConfig
-from shared.length_dist import LengthDist
-from shared.sampling import SamplingParams
+from pipellm.services.compute.core.sequence import SeqStatus, Sequence
+from pipellm.services.compute.core.step import StepSample
+from pipellm.services.compute.scheduling.kv_space import KVSpace
+from pipellm.services.compute.scheduling.scheduler import Scheduler
+from pipellm.shared.config import SchedulerConfig
+from pipellm.shared.length_dist import LengthDist
+from pipellm.shared.sampling import SamplingParams
 from tests.steps import chunks, decodes
 
 
@@ -173,8 +173,13 @@ def test_abort_frees_kv_and_request_too_large_is_refused():
 
 
 def test_kv_policies_are_objects_named_once():
-    from services.compute.kv.paged_allocator import PagedAllocator
-    from services.compute.scheduling.kv_policy import MaxLength, Paged, Predicted, make_policy
+    from pipellm.services.compute.kv.paged_allocator import PagedAllocator
+    from pipellm.services.compute.scheduling.kv_policy import (
+        MaxLength,
+        Paged,
+        Predicted,
+        make_policy,
+    )
 
     assert isinstance(make_policy(SchedulerConfig(kv_policy="paged")), Paged)
     assert make_policy(SchedulerConfig(kv_policy="max")) == MaxLength()

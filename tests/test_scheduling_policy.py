@@ -1,4 +1,4 @@
-"""Scheduling policies (services/compute/scheduling/policy.py, urgency.py) through the real
+"""Scheduling policies (pipellm/services/compute/scheduling/policy.py, urgency.py) through the real
 scheduler: queue order, whom an urgent request preempts (KV and running-cap cases), the budget
 order, aging and the re-admission boost. Time is a fake clock the tests move."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.compute.core.sequence import SeqStatus, Sequence
-from services.compute.core.step import StepSample
-from services.compute.scheduling.kv_space import KVSpace
-from services.compute.scheduling.policy import (
+from pipellm.services.compute.core.sequence import SeqStatus, Sequence
+from pipellm.services.compute.core.step import StepSample
+from pipellm.services.compute.scheduling.kv_space import KVSpace
+from pipellm.services.compute.scheduling.policy import (
     MAX_BOOSTS,
     PACE_WEIGHT,
     PREEMPT_MARGIN,
@@ -19,10 +19,10 @@ from services.compute.scheduling.policy import (
     StepPace,
     make_scheduling_policy,
 )
-from services.compute.scheduling.scheduler import Scheduler
-from shared.config import SchedulerConfig
-from shared.length_dist import LengthDist
-from shared.sampling import SamplingParams
+from pipellm.services.compute.scheduling.scheduler import Scheduler
+from pipellm.shared.config import SchedulerConfig
+from pipellm.shared.length_dist import LengthDist
+from pipellm.shared.sampling import SamplingParams
 from tests.steps import chunks
 
 
@@ -232,9 +232,9 @@ def test_a_stream_of_short_requests_never_keeps_a_long_one_past_the_bound():
 def test_the_simulated_engine_runs_the_policy_on_its_virtual_clock():
     """The sim backend's engine: arrivals and aging on the VirtualClock, priority from
     add_request; an urgent request arriving at a full batch preempts the latest batch one."""
-    from services.compute.backend import build_engine
-    from shared.config import EngineConfig
-    from shared.settings import with_settings
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared.config import EngineConfig
+    from pipellm.shared.settings import with_settings
 
     engine = build_engine(with_settings(EngineConfig(), backend="sim", sim_clock="virtual",
                                         scheduling_policy="priority", max_running=2))

@@ -17,15 +17,15 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from services.compute.embed_core import EmbedCore
-from services.gateway.embed_encoding import Encoding
-from services.gateway.embeddings_request import (
+from pipellm.services.compute.embed_core import EmbedCore
+from pipellm.services.gateway.embed_encoding import Encoding
+from pipellm.services.gateway.embeddings_request import (
     EmbeddingSettings,
     EmbeddingsRequest,
     pooling_task,
 )
-from services.gateway.errors import APIError
-from services.gateway.score_api import (
+from pipellm.services.gateway.errors import APIError
+from pipellm.services.gateway.score_api import (
     classify_answer,
     pooling_answer,
     rerank_answer,
@@ -33,18 +33,18 @@ from services.gateway.score_api import (
     sigmoid,
     softmax,
 )
-from services.gateway.score_pairs import pair_scores, pairs_message, truncate_pairs
-from services.gateway.score_request import (
+from pipellm.services.gateway.score_pairs import pair_scores, pairs_message, truncate_pairs
+from pipellm.services.gateway.score_request import (
     MAX_PAIRS,
     PairsRequest,
     parse_classify,
     parse_rerank,
     parse_score,
 )
-from services.tokenizer.embed import prepare_embed
-from shared import codec
-from shared.messages import EmbedRequest, EmbedResult
-from shared.scoring import CLASSIFY, YES_NO, ScoringConfig, reranker_prompt
+from pipellm.services.tokenizer.embed import prepare_embed
+from pipellm.shared import codec
+from pipellm.shared.messages import EmbedRequest, EmbedResult
+from pipellm.shared.scoring import CLASSIFY, YES_NO, ScoringConfig, reranker_prompt
 from tests.test_embeddings_gateway import reply, run_gateway
 
 LIMITS = {"max_text_bytes": 1000}

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from shared.scoring import reranker_prompt
+from pipellm.shared.scoring import reranker_prompt
 from tests.scoring_models import (
     YES_NO_OVERRIDES,
     build_classifier,

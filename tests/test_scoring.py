@@ -1,5 +1,5 @@
-"""Scoring heads in compute (services/compute/pooling/scoring.py, LLMEngine.classify) against
-transformers, in process: a Qwen3ForSequenceClassification's logits (3 labels), and a Qwen3
+"""Scoring heads in compute (pipellm/services/compute/pooling/scoring.py, LLMEngine.classify)
+against transformers, in process: a Qwen3ForSequenceClassification's logits (3 labels), and a Qwen3
 causal LM as a yes/no reranker (vLLM's --hf-overrides): logit[yes] - logit[no] at the last
 token; ScoringConfig from config.json and the overrides."""
 
@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from services.compute.backend import build_engine
-from services.compute.pooling.embedder import MIN_SHARED, shared_prefix
-from shared.config import EngineConfig
-from shared.model_config import ModelConfig
-from shared.sampling import InvalidParams
-from shared.scoring import CLASSIFY, NONE, YES_NO, ScoringConfig, names_classifier
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.pooling.embedder import MIN_SHARED, shared_prefix
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.model_config import ModelConfig
+from pipellm.shared.sampling import InvalidParams
+from pipellm.shared.scoring import CLASSIFY, NONE, YES_NO, ScoringConfig, names_classifier
+from pipellm.shared.settings import with_settings
 from tests.hf_models import build_hf_model, demo_tokenizer
 from tests.scoring_models import (
     YES_NO_OVERRIDES,
@@ -120,7 +120,7 @@ def test_model_config_reads_a_classifier_as_its_decoder(tmp_path):
 def test_start_up_refusals(tmp_path):
     """A classifier on the generation runner, or a head the checkpoint lacks: clear errors
     before serving."""
-    from services.cli import _check_model
+    from pipellm.services.cli import _check_model
 
     build_classifier(tmp_path / "cls", 1)
     with pytest.raises(ValueError, match="sequence classification model"):

@@ -11,17 +11,17 @@ import time
 import pytest
 
 from bench.virtual import max_concurrent, simulate, summarize, with_arrivals
-from kernels.kv_quant import KV_GROUP
-from services.cli import main as cli_main
-from services.compute.backend import build_engine
-from services.compute.sim import hardware
-from services.compute.sim.cost import CostModel, fit_decode, kv_dtype_bytes
-from services.compute.sim.hardware import GiB
-from services.compute.sim.runner import cost_model, token_id
-from shared.config import EngineConfig
-from shared.length_dist import LengthDist
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.kernels.kv_quant import KV_GROUP
+from pipellm.services.cli import main as cli_main
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.sim import hardware
+from pipellm.services.compute.sim.cost import CostModel, fit_decode, kv_dtype_bytes
+from pipellm.services.compute.sim.hardware import GiB
+from pipellm.services.compute.sim.runner import cost_model, token_id
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.length_dist import LengthDist
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.stack import Stack
 
 L3 = 8_030_261_248  # Llama-3-8B parameters (the HF checkpoint's count)
@@ -358,7 +358,7 @@ def test_stack_with_sim_backend_answers_http(sim_stack):
 
 def bench_sim(stack, tmp_path, prompts: int, input_len: int, output_len: int) -> dict:
     """pipellm-bench's saved result of `prompts` random requests sent at once to `stack`."""
-    from loadgen import cli
+    from pipellm.loadgen import cli
 
     argv = ["--base-url", stack.url, "--dataset-name", "random", "--random-input-len",
             str(input_len), "--random-output-len", str(output_len), "--ignore-eos",

@@ -16,9 +16,9 @@ import random
 import pytest
 import torch
 
-from services.compute.backend import served_model
-from shared.config import EngineConfig
-from shared.model_config import ModelConfig
+from pipellm.services.compute.backend import served_model
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.model_config import ModelConfig
 from tests.gguf_files import Q, write_gguf
 from tests.hf_models import build_hf_model
 from tests.test_architectures import (
@@ -133,7 +133,7 @@ def test_triton_kernels_through_the_engine_match_hf(tmp_path):
     """The GPU path (Triton, here under its CPU interpreter) with a window: chunked prefill
     past the window and decodes past it, token-exact with transformers. Mistral's window on
     every layer (layers that differ: Gemma 3's, in tests/test_architectures.py)."""
-    from kernels.dispatch import set_backend
+    from pipellm.kernels.dispatch import set_backend
 
     arch, overrides = VARIANTS["mistral"]
     model = build_hf_model(tmp_path, arch, **TINY, **overrides)

@@ -16,12 +16,12 @@ import regex
 import torch
 from tokenizers import pre_tokenizers
 
-from services.compute.backend import build_engine
-from shared import default_model
-from shared.chat_template import load_chat_template
-from shared.config import EngineConfig
-from shared.sampling import SamplingParams
-from shared.tokenizer import load_tokenizer
+from pipellm.services.compute.backend import build_engine
+from pipellm.shared import default_model
+from pipellm.shared.chat_template import load_chat_template
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.tokenizer import load_tokenizer
 from tests.stack import Stack
 
 SHAREGPT = Path(__file__).resolve().parents[1] / "data/sharegpt_samples_1024.json"

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from services.compute.kv.kv_cache import KVCache
-from services.compute.kv.sizing import profile_batch
-from services.compute.model import smoothing
-from services.compute.model.llama import LlamaModel
-from services.compute.model.quantization import Quantization
-from services.compute.model.weights import load_weights
-from shared.model_config import ModelConfig
+from pipellm.services.compute.kv.kv_cache import KVCache
+from pipellm.services.compute.kv.sizing import profile_batch
+from pipellm.services.compute.model import smoothing
+from pipellm.services.compute.model.llama import LlamaModel
+from pipellm.services.compute.model.quantization import Quantization
+from pipellm.services.compute.model.weights import load_weights
+from pipellm.shared.model_config import ModelConfig
 
 CPU = torch.device("cpu")
 

@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-from services.compute.core.sequence import Sequence
-from services.compute.speculative.ngram import NgramProposer
-from shared.length_dist import LengthDist
-from shared.sampling import SamplingParams
-from shared.speculative import SpeculativeConfig
+from pipellm.services.compute.core.sequence import Sequence
+from pipellm.services.compute.speculative.ngram import NgramProposer
+from pipellm.shared.length_dist import LengthDist
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.speculative import SpeculativeConfig
 from tests.hf_models import build_hf_model
 from tests.test_architectures import engine, greedy
 
@@ -176,7 +176,7 @@ def test_verification_keeps_the_target_distribution():
     sample is d. Over many seeded draws on a 6-token vocabulary the emitted token follows the
     target's probabilities (chi-square, 5 degrees of freedom, p > 0.001) and d is accepted
     with probability p(d)."""
-    from kernels import SamplingBatch, sample
+    from pipellm.kernels import SamplingBatch, sample
 
     logits = torch.tensor([[1.2, 0.3, -0.5, 2.0, 0.0, -1.0]])
     p = torch.softmax(logits[0], -1)
@@ -211,9 +211,9 @@ def served_equals_plain(model_dir, spec: str, prompt: str) -> dict[str, float]:
     /metrics' values (spec_metrics)."""
     import openai
 
-    from services.compute.backend import build_engine
-    from shared.config import EngineConfig
-    from shared.tokenizer import decode, encode, load_tokenizer
+    from pipellm.services.compute.backend import build_engine
+    from pipellm.shared.config import EngineConfig
+    from pipellm.shared.tokenizer import decode, encode, load_tokenizer
     from tests.stack import Stack
 
     tok = load_tokenizer(model_dir)
@@ -254,9 +254,9 @@ def test_smollm2_copying_a_text_is_token_exact_and_accepts_drafts():
     """The reference model (its Q4 blocks, INT8 activations: any last-bit difference from
     plain decoding would flip near-ties) asked to repeat a text (the input-grounded case
     speculation is for): the same greedy tokens as plain decoding, most drafts accepted."""
-    from shared import default_model
-    from shared.chat_template import load_chat_template
-    from shared.tokenizer import load_tokenizer
+    from pipellm.shared import default_model
+    from pipellm.shared.chat_template import load_chat_template
+    from pipellm.shared.tokenizer import load_tokenizer
 
     path = default_model.fetch()
     tok, template = load_tokenizer(path), load_chat_template(path)

@@ -1,5 +1,5 @@
 """Speculative decoding with a draft model (`{"model": PATH}`): the draft's KV cache mirrors
-the target's slot for slot (services/compute/drafter.py), so a draft equal to the target has
+the target's slot for slot (pipellm/services/compute/drafter.py), so a draft equal to the target has
 every draft accepted whatever moves, preempts or caches the segments; a different draft gives
 the same tokens as plain decoding (greedy and seeded); the reference model drafts for itself
 token-exactly; through the real services with the official client."""
@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from shared.sampling import SamplingParams
-from shared.speculative import SpeculativeConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.speculative import SpeculativeConfig
 from tests.hf_models import build_hf_model
 from tests.test_architectures import engine, greedy
 from tests.test_speculative import run, served_equals_plain, tiny  # noqa: F401 (a fixture)
@@ -85,9 +85,9 @@ def test_seeded_sampling_draws_what_plain_decoding_draws(tiny):  # noqa: F811
 def test_smollm2_drafting_for_itself_is_token_exact():
     """The reference model (Q4 blocks, INT8 activations) as its own draft: the same greedy
     tokens as plain decoding, and its drafts accepted."""
-    from shared import default_model
-    from shared.chat_template import load_chat_template
-    from shared.tokenizer import load_tokenizer
+    from pipellm.shared import default_model
+    from pipellm.shared.chat_template import load_chat_template
+    from pipellm.shared.tokenizer import load_tokenizer
 
     path = default_model.fetch()
     tok, template = load_tokenizer(path), load_chat_template(path)

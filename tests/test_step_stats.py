@@ -1,12 +1,12 @@
-"""The engine's step counts and compute's periodic stats line (services/compute/step_stats.py),
-with a clock the test moves: the first line after the interval, throughputs over it, nothing
-for an idle interval."""
+"""The engine's step counts and compute's periodic stats line
+(pipellm/services/compute/step_stats.py), with a clock the test moves: the first line after the
+interval, throughputs over it, nothing for an idle interval."""
 
 from __future__ import annotations
 
-from services.compute.core.step import ScheduledStep, Work, WorkItem
-from services.compute.engine import EngineStats
-from services.compute.step_stats import StatsLine, StepCounts
+from pipellm.services.compute.core.step import ScheduledStep, Work, WorkItem
+from pipellm.services.compute.engine import EngineStats
+from pipellm.services.compute.step_stats import StatsLine, StepCounts
 
 
 class Clock:

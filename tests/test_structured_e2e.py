@@ -15,7 +15,7 @@ import openai
 import pytest
 import regex as re
 
-from shared import default_model
+from pipellm.shared import default_model
 from tests.stack import Stack
 
 SCHEMAS = json.loads((Path(__file__).resolve().parents[1] / "data/json_schemas.json").read_text())

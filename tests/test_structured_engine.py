@@ -12,12 +12,12 @@ import pytest
 import regex as re
 import torch
 
-from services.compute.backend import build_engine
-from services.compute.structured import GrammarState, mask_logits
-from shared.config import EngineConfig, SchedulerConfig
-from shared.grammar import GrammarError, GrammarSpec, model_compiler
-from shared.sampling import SamplingParams
-from shared.tokenizer import decode, encode, load_tokenizer
+from pipellm.services.compute.backend import build_engine
+from pipellm.services.compute.structured import GrammarState, mask_logits
+from pipellm.shared.config import EngineConfig, SchedulerConfig
+from pipellm.shared.grammar import GrammarError, GrammarSpec, model_compiler
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.tokenizer import decode, encode, load_tokenizer
 
 PROMPTS = ["The answer is", "Once upon a time", "JSON:", "a b c d"]
 SCHEMA = {"type": "object", "properties": {
@@ -98,7 +98,7 @@ def test_json_whitespace_is_bounded_by_default():
     max_tokens)."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
-    from shared.grammar import _grammar
+    from pipellm.shared.grammar import _grammar
 
     grammar = _grammar(GrammarSpec("json_object"))
     for text in ('{"a": [1, 2]}', '{\n  "a": [\n\t\t1\n  ]\n}', '{"a":1}'):
@@ -112,10 +112,10 @@ def test_json_whitespace_is_bounded_by_default():
     ("(\n *)?", ['{\n  "a":[1],\n  "b":"x"}', '{"a":[],"b":""}']),
 ])
 def test_a_whitespace_pattern_is_the_json_grammars_whitespace(compiler, pattern, accepted):
-    """shared/grammar_whitespace: exactly the pattern between tokens, strings untouched."""
+    """pipellm/shared/grammar_whitespace: exactly the pattern between tokens, strings untouched."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
-    from shared.grammar import _grammar
+    from pipellm.shared.grammar import _grammar
 
     schema = {"type": "object", "properties": {"a": {"type": "array", "items": {
         "type": "integer"}}, "b": {"type": "string"}}, "required": ["a", "b"]}
@@ -228,7 +228,7 @@ def test_the_queue_compiles_off_the_loop(demo_model_dir):
     """compute's GrammarQueue: each item comes back with its grammar or its error, in order."""
     import time
 
-    from services.compute.structured import GrammarQueue
+    from pipellm.services.compute.structured import GrammarQueue
 
     queue = GrammarQueue(str(demo_model_dir))
     specs = [GrammarSpec("regex", "[a-c]{3}"), BAD[0], GrammarSpec("regex", "[a-c]{3}")]
@@ -277,7 +277,7 @@ def test_the_grammar_starts_once_the_reasoning_has_ended(demo_model_dir, tok, co
     """A reasoning model's grammar (compute/structured.ReasoningGate): free tokens until the
     end marker (forced here by a thinking budget of 6: the demo model never writes it), then
     the regex; the split answer's content matches it whole, the reasoning need not."""
-    from shared.reasoning import parser, split
+    from pipellm.shared.reasoning import parser, split
 
     end = tuple(encode(tok, "</think>", add_special_tokens=False))
     params = SamplingParams(max_tokens=60, temperature=1.0, seed=11, thinking_budget=6,
@@ -294,7 +294,7 @@ def test_the_grammar_starts_once_the_reasoning_has_ended(demo_model_dir, tok, co
 
 
 def test_a_gate_with_an_opening_lets_the_grammar_take_an_output_that_never_opens():
-    from services.compute.structured import ReasoningGate
+    from pipellm.services.compute.structured import ReasoningGate
 
     gate = ReasoningGate(start=(5, 6), end=(8,))
     assert gate.feed(5) == [] and gate.opening == 1

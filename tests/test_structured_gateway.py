@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from services.gateway.errors import APIError
-from services.gateway.protocol import parse_chat, parse_completion
-from shared.grammar import GrammarSpec
+from pipellm.services.gateway.errors import APIError
+from pipellm.services.gateway.protocol import parse_chat, parse_completion
+from pipellm.shared.grammar import GrammarSpec
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

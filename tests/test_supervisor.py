@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared import demo_model as dm
+from pipellm.shared import demo_model as dm
 from tests.stack import Stack
 
 
@@ -27,7 +27,7 @@ def alive(pid: int) -> bool:
 def test_up_with_embedded_redis_and_ctrl_c_leaves_no_orphans(demo_model_dir):
     stack = Stack(demo_model_dir, embedded_redis=True)
     run_dir = stack.run_dir
-    argv = [sys.executable, "-m", "services.cli", "serve", str(demo_model_dir),
+    argv = [sys.executable, "-m", "pipellm.services.cli", "serve", str(demo_model_dir),
             "--port", str(stack.port), "--run-dir", run_dir, "--tokenizer-workers", "2",
             "--kv-cache-tokens", "1000", "--dtype", "float32", "--device", "cpu"]
     log = Path(run_dir, "out.log")
@@ -64,7 +64,7 @@ def test_up_with_embedded_redis_and_ctrl_c_leaves_no_orphans(demo_model_dir):
 
 def start_up(model_dir, run_dir: str, port: int, *extra: str) -> tuple[subprocess.Popen, Path]:
     """`pipellm up` with its embedded Redis; returns (process, log file) once it is up."""
-    argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model_dir), "--port",
+    argv = [sys.executable, "-m", "pipellm.services.cli", "up", "--model", str(model_dir), "--port",
             str(port), "--run-dir", run_dir, "--heartbeat-s", "0.2", *extra]
     log = Path(run_dir, "out.log")
     with open(log, "w") as out:
@@ -94,7 +94,7 @@ def test_port_taken_refuses_to_start_in_one_line(demo_model_dir):
         taken.listen()
         port = taken.getsockname()[1]
         start = time.monotonic()
-        out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model",
+        out = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "up", "--model",
                               str(demo_model_dir), "--port", str(port)],
                              capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "pipellm is up" not in out.stdout
@@ -130,7 +130,7 @@ def test_killed_embedded_redis_comes_back_with_its_data(demo_model_dir):
 def test_crash_loop_backs_off_and_reports_the_last_error(demo_model_dir):
     """compute's tcp address taken while it restarts: each crash is reported with the bind error
     and the delays double; once the address is free, compute comes back."""
-    from shared.redis_server import free_port
+    from pipellm.shared.redis_server import free_port
 
     stack = Stack(demo_model_dir, embedded_redis=True)
     run_dir = stack.run_dir
@@ -166,8 +166,8 @@ def _try_bind(sock, port: int) -> bool:
 def test_each_compute_rank_gets_its_device_and_share_of_cores(monkeypatch):
     """--data-parallel-size N: rank r takes the r-th visible GPU (ranks wrap around when there
     are fewer, sharing one), and on a CPU without --threads, cores / N threads."""
-    from services.supervisor import compute_env
-    from shared.config import EngineConfig
+    from pipellm.services.supervisor import compute_env
+    from pipellm.shared.config import EngineConfig
 
     engine = EngineConfig(model="unused")
     assert compute_env(engine, 1, 0) == {}
@@ -183,7 +183,7 @@ def test_each_compute_rank_gets_its_device_and_share_of_cores(monkeypatch):
 
 
 def test_the_error_reported_is_the_traceback_s_not_the_noise_after_it():
-    from services.supervisor import Child
+    from pipellm.services.supervisor import Child
 
     child = Child("compute", [], {})
     child.stderr_tail.extend([

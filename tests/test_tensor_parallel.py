@@ -1,8 +1,8 @@
-"""Tensor parallelism (`--tensor-parallel-size 2`, services/compute/tp/): two ranks over gloo on
-the CPU, one thread each, through `LLMEngine`, against the same engine on one rank: greedy tokens
-identical, generated and prompt logprobs within 1e-4 (float32), through chunked prefill, prefix
-caching, KV moves and preemption, an INT8 KV cache; bfloat16 close; mixtures of experts (every
-expert split; whole experts a rank: tests/test_expert_parallel.py), OLMoE's q/k norms over
+"""Tensor parallelism (`--tensor-parallel-size 2`, pipellm/services/compute/tp/): two ranks over
+gloo on the CPU, one thread each, through `LLMEngine`, against the same engine on one rank: greedy
+tokens identical, generated and prompt logprobs within 1e-4 (float32), through chunked prefill,
+prefix caching, KV moves and preemption, an INT8 KV cache; bfloat16 close; mixtures of experts
+(every expert split; whole experts a rank: tests/test_expert_parallel.py), OLMoE's q/k norms over
 every rank's heads; INT4 weights (INT8 activations: within 1e-3); a vocabulary two ranks do
 not divide (the last shard padded); a GGUF file of Q4 blocks; a dead rank; and the shapes and
 settings it refuses, each with one line. Served, and across machines:
@@ -17,13 +17,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from services.compute.backend import build_engine, resolve
-from services.compute.model.weights import load_weights
-from services.compute.tp.shard import Shard, ShardReader, shard_weights
-from shared.config import EngineConfig
-from shared.model_config import ModelConfig
-from shared.sampling import SamplingParams
-from shared.settings import with_settings
+from pipellm.services.compute.backend import build_engine, resolve
+from pipellm.services.compute.model.weights import load_weights
+from pipellm.services.compute.tp.shard import Shard, ShardReader, shard_weights
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.model_config import ModelConfig
+from pipellm.shared.sampling import SamplingParams
+from pipellm.shared.settings import with_settings
 from tests.gguf_files import write_gguf
 from tests.hf_models import build_hf_model
 
@@ -268,7 +268,7 @@ def test_a_dead_rank_fails_the_next_step_at_once(model_dir):
 
 def test_each_rank_of_each_data_parallel_compute_gets_its_share_of_cores(monkeypatch):
     """--data-parallel-size 4 x --tensor-parallel-size 2 on 16 cores: 2 threads a rank."""
-    from services.supervisor import compute_env
+    from pipellm.services.supervisor import compute_env
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
     env = compute_env(EngineConfig(model="unused", tensor_parallel_size=2), 4, 2)

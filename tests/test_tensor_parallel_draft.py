@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from shared.sampling import SamplingParams
+from pipellm.shared.sampling import SamplingParams
 from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)
     PROMPTS,
     _keep_torch_threads,

@@ -1,5 +1,5 @@
-"""`pipellm serve --tensor-parallel-size 2` (services/compute/tp/) through the real services and
-the official client: the compute process is rank 0 and starts rank 1; either killed, compute
+"""`pipellm serve --tensor-parallel-size 2` (pipellm/services/compute/tp/) through the real services
+and the official client: the compute process is rank 0 and starts rank 1; either killed, compute
 restarts with a new group and the streams resume; data parallel computes of tensor-parallel
 groups; a mixture of experts' whole experts a rank (`--enable-expert-parallel`); ranks on two
 machines (`--nnodes 2`, here both on this one), alone and as data-parallel replicas."""
@@ -18,9 +18,9 @@ import openai
 import psutil
 import pytest
 
-from services.compute.tp import group
-from shared.redis_server import free_port
-from shared.sampling import SamplingParams
+from pipellm.services.compute.tp import group
+from pipellm.shared.redis_server import free_port
+from pipellm.shared.sampling import SamplingParams
 from tests.hf_models import build_hf_model
 from tests.stack import Stack
 from tests.test_data_parallel import per_engine, routes
@@ -72,7 +72,7 @@ def rank1_pid(stack: Stack) -> int:
 def rank1_pid_of(compute: int) -> int:
     """The pid of rank 1 of compute process `compute` (its child running the tp worker)."""
     (proc,) = [p for p in psutil.Process(compute).children()
-               if "services.compute.tp_worker" in p.cmdline()]
+               if "pipellm.services.compute.tp_worker" in p.cmdline()]
     return proc.pid
 
 
@@ -157,7 +157,8 @@ def test_ranks_across_two_machines_follow_rank_0_from_group_to_group(tmp_path, m
     build_hf_model(path, "llama")
     meet = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
             "--master-port", str(port)]
-    node1 = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", str(path), *meet,
+    node1 = subprocess.Popen([sys.executable, "-m", "pipellm.services.cli", "serve", str(path),
+                              *meet,
                               "--node-rank", "1", "--dtype", "float32", "--threads", "1",
                               "--quantization", "none", "--kv-cache-tokens", "2048",
                               "--max-batched-tokens", "16", "--max-running", "8"])
@@ -193,7 +194,7 @@ def meeting_ports(n: int) -> int:
 def node_ranks(node: subprocess.Popen) -> set[int]:
     """The pids of the tensor-parallel ranks a node K > 0 runs (its tp_worker children)."""
     return {p.pid for p in psutil.Process(node.pid).children()
-            if "services.compute.tp_worker" in p.cmdline() and p.status() != "zombie"}
+            if "pipellm.services.compute.tp_worker" in p.cmdline() and p.status() != "zombie"}
 
 
 def served(stack: Stack, expected: list) -> set[int]:
@@ -222,7 +223,7 @@ def test_data_parallel_groups_across_two_machines(demo_model_dir, tmp_path):
               "--master-addr", "127.0.0.1", "--master-port", str(meeting_ports(2)),
               "--dtype", "float32", "--threads", "1", "--kv-cache-tokens", "20000"]
     with open(tmp_path / "node1.log", "w") as log:
-        node1 = subprocess.Popen([sys.executable, "-m", "services.cli", "serve",
+        node1 = subprocess.Popen([sys.executable, "-m", "pipellm.services.cli", "serve",
                                   str(demo_model_dir), *common, "--node-rank", "1"],
                                  stdout=log, stderr=subprocess.STDOUT)
     stack = Stack(demo_model_dir, *common, "--node-rank", "0", "--data-parallel-routing",

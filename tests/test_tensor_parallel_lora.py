@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import pytest
 
-from shared.lora import LoraError, LoraModule
-from shared.sampling import SamplingParams
+from pipellm.shared.lora import LoraError, LoraModule
+from pipellm.shared.sampling import SamplingParams
 from tests.hf_models import build_hf_model
 from tests.test_lora import ADAPTERS, build_adapter
 from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)

@@ -10,10 +10,10 @@ import os
 
 import pytest
 
-from services.cli import main
-from services.compute.tp_node import replica_config
-from services.supervisor import compute_env
-from shared.config import EngineConfig, check_replicas, replica_master_port
+from pipellm.services.cli import main
+from pipellm.services.compute.tp_node import replica_config
+from pipellm.services.supervisor import compute_env
+from pipellm.shared.config import EngineConfig, check_replicas, replica_master_port
 from tests.hf_models import build_hf_model
 
 

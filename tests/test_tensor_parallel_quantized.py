@@ -1,5 +1,5 @@
-"""W8A8 and FP8 weights under tensor parallelism (services/compute/tp/quantized.py): two ranks
-over gloo through `LLMEngine` against one rank, float32: greedy tokens identical, generated
+"""W8A8 and FP8 weights under tensor parallelism (pipellm/services/compute/tp/quantized.py): two
+ranks over gloo through `LLMEngine` against one rank, float32: greedy tokens identical, generated
 and prompt logprobs within QUANT_TOL; W8A8's SmoothQuant calibrated on the ranks' float model;
 mixtures of experts, their experts split across the ranks or whole
 (--enable-expert-parallel)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.sampling import SamplingParams
+from pipellm.shared.sampling import SamplingParams
 from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)
     PROMPTS,
     _keep_torch_threads,

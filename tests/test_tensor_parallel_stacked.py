@@ -1,10 +1,11 @@
 """Transformers v5's expert stacks (`mlp.experts.gate_up_proj` [E, 2I, hidden],
-`mlp.experts.down_proj` [E, hidden, I]) under tensor parallelism (services/compute/tp/shard.py):
-checkpoints written from the models' own state dicts (`save_pretrained` writes per-expert
-names). A rank's parts read from safetensors are the per-expert checkpoint's parts stacked, and
-the ranks' parts make the whole stacks again; two ranks over gloo through `LLMEngine` against
-one rank, float32: greedy tokens identical, generated and prompt logprobs within 1e-4 (FP8's
-split experts within its tolerance), every expert split or whole experts a rank."""
+`mlp.experts.down_proj` [E, hidden, I]) under tensor parallelism
+(pipellm/services/compute/tp/shard.py): checkpoints written from the models' own state dicts
+(`save_pretrained` writes per-expert names). A rank's parts read from safetensors are the per-expert
+checkpoint's parts stacked, and the ranks' parts make the whole stacks again; two ranks over gloo
+through `LLMEngine` against one rank, float32: greedy tokens identical, generated and prompt
+logprobs within 1e-4 (FP8's split experts within its tolerance), every expert split or whole experts
+a rank."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.compute.model.weights import load_weights
-from services.compute.tp.shard import Shard, ShardReader, shard_weights
-from shared.model_config import ModelConfig
-from shared.sampling import SamplingParams
+from pipellm.services.compute.model.weights import load_weights
+from pipellm.services.compute.tp.shard import Shard, ShardReader, shard_weights
+from pipellm.shared.model_config import ModelConfig
+from pipellm.shared.sampling import SamplingParams
 from tests.hf_models import build_hf_model
 from tests.test_expert_parallel import EP, held_experts
 from tests.test_tensor_parallel import (  # noqa: F401  (the fixtures)

@@ -8,13 +8,13 @@ import json
 import pytest
 import redis
 
-from services.tokenizer.service import Tokenizer
-from shared.config import EngineConfig
-from shared.length_dist import LEVELS, LengthDist
-from shared.length_predictor import LengthPredictor, model_key
-from shared.messages import TokenizeRequest
-from shared.redis_server import EmbeddedRedis
-from shared.sampling import SamplingParams
+from pipellm.services.tokenizer.service import Tokenizer
+from pipellm.shared.config import EngineConfig
+from pipellm.shared.length_dist import LEVELS, LengthDist
+from pipellm.shared.length_predictor import LengthPredictor, model_key
+from pipellm.shared.messages import TokenizeRequest
+from pipellm.shared.redis_server import EmbeddedRedis
+from pipellm.shared.sampling import SamplingParams
 
 
 def request(text: str, max_tokens: int, n: int = 1) -> TokenizeRequest:
@@ -74,7 +74,7 @@ def test_min_tokens_beyond_the_room_is_a_prompt_error_not_a_crash(demo_model_dir
     min_tokens larger than the room left used to raise InvalidParams and kill the worker."""
     import pytest
 
-    from services.tokenizer.service import PromptError
+    from pipellm.services.tokenizer.service import PromptError
 
     tok = Tokenizer(EngineConfig(model=str(demo_model_dir), max_model_len=64))
     req = TokenizeRequest("r1", "ipc://gw", SamplingParams(max_tokens=16, min_tokens=10),
@@ -86,7 +86,7 @@ def test_min_tokens_beyond_the_room_is_a_prompt_error_not_a_crash(demo_model_dir
 def test_resumed_choices_continue_with_their_outputs(demo_model_dir):
     from array import array
 
-    from shared.messages import Resume
+    from pipellm.shared.messages import Resume
 
     tok = Tokenizer(EngineConfig(model=str(demo_model_dir)))
     req = TokenizeRequest("r1", "ipc://gw", SamplingParams(max_tokens=8, seed=5,
@@ -107,8 +107,8 @@ def test_request_templates_documents_and_special_tokens_as_transformers(demo_mod
     tokenizer give them; a template that does not compile is a PromptError."""
     from transformers import AutoTokenizer
 
-    from services.tokenizer.service import PromptError
-    from shared.messages import ChatMessage
+    from pipellm.services.tokenizer.service import PromptError
+    from pipellm.shared.messages import ChatMessage
 
     tok = Tokenizer(EngineConfig(model=str(demo_model_dir)))
     hf = AutoTokenizer.from_pretrained(demo_model_dir)

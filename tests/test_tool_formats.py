@@ -1,7 +1,8 @@
-"""The mistral, pythonic and qwen3_coder tool-call parsers (services/gateway/tool_formats.py)
-on outputs in the formats those models' chat templates teach them, whole and streamed: the
-stream's content and calls equal the whole parse for every chunking (tool_parsers.py's
-invariant), and a call that does not parse leaves the whole output as content."""
+"""The mistral, pythonic and qwen3_coder tool-call parsers
+(pipellm/services/gateway/tool_formats.py) on outputs in the formats those models' chat templates
+teach them, whole and streamed: the stream's content and calls equal the whole parse for every
+chunking (tool_parsers.py's invariant), and a call that does not parse leaves the whole output as
+content."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.tool_formats import PARSERS
-from services.gateway.tool_parsers import CallArgs, CallStart, Content
-from shared.messages import ToolSpec
+from pipellm.services.gateway.tool_formats import PARSERS
+from pipellm.services.gateway.tool_parsers import CallArgs, CallStart, Content
+from pipellm.shared.messages import ToolSpec
 
 SPECS = [ToolSpec("get_weather", "", json.dumps({"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
@@ -103,8 +104,8 @@ def test_content_streams_before_the_opening_shows():
 
 
 def test_the_config_names_every_parser_and_templates_pick_theirs():
-    from shared.config import TOOL_CALL_PARSERS
-    from shared.tool_prompt import tool_parser_for
+    from pipellm.shared.config import TOOL_CALL_PARSERS
+    from pipellm.shared.tool_prompt import tool_parser_for
 
     assert set(TOOL_CALL_PARSERS) == set(PARSERS)
     for mark, name in [("[TOOL_CALLS]", "mistral"), ("<function=", "qwen3_coder"),
@@ -116,8 +117,8 @@ def test_the_config_names_every_parser_and_templates_pick_theirs():
 def test_mistral_auto_keeps_special_tokens_in_the_text():
     """[TOOL_CALLS] is a special token of Mistral's tokenizers: auto tool choice with the
     mistral parser keeps special tokens in the text (vLLM's rule); other formats do not."""
-    from services.gateway.chat_settings import ChatSettings
-    from services.gateway.protocol import parse_chat
+    from pipellm.services.gateway.chat_settings import ChatSettings
+    from pipellm.services.gateway.protocol import parse_chat
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.tool_parsers import (
+from pipellm.services.gateway.tool_parsers import (
     PARSERS,
     CallArgs,
     CallStart,

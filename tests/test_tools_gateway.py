@@ -9,11 +9,11 @@ import json
 import jsonschema
 import pytest
 
-from services.gateway.errors import APIError
-from services.gateway.protocol import parse_chat
-from services.gateway.tool_parsers import CallArgs, CallStart, Content
-from services.gateway.tools import Tools, parse_tools
-from shared.messages import ToolSpec
+from pipellm.services.gateway.errors import APIError
+from pipellm.services.gateway.protocol import parse_chat
+from pipellm.services.gateway.tool_parsers import CallArgs, CallStart, Content
+from pipellm.services.gateway.tools import Tools, parse_tools
+from pipellm.shared.messages import ToolSpec
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": ADD}},
@@ -122,7 +122,7 @@ def test_shapers():
 def test_the_built_in_chatml_tools_template(demo_model_dir):
     """--chat-template chatml_tools: the tools in the system turn, the assistant's calls as
     hermes <tool_call> blocks, consecutive tool results in one user turn."""
-    from shared.chat_template import load_chat_template
+    from pipellm.shared.chat_template import load_chat_template
 
     template = load_chat_template(demo_model_dir, "chatml_tools")
     assert template.renders_tools and not load_chat_template(demo_model_dir).renders_tools
@@ -140,16 +140,16 @@ def test_the_built_in_chatml_tools_template(demo_model_dir):
 
 
 def test_a_template_without_tools_gets_them_in_the_system_message(demo_model_dir):
-    """shared/tool_prompt.py (llama.cpp's fallback): the demo model's template renders no
+    """pipellm/shared/tool_prompt.py (llama.cpp's fallback): the demo model's template renders no
     tools, so the tools and the Hermes call format go into the system message (the request's
     own kept before them), earlier calls into the assistant's text, consecutive tool results
     into one user turn; the tokenizer renders that with the model's own template."""
-    from services.tokenizer.service import Tokenizer
-    from shared.config import EngineConfig
-    from shared.messages import ChatMessage, TokenizeRequest, ToolCallMsg, ToolSpec
-    from shared.sampling import SamplingParams
-    from shared.settings import with_settings
-    from shared.tool_prompt import tool_parser_for, with_tools
+    from pipellm.services.tokenizer.service import Tokenizer
+    from pipellm.shared.config import EngineConfig
+    from pipellm.shared.messages import ChatMessage, TokenizeRequest, ToolCallMsg, ToolSpec
+    from pipellm.shared.sampling import SamplingParams
+    from pipellm.shared.settings import with_settings
+    from pipellm.shared.tool_prompt import tool_parser_for, with_tools
 
     assert tool_parser_for("{{ '<|python_tag|>' }}") == "llama3_json"
     assert tool_parser_for(None) == tool_parser_for("{{ messages }}") == "hermes"

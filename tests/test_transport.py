@@ -1,7 +1,7 @@
-"""The gateway's receiver (shared/transport.AsyncReceiver) over real zmq sockets: every message
-reaches the handler in order, whether it was queued before `serve` began or arrives in bursts
-after; an undecodable message is dropped and a handler's error is logged, and neither stops the
-messages behind it."""
+"""The gateway's receiver (pipellm/shared/transport.AsyncReceiver) over real zmq sockets: every
+message reaches the handler in order, whether it was queued before `serve` began or arrives in
+bursts after; an undecodable message is dropped and a handler's error is logged, and neither stops
+the messages behind it."""
 
 import asyncio
 import contextlib
@@ -10,9 +10,9 @@ import logging
 import zmq
 import zmq.asyncio
 
-from shared import codec
-from shared.messages import Delta, DeltaBatch
-from shared.transport import AsyncReceiver
+from pipellm.shared import codec
+from pipellm.shared.messages import Delta, DeltaBatch
+from pipellm.shared.transport import AsyncReceiver
 
 
 def batch(i: int) -> bytes:
@@ -55,7 +55,7 @@ def test_serve_delivers_every_message_in_order_and_survives_bad_ones(tmp_path, c
         inbox.sock.close(0)
         return got
 
-    with caplog.at_level(logging.WARNING, logger="shared.transport"):
+    with caplog.at_level(logging.WARNING, logger="pipellm.shared.transport"):
         got = asyncio.run(main())
     assert got == [i for i in range(300) if i != 7]
     assert "handler broke on 7" in caplog.text and "dropping message" in caplog.text
