@@ -1,5 +1,5 @@
 """C++ kernels for the CPU path, built with torch's extension loader (ninja + the machine's C++
-compiler, cached under $TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions; ~3 min
+compiler, cached under $TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions; ~2.5 min
 the first time on two cores (bench/kernel_build.py), then a load of ~0.1 s).
 
 `scripts/setup.sh` builds them once (`python -m pipellm.kernels.cpu`), and the compute service
