@@ -36,8 +36,9 @@ One module, one source per concept (ops.h declares them, bindings.cpp binds them
     decode_layers.cpp     DecodeStack, decode_layers: a decode step's layers in one call, the
                           kernels above chained     pipellm/services/compute/model/fused_decode.py
     common.h              the row kernels' shared helpers
-    tensor.h              the ATen the sources include; only bindings.cpp includes
-                          <torch/extension.h> (torch's whole C++ API: minutes per source)
+    tensor.h              the ATen the sources include (not <torch/extension.h>, torch's
+                          whole C++ frontend: minutes per source); bindings.cpp adds torch's
+                          pybind11 headers
     amx_emulate.h         AMX tiles in plain C++: emulated.py builds the AMX kernels on them
                           as a test-only module, so any CPU with AVX512-BF16 tests them
     simd_<isa>.h          the float vector traits the vectorized kernels are templates over

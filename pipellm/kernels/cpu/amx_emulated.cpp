@@ -1,13 +1,13 @@
 // The module of pipellm/kernels/cpu/emulated.py: the AMX kernels built from their own sources with
 // PIPELLM_AMX_EMULATE (tiles emulated: amx_emulate.h), bound as the main module binds them,
 // at the one level they run at (AVX-512 vectors beside the tiles).
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <optional>
 #include <string>
 #include <vector>
 
-using torch::Tensor;
+using at::Tensor;
 
 std::string vector_isa() { return "avx512"; }  // what block_gemm.cpp's says at an AMX level
 

@@ -1,6 +1,8 @@
-// The one Python module of the C++ CPU kernels (pipellm/kernels/cpu/__init__.py builds it from all the
-// sources): each function is defined in the .cpp of its concept, declared in ops.h, bound here.
-#include <torch/extension.h>
+// The one Python module of the C++ CPU kernels (pipellm/kernels/cpu/__init__.py builds it from all
+// the sources): each function is defined in the .cpp of its concept, declared in ops.h, bound here.
+// torch's pybind11 with its Tensor and std type casters: what <torch/extension.h> includes for
+// a module, without the C++ frontend it adds (half of this file's compile).
+#include <torch/csrc/utils/pybind.h>
 
 #include "decode_layers.h"
 #include "ops.h"
