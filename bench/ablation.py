@@ -11,11 +11,10 @@ on a GPU). For each model and workload, each variant gets:
 Requests send no max_tokens (as chat clients commonly do): they may run to the context, so the
 max-length policy reserves prompt + (context - prompt); each really ends with EOS at its true
 length. The oracle knows each true length; the learned predictor
-(pipellm/shared/length_predictor.py, a real Redis) starts cold in every run, predicts at arrival and
-learns at finish, in virtual-time order; `predicted` reserves its median but at most 64 tokens ahead
-(the default
---kv-reserve-horizon; "whole-length segments" reserves the whole median) and regrows outgrown
-segments to the conditional p90, again at most 64 ahead.
+(pipellm/shared/length_predictor.py, a real Redis) starts cold in every run, predicts at arrival
+and learns at finish, in virtual-time order; `predicted` reserves its median but at most 64 tokens
+ahead (the default --kv-reserve-horizon; "whole-length segments" reserves the whole median) and
+regrows outgrown segments to the conditional p90, again at most 64 ahead.
 
 The `smollm2` workload (SmolLM2's own t=0.7 lengths, bench/length_data.py) adds two rows that
 replay the predictions bench/length_predictor.py --lengths smollm2 recorded per request: the
@@ -210,8 +209,7 @@ class Workload:
 
 class OnlineLengths:
     """The Redis length predictor (pipellm/shared/length_predictor.py) driven by the simulation:
-    each
-    run starts cold under a fresh key prefix, predicts at arrival and learns at finish."""
+    each run starts cold under a fresh key prefix, predicts at arrival and learns at finish."""
 
     _redis = None  # one embedded redis-server for the whole benchmark
 

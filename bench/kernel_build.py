@@ -3,8 +3,8 @@ compute start with an empty cache) compiles them, against a baseline revision's 
 
 Each round builds both from scratch, in turns, into empty extension caches
 (TORCH_EXTENSIONS_DIR in a temporary folder), with `python -m pipellm.kernels.cpu`, the command
-setup.sh
-runs: the baseline's source tree as `git archive` gives it at `--baseline`, and this one.
+setup.sh runs: the baseline's source tree as `git archive` gives it at `--baseline`, and this
+one.
 Reported: each build's wall-clock seconds, the ratio baseline / this tree (above 1: this tree
 builds faster), and the slowest objects of each (ninja's log). The last line is one JSON
 object.
@@ -62,8 +62,7 @@ def objects(ext_dir: Path) -> dict[str, float]:
 
 def build(src: Path, ext: Path) -> tuple[float, dict[str, float]]:
     """Wall-clock seconds of `python -m pipellm.kernels.cpu` in the source tree `src`, into the
-    empty
-    cache `ext`, and its objects' seconds; RuntimeError if the build failed."""
+    empty cache `ext`, and its objects' seconds; RuntimeError if the build failed."""
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONPATH": str(src)}
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", kernels_module(src)], cwd=src, env=env,
