@@ -59,8 +59,7 @@ def cpu_seconds(pgid: int) -> dict[str, float]:
 def one_run(args, variant: str, model: Path, work: Path) -> dict:
     port = free_port()
     server = Server(variant, [sys.executable, "-m", "pipellm.services.cli", "up", "--model",
-                              str(model),
-                              "--port", str(port), *SIM, *VARIANTS[variant]],
+                              str(model), "--port", str(port), *SIM, *VARIANTS[variant]],
                     f"http://127.0.0.1:{port}/health", work / f"{variant}.log")
     out = work / f"{variant}.json"
     argv = [sys.executable, "-m", "pipellm.loadgen.cli", "--base-url", f"http://127.0.0.1:{port}",

@@ -47,9 +47,9 @@ class Stack:
             self.redis.start()
             redis = ["--redis-url", self.redis.url]
         for attempt in range(3):  # a free port may be taken (an outgoing connection's) by then
-            argv = [sys.executable, "-m", "pipellm.services.cli", "up", "--model",
-                    str(self.model_dir),
-                    "--port", str(self.port), "--run-dir", self.run_dir, *redis,
+            argv = [sys.executable, "-m", "pipellm.services.cli", "up",
+                    "--model", str(self.model_dir), "--port", str(self.port),
+                    "--run-dir", self.run_dir, *redis,
                     "--heartbeat-s", "0.2", "--kv-cache-tokens", "20000", *self.extra]
             self.log = open(os.path.join(self.run_dir, "up.log"), "w")  # noqa: SIM115
             self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,

@@ -333,9 +333,9 @@ def test_an_unsupported_architecture_fails_at_start_up_in_one_line(tmp_path):
     build_hf_model(tmp_path, "qwen3", num_hidden_layers=1)
     cfg = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"]}))
-    out = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "up", "--model",
-                          str(tmp_path),
-                          "--port", "1"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "up",
+                          "--model", str(tmp_path), "--port", "1"],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "'GPT2LMHeadModel' is not supported" in lines[0], out.stderr

@@ -12,8 +12,7 @@ def pipellm(*args: str, env_dir) -> subprocess.CompletedProcess:
 
     env = {**os.environ, "PIPELLM_DEMO_DIR": str(env_dir)}
     return subprocess.run([sys.executable, "-m", "pipellm.services.cli", *args],
-                          capture_output=True,
-                          text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_generate_json_on_demo_model(demo_model_dir):
@@ -48,8 +47,7 @@ def test_default_model_falls_back_to_demo_in_one_line(tmp_path, demo_model_dir):
            "PIPELLM_DEFAULT_MODEL_DIR": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
            "PIP_FIND_LINKS": "", "PIP_CONFIG_FILE": os.devnull}
     out = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "generate", "--prompt",
-                          "Hi",
-                          "--max-tokens", "3", "--ignore-eos", "--json"],
+                          "Hi", "--max-tokens", "3", "--ignore-eos", "--json"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stderr.splitlines() if "default model unavailable" in line]

@@ -36,9 +36,8 @@ def parse_serve(name: str, service: dict) -> tuple[EngineConfig, ServiceConfig]:
             mp.delenv(key)
         for key, value in environment(service).items():
             mp.setenv(key, value)
-        mp.setattr("pipellm.services.supervisor.up", lambda engine, svc: captured.append((engine,
-                                                                                          svc))
-                   or 0)
+        mp.setattr("pipellm.services.supervisor.up",
+                   lambda engine, svc: captured.append((engine, svc)) or 0)
         mp.setattr(cli, "_check_model", lambda engine: None)  # the model is in the image
         mp.setattr(cli, "_configs", lambda args: (
             config_from_args(EngineConfig, args, model=args.model),

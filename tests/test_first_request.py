@@ -77,8 +77,7 @@ def test_first_request_after_health_is_fast_without_built_kernels(demo_model_dir
     # what scripts/setup.sh runs: on the cache the server filled, a load
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}
     out = subprocess.run([sys.executable, "-m", "pipellm.kernels.cpu"], env=env,
-                         capture_output=True,
-                         text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "C++ CPU kernels loaded (cached)" in out.stdout, out
     assert str(built[0]) in out.stdout
 
@@ -93,8 +92,7 @@ def test_a_stale_build_lock_is_taken_over(tmp_path):
     (ext / "pipellm_cpu_kernels" / "lock").touch()
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}
     out = subprocess.run([sys.executable, "-m", "pipellm.kernels.cpu"], env=env,
-                         capture_output=True,
-                         text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "C++ CPU kernels built" in out.stdout, out
     assert "removed a stale build lock" in out.stderr, out.stderr
     assert not (ext / "pipellm_cpu_kernels" / "lock").exists()
@@ -103,8 +101,7 @@ def test_a_stale_build_lock_is_taken_over(tmp_path):
 def test_a_failed_kernel_build_does_not_fail_setup(tmp_path):
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": "/nonexistent/c++"}
     out = subprocess.run([sys.executable, "-m", "pipellm.kernels.cpu"], env=env,
-                         capture_output=True,
-                         text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out
     assert "C++ CPU kernels unavailable" in out.stdout and "not found" in out.stdout
     assert "PyTorch reference" in out.stdout

@@ -79,11 +79,10 @@ def results(demo_model_dir, tmp_path_factory, stop):
     ]
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "run-batch", "-i",
-                           str(src),
-                           "-o", str(dst), "--model", str(demo_model_dir), "--served-model-name",
-                           MODEL, "--kv-cache-tokens", "4096"], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "run-batch",
+                           "-i", str(src), "-o", str(dst), "--model", str(demo_model_dir),
+                           "--served-model-name", MODEL, "--kv-cache-tokens", "4096"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = [json.loads(x) for x in dst.read_text().splitlines()]
     return proc, out
@@ -216,8 +215,7 @@ def test_auto_tool_choice_parses_calls_with_its_flags(demo_model_dir, tmp_path):
     for flags in ([], ["--tool-call-parser", "hermes"]):
         dst = tmp_path / "out.jsonl"
         proc = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "run-batch", "-i",
-                               str(src),
-                               "-o", str(dst), "--model", str(demo_model_dir),
+                               str(src), "-o", str(dst), "--model", str(demo_model_dir),
                                "--served-model-name", MODEL, "--kv-cache-tokens", "4096",
                                "--chat-template", "chatml_tools", *flags],
                               capture_output=True, text=True, timeout=300)
@@ -259,10 +257,10 @@ def test_run_batch_answers_every_choice_as_the_server_does(demo_model_dir, tmp_p
     }
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(line(k, b) + "\n" for k, b in bodies.items()))
-    proc = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "run-batch", "-i",
-                           str(src),
-                           "-o", str(dst), "--model", str(demo_model_dir), "--served-model-name",
-                           MODEL, "--kv-cache-tokens", "4096", "--speculative-config", spec],
+    proc = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "run-batch",
+                           "-i", str(src), "-o", str(dst), "--model", str(demo_model_dir),
+                           "--served-model-name", MODEL, "--kv-cache-tokens", "4096",
+                           "--speculative-config", spec],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     batch = {o["custom_id"]: o["response"]["body"]["choices"]

@@ -70,8 +70,7 @@ def results(embedder, tmp_path_factory):
     src, dst = tmp / "in.jsonl", tmp / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
     proc = subprocess.run([sys.executable, "-m", "pipellm.services.cli", "run-batch", "-i",
-                           str(src),
-                           "-o", str(dst), "--model", str(path), "--runner", "pooling",
+                           str(src), "-o", str(dst), "--model", str(path), "--runner", "pooling",
                            "--served-model-name", MODEL, "--max-model-len", str(MAX_LEN),
                            "--kv-cache-tokens", "4096", "--dtype", "float32"],
                           capture_output=True, text=True, timeout=300)

@@ -158,8 +158,7 @@ def test_ranks_across_two_machines_follow_rank_0_from_group_to_group(tmp_path, m
     meet = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
             "--master-port", str(port)]
     node1 = subprocess.Popen([sys.executable, "-m", "pipellm.services.cli", "serve", str(path),
-                              *meet,
-                              "--node-rank", "1", "--dtype", "float32", "--threads", "1",
+                              *meet, "--node-rank", "1", "--dtype", "float32", "--threads", "1",
                               "--quantization", "none", "--kv-cache-tokens", "2048",
                               "--max-batched-tokens", "16", "--max-running", "8"])
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=True)
